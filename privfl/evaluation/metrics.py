@@ -1,0 +1,70 @@
+"""Per-client scores and their summaries (mean and standard error over clients, pooled accuracy)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ClientScore:
+    """One client's result on its evaluation set: sample count, correct predictions, summed cross-entropy (nats)."""
+
+    num_samples: int
+    correct: int
+    loss_sum: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.num_samples if self.num_samples else float("nan")
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.num_samples if self.num_samples else float("nan")
+
+
+@torch.no_grad()
+def score_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 2048) -> ClientScore:
+    """Accuracy and cross-entropy of ``model`` on ``(x, y)``, in eval mode, in batches."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for start in range(0, len(y), batch_size):
+        logits = model(x[start:start + batch_size])
+        target = y[start:start + batch_size]
+        correct += int((logits.argmax(dim=1) == target).sum())
+        loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
+    model.train(was_training)
+    return ClientScore(num_samples=len(y), correct=correct, loss_sum=loss_sum)
+
+
+def mean_sem(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample std with ddof=1 over sqrt(n)); NaN values are skipped."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return float("nan"), float("nan")
+    mean = sum(finite) / len(finite)
+    if len(finite) < 2:
+        return mean, float("nan")
+    variance = sum((v - mean) ** 2 for v in finite) / (len(finite) - 1)
+    return mean, math.sqrt(variance / len(finite))
+
+
+def summarize_scores(scores: list[ClientScore]) -> dict[str, float]:
+    """Mean +- SEM of accuracy over clients (in %), pooled (sample-weighted) accuracy, mean loss, client count.
+
+    With no scored client (a method that serves no novel clients) every value but the count is ``None``.
+    """
+    scored = [s for s in scores if s.num_samples > 0]
+    if not scored:
+        return {"accuracy_mean": None, "accuracy_sem": None, "accuracy_pooled": None, "loss_mean": None,
+                "num_clients": 0}
+    acc_mean, acc_sem = mean_sem([100.0 * s.accuracy for s in scored])
+    total = sum(s.num_samples for s in scored)
+    pooled = 100.0 * sum(s.correct for s in scored) / total if total else float("nan")
+    loss_mean, _ = mean_sem([s.loss for s in scored])
+    return {"accuracy_mean": acc_mean, "accuracy_sem": acc_sem, "accuracy_pooled": pooled,
+            "loss_mean": loss_mean, "num_clients": len(scored)}

@@ -1,0 +1,244 @@
+"""One run, end to end: data -> method -> in-process runtime -> evaluation -> run directory.
+
+This module sits at the top of the library (beside the CLI) because it ties every layer together. A run is fully
+described by a :class:`RunConfig`, which is written to ``config.json`` so ``privfl train --resume RUN_DIR`` can rebuild
+the same run and continue it. Model selection uses the validation splits of training clients only; novel clients are
+served once, at the end, with the selected model, and scored with labels the methods never see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from privfl.data import FederatedDataset, FederationSpec, build_federation, label_shift_kl
+from privfl.errors import ConfigError
+from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
+from privfl.federation.rundir import RunDirectory
+from privfl.federation.runtime import InProcessRuntime
+from privfl.methods import ModelFactory, get_method
+
+SELECTIONS = ("best_val", "last")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines a run's numbers (written to ``config.json``).
+
+    ``method_config`` holds the method's own settings (``lr``, ``local_steps``, ``batch_size``, ``mu``, ...); names
+    the method does not have are refused. ``model="auto"`` picks LeNet for 3-channel images and the 2NN otherwise.
+    ``select="best_val"`` serves novel clients with the server state of the evaluation round with the best mean
+    validation accuracy over training clients (each report is a recorded release); ``"last"`` uses the final round.
+    ``delta`` is the delta at which epsilon is reported.
+    """
+
+    federation: FederationSpec = field(default_factory=FederationSpec)
+    method: str = "fedavg"
+    method_config: dict[str, Any] = field(default_factory=dict)
+    model: str = "auto"
+    rounds: int = 200
+    client_fraction: float = 1.0
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    select: str = "best_val"
+    seed: int = 0
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        get_method(self.method).make_config(**self.method_config)
+        checks = [
+            ("rounds", self.rounds, isinstance(self.rounds, int) and self.rounds >= 1, "an integer >= 1"),
+            ("client_fraction", self.client_fraction,
+             isinstance(self.client_fraction, (int, float)) and 0 < self.client_fraction <= 1, "in (0, 1]"),
+            ("eval_every", self.eval_every, isinstance(self.eval_every, int) and self.eval_every >= 1,
+             "an integer >= 1"),
+            ("checkpoint_every", self.checkpoint_every,
+             isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 1, "an integer >= 1"),
+            ("select", self.select, self.select in SELECTIONS, f"one of {', '.join(SELECTIONS)}"),
+            ("seed", self.seed, isinstance(self.seed, int) and self.seed >= 0, "an integer >= 0"),
+            ("delta", self.delta, isinstance(self.delta, float) and 0 < self.delta < 1, "a probability in (0, 1)"),
+        ]
+        for name, value, ok, valid in checks:
+            if not ok:
+                raise ConfigError(f"{name} must be {valid}, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["federation"] = self.federation.to_dict()
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        values = dict(values)
+        values["federation"] = FederationSpec.from_dict(values["federation"])
+        return cls(**values)
+
+
+class RunInterrupted(Exception):
+    """A run stopped before its last round; its checkpoint holds every completed round."""
+
+
+def model_name_for(config: RunConfig, federation: FederatedDataset) -> str:
+    if config.model != "auto":
+        return config.model
+    shape = federation.input_shape
+    return "lenet" if len(shape) == 3 and shape[0] == 3 else "mlp2nn"
+
+
+def build_runtime(config: RunConfig, federation: FederatedDataset) -> InProcessRuntime:
+    """The method's strategy and client procedure for ``federation``, wired into an in-process runtime."""
+    spec = get_method(config.method)
+    method_config = spec.make_config(**config.method_config)
+    factory = ModelFactory(model_name_for(config, federation), tuple(federation.input_shape), federation.num_classes)
+    strategy = spec.strategy(model_factory=factory, config=method_config, seed=config.seed,
+                             num_training_clients=len(federation.training_clients))
+    client = spec.client(model_factory=factory, config=method_config)
+    return InProcessRuntime(strategy=strategy, client=client, training_clients=federation.training_clients,
+                            seed=config.seed, client_fraction=config.client_fraction)
+
+
+
+def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
+          stop_after_round: int | None = None) -> dict[str, Any]:
+    """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
+
+    ``stop_after_round`` stops the run as an interruption would, after that many completed rounds (for tests).
+    A ``KeyboardInterrupt`` saves a checkpoint of the last completed round and raises :class:`RunInterrupted`.
+    """
+    run_dir = RunDirectory(out)
+    if resume:
+        config = RunConfig.from_dict(run_dir.read_json(RunDirectory.CONFIG))
+    federation = build_federation(config.federation, seed=config.seed)
+    runtime = build_runtime(config, federation)
+    best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
+    elapsed = 0.0
+    if resume:
+        checkpoint = run_dir.load_checkpoint()
+        if checkpoint is not None:
+            runtime.load_state_dict(checkpoint["runtime"])
+            best, elapsed = checkpoint["best"], float(checkpoint["elapsed_s"])
+        run_dir.truncate_metrics(runtime.completed_rounds)
+    else:
+        run_dir.create(config.to_dict(), overwrite=overwrite)
+
+    def checkpoint_now(state: dict[str, Any]) -> None:
+        run_dir.save_checkpoint({"format": 1, "runtime": state, "best": best,
+                                 "elapsed_s": elapsed + time.perf_counter() - started})
+
+    started = time.perf_counter()
+    bar = tqdm(total=config.rounds, initial=runtime.completed_rounds, desc=config.method, unit="round",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        for round in range(runtime.completed_rounds, config.rounds):
+            metrics = runtime.run_round(round)
+            done = round + 1
+            if done % config.eval_every == 0 or done == config.rounds:
+                scores = runtime.evaluate_training_clients(score_model, report_to_server=config.select == "best_val",
+                                                           round=round)
+                val = summarize_scores(list(scores.values()))
+                if config.select == "best_val" and val["accuracy_mean"] > best["score"]:
+                    best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.snapshot()}
+                record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}}
+                run_dir.append_metrics(record)
+                bar.set_postfix(loss=f"{metrics.get('train_loss', float('nan')):.3f}",
+                                val_acc=f"{val['accuracy_mean']:.2f}")
+            if done % config.checkpoint_every == 0 or done == config.rounds:
+                checkpoint_now(runtime.committed_state_dict())
+            bar.update(1)
+            if stop_after_round is not None and done >= stop_after_round and done < config.rounds:
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        checkpoint_now(runtime.committed_state_dict())
+        raise RunInterrupted(
+            f"run interrupted after {runtime.completed_rounds} of {config.rounds} rounds; "
+            f"continue it with: privfl train --resume {run_dir.root}") from None
+    finally:
+        bar.close()
+    wall = elapsed + time.perf_counter() - started
+    return finish(config, federation, runtime, run_dir, best, wall)
+
+
+def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRuntime, run_dir: RunDirectory,
+           best: dict[str, Any], wall_time_s: float) -> dict[str, Any]:
+    """Serve novel clients with the selected model, score everyone, write clients.csv, ledger.json, summary.json."""
+    rounds_completed = runtime.completed_rounds
+    if config.select == "best_val" and best["snapshot"] is not None:
+        runtime.restore(best["snapshot"])
+        selected_round = best["round"]
+    else:
+        selected_round = rounds_completed
+    training_scores = runtime.evaluate_training_clients(score_model, report_to_server=False, round=None)
+    novel_scores: dict[int, ClientScore] = {}
+    if runtime.client.serves_novel_clients:
+        for novel in federation.novel_clients:
+            model = runtime.novel_client_model(novel)
+            labels = federation.novel_labels.labels(novel.client_id)
+            novel_scores[novel.client_id] = score_model(model, novel.x, labels)
+
+    ledgers = runtime.wire.ledgers
+    epsilons = ledgers.epsilons(config.delta)
+    rows = client_rows(federation, training_scores, novel_scores, epsilons, runtime)
+    run_dir.write_clients(rows)
+    ledgers.save(run_dir.path(RunDirectory.LEDGER))
+    eps_of = {row["client_id"]: row["epsilon"] for row in rows}
+    summary = {
+        "method": config.method,
+        "model": model_name_for(config, federation),
+        "dataset": config.federation.source,
+        "seed": config.seed,
+        "rounds_completed": rounds_completed,
+        "select": config.select,
+        "selected_round": selected_round,
+        "novel": summarize_scores(list(novel_scores.values())),
+        "training_val": summarize_scores(list(training_scores.values())),
+        "privacy": {
+            "delta": config.delta,
+            "epsilon_max_training": max((eps_of[c.client_id] for c in federation.training_clients), default=0.0),
+            "epsilon_max_novel": max((eps_of[c.client_id] for c in federation.novel_clients), default=0.0),
+            "epsilon_per_client": {str(cid): eps for cid, eps in eps_of.items()},
+        },
+        "communication": {"bytes_up_total": sum(runtime.wire.bytes_up.values()),
+                          "bytes_down_total": sum(runtime.wire.bytes_down.values())},
+        "wall_time_s": wall_time_s,
+        "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+    run_dir.write_json(RunDirectory.SUMMARY, summary)
+    return summary
+
+
+def client_rows(federation: FederatedDataset, training_scores: dict[int, ClientScore],
+                novel_scores: dict[int, ClientScore], epsilons: dict, runtime: InProcessRuntime) -> list[dict]:
+    """One row per client: role, sizes, label histogram, accuracy (%), loss, label shift, epsilon, bytes."""
+    k = federation.num_classes
+    training_histograms = [c.label_histogram(k) for c in federation.training_clients]
+    rows = []
+    for client in federation.training_clients:
+        score = training_scores[client.client_id]
+        rows.append(_row(client.client_id, "training", client.num_train + len(client.y_val), client.num_train,
+                         len(client.y_val), client.label_histogram(k), score, float("nan"), epsilons, runtime))
+    for novel in federation.novel_clients:
+        histogram = federation.novel_labels.histogram(novel.client_id, k)
+        score = novel_scores.get(novel.client_id)
+        rows.append(_row(novel.client_id, "novel", novel.num_samples, 0, 0, histogram, score,
+                         label_shift_kl(histogram, training_histograms), epsilons, runtime))
+    return rows
+
+
+def _row(client_id, role, size, num_train, num_val, histogram, score, shift, epsilons, runtime) -> dict:
+    return {
+        "client_id": client_id, "role": role, "num_samples": size, "num_train": num_train, "num_val": num_val,
+        "label_histogram": json.dumps([int(v) for v in histogram]),
+        "accuracy": 100.0 * score.accuracy if score else float("nan"),
+        "loss": score.loss if score else float("nan"),
+        "label_shift_kl": shift,
+        "epsilon": float(epsilons.get(client_id, 0.0)),
+        "bytes_up": runtime.wire.bytes_up.get(client_id, 0),
+        "bytes_down": runtime.wire.bytes_down.get(client_id, 0),
+    }

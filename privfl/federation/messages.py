@@ -1,0 +1,67 @@
+"""What crosses the wire: arrays, metrics and config, shaped like Flower's records so an adapter stays thin.
+
+A :class:`Message` is plain data: named tensors (Flower's ``ArrayRecord``), named numbers (``MetricRecord``) and named
+settings (``ConfigRecord``). A :class:`Release` is what a client procedure hands to the federation layer when it wants
+to send something to the server: the message plus how it was privatised. Only the wire turns a release into a
+message the server sees, after recording it in the client's ledger (see :mod:`privfl.federation.wire`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from accounting import NonPrivateEvent, PrivacyEvent
+
+Scalar = int | float | str | bool
+
+
+@dataclass
+class Message:
+    """Named tensors, metrics and config travelling between server and one client."""
+
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    config: dict[str, Scalar] = field(default_factory=dict)
+
+    def num_bytes(self) -> int:
+        """Bytes of the tensor payload as sent (element size times count); metrics and config are not counted."""
+        return sum(t.numel() * t.element_size() for t in self.arrays.values())
+
+    def copy(self) -> Message:
+        """A deep copy detached from any autograd graph: what arrives on the other side of a wire."""
+        return Message(
+            arrays={k: v.detach().clone() for k, v in self.arrays.items()},
+            metrics=dict(self.metrics),
+            config=dict(self.config),
+        )
+
+    def subset(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The arrays whose names start with ``prefix``, with the prefix removed."""
+        return {k[len(prefix):]: v for k, v in self.arrays.items() if k.startswith(prefix)}
+
+
+def prefixed(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every name prefixed by ``prefix`` (to carry several tensor groups in one message)."""
+    return {prefix + k: v for k, v in tensors.items()}
+
+
+@dataclass(frozen=True)
+class Release:
+    """A message a client wants to send to the server, with the privacy event that describes how it was made.
+
+    ``event`` is an :mod:`accounting` event. A release built without a privacy mechanism carries
+    :class:`accounting.NonPrivateEvent`, so the client's epsilon becomes infinite and no summary can claim otherwise.
+    ``purpose`` names what is released (``"model_update"``, ``"descriptor"``, ...) and is kept in the ledger.
+    """
+
+    message: Message
+    purpose: str
+    event: PrivacyEvent = field(default_factory=NonPrivateEvent)
+
+    @classmethod
+    def non_private(cls, message: Message, purpose: str) -> Release:
+        """A release made without any privacy mechanism (recorded with epsilon = infinity)."""
+        return cls(message=message, purpose=purpose, event=NonPrivateEvent())

@@ -1,0 +1,55 @@
+"""The one choke point every client-to-server message passes.
+
+A client procedure never hands a tensor to the server itself: it returns a :class:`~privfl.federation.messages.Release`
+and the runtime passes it through :meth:`Wire.client_to_server`, which records the release in that client's
+:class:`accounting.PrivacyLedger` **before** anything is delivered. If the release would exceed the client's budget the
+ledger raises :class:`accounting.BudgetExceededError` and nothing is sent (invariant 4 of the design).
+The wire also counts the bytes that move each way, per client.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from accounting import LedgerBook
+
+from privfl.federation.messages import Message, Release
+
+
+class Wire:
+    """Carries messages between the server and clients, recording every client-to-server release."""
+
+    def __init__(self, ledgers: LedgerBook | None = None) -> None:
+        self.ledgers = ledgers if ledgers is not None else LedgerBook()
+        self.bytes_down: dict[int, int] = defaultdict(int)
+        self.bytes_up: dict[int, int] = defaultdict(int)
+
+    def server_to_client(self, client_id: int, message: Message) -> Message:
+        """Deliver ``message`` to a client (a copy: the client cannot touch the server's tensors)."""
+        self.bytes_down[client_id] += message.num_bytes()
+        return message.copy()
+
+    def client_to_server(self, client_id: int, release: Release, *, round: int | None) -> Message:
+        """Record ``release`` in the client's ledger, then deliver a copy of its message to the server.
+
+        Raises :class:`accounting.BudgetExceededError` (from the ledger) before anything is delivered when the
+        release would exceed the client's budget.
+        """
+        num_bytes = release.message.num_bytes()
+        self.ledgers[client_id].record(
+            release.event, purpose=release.purpose, round=round, metadata={"bytes": num_bytes}
+        )
+        self.bytes_up[client_id] += num_bytes
+        return release.message.copy()
+
+    def state_dict(self) -> dict:
+        return {
+            "ledgers": self.ledgers.state_dict(),
+            "bytes_down": [[k, v] for k, v in self.bytes_down.items()],
+            "bytes_up": [[k, v] for k, v in self.bytes_up.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ledgers.load_state_dict(state["ledgers"])
+        self.bytes_down = defaultdict(int, {int(k): int(v) for k, v in state["bytes_down"]})
+        self.bytes_up = defaultdict(int, {int(k): int(v) for k, v in state["bytes_up"]})

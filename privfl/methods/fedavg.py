@@ -1,0 +1,119 @@
+"""FedAvg (McMahan et al., AISTATS 2017): local SGD, then the sample-size weighted mean of the weight changes.
+
+Round t, for sampled clients S_t with n_i training samples (numbered steps as in the paper's Algorithm 1):
+
+1. the server sends the global weights w_t;
+2. client i runs ``local_steps`` minibatch SGD steps from w_t and sends Delta_i = w_i - w_t and n_i;
+3. the server sets w_{t+1} = w_t + server_lr * sum_i (n_i / sum_j n_j) Delta_i.
+
+Novel clients receive w (the model of the best validation round, or the last) and send nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from privfl.data import TrainingClient
+from privfl.federation.messages import Message, Release
+from privfl.methods.base import (
+    ClientContext,
+    ClientProcedure,
+    ClientState,
+    LocalTrainingConfig,
+    Strategy,
+    _require,
+    register_method,
+)
+from privfl.methods.local_training import difference, local_sgd, weights_of
+
+
+@dataclass(frozen=True)
+class FedAvgConfig(LocalTrainingConfig):
+    """FedAvg's settings: local SGD plus the server learning rate applied to the averaged change (1.0 = FedAvg)."""
+
+    server_lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.server_lr > 0 and self.server_lr != float("inf"), "server_lr", self.server_lr,
+                 "a finite number > 0")
+
+
+def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    """sum_i w_i * update_i / sum_i w_i, tensor by tensor."""
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"aggregation weights must sum to > 0, got {weights}")
+    return {
+        name: sum(update[name] * (w / total) for update, w in zip(updates, weights, strict=True))
+        for name in updates[0]
+    }
+
+
+class FedAvgStrategy(Strategy):
+    """Holds the global weights; averages weight changes weighted by the clients' sample counts."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.weights = weights_of(self.model_factory.init(self.seed))
+
+    def train_config(self) -> dict:
+        c = self.config
+        return {"lr": c.lr, "local_steps": c.local_steps, "batch_size": c.batch_size}
+
+    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
+        message = Message(arrays=self.weights, config=self.train_config())
+        return {cid: message for cid in client_ids}
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        if not replies:
+            return {}
+        ids = sorted(replies)
+        counts = [replies[cid].metrics["num_examples"] for cid in ids]
+        change = weighted_mean([replies[cid].arrays for cid in ids], counts)
+        self.weights = {k: v + self.config.server_lr * change[k] for k, v in self.weights.items()}
+        return {"train_loss": weighted_mean_scalar([replies[cid].metrics["loss"] for cid in ids], counts)}
+
+    def novel_request(self, client_id: int) -> Message:
+        return Message(arrays=self.weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.weights = {k: v.clone() for k, v in state["weights"].items()}
+
+
+def weighted_mean_scalar(values: list[float], weights: list[float]) -> float:
+    return float(sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights))
+
+
+class FedAvgClient(ClientProcedure):
+    """Runs local SGD from the received weights and sends the weight change with its sample count."""
+
+    def local_objective(self, global_weights: dict[str, torch.Tensor], state: ClientState):
+        """The extra term added to the local loss (none for FedAvg; FedProx overrides this)."""
+        return None
+
+    def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        start = message.arrays
+        model = self.model_from(start)
+        loss = local_sgd(
+            model, data.x_train, data.y_train, lr=float(message.config["lr"]),
+            steps=int(message.config["local_steps"]), batch_size=int(message.config["batch_size"]), rng=ctx.rng,
+            extra_loss=self.local_objective(start, state),
+        )
+        update = Message(
+            arrays=difference(weights_of(model), start),
+            metrics={"num_examples": float(data.num_train), "loss": loss},
+        )
+        return Release.non_private(update, purpose="model_update")
+
+
+register_method(
+    "fedavg", strategy=FedAvgStrategy, client=FedAvgClient, config=FedAvgConfig,
+    description="FedAvg: sample-size weighted average of local SGD updates; novel clients get the global model",
+)

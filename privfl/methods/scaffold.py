@@ -1,0 +1,114 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), Algorithm 1 with option II for the client control variate.
+
+Server state: global weights x and server control variate c. Client i keeps its control variate c_i (zeros at first).
+Round t, sampled clients S:
+
+1. the server sends (x, c);
+2. client i starts from y = x and takes K steps  y <- y - lr_l * (g_i(y) - c_i + c)          (Alg. 1, line 10);
+3. it sets c_i+ = c_i - c + (x - y) / (K * lr_l)                                              (option II, line 12);
+   and sends Delta_y = y - x and Delta_c = c_i+ - c_i, keeping c_i <- c_i+;
+4. the server sets x <- x + lr_g * mean(Delta_y) and c <- c + (|S| / N) * mean(Delta_c)        (lines 16 to 17),
+   where N is the number of training clients and the means are uniform over S, as in the paper.
+
+The correction in step 2 is added as a linear term <c - c_i, y> in the local loss, whose gradient is exactly c - c_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from privfl.data import TrainingClient
+from privfl.federation.messages import Message, Release, prefixed
+from privfl.methods.base import ClientContext, ClientProcedure, ClientState, LocalTrainingConfig, Strategy, _require
+from privfl.methods.base import register_method
+from privfl.methods.fedavg import weighted_mean
+from privfl.methods.local_training import difference, local_sgd, weights_of
+
+
+@dataclass(frozen=True)
+class ScaffoldConfig(LocalTrainingConfig):
+    """Local SGD settings (``lr`` is the local rate lr_l) plus the global rate lr_g applied to the mean change."""
+
+    server_lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.server_lr > 0 and self.server_lr != float("inf"), "server_lr", self.server_lr,
+                 "a finite number > 0")
+
+
+def zeros_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in tensors.items()}
+
+
+class ScaffoldStrategy(Strategy):
+    """Holds x and c; applies steps 4 of the algorithm."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.weights = weights_of(self.model_factory.init(self.seed))
+        self.control = zeros_like(self.weights)
+
+    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
+        c = self.config
+        message = Message(
+            arrays={**prefixed("x.", self.weights), **prefixed("c.", self.control)},
+            config={"lr": c.lr, "local_steps": c.local_steps, "batch_size": c.batch_size},
+        )
+        return {cid: message for cid in client_ids}
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        if not replies:
+            return {}
+        ids = sorted(replies)
+        uniform = [1.0] * len(ids)
+        delta_y = weighted_mean([replies[cid].subset("dy.") for cid in ids], uniform)
+        delta_c = weighted_mean([replies[cid].subset("dc.") for cid in ids], uniform)
+        share = len(ids) / self.num_training_clients
+        self.weights = {k: v + self.config.server_lr * delta_y[k] for k, v in self.weights.items()}
+        self.control = {k: v + share * delta_c[k] for k, v in self.control.items()}
+        return {"train_loss": sum(replies[cid].metrics["loss"] for cid in ids) / len(ids)}
+
+    def novel_request(self, client_id: int) -> Message:
+        return Message(arrays=self.weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "control": self.control}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.weights = {k: v.clone() for k, v in state["weights"].items()}
+        self.control = {k: v.clone() for k, v in state["control"].items()}
+
+
+class ScaffoldClient(ClientProcedure):
+    """Steps 2 and 3 of the algorithm; keeps c_i in the client state (key prefix ``"c_i."``)."""
+
+    def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        x, c = message.subset("x."), message.subset("c.")
+        c_i = {k[len("c_i."):]: v for k, v in state.items() if k.startswith("c_i.")} or zeros_like(c)
+        lr, steps = float(message.config["lr"]), int(message.config["local_steps"])
+        correction = {k: (c[k] - c_i[k]).detach() for k in c}
+
+        def control_term(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return sum((correction[name] * p).sum() for name, p in params.items())
+
+        model = self.model_from(x)
+        loss = local_sgd(model, data.x_train, data.y_train, lr=lr, steps=steps,
+                         batch_size=int(message.config["batch_size"]), rng=ctx.rng, extra_loss=control_term)
+        y = weights_of(model)
+        c_i_new = {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c}
+        state.update(prefixed("c_i.", c_i_new))
+        update = Message(
+            arrays={**prefixed("dy.", difference(y, x)), **prefixed("dc.", difference(c_i_new, c_i))},
+            metrics={"num_examples": float(data.num_train), "loss": loss},
+        )
+        return Release.non_private(update, purpose="model_update")
+
+
+register_method(
+    "scaffold", strategy=ScaffoldStrategy, client=ScaffoldClient, config=ScaffoldConfig,
+    description="SCAFFOLD: control variates correct client drift; local lr and global (server) lr",
+)

@@ -1,0 +1,136 @@
+"""Target networks: the models that clients train and that the server aggregates or generates.
+
+Every target is an ordinary ``nn.Module`` built from ``(input_shape, num_classes)``, so one class serves every
+dataset of the right shape (no per-dataset classes). Each one can also run with weights supplied from outside
+through :func:`functional_forward`, which the hypernetwork methods need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from privfl.errors import ConfigError
+
+
+def _flat_size(input_shape: tuple[int, ...]) -> int:
+    return int(math.prod(input_shape))
+
+
+class MLP2NN(nn.Module):
+    """McMahan et al.'s "2NN": input -> 200 -> 200 -> classes with ReLU (199,210 parameters on MNIST)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 200) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(_flat_size(input_shape), hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(x, 1)
+        x = torch.relu(self.fc1(x))
+        x = torch.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class LeNet(nn.Module):
+    """LeNet-5 style CNN for 3x32x32 inputs: conv 16 and 32 (5x5, max-pool 2), FC 120 and 84."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        channels, height, width = _image_shape(input_shape, "lenet")
+        self.conv1 = nn.Conv2d(channels, 16, 5)
+        self.conv2 = nn.Conv2d(16, 32, 5)
+        h, w = ((height - 4) // 2 - 4) // 2, ((width - 4) // 2 - 4) // 2
+        if h < 1 or w < 1:
+            raise ConfigError(f"lenet needs images of at least 16x16, got input shape {tuple(input_shape)}")
+        self.fc1 = nn.Linear(32 * h * w, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.flatten(x, 1)
+        x = torch.relu(self.fc1(x))
+        x = torch.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class FedTTACNN(nn.Module):
+    """The McMahan et al. CNN as FedTTA's code builds it: conv 5x5 32 and 64 (padding 2, max-pool 2), FC 512.
+
+    No BatchNorm anywhere (which matters for TENT). 1,663,370 parameters on 1x28x28 with 10 classes.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 512) -> None:
+        super().__init__()
+        channels, height, width = _image_shape(input_shape, "fedtta_cnn")
+        self.conv1 = nn.Conv2d(channels, 32, 5, padding=2)
+        self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
+        self.fc1 = nn.Linear(64 * (height // 4) * (width // 4), hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.flatten(x, 1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class FeatureMLP(nn.Module):
+    """A head for precomputed features: input -> 500 -> 500 -> classes, ReLU and dropout 0.2."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 500, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(_flat_size(input_shape), hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _image_shape(input_shape: tuple[int, ...], name: str) -> tuple[int, int, int]:
+    if len(input_shape) != 3:
+        raise ConfigError(
+            f"model {name!r} needs image inputs of shape (channels, height, width), got {tuple(input_shape)}; "
+            "use 'mlp2nn' or 'feature_mlp' for vector inputs"
+        )
+    return int(input_shape[0]), int(input_shape[1]), int(input_shape[2])
+
+
+MODELS: dict[str, type[nn.Module]] = {
+    "mlp2nn": MLP2NN,
+    "lenet": LeNet,
+    "fedtta_cnn": FedTTACNN,
+    "feature_mlp": FeatureMLP,
+}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build the target network ``name`` for inputs of ``input_shape`` and ``num_classes`` classes."""
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
+    if num_classes < 2:
+        raise ConfigError(f"num_classes must be >= 2, got {num_classes}")
+    return MODELS[name](tuple(input_shape), num_classes)
+
+
+def functional_forward(model: nn.Module, weights: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Run ``model`` on ``x`` with ``weights`` (names as in ``model.named_parameters()``) instead of its own.
+
+    Gradients flow into ``weights``, which is what lets a hypernetwork be trained through the target.
+    """
+    return functional_call(model, dict(weights), (x,))

@@ -1,0 +1,89 @@
+"""End-to-end runs on the synthetic source: run directory contents, privacy summary, checkpoint and resume."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import synthetic_spec
+from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.federation import RunDirectory
+
+
+def config(method="fedavg", **overrides):
+    values = dict(federation=synthetic_spec(), method=method, method_config={"lr": 0.1, "local_steps": 5,
+                                                                             "batch_size": 16},
+                  rounds=6, eval_every=2, checkpoint_every=2, seed=3)
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+def test_fedavg_end_to_end_writes_a_complete_run_directory(tmp_path):
+    summary = train(config(rounds=10), str(tmp_path / "run"), progress=False)
+    run = RunDirectory(tmp_path / "run")
+    for name in ("config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt"):
+        assert run.path(name).exists(), name
+    assert summary["novel"]["accuracy_mean"] > 60.0      # 4 well-separated classes: chance is 25%
+    assert summary["novel"]["num_clients"] == 3 and summary["training_val"]["num_clients"] == 9
+    assert [r["round"] for r in run.read_metrics()] == [2, 4, 6, 8, 10]
+    rows = run.read_clients()
+    assert sorted(r["role"] for r in rows) == ["novel"] * 3 + ["training"] * 9
+    # FedAvg sends raw updates: training clients have epsilon = inf; novel clients sent nothing: epsilon 0
+    assert summary["privacy"]["epsilon_max_training"] == "inf" or math.isinf(summary["privacy"]["epsilon_max_training"])
+    assert summary["privacy"]["epsilon_max_novel"] == 0.0
+    ledger = json.loads(run.path("ledger.json").read_text())
+    assert "model_update" in json.dumps(ledger) and "validation_metrics" in json.dumps(ledger)
+    assert summary["selected_round"] in (2, 4, 6, 8, 10)
+    assert RunConfig.from_dict(run.read_json("config.json")) == config(rounds=10)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "scaffold", "local"])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method):
+    cfg = config(method, method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16}, rounds=6,
+                 client_fraction=0.5, checkpoint_every=4)
+    full = train(cfg, str(tmp_path / "full"), progress=False)
+    with pytest.raises(RunInterrupted, match="--resume"):
+        train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=3)   # between checkpoints
+    resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    for key in ("novel", "training_val", "selected_round", "rounds_completed"):
+        assert resumed[key] == full[key], key
+    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+    assert RunDirectory(tmp_path / "full").read_metrics() == RunDirectory(tmp_path / "cut").read_metrics()
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "privfl.cli", "train", "--dataset", "synthetic",
+            "--source-option", "num_samples=3000", "--clients", "12", "--partition", "dirichlet", "--alpha", "1",
+            "--novel-fraction", "0.25", "--rounds", "40", "--local-steps", "5", "--batch-size", "16",
+            "--eval-every", "10", "--checkpoint-every", "1", "--seed", "5", "--no-progress", *args]
+
+
+def test_killed_process_resumes_to_the_same_numbers(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(_cli("--out", str(tmp_path / "full")), check=True, env=env, capture_output=True)
+    proc = subprocess.Popen(_cli("--out", str(tmp_path / "cut")), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    checkpoint = tmp_path / "cut" / "checkpoint.pt"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if checkpoint.exists() and torch.load(checkpoint, weights_only=True)["runtime"]["completed_rounds"] >= 4:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    result = subprocess.run([sys.executable, "-m", "privfl.cli", "train", "--resume", str(tmp_path / "cut"),
+                             "--no-progress"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    full = RunDirectory(tmp_path / "full").read_json("summary.json")
+    resumed = RunDirectory(tmp_path / "cut").read_json("summary.json")
+    assert resumed["novel"] == full["novel"] and resumed["training_val"] == full["training_val"]

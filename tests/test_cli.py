@@ -1,0 +1,60 @@
+"""The command line: user errors exit 2 with one message naming the bad value; never a traceback."""
+
+import numpy as np
+import pytest
+
+from privfl.cli import main
+
+BASE = ["train", "--dataset", "synthetic", "--clients", "8", "--partition", "iid", "--rounds", "2",
+        "--no-progress"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--method", "fedsgd"], "unknown method 'fedsgd'"),
+    (["--dataset", "imagenet"], "imagenet"),
+    (["--novel-fraction", "1.5"], "1.5"),
+    (["--novel-fraction", "0"], "novel_fraction"),
+    (["--lr", "-0.1"], "-0.1"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--client-fraction", "2"], "client_fraction"),
+    (["--partition", "pathological", "--shards-per-client", "5000"], "shards"),
+    (["--method", "fedavg", "--mu", "0.1"], "no setting mu"),
+])
+def test_user_errors_exit_2_with_a_message(tmp_path, capsys, extra, needle):
+    args = BASE[:1] + ["--out", str(tmp_path / "r")] + BASE[1:] + extra
+    if extra[:2] == ["--dataset", "imagenet"]:
+        args = ["train", "--out", str(tmp_path / "r"), "--dataset", "imagenet", "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_nan_in_client_data_exits_2(tmp_path, capsys):
+    x = np.random.default_rng(0).normal(size=(200, 5)).astype(np.float32)
+    x[17, 2] = np.nan
+    np.savez(tmp_path / "feats.npz", x=x, y=np.arange(200) % 3)
+    code = main(["train", "--out", str(tmp_path / "r"), "--dataset", "features", "--source-option",
+                 f"path={tmp_path / 'feats.npz'}", "--clients", "4", "--partition", "iid", "--rounds", "1",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and ("nan" in err.lower() or "finite" in err.lower()) and "Traceback" not in err
+
+
+def test_train_then_report(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(BASE[:1] + ["--out", out] + BASE[1:] + ["--local-steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(["report", out]) == 0
+    table = capsys.readouterr().out
+    assert "fedavg" in table and "novel acc" in table and "inf" in table
+    assert main(["train", "--out", out] + BASE[1:]) == 2           # refuses to overwrite a run
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_datasets_lists_every_source(capsys):
+    assert main(["datasets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("mnist", "digits", "fashion_mnist", "cifar10", "cifar100", "emnist", "features", "synthetic"):
+        assert name in out
+    assert [line for line in out.splitlines() if line.startswith("mnist ")][0].split()[1] == "available"
