@@ -37,8 +37,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--methods", nargs="+", default=list(SETTINGS))
     parser.add_argument("--out", default="runs/fedtta_mnist")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscription on 2 cores)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     spec = FederationSpec(source="mnist", num_clients=100, partition="pathological", shards_per_client=2,
                           novel_fraction=0.5, split="merged", val_fraction=0.15)
     results = {}

@@ -77,8 +77,8 @@ def run_privfl(rounds: int) -> float:
     return time.perf_counter() - start
 
 
-def child(variant: str, rounds: int) -> None:
-    torch.set_num_threads(2)
+def child(variant: str, rounds: int, threads: int) -> None:
+    torch.set_num_threads(threads)
     seconds = {"minimal": run_minimal, "privfl": run_privfl}[variant](rounds)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"variant": variant, "seconds": seconds, "peak_rss_mib": peak_mib}))
@@ -88,15 +88,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in each child")
     parser.add_argument("--child", choices=["minimal", "privfl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.rounds)
+        child(args.child, args.rounds, args.threads)
         return
     results: dict[str, list[dict]] = {"minimal": [], "privfl": []}
     for repeat in range(args.repeats):
         for variant in ("minimal", "privfl"):
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--rounds", str(args.rounds)],
+            out = subprocess.run([sys.executable, __file__, "--child", variant, "--rounds", str(args.rounds),
+                                  "--threads", str(args.threads)],
                                  check=True, capture_output=True, text=True).stdout
             results[variant].append(json.loads(out.strip().splitlines()[-1]))
             print(f"repeat {repeat}: {variant:8s} {results[variant][-1]['seconds']:.2f} s", flush=True)
@@ -107,7 +109,7 @@ def main() -> None:
         "setting": f"FedAvg, MNIST 2NN, 50 clients x 20 steps x batch 64, {args.rounds} rounds",
         "median_seconds": med, "seconds_per_round": {v: s / args.rounds for v, s in med.items()},
         "ratio_privfl_over_minimal": ratio, "target_ratio": 1.15, "peak_rss_mib": peak,
-        "runs": results, "torch_threads": 2,
+        "runs": results, "torch_threads": args.threads,
     }
     Path(__file__).parent.joinpath("results").mkdir(exist_ok=True)
     Path(__file__).parent.joinpath("results", "runtime_overhead.json").write_text(json.dumps(report, indent=2) + "\n")

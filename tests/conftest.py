@@ -18,5 +18,6 @@ def synthetic_spec(**overrides) -> FederationSpec:
 
 
 @pytest.fixture
-def small_spec() -> FederationSpec:
-    return synthetic_spec()
+def make_spec():
+    """A factory of small synthetic federations: ``make_spec(**overrides)``."""
+    return synthetic_spec

@@ -11,20 +11,24 @@ import time
 import pytest
 import torch
 
-from conftest import synthetic_spec
 from privfl.experiment import RunConfig, RunInterrupted, train
 from privfl.federation import RunDirectory
 
 
-def config(method="fedavg", **overrides):
-    values = dict(federation=synthetic_spec(), method=method, method_config={"lr": 0.1, "local_steps": 5,
+@pytest.fixture
+def config(make_spec):
+    return lambda method="fedavg", **overrides: _config(make_spec(), method, **overrides)
+
+
+def _config(spec, method, **overrides):
+    values = dict(federation=spec, method=method, method_config={"lr": 0.1, "local_steps": 5,
                                                                              "batch_size": 16},
                   rounds=6, eval_every=2, checkpoint_every=2, seed=3)
     values.update(overrides)
     return RunConfig(**values)
 
 
-def test_fedavg_end_to_end_writes_a_complete_run_directory(tmp_path):
+def test_fedavg_end_to_end_writes_a_complete_run_directory(tmp_path, config):
     summary = train(config(rounds=10), str(tmp_path / "run"), progress=False)
     run = RunDirectory(tmp_path / "run")
     for name in ("config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt"):
@@ -44,7 +48,7 @@ def test_fedavg_end_to_end_writes_a_complete_run_directory(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedprox", "scaffold", "local"])
-def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method):
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, config):
     cfg = config(method, method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16}, rounds=6,
                  client_fraction=0.5, checkpoint_every=4)
     full = train(cfg, str(tmp_path / "full"), progress=False)
