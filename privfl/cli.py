@@ -81,6 +81,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--select", default="best_val", help="best_val or last")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is reported")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine)")
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -209,6 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from privfl.experiment import RunInterrupted
 
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            print(f"privfl: error: --threads must be an integer >= 1, got {threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         return args.func(args)
     except RunInterrupted as interrupted:

@@ -1,0 +1,471 @@
+"""Per-client privacy ledgers: every release a client makes, its running (epsilon, delta), and a budget that refuses a
+release before it happens.
+
+Epsilon is natural-log and delta a probability. A ledger lives as long as its client, not as long as a round: it is
+saved and loaded across rounds and runs, so epsilon only grows. Files are written atomically (temporary file in the
+same directory, fsync, rename), so a crash mid-save leaves the previous ledger intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import numbers
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from accounting.accountants import AccountantName, PrivacySpent, _check_accountant, check_supported, epsilon
+from accounting.events import (
+    ComposedEvent,
+    NeighboringRelation,
+    PrivacyEvent,
+    SelfComposedEvent,
+    event_from_dict,
+)
+
+ClientId = int | str
+
+_LEDGER_FORMAT = "privfl.accounting.ledger"
+_BOOK_FORMAT = "privfl.accounting.ledger_book"
+_STATE_VERSION = 1
+
+
+def _check_client_id(client_id: object) -> ClientId:
+    if isinstance(client_id, str):
+        return client_id
+    if isinstance(client_id, numbers.Integral) and not isinstance(client_id, bool):
+        return int(client_id)
+    raise ValueError(f"client_id must be an int or a str, got {client_id!r}")
+
+
+@dataclass(frozen=True)
+class PrivacyBudget:
+    """The most a client may spend: every composition of its releases must stay (epsilon, delta)-DP.
+
+    ``epsilon`` is natural-log, finite and > 0; ``delta`` a probability in (0, 1).
+    """
+
+    epsilon: float
+    delta: float
+
+    def __post_init__(self) -> None:
+        e = self.epsilon
+        if isinstance(e, bool) or not isinstance(e, numbers.Real) or not math.isfinite(e) or e <= 0:
+            raise ValueError(f"budget epsilon must be a finite number > 0, got {e!r}")
+        d = self.delta
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 < d < 1:
+            raise ValueError(f"budget delta must be a probability in (0, 1), got {d!r}")
+        object.__setattr__(self, "epsilon", float(e))
+        object.__setattr__(self, "delta", float(d))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"epsilon": self.epsilon, "delta": self.delta}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PrivacyBudget:
+        return cls(epsilon=d["epsilon"], delta=d["delta"])
+
+
+class BudgetExceededError(Exception):
+    """A release was refused because it would take its client over budget; nothing was recorded or sent."""
+
+    def __init__(self, client_id: ClientId, purpose: str, epsilon_before: float, epsilon_after: float,
+                 budget: PrivacyBudget, accountant: str) -> None:
+        super().__init__(client_id, purpose, epsilon_before, epsilon_after, budget, accountant)
+        self.client_id = client_id
+        self.purpose = purpose
+        self.epsilon_before = epsilon_before
+        self.epsilon_after = epsilon_after
+        self.budget = budget
+        self.accountant = accountant
+
+    def __str__(self) -> str:
+        return (
+            f"client {self.client_id!r}: release {self.purpose!r} would raise epsilon from "
+            f"{self.epsilon_before:.4f} to {self.epsilon_after:.4f} at delta={self.budget.delta:g} "
+            f"({self.accountant} accountant), over the budget epsilon={self.budget.epsilon:g}, "
+            f"delta={self.budget.delta:g}; nothing was recorded"
+        )
+
+
+@dataclass(frozen=True)
+class ReleaseRecord:
+    """One recorded release: what mechanism (``event``), why (``purpose``), when (``round``, unix ``time``).
+
+    ``metadata`` is any JSON-able dict (bytes sent, tensor names, ...). It is stored as its JSON round-trip, so a
+    record equals itself after save and load.
+    """
+
+    event: PrivacyEvent
+    purpose: str
+    round: int | None
+    time: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.event, PrivacyEvent):
+            raise ValueError(f"event must be an accounting PrivacyEvent, got {self.event!r}")
+        if not isinstance(self.purpose, str) or not self.purpose:
+            raise ValueError(f"purpose must be a non-empty str, got {self.purpose!r}")
+        r = self.round
+        if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0):
+            raise ValueError(f"round must be None or an integer >= 0, got {r!r}")
+        t = self.time
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+            raise ValueError(f"time must be a finite unix timestamp, got {t!r}")
+        if not isinstance(self.metadata, Mapping):
+            raise ValueError(f"metadata must be a dict, got {self.metadata!r}")
+        try:
+            metadata = json.loads(json.dumps(dict(self.metadata), allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"metadata of release {self.purpose!r} must be JSON-able: {exc}") from None
+        object.__setattr__(self, "round", None if r is None else int(r))
+        object.__setattr__(self, "time", float(t))
+        object.__setattr__(self, "metadata", metadata)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.event.to_dict(), "purpose": self.purpose, "round": self.round, "time": self.time,
+                "metadata": self.metadata}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ReleaseRecord:
+        return cls(event=event_from_dict(d["event"]), purpose=d["purpose"], round=d["round"], time=d["time"],
+                   metadata=d["metadata"])
+
+
+class PrivacyLedger:
+    """Every release of one client, composed by one accountant, checked against an optional budget.
+
+    Privacy assumption: the ledger is only as honest as what is recorded in it. Every release that leaves the client
+    must be recorded here *before* it is sent; a release made without a mechanism is recorded as a
+    :class:`~accounting.events.NonPrivateEvent` and makes epsilon infinite. All releases must be described under one
+    neighbouring relation.
+
+    >>> from accounting.events import GaussianEvent
+    >>> ledger = PrivacyLedger(7, budget=PrivacyBudget(epsilon=1.0, delta=1e-5))
+    >>> _ = ledger.record(GaussianEvent(sigma=5.0), purpose="descriptor", round=0)
+    >>> round(ledger.spent().epsilon, 3), len(ledger)
+    (0.726, 1)
+    """
+
+    def __init__(self, client_id: ClientId, *, budget: PrivacyBudget | None = None,
+                 accountant: AccountantName = "pld") -> None:
+        if budget is not None and not isinstance(budget, PrivacyBudget):
+            raise ValueError(f"budget must be a PrivacyBudget or None, got {budget!r}")
+        self._client_id = _check_client_id(client_id)
+        self._budget = budget
+        self._accountant = _check_accountant(accountant)
+        self._records: list[ReleaseRecord] = []
+        self._leaves: Counter[PrivacyEvent] = Counter()  # the grouped composition of all recorded events
+        self._relation: NeighboringRelation | None = None
+        # Accounting a long composition is slow, so results are kept until the next record:
+        # delta -> epsilon of the recorded composition, and the last projection (num records, event, delta, epsilon).
+        self._epsilon_cache: dict[float, float] = {}
+        self._projection: tuple[int, PrivacyEvent, float, float] | None = None
+
+    # -- read-only views --------------------------------------------------------------------------------------------
+
+    @property
+    def client_id(self) -> ClientId:
+        return self._client_id
+
+    @property
+    def budget(self) -> PrivacyBudget | None:
+        return self._budget
+
+    @property
+    def accountant(self) -> str:
+        return self._accountant
+
+    @property
+    def relation(self) -> NeighboringRelation | None:
+        """The neighbouring relation of the recorded releases (``None`` until one with a relation is recorded)."""
+        return self._relation
+
+    @property
+    def records(self) -> tuple[ReleaseRecord, ...]:
+        return tuple(self._records)
+
+    @property
+    def events(self) -> tuple[PrivacyEvent, ...]:
+        return tuple(r.event for r in self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return (f"PrivacyLedger(client_id={self._client_id!r}, releases={len(self)}, budget={self._budget!r}, "
+                f"accountant={self._accountant!r})")
+
+    # -- accounting -------------------------------------------------------------------------------------------------
+
+    def _epsilon_of(self, leaves: Counter[PrivacyEvent], delta: float) -> float:
+        grouped = ComposedEvent(tuple(SelfComposedEvent(leaf, n) for leaf, n in leaves.items()))
+        return epsilon(grouped, delta, accountant=self._accountant)
+
+    def _check_relation(self, event: PrivacyEvent) -> NeighboringRelation | None:
+        """The ledger's relation after recording ``event``; raises if ``event`` is under a different one."""
+        if not isinstance(event, PrivacyEvent):
+            raise ValueError(f"event must be an accounting PrivacyEvent, got {event!r}")
+        if event.relation is None:
+            return self._relation
+        if self._relation is not None and event.relation is not self._relation:
+            raise ValueError(
+                f"client {self._client_id!r}: the ledger holds releases under relation {self._relation.value!r}, "
+                f"cannot record one under {event.relation.value!r}; a client's guarantee holds under one relation"
+            )
+        return event.relation
+
+    def _projected_epsilon(self, event: PrivacyEvent, delta: float) -> float:
+        """Epsilon at ``delta`` of the recorded releases plus ``event``."""
+        if self._projection is not None:
+            n, cached_event, cached_delta, cached_epsilon = self._projection
+            if n == len(self._records) and cached_delta == delta and cached_event == event:
+                return cached_epsilon
+        projected = self._epsilon_of(self._leaves + event.leaf_counts(), delta)
+        self._projection = (len(self._records), event, delta, projected)
+        return projected
+
+    def spent(self, delta: float | None = None) -> PrivacySpent:
+        """The (epsilon, delta) guarantee of all recorded releases, at ``delta`` or else at the budget's delta."""
+        if delta is None:
+            if self._budget is None:
+                raise ValueError(f"client {self._client_id!r}: give a delta; the ledger has no budget to take it from")
+            delta = self._budget.delta
+        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+            raise ValueError(f"delta must be a probability in (0, 1), got {delta!r}")
+        delta = float(delta)
+        if delta not in self._epsilon_cache:
+            self._epsilon_cache[delta] = self._epsilon_of(self._leaves, delta)
+        return PrivacySpent(epsilon=self._epsilon_cache[delta], delta=delta,
+                            num_releases=sum(self._leaves.values()), accountant=self._accountant)
+
+    def would_exceed(self, event: PrivacyEvent, budget: PrivacyBudget | None = None) -> bool:
+        """Whether recording ``event`` would take the ledger over ``budget`` (default: the ledger's budget).
+
+        Records nothing. A :class:`~accounting.events.NonPrivateEvent` exceeds every budget.
+        """
+        budget = self._budget if budget is None else budget
+        if not isinstance(budget, PrivacyBudget):
+            raise ValueError(f"client {self._client_id!r}: give a PrivacyBudget; the ledger has none, got {budget!r}")
+        self._check_relation(event)
+        return self._projected_epsilon(event, budget.delta) > budget.epsilon
+
+    def record(self, event: PrivacyEvent, *, purpose: str, round: int | None = None,
+               metadata: Mapping[str, Any] | None = None) -> ReleaseRecord:
+        """Record a release that is about to be sent; call it before sending.
+
+        Raises (and records nothing) when the event is malformed, is under another relation than the ledger's
+        releases, cannot be priced by the ledger's accountant (:class:`~accounting.UnsupportedAccountingError`), or
+        would take the ledger over its budget (:class:`BudgetExceededError`).
+        """
+        release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
+                                metadata={} if metadata is None else metadata)
+        relation = self._check_relation(event)
+        check_supported(event, accountant=self._accountant)
+        projected = None
+        if self._budget is not None:
+            projected = self._projected_epsilon(event, self._budget.delta)
+            if projected > self._budget.epsilon:
+                raise BudgetExceededError(self._client_id, purpose, self.spent().epsilon, projected, self._budget,
+                                          self._accountant)
+        self._append(release, relation)
+        if projected is not None:
+            self._epsilon_cache[self._budget.delta] = projected
+        return release
+
+    def _append(self, release: ReleaseRecord, relation: NeighboringRelation | None) -> None:
+        self._records.append(release)
+        self._leaves.update(release.event.leaf_counts())
+        self._relation = relation
+        self._epsilon_cache = {}
+        self._projection = None
+
+    # -- persistence ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole ledger as plain JSON-able data (client id, budget, accountant, every record)."""
+        return {
+            "format": _LEDGER_FORMAT,
+            "version": _STATE_VERSION,
+            "client_id": self._client_id,
+            "budget": None if self._budget is None else self._budget.to_dict(),
+            "accountant": self._accountant,
+            "records": [r.to_dict() for r in self._records],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> PrivacyLedger:
+        """A ledger rebuilt from :meth:`state_dict` output. Past records are history: they are not re-checked against
+        the budget, but they must share one relation."""
+        _check_format(state, _LEDGER_FORMAT)
+        try:
+            budget = None if state["budget"] is None else PrivacyBudget.from_dict(state["budget"])
+            ledger = cls(state["client_id"], budget=budget, accountant=state["accountant"])
+            for d in state["records"]:
+                release = ReleaseRecord.from_dict(d)
+                ledger._append(release, ledger._check_relation(release.event))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed ledger state: {exc!r}") from None
+        return ledger
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace this ledger's budget, accountant and records by those in ``state`` (same client only)."""
+        loaded = PrivacyLedger.from_state_dict(state)
+        if loaded.client_id != self._client_id or type(loaded.client_id) is not type(self._client_id):
+            raise ValueError(f"state belongs to client {loaded.client_id!r}, not to client {self._client_id!r}")
+        vars(self).update(vars(loaded))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the ledger to ``path`` atomically: a crash mid-write leaves the previous file intact."""
+        _atomic_write_json(Path(path), self.state_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PrivacyLedger:
+        """Read a ledger written by :meth:`save`."""
+        return cls.from_state_dict(_read_json(Path(path)))
+
+
+class LedgerBook(Mapping[ClientId, PrivacyLedger]):
+    """The ledgers of all clients: ``book[client_id]`` returns that client's ledger, creating it on first use with
+    ``default_budget`` and ``accountant``.
+
+    ``in``, ``get``, ``len`` and iteration see only ledgers that exist. Client ids are ints or strs and keep their
+    type through save and load.
+    """
+
+    def __init__(self, *, default_budget: PrivacyBudget | None = None, accountant: AccountantName = "pld") -> None:
+        if default_budget is not None and not isinstance(default_budget, PrivacyBudget):
+            raise ValueError(f"default_budget must be a PrivacyBudget or None, got {default_budget!r}")
+        self._default_budget = default_budget
+        self._accountant = _check_accountant(accountant)
+        self._ledgers: dict[ClientId, PrivacyLedger] = {}
+
+    @property
+    def default_budget(self) -> PrivacyBudget | None:
+        return self._default_budget
+
+    @property
+    def accountant(self) -> str:
+        return self._accountant
+
+    def __getitem__(self, client_id: ClientId) -> PrivacyLedger:
+        client_id = _check_client_id(client_id)
+        if client_id not in self._ledgers:
+            self._ledgers[client_id] = PrivacyLedger(client_id, budget=self._default_budget,
+                                                     accountant=self._accountant)
+        return self._ledgers[client_id]
+
+    def __contains__(self, client_id: object) -> bool:
+        return client_id in self._ledgers
+
+    def get(self, client_id: ClientId, default: Any = None) -> Any:
+        return self._ledgers.get(client_id, default)
+
+    def __iter__(self) -> Iterator[ClientId]:
+        return iter(self._ledgers)
+
+    def __len__(self) -> int:
+        return len(self._ledgers)
+
+    def __repr__(self) -> str:
+        return (f"LedgerBook(clients={len(self)}, default_budget={self._default_budget!r}, "
+                f"accountant={self._accountant!r})")
+
+    def add(self, ledger: PrivacyLedger) -> PrivacyLedger:
+        """Add a ledger made elsewhere (for a client with its own budget); its client must not have one yet."""
+        if not isinstance(ledger, PrivacyLedger):
+            raise ValueError(f"ledger must be a PrivacyLedger, got {ledger!r}")
+        if ledger.client_id in self._ledgers:
+            raise ValueError(f"client {ledger.client_id!r} already has a ledger")
+        self._ledgers[ledger.client_id] = ledger
+        return ledger
+
+    def epsilons(self, delta: float) -> dict[ClientId, float]:
+        """Each client's epsilon (natural log) at ``delta``; ``inf`` for a client with a non-private release."""
+        return {client_id: ledger.spent(delta).epsilon for client_id, ledger in self._ledgers.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON."""
+        return {
+            "format": _BOOK_FORMAT,
+            "version": _STATE_VERSION,
+            "default_budget": None if self._default_budget is None else self._default_budget.to_dict(),
+            "accountant": self._accountant,
+            "ledgers": [ledger.state_dict() for ledger in self._ledgers.values()],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> LedgerBook:
+        """A book rebuilt from :meth:`state_dict` output."""
+        _check_format(state, _BOOK_FORMAT)
+        try:
+            budget = state["default_budget"]
+            book = cls(default_budget=None if budget is None else PrivacyBudget.from_dict(budget),
+                       accountant=state["accountant"])
+            for ledger_state in state["ledgers"]:
+                book.add(PrivacyLedger.from_state_dict(ledger_state))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed ledger book state: {exc!r}") from None
+        return book
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace every ledger (and the defaults) by those in ``state``."""
+        vars(self).update(vars(LedgerBook.from_state_dict(state)))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write all ledgers to ``path`` atomically: a crash mid-write leaves the previous file intact."""
+        _atomic_write_json(Path(path), self.state_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LedgerBook:
+        """Read a book written by :meth:`save`."""
+        return cls.from_state_dict(_read_json(Path(path)))
+
+
+def _check_format(state: object, expected: str) -> None:
+    if not isinstance(state, Mapping) or state.get("format") != expected:
+        found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"expected a state with format {expected!r}, got {found!r}")
+    if state.get("version") != _STATE_VERSION:
+        raise ValueError(f"unsupported {expected} state version {state.get('version')!r}; this code reads version "
+                         f"{_STATE_VERSION}")
+
+
+def _atomic_write_json(path: Path, state: Mapping[str, Any]) -> None:
+    """Write ``state`` as JSON to ``path`` so that ``path`` always holds either the old or the new content.
+
+    1. Write to a temporary file in the same directory (same filesystem, so the rename is atomic).
+    2. Flush and fsync it, so the data is on disk before the name points at it.
+    3. os.replace it over ``path``, then fsync the directory so the rename itself survives a power loss.
+    """
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    # Best effort: some filesystems and platforms cannot fsync a directory.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,276 @@
+"""Ledgers: refusal before recording, monotone epsilon, JSON state, atomic saves, and the book of all clients."""
+
+import json
+import math
+import os
+import pickle
+
+import pytest
+
+import accounting.ledger
+from accounting import (
+    BudgetExceededError,
+    ComposedEvent,
+    GaussianEvent,
+    LaplaceEvent,
+    LedgerBook,
+    NonPrivateEvent,
+    PrivacyBudget,
+    PrivacyLedger,
+    ReleaseRecord,
+    SelfComposedEvent,
+    SubsampledGaussianEvent,
+    UnsupportedAccountingError,
+    epsilon,
+)
+
+DELTA = 1e-5
+BUDGET = PrivacyBudget(epsilon=1.0, delta=DELTA)
+DESCRIPTOR = GaussianEvent(5.0)  # about 0.73 at delta = 1e-5: one fits in BUDGET, two do not
+ROUND_OF_DP_SGD = SelfComposedEvent(SubsampledGaussianEvent(1.0, 0.01), 20)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: PrivacyBudget(0.0, DELTA), "budget epsilon must be a finite number > 0, got 0.0"),
+        (lambda: PrivacyBudget(math.inf, DELTA), "budget epsilon must be a finite number > 0, got inf"),
+        (lambda: PrivacyBudget(1.0, 1.0), "budget delta must be a probability in (0, 1), got 1.0"),
+        (lambda: PrivacyLedger(1.5), "client_id must be an int or a str, got 1.5"),
+        (lambda: PrivacyLedger(True), "client_id must be an int or a str, got True"),
+        (lambda: PrivacyLedger(1, budget=(1.0, DELTA)), "budget must be a PrivacyBudget or None, got (1.0, 1e-05)"),
+        (lambda: PrivacyLedger(1, accountant="moments"),
+         "accountant must be one of 'pld', 'rdp', 'prv', got 'moments'"),
+        (lambda: PrivacyLedger(1).record(DESCRIPTOR, purpose=""), "purpose must be a non-empty str, got ''"),
+        (lambda: PrivacyLedger(1).record(DESCRIPTOR, purpose="x", round=-1),
+         "round must be None or an integer >= 0, got -1"),
+        (lambda: PrivacyLedger(1).record("noise", purpose="x"),
+         "event must be an accounting PrivacyEvent, got 'noise'"),
+        (lambda: PrivacyLedger(1).spent(), "client 1: give a delta; the ledger has no budget to take it from"),
+        (lambda: PrivacyLedger(1).spent(2.0), "delta must be a probability in (0, 1), got 2.0"),
+        (lambda: PrivacyLedger(1).would_exceed(DESCRIPTOR), "client 1: give a PrivacyBudget; the ledger has none"),
+    ],
+)
+def test_bad_inputs_name_the_value(make, message):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert message in str(info.value)
+
+
+def test_budget_refuses_before_anything_is_recorded():
+    ledger = PrivacyLedger("alice", budget=BUDGET)
+    ledger.record(DESCRIPTOR, purpose="descriptor", round=0)
+    state_before, spent_before = ledger.state_dict(), ledger.spent()
+    assert ledger.would_exceed(DESCRIPTOR)
+
+    with pytest.raises(BudgetExceededError) as info:
+        ledger.record(DESCRIPTOR, purpose="descriptor", round=1)
+
+    assert len(ledger) == 1
+    assert ledger.state_dict() == state_before
+    assert ledger.spent() == spent_before
+    message = str(info.value)
+    assert "client 'alice'" in message and "'descriptor'" in message
+    assert f"from {spent_before.epsilon:.4f} to" in message
+    assert "over the budget epsilon=1, delta=1e-05; nothing was recorded" in message
+    assert info.value.epsilon_after > BUDGET.epsilon
+
+
+def test_budget_exceeded_error_survives_pickling():
+    error = BudgetExceededError(3, "update", 0.5, 1.5, BUDGET, "pld")
+    restored = pickle.loads(pickle.dumps(error))
+    assert str(restored) == str(error) and restored.client_id == 3
+
+
+def test_a_non_private_release_exceeds_every_budget_and_makes_epsilon_infinite():
+    generous = PrivacyLedger(0, budget=PrivacyBudget(epsilon=1e6, delta=0.5))
+    assert generous.would_exceed(NonPrivateEvent())
+    with pytest.raises(BudgetExceededError, match="to inf"):
+        generous.record(NonPrivateEvent(), purpose="raw_features")
+    assert len(generous) == 0
+
+    unbudgeted = PrivacyLedger(0)
+    unbudgeted.record(DESCRIPTOR, purpose="descriptor")
+    unbudgeted.record(NonPrivateEvent(), purpose="raw_features")
+    assert unbudgeted.spent(DELTA).epsilon == math.inf
+
+
+def test_would_exceed_records_nothing_and_accepts_another_budget():
+    ledger = PrivacyLedger(1, budget=BUDGET)
+    assert not ledger.would_exceed(DESCRIPTOR)
+    assert ledger.would_exceed(DESCRIPTOR, PrivacyBudget(epsilon=0.5, delta=DELTA))
+    assert len(ledger) == 0 and ledger.spent().epsilon == 0.0
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_epsilon_only_grows_and_matches_the_accountant(accountant):
+    ledger = PrivacyLedger(1, accountant=accountant)
+    epsilons = [ledger.spent(DELTA).epsilon]
+    for round_ in range(4):
+        ledger.record(ROUND_OF_DP_SGD, purpose="model_update", round=round_)
+        epsilons.append(ledger.spent(DELTA).epsilon)
+    assert all(a < b for a, b in zip(epsilons, epsilons[1:]))
+    assert epsilons[-1] == pytest.approx(epsilon(ComposedEvent(ledger.events), DELTA, accountant=accountant))
+    assert ledger.spent(DELTA).num_releases == 4 * 20
+
+
+def test_releases_under_another_relation_are_refused():
+    ledger = PrivacyLedger(1)
+    ledger.record(GaussianEvent(2.0, relation="replace_one"), purpose="descriptor")
+    with pytest.raises(ValueError, match="holds releases under relation 'replace_one', cannot record one under "
+                                         "'add_or_remove_one'"):
+        ledger.record(ROUND_OF_DP_SGD, purpose="model_update")
+    assert len(ledger) == 1
+
+
+def test_releases_the_accountant_cannot_price_are_refused_even_without_a_budget():
+    ledger = PrivacyLedger(1, accountant="prv")
+    with pytest.raises(UnsupportedAccountingError, match="LaplaceEvent"):
+        ledger.record(LaplaceEvent(1.0), purpose="counts")
+    assert len(ledger) == 0
+
+
+def test_metadata_must_be_json_able():
+    ledger = PrivacyLedger(1)
+    with pytest.raises(ValueError, match="metadata of release 'update' must be JSON-able"):
+        ledger.record(DESCRIPTOR, purpose="update", metadata={"tensor": object()})
+    with pytest.raises(ValueError, match="metadata of release 'update' must be JSON-able"):
+        ledger.record(DESCRIPTOR, purpose="update", metadata={"loss": math.nan})
+    assert len(ledger) == 0
+
+
+def test_views_are_read_only_copies():
+    ledger = PrivacyLedger(1)
+    record = ledger.record(DESCRIPTOR, purpose="descriptor", round=4, metadata={"bytes": 128})
+    assert ledger.records == (record,) and ledger.events == (DESCRIPTOR,)
+    assert isinstance(ledger.records, tuple) and isinstance(ledger.events, tuple)
+    assert record.round == 4 and record.metadata == {"bytes": 128} and record.time > 1.6e9
+
+
+def test_release_record_round_trip():
+    record = ReleaseRecord(ROUND_OF_DP_SGD, "model_update", 3, 1.7e9, {"bytes": 10, "names": ["w", "b"]})
+    assert ReleaseRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+
+
+@pytest.mark.parametrize("client_id", [7, "7", "client-a"])
+def test_state_dict_round_trips_through_json(client_id):
+    ledger = PrivacyLedger(client_id, budget=BUDGET, accountant="rdp")
+    ledger.record(DESCRIPTOR, purpose="descriptor", round=0, metadata={"bytes": 40})
+    restored = PrivacyLedger.from_state_dict(json.loads(json.dumps(ledger.state_dict())))
+    assert restored.client_id == client_id and type(restored.client_id) is type(client_id)
+    assert restored.records == ledger.records
+    assert restored.budget == BUDGET and restored.accountant == "rdp"
+    assert restored.spent() == ledger.spent()
+
+    other = PrivacyLedger(client_id)
+    other.load_state_dict(ledger.state_dict())
+    assert other.records == ledger.records and other.budget == BUDGET
+
+
+def test_load_state_dict_refuses_another_clients_state():
+    state = PrivacyLedger(7).state_dict()
+    with pytest.raises(ValueError, match="state belongs to client 7, not to client '7'"):
+        PrivacyLedger("7").load_state_dict(state)
+    with pytest.raises(ValueError, match="expected a state with format 'privfl.accounting.ledger'"):
+        PrivacyLedger.from_state_dict({"format": "something else"})
+
+
+def test_save_and_load(tmp_path):
+    path = tmp_path / "ledger.json"
+    ledger = PrivacyLedger(2, budget=BUDGET)
+    ledger.record(DESCRIPTOR, purpose="descriptor", round=0)
+    ledger.save(path)
+    loaded = PrivacyLedger.load(path)
+    assert loaded.records == ledger.records and loaded.spent() == ledger.spent()
+    assert os.listdir(tmp_path) == ["ledger.json"]
+
+
+def _crash_in_json_dump(obj, f, **kwargs):
+    f.write(json.dumps(obj)[:20])  # half a file reaches the disk, then the process "dies"
+    raise KeyboardInterrupt("crash mid-write")
+
+
+@pytest.mark.parametrize(
+    ("target", "crash"),
+    [
+        ("os.replace", lambda *args: (_ for _ in ()).throw(OSError("crash before rename"))),
+        ("json.dump", _crash_in_json_dump),
+    ],
+    ids=["replace", "dump"],
+)
+def test_a_crash_mid_save_leaves_the_previous_file_intact(tmp_path, monkeypatch, target, crash):
+    path = tmp_path / "ledger.json"
+    ledger = PrivacyLedger(2)
+    ledger.record(DESCRIPTOR, purpose="descriptor", round=0)
+    ledger.save(path)
+    ledger.record(DESCRIPTOR, purpose="descriptor", round=1)
+
+    monkeypatch.setattr(target, crash)
+    with pytest.raises((OSError, KeyboardInterrupt)):
+        ledger.save(path)
+    monkeypatch.undo()
+
+    previous = PrivacyLedger.load(path)
+    assert len(previous) == 1 and previous.records == ledger.records[:1]
+    assert os.listdir(tmp_path) == ["ledger.json"]  # no temporary file left behind
+
+
+def test_accounting_is_cached_between_records(monkeypatch):
+    calls = []
+
+    def counting_epsilon(*args, **kwargs):
+        calls.append(args)
+        return epsilon(*args, **kwargs)
+
+    monkeypatch.setattr(accounting.ledger, "epsilon", counting_epsilon)
+    ledger = PrivacyLedger(1, budget=BUDGET)
+    assert not ledger.would_exceed(DESCRIPTOR)
+    ledger.record(DESCRIPTOR, purpose="descriptor")  # reuses the projection would_exceed computed
+    ledger.spent()  # reuses what record computed
+    assert len(calls) == 1
+
+
+def test_ledger_book_creates_ledgers_on_first_use():
+    book = LedgerBook(default_budget=BUDGET)
+    assert 3 not in book and book.get(3) is None and len(book) == 0
+    book[3].record(DESCRIPTOR, purpose="descriptor")
+    assert 3 in book and book[3].budget == BUDGET and list(book) == [3]
+    with pytest.raises(ValueError, match="client 3 already has a ledger"):
+        book.add(PrivacyLedger(3))
+    with pytest.raises(ValueError, match="client_id must be an int or a str, got 2.5"):
+        book[2.5]
+    assert LedgerBook()[0].budget is None
+
+
+def test_ledger_book_keeps_int_and_str_client_ids_apart_through_save_and_load(tmp_path):
+    book = LedgerBook(default_budget=BUDGET, accountant="rdp")
+    book[1].record(DESCRIPTOR, purpose="descriptor")
+    book["1"].record(GaussianEvent(10.0), purpose="descriptor")
+    book.add(PrivacyLedger("dave", accountant="rdp")).record(NonPrivateEvent(), purpose="raw")
+    path = tmp_path / "ledgers.json"
+    book.save(path)
+
+    loaded = LedgerBook.load(path)
+    assert set(loaded) == {1, "1", "dave"}
+    assert loaded.epsilons(DELTA) == book.epsilons(DELTA)
+    assert loaded.epsilons(DELTA)["dave"] == math.inf
+    assert loaded.epsilons(DELTA)[1] > loaded.epsilons(DELTA)["1"]
+    assert loaded.default_budget == BUDGET and loaded.accountant == "rdp"
+
+    other = LedgerBook()
+    other.load_state_dict(book.state_dict())
+    assert set(other) == {1, "1", "dave"} and other[1].records == book[1].records
+
+
+def test_ledger_book_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "ledgers.json"
+    book = LedgerBook()
+    book[0].record(DESCRIPTOR, purpose="descriptor")
+    book.save(path)
+    book[1].record(DESCRIPTOR, purpose="descriptor")
+    monkeypatch.setattr("json.dump", _crash_in_json_dump)
+    with pytest.raises(KeyboardInterrupt):
+        book.save(path)
+    monkeypatch.undo()
+    assert set(LedgerBook.load(path)) == {0}
+    assert os.listdir(tmp_path) == ["ledgers.json"]
