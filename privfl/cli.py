@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -163,6 +164,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """Epsilon per client from the releases recorded in a run's ledger.json (recomputed by the accountant)."""
+    from collections import Counter
+
+    from accounting import LedgerBook
+    from privfl.evaluation.report import format_epsilon
+    from privfl.federation import RunDirectory
+
+    run = RunDirectory(args.run_dir)
+    delta = args.delta if args.delta is not None else float(run.read_json(RunDirectory.CONFIG)["delta"])
+    path = run.path(RunDirectory.LEDGER)
+    if not path.exists():
+        raise PrivflError(f"{path} does not exist; a run writes its ledger when it finishes")
+    book = LedgerBook.load(path)
+    print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
+    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  purposes")
+    for client_id in sorted(book, key=str):
+        ledger = book[client_id]
+        purposes = Counter(record.purpose for record in ledger.records)
+        listed = ", ".join(f"{name} x{count}" for name, count in sorted(purposes.items()))
+        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(delta).epsilon):>8}  {listed}")
+    return 0
+
+
 def cmd_datasets(args: argparse.Namespace) -> int:
     from privfl.data import list_sources
 
@@ -195,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="print the summary of one or more run directories")
     p.add_argument("run_dirs", nargs="+")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("ledger", help="epsilon per client from a run's recorded releases")
+    p.add_argument("run_dir")
+    p.add_argument("--delta", type=float, default=None, help="default: the run's delta")
+    p.set_defaults(func=cmd_ledger)
 
     p = sub.add_parser("datasets", help="list every data source and whether it is available here")
     p.add_argument("--data-root", default=None)
@@ -230,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("privfl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into a command that stopped reading (e.g. head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

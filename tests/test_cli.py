@@ -48,6 +48,9 @@ def test_train_then_report(tmp_path, capsys):
     assert main(["report", out]) == 0
     table = capsys.readouterr().out
     assert "fedavg" in table and "novel acc" in table and "inf" in table
+    assert main(["ledger", out]) == 0
+    listing = capsys.readouterr().out
+    assert "model_update x2" in listing and "inf" in listing   # 2 rounds, every training client sampled
     assert main(["train", "--out", out] + BASE[1:]) == 2           # refuses to overwrite a run
     assert "already holds a run" in capsys.readouterr().err
 
