@@ -22,22 +22,14 @@ import torch
 
 from privfl.data import TrainingClient
 from privfl.federation.messages import Message, Release, prefixed
-from privfl.methods.base import ClientContext, ClientProcedure, ClientState, LocalTrainingConfig, Strategy, _require
-from privfl.methods.base import register_method
-from privfl.methods.fedavg import weighted_mean
+from privfl.methods.base import ClientContext, ClientProcedure, ClientState, Strategy, register_method
+from privfl.methods.fedavg import FedAvgConfig, weighted_mean
 from privfl.methods.local_training import difference, local_sgd, weights_of
 
 
 @dataclass(frozen=True)
-class ScaffoldConfig(LocalTrainingConfig):
-    """Local SGD settings (``lr`` is the local rate lr_l) plus the global rate lr_g applied to the mean change."""
-
-    server_lr: float = 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.server_lr > 0 and self.server_lr != float("inf"), "server_lr", self.server_lr,
-                 "a finite number > 0")
+class ScaffoldConfig(FedAvgConfig):
+    """FedAvg's settings, read as SCAFFOLD's: ``lr`` is the local rate lr_l, ``server_lr`` the global rate lr_g."""
 
 
 def zeros_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
