@@ -1,0 +1,13 @@
+"""The privacy layer: the only place where noise is added to anything that leaves a client.
+
+- :mod:`privfl.privacy.mechanisms`: :class:`GaussianMechanism` (analytic Gaussian calibration, seeded or secure noise).
+- :mod:`privfl.privacy.sensitivity`: :class:`SensitivityCertificate`, sensitivities derived from structure, with proofs.
+- :mod:`privfl.privacy.privatize`: :func:`privatize` turns a mean-pooled DeepSet into a DP descriptor release.
+"""
+
+from privfl.privacy.mechanisms import GaussianMechanism
+from privfl.privacy.privatize import PrivateEncoder, privatize
+from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_batch_means, certify_mean_of_clipped
+
+__all__ = ["GaussianMechanism", "PrivateEncoder", "SensitivityCertificate", "certify_mean_of_batch_means",
+           "certify_mean_of_clipped", "privatize"]

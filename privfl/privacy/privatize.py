@@ -1,0 +1,243 @@
+"""``privatize``: turn a trained DeepSet encoder into a module whose output on a client's sample set is a DP release.
+
+The privacy argument (ODPFL-HN Lemma 2 with the corrections of the DP review, digest ``papers/odpfl-hn.md`` 5.3, 5.7):
+
+1. **Structure.** The encoder must be ``psi(mean_i phi(x_i))``: attributes ``phi``, ``pool`` (exactly a
+   :class:`~privfl.models.set_encoders.MeanPool`) and ``psi``, and nothing else. Max pooling, attention pooling and
+   any module outside phi -> pool -> psi are refused by name: their output can move by O(1) when one sample changes,
+   whatever n, so noise that shrinks with n would not cover them.
+2. **Per-sample phi, clipped on the client.** ``phi`` is applied to each sample on its own (``torch.func.vmap``, the
+   encoder in eval mode), so ``v_i`` depends on ``x_i`` only. Each ``v_i`` is projected onto the L2 ball of radius
+   ``bound`` (``v * min(1, bound/||v||)``; a non-finite ``v_i`` becomes 0) by this wrapper, outside the encoder,
+   so a buggy or malicious encoder from the server cannot void the bound.
+3. **Sensitivity.** Under replace-one with n public the mean of the clipped ``v_i`` moves by at most ``2 bound / n``
+   (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`). n is treated as **public**: it sets the noise
+   scale, so it is not protected. Under add/remove-one the noise is calibrated to a public lower bound
+   ``min_samples`` instead of the private n (``2 bound / min_samples``), and clients with fewer samples are refused.
+4. **Noise.** Gaussian noise with sigma from the analytic Gaussian mechanism for (epsilon, delta, sensitivity) is
+   added to the mean: one (epsilon, delta)-DP release.
+5. **Post-processing.** ``psi`` sees only the noisy mean, never the data, so ``psi(noisy mean)`` is exactly as private
+   as the noisy mean; no Lipschitz constant of psi is needed, and psi (and the hypernetwork after it) may be anything.
+6. **Composition.** Every forward call is a new release. With a ledger, each is recorded (purpose ``"descriptor"``)
+   **before** the noisy output exists, so a budget refusal releases nothing; repeated queries compose in the ledger.
+   Reusing a released descriptor is post-processing and costs nothing: cache it rather than calling again.
+
+Units: epsilon natural-log, delta a probability, bound and sensitivity L2 in the units of phi's output.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+from torch import nn
+
+from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
+
+from privfl.errors import ConfigError
+from privfl.models.set_encoders import MaxPool, MeanMaxPool, MeanPool
+from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
+from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped, check_relation
+
+PURPOSE = "descriptor"
+_STAGES = ("phi", "pool", "psi")
+
+
+def _refuse_if_not_mean_deepset(encoder: object) -> None:
+    """Raise :class:`ConfigError` naming the first module the mean-of-clipped sensitivity argument cannot bound."""
+    if not isinstance(encoder, nn.Module):
+        raise ConfigError(f"encoder must be an nn.Module with phi, pool and psi, got {type(encoder).__name__}")
+    for name, module in encoder.named_modules(prefix="encoder"):
+        kind = type(module).__name__
+        if isinstance(module, MaxPool):
+            raise ConfigError(f"{name} is {kind}: its sensitivity does not shrink with n (one sample can move a max "
+                              "by O(1)); privatize needs phi -> MeanPool -> psi, e.g. DPDeepSetEncoder")
+        if isinstance(module, nn.MultiheadAttention):
+            raise ConfigError(f"{name} is {kind}: attention lets one sample dominate, so its sensitivity does not "
+                              "shrink with n; privatize needs phi -> MeanPool -> psi, e.g. DPDeepSetEncoder")
+    for stage in _STAGES:
+        if not isinstance(getattr(encoder, stage, None), nn.Module):
+            raise ConfigError(f"encoder ({type(encoder).__name__}) has no module encoder.{stage}: privatize needs the "
+                              "structure phi -> pool (MeanPool) -> psi, e.g. DPDeepSetEncoder")
+    for name, child in encoder.named_children():
+        if name not in _STAGES:
+            raise ConfigError(f"encoder.{name} is {type(child).__name__}: it is not reached only through "
+                              "phi -> pool -> psi, so privatize cannot bound what it contributes")
+    pool = encoder.pool
+    if type(pool) is not MeanPool:  # a subclass could override forward; the mean is recomputed here anyway
+        extra = " (its max half does not shrink with n)" if isinstance(pool, MeanMaxPool) else ""
+        raise ConfigError(f"encoder.pool is {type(pool).__name__}{extra}: only MeanPool (the mean over samples) has "
+                          "a sensitivity of 2*bound/n")
+
+
+class PrivateEncoder(nn.Module):
+    """A DP set encoder: ``forward(x)`` on one client's sample set ``x`` ``[n, ...]`` is one (epsilon, delta)-DP
+    release of a descriptor (see the module docstring for the privacy argument). Build it with :func:`privatize`.
+
+    The wrapped encoder is kept in eval mode (train-mode BatchNorm would couple the samples) and forward runs without
+    autograd: a release is a value, not a graph back into the client's data.
+
+    Attributes:
+        encoder: the wrapped encoder (phi, pool, psi).
+        epsilon, delta: the per-release target, natural-log epsilon and delta a probability.
+        bound: per-sample L2 clipping radius.
+        relation: the neighbouring relation of every release.
+        noise: ``"seeded"`` or ``"secure"``.
+        ledger: the client's :class:`accounting.PrivacyLedger`, or ``None`` (then the caller must record releases,
+            e.g. by sending them as a :class:`~privfl.federation.messages.Release` through the wire).
+        last_certificate: the sensitivity certificate of the latest release.
+    """
+
+    def __init__(self, encoder: nn.Module, *, epsilon: float, delta: float, bound: float,
+                 relation: NeighboringRelation, ledger: PrivacyLedger | None, noise: NoiseSource,
+                 generator: torch.Generator | None, min_samples: int | None) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.epsilon, self.delta = epsilon, delta
+        self.bound = bound
+        self.relation = relation
+        self.ledger = ledger
+        self.noise = noise
+        self.generator = generator
+        self.min_samples = min_samples
+        self.last_certificate: SensitivityCertificate | None = None
+        self.encoder.eval()
+
+    def train(self, mode: bool = True) -> PrivateEncoder:
+        """Sets this module's flag only: the wrapped encoder stays in eval mode (per-sample phi)."""
+        self.training = mode
+        self.encoder.eval()
+        return self
+
+    # -- the pieces ---------------------------------------------------------------------------------------------------
+
+    def certificate(self, n: int) -> SensitivityCertificate:
+        """The sensitivity certificate for a release on ``n`` samples (depends on public quantities only)."""
+        if self.relation is NeighboringRelation.REPLACE_ONE:
+            return certify_mean_of_clipped(self.bound, n, self.relation, n_public=True, delta=self.delta)
+        if n < self.min_samples:
+            raise ConfigError(f"the client has n={n} samples, fewer than the public lower bound min_samples="
+                              f"{self.min_samples} the add/remove-one guarantee is calibrated for; nothing released")
+        return certify_mean_of_clipped(self.bound, self.min_samples, self.relation, n_public=False, delta=self.delta)
+
+    def mechanism(self, n: int) -> GaussianMechanism:
+        """The Gaussian mechanism of a release on ``n`` samples."""
+        return GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=self.certificate(n).value,
+                                 relation=self.relation, noise=self.noise, generator=self.generator)
+
+    def _check_samples(self, x: object) -> int:
+        if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] < 1:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ConfigError(f"x must be one client's sample set, a tensor of shape [n >= 1, ...], got {got}")
+        if not x.is_floating_point():
+            raise ConfigError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise ConfigError(f"x contains {bad} NaN/inf value(s); nothing was released or recorded")
+        return int(x.shape[0])
+
+    @torch.no_grad()
+    def clipped_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean over samples of ``phi(x_i)`` projected onto the L2 ball of radius ``bound``, in float64.
+
+        This is the **pre-noise** value: it is not private, records nothing, and must never leave the client.
+        """
+        self._check_samples(x)
+        phi = self.encoder.phi
+        try:  # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
+            v = torch.func.vmap(lambda s: phi(s.unsqueeze(0)).reshape(-1))(x)
+        except (RuntimeError, NotImplementedError):  # an op vmap cannot batch: the same, one sample at a time
+            v = torch.stack([phi(s.unsqueeze(0)).reshape(-1) for s in x])
+        v = v.to(torch.float64)
+        v = torch.where(torch.isfinite(v).all(dim=1, keepdim=True), v, torch.zeros_like(v))
+        norms = v.norm(dim=1, keepdim=True)
+        v = v * torch.clamp(self.bound / norms, max=1.0)  # norm 0 -> inf -> 1
+        return v.mean(dim=0)
+
+    # -- releases -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def release(self, x: torch.Tensor) -> tuple[torch.Tensor, GaussianEvent]:
+        """One DP release on ``x`` ``[n, ...]``: ``(descriptor, event)``, what a client needs to build a Release.
+
+        Steps: 1. validate x (NaN/inf -> ConfigError, nothing recorded); 2. certify the sensitivity from public
+        quantities; 3. clipped mean (nothing leaves); 4. record the event in the ledger (BudgetExceededError here
+        releases nothing); 5. add Gaussian noise; 6. psi as post-processing.
+        """
+        n = self._check_samples(x)
+        certificate = self.certificate(n)
+        mechanism = GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=certificate.value,
+                                      relation=self.relation, noise=self.noise, generator=self.generator)
+        mean = self.clipped_mean(x)
+        event = mechanism.event
+        if self.ledger is not None:
+            metadata: dict[str, Any] = {"noise": self.noise, "n": n, "bound": self.bound}
+            if self.min_samples is not None:
+                metadata["min_samples"] = self.min_samples
+            self.ledger.record(event, purpose=PURPOSE, metadata=metadata)
+        noisy_mean = mechanism.add_noise(mean)
+        psi_dtype = next((p.dtype for p in self.encoder.psi.parameters()), torch.get_default_dtype())
+        descriptor = self.encoder.psi(noisy_mean.to(psi_dtype))
+        self.last_certificate = certificate
+        return descriptor, event
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One DP release of the descriptor of ``x`` ``[n, ...]`` (recorded in the ledger if there is one)."""
+        return self.release(x)[0]
+
+    def extra_repr(self) -> str:
+        return (f"epsilon={self.epsilon}, delta={self.delta}, bound={self.bound}, relation={self.relation.value!r}, "
+                f"noise={self.noise!r}")
+
+
+def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.0,
+              relation: NeighboringRelation | str = "replace_one", ledger: PrivacyLedger | None = None,
+              noise: NoiseSource = "seeded", generator: torch.Generator | None = None,
+              min_samples: int | None = None) -> PrivateEncoder:
+    """Wrap a mean-pooled DeepSet ``encoder`` so that each forward call is one (eps, delta)-DP descriptor release.
+
+    Args:
+        encoder: a module with ``phi``, ``pool`` (a MeanPool) and ``psi`` and nothing else, e.g. a trained
+            :class:`~privfl.models.set_encoders.DPDeepSetEncoder`. Anything else is refused with a ConfigError
+            naming the module (max pooling, attention, extra branches).
+        eps: epsilon per release (natural log), finite and > 0.
+        delta: delta per release, in (0, 1); a warning is given when delta >= 1/n.
+        bound: per-sample L2 clipping radius applied to phi's outputs (> 0).
+        relation: ``"replace_one"`` (n public; the ODPFL-HN setting) or ``"add_or_remove_one"`` (n private; needs
+            ``min_samples``).
+        ledger: the client's ledger; every release is recorded before its noisy output is computed.
+        noise: ``"seeded"`` (reproducible, research only) or ``"secure"`` (OS-seeded, for deployments).
+        generator: the torch.Generator for seeded noise (torch's global generator if None).
+        min_samples: public lower bound on n, required for (and only for) add/remove-one.
+
+    Returns:
+        a :class:`PrivateEncoder` sharing ``encoder``'s parameters (and putting it in eval mode).
+
+    >>> from privfl.models.set_encoders import DPDeepSetEncoder
+    >>> private = privatize(DPDeepSetEncoder(input_dim=4, hidden=8, output_dim=2), 1.0, 1e-5)
+    >>> private(torch.randn(50, 4)).shape
+    torch.Size([2])
+    """
+    _refuse_if_not_mean_deepset(encoder)
+    epsilon, delta = check_epsilon_delta(eps, delta)
+    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
+        raise ConfigError(f"bound (per-sample L2 clipping radius) must be a finite number > 0, got {bound!r}")
+    relation = check_relation(relation)
+    noise = check_noise(noise, generator)
+    if ledger is not None and not isinstance(ledger, PrivacyLedger):
+        raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
+    if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
+        if isinstance(min_samples, bool) or not isinstance(min_samples, numbers.Integral) or min_samples < 2:
+            raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
+                              f"lower bound on n: give min_samples as an int >= 2, got min_samples={min_samples!r}")
+        min_samples = int(min_samples)
+    elif min_samples is not None:
+        raise ConfigError(f"min_samples is used only with relation='add_or_remove_one' (under replace_one n is public "
+                          f"and sets the noise), got min_samples={min_samples!r}")
+    return PrivateEncoder(encoder, epsilon=epsilon, delta=delta, bound=float(bound), relation=relation, ledger=ledger,
+                          noise=noise, generator=generator, min_samples=min_samples)
+
+
+__all__ = ["PURPOSE", "PrivateEncoder", "privatize"]

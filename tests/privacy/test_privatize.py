@@ -1,0 +1,290 @@
+"""privatize(): structural refusals, clipping and its sensitivity, ledger recording and budgets, sensitivity proofs."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from accounting import (
+    BudgetExceededError,
+    GaussianEvent,
+    NeighboringRelation,
+    PrivacyBudget,
+    PrivacyLedger,
+    SelfComposedEvent,
+    analytic_gaussian_sigma,
+    epsilon,
+)
+from privfl.errors import ConfigError
+from privfl.federation.messages import Message, Release
+from privfl.models.set_encoders import DeepSetEncoder, DPDeepSetEncoder, MaxPool, MeanPool
+from privfl.privacy import (
+    PrivateEncoder,
+    SensitivityCertificate,
+    certify_mean_of_batch_means,
+    certify_mean_of_clipped,
+    privatize,
+)
+
+EPS, DELTA = 1.0, 1e-5
+
+
+def encoder(seed: int = 0) -> DPDeepSetEncoder:
+    torch.manual_seed(seed)
+    return DPDeepSetEncoder(input_dim=6, hidden=8, output_dim=3)
+
+
+class Stages(nn.Module):
+    """A phi -> pool -> psi encoder built from given modules."""
+
+    def __init__(self, phi: nn.Module, pool: nn.Module, psi: nn.Module | None = None) -> None:
+        super().__init__()
+        self.phi, self.pool, self.psi = phi, pool, psi if psi is not None else nn.Identity()
+
+
+class AttentionPool(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, num_heads=1)
+
+
+# -- structure -----------------------------------------------------------------------------------------------------
+
+
+def test_refuses_deepset_naming_its_max_half():
+    with pytest.raises(ConfigError, match=r"encoder\.pool\.max is MaxPool: its sensitivity does not shrink with n"):
+        privatize(DeepSetEncoder(input_dim=4, hidden=8), EPS, DELTA)
+
+
+@pytest.mark.parametrize("make,named", [
+    (lambda: Stages(nn.Identity(), nn.MultiheadAttention(4, num_heads=1)), r"encoder\.pool is MultiheadAttention"),
+    (lambda: Stages(nn.Identity(), AttentionPool(4)), r"encoder\.pool\.attention is MultiheadAttention"),
+    (lambda: Stages(nn.Identity(), MaxPool()), r"encoder\.pool is MaxPool"),
+    (lambda: Stages(nn.Sequential(nn.Linear(4, 4), MaxPool()), MeanPool()), r"encoder\.phi\.1 is MaxPool"),
+    (lambda: Stages(nn.Identity(), nn.Identity()), r"encoder\.pool is Identity"),
+    (lambda: nn.Sequential(nn.Linear(4, 4)), r"encoder\.phi"),
+])
+def test_refuses_structures_whose_sensitivity_does_not_shrink(make, named):
+    with pytest.raises(ConfigError, match=named):
+        privatize(make(), EPS, DELTA)
+
+
+def test_refuses_a_module_outside_phi_pool_psi():
+    enc = encoder()
+    enc.skip = nn.Linear(6, 3)  # an unclipped branch around the pooling
+    with pytest.raises(ConfigError, match=r"encoder\.skip is Linear: it is not reached only through phi"):
+        privatize(enc, EPS, DELTA)
+
+
+def test_accepts_dp_deepset_and_conv_phi():
+    assert isinstance(privatize(encoder(), EPS, DELTA), PrivateEncoder)
+    cnn = Stages(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()), MeanPool(),
+                 nn.Linear(8, 2))  # spatial max pooling inside phi is per sample: fine
+    out = privatize(cnn, EPS, DELTA, generator=torch.Generator().manual_seed(0))(torch.randn(5, 1, 6, 6))
+    assert out.shape == (2,)
+
+
+# -- clipping and sensitivity ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 10, 100])
+def test_clipped_mean_moves_at_most_2_bound_over_n(n):
+    bound = 0.5
+    enc = encoder()
+    with torch.no_grad():  # a malicious server scales the encoder up: the client-side clip must still hold
+        for p in enc.phi.parameters():
+            p.mul_(1000.0)
+    private = privatize(enc, EPS, DELTA, bound=bound)
+    gen = torch.Generator().manual_seed(n)
+    worst = 0.0
+    for trial in range(20):
+        x = torch.randn(n, 6, generator=gen)
+        neighbour = x.clone()
+        neighbour[trial % n] = 1e4 * torch.randn(6, generator=gen)  # one adversarial, far-away sample
+        diff = (private.clipped_mean(x) - private.clipped_mean(neighbour)).norm().item()
+        worst = max(worst, diff)
+    assert worst <= 2 * bound / n * (1 + 1e-9)
+    raw = (enc.phi(x).mean(0) - enc.phi(neighbour).mean(0)).norm().item()
+    assert raw > 2 * bound / n  # without the clip the bound would not hold
+
+
+def test_sensitivity_bound_is_attained_by_an_antipodal_replacement():
+    bound, n = 2.0, 8
+    private = privatize(Stages(nn.Identity(), MeanPool()), EPS, DELTA, bound=bound)
+    x = torch.randn(n, 3, dtype=torch.float64)
+    neighbour = x.clone()
+    x[0] = torch.tensor([100.0, 0.0, 0.0])
+    neighbour[0] = torch.tensor([-100.0, 0.0, 0.0])
+    diff = (private.clipped_mean(x) - private.clipped_mean(neighbour)).norm().item()
+    assert diff == pytest.approx(2 * bound / n, rel=1e-12)
+    assert private.mechanism(n).sensitivity == pytest.approx(2 * bound / n)
+
+
+def test_non_finite_phi_output_becomes_zero():
+    class Blowup(nn.Module):
+        def forward(self, x):
+            return x / 0.0
+
+    private = privatize(Stages(Blowup(), MeanPool()), EPS, DELTA)
+    assert torch.equal(private.clipped_mean(torch.ones(3, 2)), torch.zeros(2, dtype=torch.float64))
+
+
+# -- releases and the ledger ----------------------------------------------------------------------------------------
+
+
+def test_each_call_records_a_descriptor_release_with_the_certified_sigma():
+    ledger = PrivacyLedger("novel-0")
+    private = privatize(encoder(), EPS, DELTA, bound=1.0, ledger=ledger, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(50, 6)
+    descriptor, event = private.release(x)
+    private(x)
+    assert descriptor.shape == (3,) and len(ledger) == 2
+    expected = GaussianEvent(sigma=analytic_gaussian_sigma(EPS, DELTA, 2 / 50), sensitivity=2 / 50,
+                             relation=NeighboringRelation.REPLACE_ONE)
+    assert event == expected
+    for record in ledger.records:
+        assert record.purpose == "descriptor"
+        assert record.event == expected
+        assert record.metadata == {"noise": "seeded", "n": 50, "bound": 1.0}
+    release = Release(Message(arrays={"descriptor": descriptor}), "descriptor", event)  # what a client sends
+    assert release.event.relation is NeighboringRelation.REPLACE_ONE
+    assert private.last_certificate.value == pytest.approx(2 / 50)
+
+
+def test_secure_noise_is_recorded_and_differs_between_identical_runs():
+    ledger = PrivacyLedger(0)
+    x = torch.randn(30, 6)
+    a = privatize(encoder(), EPS, DELTA, ledger=ledger, noise="secure")(x)
+    b = privatize(encoder(), EPS, DELTA, ledger=ledger, noise="secure")(x)
+    assert not torch.equal(a, b)
+    assert [r.metadata["noise"] for r in ledger.records] == ["secure", "secure"]
+    seeded = [privatize(encoder(), EPS, DELTA, generator=torch.Generator().manual_seed(3))(x) for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1])
+
+
+def test_budget_refuses_the_third_release_and_records_nothing_for_it():
+    n = 40
+    event = GaussianEvent(sigma=analytic_gaussian_sigma(EPS, DELTA, 2 / n), sensitivity=2 / n)
+    two, three = (epsilon(SelfComposedEvent(event, k), DELTA) for k in (2, 3))
+    ledger = PrivacyLedger("novel-1", budget=PrivacyBudget(epsilon=(two + three) / 2, delta=DELTA))
+    generator = torch.Generator().manual_seed(0)
+    private = privatize(encoder(), EPS, DELTA, ledger=ledger, generator=generator)
+    x = torch.randn(n, 6)
+    private(x)
+    private(x)
+    state = generator.get_state()
+    with pytest.raises(BudgetExceededError):
+        private(x)
+    assert len(ledger) == 2
+    assert torch.equal(generator.get_state(), state)  # no noise was drawn for the refused release
+
+
+@pytest.mark.parametrize("x,named", [
+    (torch.tensor([[0.0] * 5 + [math.nan]] * 4), "NaN/inf"),
+    (torch.tensor([[0.0] * 5 + [math.inf]] * 4), "NaN/inf"),
+    (torch.zeros(0, 6), r"\(0, 6\)"),
+    (torch.zeros(4, 6, dtype=torch.int64), "int64"),
+])
+def test_bad_samples_raise_and_record_nothing(x, named):
+    ledger = PrivacyLedger(0)
+    private = privatize(encoder(), EPS, DELTA, ledger=ledger)
+    with pytest.raises(ConfigError, match=named):
+        private(x)
+    assert len(ledger) == 0
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    (dict(eps=0.0), "epsilon.*0.0"), (dict(eps=math.inf), "inf"), (dict(delta=1.0), "delta.*1.0"),
+    (dict(delta=-0.1), "-0.1"), (dict(bound=0.0), "bound.*0.0"), (dict(bound=math.nan), "nan"),
+    (dict(relation="swap"), "swap"), (dict(noise="fast"), "fast"), (dict(ledger="book"), "book"),
+    (dict(relation="add_or_remove_one"), "min_samples"), (dict(min_samples=10), "min_samples=10"),
+])
+def test_bad_configuration_is_named(kwargs, named):
+    values = dict(eps=EPS, delta=DELTA) | kwargs
+    eps, delta = values.pop("eps"), values.pop("delta")
+    with pytest.raises(ConfigError, match=named):
+        privatize(encoder(), eps, delta, **values)
+
+
+def test_delta_at_least_one_over_n_warns():
+    private = privatize(encoder(), EPS, 0.05)
+    with pytest.warns(UserWarning, match="1/n"):
+        private(torch.randn(30, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        private(torch.randn(10, 6))  # 0.05 < 1/10
+
+
+def test_add_or_remove_uses_the_public_lower_bound_not_n():
+    ledger = PrivacyLedger(0)
+    private = privatize(encoder(), EPS, DELTA, relation="add_or_remove_one", min_samples=20, ledger=ledger)
+    _, small = private.release(torch.randn(20, 6))
+    _, large = private.release(torch.randn(500, 6))
+    assert small == large  # sigma does not reveal the private n
+    assert small.sensitivity == pytest.approx(2 / 20) and small.relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+    with pytest.raises(ConfigError, match="min_samples=20"):
+        private(torch.randn(19, 6))
+    assert len(ledger) == 2
+
+
+# -- sensitivity certificates ---------------------------------------------------------------------------------------
+
+
+def test_certificate_replace_one():
+    cert = certify_mean_of_clipped(1.5, 30)
+    assert isinstance(cert, SensitivityCertificate)
+    assert cert.value == pytest.approx(0.1) and cert.n_public and cert.relation is NeighboringRelation.REPLACE_ONE
+    assert "2B/n" in cert.argument
+
+
+@pytest.mark.parametrize("args,kwargs,named", [
+    ((1.0, 0), {}, "n must be an int >= 1"),
+    ((0.0, 10), {}, "bound"),
+    ((1.0, 10, "add_or_remove_one"), {}, "n cannot be public"),
+    ((1.0, 10, "replace_one", False), {}, "n must be public"),
+    ((1.0, 1, "add_or_remove_one", False), {}, ">= 2"),
+])
+def test_certificate_refusals(args, kwargs, named):
+    with pytest.raises(ConfigError, match=named):
+        certify_mean_of_clipped(*args, **kwargs)
+
+
+def test_add_or_remove_bound_checked_by_brute_force():
+    """||mean_m - mean_{m-1}|| <= 2B/m for vectors in the B-ball, attained by v_x = B e and all others -B e."""
+    bound, n = 1.0, 5
+    cert = certify_mean_of_clipped(bound, n, "add_or_remove_one", n_public=False)
+    assert cert.value == pytest.approx(2 * bound / n) and not cert.n_public
+    gen = torch.Generator().manual_seed(0)
+    for m in (n, n + 1, 3 * n):
+        v = torch.randn(m, 4, generator=gen, dtype=torch.float64)
+        v = v * torch.clamp(bound / v.norm(dim=1, keepdim=True), max=1.0)
+        for removed in range(m):
+            rest = torch.cat([v[:removed], v[removed + 1:]])
+            assert (v.mean(0) - rest.mean(0)).norm() <= 2 * bound / m + 1e-12 <= cert.value + 1e-12
+    e = torch.tensor([1.0, 0, 0, 0], dtype=torch.float64)
+    worst = torch.cat([bound * e[None], -bound * e.repeat(n - 1, 1)])
+    assert (worst.mean(0) - worst[1:].mean(0)).norm().item() == pytest.approx(2 * bound / n)
+
+
+def test_batch_means_sensitivity_is_set_by_the_smallest_batch():
+    bound, sizes = 1.0, [10, 10, 3]
+    cert = certify_mean_of_batch_means(bound, sizes)
+    k, n = len(sizes), sum(sizes)
+    assert cert.value == pytest.approx(2 * bound / (k * 3)) and cert.value > 2 * bound / n
+
+    def descriptor(v):  # mean of batch means
+        return torch.stack([b.mean(0) for b in torch.split(v, sizes)]).mean(0)
+
+    v = torch.zeros(n, 2, dtype=torch.float64)
+    neighbour = v.clone()
+    v[-1] = torch.tensor([bound, 0.0])  # a record in the smallest batch, replaced by its antipode
+    neighbour[-1] = torch.tensor([-bound, 0.0])
+    assert (descriptor(v) - descriptor(neighbour)).norm().item() == pytest.approx(cert.value)
+    with pytest.raises(ConfigError, match="replace_one"):
+        certify_mean_of_batch_means(bound, sizes, "add_or_remove_one")
+    with pytest.raises(ConfigError, match="batch size"):
+        certify_mean_of_batch_means(bound, [4, 0])
