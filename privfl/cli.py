@@ -77,6 +77,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=None, help="client learning rate (0.1)")
     g.add_argument("--mu", type=float, default=None, help="FedProx proximal coefficient")
     g.add_argument("--server-lr", type=float, default=None, help="server (global) learning rate")
+    g.add_argument("--weight-decay", type=float, default=None, help="local SGD weight decay (0)")
+    g.add_argument("--grad-clip", type=float, default=None, help="max L2 norm of each local step's gradient (none)")
+    g.add_argument("--lr-decay", type=float, default=None, help="round-r lr = lr * decay ** (r / 10) (1.0)")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
     g.add_argument("--select", default="best_val", help="best_val or last")
@@ -88,9 +91,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _method_settings(args: argparse.Namespace) -> dict:
-    names = {"lr": "lr", "local_steps": "local_steps", "batch_size": "batch_size", "mu": "mu",
-             "server_lr": "server_lr"}
-    return {key: getattr(args, attr) for key, attr in names.items() if getattr(args, attr) is not None}
+    names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _federation_spec(args: argparse.Namespace):
@@ -234,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("lr", "mu", "server_lr", "alpha", "novel_fraction", "client_fraction", "delta"):
+    for name in ("lr", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay", "alpha", "novel_fraction",
+                 "client_fraction", "delta"):
         value = getattr(args, name, None)
         if isinstance(value, float) and not math.isfinite(value):
             print(f"privfl: error: --{name.replace('_', '-')} must be a finite number, got {value}", file=sys.stderr)

@@ -22,6 +22,7 @@ A :class:`~privfl.data.NovelClient` holds no labels, so no procedure can use the
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -41,18 +42,40 @@ class LocalTrainingConfig:
     """Settings shared by every method that runs local SGD on clients.
 
     ``lr`` is the client (local) learning rate; ``local_steps`` counts minibatch steps per round (not epochs).
+    ``weight_decay``, ``grad_clip`` (max L2 norm of each step's gradient; a stabiliser, not DP clipping; ``None``
+    for none) and ``lr_decay`` (the round-r learning rate is ``lr * lr_decay ** (r / 10)``) are the stabilisers the
+    FedTTA authors' code applies (weight decay 1e-4, clip 10, decay 0.99); the paper states none of them, so they
+    default to off.
     """
 
     lr: float = 0.1
     local_steps: int = 20
     batch_size: int = 64
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    lr_decay: float = 1.0
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0 and self.lr == self.lr and self.lr != float("inf"), "lr", self.lr, "a finite number > 0")
+        _require(_finite(self.lr) and self.lr > 0, "lr", self.lr, "a finite number > 0")
         _require(isinstance(self.local_steps, int) and self.local_steps >= 1, "local_steps", self.local_steps,
                  "an integer >= 1")
         _require(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", self.batch_size,
                  "an integer >= 1")
+        _require(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay,
+                 "a finite number >= 0")
+        _require(self.grad_clip is None or (_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
+                 self.grad_clip, "None or a finite number > 0")
+        _require(_finite(self.lr_decay) and 0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "in (0, 1]")
+
+    def round_config(self, round: int) -> dict:
+        """What the server sends each round: the (decayed) learning rate and the local-training settings."""
+        return {"lr": self.lr * self.lr_decay ** (round / 10), "local_steps": self.local_steps,
+                "batch_size": self.batch_size, "weight_decay": self.weight_decay,
+                "grad_clip": self.grad_clip or 0.0}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _require(ok: bool, name: str, value: Any, valid: str) -> None:

@@ -27,7 +27,7 @@ from privfl.methods.base import (
     _require,
     register_method,
 )
-from privfl.methods.local_training import difference, local_sgd, weights_of
+from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,8 @@ class FedAvgStrategy(Strategy):
         super().__init__(**kwargs)
         self.weights = weights_of(self.model_factory.init(self.seed))
 
-    def train_config(self) -> dict:
-        c = self.config
-        return {"lr": c.lr, "local_steps": c.local_steps, "batch_size": c.batch_size}
-
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        message = Message(arrays=self.weights, config=self.train_config())
+        message = Message(arrays=self.weights, config=self.config.round_config(round))
         return {cid: message for cid in client_ids}
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
@@ -101,11 +97,8 @@ class FedAvgClient(ClientProcedure):
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
         start = message.arrays
         model = self.model_from(start)
-        loss = local_sgd(
-            model, data.x_train, data.y_train, lr=float(message.config["lr"]),
-            steps=int(message.config["local_steps"]), batch_size=int(message.config["batch_size"]), rng=ctx.rng,
-            extra_loss=self.local_objective(start, state),
-        )
+        loss = local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, extra_loss=self.local_objective(start, state),
+                         **sgd_settings(message.config))
         update = Message(
             arrays=difference(weights_of(model), start),
             metrics={"num_examples": float(data.num_train), "loss": loss},

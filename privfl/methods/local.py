@@ -13,16 +13,14 @@ from privfl.errors import ConfigError
 from privfl.federation.messages import Message
 from privfl.methods.base import ClientContext, ClientProcedure, ClientState, LocalTrainingConfig, Strategy
 from privfl.methods.base import register_method
-from privfl.methods.local_training import local_sgd, weights_of
+from privfl.methods.local_training import local_sgd, sgd_settings, weights_of
 
 
 class LocalStrategy(Strategy):
     """Sends only the round's training settings; there is nothing to aggregate."""
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        c = self.config
-        message = Message(config={"lr": c.lr, "local_steps": c.local_steps, "batch_size": c.batch_size,
-                                  "run_seed": self.seed})
+        message = Message(config={**self.config.round_config(round), "run_seed": self.seed})
         return {cid: message for cid in client_ids}
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
@@ -53,9 +51,7 @@ class LocalClient(ClientProcedure):
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> None:
         model = self.own_model(state, int(message.config["run_seed"]))
-        local_sgd(model, data.x_train, data.y_train, lr=float(message.config["lr"]),
-                  steps=int(message.config["local_steps"]), batch_size=int(message.config["batch_size"]),
-                  rng=ctx.rng)
+        local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, **sgd_settings(message.config))
         state.update(weights_of(model))
         return None
 

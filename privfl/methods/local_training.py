@@ -38,8 +38,13 @@ def local_sgd(
     batch_size: int,
     rng: np.random.Generator,
     extra_loss: ExtraLoss | None = None,
+    weight_decay: float = 0.0,
+    grad_clip: float = 0.0,
 ) -> float:
     """Run ``steps`` plain SGD steps of cross-entropy (+ ``extra_loss(params)``) on ``(x, y)``; return the mean loss.
+
+    ``weight_decay`` is SGD's L2 coefficient; ``grad_clip > 0`` rescales each step's whole gradient to at most that
+    L2 norm (a stabiliser; it bounds nothing about privacy).
 
     ``extra_loss`` receives the model's parameters by name; FedProx passes its proximal term and SCAFFOLD its
     control-variate correction (a linear term whose gradient is ``c - c_i``).
@@ -48,7 +53,7 @@ def local_sgd(
         raise ValueError("local_sgd needs at least one training sample")
     model.train()
     params = dict(model.named_parameters())
-    optimizer = torch.optim.SGD(params.values(), lr=lr)
+    optimizer = torch.optim.SGD(params.values(), lr=lr, weight_decay=weight_decay)
     total = 0.0
     for index in minibatches(len(y), batch_size, steps, rng):
         batch = torch.from_numpy(index)
@@ -58,6 +63,8 @@ def local_sgd(
             loss = loss + extra_loss(params)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params.values(), grad_clip)
         optimizer.step()
     return total / steps
 
@@ -70,3 +77,9 @@ def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
 def difference(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``after - before`` tensor by tensor (a weight change, as a client sends it)."""
     return {k: after[k] - before[k] for k in before}
+
+
+def sgd_settings(config: dict) -> dict:
+    """The keyword arguments of :func:`local_sgd` from a round's message config."""
+    return {"lr": float(config["lr"]), "steps": int(config["local_steps"]), "batch_size": int(config["batch_size"]),
+            "weight_decay": float(config.get("weight_decay", 0.0)), "grad_clip": float(config.get("grad_clip", 0.0))}

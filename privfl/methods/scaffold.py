@@ -24,7 +24,7 @@ from privfl.data import TrainingClient
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.methods.base import ClientContext, ClientProcedure, ClientState, Strategy, register_method
 from privfl.methods.fedavg import FedAvgConfig, weighted_mean
-from privfl.methods.local_training import difference, local_sgd, weights_of
+from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,8 @@ class ScaffoldStrategy(Strategy):
         self.control = zeros_like(self.weights)
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        c = self.config
-        message = Message(
-            arrays={**prefixed("x.", self.weights), **prefixed("c.", self.control)},
-            config={"lr": c.lr, "local_steps": c.local_steps, "batch_size": c.batch_size},
-        )
+        message = Message(arrays={**prefixed("x.", self.weights), **prefixed("c.", self.control)},
+                          config=self.config.round_config(round))
         return {cid: message for cid in client_ids}
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
@@ -88,8 +85,8 @@ class ScaffoldClient(ClientProcedure):
             return sum((correction[name] * p).sum() for name, p in params.items())
 
         model = self.model_from(x)
-        loss = local_sgd(model, data.x_train, data.y_train, lr=lr, steps=steps,
-                         batch_size=int(message.config["batch_size"]), rng=ctx.rng, extra_loss=control_term)
+        loss = local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, extra_loss=control_term,
+                         **sgd_settings(message.config))
         y = weights_of(model)
         c_i_new = {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c}
         state.update(prefixed("c_i.", c_i_new))

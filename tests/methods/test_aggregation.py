@@ -134,3 +134,23 @@ def test_method_settings_are_validated():
         get_method("fedavg").make_config(mu=0.1)
     with pytest.raises(ConfigError, match="mu must be"):
         get_method("fedprox").make_config(mu=-1.0)
+
+
+def test_code_stabilisers_clip_decay_and_schedule():
+    from privfl.methods.base import LocalTrainingConfig
+    from privfl.methods.local_training import local_sgd
+
+    config = LocalTrainingConfig(lr=0.5, lr_decay=0.99, grad_clip=0.01, weight_decay=0.0)
+    assert config.round_config(0)["lr"] == 0.5
+    assert config.round_config(20)["lr"] == pytest.approx(0.5 * 0.99 ** 2)
+    model = FACTORY.init(0)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    data = client_data()
+    local_sgd(model, data.x_train, data.y_train, lr=0.5, steps=1, batch_size=8, rng=np.random.default_rng(0),
+              grad_clip=0.01)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.linalg.vector_norm(after - before) == pytest.approx(0.5 * 0.01, rel=1e-4)  # clipped to 0.01
+    with pytest.raises(ConfigError, match="grad_clip"):
+        LocalTrainingConfig(grad_clip=-1.0)
+    with pytest.raises(ConfigError, match="lr_decay"):
+        LocalTrainingConfig(lr_decay=1.5)
