@@ -82,6 +82,10 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=None, help="local SGD weight decay (0)")
     g.add_argument("--grad-clip", type=float, default=None, help="max L2 norm of each local step's gradient (none)")
     g.add_argument("--lr-decay", type=float, default=None, help="round-r lr = lr * decay ** (r / 10) (1.0)")
+    g.add_argument("--dp-noise-multiplier", type=float, default=None,
+                   help="fedavg: train clients with DP-SGD at this noise multiplier (use --select last, since "
+                        "validation reports for best_val are non-private releases)")
+    g.add_argument("--dp-max-grad-norm", type=float, default=None, help="DP-SGD per-sample clipping norm (1.0)")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
     g.add_argument("--select", default="best_val", help="best_val or last")
@@ -93,7 +97,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _method_settings(args: argparse.Namespace) -> dict:
-    names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay")
+    names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay",
+             "dp_noise_multiplier", "dp_max_grad_norm")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -230,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, default=None, help="default: the run's delta")
     p.set_defaults(func=cmd_ledger)
 
+    p = sub.add_parser("attack", help="attacks and audits against what methods release")
+    attack = p.add_subparsers(dest="attack", required=True)
+    # `privfl attack audit ...` is handed to the audit's own parser in main(); listed here for --help.
+    attack.add_parser("audit", help="empirical epsilon lower bound for a mechanism (privatize, classic, maxpool)")
+
     p = sub.add_parser("datasets", help="list every data source and whether it is available here")
     p.add_argument("--data-root", default=None)
     p.set_defaults(func=cmd_datasets)
@@ -237,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["attack", "audit"]:
+        from attacks.audit import audit_main
+
+        return audit_main(argv[2:])
     args = build_parser().parse_args(argv)
     for name in ("lr", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay", "alpha", "novel_fraction",
                  "client_fraction", "delta"):

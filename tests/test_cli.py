@@ -61,3 +61,10 @@ def test_datasets_lists_every_source(capsys):
     for name in ("mnist", "digits", "fashion_mnist", "cifar10", "cifar100", "emnist", "features", "synthetic"):
         assert name in out
     assert [line for line in out.splitlines() if line.startswith("mnist ")][0].split()[1] == "available"
+
+
+def test_attack_audit_runs_from_the_privfl_command(capsys):
+    assert main(["attack", "audit", "--mechanism", "maxpool", "--epsilon", "1", "--trials", "4000", "--seed", "0"]) == 0
+    assert "VIOLATION" in capsys.readouterr().out
+    assert main(["attack", "audit", "--mechanism", "privatize", "--epsilon", "-1"]) == 2
+    assert "-1" in capsys.readouterr().err

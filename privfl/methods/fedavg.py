@@ -28,17 +28,36 @@ from privfl.methods.base import (
     register_method,
 )
 from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
+from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
 
 
 @dataclass(frozen=True)
-class FedAvgConfig(LocalTrainingConfig):
-    """FedAvg's settings: local SGD plus the server learning rate applied to the averaged change (1.0 = FedAvg)."""
+class ServerStepConfig(LocalTrainingConfig):
+    """Local SGD plus the server learning rate applied to the averaged change (1.0 = plain averaging)."""
 
     server_lr: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self.server_lr > 0 and self.server_lr != float("inf"), "server_lr", self.server_lr,
+                 "a finite number > 0")
+
+
+@dataclass(frozen=True)
+class FedAvgConfig(ServerStepConfig):
+    """FedAvg's settings. With ``dp_noise_multiplier`` set, clients train with DP-SGD (Opacus, Poisson sampling,
+    per-sample clipping at ``dp_max_grad_norm``) and each round's weight change is released with that round's
+    DP-SGD event (record-level, add/remove one); the client's ledger composes the rounds for its whole life.
+    """
+
+    dp_noise_multiplier: float | None = None
+    dp_max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.dp_noise_multiplier is None or (0 < self.dp_noise_multiplier < float("inf")),
+                 "dp_noise_multiplier", self.dp_noise_multiplier, "None or a finite number > 0")
+        _require(0 < self.dp_max_grad_norm < float("inf"), "dp_max_grad_norm", self.dp_max_grad_norm,
                  "a finite number > 0")
 
 
@@ -68,10 +87,12 @@ class FedAvgStrategy(Strategy):
         if not replies:
             return {}
         ids = sorted(replies)
-        counts = [replies[cid].metrics["num_examples"] for cid in ids]
+        # DP-SGD clients send no sample count (it depends on the data): their changes are averaged uniformly.
+        counts = [replies[cid].metrics.get("num_examples", 1.0) for cid in ids]
         change = weighted_mean([replies[cid].arrays for cid in ids], counts)
         self.weights = {k: v + self.config.server_lr * change[k] for k, v in self.weights.items()}
-        return {"train_loss": weighted_mean_scalar([replies[cid].metrics["loss"] for cid in ids], counts)}
+        losses = [replies[cid].metrics.get("loss", float("nan")) for cid in ids]
+        return {"train_loss": weighted_mean_scalar(losses, counts)}
 
     def novel_request(self, client_id: int) -> Message:
         return Message(arrays=self.weights)
@@ -97,6 +118,8 @@ class FedAvgClient(ClientProcedure):
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
         start = message.arrays
         model = self.model_from(start)
+        if self.config.dp_noise_multiplier is not None:
+            return self.train_private(data, model, start, message, ctx)
         loss = local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, extra_loss=self.local_objective(start, state),
                          **sgd_settings(message.config))
         update = Message(
@@ -104,6 +127,19 @@ class FedAvgClient(ClientProcedure):
             metrics={"num_examples": float(data.num_train), "loss": loss},
         )
         return Release.non_private(update, purpose="model_update")
+
+    def train_private(self, data: TrainingClient, model, start, message: Message, ctx: ClientContext) -> Release:
+        """DP-SGD local training; the release carries only the weight change and this round's DP-SGD event.
+
+        The change is post-processing of the DP-SGD iterates, so the round's event covers it. The sample count and
+        training loss are not sent: they depend on the data and no mechanism covers them.
+        """
+        trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.config.dp_noise_multiplier,
+                                           max_grad_norm=self.config.dp_max_grad_norm))
+        settings = sgd_settings(message.config)
+        _, event = trainer.train(model, data.x_train, data.y_train, lr=settings["lr"], steps=settings["steps"],
+                                 batch_size=settings["batch_size"], rng=ctx.rng)
+        return Release(Message(arrays=difference(weights_of(model), start)), purpose="model_update", event=event)
 
 
 register_method(

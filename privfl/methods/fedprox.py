@@ -22,6 +22,8 @@ class FedProxConfig(FedAvgConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self.mu >= 0 and self.mu != float("inf"), "mu", self.mu, "a finite number >= 0")
+        _require(self.dp_noise_multiplier is None, "dp_noise_multiplier", self.dp_noise_multiplier,
+                 "None for fedprox (DP-SGD has no proximal term here; use fedavg)")
 
 
 class FedProxClient(FedAvgClient):

@@ -23,12 +23,12 @@ import torch
 from privfl.data import TrainingClient
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.methods.base import ClientContext, ClientProcedure, ClientState, Strategy, register_method
-from privfl.methods.fedavg import FedAvgConfig, weighted_mean
+from privfl.methods.fedavg import ServerStepConfig, weighted_mean
 from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
 
 
 @dataclass(frozen=True)
-class ScaffoldConfig(FedAvgConfig):
+class ScaffoldConfig(ServerStepConfig):
     """FedAvg's settings, read as SCAFFOLD's: ``lr`` is the local rate lr_l, ``server_lr`` the global rate lr_g."""
 
 

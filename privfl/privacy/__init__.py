@@ -11,3 +11,7 @@ from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_b
 
 __all__ = ["GaussianMechanism", "PrivateEncoder", "SensitivityCertificate", "certify_mean_of_batch_means",
            "certify_mean_of_clipped", "privatize"]
+
+from privfl.privacy.dp_gmm import DPGaussianRelease, release_class_gaussians, sample_features  # noqa: E402
+
+__all__ += ["DPGaussianRelease", "release_class_gaussians", "sample_features"]

@@ -91,3 +91,29 @@ def test_killed_process_resumes_to_the_same_numbers(tmp_path):
     full = RunDirectory(tmp_path / "full").read_json("summary.json")
     resumed = RunDirectory(tmp_path / "cut").read_json("summary.json")
     assert resumed["novel"] == full["novel"] and resumed["training_val"] == full["training_val"]
+
+
+def test_fedavg_with_dp_sgd_reports_the_composed_epsilon(tmp_path, make_spec):
+    from accounting import SelfComposedEvent, SubsampledGaussianEvent, epsilon
+
+    cfg = _config(make_spec(num_clients=5, novel_fraction=0.4), "fedavg",
+                  method_config={"lr": 0.1, "local_steps": 4, "batch_size": 16, "dp_noise_multiplier": 1.1,
+                                 "dp_max_grad_norm": 1.0}, rounds=3, eval_every=3, select="last")
+    summary = train(cfg, str(tmp_path / "dp"), progress=False)
+    rows = {int(r["client_id"]): r for r in RunDirectory(tmp_path / "dp").read_clients()}
+    client = next(r for r in rows.values() if r["role"] == "training")
+    q = min(1.0, 16 / int(client["num_train"]))
+    expected = epsilon(SelfComposedEvent(SubsampledGaussianEvent(1.1, q), 3 * 4), 1e-5)   # 3 rounds x 4 steps
+    assert float(client["epsilon"]) == pytest.approx(expected, rel=1e-6)
+    assert 0 < summary["privacy"]["epsilon_max_training"] < float("inf")
+    assert summary["novel"]["num_clients"] == 2
+
+
+def test_dp_sgd_is_refused_where_it_is_not_implemented():
+    from privfl.errors import ConfigError
+    from privfl.methods import get_method
+
+    with pytest.raises(ConfigError, match="dp_noise_multiplier"):
+        get_method("fedprox").make_config(dp_noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match="no setting dp_noise_multiplier"):
+        get_method("scaffold").make_config(dp_noise_multiplier=1.0)

@@ -1,0 +1,490 @@
+"""DP-FedPFT: a differentially private release of one Gaussian per class of a client's (feature, label) data.
+
+The client releases, for every class c, a mean, a covariance (``"full"``, ``"diag"`` or ``"spherical"``) and a count;
+the server draws synthetic features from the released Gaussians (:func:`sample_features`) and trains a head on them.
+This module fixes the errors of the paper's DP theorem (digest ``papers/fedpft.md`` 3.6): the sensitivity is written
+from the per-class count n_c (never the client total n), noise is calibrated with the analytic Gaussian mechanism
+(never ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``), delta is a public input (never ``1/n``), counts are
+either privatised or declared public, a label change is accounted as touching two classes, and EM mixtures (K > 1)
+are refused.
+
+The privacy argument
+====================
+
+Notation: ``B = bound``; ``v = x * min(1, B/||x||)`` is a feature clipped to the L2 ball of radius B (scaled down,
+direction kept); for class c, ``n_c`` samples, ``S1_c = sum v`` (a d-vector), ``S2_c`` the second-moment sum:
+``sum v v^T`` (d x d) for ``"full"``, ``sum v*v`` (the d-vector of squares) for ``"diag"``, ``sum ||v||^2`` (a scalar)
+for ``"spherical"``. Everything the client sends is a post-processing of noisy ``S1_c``, ``S2_c`` (and ``n_c`` when
+counts are noisy) for all classes.
+
+**Per-record bounds** (``||.||`` is L2; for a matrix the Frobenius norm, i.e. L2 of its entries):
+
+- ``||v|| <= B``.
+- full: ``||v v^T||_F = ||v||^2 <= B^2``, and ``||v v^T - w w^T||_F^2 = ||v||^4 + ||w||^4 - 2 (v.w)^2 <= 2 B^4``,
+  so a replacement moves ``S2_c`` by at most ``sqrt(2) B^2`` (attained by orthogonal v, w of norm B); the naive
+  triangle inequality gives ``2 B^2``.
+- diag: ``||v*v|| = sqrt(sum v_i^4) <= sum v_i^2 <= B^2``, and ``||v*v - w*w||^2 = sum (v_i^2 - w_i^2)^2 <=
+  sum v_i^4 + sum w_i^4 <= 2 B^4`` (for a, b >= 0, ``(a-b)^2 <= a^2 + b^2``): again ``sqrt(2) B^2``.
+- spherical: ``0 <= ||v||^2 <= B^2``, so a replacement within a class moves the scalar by at most ``B^2``.
+
+**Neighbouring relations and what each block's sensitivity is** (the change over *all* classes at once):
+
+- ``counts="public"``, ``relation="replace_one"``: the class histogram ``(n_0, ..., n_{C-1})`` is declared public and
+  is sent in the clear. A guarantee can then only cover neighbours with the same histogram: a replacement that
+  changed a label would change the histogram, which is published exactly, so no DP claim is made for it. The
+  relation is therefore *replace-one within the public class histogram* (the replaced record keeps its label, so
+  exactly one class changes): ``S1``: ``2B``; ``S2``: ``sqrt(2) B^2`` (spherical: ``B^2``). Dividing by the public
+  ``n_c``, the mean has sensitivity ``2B/n_c`` and the second moment ``sqrt(2) B^2/n_c`` (spherical ``B^2/n_c``);
+  e.g. B = 1, n_c = 50: 0.04 for the mean. This is weaker than the standard replace-one relation; it is recorded in
+  the ledger metadata (``counts_public: true``, ``relation_detail``).
+- ``counts="public"`` with ``relation="add_or_remove_one"``: refused; n_c is private under add/remove.
+- ``counts="noisy"``, ``relation="add_or_remove_one"``: one record is in one class, so one class's
+  ``(S1, S2, n)`` moves by at most ``(B, B^2, 1)`` and the others not at all (parallel composition across classes).
+- ``counts="noisy"``, ``relation="replace_one"`` (the standard relation: the label may change): a same-label
+  replacement moves one class by ``(2B, sqrt(2) B^2 [spherical B^2], 0)``; a label change removes a record from
+  class y and adds one to y', moving ``S1`` by ``sqrt(||v||^2 + ||w||^2) <= sqrt(2) B``, ``S2`` by
+  ``<= sqrt(2) B^2`` and the counts by ``sqrt(2)``. Each block is given the maximum over both cases:
+  ``(2B, sqrt(2) B^2, sqrt(2))``. Taking the per-block maxima separately is an upper bound on the joint change,
+  hence safe.
+
+**Noise, budget split and composition.** The client's ``(epsilon, delta)`` is split equally across the released
+blocks: ``k = 2`` blocks (S1, S2) with public counts, ``k = 3`` (S1, S2, counts) with noisy counts; each block gets
+``(epsilon/k, delta/k)`` and Gaussian noise of ``sigma = analytic_gaussian_sigma(epsilon/k, delta/k, Delta_block)``
+(Balle and Wang 2018) on every coordinate of every class (for ``"full"``, on all d^2 entries). By basic composition
+the whole message is ``(epsilon, delta)``-DP; the ledger prices the :class:`~accounting.ComposedEvent` of the k
+:class:`~accounting.GaussianEvent` with an exact accountant, which gives an epsilon <= the requested one.
+
+**Post-processing** (no privacy cost): with public counts ``mean = S1~/n_c``, ``M = S2~/n_c``; with noisy counts the
+divisor is ``max(n~_c, 1)``. The mean is projected back into the B-ball. The covariance is ``M - mean mean^T``
+(full), ``M - mean*mean`` (diag) or ``(M - ||mean||^2)/d`` (spherical), symmetrised and projected to PSD by clipping
+eigenvalues (variances) at ``eigenvalue_floor``.
+
+**What the server sees for a class with n_c = 0.** With public counts: the count 0 and nothing else (the histogram is
+public, so its absence is no secret); that class has no Gaussian. With noisy counts every one of the ``num_classes``
+classes is released, empty or not (releasing only the present ones would reveal which classes the client holds):
+for an empty class the server sees pure noise and a noisy count near 0, and :func:`sample_features` draws
+``max(0, round(n~_c))`` samples from it.
+
+**Order of operations** (design invariant 4): validate (NaN/inf features, labels, config: :class:`ConfigError`,
+nothing recorded) -> clipped sums (nothing leaves) -> record the composed event in the ledger, purpose ``"dp_gmm"``
+(a :class:`~accounting.BudgetExceededError` here releases nothing) -> add noise -> post-process.
+
+Units: epsilon natural-log, delta a probability, bound and sensitivities L2 (Frobenius for matrices) in feature units.
+Floating-point noise is open to Mironov (2012)-style attacks; use ``noise="secure"`` outside research runs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyLedger
+
+from privfl.errors import ConfigError
+from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
+from privfl.privacy.sensitivity import check_relation
+
+PURPOSE = "dp_gmm"
+CovarianceType = Literal["full", "diag", "spherical"]
+CountsMode = Literal["noisy", "public"]
+COVARIANCE_TYPES = ("full", "diag", "spherical")
+COUNTS_MODES = ("noisy", "public")
+_SQRT2 = math.sqrt(2.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sensitivities.
+
+
+@dataclass(frozen=True)
+class BlockSensitivities:
+    """L2 sensitivities of the three released per-client blocks (over all classes at once), and why they hold.
+
+    Attributes:
+        sum: of ``(S1_c)_c``, the per-class sums of clipped features.
+        second_moment_sum: of ``(S2_c)_c`` (Frobenius for ``"full"``).
+        count: of ``(n_c)_c``; ``None`` when counts are public (not noised).
+        argument: the written argument (see the module docstring).
+    """
+
+    sum: float
+    second_moment_sum: float
+    count: float | None
+    argument: str
+
+    def per_class(self, n_c: int) -> tuple[float, float]:
+        """(mean, second moment) sensitivities for a class of public size ``n_c``: the sum sensitivities / n_c."""
+        n_c = _check_positive_int("n_c", n_c)
+        return self.sum / n_c, self.second_moment_sum / n_c
+
+
+def block_sensitivities(*, bound: float, covariance: CovarianceType = "full",
+                        relation: NeighboringRelation | str = "replace_one",
+                        counts: CountsMode = "noisy") -> BlockSensitivities:
+    """The L2 sensitivities of the per-class sums of clipped features, of second moments and of counts.
+
+    See the module docstring for the argument. ``counts="public"`` requires ``relation="replace_one"`` and means
+    replace-one within the public class histogram.
+
+    >>> s = block_sensitivities(bound=1.0, covariance="full", relation="replace_one", counts="public")
+    >>> s.per_class(50)[0]
+    0.04
+    """
+    bound = _check_bound(bound)
+    covariance = _check_choice("covariance", covariance, COVARIANCE_TYPES)
+    counts = _check_choice("counts", counts, COUNTS_MODES)
+    relation = check_relation(relation)
+    b2 = bound * bound
+    if counts == "public":
+        if relation is not NeighboringRelation.REPLACE_ONE:
+            raise ConfigError("counts='public' needs relation='replace_one': under add_or_remove_one the class counts "
+                              "n_c are private (adding a record changes one), so they cannot be sent in the clear nor "
+                              "set the noise scale; use counts='noisy'")
+        second = b2 if covariance == "spherical" else _SQRT2 * b2
+        return BlockSensitivities(
+            sum=2.0 * bound, second_moment_sum=second, count=None,
+            argument=("replace-one within the public class histogram (the replaced record keeps its label, one class "
+                      f"changes): ||v - w|| <= 2B; second moment ({covariance}) "
+                      + ("|  ||v||^2 - ||w||^2 | <= B^2" if covariance == "spherical"
+                         else "||vv^T - ww^T||_F^2 <= ||v||^4 + ||w||^4 <= 2B^4") + "; counts public, not noised"))
+    if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
+        return BlockSensitivities(
+            sum=bound, second_moment_sum=b2, count=1.0,
+            argument=("add/remove-one: one record is in one class; ||v|| <= B, ||second moment of v|| <= ||v||^2 <= "
+                      "B^2, count moves by 1; other classes unchanged (parallel composition across classes)"))
+    return BlockSensitivities(
+        sum=2.0 * bound, second_moment_sum=_SQRT2 * b2, count=_SQRT2,
+        argument=("replace-one, label may change: same label -> one class moves by (2B, sqrt2 B^2 [spherical B^2], 0); "
+                  "label change -> class y loses v, class y' gains w: (sqrt(||v||^2+||w||^2) <= sqrt2 B, "
+                  "sqrt(||v||^4+||w||^4) <= sqrt2 B^2, sqrt2); per-block maxima (2B, sqrt2 B^2, sqrt2)"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The release.
+
+
+@dataclass(frozen=True)
+class DPClassGaussian:
+    """What the server receives for one class.
+
+    Attributes:
+        label: the class index.
+        count: the public count (an int) or the noisy count (a float, possibly <= 0).
+        mean: ``[d]`` float64, or ``None`` for a class with public count 0.
+        covariance: PSD, in the ``covariance_type``'s form: ``[d, d]`` (full), ``[d]`` variances (diag), a 0-d
+            tensor (spherical, one variance for all coordinates); ``None`` with ``mean``.
+    """
+
+    label: int
+    count: float
+    mean: torch.Tensor | None
+    covariance: torch.Tensor | None
+
+    @property
+    def released(self) -> bool:
+        return self.mean is not None
+
+
+@dataclass(frozen=True)
+class DPGaussianRelease:
+    """A client's DP-FedPFT message: one Gaussian per class, how it was privatised, and its accounting event."""
+
+    classes: tuple[DPClassGaussian, ...]
+    covariance_type: CovarianceType
+    counts: CountsMode
+    relation: NeighboringRelation
+    epsilon: float
+    delta: float
+    bound: float
+    dim: int
+    sensitivities: BlockSensitivities
+    sigmas: dict[str, float]
+    events: tuple[GaussianEvent, ...]
+
+    @property
+    def event(self) -> ComposedEvent:
+        """The composed accounting event of the whole message (what the ledger records)."""
+        return ComposedEvent(self.events)
+
+    def covariance_matrix(self, label: int) -> torch.Tensor:
+        """The full ``[d, d]`` covariance of class ``label`` (diag / spherical expanded)."""
+        return _as_matrix(self.classes[label].covariance, self.covariance_type, self.dim)
+
+    def metadata(self) -> dict[str, Any]:
+        """The JSON-able description recorded with the ledger entry."""
+        return _metadata(self.covariance_type, self.counts, self.relation, self.epsilon, self.delta, self.bound,
+                         self.dim, len(self.classes), self.sensitivities, self.sigmas)
+
+
+def _metadata(covariance: str, counts: str, relation: NeighboringRelation, epsilon: float, delta: float, bound: float,
+              dim: int, num_classes: int, sens: BlockSensitivities, sigmas: dict[str, float]) -> dict[str, Any]:
+    public = counts == "public"
+    return {
+        "mechanism": "Gaussian on per-class clipped sums (S1, S2" + (")" if public else ", n)"),
+        "covariance_type": covariance, "components": 1, "num_classes": num_classes, "dim": dim, "bound": bound,
+        "epsilon": epsilon, "delta": delta, "budget_split": "equal over released blocks",
+        "counts_public": public,
+        "relation": relation.value,
+        "relation_detail": ("replace_one within the public class histogram (labels of replaced records unchanged)"
+                            if public else relation.value + " (labels may change; all classes released)"),
+        "sensitivities": {"sum": sens.sum, "second_moment_sum": sens.second_moment_sum, "count": sens.count},
+        "sensitivity_argument": sens.argument,
+        "sigmas": dict(sigmas),
+        "calibration": "analytic Gaussian (Balle and Wang 2018)",
+    }
+
+
+def clipped_class_sums(features: Any, labels: Any, *, num_classes: int, bound: float,
+                       covariance: CovarianceType = "full") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact (noise-free, never sent) per-class sums of clipped features: ``(S1 [C, d], S2, counts [C])``.
+
+    ``S2`` is ``[C, d, d]`` (full), ``[C, d]`` (diag) or ``[C]`` (spherical). Raises :class:`ConfigError` on NaN/inf
+    features, labels outside ``[0, num_classes)`` or mismatched shapes.
+    """
+    x, y = _check_data(features, labels, num_classes)
+    bound = _check_bound(bound)
+    covariance = _check_choice("covariance", covariance, COVARIANCE_TYPES)
+    return _class_sums(_clip(x, bound), y, num_classes, covariance)
+
+
+def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, epsilon: float, delta: float,
+                            bound: float, covariance: CovarianceType = "full", components: int = 1,
+                            counts: CountsMode = "noisy", relation: NeighboringRelation | str = "replace_one",
+                            ledger: PrivacyLedger | None = None, generator: torch.Generator | None = None,
+                            noise: NoiseSource = "seeded", eigenvalue_floor: float | None = None,
+                            round: int | None = None) -> DPGaussianRelease:
+    """One (epsilon, delta)-DP release of a Gaussian per class (DP-FedPFT with K = 1); see the module docstring.
+
+    Args:
+        features: ``[n, d]`` real array or tensor; every entry finite.
+        labels: ``[n]`` integers in ``[0, num_classes)``.
+        num_classes: C, public.
+        epsilon, delta: the client's budget for this whole message (natural log; delta a probability, public,
+            ``<< 1/n`` — never ``1/n_c``).
+        bound: L2 clipping radius B of each feature (scaled down to it).
+        covariance: ``"full"``, ``"diag"`` or ``"spherical"``.
+        components: must be 1. EM-fitted mixtures (K > 1) are refused: EM iterations, initialisation and component
+            assignment all touch the data and none of it is covered by this mechanism (the paper's Theorem 4.1 only
+            covers K = 1).
+        counts: ``"noisy"`` (counts get Gaussian noise and are used downstream) or ``"public"`` (sent in the clear;
+            only with ``relation="replace_one"``, meaning replace-one within the public class histogram).
+        relation: the neighbouring relation of the guarantee.
+        ledger: the client's ledger; the composed event is recorded (purpose ``"dp_gmm"``) before any noise is drawn.
+        generator, noise: the noise source (see :class:`~privfl.privacy.mechanisms.GaussianMechanism`).
+        eigenvalue_floor: smallest eigenvalue (variance) kept by the PSD projection; default ``1e-6 * bound^2``.
+        round: the round recorded in the ledger.
+
+    Raises:
+        ConfigError: bad configuration, NaN/inf features, ``components != 1``; nothing recorded.
+        accounting.BudgetExceededError: the ledger's budget would be exceeded; nothing recorded or released.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x = torch.randn(100, 3, generator=g); y = torch.arange(100) % 2
+    >>> r = release_class_gaussians(x, y, num_classes=2, epsilon=1.0, delta=1e-5, bound=1.0, generator=g)
+    >>> [c.label for c in r.classes], r.classes[0].covariance.shape
+    ([0, 1], torch.Size([3, 3]))
+    """
+    # 1. Validate everything; nothing is recorded on failure.
+    if isinstance(components, bool) or not isinstance(components, numbers.Integral) or components < 1:
+        raise ConfigError(f"components must be an int >= 1, got {components!r}")
+    if components != 1:
+        raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
+                          "private (EM iterations, k-means initialisation and component assignment all use the data; "
+                          "the DP-FedPFT theorem covers K = 1 only). Use components=1, or a DP-EM with its own "
+                          "per-iteration accounting")
+    epsilon, delta = check_epsilon_delta(epsilon, delta)
+    noise = check_noise(noise, generator)
+    relation = check_relation(relation)
+    sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts)
+    bound = float(bound)
+    x, y = _check_data(features, labels, num_classes)
+    floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
+    if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor) or floor <= 0:
+        raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
+    if ledger is not None and not isinstance(ledger, PrivacyLedger):
+        raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
+
+    # 2. Mechanisms: equal (epsilon, delta) split over the released blocks, analytic Gaussian calibration.
+    blocks = {"sum": sens.sum, "second_moment_sum": sens.second_moment_sum}
+    if sens.count is not None:
+        blocks["count"] = sens.count
+    k = len(blocks)
+    mechanisms = {name: GaussianMechanism(epsilon=epsilon / k, delta=delta / k, sensitivity=value, relation=relation,
+                                          noise=noise, generator=generator) for name, value in blocks.items()}
+    events = tuple(m.event for m in mechanisms.values())
+    sigmas = {name: m.sigma for name, m in mechanisms.items()}
+
+    # 3. Exact clipped sums (nothing leaves the client yet).
+    s1, s2, n = _class_sums(_clip(x, bound), y, num_classes, covariance)
+
+    # 4. Record before any noise exists; a budget refusal raises here and nothing is released.
+    if ledger is not None:
+        ledger.record(ComposedEvent(events), purpose=PURPOSE, round=round,
+                      metadata=_metadata(covariance, counts, relation, epsilon, delta, bound, x.shape[1], num_classes,
+                                         sens, sigmas))
+
+    # 5. Noise on every released block of every class.
+    noisy_s1 = mechanisms["sum"].add_noise(s1)
+    noisy_s2 = mechanisms["second_moment_sum"].add_noise(s2)
+    if counts == "noisy":
+        noisy_n = mechanisms["count"].add_noise(n)
+    else:
+        noisy_n = n
+
+    # 6. Post-processing.
+    classes = []
+    d = x.shape[1]
+    for c in range(num_classes):
+        if counts == "public" and int(n[c]) == 0:
+            classes.append(DPClassGaussian(label=c, count=0, mean=None, covariance=None))
+            continue
+        divisor = float(n[c]) if counts == "public" else max(float(noisy_n[c]), 1.0)
+        mean = noisy_s1[c] / divisor
+        norm = float(torch.linalg.vector_norm(mean))
+        if norm > bound:
+            mean = mean * (bound / norm)
+        second = noisy_s2[c] / divisor
+        cov = _covariance_from_moments(second, mean, covariance, d, floor)
+        count = int(n[c]) if counts == "public" else float(noisy_n[c])
+        classes.append(DPClassGaussian(label=c, count=count, mean=mean, covariance=cov))
+    return DPGaussianRelease(classes=tuple(classes), covariance_type=covariance, counts=counts, relation=relation,
+                             epsilon=epsilon, delta=delta, bound=bound, dim=d, sensitivities=sens, sigmas=sigmas,
+                             events=events)
+
+
+def sample_features(release: DPGaussianRelease, num_per_class: int | Sequence[int] | Mapping[int, int] | None = None,
+                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic ``(features [m, d], labels [m])`` drawn from the released Gaussians (the server's side).
+
+    ``num_per_class``: an int for every class, a sequence / mapping per class, or ``None`` for the released counts
+    (public counts as they are; noisy counts as ``max(0, round(n~_c))``). Classes that were not released (public
+    count 0) give no samples. Pure post-processing of the release: no privacy cost.
+    """
+    if not isinstance(release, DPGaussianRelease):
+        raise ConfigError(f"release must be a DPGaussianRelease, got {type(release).__name__}")
+    num_classes = len(release.classes)
+    if num_per_class is None:
+        wanted = [max(0, int(round(float(c.count)))) for c in release.classes]
+    elif isinstance(num_per_class, numbers.Integral) and not isinstance(num_per_class, bool):
+        wanted = [int(num_per_class)] * num_classes
+    elif isinstance(num_per_class, Mapping):
+        wanted = [int(num_per_class.get(c, 0)) for c in range(num_classes)]
+    else:
+        wanted = [int(v) for v in num_per_class]
+        if len(wanted) != num_classes:
+            raise ConfigError(f"num_per_class has {len(wanted)} entries for {num_classes} classes")
+    if any(w < 0 for w in wanted):
+        raise ConfigError(f"num_per_class must be >= 0, got {wanted}")
+    xs, ys = [], []
+    for cls, m in zip(release.classes, wanted):
+        if m == 0 or not cls.released:
+            continue
+        cov = _as_matrix(cls.covariance, release.covariance_type, release.dim)
+        eigenvalues, eigenvectors = torch.linalg.eigh(cov)
+        root = eigenvectors * eigenvalues.clamp_min(0.0).sqrt()
+        z = torch.randn(m, release.dim, generator=generator, dtype=torch.float64)
+        xs.append(cls.mean + z @ root.T)
+        ys.append(torch.full((m,), cls.label, dtype=torch.long))
+    if not xs:
+        return torch.zeros(0, release.dim, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+    return torch.cat(xs), torch.cat(ys)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _check_bound(bound: object) -> float:
+    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
+        raise ConfigError(f"bound (per-sample L2 clipping radius) must be a finite number > 0, got {bound!r}")
+    return float(bound)
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> Any:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def _check_data(features: Any, labels: Any, num_classes: object) -> tuple[torch.Tensor, torch.Tensor]:
+    num_classes = _check_positive_int("num_classes", num_classes)
+    try:
+        x = torch.as_tensor(np.asarray(features.detach().cpu() if isinstance(features, torch.Tensor) else features,
+                                       dtype=np.float64))
+        y_np = np.asarray(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"features must be a real [n, d] array and labels an [n] integer array: {exc}") from None
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise ConfigError(f"features must have shape [n, d] with d >= 1, got {tuple(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        raise ConfigError("features contain NaN or inf: their clipped norm, and so the sensitivity, is undefined")
+    if y_np.ndim != 1 or y_np.shape[0] != x.shape[0]:
+        raise ConfigError(f"labels must have shape [{x.shape[0]}], got {tuple(y_np.shape)}")
+    if y_np.size and not (np.issubdtype(y_np.dtype, np.integer)
+                          or (np.issubdtype(y_np.dtype, np.floating) and np.all(np.mod(y_np, 1) == 0))):
+        raise ConfigError(f"labels must be integers, got dtype {y_np.dtype}")
+    y = torch.as_tensor(y_np.astype(np.int64))
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise ConfigError(f"labels must lie in [0, {num_classes}), got values in [{int(y.min())}, {int(y.max())}]")
+    return x, y
+
+
+def _clip(x: torch.Tensor, bound: float) -> torch.Tensor:
+    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    return x * torch.clamp(bound / norms.clamp_min(1e-300), max=1.0)
+
+
+def _class_sums(v: torch.Tensor, y: torch.Tensor, num_classes: int,
+                covariance: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = v.shape[1]
+    onehot = torch.nn.functional.one_hot(y, num_classes).to(torch.float64)  # [n, C]
+    s1 = onehot.T @ v
+    if covariance == "full":
+        s2 = (onehot.T @ (v[:, :, None] * v[:, None, :]).reshape(-1, d * d)).reshape(num_classes, d, d)
+    elif covariance == "diag":
+        s2 = onehot.T @ (v * v)
+    else:
+        s2 = onehot.T @ (v * v).sum(dim=1)
+    n = onehot.sum(dim=0)
+    assert s1.shape == (num_classes, d)
+    return s1, s2, n
+
+
+def _covariance_from_moments(second: torch.Tensor, mean: torch.Tensor, covariance: str, d: int,
+                             floor: float) -> torch.Tensor:
+    if covariance == "full":
+        cov = second - torch.outer(mean, mean)
+        cov = (cov + cov.T) / 2
+        eigenvalues, eigenvectors = torch.linalg.eigh(cov)
+        cov = (eigenvectors * eigenvalues.clamp_min(floor)) @ eigenvectors.T
+        return (cov + cov.T) / 2
+    if covariance == "diag":
+        return (second - mean * mean).clamp_min(floor)
+    return ((second - mean.dot(mean)) / d).clamp_min(floor)
+
+
+def _as_matrix(cov: torch.Tensor | None, covariance: str, d: int) -> torch.Tensor:
+    if cov is None:
+        raise ConfigError("this class was not released (public count 0): it has no covariance")
+    if covariance == "full":
+        return cov
+    if covariance == "diag":
+        return torch.diag(cov)
+    return cov * torch.eye(d, dtype=cov.dtype)
+
+
+__all__ = ["COUNTS_MODES", "COVARIANCE_TYPES", "PURPOSE", "BlockSensitivities", "DPClassGaussian",
+           "DPGaussianRelease", "block_sensitivities", "clipped_class_sums", "release_class_gaussians",
+           "sample_features"]
