@@ -1,0 +1,608 @@
+"""Empirical DP audits: a statistically honest lower bound on epsilon for a mechanism, set beside its claim.
+
+Two tests, both on releases of the mechanism on a worst-case pair of neighbouring inputs ``D`` and ``D'``:
+
+1. **Black-box threshold test** (:func:`audit_mechanism`, :func:`audit_samples`; Jagielski et al. 2020, Nasr et al.
+   2021). Each release is reduced to a scalar score (default: projection on the difference of the two empirical
+   means). A threshold test "say D when score > t" has false-positive rate ``FPR = Pr[score(M(D')) > t]`` and
+   false-negative rate ``FNR = Pr[score(M(D)) <= t]``. If M is (epsilon, delta)-DP then, for the set
+   ``S = {score > t}``, ``Pr[M(D) in S] <= e^eps Pr[M(D') in S] + delta``, i.e. ``1 - FNR <= e^eps FPR + delta``;
+   the same holds with D and D' swapped. Hence
+
+       eps >= ln((1 - delta - FNR) / FPR)      and      eps >= ln((1 - delta - FPR) / FNR).
+
+   With Clopper-Pearson upper bounds ``FPR_upper``, ``FNR_upper`` (each one-sided at level (1 + confidence) / 2, so
+   both hold together with probability >= ``confidence``), ``eps_lb = ln((1 - delta - FNR_upper) / FPR_upper)``
+   (or the swapped direction) is a lower bound on the true epsilon with probability >= ``confidence``.
+   Assumptions: the releases are i.i.d. draws of M(D) and M(D'); the score direction, the threshold and the direction
+   of the test are chosen on a held-out half of the trials and the bound is computed on the other half, so the
+   choice cannot overfit the noise (no multiple-testing correction is then needed). The bound is a *lower* bound:
+   it can only show that a claim is false, never that it holds, and it is loose where the claimed epsilon is large
+   (showing eps >= 20 needs an FPR of about e^-20, i.e. ~1e9 trials or more).
+
+2. **Delta-violation test at the claimed epsilon** (:func:`audit_delta`). For a tail set ``S = {score > t}``,
+   ``delta_emp = Pr[M(D) in S] - e^eps Pr[M(D') in S]`` must be <= delta under the claim. ``Pr[M(D) in S]`` is
+   counted (Clopper-Pearson lower bound, black box). ``e^eps Pr[M(D') in S]`` cannot be counted at large epsilon
+   (at eps = 20 it needs probabilities of ~1e-12), so it is **extrapolated with a Gaussian model** of the score
+   under D' (mean and standard deviation fitted on the evaluation half, with upper confidence bounds: normal for
+   the mean, chi-square for the standard deviation). This is a white-box assumption that holds for Gaussian-noise
+   releases projected on a fixed direction (the score is then exactly Gaussian); it is stated in every result.
+   The three confidence bounds are Bonferroni-combined to ``confidence``.
+
+Units: epsilon natural log, delta a probability. Nothing here adds noise to a client's data: the mechanisms audited
+are the project's own (:func:`privfl.privacy.privatize`) and two deliberately broken ones built only for the audit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+__all__ = ["AuditResult", "DeltaAudit", "MECHANISMS", "audit_delta", "audit_main", "audit_mechanism",
+           "audit_privatize", "audit_samples", "clopper_pearson", "format_table", "run_audit", "worst_case_pair"]
+
+MECHANISMS = ("privatize", "classic", "maxpool")
+_MIN_TRIALS = 10
+_UPPER = "say D if score > t"
+_LOWER = "say D' if score <= t"
+
+
+# -- validation -----------------------------------------------------------------------------------------------------
+
+def _err(message: str) -> ValueError:
+    try:  # the project's user error (CLI exit status 2) when available; it is a ValueError either way
+        from privfl.errors import ConfigError
+        return ConfigError(message)
+    except ImportError:  # pragma: no cover
+        return ValueError(message)
+
+
+def _check_trials(trials: object) -> int:
+    if isinstance(trials, bool) or not isinstance(trials, numbers.Integral) or trials < _MIN_TRIALS:
+        raise _err(f"trials must be an int >= {_MIN_TRIALS} (releases per neighbouring input), got {trials!r}")
+    return int(trials)
+
+
+def _check_epsilon(epsilon: object) -> float:
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not math.isfinite(epsilon) \
+            or epsilon <= 0:
+        raise _err(f"epsilon must be a finite number > 0 (natural log), got {epsilon!r}")
+    return float(epsilon)
+
+
+def _check_delta(delta: object) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < 1:
+        raise _err(f"delta must be a probability in [0, 1), got {delta!r}")
+    return float(delta)
+
+
+def _check_confidence(confidence: object) -> float:
+    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not 0 < confidence < 1:
+        raise _err(f"confidence must be in the open interval (0, 1), got {confidence!r}")
+    return float(confidence)
+
+
+# -- statistics -----------------------------------------------------------------------------------------------------
+
+def clopper_pearson(k, n, confidence: float = 0.95) -> tuple[np.ndarray | float, np.ndarray | float]:
+    """Two-sided Clopper-Pearson (exact binomial) interval for a proportion: ``k`` successes in ``n`` trials.
+
+    ``lower = Beta(alpha/2; k, n - k + 1)`` quantile (0 when k = 0), ``upper = Beta(1 - alpha/2; k + 1, n - k)``
+    quantile (1 when k = n), ``alpha = 1 - confidence``; each side alone holds with probability >= 1 - alpha/2.
+    Works elementwise on arrays; returns floats for scalar input.
+
+    >>> lo, hi = clopper_pearson(0, 100)
+    >>> lo, round(hi, 4)
+    (0.0, 0.0362)
+    """
+    confidence = _check_confidence(confidence)
+    k_arr, n_arr = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
+    if np.any(n_arr < 1) or np.any(k_arr < 0) or np.any(k_arr > n_arr) or np.any(k_arr != np.round(k_arr)):
+        raise _err(f"clopper_pearson needs integer counts 0 <= k <= n with n >= 1, got k={k!r}, n={n!r}")
+    alpha = 1.0 - confidence
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lower = np.where(k_arr > 0, stats.beta.ppf(alpha / 2, k_arr, n_arr - k_arr + 1), 0.0)
+        upper = np.where(k_arr < n_arr, stats.beta.ppf(1 - alpha / 2, k_arr + 1, n_arr - k_arr), 1.0)
+    if lower.ndim == 0:
+        return float(lower), float(upper)
+    return lower, upper
+
+
+def _eps_from_rates(fpr, fnr, delta: float):
+    """``ln((1 - delta - fnr) / fpr)`` elementwise, -inf where the numerator is <= 0, +inf where fpr = 0."""
+    fpr, fnr = np.asarray(fpr, dtype=float), np.asarray(fnr, dtype=float)
+    num = 1.0 - delta - fnr
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(num > 0, np.log(np.where(num > 0, num, 1.0)) - np.log(fpr), -np.inf)
+    return out
+
+
+# -- results --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeltaAudit:
+    """A delta-violation test at fixed epsilon (module docstring, test 2).
+
+    ``delta_lower`` is a lower confidence bound on ``Pr[M(D) in S] - e^eps Pr[M(D') in S]`` for ``S = {score >
+    threshold}``; the claim (epsilon, delta_claimed) is violated (with probability >= confidence of being right,
+    given the Gaussian model of the D' tail) when ``delta_lower > delta_claimed``.
+    """
+
+    epsilon: float
+    delta_claimed: float
+    delta_lower: float
+    p_d_lower: float
+    p_d_prime_upper: float
+    threshold: float
+    confidence: float
+    trials: int
+    model: str = "gaussian tail of the score under D' (white-box assumption)"
+
+    @property
+    def violated(self) -> bool:
+        return self.delta_lower > self.delta_claimed
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "violated": self.violated}
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """An empirical lower bound on epsilon beside the claimed epsilon.
+
+    Attributes:
+        epsilon_lower: lower confidence bound on the true epsilon (>= 0; 0 when no test beats chance).
+        epsilon_claimed: the epsilon the mechanism claims.
+        delta: the delta the bound is computed at (the claimed delta).
+        trials: releases per neighbouring input (half select the test, half evaluate it).
+        fpr, fnr: the chosen test's false-positive / false-negative rates on the evaluation half (point estimates,
+            in the direction of the test that gave the bound).
+        threshold: the threshold of that test on the score, oriented (sign chosen on the selection half) so that D
+            scores high.
+        ratio: ``epsilon_lower / epsilon_claimed``; above 1 is an empirical violation of the claim.
+        epsilon_point: the same formula on the raw (not upper-bounded) rates: an estimate, not a bound.
+        fpr_upper, fnr_upper: the Clopper-Pearson upper bounds used.
+        confidence: the confidence of the bound.
+        direction: ``"say D if score > t"`` or ``"say D' if score <= t"`` (the swapped test).
+        delta_audit: the delta-violation test at the claimed epsilon, if run.
+    """
+
+    epsilon_lower: float
+    epsilon_claimed: float
+    delta: float
+    trials: int
+    fpr: float
+    fnr: float
+    threshold: float
+    ratio: float
+    epsilon_point: float = float("nan")
+    fpr_upper: float = float("nan")
+    fnr_upper: float = float("nan")
+    confidence: float = 0.95
+    direction: str = _UPPER
+    delta_audit: DeltaAudit | None = None
+
+    @property
+    def violated(self) -> bool:
+        """True when the audit shows the claim is false: eps_lb > claimed eps, or the delta test rejects."""
+        return self.epsilon_lower > self.epsilon_claimed or (self.delta_audit is not None and self.delta_audit.violated)
+
+    @property
+    def verdict(self) -> str:
+        if self.epsilon_lower > self.epsilon_claimed:
+            return "VIOLATION (eps_lb > claimed eps)"
+        if self.delta_audit is not None and self.delta_audit.violated:
+            return "VIOLATION (delta at claimed eps > claimed delta)"
+        return "consistent with claim"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["delta_audit"] = None if self.delta_audit is None else self.delta_audit.to_dict()
+        out["violated"] = self.violated
+        out["verdict"] = self.verdict
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+# -- the audit itself -----------------------------------------------------------------------------------------------
+
+def _as_2d(releases, name: str) -> np.ndarray:
+    arr = np.asarray(releases, dtype=float)
+    if arr.ndim == 1:
+        arr = arr[:, None]
+    if arr.ndim != 2 or not np.all(np.isfinite(arr)):
+        raise _err(f"{name} must be finite releases of shape [trials, dim], got shape {arr.shape}")
+    return arr
+
+
+def _scores(x_d: np.ndarray, x_dp: np.ndarray, statistic) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Split each side in halves (A: select, B: evaluate) and reduce releases to scalar scores."""
+    half = x_d.shape[0] // 2
+    a1, b1, a0, b0 = x_d[:half], x_d[half:], x_dp[:half], x_dp[half:]
+    if statistic is None:
+        w = a1.mean(axis=0) - a0.mean(axis=0)  # direction of the mean difference, from the held-out half only
+        if not np.any(w):
+            w = np.ones(x_d.shape[1])
+        score = lambda x: x @ w  # noqa: E731
+    elif callable(statistic):
+        score = lambda x: np.asarray(statistic(x), dtype=float).reshape(x.shape[0])  # noqa: E731
+    else:
+        w = np.asarray(statistic, dtype=float).reshape(-1)
+        if w.shape[0] != x_d.shape[1]:
+            raise _err(f"statistic direction has {w.shape[0]} entries, releases have dim {x_d.shape[1]}")
+        score = lambda x: x @ w  # noqa: E731
+    s1a, s0a, s1b, s0b = score(a1), score(a0), score(b1), score(b0)
+    if s1a.mean() < s0a.mean():  # orient on the selection half so that D scores high (the tests below assume it)
+        s1a, s0a, s1b, s0b = -s1a, -s0a, -s1b, -s0b
+    return s1a, s0a, (s1b, s0b)
+
+
+def _best_test(s1: np.ndarray, s0: np.ndarray, delta: float, confidence: float) -> tuple[float, str]:
+    """Scan thresholds on the selection half; return the (threshold, direction) with the largest CP eps bound."""
+    pooled = np.concatenate([s1, s0])
+    qs = np.quantile(pooled, np.linspace(0.0, 1.0, 401))
+    edges = [s0.max(), s1.min(), s1.max(), s0.min(), (s0.max() + s1.min()) / 2, (s1.max() + s0.min()) / 2]
+    cands = np.unique(np.concatenate([qs, edges]))
+    s1s, s0s = np.sort(s1), np.sort(s0)
+    n1, n0 = len(s1), len(s0)
+    fn = np.searchsorted(s1s, cands, side="right")          # #(s1 <= t)
+    fp = n0 - np.searchsorted(s0s, cands, side="right")     # #(s0 > t)
+    _, fpr_u = clopper_pearson(fp, n0, confidence)
+    _, fnr_u = clopper_pearson(fn, n1, confidence)
+    e_fwd = _eps_from_rates(fpr_u, fnr_u, delta)
+    e_bwd = _eps_from_rates(fnr_u, fpr_u, delta)
+    def middle_of_best(e):  # among tied thresholds, the middle one (not the edge of the selection half's data)
+        best = np.flatnonzero(e == e.max())
+        return int(best[len(best) // 2])
+
+    i, j = middle_of_best(e_fwd), middle_of_best(e_bwd)
+    if e_fwd[i] >= e_bwd[j]:
+        return float(cands[i]), _UPPER
+    return float(cands[j]), _LOWER
+
+
+def audit_samples(releases_d, releases_d_prime, *, epsilon_claimed: float, delta: float, confidence: float = 0.95,
+                  statistic=None, delta_test: bool = True) -> AuditResult:
+    """The audit of :func:`audit_mechanism` on releases already drawn: arrays ``[trials, dim]`` (or ``[trials]``).
+
+    The first half of each array selects the score direction, threshold and direction of the test; the second half
+    evaluates it (module docstring, test 1). With ``delta_test`` the delta-violation test at ``epsilon_claimed``
+    is run on the same split (test 2).
+    """
+    epsilon_claimed = _check_epsilon(epsilon_claimed)
+    delta = _check_delta(delta)
+    confidence = _check_confidence(confidence)
+    x_d, x_dp = _as_2d(releases_d, "releases_d"), _as_2d(releases_d_prime, "releases_d_prime")
+    if x_d.shape != x_dp.shape:
+        raise _err(f"releases_d and releases_d_prime must have the same shape, got {x_d.shape} and {x_dp.shape}")
+    trials = _check_trials(x_d.shape[0])
+    s1a, s0a, (s1b, s0b) = _scores(x_d, x_dp, statistic)
+    threshold, direction = _best_test(s1a, s0a, delta, confidence)
+    n1, n0 = len(s1b), len(s0b)
+    fp, fn = int(np.sum(s0b > threshold)), int(np.sum(s1b <= threshold))
+    if direction == _LOWER:  # say D' when score <= t: false positives are D's scores <= t, misses D' scores > t
+        fp, fn = int(np.sum(s1b <= threshold)), int(np.sum(s0b > threshold))
+    _, fpr_u = clopper_pearson(fp, n0, confidence)
+    _, fnr_u = clopper_pearson(fn, n1, confidence)
+    eps_lb = max(0.0, float(_eps_from_rates(fpr_u, fnr_u, delta)))
+    eps_point = float(_eps_from_rates(fp / n0, fn / n1, delta))
+    d_audit = None
+    if delta_test:
+        d_audit = _delta_test(s1a, s0a, s1b, s0b, epsilon_claimed, delta, confidence, trials)
+    return AuditResult(epsilon_lower=eps_lb, epsilon_claimed=epsilon_claimed, delta=delta, trials=trials,
+                       fpr=fp / n0, fnr=fn / n1, threshold=threshold, ratio=eps_lb / epsilon_claimed,
+                       epsilon_point=eps_point, fpr_upper=float(fpr_u), fnr_upper=float(fnr_u),
+                       confidence=confidence, direction=direction, delta_audit=d_audit)
+
+
+def _delta_test(s1a, s0a, s1b, s0b, epsilon: float, delta: float, confidence: float, trials: int) -> DeltaAudit:
+    # Threshold on the selection half: where the fitted Gaussian likelihood ratio equals e^eps (the optimal tail set).
+    m1, m0 = float(s1a.mean()), float(s0a.mean())
+    sd = float(np.sqrt(0.5 * (s1a.var(ddof=1) + s0a.var(ddof=1))))
+    if m1 < m0:  # orient the score so that D is the upper tail
+        s1a, s0a, s1b, s0b, m1, m0 = -s1a, -s0a, -s1b, -s0b, -m1, -m0
+    gap = m1 - m0
+    threshold = (m0 + m1) / 2 + epsilon * sd * sd / gap if gap > 0 and sd > 0 else math.inf
+    alpha = (1.0 - confidence) / 3.0  # Bonferroni over three one-sided bounds
+    n1, n0 = len(s1b), len(s0b)
+    k1 = int(np.sum(s1b > threshold))
+    p1_lower = float(stats.beta.ppf(alpha, k1, n1 - k1 + 1)) if k1 > 0 else 0.0
+    mean0, sd0 = float(s0b.mean()), float(s0b.std(ddof=1))
+    mean0_upper = mean0 + float(stats.norm.ppf(1 - alpha)) * sd0 / math.sqrt(n0)
+    sd0_upper = sd0 * math.sqrt((n0 - 1) / float(stats.chi2.ppf(alpha, n0 - 1)))
+    if not math.isfinite(threshold) or sd0_upper <= 0:
+        log_p0 = -math.inf if math.isfinite(threshold) or threshold > 0 else 0.0
+    else:
+        log_p0 = float(stats.norm.logsf((threshold - mean0_upper) / sd0_upper))
+    p0_upper = math.exp(log_p0)
+    scaled = math.exp(min(epsilon + log_p0, 700.0))
+    return DeltaAudit(epsilon=epsilon, delta_claimed=delta, delta_lower=p1_lower - scaled, p_d_lower=p1_lower,
+                      p_d_prime_upper=p0_upper, threshold=float(threshold), confidence=confidence, trials=trials)
+
+
+def audit_delta(releases_d, releases_d_prime, *, epsilon: float, delta: float, confidence: float = 0.95,
+                statistic=None) -> DeltaAudit:
+    """Delta-violation test at fixed ``epsilon`` on releases ``[trials, dim]`` (module docstring, test 2)."""
+    return audit_samples(releases_d, releases_d_prime, epsilon_claimed=epsilon, delta=delta, confidence=confidence,
+                         statistic=statistic, delta_test=True).delta_audit
+
+
+def audit_mechanism(sample_d: Callable[[], object], sample_d_prime: Callable[[], object], *, trials: int,
+                    delta: float, epsilon_claimed: float = math.inf, confidence: float = 0.95,
+                    threshold: float | None = None, statistic=None, delta_test: bool = True) -> AuditResult:
+    """Run a mechanism ``trials`` times on each of a worst-case neighbouring pair and bound its epsilon from below.
+
+    Args:
+        sample_d, sample_d_prime: callables, each call one fresh release of M(D) / M(D') (numpy-convertible vector).
+        trials: releases per input (>= 10); half select the test, half evaluate it.
+        delta: the claimed delta; the bound is ``eps_lb = max over directions ln((1 - delta - FNR_upper) /
+            FPR_upper)`` with Clopper-Pearson upper bounds (see the module docstring for the assumptions).
+        epsilon_claimed: the claimed epsilon, for the ratio and the verdict (default inf: no claim; then no delta
+            test is run and the ratio is 0).
+        confidence: confidence of the bound.
+        threshold: a fixed threshold on the score instead of the scan (then the selection half only fixes the
+            score direction).
+        statistic: ``None`` (projection on the held-out mean difference), a direction vector, or a callable mapping
+            ``[k, dim]`` releases to ``[k]`` scores.
+
+    Returns:
+        an :class:`AuditResult`.
+    """
+    trials = _check_trials(trials)
+    delta = _check_delta(delta)
+    x_d = np.stack([np.asarray(sample_d(), dtype=float).reshape(-1) for _ in range(trials)])
+    x_dp = np.stack([np.asarray(sample_d_prime(), dtype=float).reshape(-1) for _ in range(trials)])
+    claimed = math.inf if epsilon_claimed is None else float(epsilon_claimed)
+    finite_claim = math.isfinite(claimed)
+    result = audit_samples(x_d, x_dp, epsilon_claimed=claimed if finite_claim else 1.0, delta=delta,
+                           confidence=confidence, statistic=statistic, delta_test=delta_test and finite_claim)
+    if threshold is not None:
+        result = _fixed_threshold(x_d, x_dp, float(threshold), result, statistic)
+    if not finite_claim:
+        result = AuditResult(**{**{f: getattr(result, f) for f in result.__dataclass_fields__},
+                                "epsilon_claimed": math.inf, "ratio": 0.0, "delta_audit": None})
+    return result
+
+
+def _fixed_threshold(x_d, x_dp, threshold: float, result: AuditResult, statistic) -> AuditResult:
+    _, _, (s1b, s0b) = _scores(x_d, x_dp, statistic)
+    n1, n0 = len(s1b), len(s0b)
+    best = None
+    for direction, fp, fn in ((_UPPER, int(np.sum(s0b > threshold)), int(np.sum(s1b <= threshold))),
+                              (_LOWER, int(np.sum(s1b <= threshold)), int(np.sum(s0b > threshold)))):
+        # both directions are evaluated on the same half: split the confidence between them (Bonferroni)
+        conf = 1.0 - (1.0 - result.confidence) / 2
+        _, fpr_u = clopper_pearson(fp, n0, conf)
+        _, fnr_u = clopper_pearson(fn, n1, conf)
+        eps = max(0.0, float(_eps_from_rates(fpr_u, fnr_u, result.delta)))
+        if best is None or eps > best[0]:
+            best = (eps, direction, fp / n0, fn / n1, float(fpr_u), float(fnr_u))
+    eps, direction, fpr, fnr, fpr_u, fnr_u = best
+    return AuditResult(epsilon_lower=eps, epsilon_claimed=result.epsilon_claimed, delta=result.delta,
+                       trials=result.trials, fpr=fpr, fnr=fnr, threshold=threshold,
+                       ratio=eps / result.epsilon_claimed, epsilon_point=float(_eps_from_rates(fpr, fnr, result.delta)),
+                       fpr_upper=fpr_u, fnr_upper=fnr_u, confidence=result.confidence, direction=direction,
+                       delta_audit=result.delta_audit)
+
+
+# -- the mechanisms audited -----------------------------------------------------------------------------------------
+
+def worst_case_pair(n: int, bound: float = 1.0):
+    """A privatisable 1-D DeepSet and a replace-one pair whose clipped means differ by exactly ``2 * bound / n``.
+
+    The encoder is a :class:`~privfl.models.set_encoders.DPDeepSetEncoder` whose ``phi`` is the identity on 1-D
+    inputs (a bias-free ``Linear(1, 1)`` with weight 1) and whose ``psi`` is the identity, so the released descriptor
+    *is* the noisy clipped mean. ``D`` is ``n - 1`` zeros and one sample ``10 * bound`` (clipped to ``+bound``);
+    ``D'`` replaces it by ``-10 * bound`` (clipped to ``-bound``).
+    """
+    import torch
+    from torch import nn
+
+    from privfl.models.set_encoders import DPDeepSetEncoder
+
+    encoder = DPDeepSetEncoder(input_dim=1, hidden=1, output_dim=1)
+    linear = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(1.0)
+    encoder.phi = nn.Sequential(nn.Flatten(), linear)
+    encoder.psi = nn.Identity()
+    x_d = torch.zeros(n, 1)
+    x_d[-1, 0] = 10.0 * bound
+    x_dp = torch.zeros(n, 1)
+    x_dp[-1, 0] = -10.0 * bound
+    return encoder, x_d, x_dp
+
+
+def _torch_generator(seed: int):
+    import torch
+    g = torch.Generator()
+    g.manual_seed(int(seed))
+    return g
+
+
+def _privatize_releases(eps, delta, trials, bound, n, seed, vectorised):
+    import torch
+
+    from privfl.privacy import privatize
+
+    encoder, x_d, x_dp = worst_case_pair(n, bound)
+    generator = _torch_generator(seed)
+    private = privatize(encoder, eps, delta, bound=bound, relation="replace_one",
+                                         noise="seeded", generator=generator)
+    mean_d, mean_dp = private.clipped_mean(x_d), private.clipped_mean(x_dp)
+    gap = float((mean_d - mean_dp).norm())
+    if not math.isclose(gap, 2 * bound / n, rel_tol=1e-9):
+        raise AssertionError(f"worst-case pair broken: clipped means differ by {gap}, not 2*bound/n")
+    if not vectorised:  # the full release path, one call per release
+        rd = np.stack([private.release(x_d)[0].double().numpy() for _ in range(trials)])
+        rdp = np.stack([private.release(x_dp)[0].double().numpy() for _ in range(trials)])
+        return rd, rdp
+    # Vectorised: `trials` independent draws of exactly the noise release() adds (the same mechanism object, same
+    # sigma, same add_noise), on the same clipped means; psi is the identity, so this is the released descriptor.
+    mechanism = private.mechanism(n)
+    rd = mechanism.add_noise(mean_d.expand(trials, -1).clone()).numpy()
+    rdp = mechanism.add_noise(mean_dp.expand(trials, -1).clone()).numpy()
+    return rd, rdp
+
+
+def _classic_releases(eps, delta, trials, bound, n, seed):
+    """DELIBERATELY BROKEN: the worst-case pair with noise from the classic closed form (proved only for eps < 1)."""
+    encoder, x_d, x_dp = worst_case_pair(n, bound)
+    from privfl.privacy import privatize
+    private = privatize(encoder, eps, delta, bound=bound, noise="seeded",
+                                         generator=_torch_generator(seed))
+    sens = 2 * bound / n
+    sigma = sens * math.sqrt(2 * math.log(1.25 / delta)) / eps  # classic formula, deliberately broken (audit target)
+    rng = np.random.default_rng(seed)
+    rd = private.clipped_mean(x_d).numpy() + sigma * rng.standard_normal((trials, 1))
+    rdp = private.clipped_mean(x_dp).numpy() + sigma * rng.standard_normal((trials, 1))
+    return rd, rdp
+
+
+def _maxpool_releases(eps, delta, trials, bound, n, seed):
+    """DELIBERATELY BROKEN: a mean+max DeepSet released with noise calibrated for the mean's ``2 * bound / n``.
+
+    privatize refuses this encoder (encoder.pool is MeanMaxPool), so the release is built by hand: phi per sample,
+    clipped to the L2 ball of radius ``bound`` exactly as privatize clips, the encoder's own MeanMaxPool, then the
+    Gaussian mechanism with the mean-of-clipped certificate. The max half moves by O(bound) whatever n.
+    """
+    import torch
+    from torch import nn
+
+    from privfl.models.set_encoders import DeepSetEncoder
+    from privfl.privacy.mechanisms import GaussianMechanism
+    from privfl.privacy.sensitivity import certify_mean_of_clipped
+
+    encoder = DeepSetEncoder(input_dim=1, hidden=2, output_dim=1)
+    linear = nn.Linear(1, 2, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(1.0)
+    encoder.phi = nn.Sequential(nn.Flatten(), linear)
+    # Replace-one pair for the max: D = n-1 samples at -b and one at +b; D' = all n at -b.
+    x_d = torch.full((n, 1), -10.0 * bound)
+    x_d[-1, 0] = 10.0 * bound
+    x_dp = torch.full((n, 1), -10.0 * bound)
+
+    def pooled(x):
+        with torch.no_grad():
+            v = encoder.phi(x).double()
+            v = v * torch.clamp(bound / v.norm(dim=1, keepdim=True), max=1.0)
+            return encoder.pool(v)
+
+    sens = certify_mean_of_clipped(bound, n, "replace_one", n_public=True, delta=delta).value  # the false claim
+    mechanism = GaussianMechanism(epsilon=eps, delta=delta, sensitivity=sens, generator=_torch_generator(seed))
+    rd = mechanism.add_noise(pooled(x_d).expand(trials, -1).clone()).numpy()
+    rdp = mechanism.add_noise(pooled(x_dp).expand(trials, -1).clone()).numpy()
+    return rd, rdp
+
+
+def run_audit(mechanism: str, eps: float, delta: float, *, trials: int, bound: float = 1.0, n: int = 20,
+              seed: int = 0, confidence: float = 0.95, vectorised: bool = True) -> AuditResult:
+    """Audit one of :data:`MECHANISMS` at the claimed ``(eps, delta)`` with ``trials`` releases per input.
+
+    ``"privatize"`` is the project's mechanism (:func:`audit_privatize`); ``"classic"`` (Gaussian noise from the
+    classic closed-form calibration) and ``"maxpool"`` (a max-pooled branch released as if mean-pooled) are
+    deliberately broken mechanisms that the audit must catch.
+    """
+    if mechanism not in MECHANISMS:
+        raise _err(f"mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
+    eps = _check_epsilon(eps)
+    delta = _check_delta(delta)
+    if delta == 0:
+        raise _err("delta must be > 0 for a Gaussian mechanism, got 0")
+    trials = _check_trials(trials)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
+        raise _err(f"n (samples per set) must be an int >= 2, got {n!r}")
+    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
+        raise _err(f"bound must be a finite number > 0, got {bound!r}")
+    if mechanism == "privatize":
+        rd, rdp = _privatize_releases(eps, delta, trials, bound, n, seed, vectorised)
+    elif mechanism == "classic":
+        rd, rdp = _classic_releases(eps, delta, trials, bound, n, seed)
+    else:
+        rd, rdp = _maxpool_releases(eps, delta, trials, bound, n, seed)
+    return audit_samples(rd, rdp, epsilon_claimed=eps, delta=delta, confidence=confidence)
+
+
+def audit_privatize(eps: float, delta: float, *, trials: int, bound: float = 1.0, n: int = 20, seed: int = 0,
+                    confidence: float = 0.95, vectorised: bool = True) -> AuditResult:
+    """Audit :func:`privfl.privacy.privatize` on its worst-case replace-one pair (:func:`worst_case_pair`).
+
+    The release audited is the descriptor of a privatised DPDeepSetEncoder whose psi is the identity, i.e. the
+    noisy clipped mean (psi is post-processing, so this is the strongest place to audit). With ``vectorised`` the
+    ``trials`` releases are drawn in one call of the privatised encoder's own mechanism on its own clipped means
+    (identical in distribution to ``trials`` calls of ``release``); with ``vectorised=False`` each release is one
+    call of ``PrivateEncoder.release``.
+    """
+    return run_audit("privatize", eps, delta, trials=trials, bound=bound, n=n, seed=seed, confidence=confidence,
+                     vectorised=vectorised)
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+
+def format_table(results: Sequence[tuple[str, AuditResult]]) -> str:
+    """A short table: mechanism, claimed eps, empirical lower bound (point estimate), ratio, delta test, verdict."""
+    lines = [f"{'mechanism':<10} {'claimed eps':>11} {'delta':>8} {'eps_lb':>8} {'(point)':>8} {'ratio':>7} "
+             f"{'delta_lb@eps':>12} verdict"]
+    for name, r in results:
+        dl = "n/a" if r.delta_audit is None else f"{r.delta_audit.delta_lower:.3g}"
+        lines.append(f"{name:<10} {r.epsilon_claimed:>11.4g} {r.delta:>8.2g} {r.epsilon_lower:>8.3f} "
+                     f"{r.epsilon_point:>8.3f} {r.ratio:>7.3f} {dl:>12} {r.verdict}")
+    if results:
+        lines.append(f"eps_lb: {results[0][1].confidence:.0%} Clopper-Pearson lower bound on the evaluation half; "
+                     "delta_lb@eps: lower bound on the delta at the claimed eps (Gaussian tail model for D')")
+    return "\n".join(lines)
+
+
+def audit_main(argv: Sequence[str] | None = None) -> int:
+    """``privfl attack audit``: audit one mechanism; print a table; exit 0 (2 with one line on bad input)."""
+    parser = argparse.ArgumentParser(prog="privfl attack audit",
+                                     description="Empirical lower bound on epsilon for a mechanism, beside its claim.")
+    parser.add_argument("--mechanism", default="privatize",
+                        help=f"one of {', '.join(MECHANISMS)} (classic and maxpool are deliberately broken)")
+    parser.add_argument("--epsilon", type=float, default=1.0, help="claimed epsilon (natural log)")
+    parser.add_argument("--delta", type=float, default=1e-5, help="claimed delta")
+    parser.add_argument("--trials", type=int, default=100_000, help="releases per neighbouring input (>= 10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n", type=int, default=20, help="samples per set")
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result as JSON here")
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # argparse has printed its message (status 2 for bad input, 0 for --help)
+        return int(exc.code or 0)
+    try:
+        if args.mechanism not in MECHANISMS:
+            raise _err(f"--mechanism must be one of {', '.join(MECHANISMS)}, got {args.mechanism!r}")
+        if not (isinstance(args.delta, float) and 0 < args.delta < 1):
+            raise _err(f"--delta must be a probability in (0, 1), got {args.delta!r}")
+        result = run_audit(args.mechanism, args.epsilon, args.delta, trials=args.trials, n=args.n, seed=args.seed,
+                           confidence=args.confidence)
+    except ValueError as exc:
+        print(f"privfl attack audit: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table([(args.mechanism, result)]))
+    if args.json_out:
+        path = Path(args.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"mechanism": args.mechanism, "n": args.n, "seed": args.seed, **result.to_dict()}
+        path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    return 0
+
+
+def _json_default(value):
+    if isinstance(value, float) and math.isinf(value):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(audit_main(sys.argv[1:]))

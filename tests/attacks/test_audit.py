@@ -1,0 +1,128 @@
+"""Empirical DP audit: Clopper-Pearson bounds, privatize passes, the two deliberately broken mechanisms are caught."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from accounting import analytic_gaussian_sigma
+from attacks.audit import (AuditResult, audit_main, audit_mechanism, audit_privatize, audit_samples, clopper_pearson,
+                           run_audit, worst_case_pair)
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 50), (3, 50), (17, 200), (200, 200), (1, 100000)])
+def test_clopper_pearson_matches_beta_quantiles(k, n):
+    lo, hi = clopper_pearson(k, n, 0.95)
+    assert lo == (0.0 if k == 0 else pytest.approx(stats.beta.ppf(0.025, k, n - k + 1), rel=1e-12))
+    assert hi == (1.0 if k == n else pytest.approx(stats.beta.ppf(0.975, k + 1, n - k), rel=1e-12))
+    assert lo <= k / n <= hi
+
+
+def test_clopper_pearson_known_value_and_arrays():
+    _, hi = clopper_pearson(0, 100, 0.95)
+    assert hi == pytest.approx(1 - 0.025 ** (1 / 100), rel=1e-9)  # closed form for k = 0
+    lo, hi = clopper_pearson(np.array([0, 5]), np.array([10, 10]), 0.9)
+    assert lo.shape == hi.shape == (2,)
+    assert hi[1] == pytest.approx(stats.beta.ppf(0.95, 6, 5))
+
+
+def test_worst_case_pair_differs_by_two_bound_over_n():
+    from privfl.privacy import privatize
+    encoder, x_d, x_dp = worst_case_pair(20, bound=1.5)
+    private = privatize(encoder, 1.0, 1e-5, bound=1.5)
+    gap = float((private.clipped_mean(x_d) - private.clipped_mean(x_dp)).abs().sum())
+    assert gap == pytest.approx(2 * 1.5 / 20, rel=1e-12)
+
+
+def test_privatize_at_eps_1_lower_bound_is_positive_and_below_the_claim():
+    result = audit_privatize(1.0, 1e-5, trials=100_000, seed=0)
+    assert isinstance(result, AuditResult)
+    assert 0.2 < result.epsilon_lower < 1.0
+    assert result.ratio == pytest.approx(result.epsilon_lower)
+    assert not result.violated and result.verdict == "consistent with claim"
+    assert result.delta_audit is not None and result.delta_audit.delta_lower <= 1e-5
+    d = result.to_dict()
+    assert d["epsilon_claimed"] == 1.0 and d["violated"] is False and d["delta_audit"]["violated"] is False
+
+
+def test_vectorised_releases_match_the_release_path():
+    # one call of PrivateEncoder.release per trial: same noise scale as the vectorised draw
+    result = audit_privatize(1.0, 1e-5, trials=400, seed=1, vectorised=False)
+    assert not result.violated
+    from privfl.privacy import privatize
+    encoder, x_d, _ = worst_case_pair(20)
+    private = privatize(encoder, 1.0, 1e-5)
+    draws = np.array([float(private(x_d)) for _ in range(400)])
+    sigma = analytic_gaussian_sigma(1.0, 1e-5, 2 / 20)
+    assert draws.std(ddof=1) == pytest.approx(sigma, rel=0.15)
+    assert draws.mean() == pytest.approx(1 / 20, abs=4 * sigma / 20)
+
+
+def test_classic_calibration_at_eps_20_is_caught_by_the_delta_test():
+    result = run_audit("classic", 20.0, 1e-5, trials=100_000, seed=0)
+    assert result.violated
+    assert result.delta_audit.violated
+    assert result.delta_audit.delta_lower > 10 * 1e-5  # true delta is about 1.5e-3
+    assert result.epsilon_lower < 20  # black-box alone cannot reach e^-20 false-positive rates
+
+
+def test_max_pooled_branch_passed_off_as_mean_is_caught():
+    result = run_audit("maxpool", 1.0, 1e-5, trials=20_000, seed=0)
+    assert result.violated
+    assert result.epsilon_lower > 3.0  # far above the claimed 1
+
+
+def test_audit_mechanism_with_callables_on_a_mechanism_without_privacy():
+    rng = np.random.default_rng(0)
+    result = audit_mechanism(lambda: rng.normal(1.0, 0.01, size=2), lambda: rng.normal(0.0, 0.01, size=2),
+                             trials=2000, delta=1e-5, epsilon_claimed=1.0)
+    # perfect separation on 1000 evaluation trials: eps_lb = ln((1 - delta - FNR_u) / FPR_u), FPR_u = FNR_u
+    u = 1 - 0.025 ** (1 / 1000)
+    assert result.epsilon_lower == pytest.approx(math.log((1 - 1e-5 - u) / u), rel=1e-9)
+    assert result.violated
+
+
+def test_identical_mechanisms_give_no_positive_bound_often():
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(4000, 1)), rng.normal(size=(4000, 1))
+    assert audit_samples(x, y, epsilon_claimed=0.5, delta=1e-5).epsilon_lower < 0.3
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: audit_privatize(1.0, 1e-5, trials=5), "trials must be an int >= 10"),
+    (lambda: audit_privatize(0.0, 1e-5, trials=100), "epsilon must be a finite number > 0"),
+    (lambda: audit_privatize(-2.0, 1e-5, trials=100), "got -2.0"),
+    (lambda: run_audit("laplace", 1.0, 1e-5, trials=100), "got 'laplace'"),
+    (lambda: audit_mechanism(lambda: [0.0], lambda: [1.0], trials=9, delta=1e-5), "got 9"),
+])
+def test_bad_input_names_the_value(call, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        call()
+
+
+def test_cli_prints_table_writes_json_and_rejects_bad_input(tmp_path, capsys):
+    out = tmp_path / "audit.json"
+    assert audit_main(["--mechanism", "maxpool", "--epsilon", "1", "--trials", "2000", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "maxpool" in text and "VIOLATION" in text
+    payload = json.loads(out.read_text())
+    assert payload["mechanism"] == "maxpool" and payload["violated"] is True
+    assert audit_main(["--trials", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "trials" in err and "5" in err and len(err.strip().splitlines()) == 1
+    assert audit_main(["--epsilon", "0"]) == 2
+    assert "got 0.0" in capsys.readouterr().err
+    assert audit_main(["--mechanism", "nope"]) == 2
+
+
+def test_swapped_direction_gives_the_same_bound_as_the_mirrored_scores():
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(0.0, 1.0, size=(20000, 1)), rng.normal(1.0, 1.0, size=(20000, 1))
+    swapped = audit_samples(x, y, epsilon_claimed=1.0, delta=1e-5, statistic=[1.0])  # D scores lower than D'
+    mirrored = audit_samples(-x, -y, epsilon_claimed=1.0, delta=1e-5, statistic=[1.0])
+    assert swapped.epsilon_lower == pytest.approx(mirrored.epsilon_lower, abs=1e-12)
+    assert 1.0 < swapped.epsilon_lower < 4.4  # the true epsilon of mu = 1 at delta = 1e-5 is about 4.4
