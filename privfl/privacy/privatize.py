@@ -18,7 +18,10 @@ The privacy argument (ODPFL-HN Lemma 2 with the corrections of the DP review, di
    added to the mean: one (epsilon, delta)-DP release.
 5. **Post-processing.** ``psi`` sees only the noisy mean, never the data, so ``psi(noisy mean)`` is exactly as private
    as the noisy mean; no Lipschitz constant of psi is needed, and psi (and the hypernetwork after it) may be anything.
-6. **Composition.** Every forward call is a new release. With a ledger, each is recorded (purpose ``"descriptor"``)
+6. **Batch-averaged descriptors** (:meth:`PrivateEncoder.release_batched`, digest 5.7 item 6): the mean over k
+   public, data-independent batches of the per-batch clipped means has sensitivity ``2 bound / (k min_j n_j)``
+   (replace-one only), which equals ``2 bound / n`` for equal batches and exceeds it otherwise; prefer ``release``.
+7. **Composition.** Every forward call is a new release. With a ledger, each is recorded (purpose ``"descriptor"``)
    **before** the noisy output exists, so a budget refusal releases nothing; repeated queries compose in the ledger.
    Reusing a released descriptor is post-processing and costs nothing: cache it rather than calling again.
 
@@ -39,7 +42,12 @@ from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
 from privfl.errors import ConfigError
 from privfl.models.set_encoders import MaxPool, MeanMaxPool, MeanPool
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
-from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped, check_relation
+from privfl.privacy.sensitivity import (
+    SensitivityCertificate,
+    certify_mean_of_batch_means,
+    certify_mean_of_clipped,
+    check_relation,
+)
 
 PURPOSE = "descriptor"
 _STAGES = ("phi", "pool", "psi")
@@ -168,20 +176,85 @@ class PrivateEncoder(nn.Module):
         """
         n = self._check_samples(x)
         certificate = self.certificate(n)
+        mean = self.clipped_mean(x)
+        metadata: dict[str, Any] = {"noise": self.noise, "n": n, "bound": self.bound}
+        if self.min_samples is not None:
+            metadata["min_samples"] = self.min_samples
+        return self._record_noise_psi(certificate, mean, metadata)
+
+    @staticmethod
+    def batch_sizes(n: int, batch_size: int) -> list[int]:
+        """The sizes of the ``k = ceil(n / batch_size)`` consecutive batches of ``n`` samples: ``batch_size`` each,
+        the last one ``n - (k-1) batch_size`` (possibly smaller). Depends on the public n and batch_size only."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        batch_size = int(batch_size)
+        k = -(-n // batch_size)
+        return [batch_size] * (k - 1) + [n - (k - 1) * batch_size]
+
+    def batched_certificate(self, n: int, batch_size: int) -> SensitivityCertificate:
+        """The sensitivity certificate of a batch-averaged release on ``n`` samples (public quantities only);
+        :class:`ConfigError` under add/remove-one (the partition itself would change)."""
+        return certify_mean_of_batch_means(self.bound, self.batch_sizes(n, batch_size), self.relation,
+                                           delta=self.delta)
+
+    @torch.no_grad()
+    def batched_clipped_mean(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """``(1/k) sum_j mean_{i in batch j} clip(phi(x_i))`` over the consecutive batches of
+        :meth:`batch_sizes`, in float64; phi runs on one batch at a time.
+
+        This is the **pre-noise** value: it is not private, records nothing, and must never leave the client.
+        """
+        sizes = self.batch_sizes(self._check_samples(x), batch_size)
+        return torch.stack([self.clipped_mean(batch) for batch in torch.split(x, sizes)]).mean(dim=0)
+
+    def _record_noise_psi(self, certificate: SensitivityCertificate, mean: torch.Tensor,
+                          metadata: dict[str, Any]) -> tuple[torch.Tensor, GaussianEvent]:
+        """Steps 4-6 of a release: record (before any noise exists), add noise, psi."""
         mechanism = GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=certificate.value,
                                       relation=self.relation, noise=self.noise, generator=self.generator)
-        mean = self.clipped_mean(x)
         event = mechanism.event
         if self.ledger is not None:
-            metadata: dict[str, Any] = {"noise": self.noise, "n": n, "bound": self.bound}
-            if self.min_samples is not None:
-                metadata["min_samples"] = self.min_samples
             self.ledger.record(event, purpose=PURPOSE, metadata=metadata)
         noisy_mean = mechanism.add_noise(mean)
         psi_dtype = next((p.dtype for p in self.encoder.psi.parameters()), torch.get_default_dtype())
         descriptor = self.encoder.psi(noisy_mean.to(psi_dtype))
         self.last_certificate = certificate
         return descriptor, event
+
+    @torch.no_grad()
+    def release_batched(self, x: torch.Tensor, *, batch_size: int) -> tuple[torch.Tensor, GaussianEvent]:
+        """One DP release of a **batch-averaged** descriptor (ODPFL-HN option for large clients, digest 5.7 item 6):
+        ``(descriptor, event)`` as :meth:`release`.
+
+        ``x`` ``[n, ...]`` is split into ``k = ceil(n / batch_size)`` consecutive batches of sizes ``n_1 .. n_k``
+        (``batch_size`` each, the last possibly smaller; the split depends on the public n and batch_size only,
+        never on the data values). The released value is ``psi(m + N(0, sigma^2 I))`` with
+        ``m = (1/k) sum_j mean_{i in batch j} v_i`` and ``v_i`` the clipped ``phi(x_i)``; psi is applied once, to the
+        noisy average (post-processing), not per batch, so no Lipschitz constant of psi is needed.
+
+        **Sensitivity** ``2 bound / (k min_j n_j)``, replace-one with n (hence the sizes) public: the replaced record
+        lives in exactly one batch j, whose mean moves by at most ``2 bound / n_j`` (two clipped vectors, weight
+        ``1/n_j``); the other batch means are unchanged, so ``m`` moves by at most ``2 bound / (k n_j)``
+        ``<= 2 bound / (k min_j n_j)``, attained by a record in the smallest batch replaced by its antipode.
+        With equal batches (``batch_size`` divides n) ``k n_j = n``: the same ``2 bound / n`` as the plain mean
+        (and then ``m`` *is* the plain mean). An unequal, shorter last batch gives its records a larger weight, so
+        the sensitivity, hence the noise, is **larger** than for :meth:`release`: e.g. sizes (50, 50, 20) give
+        ``2/60`` against ``2/120``. Prefer :meth:`release` (the exact mean, whose phi is already per sample) unless
+        batching is needed for memory, and then choose ``batch_size`` dividing n, or close to it.
+
+        Add/remove-one is refused (ConfigError, nothing recorded): adding a record changes the partition.
+
+        Steps: 1. validate x and batch_size; 2. certify (add/remove refused here); 3. batch-averaged clipped mean
+        (nothing leaves); 4. record the event in the ledger (purpose ``"descriptor"``, metadata with the batch
+        sizes; BudgetExceededError here releases nothing and draws no noise); 5. Gaussian noise; 6. psi.
+        """
+        n = self._check_samples(x)
+        sizes = self.batch_sizes(n, batch_size)
+        certificate = self.batched_certificate(n, batch_size)
+        mean = self.batched_clipped_mean(x, batch_size)
+        metadata: dict[str, Any] = {"noise": self.noise, "n": n, "bound": self.bound, "batch_sizes": sizes}
+        return self._record_noise_psi(certificate, mean, metadata)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One DP release of the descriptor of ``x`` ``[n, ...]`` (recorded in the ledger if there is one)."""

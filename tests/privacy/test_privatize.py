@@ -288,3 +288,76 @@ def test_batch_means_sensitivity_is_set_by_the_smallest_batch():
         certify_mean_of_batch_means(bound, sizes, "add_or_remove_one")
     with pytest.raises(ConfigError, match="batch size"):
         certify_mean_of_batch_means(bound, [4, 0])
+
+
+# -- batch-averaged descriptors -------------------------------------------------------------------------------------
+
+
+def test_batched_certificate_is_set_by_the_smallest_batch():
+    private = privatize(encoder(), EPS, DELTA, bound=1.0)
+    assert PrivateEncoder.batch_sizes(120, 50) == [50, 50, 20]
+    assert PrivateEncoder.batch_sizes(100, 50) == [50, 50] and PrivateEncoder.batch_sizes(7, 50) == [7]
+    cert = private.batched_certificate(120, 50)
+    assert cert.value == pytest.approx(2 / (3 * 20)) and cert.value > 2 / 120
+    assert private.batched_certificate(100, 50).value == pytest.approx(2 / 100)  # equal batches: as the plain mean
+    for bad in (0, -1, 2.5, True, "50"):
+        with pytest.raises(ConfigError, match="batch_size"):
+            private.batched_certificate(120, bad)
+
+
+def test_batched_mean_moves_by_exactly_the_certificate_under_an_adversarial_replacement():
+    bound = 1.0
+    private = privatize(Stages(nn.Identity(), MeanPool()), EPS, DELTA, bound=bound)
+    x = torch.randn(120, 3, dtype=torch.float64)
+    neighbour = x.clone()
+    x[110] = torch.tensor([100.0, 0.0, 0.0])  # a record in the last batch (20 samples), replaced by its antipode
+    neighbour[110] = torch.tensor([-100.0, 0.0, 0.0])
+    diff = (private.batched_clipped_mean(x, 50) - private.batched_clipped_mean(neighbour, 50)).norm().item()
+    assert diff == pytest.approx(2 / (3 * 20), rel=1e-12)
+    assert diff == pytest.approx(private.batched_certificate(120, 50).value, rel=1e-12)
+    # the same replacement in a full batch moves it less, and with equal batches it is the plain mean
+    x[10], neighbour[10] = x[110], neighbour[110]
+    x[110] = neighbour[110] = 0.0
+    diff_full = (private.batched_clipped_mean(x, 50) - private.batched_clipped_mean(neighbour, 50)).norm().item()
+    assert diff_full == pytest.approx(2 / (3 * 50), rel=1e-12)
+    assert torch.allclose(private.batched_clipped_mean(x[:100], 50), private.clipped_mean(x[:100]))
+
+
+def test_batched_release_records_one_event_with_the_analytic_sigma():
+    ledger = PrivacyLedger("novel-2")
+    private = privatize(encoder(), EPS, DELTA, bound=1.0, ledger=ledger, generator=torch.Generator().manual_seed(0))
+    descriptor, event = private.release_batched(torch.randn(120, 6), batch_size=50)
+    sensitivity = 2 / (3 * 20)
+    expected = GaussianEvent(sigma=analytic_gaussian_sigma(EPS, DELTA, sensitivity), sensitivity=sensitivity,
+                             relation=NeighboringRelation.REPLACE_ONE)
+    assert descriptor.shape == (3,) and event == expected and len(ledger) == 1
+    (record,) = ledger.records
+    assert record.purpose == "descriptor" and record.event == expected
+    assert record.metadata == {"noise": "seeded", "n": 120, "bound": 1.0, "batch_sizes": [50, 50, 20]}
+    assert private.last_certificate.value == pytest.approx(sensitivity)
+    assert event.sigma > analytic_gaussian_sigma(EPS, DELTA, 2 / 120)  # more noise than the plain mean
+
+
+def test_batched_release_refuses_add_or_remove_and_records_nothing():
+    ledger = PrivacyLedger(0)
+    generator = torch.Generator().manual_seed(0)
+    private = privatize(encoder(), EPS, DELTA, relation="add_or_remove_one", min_samples=20, ledger=ledger,
+                        generator=generator)
+    state = generator.get_state()
+    with pytest.raises(ConfigError, match="only under relation='replace_one'"):
+        private.release_batched(torch.randn(120, 6), batch_size=50)
+    assert len(ledger) == 0 and torch.equal(generator.get_state(), state)
+
+
+def test_batched_budget_refusal_records_nothing_and_draws_no_noise():
+    sensitivity = 2 / (3 * 20)
+    one = epsilon(GaussianEvent(sigma=analytic_gaussian_sigma(EPS, DELTA, sensitivity), sensitivity=sensitivity),
+                  DELTA)
+    ledger = PrivacyLedger("novel-3", budget=PrivacyBudget(epsilon=0.5 * one, delta=DELTA))
+    generator = torch.Generator().manual_seed(0)
+    private = privatize(encoder(), EPS, DELTA, ledger=ledger, generator=generator)
+    state = generator.get_state()
+    with pytest.raises(BudgetExceededError):
+        private.release_batched(torch.randn(120, 6), batch_size=50)
+    assert len(ledger) == 0 and torch.equal(generator.get_state(), state)
+    assert private.last_certificate is None
