@@ -126,3 +126,71 @@ def test_swapped_direction_gives_the_same_bound_as_the_mirrored_scores():
     mirrored = audit_samples(-x, -y, epsilon_claimed=1.0, delta=1e-5, statistic=[1.0])
     assert swapped.epsilon_lower == pytest.approx(mirrored.epsilon_lower, abs=1e-12)
     assert 1.0 < swapped.epsilon_lower < 4.4  # the true epsilon of mu = 1 at delta = 1e-5 is about 4.4
+
+
+# -- DP-FedPFT (DP-GMM) release, audited through its S1 block -----------------------------------------------------------
+
+def test_dp_gmm_worst_case_pair_moves_only_s1_by_its_sensitivity():
+    from attacks.audit import dp_gmm_worst_case_pair
+    from privfl.privacy.dp_gmm import block_sensitivities, clipped_class_sums
+    x_d, x_dp, y_d, y_dp = dp_gmm_worst_case_pair(20, bound=1.5, dim=3)
+    for cov in ("full", "diag", "spherical"):
+        s1, s2, n = clipped_class_sums(x_d, y_d, num_classes=1, bound=1.5, covariance=cov)
+        t1, t2, m = clipped_class_sums(x_dp, y_dp, num_classes=1, bound=1.5, covariance=cov)
+        sens = block_sensitivities(bound=1.5, covariance=cov, relation="replace_one", counts="public")
+        assert float((s1 - t1).norm()) == pytest.approx(sens.sum, rel=1e-12) == 3.0
+        assert bool((s2 == t2).all()) and bool((n == m).all())  # S2 and counts identical: S1 is the only block moved
+
+
+def test_dp_gmm_at_eps_4_is_consistent_with_the_block_claim_and_bound_is_positive():
+    from attacks.audit import audit_dp_gmm
+    result = audit_dp_gmm(4.0, 1e-5, trials=100_000, seed=0)
+    # public counts: k = 2 blocks (S1, S2), equal split -> the audited S1 block claims (2, 5e-6)
+    assert result.epsilon_claimed == 2.0 and result.delta == pytest.approx(5e-6)
+    assert result.epsilon_release == 4.0 and result.delta_release == 1e-5
+    assert "S1 block" in result.audited and "k=2" in result.audited
+    assert 0.5 < result.epsilon_lower < 2.0
+    assert result.ratio == pytest.approx(result.epsilon_lower / 2.0)
+    assert not result.violated and result.verdict == "consistent with claim"
+    d = result.to_dict()
+    assert d["epsilon_release"] == 4.0 and d["violated"] is False
+    assert run_audit("dp_gmm", 4.0, 1e-5, trials=2000, seed=0).epsilon_release == 4.0
+
+
+def test_dp_gmm_noisy_counts_split_over_three_blocks():
+    from attacks.audit import audit_dp_gmm
+    result = audit_dp_gmm(3.0, 3e-5, trials=2000, seed=2, counts="noisy")
+    assert result.epsilon_claimed == pytest.approx(1.0) and result.delta == pytest.approx(1e-5)
+    assert "k=3" in result.audited
+
+
+def test_dp_gmm_vectorised_noise_matches_real_releases():
+    import torch
+
+    from attacks.audit import _dp_gmm_releases, dp_gmm_worst_case_pair
+    from privfl.privacy.dp_gmm import release_class_gaussians
+    eps, delta, n = 1.0, 1e-5, 400  # n large enough that the released mean is never projected into the B-ball
+    x_d, _, y_d, _ = dp_gmm_worst_case_pair(n, 1.0, 2)
+    g = torch.Generator().manual_seed(7)
+    real = [release_class_gaussians(x_d, y_d, num_classes=1, epsilon=eps, delta=delta, bound=1.0,
+                                    covariance="diag", counts="public", generator=g) for _ in range(300)]
+    s1_real = np.stack([r.classes[0].mean.numpy() * n for r in real])  # S1~ = mean * n_c (public count)
+    sigma_real = real[0].sigmas["sum"]
+    assert sigma_real == pytest.approx(analytic_gaussian_sigma(eps / 2, delta / 2, 2.0), rel=1e-12)
+    vec, _, k = _dp_gmm_releases(eps, delta, 300, 1.0, n, 2, "diag", "public", "replace_one", 3)
+    assert k == 2
+    # 600 coordinates each: the sample sd is within ~3% of sigma (1 sd); a sigma calibrated at the whole release's
+    # (eps, delta) instead of the block's would be ~1.8x smaller, and 15% catches it
+    for draws in (s1_real, vec):
+        assert (draws - np.array([1.0, 0.0])).std(ddof=1) == pytest.approx(sigma_real, rel=0.15)
+        assert draws.mean(axis=0) == pytest.approx([1.0, 0.0], abs=4 * sigma_real / math.sqrt(300))
+    assert vec.std(ddof=1) == pytest.approx(s1_real.std(ddof=1), rel=0.2)
+
+
+def test_cli_dp_gmm_reports_block_and_release_claims(tmp_path, capsys):
+    out = tmp_path / "gmm.json"
+    assert audit_main(["--mechanism", "dp_gmm", "--epsilon", "4", "--trials", "2000", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "dp_gmm" in text and "S1 block" in text and "eps=4" in text
+    payload = json.loads(out.read_text())
+    assert payload["epsilon_claimed"] == 2.0 and payload["epsilon_release"] == 4.0
