@@ -16,6 +16,7 @@ import argparse
 import cProfile
 import io
 import json
+import re
 import platform
 import pstats
 import statistics
@@ -138,7 +139,8 @@ def main() -> None:
         close()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
-        lines = [ln for ln in text.getvalue().splitlines() if ln.strip()]
+        # Keep paths relative to site-packages: a results file must not carry this machine's paths.
+        lines = [re.sub(r"\S*site-packages/", "", ln) for ln in text.getvalue().splitlines() if ln.strip()]
         result["profile_default_mode_top_tottime"] = lines[-13:]
         print(f"\ndefault mode {DEFAULT_MODE!r} ratio {rows[DEFAULT_MODE]['ratio']:.2f} > {TARGET_RATIO}; "
               f"best {best!r} {private[best]['ratio']:.2f}. cProfile of 200 {DEFAULT_MODE} steps (tottime):")
