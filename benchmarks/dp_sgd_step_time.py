@@ -16,9 +16,9 @@ import argparse
 import cProfile
 import io
 import json
-import re
 import platform
 import pstats
+import re
 import statistics
 import time
 import warnings
