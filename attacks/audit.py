@@ -593,17 +593,9 @@ def audit_dp_gmm(eps: float, delta: float, *, trials: int, bound: float = 1.0, n
     from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES
     from privfl.privacy.sensitivity import check_relation
 
-    eps = _check_epsilon(eps)
-    delta = _check_delta(delta)
-    if delta == 0:
-        raise _err("delta must be > 0 for a Gaussian mechanism, got 0")
-    trials = _check_trials(trials)
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
-        raise _err(f"n (records in the class) must be an int >= 2, got {n!r}")
+    eps, delta, trials = _check_gaussian_audit(eps, delta, trials, n, bound, "records in the class")
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
         raise _err(f"dim must be an int >= 1, got {dim!r}")
-    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
-        raise _err(f"bound must be a finite number > 0, got {bound!r}")
     if covariance not in COVARIANCE_TYPES:
         raise _err(f"covariance must be one of {', '.join(COVARIANCE_TYPES)}, got {covariance!r}")
     if counts not in COUNTS_MODES:
@@ -615,6 +607,20 @@ def audit_dp_gmm(eps: float, delta: float, *, trials: int, bound: float = 1.0, n
     return AuditResult(**{**{f: getattr(result, f) for f in result.__dataclass_fields__},
                           "audited": f"S1 block (1 of k={k} blocks, equal split; {counts} counts, {relation})",
                           "epsilon_release": eps, "delta_release": delta})
+
+
+def _check_gaussian_audit(eps, delta, trials, n, bound, n_meaning: str) -> tuple[float, float, int]:
+    """Validate what every Gaussian audit takes; returns the checked ``(eps, delta, trials)``."""
+    eps = _check_epsilon(eps)
+    delta = _check_delta(delta)
+    if delta == 0:
+        raise _err("delta must be > 0 for a Gaussian mechanism, got 0")
+    trials = _check_trials(trials)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
+        raise _err(f"n ({n_meaning}) must be an int >= 2, got {n!r}")
+    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
+        raise _err(f"bound must be a finite number > 0, got {bound!r}")
+    return eps, delta, trials
 
 
 def run_audit(mechanism: str, eps: float, delta: float, *, trials: int, bound: float = 1.0, n: int = 20,
@@ -629,15 +635,7 @@ def run_audit(mechanism: str, eps: float, delta: float, *, trials: int, bound: f
     """
     if mechanism not in MECHANISMS:
         raise _err(f"mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
-    eps = _check_epsilon(eps)
-    delta = _check_delta(delta)
-    if delta == 0:
-        raise _err("delta must be > 0 for a Gaussian mechanism, got 0")
-    trials = _check_trials(trials)
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
-        raise _err(f"n (samples per set) must be an int >= 2, got {n!r}")
-    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
-        raise _err(f"bound must be a finite number > 0, got {bound!r}")
+    eps, delta, trials = _check_gaussian_audit(eps, delta, trials, n, bound, "samples per set")
     if mechanism == "dp_gmm":
         return audit_dp_gmm(eps, delta, trials=trials, bound=bound, n=n, seed=seed, confidence=confidence)
     if mechanism == "privatize":
