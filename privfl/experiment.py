@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from privfl.data import FederatedDataset, FederationSpec, build_federation, label_shift_kl
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
+from privfl.evaluation.plots import plot_run
 from privfl.federation.rundir import RunDirectory
 from privfl.federation.runtime import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
@@ -210,6 +211,8 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRu
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
     run_dir.write_json(RunDirectory.SUMMARY, summary)
+    plot_run(run_dir.read_metrics(), run_dir.read_clients(), run_dir.path("plots.png"),
+             title=f"{config.method} on {config.federation.source}, seed {config.seed}")
     return summary
 
 

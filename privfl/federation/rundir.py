@@ -2,7 +2,7 @@
 
 ``config.json`` (how to reproduce it), ``metrics.jsonl`` (one line per evaluation), ``clients.csv`` (one row per
 client), ``ledger.json`` (every release of every client), ``summary.json`` (means, SEMs, epsilon, wall time, peak
-memory) and ``checkpoint.pt`` (to resume). Every file is written atomically: a crash mid-write leaves the previous
+memory), ``plots.png`` (learning curve, accuracy against label shift) and ``checkpoint.pt`` (to resume). Every file is written atomically: a crash mid-write leaves the previous
 version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6).
 """
 
@@ -71,7 +71,7 @@ class RunDirectory:
                 f"run directory {self.root} already holds a run; resume it with --resume {self.root}, "
                 "choose another --out, or pass --overwrite")
         self.root.mkdir(parents=True, exist_ok=True)
-        for name in (self.METRICS, self.CLIENTS, self.SUMMARY, self.LEDGER, self.CHECKPOINT):
+        for name in (self.METRICS, self.CLIENTS, self.SUMMARY, self.LEDGER, self.CHECKPOINT, "plots.png"):
             self.path(name).unlink(missing_ok=True)
         self.write_json(self.CONFIG, config)
 

@@ -31,7 +31,8 @@ def _config(spec, method, **overrides):
 def test_fedavg_end_to_end_writes_a_complete_run_directory(tmp_path, config):
     summary = train(config(rounds=10), str(tmp_path / "run"), progress=False)
     run = RunDirectory(tmp_path / "run")
-    for name in ("config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt"):
+    for name in ("config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt",
+                 "plots.png"):
         assert run.path(name).exists(), name
     assert summary["novel"]["accuracy_mean"] > 60.0      # 4 well-separated classes: chance is 25%
     assert summary["novel"]["num_clients"] == 3 and summary["training_val"]["num_clients"] == 9
