@@ -445,8 +445,6 @@ def _torch_generator(seed: int):
 
 
 def _privatize_releases(eps, delta, trials, bound, n, seed, vectorised):
-    import torch
-
     from privfl.privacy import privatize
 
     encoder, x_d, x_dp = worst_case_pair(n, bound)
@@ -618,8 +616,9 @@ def _check_gaussian_audit(eps, delta, trials, n, bound, n_meaning: str) -> tuple
     trials = _check_trials(trials)
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 2:
         raise _err(f"n ({n_meaning}) must be an int >= 2, got {n!r}")
-    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
-        raise _err(f"bound must be a finite number > 0, got {bound!r}")
+    from privfl.privacy.sensitivity import check_bound
+
+    check_bound(bound)
     return eps, delta, trials
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import resource
 import time
 from dataclasses import dataclass, field
@@ -211,7 +210,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRu
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
     run_dir.write_json(RunDirectory.SUMMARY, summary)
-    plot_run(run_dir.read_metrics(), run_dir.read_clients(), run_dir.path("plots.png"),
+    plot_run(run_dir.read_metrics(), rows, run_dir.path("plots.png"),
              title=f"{config.method} on {config.federation.source}, seed {config.seed}")
     return summary
 

@@ -88,7 +88,7 @@ from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, Privac
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
-from privfl.privacy.sensitivity import check_relation
+from privfl.privacy.sensitivity import check_bound, check_relation
 
 PURPOSE = "dp_gmm"
 CovarianceType = Literal["full", "diag", "spherical"]
@@ -136,7 +136,7 @@ def block_sensitivities(*, bound: float, covariance: CovarianceType = "full",
     >>> s.per_class(50)[0]
     0.04
     """
-    bound = _check_bound(bound)
+    bound = check_bound(bound)
     covariance = _check_choice("covariance", covariance, COVARIANCE_TYPES)
     counts = _check_choice("counts", counts, COUNTS_MODES)
     relation = check_relation(relation)
@@ -248,7 +248,7 @@ def clipped_class_sums(features: Any, labels: Any, *, num_classes: int, bound: f
     features, labels outside ``[0, num_classes)`` or mismatched shapes.
     """
     x, y = _check_data(features, labels, num_classes)
-    bound = _check_bound(bound)
+    bound = check_bound(bound)
     covariance = _check_choice("covariance", covariance, COVARIANCE_TYPES)
     return _class_sums(_clip(x, bound), y, num_classes, covariance)
 
@@ -398,12 +398,6 @@ def sample_features(release: DPGaussianRelease, num_per_class: int | Sequence[in
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers.
-
-
-def _check_bound(bound: object) -> float:
-    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
-        raise ConfigError(f"bound (per-sample L2 clipping radius) must be a finite number > 0, got {bound!r}")
-    return float(bound)
 
 
 def _check_positive_int(name: str, value: object) -> int:

@@ -30,7 +30,6 @@ Units: epsilon natural-log, delta a probability, bound and sensitivity L2 in the
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -46,6 +45,7 @@ from privfl.privacy.sensitivity import (
     SensitivityCertificate,
     certify_mean_of_batch_means,
     certify_mean_of_clipped,
+    check_bound,
     check_relation,
 )
 
@@ -295,8 +295,7 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
     """
     _refuse_if_not_mean_deepset(encoder)
     epsilon, delta = check_epsilon_delta(eps, delta)
-    if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
-        raise ConfigError(f"bound (per-sample L2 clipping radius) must be a finite number > 0, got {bound!r}")
+    bound = check_bound(bound)
     relation = check_relation(relation)
     noise = check_noise(noise, generator)
     if ledger is not None and not isinstance(ledger, PrivacyLedger):

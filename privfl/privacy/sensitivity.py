@@ -41,7 +41,8 @@ class SensitivityCertificate:
     argument: str
 
 
-def _check_bound(bound: object) -> float:
+def check_bound(bound: object) -> float:
+    """``bound`` (the per-sample L2 clipping radius) as a float; ConfigError unless finite and > 0."""
     if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound) or bound <= 0:
         raise ConfigError(f"bound (per-sample L2 clipping radius) must be a finite number > 0, got {bound!r}")
     return float(bound)
@@ -106,7 +107,7 @@ def certify_mean_of_clipped(bound: float, n: int, relation: NeighboringRelation 
     >>> certify_mean_of_clipped(1.0, 100).value
     0.02
     """
-    bound = _check_bound(bound)
+    bound = check_bound(bound)
     n = _check_count("n", n)
     relation = check_relation(relation)
     warn_if_delta_too_large(delta, n)
@@ -148,7 +149,7 @@ def certify_mean_of_batch_means(bound: float, batch_sizes: Sequence[int],
     Add/remove-one is refused: adding a record changes the partition (sizes and membership), so no per-batch argument
     applies.
     """
-    bound = _check_bound(bound)
+    bound = check_bound(bound)
     relation = check_relation(relation)
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
         raise ConfigError(f"batch_sizes must be a non-empty sequence of ints >= 1, got {batch_sizes!r}")
