@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.federation.context import ClientContext, ClientState
+from privfl.federation.context import ClientContext, ClientState, client_context
 from privfl.federation.messages import Message, Release
-from privfl.federation.seeding import derive_rng, derive_seed
+from privfl.federation.seeding import derive_rng
 from privfl.federation.wire import Wire
 
 
@@ -51,33 +51,41 @@ class InProcessRuntime:
         self.client_states: dict[int, ClientState] = {cid: {} for cid in self.clients}
         self.completed_rounds = 0
         self._committed = self.snapshot()
+        with torch.random.fork_rng(devices=[]):
+            client.workspace_model()   # built outside any client's seeded stream, as on a Flower node
 
-    def _context(self, client_id: int, round: int) -> ClientContext:
-        # Dropout and other torch draws. Only the CPU generator: torch.manual_seed also seeds every accelerator
-        # backend lazily, capturing a stack trace each time (about 3 ms per client, 4% of a FedAvg round).
-        torch.default_generator.manual_seed(derive_seed(self.seed, "torch", round, client_id))
-        return ClientContext(client_id=client_id, round=round, run_seed=self.seed,
-                             rng=derive_rng(self.seed, "client_train", round, client_id))
+    def _context(self, client_id: int, round: int, stage: int = 0) -> ClientContext:
+        return client_context(self.seed, client_id, round, stage)
 
     def run_round(self, round: int) -> dict[str, float]:
         """One round: configure, train the sampled clients, deliver their releases, aggregate, commit."""
         if round != self.completed_rounds:
             raise RuntimeError(f"round {round} requested but {self.completed_rounds} rounds are completed")
         sampled = sample_clients(sorted(self.clients), self.client_fraction, seed=self.seed, round=round)
-        messages = self.strategy.configure_train(round, sampled)
-        replies, new_states = {}, {}
-        for cid in sampled:
-            delivered = self.wire.server_to_client(cid, messages[cid])
-            state = dict(self.client_states[cid])
-            release = self.client.train(self.clients[cid], delivered, state, self._context(cid, round))
-            new_states[cid] = state
-            if release is not None:
-                replies[cid] = self.wire.client_to_server(cid, release, round=round)
+        new_states = {cid: dict(self.client_states[cid]) for cid in sampled}
+        replies = self._exchange(round, 0, self.strategy.configure_train(round, sampled), new_states)
+        for stage in range(1, self.strategy.train_stages):
+            replies = self._exchange(round, stage, self.strategy.configure_stage(round, stage, replies), new_states)
         metrics = self.strategy.aggregate_train(round, replies)
         self.client_states.update(new_states)
         self.completed_rounds = round + 1
         self._committed = self.snapshot()
         return {"clients": float(len(sampled)), **metrics}
+
+    def _exchange(self, round: int, stage: int, messages: dict[int, Message],
+                  states: dict[int, ClientState]) -> dict[int, Message]:
+        """One stage of a round: each message down, the client's work on its working state, its release up."""
+        replies = {}
+        for cid in sorted(messages):
+            delivered = self.wire.server_to_client(cid, messages[cid])
+            ctx = self._context(cid, round, stage)
+            if stage == 0:
+                release = self.client.train(self.clients[cid], delivered, states[cid], ctx)
+            else:
+                release = self.client.train_stage(stage, self.clients[cid], delivered, states[cid], ctx)
+            if release is not None:
+                replies[cid] = self.wire.client_to_server(cid, release, round=round)
+        return replies
 
     def training_client_model(self, client_id: int) -> nn.Module:
         """The model training client ``client_id`` is scored with, built on the client from the server's message."""

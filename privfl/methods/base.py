@@ -8,6 +8,9 @@ today, Flower later) drives them through messages only, so the same method code 
 * ``ClientProcedure.train`` -> a :class:`Release` (or ``None`` when the client sends nothing), recorded by the wire;
 * ``Strategy.aggregate_train`` -> the server's update from the delivered messages.
 
+A round may be a dialogue of several such exchanges (``Strategy.train_stages``; ``Strategy.configure_stage`` and
+``ClientProcedure.train_stage`` for stages after the first). Every message up is a release on the wire.
+
 Novel clients follow a two-down, one-up protocol that covers every method in the project (FedAvg: the global model;
 ODPFL-HN: descriptor up, generated model down; TENT/FedTTA: model down, adaptation on the client):
 
@@ -111,9 +114,22 @@ class Strategy(ABC):
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         """The message for each sampled training client this round."""
 
+    #: Message exchanges (one down, one up) per training round. Methods whose round is a dialogue (ODPFL-HN, PeFLL:
+    #: descriptor up, model down, weight change up, gradient down, ...) set this above 1 and implement
+    #: :meth:`configure_stage` and :meth:`ClientProcedure.train_stage`.
+    train_stages: int = 1
+
+    def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
+        """Stage ``stage >= 1`` of a round: the next message for each client, given what it sent at ``stage - 1``.
+
+        Only clients present in ``replies`` take part in later stages. Per-round working values the server needs
+        later in the round (descriptors, generated weights) live on the strategy until ``aggregate_train``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has train_stages={self.train_stages} but no configure_stage")
+
     @abstractmethod
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
-        """Update the server state from the delivered messages; return round metrics for the log.
+        """Update the server state from the messages delivered at the round's last stage; return round metrics.
 
         Replace state tensors rather than modifying them in place: the runtime keeps the state of the last
         completed round by reference, to checkpoint it if a round is interrupted.
@@ -164,6 +180,12 @@ class ClientProcedure(ABC):
     @abstractmethod
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
         """Local work for one round; may update ``state`` in place. Returns what to send, or ``None``."""
+
+    def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
+                    ctx: ClientContext) -> Release | None:
+        """Stage ``stage >= 1`` of a multi-stage round (see :attr:`Strategy.train_stages`); ``state`` is the same
+        working copy the round's earlier stages saw, committed only when the round completes."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement train_stage")
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         """The model this training client is scored with (by default the weights in the message)."""

@@ -40,10 +40,12 @@ def local_sgd(
     extra_loss: ExtraLoss | None = None,
     weight_decay: float = 0.0,
     grad_clip: float = 0.0,
+    momentum: float = 0.0,
 ) -> float:
     """Run ``steps`` plain SGD steps of cross-entropy (+ ``extra_loss(params)``) on ``(x, y)``; return the mean loss.
 
-    ``weight_decay`` is SGD's L2 coefficient; ``grad_clip > 0`` rescales each step's whole gradient to at most that
+    ``weight_decay`` is SGD's L2 coefficient and ``momentum`` its heavy-ball coefficient (torch's SGD: 0 is plain
+    SGD, the default; pFedHN's clients use 0.9); ``grad_clip > 0`` rescales each step's whole gradient to at most that
     L2 norm (a stabiliser; it bounds nothing about privacy).
 
     ``extra_loss`` receives the model's parameters by name; FedProx passes its proximal term and SCAFFOLD its
@@ -53,7 +55,7 @@ def local_sgd(
         raise ValueError("local_sgd needs at least one training sample")
     model.train()
     params = dict(model.named_parameters())
-    optimizer = torch.optim.SGD(params.values(), lr=lr, weight_decay=weight_decay)
+    optimizer = torch.optim.SGD(params.values(), lr=lr, weight_decay=weight_decay, momentum=momentum)
     total = 0.0
     for index in minibatches(len(y), batch_size, steps, rng):
         batch = torch.from_numpy(index)
@@ -80,6 +82,14 @@ def difference(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) 
 
 
 def sgd_settings(config: dict) -> dict:
-    """The keyword arguments of :func:`local_sgd` from a round's message config."""
-    return {"lr": float(config["lr"]), "steps": int(config["local_steps"]), "batch_size": int(config["batch_size"]),
-            "weight_decay": float(config.get("weight_decay", 0.0)), "grad_clip": float(config.get("grad_clip", 0.0))}
+    """The keyword arguments of :func:`local_sgd` from a round's message config.
+
+    ``momentum`` is included only when the config carries it (methods that send none get exactly the settings
+    they always got).
+    """
+    settings = {"lr": float(config["lr"]), "steps": int(config["local_steps"]),
+                "batch_size": int(config["batch_size"]), "weight_decay": float(config.get("weight_decay", 0.0)),
+                "grad_clip": float(config.get("grad_clip", 0.0))}
+    if "momentum" in config:
+        settings["momentum"] = float(config["momentum"])
+    return settings
