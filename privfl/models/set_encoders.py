@@ -11,6 +11,16 @@ Two DeepSets (Zaheer et al. 2017), both of the form ``psi(pool(phi(x_1), ..., ph
   ``pool`` (a :class:`MeanPool`) and ``psi`` that :func:`privfl.privacy.privatize` inspects. Train it with the same
   structure it will be privatised with, so the hypernetwork sees descriptors of the kind it will receive.
 
+Two encoders that model interactions between the samples (digest section 2.1 and 10.2 #10), for the non-private path:
+
+- :class:`DSSEncoder` (Deep Sets for Symmetric elements, Maron et al. 2020): every layer is a Siamese layer on each
+  ``x_i`` plus a layer on the set aggregate (the mean of the ``x_j``), convolutional for images;
+- :class:`SetTransformerEncoder` (Lee et al. 2019): ISAB blocks (attention through inducing points) and PMA pooling.
+
+Both let every sample's features depend on the others (DSS through the aggregate at every layer, attention through
+softmax weights), so their output does not move by O(1/n) when one sample is replaced; :func:`privfl.privacy.privatize`
+refuses them by name (digest section 5.7 item 2).
+
 Image inputs are flattened inside ``phi`` (``input_shape`` like ``(1, 28, 28)``); feature inputs give ``input_dim``.
 Pooling modules reduce over dimension 0, the sample dimension.
 """
@@ -54,6 +64,34 @@ class MeanMaxPool(nn.Module):
 
     def extra_repr(self) -> str:
         return f"split={self.split}"
+
+
+class ClipToBall(nn.Module):
+    """Per-sample projection onto the L2 ball of radius ``bound``: each row ``v`` of ``[n, d]`` becomes
+    ``v * min(1, bound / ||v||)``.
+
+    The same projection :func:`privfl.privacy.privatize` applies to phi's outputs on the client, put inside phi
+    so that training sees descriptors of the kind a private release will produce (digest section 5.4, 5.7 item 5).
+
+    With ``sphere=True`` every row is scaled onto the sphere of radius ``bound`` instead (``v * bound / ||v||``,
+    the ODPFL-HN paper's unit-sphere normalisation, digest 5.4): norms cannot shrink, so the encoder cannot collapse
+    its outputs towards 0 in training, and the release's clipping is still a no-op.
+    """
+
+    def __init__(self, bound: float, *, sphere: bool = False) -> None:
+        super().__init__()
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound) or bound <= 0:
+            raise ConfigError(f"clip bound must be a finite number > 0 (L2 radius), got {bound!r}")
+        self.bound = float(bound)
+        self.sphere = bool(sphere)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        norms = h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        scale = self.bound / norms
+        return h * (scale if self.sphere else torch.clamp(scale, max=1.0))
+
+    def extra_repr(self) -> str:
+        return f"bound={self.bound}, sphere={self.sphere}"
 
 
 def _input_shape(input_dim: int | None, input_shape: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -131,18 +169,228 @@ class DPDeepSetEncoder(_SetEncoder):
     On its own it adds no noise; :func:`privfl.privacy.privatize` wraps it into a module whose output is a DP release
     (per-sample clipping of phi, Gaussian noise on the mean, psi as post-processing).
 
-    Args: as :class:`DeepSetEncoder` (``hidden`` may be odd here).
+    Args: as :class:`DeepSetEncoder` (``hidden`` may be odd here), plus
+        clip: if given, phi ends with a :class:`ClipToBall` of this radius, so the encoder is *trained* with the
+            per-sample clipping that ``privatize(..., bound=clip)`` applies to a release (the projection is then a
+            no-op there). ``None`` (default) leaves phi unclipped in training.
+        phi_hidden: if given, phi is ``FC(F -> phi_hidden), ReLU, FC(phi_hidden -> hidden)`` (a deeper per-sample
+            network ending linearly, so its clipped outputs can point anywhere on the ball); by default phi is
+            ``FC(F -> hidden), ReLU``.
+        sphere: with ``clip``, scale phi's outputs onto the sphere of radius ``clip`` rather than into the ball
+            (the paper's normalisation; keeps the encoder from collapsing its outputs towards 0).
 
     >>> enc = DPDeepSetEncoder(input_shape=(1, 4, 4), hidden=8, output_dim=3)
     >>> enc(torch.randn(5, 1, 4, 4)).shape
     torch.Size([3])
+    >>> clipped = DPDeepSetEncoder(input_dim=4, hidden=8, output_dim=3, clip=1.0)
+    >>> bool(clipped.phi(100 * torch.randn(6, 4)).norm(dim=1).max() <= 1.0 + 1e-6)
+    True
     """
 
     def __init__(self, input_dim: int | None = None, *, input_shape: int | Sequence[int] | None = None,
-                 hidden: int = 500, output_dim: int = 64) -> None:
+                 hidden: int = 500, output_dim: int = 64, clip: float | None = None,
+                 phi_hidden: int | None = None, sphere: bool = False) -> None:
         super().__init__()
         self._build(input_dim, input_shape, hidden, output_dim)
+        if phi_hidden is not None:
+            phi_hidden = _positive("phi_hidden", phi_hidden)
+            self.phi = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(self.input_shape), phi_hidden), nn.ReLU(),
+                                     nn.Linear(phi_hidden, hidden))
+        if clip is not None:
+            self.phi.append(ClipToBall(clip, sphere=sphere))
+        self.clip = None if clip is None else float(clip)
         self.pool = MeanPool()
 
 
-__all__ = ["DPDeepSetEncoder", "DeepSetEncoder", "MaxPool", "MeanMaxPool", "MeanPool"]
+# -- encoders that couple the samples (not privatisable) ---------------------------------------------------------
+
+
+class _SetLayerBase(nn.Module):
+    """Shared input handling of the DSS and Set Transformer encoders."""
+
+    def _shape(self, input_dim, input_shape, output_dim) -> None:
+        self.input_shape = _input_shape(input_dim, input_shape)
+        self.output_dim = _positive("output_dim", output_dim)
+
+    check_input = _SetEncoder.check_input
+
+
+class DSSLayer(nn.Module):
+    """One layer of Deep Sets for Symmetric elements (Maron et al. 2020, eq. 5): ``L1(x_i) + L2(mean_j x_j)``.
+
+    ``L1`` (the Siamese part, shared by all elements) and ``L2`` (the aggregate part) are convolutions for images
+    ``[n, C, H, W]`` (equivariant to translations) or linear maps for vectors ``[n, F]``. The aggregate is the mean
+    rather than the sum, so its scale does not grow with n. The output is equivariant to permutations of the set.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, *, image: bool, kernel_size: int = 3) -> None:
+        super().__init__()
+        if image:
+            self.siamese = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2)
+            self.aggregate = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False)
+        else:
+            self.siamese = nn.Linear(in_channels, out_channels)
+            self.aggregate = nn.Linear(in_channels, out_channels, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.siamese(x) + self.aggregate(x.mean(dim=0, keepdim=True))
+
+
+class DSSEncoder(_SetLayerBase):
+    """A DSS set encoder (digest 10.2 #10): DSS layers (convolutional for images, with ReLU and 2x2 max pooling over
+    space after each), then per element ``FC -> hidden, ReLU``, pooling over the set, and ``FC -> output_dim``.
+
+    Not differentially privatisable: every element's features depend on the set aggregate at every layer.
+
+    Args:
+        input_dim / input_shape: as :class:`DeepSetEncoder`; a 3-d ``input_shape`` ``(C, H, W)`` uses convolutions.
+        channels: output channels (images) or widths (vectors) of the DSS layers (default ``(16, 32)``).
+        hidden: width before pooling (200 in the digest).
+        output_dim: descriptor dimension.
+        pool: ``"meanmax"`` (mean on half the units, max on the rest, as the ODPFL-HN DeepSet) or ``"mean"``.
+
+    >>> enc = DSSEncoder(input_shape=(1, 8, 8), channels=(4, 8), hidden=16, output_dim=3)
+    >>> enc(torch.randn(5, 1, 8, 8)).shape
+    torch.Size([3])
+    """
+
+    def __init__(self, input_dim: int | None = None, *, input_shape: int | Sequence[int] | None = None,
+                 channels: Sequence[int] = (16, 32), hidden: int = 200, output_dim: int = 64,
+                 pool: str = "meanmax") -> None:
+        super().__init__()
+        self._shape(input_dim, input_shape, output_dim)
+        hidden = _positive("hidden", hidden)
+        channels = tuple(channels)
+        if not channels:
+            raise ConfigError("channels must list at least one DSS layer width, got ()")
+        for c in channels:
+            _positive("channels", c)
+        if pool not in ("meanmax", "mean"):
+            raise ConfigError(f"pool must be 'meanmax' or 'mean', got {pool!r}")
+        if pool == "meanmax" and (hidden < 2 or hidden % 2):
+            raise ConfigError(f"hidden must be an even int >= 2 with pool='meanmax', got {hidden!r}")
+        image = len(self.input_shape) == 3
+        layers: list[nn.Module] = []
+        width = self.input_shape[0] if image else math.prod(self.input_shape)
+        size = list(self.input_shape[1:]) if image else []
+        for c in channels:
+            layers += [DSSLayer(width, c, image=image), nn.ReLU()]
+            if image and min(size) >= 2:
+                layers.append(nn.MaxPool2d(2))
+                size = [s // 2 for s in size]
+            width = c
+        self.equivariant = nn.Sequential(*layers)
+        flat = width * math.prod(size) if image else width
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(flat, hidden), nn.ReLU())
+        self.pool = MeanMaxPool(hidden // 2) if pool == "meanmax" else MeanPool()
+        self.psi = nn.Linear(hidden, self.output_dim)
+        self._image = image
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One client's sample set ``x`` ``[n, *input_shape]`` -> descriptor ``[output_dim]``."""
+        self.check_input(x)
+        h = x if self._image else x.reshape(len(x), -1)
+        return self.psi(self.pool(self.head(self.equivariant(h))))
+
+
+class MAB(nn.Module):
+    """Multihead attention block (Lee et al. 2019, eq. 6): ``H = X + MHA(X, Y, Y)``, ``out = H + ReLU(FC(H))``
+    (optional LayerNorm after each sum, as the authors' ``ln`` flag)."""
+
+    def __init__(self, dim: int, heads: int, *, ln: bool = False) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ff = nn.Linear(dim, dim)
+        self.ln0 = nn.LayerNorm(dim) if ln else nn.Identity()
+        self.ln1 = nn.LayerNorm(dim) if ln else nn.Identity()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.ln0(x + self.attention(x, y, y, need_weights=False)[0])
+        return self.ln1(h + torch.relu(self.ff(h)))
+
+
+class ISAB(nn.Module):
+    """Induced set attention block (Lee et al. 2019, eq. 9): ``MAB(X, MAB(I, X))`` with ``m`` learned inducing
+    points ``I``; O(n m) instead of O(n^2), permutation equivariant."""
+
+    def __init__(self, dim: int, heads: int, inducing: int, *, ln: bool = False) -> None:
+        super().__init__()
+        self.inducing = nn.Parameter(torch.randn(1, inducing, dim) / dim ** 0.5)
+        self.mab0 = MAB(dim, heads, ln=ln)
+        self.mab1 = MAB(dim, heads, ln=ln)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mab0(self.inducing.expand(len(x), -1, -1), x)
+        return self.mab1(x, h)
+
+
+class PMA(nn.Module):
+    """Pooling by multihead attention (Lee et al. 2019, eq. 11): ``MAB(S, ReLU(FC(X)))`` with ``k`` learned seeds."""
+
+    def __init__(self, dim: int, heads: int, seeds: int = 1, *, ln: bool = False) -> None:
+        super().__init__()
+        self.seeds = nn.Parameter(torch.randn(1, seeds, dim) / dim ** 0.5)
+        self.ff = nn.Linear(dim, dim)
+        self.mab = MAB(dim, heads, ln=ln)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mab(self.seeds.expand(len(x), -1, -1), torch.relu(self.ff(x)))
+
+
+class SetTransformerEncoder(_SetLayerBase):
+    """A Set Transformer encoder (digest 10.2 #10): a per-element stem (two 3x3 conv + ReLU + 2x2 max-pool layers of
+    16 and 32 channels for images, nothing for vectors), ``FC -> dim``, ``blocks`` ISABs, PMA with one seed, and
+    ``FC -> output_dim``.
+
+    Not differentially privatisable: softmax attention can let one sample dominate the pooled output.
+
+    Args:
+        input_dim / input_shape: as :class:`DeepSetEncoder`.
+        dim: attention width (128); heads: attention heads (4, dividing ``dim``); inducing: inducing points per
+            ISAB (16); blocks: number of ISABs (2); ln: LayerNorm in the attention blocks (off, as the authors'
+            default).
+        output_dim: descriptor dimension.
+
+    >>> enc = SetTransformerEncoder(input_dim=6, dim=8, heads=2, inducing=4, output_dim=3)
+    >>> enc(torch.randn(5, 6)).shape
+    torch.Size([3])
+    """
+
+    def __init__(self, input_dim: int | None = None, *, input_shape: int | Sequence[int] | None = None,
+                 dim: int = 128, heads: int = 4, inducing: int = 16, blocks: int = 2, output_dim: int = 64,
+                 ln: bool = False) -> None:
+        super().__init__()
+        self._shape(input_dim, input_shape, output_dim)
+        dim, heads, inducing = _positive("dim", dim), _positive("heads", heads), _positive("inducing", inducing)
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            raise ConfigError(f"blocks must be an int >= 0, got {blocks!r}")
+        if dim % heads:
+            raise ConfigError(f"heads must divide dim, got dim={dim}, heads={heads}")
+        if len(self.input_shape) == 3:
+            stem: list[nn.Module] = []
+            width, size = self.input_shape[0], list(self.input_shape[1:])
+            for c in (16, 32):
+                stem += [nn.Conv2d(width, c, 3, padding=1), nn.ReLU()]
+                if min(size) >= 2:
+                    stem.append(nn.MaxPool2d(2))
+                    size = [s // 2 for s in size]
+                width = c
+            stem += [nn.Flatten(), nn.Linear(width * math.prod(size), dim)]
+        else:
+            stem = [nn.Flatten(), nn.Linear(math.prod(self.input_shape), dim)]
+        self.stem = nn.Sequential(*stem)
+        self.blocks = nn.ModuleList(ISAB(dim, heads, inducing, ln=ln) for _ in range(blocks))
+        self.pma = PMA(dim, heads, 1, ln=ln)
+        self.out = nn.Linear(dim, self.output_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One client's sample set ``x`` ``[n, *input_shape]`` -> descriptor ``[output_dim]``."""
+        self.check_input(x)
+        h = self.stem(x).unsqueeze(0)                   # [1, n, dim]: the set is one batch element
+        for block in self.blocks:
+            h = block(h)
+        return self.out(self.pma(h).reshape(-1))
+
+
+__all__ = ["ClipToBall", "DPDeepSetEncoder", "DSSEncoder", "DSSLayer", "DeepSetEncoder", "ISAB", "MAB", "MaxPool",
+           "MeanMaxPool", "MeanPool", "PMA", "SetTransformerEncoder"]

@@ -70,3 +70,89 @@ def test_bad_input_shape_is_named():
         enc(torch.randn(3, 4, 4))
     with pytest.raises(ConfigError, match="n >= 1"):
         enc(torch.randn(0, 1, 4, 4))
+
+
+# -- DSS, Set Transformer, the clip option and the registry -----------------------------------------------------------
+
+from privfl.models.encoders import ENCODERS, build_encoder, encoder_options  # noqa: E402
+from privfl.models.set_encoders import ClipToBall, DSSEncoder, SetTransformerEncoder  # noqa: E402
+from privfl.privacy import privatize  # noqa: E402
+
+
+@pytest.mark.parametrize("make,x", [
+    (lambda: DSSEncoder(input_shape=(1, 8, 8), channels=(4, 8), hidden=16, output_dim=5), (13, 1, 8, 8)),
+    (lambda: DSSEncoder(input_dim=6, channels=(8,), hidden=10, output_dim=5, pool="mean"), (13, 6)),
+    (lambda: SetTransformerEncoder(input_shape=(1, 8, 8), dim=16, heads=4, inducing=3, output_dim=5), (13, 1, 8, 8)),
+    (lambda: SetTransformerEncoder(input_dim=6, dim=8, heads=2, inducing=4, blocks=1, output_dim=5, ln=True),
+     (13, 6)),
+])
+def test_dss_and_set_transformer_shapes_and_permutation_invariance(make, x):
+    torch.manual_seed(0)
+    enc = make()
+    x = torch.randn(*x)
+    out = enc(x)
+    assert out.shape == (5,)
+    torch.testing.assert_close(enc(x[torch.randperm(len(x))]), out, rtol=1e-4, atol=1e-5)
+    # the set matters: a different set (here, half of it) gives a different descriptor
+    assert (enc(x[: len(x) // 2]) - out).abs().max() > 1e-4
+
+
+def test_dss_layers_see_the_set_aggregate():
+    torch.manual_seed(0)
+    enc = DSSEncoder(input_dim=4, channels=(6,), hidden=8, output_dim=2, pool="mean")
+    x = torch.randn(5, 4)
+    layer = enc.equivariant[0]
+    torch.testing.assert_close(layer(x), layer.siamese(x) + layer.aggregate(x.mean(0, keepdim=True)))
+    # changing one element changes every other element's features (the aggregate term)
+    y = x.clone()
+    y[0] += 3.0
+    assert (layer(y)[1:] - layer(x)[1:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: DSSEncoder(input_shape=(1, 8, 8), channels=(4,), hidden=8, output_dim=2),
+     r"encoder\.pool\.max is MaxPool: its sensitivity does not shrink with n"),
+    (lambda: DSSEncoder(input_shape=(1, 8, 8), channels=(4,), hidden=8, output_dim=2, pool="mean"),
+     r"encoder \(DSSEncoder\) has no module encoder\.phi"),
+    (lambda: SetTransformerEncoder(input_dim=4, dim=8, heads=2, inducing=2, output_dim=2),
+     r"encoder\.blocks\.0\.mab0\.attention is MultiheadAttention: attention lets one sample dominate"),
+    (lambda: SetTransformerEncoder(input_dim=4, dim=8, heads=2, inducing=2, blocks=0, output_dim=2),
+     r"encoder\.pma\.mab\.attention is MultiheadAttention"),
+])
+def test_privatize_refuses_dss_and_set_transformer_by_name(make, message):
+    with pytest.raises(ConfigError, match=message):
+        privatize(make(), 1.0, 1e-5)
+
+
+def test_clip_to_ball_projects_rows():
+    h = torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]])
+    torch.testing.assert_close(ClipToBall(1.0)(h), torch.tensor([[0.6, 0.8], [0.3, 0.4], [0.0, 0.0]]))
+    torch.testing.assert_close(ClipToBall(2.0, sphere=True)(h), torch.tensor([[1.2, 1.6], [1.2, 1.6], [0.0, 0.0]]))
+    with pytest.raises(ConfigError, match="-1"):
+        ClipToBall(-1)
+
+
+def test_clipped_dp_deepset_trains_with_the_structure_privatize_releases():
+    torch.manual_seed(0)
+    enc = DPDeepSetEncoder(input_dim=6, hidden=5, output_dim=3, clip=1.0, phi_hidden=7, sphere=True)
+    x = 50 * torch.randn(40, 6)
+    torch.testing.assert_close(enc.phi(x).detach().norm(dim=1), torch.ones(40))
+    assert float(enc.phi(x).detach().norm(dim=1).max()) <= 1.0 + 1e-6
+    private = privatize(enc, 1.0, 1e-5, bound=1.0)
+    # the pre-noise value privatize computes is exactly what the encoder pooled in training
+    torch.testing.assert_close(private.clipped_mean(x).float(), enc.pool(enc.phi(x)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(enc.psi(private.clipped_mean(x).float()), enc(x), rtol=1e-5, atol=1e-6)
+
+
+def test_registry_builds_every_encoder_and_names_bad_values():
+    assert sorted(ENCODERS) == ["deepset", "dp_deepset", "dss", "set_transformer"]
+    for name in ENCODERS:
+        enc = build_encoder(name, (1, 8, 8), 4)
+        assert enc(torch.randn(3, 1, 8, 8)).shape == (4,)
+    assert "clip" in encoder_options("dp_deepset") and "inducing" in encoder_options("set_transformer")
+    with pytest.raises(ConfigError, match="unknown encoder 'gru'; valid choices: deepset, dp_deepset, dss"):
+        build_encoder("gru", (4,), 2)
+    with pytest.raises(ConfigError, match="encoder 'dss' has no option clip; valid options: channels, hidden, pool"):
+        build_encoder("dss", (4,), 2, clip=1.0)
+    with pytest.raises(ConfigError, match="heads must divide dim"):
+        build_encoder("set_transformer", (4,), 2, dim=10, heads=4)

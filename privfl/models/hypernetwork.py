@@ -1,0 +1,156 @@
+"""Hypernetworks: a descriptor ``e`` -> the weights of a target network, for every target without per-dataset classes.
+
+The architecture is pFedHN's ``CNNHyper`` (Shamsian et al. 2021; digest ``papers/odpfl-hn.md`` section 2.2), made
+generic: a trunk ``Linear(d_e, h)`` followed by ``n_hidden`` blocks of ``ReLU, Linear(h, h)`` (no activation before
+the heads), then one linear head per tensor of the target's ``named_parameters()``, reshaped to that tensor's shape.
+
+A head costs ``(h + 1) * numel`` parameters, so per-tensor heads reach hundreds of millions of parameters on large
+targets (a 1.5 M-parameter feature MLP needs about 150 M). Above ``chunk_threshold`` target parameters the
+:class:`HyperNetwork` switches to a *chunked* generator (von Oswald et al. 2020): the target's flattened weights are
+cut into chunks of ``chunk_size``; a learned chunk embedding is concatenated to the trunk's output and one shared head
+emits each chunk, so the head costs ``(h + c + 1) * chunk_size`` whatever the target's size.
+
+Generated weights are a dict keyed like ``target.named_parameters()``; run the target on them with
+:func:`privfl.models.targets.functional_forward`, and gradients reach the hypernetwork and the descriptor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from privfl.errors import ConfigError
+
+#: Target size (parameters) above which :class:`HyperNetwork` uses the chunked generator unless told otherwise.
+CHUNK_THRESHOLD = 1_000_000
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def target_shapes(target: nn.Module) -> dict[str, torch.Size]:
+    """The trainable tensors of ``target`` by name, in ``named_parameters()`` order (what a hypernetwork emits)."""
+    shapes = {name: p.shape for name, p in target.named_parameters() if p.requires_grad}
+    if not shapes:
+        raise ConfigError(f"target {type(target).__name__} has no trainable parameters to generate")
+    return shapes
+
+
+def embedding_dim(num_clients: int, *, rule: str = "quarter") -> int:
+    """The descriptor size rule of the papers (digest section 2.4): ``floor(N/4)`` ("quarter", at least 1) or
+    pFedHN's ``int(1 + N/4)`` ("pfedhn")."""
+    _positive_int("num_clients", num_clients)
+    if rule == "quarter":
+        return max(1, num_clients // 4)
+    if rule == "pfedhn":
+        return int(1 + num_clients / 4)
+    raise ConfigError(f"embedding dimension rule must be 'quarter' or 'pfedhn', got {rule!r}")
+
+
+class HyperNetwork(nn.Module):
+    """Maps a descriptor ``[embed_dim]`` to a dict of target weights named like ``target.named_parameters()``.
+
+    Args:
+        target: the target network (only its parameter names and shapes are read).
+        embed_dim: descriptor dimension d_e.
+        hidden_dim: trunk width (100 in the papers).
+        n_hidden: number of ``ReLU, Linear(h, h)`` blocks after the first layer (3 in the papers).
+        spectral_norm: wrap every trunk and head linear layer in spectral normalisation (off in the papers).
+        chunked: ``None`` chooses by size (chunked above :data:`CHUNK_THRESHOLD` target parameters); ``True`` /
+            ``False`` force the generator.
+        chunk_size: weights emitted per chunk by the chunked generator.
+        chunk_embed_dim: size of the learned per-chunk embedding.
+
+    >>> from privfl.models import build_model
+    >>> target = build_model("mlp2nn", (1, 28, 28), 10)
+    >>> hnet = HyperNetwork(target, embed_dim=25)
+    >>> weights = hnet(torch.randn(25))
+    >>> list(weights) == [n for n, _ in target.named_parameters()] and weights["fc1.weight"].shape == (200, 784)
+    True
+    """
+
+    def __init__(self, target: nn.Module, *, embed_dim: int, hidden_dim: int = 100, n_hidden: int = 3,
+                 spectral_norm: bool = False, chunked: bool | None = None, chunk_size: int = 10_000,
+                 chunk_embed_dim: int = 16) -> None:
+        super().__init__()
+        self.embed_dim = _positive_int("embed_dim", embed_dim)
+        hidden_dim = _positive_int("hidden_dim", hidden_dim)
+        if isinstance(n_hidden, bool) or not isinstance(n_hidden, int) or n_hidden < 0:
+            raise ConfigError(f"n_hidden must be an int >= 0, got {n_hidden!r}")
+        if chunked not in (None, True, False):
+            raise ConfigError(f"chunked must be None (by size), True or False, got {chunked!r}")
+        self.shapes = target_shapes(target)
+        self.num_target_params = sum(math.prod(s) for s in self.shapes.values())
+        self.chunked = self.num_target_params > CHUNK_THRESHOLD if chunked is None else chunked
+        wrap = nn.utils.parametrizations.spectral_norm if spectral_norm else (lambda layer: layer)
+
+        layers: list[nn.Module] = [wrap(nn.Linear(self.embed_dim, hidden_dim))]
+        for _ in range(n_hidden):
+            layers += [nn.ReLU(), wrap(nn.Linear(hidden_dim, hidden_dim))]
+        self.trunk = nn.Sequential(*layers)
+
+        if self.chunked:
+            self.chunk_size = _positive_int("chunk_size", chunk_size)
+            _positive_int("chunk_embed_dim", chunk_embed_dim)
+            self.num_chunks = math.ceil(self.num_target_params / self.chunk_size)
+            self.chunk_embeddings = nn.Parameter(torch.randn(self.num_chunks, chunk_embed_dim) / chunk_embed_dim ** 0.5)
+            self.chunk_head = wrap(nn.Linear(hidden_dim + chunk_embed_dim, self.chunk_size))
+        else:
+            # nn.ModuleDict keys cannot contain "."; heads are stored under escaped names, emitted under real ones.
+            self.heads = nn.ModuleDict({
+                _key(name): wrap(nn.Linear(hidden_dim, math.prod(shape))) for name, shape in self.shapes.items()
+            })
+
+    def forward(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``descriptor`` ``[embed_dim]`` -> ``{name: tensor of the target's shape}`` (graph kept to both)."""
+        if descriptor.shape != (self.embed_dim,):
+            raise ConfigError(f"descriptor must have shape ({self.embed_dim},), got {tuple(descriptor.shape)}")
+        features = self.trunk(descriptor)
+        if not self.chunked:
+            return {name: self.heads[_key(name)](features).reshape(shape) for name, shape in self.shapes.items()}
+        rows = torch.cat([features.expand(self.num_chunks, -1), self.chunk_embeddings], dim=1)
+        flat = self.chunk_head(rows).reshape(-1)[: self.num_target_params]
+        out, start = {}, 0
+        for name, shape in self.shapes.items():
+            size = math.prod(shape)
+            out[name] = flat[start:start + size].reshape(shape)
+            start += size
+        return out
+
+
+def backprop_weight_change(hnet: HyperNetwork, descriptor: torch.Tensor, change: dict[str, torch.Tensor]
+                           ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The pFedHN chain rule: gradients of the hypernetwork's parameters and of the descriptor from a weight change.
+
+    ``change`` is ``w_before - w_after`` of the client's local training ("before minus after", the sign of pFedHN's
+    code; the ODPFL-HN paper's Algorithm 1 prints the opposite sign with a descent step, which moves *away* from the
+    locally improved weights, digest section 3.1). Used as ``grad_outputs`` of the vector-Jacobian product through
+    ``w = hnet(e)``, it plays the role of dL/dw: after one plain SGD step at learning rate eta it is exactly
+    ``eta * dL/dw``, so the returned gradients are ``eta`` times the true gradients of L(hnet(e)).
+
+    Returns ``({parameter name: gradient}, gradient with respect to the descriptor)``; nothing is modified.
+    """
+    leaf = descriptor.detach().requires_grad_(True)
+    generated = hnet(leaf)
+    missing = sorted(set(generated) - set(change))
+    if missing:
+        raise ConfigError(f"weight change lacks the generated tensors {missing}")
+    names = [n for n, p in hnet.named_parameters() if p.requires_grad]
+    params = [p for p in hnet.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(list(generated.values()), [*params, leaf],
+                                grad_outputs=[change[k].to(v.dtype) for k, v in generated.items()],
+                                allow_unused=True)
+    param_grads = {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, params, grads[:-1], strict=True)}
+    return param_grads, grads[-1]
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+__all__ = ["CHUNK_THRESHOLD", "HyperNetwork", "backprop_weight_change", "embedding_dim", "target_shapes"]

@@ -1,0 +1,89 @@
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from privfl.errors import ConfigError
+from privfl.models import build_model, functional_forward
+from privfl.models.hypernetwork import HyperNetwork, backprop_weight_change, embedding_dim
+
+
+@pytest.mark.parametrize("name,shape", [("mlp2nn", (1, 28, 28)), ("lenet", (3, 32, 32)), ("feature_mlp", (64,))])
+def test_generated_weights_match_the_target_names_and_shapes_and_run_it(name, shape):
+    torch.manual_seed(0)
+    target = build_model(name, shape, 10)
+    hnet = HyperNetwork(target, embed_dim=7)
+    weights = hnet(torch.randn(7))
+    assert [(n, tuple(w.shape)) for n, w in weights.items()] == [(n, tuple(p.shape)) for n, p in target.named_parameters()]
+    logits = functional_forward(target, weights, torch.randn(4, *shape))
+    assert logits.shape == (4, 10)
+    logits.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in hnet.parameters())
+
+
+def test_per_tensor_heads_have_the_papers_parameter_count():
+    target = build_model("lenet", (3, 32, 32), 10)            # pFedHN's CNNTarget: 121,182 parameters
+    assert sum(p.numel() for p in target.parameters()) == 121_182
+    hnet = HyperNetwork(target, embed_dim=25)
+    trunk = (25 * 100 + 100) + 3 * (100 * 100 + 100)
+    assert sum(p.numel() for p in hnet.parameters()) == trunk + 101 * 121_182   # 12.27 M, digest section 2.2
+    assert not hnet.chunked
+
+
+def test_large_targets_get_the_chunked_generator_with_a_bounded_head():
+    target = build_model("feature_mlp", (1280,), 1203)        # 1,493,703 parameters: per-tensor heads would be 151 M
+    hnet = HyperNetwork(target, embed_dim=30, chunk_size=5000, chunk_embed_dim=8)
+    assert hnet.chunked and hnet.num_target_params == 1_493_703 and hnet.num_chunks == math.ceil(1_493_703 / 5000)
+    assert sum(p.numel() for p in hnet.parameters()) < 1_000_000
+    weights = hnet(torch.randn(30))
+    assert {n: tuple(w.shape) for n, w in weights.items()} == {n: tuple(p.shape) for n, p in target.named_parameters()}
+    functional_forward(target, weights, torch.randn(2, 1280)).sum().backward()
+    assert hnet.chunk_embeddings.grad.abs().sum() > 0 and hnet.trunk[0].weight.grad.abs().sum() > 0
+
+
+def test_spectral_norm_bounds_each_layer():
+    torch.manual_seed(0)
+    hnet = HyperNetwork(build_model("mlp2nn", (1, 4, 4), 3), embed_dim=5, spectral_norm=True)
+    hnet(torch.randn(5))                                      # one power iteration
+    for _ in range(20):
+        hnet(torch.randn(5))
+    sigma = torch.linalg.matrix_norm(hnet.trunk[2].weight.detach(), ord=2)
+    assert sigma == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_weight_change_chain_rule_is_the_true_gradient_after_one_sgd_step():
+    """d = before - after of one plain SGD step at lr eta; the VJP through the hypernetwork is eta * dL/dtheta and
+    eta * dL/de (digest section 3.1, the unit test it asks for)."""
+    torch.manual_seed(0)
+    target = build_model("mlp2nn", (1, 4, 4), 3)
+    hnet = HyperNetwork(target, embed_dim=4).double()
+    e = torch.randn(4, dtype=torch.float64)
+    x, y = torch.randn(8, 1, 4, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    eta = 0.05
+
+    before = {k: v.detach() for k, v in hnet(e).items()}
+    w = {k: v.clone().requires_grad_(True) for k, v in before.items()}
+    loss = F.cross_entropy(functional_forward(target.double(), w, x), y)
+    grads = torch.autograd.grad(loss, list(w.values()))
+    after = {k: v - eta * g for (k, v), g in zip(before.items(), grads)}
+    change = {k: before[k] - after[k] for k in before}
+    param_grads, e_grad = backprop_weight_change(hnet, e, change)
+
+    e_leaf = e.clone().requires_grad_(True)
+    true = torch.autograd.grad(F.cross_entropy(functional_forward(target, hnet(e_leaf), x), y),
+                               [*hnet.parameters(), e_leaf])
+    for (name, got), want in zip(param_grads.items(), true[:-1]):
+        torch.testing.assert_close(got, eta * want, msg=name)
+    torch.testing.assert_close(e_grad, eta * true[-1])
+
+
+def test_bad_settings_are_refused_by_name():
+    target = build_model("mlp2nn", (1, 4, 4), 3)
+    with pytest.raises(ConfigError, match="embed_dim"):
+        HyperNetwork(target, embed_dim=0)
+    with pytest.raises(ConfigError, match=r"shape \(5,\)"):
+        HyperNetwork(target, embed_dim=5)(torch.randn(6))
+    assert embedding_dim(100) == 25 and embedding_dim(100, rule="pfedhn") == 26
+    with pytest.raises(ConfigError, match="rule"):
+        embedding_dim(100, rule="half")
