@@ -11,10 +11,14 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ClientScore:
-    """One client's result on its evaluation set: sample count, correct predictions, summed cross-entropy (nats)."""
+    """One client's result on its evaluation set: sample count, correct predictions, summed cross-entropy (nats).
+
+    For an :class:`ExpectedModel` ``correct`` and ``loss_sum`` are expectations (means over its members), so
+    ``correct`` may be fractional.
+    """
 
     num_samples: int
-    correct: int
+    correct: int | float
     loss_sum: float
 
     @property
@@ -26,9 +30,35 @@ class ClientScore:
         return self.loss_sum / self.num_samples if self.num_samples else float("nan")
 
 
+class ExpectedModel(nn.Module):
+    """One of ``members`` drawn uniformly at random, scored by its expectation (PFL-sampled; digest
+    ``papers/odpfl-hn.md`` section 7.4 item 4 and 10.2 #22).
+
+    It makes no single prediction, so calling it raises; :func:`score_model` scores it as the mean over members of
+    each member's score (accuracy = mean of the members' accuracies, loss = mean of their losses).
+    """
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        super().__init__()
+        if not members:
+            raise ValueError("an ExpectedModel needs at least one member")
+        self.members = nn.ModuleList(members)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("an ExpectedModel stands for a uniformly drawn member and has no single prediction; "
+                        "score it with score_model (mean over members) or call one of .members")
+
+
 @torch.no_grad()
 def score_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int = 2048) -> ClientScore:
-    """Accuracy and cross-entropy of ``model`` on ``(x, y)``, in eval mode, in batches."""
+    """Accuracy and cross-entropy of ``model`` on ``(x, y)``, in eval mode, in batches.
+
+    An :class:`ExpectedModel` scores as the mean of its members' scores.
+    """
+    if isinstance(model, ExpectedModel):
+        scores = [score_model(member, x, y, batch_size=batch_size) for member in model.members]
+        return ClientScore(num_samples=len(y), correct=sum(s.correct for s in scores) / len(scores),
+                           loss_sum=sum(s.loss_sum for s in scores) / len(scores))
     was_training = model.training
     model.eval()
     correct, loss_sum = 0, 0.0

@@ -1,0 +1,279 @@
+"""IT-PFL-HN, the two-phase variant of ODPFL-HN (digest ``papers/odpfl-hn.md`` section 3.2; [000] App. B.2, the main
+method of [001]): pFedHN with an encoder learned beside it, so a novel unlabelled client can be served.
+
+Three networks: a set encoder ``g_gamma`` (:func:`privfl.models.encoders.build_encoder`; the mean+max DeepSet by
+default, ``"dp_deepset"`` for the DP-ready form), the hypernetwork ``f_theta`` and the clients' embedding table, both
+as in :mod:`privfl.methods.pfedhn`. Every round has two stages (one message down, one release up each).
+
+**Phase 1** (rounds ``0 .. phase1_rounds - 1``): pFedHN plus encoder regression.
+
+1. stage 0: the server sends ``w_i = f_theta(e_i)``; the client trains it locally and releases ``d_i = w_i -
+   w_i_new`` (purpose ``"weight_change"``), exactly as pFedHN (steps 1-2 there);
+2. stage 1: the server sends the encoder ``g_gamma`` and the row ``e_i`` the round's model was generated from (the
+   value before this round's update, 10.2 #15); the client runs ``encoder_steps`` full-batch SGD steps (momentum
+   ``encoder_momentum``) on ``L_encoder = ||g_gamma(X_i) - e_i||^2`` (squared L2, 10.2 #16) over its training inputs
+   and releases the encoder change ``gamma_new - gamma`` with its sample count (purpose ``"encoder_update"``);
+3. the server updates ``theta`` and the rows of the round's clients from the ``d_i`` (pFedHN's steps 3-4) and sets
+   ``gamma <- gamma + sum_i n_i (gamma_i - gamma) / sum_i n_i`` (FedAvg of the encoder changes, data-size
+   weighted). The encoder influences neither ``theta`` nor the ``e_i`` in this phase.
+
+**Phase 2** (rounds ``phase1_rounds ..``): fine-tune ``theta`` on encoder outputs with ``gamma`` frozen,
+``L_fine-tune(theta) = sum_i sum_j l(f_theta(g_gamma(X_i))(x_j), y_j)``.
+
+4. at the first phase-2 round the server keeps a copy of ``theta`` (the *pre-fine-tune* hypernetwork) and starts the
+   fine-tuning optimiser afresh (zero momentum), at learning rate ``finetune_lr``;
+5. stage 0: the server sends the frozen encoder; the client releases its descriptor ``g_gamma(X_i)`` over its
+   training inputs (purpose ``"descriptor"``);
+6. stage 1: the server sends ``w_i = f_theta(g_gamma(X_i))``; the client trains it locally and releases ``d_i``;
+7. the server chain-rules the ``d_i`` into ``theta`` only (averaged, clipped, one SGD step); no embedding row moves.
+
+**Serving.** Training clients are scored with the pre-fine-tune hypernetwork on their embedding row,
+``f_theta_pre(e_i)``, since fine-tuning "improves novel-client accuracy but reduces accuracy on the labelled training
+clients" (digest 3.2); before phase 2 that is the current ``theta``. A novel client (section 4 of the digest):
+
+1. the server sends the encoder ``g_gamma``;
+2. the client computes ``e_new = g_gamma(X_new)`` on all its unlabelled inputs and sends it: **one** release,
+   purpose ``"descriptor"``, non-private here (this module adds no noise; ODPFL-HN's DP path privatises it);
+3. the server sends ``f_theta(e_new)`` from the current (fine-tuned) hypernetwork; the client predicts locally.
+   Nothing else leaves the client.
+
+Model selection: during phase 2 the training clients' validation scores do not change (their models come from the
+pre-fine-tune hypernetwork), so with ``RunConfig(select="best_val")`` the selected round is never a phase-2 round
+and novel clients are served *without* fine-tuning. Use ``select="last"`` to serve the fine-tuned hypernetwork.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from privfl.data import NovelClient, TrainingClient
+from privfl.errors import ConfigError
+from privfl.federation.messages import Message, Release, prefixed
+from privfl.federation.seeding import derive_seed, seeded_init
+from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
+from privfl.methods.fedavg import weighted_mean
+from privfl.methods.pfedhn import PFedHNClient, PFedHNConfig, PFedHNStrategy
+from privfl.models.encoders import build_encoder, encoder_options
+
+_ENCODER = "encoder/"
+
+
+@dataclass(frozen=True)
+class ITPFLHNConfig(PFedHNConfig):
+    """pFedHN's settings plus the encoder and the phases.
+
+    ``encoder``: a name of :data:`privfl.models.encoders.ENCODERS` (``"deepset"``: mean+max DeepSet, the papers';
+    ``"dp_deepset"``: phi -> mean -> psi, the only one DP can certify; ``"dss"``, ``"set_transformer"``);
+    ``encoder_options``: its keyword options (e.g. ``{"hidden": 500}``).
+    ``encoder_lr``, ``encoder_momentum``, ``encoder_weight_decay`` (``None``: ``hn_weight_decay``, digest 10.2 #4),
+    ``encoder_steps``: the clients' local SGD on the regression loss (full-batch steps per round).
+    ``phase1_rounds``: rounds of phase 1; later rounds fine-tune (a run of R rounds fine-tunes for the last
+    ``R - phase1_rounds``, none if R <= phase1_rounds; the digest's example split is 400 + 100).
+    ``finetune_lr``: the hypernetwork's learning rate in phase 2 (``None``: ``hn_lr``).
+    """
+
+    encoder: str = "deepset"
+    encoder_options: dict[str, Any] = field(default_factory=dict)
+    encoder_lr: float = 1e-2
+    encoder_momentum: float = 0.9
+    encoder_weight_decay: float | None = None
+    encoder_steps: int = 5
+    phase1_rounds: int = 400
+    finetune_lr: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        valid = encoder_options(self.encoder)          # raises ConfigError naming the valid encoders
+        _require(isinstance(self.encoder_options, dict) and set(self.encoder_options) <= set(valid),
+                 "encoder_options", self.encoder_options, f"a dict of options of {self.encoder!r}: {', '.join(valid)}")
+        _require(_finite(self.encoder_lr) and self.encoder_lr > 0, "encoder_lr", self.encoder_lr,
+                 "a finite number > 0")
+        _require(_finite(self.encoder_momentum) and 0 <= self.encoder_momentum < 1, "encoder_momentum",
+                 self.encoder_momentum, "in [0, 1)")
+        _require(self.encoder_weight_decay is None or (_finite(self.encoder_weight_decay)
+                                                       and self.encoder_weight_decay >= 0),
+                 "encoder_weight_decay", self.encoder_weight_decay, "None (hn_weight_decay) or a finite number >= 0")
+        _require(isinstance(self.encoder_steps, int) and not isinstance(self.encoder_steps, bool)
+                 and self.encoder_steps >= 1, "encoder_steps", self.encoder_steps, "an integer >= 1")
+        _require(isinstance(self.phase1_rounds, int) and not isinstance(self.phase1_rounds, bool)
+                 and self.phase1_rounds >= 0, "phase1_rounds", self.phase1_rounds, "an integer >= 0")
+        _require(self.finetune_lr is None or (_finite(self.finetune_lr) and self.finetune_lr > 0), "finetune_lr",
+                 self.finetune_lr, "None (hn_lr) or a finite number > 0")
+
+    def encoder_config(self) -> dict:
+        """The clients' encoder-regression settings, as sent in phase 1 stage 1."""
+        wd = self.hn_weight_decay if self.encoder_weight_decay is None else self.encoder_weight_decay
+        return {"encoder_lr": self.encoder_lr, "encoder_momentum": self.encoder_momentum,
+                "encoder_weight_decay": wd, "encoder_steps": self.encoder_steps}
+
+
+def make_encoder(config: ITPFLHNConfig, input_shape: tuple[int, ...], embed_dim: int) -> nn.Module:
+    """The configured encoder for samples of ``input_shape`` with descriptors of size ``embed_dim``."""
+    return build_encoder(config.encoder, input_shape, embed_dim, **config.encoder_options)
+
+
+class ITPFLHNStrategy(PFedHNStrategy):
+    """pFedHN's state plus the encoder weights and the pre-fine-tune hypernetwork (from the first phase-2 round)."""
+
+    train_stages = 2
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        encoder = seeded_init(lambda: make_encoder(self.config, self.model_factory.input_shape, self.embed_dim),
+                              derive_seed(self.seed, "itpflhn_encoder"))
+        self.encoder_weights = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+        self.pre_finetune: dict[str, torch.Tensor] | None = None
+        self._weight_changes: dict[int, Message] = {}
+        self._descriptors: dict[int, torch.Tensor] = {}
+
+    def in_phase2(self, round: int) -> bool:
+        return round >= self.config.phase1_rounds
+
+    def _encoder_message(self, **config: Any) -> Message:
+        return Message(arrays=prefixed(_ENCODER, self.encoder_weights), config={"embed_dim": self.embed_dim, **config})
+
+    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
+        if not self.in_phase2(round):                                             # phase 1, step 1
+            messages = super().configure_train(round, client_ids)
+            for message in messages.values():
+                message.config["phase"] = 1
+            return messages
+        if self.pre_finetune is None:                                             # step 4
+            self.pre_finetune = self.hypernetwork_state()
+            self.hn_momentum = {}
+        self._descriptors = {}
+        return {cid: self._encoder_message(phase=2) for cid in client_ids}        # step 5
+
+    def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
+        if not self.in_phase2(round):                                             # phase 1, step 2
+            self._weight_changes = replies
+            config = {"phase": 1, **self.config.encoder_config()}
+            messages = {}
+            for cid in sorted(replies):
+                message = self._encoder_message(**config)
+                message.arrays["embedding"] = self._sent[cid].clone()
+                messages[cid] = message
+            return messages
+        self._descriptors = {cid: m.arrays["descriptor"] for cid, m in replies.items()}   # step 6
+        config = {**self.config.round_config(round), "phase": 2}
+        return {cid: Message(arrays=self.generate(e), config=dict(config)) for cid, e in self._descriptors.items()}
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        if self.in_phase2(round):                                                 # step 7
+            descriptors, self._descriptors = self._descriptors, {}
+            lr = self.config.hn_lr if self.config.finetune_lr is None else self.config.finetune_lr
+            return self.hypernetwork_update({cid: descriptors[cid] for cid in replies}, replies,
+                                            update_embeddings=False, lr=lr)
+        changes, self._weight_changes = self._weight_changes, {}                  # step 3
+        metrics = super().aggregate_train(round, changes)
+        if replies:
+            ids = sorted(replies)
+            counts = [float(replies[cid].metrics["num_examples"]) for cid in ids]
+            delta = weighted_mean([replies[cid].arrays for cid in ids], counts)
+            self.encoder_weights = {k: v + delta[k] for k, v in self.encoder_weights.items()}
+            losses = [float(replies[cid].metrics["encoder_loss"]) for cid in ids]
+            metrics["encoder_loss"] = sum(v * w for v, w in zip(losses, counts)) / sum(counts)
+        return metrics
+
+    def configure_evaluate(self, client_id: int) -> Message:
+        """Training clients: the pre-fine-tune hypernetwork on their embedding row."""
+        return Message(arrays=self.generate(self.embedding(client_id), self.pre_finetune))
+
+    def novel_request(self, client_id: int) -> Message:
+        return self._encoder_message()
+
+    def novel_reply(self, client_id: int, delivered: Message | None) -> Message:
+        if delivered is None or "descriptor" not in delivered.arrays:
+            raise ConfigError(f"itpflhn needs novel client {client_id}'s descriptor, and it sent none")
+        descriptor = delivered.arrays["descriptor"]
+        if descriptor.shape != (self.embed_dim,) or not torch.isfinite(descriptor).all():
+            finite = bool(torch.isfinite(descriptor).all())
+            raise ConfigError(f"novel client {client_id} sent a descriptor of shape {tuple(descriptor.shape)} "
+                              f"(finite: {finite}); expected a finite one of shape ({self.embed_dim},)")
+        return Message(arrays=self.generate(descriptor))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {**super().state_dict(), "encoder": {k: v.clone() for k, v in self.encoder_weights.items()}}
+        if self.pre_finetune is not None:
+            state["pre_finetune"] = {k: v.clone() for k, v in self.pre_finetune.items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.encoder_weights = {k: v.clone() for k, v in state["encoder"].items()}
+        pre = state.get("pre_finetune")
+        self.pre_finetune = None if pre is None else {k: v.clone() for k, v in pre.items()}
+        self._weight_changes, self._descriptors = {}, {}
+
+
+class ITPFLHNClient(PFedHNClient):
+    """pFedHN's client plus the encoder: regression in phase 1, descriptors in phase 2 and for novel clients."""
+
+    serves_novel_clients = True
+
+    def encoder_from(self, message: Message) -> nn.Module:
+        """The encoder built on the client from the configured architecture and the weights in ``message``."""
+        encoder = make_encoder(self.config, self.model_factory.input_shape, int(message.config["embed_dim"]))
+        encoder.load_state_dict(message.subset(_ENCODER))
+        return encoder
+
+    @torch.no_grad()
+    def descriptor(self, message: Message, x: torch.Tensor) -> torch.Tensor:
+        """``g_gamma(X)`` over the whole sample set (one batch, digest 3.3 default)."""
+        encoder = self.encoder_from(message)
+        encoder.eval()
+        return encoder(x).detach()
+
+    def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        if int(message.config["phase"]) == 1:                                     # phase 1, step 1
+            return self.local_weight_change(data, message, ctx)
+        return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, data.x_train)}),
+                                   purpose="descriptor")                          # phase 2, step 5
+
+    def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
+                    ctx: ClientContext) -> Release:
+        if int(message.config["phase"]) == 2:                                     # phase 2, step 6
+            return self.local_weight_change(data, message, ctx)
+        return self.encoder_regression(data, message)                             # phase 1, step 2
+
+    def encoder_regression(self, data: TrainingClient, message: Message) -> Release:
+        """Full-batch SGD on ``||g_gamma(X_i) - e_i||^2``; releases ``gamma_new - gamma`` and the mean loss."""
+        cfg = message.config
+        encoder = self.encoder_from(message)
+        encoder.train()
+        before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+        target = message.arrays["embedding"]
+        optimizer = torch.optim.SGD(encoder.parameters(), lr=float(cfg["encoder_lr"]),
+                                    momentum=float(cfg["encoder_momentum"]),
+                                    weight_decay=float(cfg["encoder_weight_decay"]))
+        total = 0.0
+        steps = int(cfg["encoder_steps"])
+        for _ in range(steps):
+            loss = (encoder(data.x_train) - target).pow(2).sum()
+            total += float(loss.detach())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        change = {k: v.detach() - before[k] for k, v in encoder.state_dict().items()}
+        return Release.non_private(
+            Message(arrays=change, metrics={"num_examples": float(data.num_train), "encoder_loss": total / steps}),
+            purpose="encoder_update")
+
+    def novel_query(self, novel: NovelClient, message: Message) -> Release:
+        """Step 2 of serving: the descriptor of all the client's unlabelled inputs, and nothing else."""
+        return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, novel.x)}),
+                                   purpose="descriptor")
+
+    def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
+        return self.load_generated(message.arrays)
+
+
+register_method(
+    "itpflhn", strategy=ITPFLHNStrategy, client=ITPFLHNClient, config=ITPFLHNConfig,
+    description="IT-PFL-HN (two-phase ODPFL-HN): pFedHN + an encoder regressed onto the client embeddings, then "
+                "hypernetwork fine-tuning on encoder outputs; novel clients send one descriptor",
+)

@@ -1,0 +1,506 @@
+"""ODPFL-HN (Amosy, Eyal and Chechik, "On-Demand Unlabeled Personalized Federated Learning"): a client encoder and a
+hypernetwork trained end to end, so that a novel client with unlabelled data gets a personalised model from one
+descriptor (digest ``papers/odpfl-hn.md``).
+
+The server holds a set encoder g_gamma and a hypernetwork f_theta. A training round is Algorithm 1 of the paper with
+the corrected sign (digest 3.1 and 10.2 #2), as a three-stage dialogue with each sampled client i:
+
+1. **Stage 0, ClientEncoding.** The server sends gamma; the client computes its descriptor e_i = g_gamma(X_i) over its
+   whole training split (or the mean of descriptors of random batches, digest 3.3) and releases e_i.
+2. **Stage 1, ClientUpdate.** The server computes w_i = f_theta(e_i) and sends w_i; the client runs local SGD
+   (momentum 0.9, ``local_steps`` steps or ``local_epochs`` epochs) and releases the change d_i = w_before - w_after
+   (pFedHN's sign: after one plain SGD step it is exactly lr_local * dL/dw).
+3. **Stage 2, ClientBackprop.** The server back-propagates d_i through the hypernetwork
+   (:func:`~privfl.models.hypernetwork.backprop_weight_change`): the hypernetwork gradient stays on the server and the
+   descriptor gradient de_i goes down with gamma; the client recomputes e_i, back-propagates de_i through the encoder
+   and releases the encoder gradient.
+4. **Aggregation.** The server averages the round's hypernetwork and encoder gradients over the clients that finished
+   stage 2, clips each to L2 norm ``grad_clip`` (50, pFedHN's code) and takes one SGD step each (momentum 0.9,
+   weight decay; separate learning rates for the hypernetwork and the encoder, digest 7.3 and 10.2 #4).
+
+Training clients are evaluated with their generated model f_theta(e_i), from the descriptor they last released (the
+server keeps it; no new release is needed). A **novel client** (digest section 4) receives gamma, computes its
+descriptor locally and releases it -- optionally through :func:`privfl.privacy.privatize` (``novel_epsilon``), whose
+Gaussian event goes with the release into the client's ledger -- and receives f_theta(e); nothing else leaves it.
+Training clients get no privacy here: their descriptors, weight changes and encoder gradients are sent in the clear
+and recorded with epsilon = infinity (digest 5.7 item 10).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from privfl.data import NovelClient, TrainingClient
+from privfl.errors import ConfigError
+from privfl.federation.messages import Message, Release, prefixed
+from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
+from privfl.methods.base import (
+    ClientContext,
+    ClientProcedure,
+    ClientState,
+    Strategy,
+    _finite,
+    _require,
+    register_method,
+)
+from privfl.methods.local_training import minibatches, weights_of
+from privfl.models.encoders import ENCODERS, PRIVATIZABLE, build_encoder
+from privfl.models.hypernetwork import HyperNetwork, backprop_weight_change, embedding_dim
+
+DESCRIPTOR_MODES = ("full", "batch_mean")
+ENCODER_PREFIX = "encoder."
+
+
+@dataclass(frozen=True)
+class ODPFLHNConfig:
+    """ODPFL-HN's settings (digest 7.3; defaults from pFedHN's code where the paper gives a grid).
+
+    Local training: ``lr`` (client), ``local_steps`` minibatch steps, or ``local_epochs`` epochs over the training
+    split when given (then ``local_steps`` is ignored), ``batch_size``, ``local_momentum`` (0.9 in the paper),
+    ``local_weight_decay``.
+    Server: ``hn_lr``, ``hn_weight_decay``, ``encoder_lr``, ``encoder_weight_decay`` (``None``: the hypernetwork's,
+    digest 10.2 #4), ``server_momentum`` (SGD momentum of both), ``grad_clip`` (L2 clip of each averaged gradient,
+    ``None`` for none).
+    Architecture: ``encoder`` (a name of :data:`privfl.models.encoders.ENCODERS`), ``encoder_hidden``,
+    ``encoder_clip`` (``dp_deepset``, ignored by the others: phi's outputs are projected onto the L2 ball of this
+    radius in training, as privatize does on release; ``None`` for none), ``encoder_sphere`` (with a clip: scale phi's
+    outputs onto the sphere of that radius, the paper's normalisation, digest 5.4; it keeps the encoder from
+    shrinking phi towards 0, which the ball allows), ``encoder_phi_hidden`` (``dp_deepset`` only: a deeper phi), ``embed_dim``
+    (``None``: ``floor(N_train / 4)``, at least 2; digest 2.4), ``hn_hidden``, ``hn_layers``.
+    Descriptors: ``descriptor`` ``"full"`` (the whole training split as one set, the default) or ``"batch_mean"``
+    (mean of the descriptors of random batches of ``descriptor_batch_size``); ``train_mean_noise`` (``dp_deepset``
+    only): std of Gaussian noise added to the pooled mean during training (noise-aware training, digest 5.7 item 12).
+    Novel clients: ``novel_epsilon`` (``None``: the descriptor is released without privacy), ``novel_delta``,
+    ``novel_bound`` (per-sample clipping radius), ``novel_noise`` (``"seeded"`` for research, ``"secure"`` for
+    deployment), ``novel_noise_seed`` (the client-side seed of seeded noise).
+    """
+
+    lr: float = 0.05
+    local_steps: int = 20
+    local_epochs: int | None = None
+    batch_size: int = 64
+    local_momentum: float = 0.9
+    local_weight_decay: float = 5e-5
+    hn_lr: float = 0.01
+    hn_weight_decay: float = 1e-3
+    encoder_lr: float = 0.01
+    encoder_weight_decay: float | None = None
+    server_momentum: float = 0.9
+    grad_clip: float | None = 50.0
+    encoder: str = "dp_deepset"
+    encoder_hidden: int = 100
+    encoder_clip: float | None = 1.0
+    encoder_sphere: bool = True
+    encoder_phi_hidden: int | None = None
+    embed_dim: int | None = None
+    hn_hidden: int = 100
+    hn_layers: int = 3
+    descriptor: str = "full"
+    descriptor_batch_size: int = 128
+    train_mean_noise: float = 0.0
+    novel_epsilon: float | None = None
+    novel_delta: float = 1e-5
+    novel_bound: float = 1.0
+    novel_noise: str = "seeded"
+    novel_noise_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "hn_lr", "encoder_lr"):
+            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                     "a finite number > 0")
+        for name in ("local_weight_decay", "hn_weight_decay", "train_mean_noise"):
+            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
+                     "a finite number >= 0")
+        _require(self.encoder_weight_decay is None or (_finite(self.encoder_weight_decay)
+                                                       and self.encoder_weight_decay >= 0),
+                 "encoder_weight_decay", self.encoder_weight_decay, "None or a finite number >= 0")
+        for name in ("local_momentum", "server_momentum"):
+            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
+                     "in [0, 1)")
+        for name in ("local_steps", "batch_size", "encoder_hidden", "hn_hidden", "descriptor_batch_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
+                     "an integer >= 1")
+        for name in ("local_epochs", "embed_dim", "encoder_phi_hidden"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                     name, value, "None or an integer >= 1")
+        _require(isinstance(self.hn_layers, int) and self.hn_layers >= 0, "hn_layers", self.hn_layers,
+                 "an integer >= 0")
+        _require(self.grad_clip is None or (_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
+                 self.grad_clip, "None or a finite number > 0")
+        _require(self.encoder in ENCODERS, "encoder", self.encoder, f"one of {', '.join(sorted(ENCODERS))}")
+        _require(self.descriptor in DESCRIPTOR_MODES, "descriptor", self.descriptor,
+                 f"one of {', '.join(DESCRIPTOR_MODES)}")
+        _require(self.encoder_clip is None or (_finite(self.encoder_clip) and self.encoder_clip > 0),
+                 "encoder_clip", self.encoder_clip, "None or a finite L2 radius > 0")
+        dp_only = {"encoder_phi_hidden": self.encoder_phi_hidden, "train_mean_noise": self.train_mean_noise or None}
+        for name, value in dp_only.items():
+            if value is not None and self.encoder != "dp_deepset":
+                raise ConfigError(f"{name}={value!r} applies only to encoder='dp_deepset', got "
+                                  f"encoder={self.encoder!r} (set {name} to None / 0)")
+        _require(self.novel_epsilon is None or (_finite(self.novel_epsilon) and self.novel_epsilon > 0),
+                 "novel_epsilon", self.novel_epsilon, "None (no privacy) or a finite epsilon > 0")
+        _require(_finite(self.novel_delta) and 0 < self.novel_delta < 1, "novel_delta", self.novel_delta,
+                 "a probability in (0, 1)")
+        _require(_finite(self.novel_bound) and self.novel_bound > 0, "novel_bound", self.novel_bound,
+                 "a finite L2 radius > 0")
+        _require(self.novel_noise in ("seeded", "secure"), "novel_noise", self.novel_noise, "'seeded' or 'secure'")
+        if self.novel_epsilon is not None and self.encoder not in PRIVATIZABLE:
+            raise ConfigError(f"novel_epsilon={self.novel_epsilon!r} needs a privatizable encoder "
+                              f"({', '.join(PRIVATIZABLE)}), got encoder={self.encoder!r}: its sensitivity does not "
+                              "shrink with n (digest 5.7 item 2)")
+
+    def encoder_options(self) -> dict[str, Any]:
+        """Keyword options of :func:`~privfl.models.encoders.build_encoder` for this config."""
+        if self.encoder == "dp_deepset":
+            return {"hidden": self.encoder_hidden, "clip": self.encoder_clip, "phi_hidden": self.encoder_phi_hidden,
+                    "sphere": self.encoder_sphere}
+        if self.encoder == "set_transformer":
+            return {"dim": self.encoder_hidden}
+        if self.encoder in ("deepset", "dss"):
+            return {"hidden": self.encoder_hidden + self.encoder_hidden % 2}   # even: half mean, half max
+        return {}
+
+
+# -- pieces shared by both sides -------------------------------------------------------------------------------------
+
+
+def make_encoder(config: ODPFLHNConfig, input_shape: tuple[int, ...], embed_dim: int) -> nn.Module:
+    """The set encoder of ``config`` for samples of ``input_shape`` and descriptors of size ``embed_dim``."""
+    return build_encoder(config.encoder, input_shape, embed_dim, **config.encoder_options())
+
+
+def client_descriptor(encoder: nn.Module, x: torch.Tensor, config: ODPFLHNConfig, *, seed: int) -> torch.Tensor:
+    """A training client's descriptor of its inputs ``x`` (graph kept to the encoder).
+
+    Steps: 1. ``"full"``: the encoder on the whole set (digest 3.1 step 2); ``"batch_mean"``: the mean of the
+    encoder's outputs on random batches of ``descriptor_batch_size`` (digest 3.3), the batches drawn from ``seed``;
+    2. with ``train_mean_noise`` (dp_deepset only) Gaussian noise of that std is added to the pooled mean before
+    psi, drawn from ``seed`` (noise-aware training, digest 5.7 item 12). The same seed gives the same descriptor, so
+    stage 2 recomputes exactly what stage 0 released.
+    """
+    if config.descriptor == "full":
+        sets = [x]
+    else:
+        order = torch.from_numpy(derive_rng(seed, "descriptor_batches").permutation(len(x)))
+        sets = [x[index] for index in torch.split(order, config.descriptor_batch_size)]
+    if config.train_mean_noise > 0:
+        generator = torch.Generator().manual_seed(derive_seed(seed, "descriptor_noise"))
+        outputs = []
+        for batch in sets:
+            mean = encoder.pool(encoder.phi(batch))
+            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+            outputs.append(encoder.psi(mean + config.train_mean_noise * noise))
+    else:
+        outputs = [encoder(batch) for batch in sets]
+    return torch.stack(outputs).mean(dim=0)
+
+
+def _mean(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The tensor-by-tensor mean of ``dicts`` (summed in place into one copy; no stacking of large tensors)."""
+    total = {k: v.clone() for k, v in dicts[0].items()}
+    for other in dicts[1:]:
+        for k, v in total.items():
+            v.add_(other[k])
+    return {k: v.div_(len(dicts)) for k, v in total.items()}
+
+
+def _clip_(grads: list[torch.Tensor], max_norm: float | None) -> float:
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    if max_norm is not None and norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+# -- server -----------------------------------------------------------------------------------------------------------
+
+
+class ODPFLHNStrategy(Strategy):
+    """Holds the encoder, the hypernetwork, their momentum buffers and the last descriptor of each training client."""
+
+    train_stages = 3
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        config: ODPFLHNConfig = self.config
+        self.embed_dim = config.embed_dim or max(2, embedding_dim(self.num_training_clients))
+        target = self.model_factory.init(self.seed)
+        input_shape = tuple(self.model_factory.input_shape)
+        self.hnet = seeded_init(lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=config.hn_hidden,
+                                                     n_hidden=config.hn_layers), derive_seed(self.seed, "hnet_init"))
+        self.encoder = seeded_init(lambda: make_encoder(config, input_shape, self.embed_dim),
+                                   derive_seed(self.seed, "encoder_init"))
+        self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}}
+        self.descriptors: dict[str, torch.Tensor] = {}
+        self._round: dict[str, Any] = {}
+
+    # -- the round ----------------------------------------------------------------------------------------------------
+
+    def _encoder_message(self, **config: Any) -> Message:
+        return Message(arrays=prefixed(ENCODER_PREFIX, weights_of(self.encoder)),
+                       config={"embed_dim": self.embed_dim, **config})
+
+    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
+        """Stage 0: the encoder to every sampled client."""
+        self._round = {"descriptors": {}, "hn_grads": {}, "losses": {}, "counts": {}}
+        message = self._encoder_message(stage=0)
+        return {cid: message for cid in client_ids}
+
+    def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
+        if stage == 1:
+            return self._send_generated_weights(round, replies)
+        if stage == 2:
+            return self._backprop_changes(replies)
+        raise ConfigError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
+
+    def _send_generated_weights(self, round: int, replies: dict[int, Message]) -> dict[int, Message]:
+        """Stage 1: w_i = f_theta(e_i) to each client that released a descriptor, with the local-training settings."""
+        config: ODPFLHNConfig = self.config
+        messages = {}
+        for cid, reply in replies.items():
+            descriptor = reply.arrays["descriptor"].to(torch.get_default_dtype())
+            self._round["descriptors"][cid] = descriptor
+            self.descriptors[str(cid)] = descriptor.clone()
+            with torch.no_grad():
+                weights = {k: v.detach().clone() for k, v in self.hnet(descriptor).items()}
+            messages[cid] = Message(arrays=weights, config={
+                "lr": config.lr, "local_steps": config.local_steps, "local_epochs": config.local_epochs or 0,
+                "batch_size": config.batch_size, "momentum": config.local_momentum,
+                "weight_decay": config.local_weight_decay, "stage": 1})
+        return messages
+
+    def _backprop_changes(self, replies: dict[int, Message]) -> dict[int, Message]:
+        """Stage 2: the chain rule through the hypernetwork (digest 3.1 step 5); de_i and the encoder down."""
+        messages = {}
+        for cid, reply in replies.items():
+            grads, descriptor_grad = backprop_weight_change(self.hnet, self._round["descriptors"][cid], reply.arrays)
+            self._round["hn_grads"][cid] = grads
+            self._round["losses"][cid] = float(reply.metrics.get("loss", float("nan")))
+            self._round["counts"][cid] = float(reply.metrics.get("num_examples", 1.0))
+            message = self._encoder_message(stage=2)
+            message.arrays["descriptor_grad"] = descriptor_grad.detach()
+            messages[cid] = message
+        return messages
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        """Average the hypernetwork and encoder gradients of the clients that finished, clip, one SGD step each."""
+        config: ODPFLHNConfig = self.config
+        done = sorted(cid for cid in replies if cid in self._round.get("hn_grads", {}))
+        if not done:
+            return {}
+        hn_grads = _mean([self._round["hn_grads"][cid] for cid in done])
+        encoder_grads = _mean([replies[cid].arrays for cid in done])
+        hn_norm = _clip_(list(hn_grads.values()), config.grad_clip)
+        encoder_norm = _clip_(list(encoder_grads.values()), config.grad_clip)
+        encoder_wd = config.hn_weight_decay if config.encoder_weight_decay is None else config.encoder_weight_decay
+        self._sgd_step("hnet", self.hnet, hn_grads, config.hn_lr, config.hn_weight_decay)
+        self._sgd_step("encoder", self.encoder, encoder_grads, config.encoder_lr, encoder_wd)
+        losses = [self._round["losses"][cid] for cid in done]
+        self._round = {}
+        return {"train_loss": float(np.mean(losses)), "hn_grad_norm": hn_norm, "encoder_grad_norm": encoder_norm}
+
+    def _sgd_step(self, which: str, module: nn.Module, grads: dict[str, torch.Tensor], lr: float, wd: float) -> None:
+        """torch.optim.SGD's update (dampening 0, no Nesterov): g += wd p; b = mu b + g (b = g at first); p -= lr b."""
+        buffers = self.momentum[which]
+        mu = self.config.server_momentum
+        new_buffers = {}
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if name not in grads:
+                    continue
+                g = grads[name].to(param.dtype) + wd * param
+                if mu > 0:
+                    g = g if name not in buffers else mu * buffers[name] + g
+                    new_buffers[name] = g
+                param.sub_(lr * g)
+        self.momentum[which] = new_buffers
+
+    # -- evaluation and novel clients ---------------------------------------------------------------------------------
+
+    def generated_weights(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """f_theta(descriptor), detached."""
+        with torch.no_grad():
+            return {k: v.detach().clone() for k, v in self.hnet(descriptor.to(torch.get_default_dtype())).items()}
+
+    def configure_evaluate(self, client_id: int) -> Message:
+        """A training client's model from the last descriptor it released (the mean of all known descriptors, or 0,
+        for a client not yet sampled)."""
+        descriptor = self.descriptors.get(str(client_id))
+        if descriptor is None:
+            known = list(self.descriptors.values())
+            descriptor = torch.stack(known).mean(dim=0) if known else torch.zeros(self.embed_dim)
+        return Message(arrays=self.generated_weights(descriptor))
+
+    def novel_request(self, client_id: int) -> Message:
+        """The encoder (digest section 4 step 1)."""
+        return self._encoder_message(stage="novel")
+
+    def novel_reply(self, client_id: int, delivered: Message | None) -> Message:
+        """f_theta(e) for the descriptor the novel client released (digest section 4 step 4)."""
+        if delivered is None or "descriptor" not in delivered.arrays:
+            raise ConfigError(f"novel client {client_id} sent no descriptor; ODPFL-HN needs one to build its model")
+        return Message(arrays=self.generated_weights(delivered.arrays["descriptor"]))
+
+    # -- state --------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "hnet": {k: v.detach().clone() for k, v in self.hnet.state_dict().items()},
+            "encoder": {k: v.detach().clone() for k, v in self.encoder.state_dict().items()},
+            "hnet_momentum": {k: v.clone() for k, v in self.momentum["hnet"].items()},
+            "encoder_momentum": {k: v.clone() for k, v in self.momentum["encoder"].items()},
+            "descriptors": {k: v.clone() for k, v in self.descriptors.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hnet.load_state_dict(state["hnet"])
+        self.encoder.load_state_dict(state["encoder"])
+        self.momentum = {"hnet": {k: v.clone() for k, v in state["hnet_momentum"].items()},
+                         "encoder": {k: v.clone() for k, v in state["encoder_momentum"].items()}}
+        self.descriptors = {str(k): v.clone() for k, v in state["descriptors"].items()}
+        self._round = {}
+
+
+# -- client -----------------------------------------------------------------------------------------------------------
+
+
+def local_sgd_momentum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, lr: float, steps: int,
+                       batch_size: int, momentum: float, weight_decay: float, rng: np.random.Generator) -> float:
+    """``steps`` minibatch SGD steps (momentum, weight decay) of the mean cross-entropy; returns the mean loss."""
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    total = 0.0
+    for index in minibatches(len(y), batch_size, steps, rng):
+        batch = torch.from_numpy(index)
+        loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += loss.item()
+    return total / steps
+
+
+class ODPFLHNClient(ClientProcedure):
+    """Encodes its data, trains the generated model locally, back-propagates the descriptor gradient; as a novel
+    client, releases one (optionally private) descriptor."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._encoders: dict[int, nn.Module] = {}
+
+    def encoder_from(self, message: Message) -> nn.Module:
+        """The workspace encoder loaded with the weights in ``message``."""
+        embed_dim = int(message.config["embed_dim"])
+        if embed_dim not in self._encoders:
+            self._encoders[embed_dim] = make_encoder(self.config, tuple(self.model_factory.input_shape), embed_dim)
+        encoder = self._encoders[embed_dim]
+        encoder.load_state_dict(message.subset(ENCODER_PREFIX))
+        return encoder
+
+    @staticmethod
+    def _descriptor_seed(ctx: ClientContext) -> int:
+        # Stage 0 and stage 2 must draw the same batches and noise: keyed by (run seed, round, client) only.
+        return derive_seed(ctx.run_seed, "odpflhn_descriptor", ctx.round, ctx.client_id)
+
+    def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        """Stage 0 (ClientEncoding, digest 3.1 step 2): release e_i = g_gamma(X_i)."""
+        encoder = self.encoder_from(message)
+        with torch.no_grad():
+            descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
+        return Release.non_private(Message(arrays={"descriptor": descriptor}), purpose="descriptor")
+
+    def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
+                    ctx: ClientContext) -> Release:
+        if stage == 1:
+            return self._client_update(data, message, ctx)
+        if stage == 2:
+            return self._client_backprop(data, message, ctx)
+        raise ConfigError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
+
+    def _client_update(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
+        """Stage 1 (ClientUpdate, digest 3.1 step 4): local SGD from w_i; release w_before - w_after."""
+        start = message.arrays
+        model = self.model_from(start)
+        config = message.config
+        batch_size = int(config["batch_size"])
+        epochs = int(config["local_epochs"])
+        steps = epochs * math.ceil(data.num_train / min(batch_size, data.num_train)) if epochs else int(
+            config["local_steps"])
+        loss = local_sgd_momentum(model, data.x_train, data.y_train, lr=float(config["lr"]), steps=steps,
+                                  batch_size=batch_size, momentum=float(config["momentum"]),
+                                  weight_decay=float(config["weight_decay"]), rng=ctx.rng)
+        after = dict(model.named_parameters())
+        change = {k: start[k] - after[k].detach() for k in start}
+        return Release.non_private(Message(arrays=change, metrics={"loss": loss,
+                                                                   "num_examples": float(data.num_train)}),
+                                   purpose="weight_change")
+
+    def _client_backprop(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
+        """Stage 2 (ClientBackprop, digest 3.1 step 6): release (de_i/dgamma)^T de_i."""
+        encoder = self.encoder_from(message)
+        descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
+        names = [n for n, p in encoder.named_parameters() if p.requires_grad]
+        params = [p for p in encoder.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(descriptor, params, grad_outputs=message.arrays["descriptor_grad"],
+                                    allow_unused=True)
+        arrays = {n: torch.zeros_like(p) if g is None else g.detach() for n, p, g in zip(names, params, grads,
+                                                                                        strict=True)}
+        return Release.non_private(Message(arrays=arrays), purpose="encoder_gradient")
+
+    def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
+        return self.model_from(message.arrays)
+
+    def novel_query(self, novel: NovelClient, message: Message) -> Release:
+        """The novel client's only release: its descriptor, through privatize when ``novel_epsilon`` is set.
+
+        Steps (digest section 4 and 5): 1. load the encoder; 2. without privacy, e = g_gamma(X) (full set or batch
+        mean), released with epsilon = infinity; 3. with privacy, ``privatize(encoder, eps, delta, bound=...)``
+        clips phi per sample, adds analytic-Gaussian noise to the mean (n public, replace-one) and applies psi;
+        the release carries the mechanism's event, so the wire records exactly that epsilon.
+        """
+        from privfl.privacy import privatize
+
+        config: ODPFLHNConfig = self.config
+        encoder = self.encoder_from(message)
+        if config.novel_epsilon is None:
+            with torch.no_grad():
+                seed = derive_seed(config.novel_noise_seed, "novel_descriptor", novel.client_id)
+                descriptor = client_descriptor(encoder, novel.x, _noiseless(config), seed=seed)
+            return Release.non_private(Message(arrays={"descriptor": descriptor}), purpose="descriptor")
+        generator = None
+        if config.novel_noise == "seeded":
+            generator = torch.Generator().manual_seed(derive_seed(config.novel_noise_seed, "novel_noise",
+                                                                  novel.client_id))
+        private = privatize(encoder, config.novel_epsilon, config.novel_delta, bound=config.novel_bound,
+                            noise=config.novel_noise, generator=generator)
+        if config.descriptor == "batch_mean":
+            descriptor, event = private.release_batched(novel.x, batch_size=config.descriptor_batch_size)
+        else:
+            descriptor, event = private.release(novel.x)
+        descriptor = descriptor.to(torch.get_default_dtype())
+        return Release(Message(arrays={"descriptor": descriptor}), purpose="descriptor", event=event)
+
+    def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
+        return self.model_from(message.arrays)
+
+
+def _noiseless(config: ODPFLHNConfig) -> ODPFLHNConfig:
+    """The config without training-time descriptor noise (a novel client's clean descriptor)."""
+    import dataclasses
+
+    return dataclasses.replace(config, train_mean_noise=0.0) if config.train_mean_noise else config
+
+
+register_method(
+    "odpflhn", strategy=ODPFLHNStrategy, client=ODPFLHNClient, config=ODPFLHNConfig,
+    description="ODPFL-HN: set encoder + hypernetwork trained end to end (Algorithm 1, pFedHN sign); novel clients "
+                "send one descriptor (optionally DP via privatize) and receive a generated model",
+)

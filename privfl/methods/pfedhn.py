@@ -1,0 +1,323 @@
+"""pFedHN (Shamsian et al., ICML 2021): a server hypernetwork generates each training client's personal model.
+
+The server holds a learned embedding row ``e_i`` per training client (a pFedHN embedding table) and a hypernetwork
+``f_theta`` (:class:`privfl.models.HyperNetwork`, digest ``papers/odpfl-hn.md`` section 2.2). Round t, for the
+sampled clients S_t (digest sections 3.1 and 10.2 #1, #2, #4; pFedHN's ``trainer.py``):
+
+1. the server generates ``w_i = f_theta(e_i)`` and sends it to client i (with the local-training settings);
+2. client i runs ``local_steps`` minibatch SGD steps from ``w_i`` (momentum ``momentum``, 0.9 as in the papers'
+   grid, section 7.3) and sends the weight change ``d_i = w_i - w_i_new`` ("before minus after", the pFedHN sign:
+   after one plain SGD step at rate eta it equals ``eta * dL_i/dw``);
+3. the server chain-rules ``d_i`` through the hypernetwork (:func:`privfl.models.backprop_weight_change`):
+   ``g_theta_i = (dw_i/dtheta)^T d_i`` and ``g_e_i = (dw_i/de_i)^T d_i``;
+4. it averages over the round's clients, ``g_theta = mean_i g_theta_i`` and row i of the table's gradient
+   ``g_e_i / |S_t|``, rescales the whole gradient (hypernetwork and rows together) to L2 norm at most
+   ``server_grad_clip`` (50 in pFedHN's code), and takes one SGD step with momentum ``hn_momentum`` and separate
+   learning rates / weight decays for the hypernetwork (``hn_lr``, ``hn_weight_decay``) and the embeddings
+   (``embed_lr``, ``embed_weight_decay``).
+
+Embedding rows are updated lazily: a row (and its momentum buffer and weight decay) moves only in rounds its client
+takes part in. pFedHN's code runs a dense optimiser over the whole table, so rows of absent clients there decay and
+keep coasting on momentum; here a client's embedding is its own and changes only through its own weight changes.
+Rows are initialised N(0, 1) (as ``nn.Embedding``) from a stream keyed by (run seed, client id), so a row does not
+depend on the order in which clients first appear.
+
+A training client is scored with its own generated model ``f_theta(e_i)``. pFedHN has no encoder, so it serves no
+novel client: :mod:`privfl.methods.pfl_baselines` registers the three ways the ODPFL-HN papers apply its models to a
+novel client (PFL-sampled, -nearest, -ensemble), and :mod:`privfl.methods.itpflhn` adds an encoder (IT-PFL-HN).
+
+Every client-to-server message is a non-private release (purpose ``"weight_change"``): pFedHN has no DP mechanism.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from privfl.data import TrainingClient
+from privfl.errors import ConfigError
+from privfl.federation.messages import Message, Release
+from privfl.federation.seeding import derive_seed, seeded_init
+from privfl.methods.base import (
+    ClientContext,
+    ClientProcedure,
+    ClientState,
+    LocalTrainingConfig,
+    Strategy,
+    _finite,
+    _require,
+    register_method,
+)
+from privfl.methods.local_training import local_sgd, sgd_settings
+from privfl.models import HyperNetwork, backprop_weight_change, embedding_dim
+
+EMBED_DIM_RULES = ("quarter", "pfedhn")
+
+
+@dataclass(frozen=True)
+class PFedHNConfig(LocalTrainingConfig):
+    """pFedHN's settings. Local-training defaults are pFedHN's code (inner lr 5e-3, 50 inner steps, batch 64,
+    inner weight decay 5e-5, each step's gradient clipped to norm 50) with the papers' local momentum 0.9; server
+    defaults are pFedHN's code (SGD, lr 1e-2, momentum 0.9, weight decay 1e-3, the embedding group at the
+    hypernetwork's lr, gradient-norm clip 50).
+
+    ``momentum``: heavy-ball coefficient of the clients' local SGD.
+    ``hn_lr``, ``hn_weight_decay``: server SGD for the hypernetwork; ``embed_lr`` / ``embed_weight_decay`` for the
+    embedding rows (``None``: the hypernetwork's value); ``hn_momentum``: server momentum (both groups).
+    ``server_grad_clip``: max L2 norm of the round's averaged server gradient (``None``: no clipping).
+    ``embed_dim``: descriptor size d_e; ``None`` applies ``embed_dim_rule`` (``"quarter"``: floor(N/4), or
+    ``"pfedhn"``: int(1 + N/4)) to N = the number of *training* clients, which is all the server knows (the paper's
+    N counts novel clients too: CIFAR N = 100 gives 25; set ``embed_dim=25`` to match it, digest 2.4 / 10.2 #5).
+    ``hidden_dim``, ``n_hidden``, ``spectral_norm``, ``hn_chunked``: the hypernetwork (:class:`HyperNetwork`).
+    """
+
+    lr: float = 5e-3
+    local_steps: int = 50
+    weight_decay: float = 5e-5
+    grad_clip: float | None = 50.0
+    momentum: float = 0.9
+    hn_lr: float = 1e-2
+    embed_lr: float | None = None
+    hn_momentum: float = 0.9
+    hn_weight_decay: float = 1e-3
+    embed_weight_decay: float | None = None
+    server_grad_clip: float | None = 50.0
+    embed_dim: int | None = None
+    embed_dim_rule: str = "quarter"
+    hidden_dim: int = 100
+    n_hidden: int = 3
+    spectral_norm: bool = False
+    hn_chunked: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(_finite(self.momentum) and 0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
+        _require(_finite(self.hn_momentum) and 0 <= self.hn_momentum < 1, "hn_momentum", self.hn_momentum,
+                 "in [0, 1)")
+        for name in ("hn_lr", "embed_lr"):
+            value = getattr(self, name)
+            if name == "hn_lr" or value is not None:
+                _require(_finite(value) and value > 0, name, value, "a finite number > 0" +
+                         (" or None (the hypernetwork's)" if name != "hn_lr" else ""))
+        for name in ("hn_weight_decay", "embed_weight_decay"):
+            value = getattr(self, name)
+            if name == "hn_weight_decay" or value is not None:
+                _require(_finite(value) and value >= 0, name, value, "a finite number >= 0" +
+                         (" or None (the hypernetwork's)" if name != "hn_weight_decay" else ""))
+        _require(self.server_grad_clip is None or (_finite(self.server_grad_clip) and self.server_grad_clip > 0),
+                 "server_grad_clip", self.server_grad_clip, "None or a finite number > 0")
+        _require(self.embed_dim is None or (_int(self.embed_dim) and self.embed_dim >= 1), "embed_dim",
+                 self.embed_dim, "None (by embed_dim_rule) or an integer >= 1")
+        _require(self.embed_dim_rule in EMBED_DIM_RULES, "embed_dim_rule", self.embed_dim_rule,
+                 f"one of {', '.join(EMBED_DIM_RULES)}")
+        _require(_int(self.hidden_dim) and self.hidden_dim >= 1, "hidden_dim", self.hidden_dim, "an integer >= 1")
+        _require(_int(self.n_hidden) and self.n_hidden >= 0, "n_hidden", self.n_hidden, "an integer >= 0")
+        _require(isinstance(self.spectral_norm, bool), "spectral_norm", self.spectral_norm, "True or False")
+        _require(self.hn_chunked in (None, True, False), "hn_chunked", self.hn_chunked,
+                 "None (by target size), True or False")
+
+    @property
+    def embedding_lr(self) -> float:
+        return self.hn_lr if self.embed_lr is None else self.embed_lr
+
+    @property
+    def embedding_weight_decay(self) -> float:
+        return self.hn_weight_decay if self.embed_weight_decay is None else self.embed_weight_decay
+
+    def round_config(self, round: int) -> dict:
+        return {**super().round_config(round), "momentum": self.momentum}
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def sgd_momentum_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor | None, *, lr: float,
+                      momentum: float, weight_decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of torch's SGD (dampening 0, no Nesterov), out of place: returns ``(new_param, new_buffer)``.
+
+    ``d = grad + weight_decay * param``; ``buffer = d`` on the first step, else ``momentum * buffer + d``;
+    ``param - lr * buffer``.
+    """
+    d = grad + weight_decay * param if weight_decay else grad
+    buffer = d.clone() if buffer is None or momentum == 0 else momentum * buffer + d
+    return param - lr * buffer, buffer
+
+
+class PFedHNStrategy(Strategy):
+    """Holds the hypernetwork, the clients' embedding rows and the server optimiser's momentum buffers.
+
+    Working values of a round (the descriptors its messages were generated from) live on the strategy until
+    ``aggregate_train``; ``last_gradients`` keeps the round's averaged, clipped server gradient for inspection.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        cfg = self.config
+        self.embed_dim = cfg.embed_dim or embedding_dim(self.num_training_clients, rule=cfg.embed_dim_rule)
+        target = self.model_factory.init(self.seed)
+        self.hnet = seeded_init(
+            lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=cfg.hidden_dim, n_hidden=cfg.n_hidden,
+                                 spectral_norm=cfg.spectral_norm, chunked=cfg.hn_chunked),
+            derive_seed(self.seed, "pfedhn_hypernetwork"))
+        self.hn_momentum: dict[str, torch.Tensor] = {}
+        self.embeddings: dict[int, torch.Tensor] = {}
+        self.embedding_momentum: dict[int, torch.Tensor] = {}
+        self._sent: dict[int, torch.Tensor] = {}
+        self.last_gradients: dict[str, Any] | None = None
+
+    # -- embeddings and generation -------------------------------------------------------------------------------
+    def initial_embedding(self, client_id: int) -> torch.Tensor:
+        """Client ``client_id``'s row before training: N(0, 1) from a stream keyed by (seed, client id)."""
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "pfedhn_embedding", client_id))
+        return torch.randn(self.embed_dim, generator=generator)
+
+    def embedding(self, client_id: int) -> torch.Tensor:
+        """Client ``client_id``'s current embedding row (its initial row if it has not trained yet)."""
+        row = self.embeddings.get(client_id)
+        return self.initial_embedding(client_id) if row is None else row
+
+    @torch.no_grad()
+    def generate(self, descriptor: torch.Tensor, hn_state: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, torch.Tensor]:
+        """Target weights ``f_theta(descriptor)`` (detached), from the current hypernetwork or from ``hn_state``."""
+        if hn_state is None:
+            out = self.hnet(descriptor)
+        else:
+            out = torch.func.functional_call(self.hnet, hn_state, (descriptor,))
+        return {k: v.detach().clone() for k, v in out.items()}
+
+    def hypernetwork_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the hypernetwork's state (parameters and any buffers)."""
+        return {k: v.detach().clone() for k, v in self.hnet.state_dict().items()}
+
+    # -- rounds --------------------------------------------------------------------------------------------------
+    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
+        """Step 1: ``w_i = f_theta(e_i)`` for each sampled client, with the local-training settings."""
+        self._sent = {cid: self.embedding(cid) for cid in client_ids}
+        config = self.config.round_config(round)
+        return {cid: Message(arrays=self.generate(e), config=dict(config)) for cid, e in self._sent.items()}
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        """Steps 3-4 on the weight changes of ``replies`` (the embedding rows move)."""
+        descriptors = {cid: self._sent.get(cid, self.embedding(cid)) for cid in replies}
+        self._sent = {}
+        return self.hypernetwork_update(descriptors, replies, update_embeddings=True, lr=self.config.hn_lr)
+
+    def hypernetwork_update(self, descriptors: dict[int, torch.Tensor], replies: dict[int, Message], *,
+                            update_embeddings: bool, lr: float) -> dict[str, float]:
+        """Chain-rule each reply's weight change ``d_i`` through ``f_theta`` at ``descriptors[i]``, average over the
+        clients, clip, and step the hypernetwork (and, with ``update_embeddings``, the clients' embedding rows).
+
+        Returns the round's metrics: ``train_loss`` (sample-weighted mean of the clients' local losses) and
+        ``hn_grad_norm`` (L2 norm of the averaged gradient before clipping).
+        """
+        ids = sorted(replies)
+        if not ids:
+            return {}
+        count = len(ids)
+        hn_grad: dict[str, torch.Tensor] = {}
+        row_grads: dict[int, torch.Tensor] = {}
+        for cid in ids:                                      # step 3
+            grads, descriptor_grad = backprop_weight_change(self.hnet, descriptors[cid], replies[cid].arrays)
+            for name, g in grads.items():
+                hn_grad[name] = hn_grad[name] + g / count if name in hn_grad else g / count
+            row_grads[cid] = descriptor_grad / count
+        if not update_embeddings:
+            row_grads = {}
+        # step 4: the clip covers everything that steps (torch.nn.utils.clip_grad_norm_'s rule)
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in [*hn_grad.values(), *row_grads.values()]))
+        clip = self.config.server_grad_clip
+        if clip is not None and clip / (norm + 1e-6) < 1:
+            scale = clip / (norm + 1e-6)
+            hn_grad = {k: g * scale for k, g in hn_grad.items()}
+            row_grads = {k: g * scale for k, g in row_grads.items()}
+        self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
+        cfg = self.config
+        params = dict(self.hnet.named_parameters())
+        with torch.no_grad():
+            for name, g in hn_grad.items():
+                new, self.hn_momentum[name] = sgd_momentum_step(
+                    params[name].detach(), g, self.hn_momentum.get(name), lr=lr, momentum=cfg.hn_momentum,
+                    weight_decay=cfg.hn_weight_decay)
+                params[name].copy_(new)
+        for cid, g in row_grads.items():
+            self.embeddings[cid], self.embedding_momentum[cid] = sgd_momentum_step(
+                self.embedding(cid), g, self.embedding_momentum.get(cid), lr=cfg.embedding_lr,
+                momentum=cfg.hn_momentum, weight_decay=cfg.embedding_weight_decay)
+        weights = [float(replies[cid].metrics.get("num_examples", 1.0)) for cid in ids]
+        losses = [float(replies[cid].metrics.get("loss", float("nan"))) for cid in ids]
+        return {"train_loss": sum(v * w for v, w in zip(losses, weights)) / sum(weights), "hn_grad_norm": norm}
+
+    def configure_evaluate(self, client_id: int) -> Message:
+        """A training client is scored with its own generated model ``f_theta(e_i)``."""
+        return Message(arrays=self.generate(self.embedding(client_id)))
+
+    def novel_request(self, client_id: int) -> Message:
+        raise ConfigError("method 'pfedhn' has no encoder and serves no novel client; use 'pfl_sampled', "
+                          "'pfl_nearest' or 'pfl_ensemble' (pFedHN's training, applied to novel clients) or "
+                          "'itpflhn'")
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by str id)."""
+        return {
+            "hypernetwork": self.hypernetwork_state(),
+            "hypernetwork_momentum": {k: v.clone() for k, v in self.hn_momentum.items()},
+            "embeddings": {str(k): v.clone() for k, v in self.embeddings.items()},
+            "embedding_momentum": {str(k): v.clone() for k, v in self.embedding_momentum.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hnet.load_state_dict({k: v.clone() for k, v in state["hypernetwork"].items()})
+        self.hn_momentum = {k: v.clone() for k, v in state["hypernetwork_momentum"].items()}
+        self.embeddings = {int(k): v.clone() for k, v in state["embeddings"].items()}
+        self.embedding_momentum = {int(k): v.clone() for k, v in state["embedding_momentum"].items()}
+        self._sent = {}
+
+
+class PFedHNClient(ClientProcedure):
+    """Trains the generated weights locally and sends the weight change ``before - after``."""
+
+    serves_novel_clients = False
+
+    def load_generated(self, weights: dict[str, torch.Tensor], model: nn.Module | None = None) -> nn.Module:
+        """``model`` (by default the workspace model) with its parameters set to ``weights``.
+
+        Generated weights cover the target's parameters only; a target with buffers keeps its own.
+        """
+        model = self.workspace_model() if model is None else model
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        params = {n for n, _ in model.named_parameters()}
+        if unexpected or params & set(missing):
+            raise ConfigError(f"generated weights do not match the target: missing {sorted(params & set(missing))}, "
+                              f"unexpected {sorted(unexpected)}")
+        return model
+
+    def local_weight_change(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
+        """Step 2: local SGD from the received weights; the release carries ``d_i = w_i - w_i_new``."""
+        start = message.arrays
+        model = self.load_generated(start)
+        loss = local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, **sgd_settings(message.config))
+        after = dict(model.named_parameters())
+        change = {name: start[name] - after[name].detach() for name in start}
+        return Release.non_private(
+            Message(arrays=change, metrics={"num_examples": float(data.num_train), "loss": loss}),
+            purpose="weight_change")
+
+    def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        return self.local_weight_change(data, message, ctx)
+
+    def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
+        return self.load_generated(message.arrays)
+
+
+register_method(
+    "pfedhn", strategy=PFedHNStrategy, client=PFedHNClient, config=PFedHNConfig,
+    description="pFedHN: a server hypernetwork maps learned client embeddings to personal models (training clients "
+                "only; see pfl_sampled / pfl_nearest / pfl_ensemble for novel clients)",
+)

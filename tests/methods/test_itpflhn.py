@@ -1,0 +1,210 @@
+"""IT-PFL-HN (two-phase ODPFL-HN): encoder regression, fine-tuning, serving, ledgers, runs."""
+
+import math
+
+import pytest
+import torch
+
+from privfl.data import NovelClient, TrainingClient
+from privfl.errors import ConfigError
+from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.federation import InProcessRuntime, Message, RunDirectory
+from privfl.methods import ModelFactory, get_method
+from privfl.methods.itpflhn import make_encoder
+from privfl.models import DeepSetEncoder, DPDeepSetEncoder, functional_forward
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: the machine is shared, and OpenMP threads spin badly when it is oversubscribed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+FACTORY = ModelFactory("mlp2nn", (3,), 2)
+SMALL = {"hidden_dim": 4, "n_hidden": 1, "embed_dim": 3, "encoder_options": {"hidden": 8}, "lr": 0.1,
+         "local_steps": 2, "batch_size": 8}
+
+
+def make(num_clients=4, **settings):
+    spec = get_method("itpflhn")
+    config = spec.make_config(**{**SMALL, **settings})
+    strategy = spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=num_clients)
+    return strategy, spec.client(model_factory=FACTORY, config=config)
+
+
+def client(cid, n=16, shift=0.0):
+    g = torch.Generator().manual_seed(200 + cid)
+    x = torch.randn(n, 3, generator=g) + shift
+    y = (x[:, 1] > shift).long()
+    return TrainingClient(client_id=cid, x_train=x, y_train=y, x_val=x[:4], y_val=y[:4])
+
+
+def runtime(clients, fraction=1.0, **settings):
+    strategy, proc = make(num_clients=len(clients), **settings)
+    return InProcessRuntime(strategy=strategy, client=proc, training_clients=clients, seed=0,
+                            client_fraction=fraction), strategy, proc
+
+
+def encode(strategy, weights, x):
+    encoder = make_encoder(strategy.config, FACTORY.input_shape, strategy.embed_dim)
+    encoder.load_state_dict(weights)
+    with torch.no_grad():
+        return encoder(x)
+
+
+def test_phase_one_regresses_the_encoder_onto_the_embedding_rows():
+    clients = [client(i, shift=2.0 * i) for i in range(4)]
+    rt, strategy, _ = runtime(clients, phase1_rounds=50, encoder_lr=0.02, encoder_steps=10)
+    init_encoder = {k: v.clone() for k, v in strategy.encoder_weights.items()}
+    init_gap = [float((encode(strategy, init_encoder, c.x_train) - strategy.embedding(c.client_id)).pow(2).sum())
+                for c in clients]
+    for r in range(8):
+        rt.run_round(r)
+    gap = [float((encode(strategy, strategy.encoder_weights, c.x_train) - strategy.embedding(c.client_id))
+                 .pow(2).sum()) for c in clients]
+    assert sum(gap) < 0.35 * sum(init_gap), (gap, init_gap)        # 0.23 with this seed
+    # phase-1 rounds are pFedHN then the regression, each a recorded release
+    assert [r.purpose for r in rt.wire.ledgers[1].records[:2]] == ["weight_change", "encoder_update"]
+
+
+def test_the_encoder_update_is_the_data_size_weighted_mean_of_the_clients_changes():
+    strategy, _ = make(hn_weight_decay=0.0)
+    before = {k: v.clone() for k, v in strategy.encoder_weights.items()}
+    hn_before = strategy.hypernetwork_state()
+    down = strategy.configure_train(0, [1, 2])
+    zero = {k: torch.zeros_like(v) for k, v in down[1].arrays.items()}
+    stage1 = strategy.configure_stage(0, 1, {cid: Message(arrays=zero, metrics={"num_examples": 5.0, "loss": 0.0})
+                                             for cid in (1, 2)})
+    # stage 1 sends the encoder and the row the round's model came from (before this round's update)
+    assert torch.equal(stage1[2].arrays["embedding"], strategy.embedding(2))
+    assert torch.equal(stage1[2].subset("encoder/")["psi.2.bias"], before["psi.2.bias"])
+
+    def const(value):
+        return {k: torch.full_like(v, value) for k, v in before.items()}
+
+    strategy.aggregate_train(0, {1: Message(arrays=const(1.0), metrics={"num_examples": 10.0, "encoder_loss": 1.0}),
+                                 2: Message(arrays=const(4.0), metrics={"num_examples": 30.0, "encoder_loss": 2.0})})
+    for k in before:                       # (10 * 1 + 30 * 4) / 40 = 3.25
+        assert torch.allclose(strategy.encoder_weights[k], before[k] + 3.25)
+    # a zero weight change with no weight decay leaves the hypernetwork where it was
+    assert all(torch.equal(v, hn_before[k]) for k, v in strategy.hypernetwork_state().items())
+
+
+def test_phase_two_fine_tunes_only_the_hypernetwork_and_training_clients_keep_the_pre_fine_tune_one():
+    clients = [client(i, shift=float(i)) for i in range(3)]
+    rt, strategy, proc = runtime(clients, phase1_rounds=2, finetune_lr=0.05)
+    rt.run_round(0)
+    rt.run_round(1)
+    end_of_phase1 = strategy.hypernetwork_state()
+    rows = {cid: row.clone() for cid, row in strategy.embeddings.items()}
+    encoder = {k: v.clone() for k, v in strategy.encoder_weights.items()}
+    assert strategy.pre_finetune is None
+    rt.run_round(2)
+    rt.run_round(3)
+    assert all(torch.equal(strategy.pre_finetune[k], v) for k, v in end_of_phase1.items())
+    assert any(not torch.equal(v, end_of_phase1[k]) for k, v in strategy.hypernetwork_state().items())
+    assert all(torch.equal(strategy.embeddings[cid], row) for cid, row in rows.items())
+    assert all(torch.equal(strategy.encoder_weights[k], v) for k, v in encoder.items())
+    # phase-2 rounds: descriptor up, model down, weight change up
+    assert [r.purpose for r in rt.wire.ledgers[0].records] == ["weight_change", "encoder_update"] * 2 + [
+        "descriptor", "weight_change"] * 2
+    # training clients are scored with f_pre(e_i), not the fine-tuned hypernetwork
+    x = torch.randn(6, 3)
+    model = rt.training_client_model(1)
+    pre = torch.func.functional_call(strategy.hnet, end_of_phase1, (rows[1],))
+    assert torch.allclose(model(x), functional_forward(FACTORY(), pre, x), atol=1e-6)
+    assert not torch.allclose(model(x), functional_forward(FACTORY(), strategy.hnet(rows[1]), x), atol=1e-4)
+
+
+def test_phase_two_gradient_goes_through_the_descriptor_the_client_sent():
+    """One plain full-batch SGD step: theta moves by -finetune_lr * eta * dL/dtheta at w = f(g(X_i))."""
+    c = client(4)
+    eta = 0.2
+    rt, strategy, _ = runtime([c], phase1_rounds=0, lr=eta, local_steps=1, batch_size=64, momentum=0.0,
+                              weight_decay=0.0, grad_clip=None, server_grad_clip=None, hn_momentum=0.0,
+                              hn_weight_decay=0.0, finetune_lr=0.5)
+    descriptor = encode(strategy, strategy.encoder_weights, c.x_train)
+    params = dict(strategy.hnet.named_parameters())
+    loss = torch.nn.functional.cross_entropy(functional_forward(FACTORY(), strategy.hnet(descriptor), c.x_train),
+                                             c.y_train)
+    true = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+    before = {k: v.detach().clone() for k, v in params.items()}
+    rt.run_round(0)
+    for name in params:
+        assert torch.allclose(strategy.last_gradients["hypernetwork"][name], eta * true[name], rtol=1e-4, atol=1e-7)
+        assert torch.allclose(params[name].detach(), before[name] - 0.5 * eta * true[name], rtol=1e-4, atol=1e-6)
+    assert strategy.last_gradients["embeddings"] == {} and strategy.embeddings == {}
+
+
+@pytest.mark.parametrize("encoder, cls", [("deepset", DeepSetEncoder), ("dp_deepset", DPDeepSetEncoder)])
+def test_a_novel_client_releases_exactly_one_descriptor_and_gets_the_fine_tuned_model(encoder, cls):
+    rt, strategy, proc = runtime([client(0), client(1)], phase1_rounds=1, encoder=encoder)
+    rt.run_round(0)
+    rt.run_round(1)
+    novel = NovelClient(42, torch.randn(25, 3, generator=torch.Generator().manual_seed(5)))
+    model = rt.novel_client_model(novel)
+    records = rt.wire.ledgers[42].records
+    assert [r.purpose for r in records] == ["descriptor"] and records[0].round is None
+    assert records[0].metadata["bytes"] == strategy.embed_dim * 4        # one float32 descriptor, nothing else
+    assert math.isinf(rt.wire.ledgers.epsilons(1e-5)[42])                # sent without noise: recorded as such
+    assert isinstance(proc.encoder_from(strategy.novel_request(42)), cls)
+    descriptor = encode(strategy, strategy.encoder_weights, novel.x)
+    x = torch.randn(5, 3)
+    assert torch.allclose(model(x), functional_forward(FACTORY(), strategy.hnet(descriptor), x), atol=1e-6)
+
+
+def test_a_malformed_descriptor_is_refused():
+    strategy, _ = make()
+    with pytest.raises(ConfigError, match="shape \\(2,\\)"):
+        strategy.novel_reply(9, Message(arrays={"descriptor": torch.zeros(2)}))
+    with pytest.raises(ConfigError, match="sent none"):
+        strategy.novel_reply(9, None)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"encoder": "lstm"}, "unknown encoder 'lstm'; valid choices: deepset, dp_deepset, dss, set_transformer"),
+    ({"encoder_options": {"width": 3}}, "encoder_options must be a dict of options of 'deepset': hidden"),
+    ({"encoder_steps": 0}, "encoder_steps must be an integer >= 1, got 0"),
+    ({"phase1_rounds": -1}, "phase1_rounds must be an integer >= 0, got -1"),
+    ({"finetune_lr": 0.0}, "finetune_lr must be None \\(hn_lr\\) or a finite number > 0, got 0.0"),
+])
+def test_bad_settings_raise_naming_the_value(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        get_method("itpflhn").make_config(**bad)
+
+
+def _run_config(make_spec, **overrides):
+    values = dict(federation=make_spec(), method="itpflhn",
+                  method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16, "hn_lr": 0.05, "hidden_dim": 4,
+                                 "n_hidden": 1, "embed_dim": 3, "encoder_options": {"hidden": 8},
+                                 "phase1_rounds": 3},
+                  rounds=5, eval_every=2, checkpoint_every=2, seed=3, select="last")
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+def test_end_to_end_run_serves_novel_clients_through_one_descriptor_each(tmp_path, make_spec):
+    summary = train(_run_config(make_spec), str(tmp_path / "run"), progress=False)
+    assert summary["novel"]["num_clients"] == 3 and summary["training_val"]["num_clients"] == 9
+    assert summary["training_val"]["accuracy_mean"] > 40.0 and summary["novel"]["accuracy_mean"] > 30.0
+    rows = RunDirectory(tmp_path / "run").read_clients()
+    assert all(math.isinf(float(r["epsilon"])) for r in rows)
+    novel_up = [int(r["bytes_up"]) for r in rows if r["role"] == "novel"]
+    assert novel_up == [3 * 4] * 3
+
+
+def test_interrupted_in_phase_two_then_resumed_equals_uninterrupted(tmp_path, make_spec):
+    cfg = _run_config(make_spec, client_fraction=0.5, checkpoint_every=2, select="best_val")
+    full = train(cfg, str(tmp_path / "full"), progress=False)
+    with pytest.raises(RunInterrupted):
+        train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=4)     # after one phase-2 round
+    resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    for key in ("novel", "training_val", "selected_round"):
+        assert resumed[key] == full[key], key
+    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    assert "pre_finetune" in a and a.keys() == b.keys()
+    assert all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])

@@ -1,0 +1,151 @@
+"""ODPFL-HN: Algorithm 1's gradients (digest 3.1), the dialogue's releases, novel-client ledgers, resume, config errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from privfl.data import NovelClient, TrainingClient
+from privfl.errors import ConfigError
+from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.federation import InProcessRuntime
+from privfl.methods import ModelFactory, get_method
+from privfl.methods.odpflhn import ODPFLHNClient, ODPFLHNConfig, ODPFLHNStrategy, client_descriptor
+from privfl.models import functional_forward
+
+FACTORY = ModelFactory("mlp2nn", (6,), 3)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine two threads per process oversubscribe badly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _client(cid: int, n: int = 24, seed: int = 0) -> TrainingClient:
+    g = torch.Generator().manual_seed(seed + cid)
+    x = torch.randn(n, 6, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return TrainingClient(cid, x, y, x[:4].clone(), y[:4].clone())
+
+
+def _runtime(config: ODPFLHNConfig, clients: list[TrainingClient]) -> InProcessRuntime:
+    strategy = ODPFLHNStrategy(model_factory=FACTORY, config=config, seed=1, num_training_clients=len(clients))
+    return InProcessRuntime(strategy=strategy, client=ODPFLHNClient(model_factory=FACTORY, config=config),
+                            training_clients=clients, seed=1)
+
+
+@pytest.mark.parametrize("encoder,descriptor", [("dp_deepset", "full"), ("dp_deepset", "batch_mean"),
+                                                ("dss", "full")])
+def test_one_plain_sgd_step_gives_lr_times_the_true_gradients(encoder, descriptor):
+    """Digest 3.1: with one local plain-SGD step on one batch, no momentum and no weight decay, the hypernetwork and
+    encoder updates equal lr_local x the gradients of L(theta, gamma) back-propagated straight through w and e."""
+    lr_local, hn_lr, encoder_lr = 0.1, 0.5, 0.3
+    config = ODPFLHNConfig(lr=lr_local, local_steps=1, batch_size=64, local_momentum=0.0, local_weight_decay=0.0,
+                           hn_lr=hn_lr, hn_weight_decay=0.0, encoder_lr=encoder_lr, encoder_weight_decay=0.0,
+                           server_momentum=0.0, grad_clip=None, encoder=encoder, encoder_hidden=8,
+                           encoder_clip=1.0, embed_dim=4, hn_hidden=16, hn_layers=1, descriptor=descriptor,
+                           descriptor_batch_size=10)
+    data = _client(0)
+    runtime = _runtime(config, [data])
+    hnet, enc = copy.deepcopy(runtime.strategy.hnet), copy.deepcopy(runtime.strategy.encoder)
+
+    # the true gradient of L = mean cross-entropy of h(x; f_theta(g_gamma(X))) on the one batch
+    seed = ODPFLHNClient._descriptor_seed(runtime._context(0, 0))
+    e = client_descriptor(enc, data.x_train, config, seed=seed)
+    loss = nn.functional.cross_entropy(functional_forward(FACTORY(), hnet(e), data.x_train), data.y_train)
+    hn_params, enc_params = list(hnet.parameters()), list(enc.parameters())
+    grads = torch.autograd.grad(loss, hn_params + enc_params)
+    runtime.run_round(0)
+
+    for before, after, g in zip(hn_params, runtime.strategy.hnet.parameters(), grads[:len(hn_params)]):
+        torch.testing.assert_close(before.detach() - after.detach(), hn_lr * lr_local * g, rtol=1e-4, atol=1e-7)
+    for before, after, g in zip(enc_params, runtime.strategy.encoder.parameters(), grads[len(hn_params):]):
+        torch.testing.assert_close(before.detach() - after.detach(), encoder_lr * lr_local * g, rtol=1e-4,
+                                   atol=1e-7)
+    assert sum(float(g.abs().sum()) for g in grads[len(hn_params):]) > 1e-4   # the encoder does get a gradient
+
+
+def test_a_round_is_three_recorded_releases_per_client_and_lowers_the_loss():
+    config = ODPFLHNConfig(lr=0.1, local_steps=5, batch_size=8, encoder_hidden=8, embed_dim=4, hn_hidden=16,
+                           hn_lr=0.05, encoder_lr=0.05)
+    clients = [_client(i, seed=3) for i in range(3)]
+    runtime = _runtime(config, clients)
+    losses = [runtime.run_round(r)["train_loss"] for r in range(8)]
+    assert losses[-1] < losses[0]
+    for cid in range(3):
+        records = runtime.wire.ledgers[cid].records
+        assert [r.purpose for r in records[:3]] == ["descriptor", "weight_change", "encoder_gradient"]
+        assert len(records) == 24 and math.isinf(runtime.wire.ledgers[cid].spent(1e-5).epsilon)
+    assert sorted(runtime.strategy.descriptors) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("epsilon", [None, 0.5])
+def test_a_novel_client_releases_exactly_one_descriptor(epsilon):
+    config = ODPFLHNConfig(encoder_hidden=8, embed_dim=4, hn_hidden=16, novel_epsilon=epsilon, novel_delta=1e-5)
+    runtime = _runtime(config, [_client(0)])
+    runtime.run_round(0)
+    novel = NovelClient(7, torch.randn(300, 6, generator=torch.Generator().manual_seed(9)))
+    model = runtime.novel_client_model(novel)
+    assert model(novel.x).shape == (300, 3)
+    records = runtime.wire.ledgers[7].records
+    assert [r.purpose for r in records] == ["descriptor"]
+    spent = runtime.wire.ledgers[7].spent(1e-5).epsilon
+    if epsilon is None:
+        assert math.isinf(spent)
+    else:
+        assert spent == pytest.approx(0.5, rel=1e-3)
+        assert runtime.wire.bytes_up[7] == 4 * 4      # the descriptor (embed_dim floats) is all that went up
+
+
+def test_the_private_descriptor_is_the_clean_one_plus_noise_that_shrinks_with_n():
+    base = dict(encoder_hidden=8, embed_dim=4, hn_hidden=16, encoder_clip=1.0, novel_delta=1e-5)
+    clean_rt = _runtime(ODPFLHNConfig(**base), [_client(0)])
+    state = clean_rt.strategy.state_dict()
+    distances = {}
+    for n in (100, 10000):
+        x = torch.randn(n, 6, generator=torch.Generator().manual_seed(n))
+        clean = clean_rt.client.novel_query(NovelClient(1, x), clean_rt.strategy.novel_request(1))
+        private_rt = _runtime(ODPFLHNConfig(**base, novel_epsilon=1.0), [_client(0)])
+        private_rt.strategy.load_state_dict(state)
+        noisy = private_rt.client.novel_query(NovelClient(1, x), private_rt.strategy.novel_request(1))
+        distances[n] = float((noisy.message.arrays["descriptor"] - clean.message.arrays["descriptor"]).norm())
+    assert distances[10000] < distances[100] / 10 and distances[100] > 0
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
+    cfg = RunConfig(federation=make_spec(), method="odpflhn",
+                    method_config={"local_steps": 3, "batch_size": 16, "encoder_hidden": 16, "hn_hidden": 32,
+                                   "novel_epsilon": 1.0},
+                    rounds=4, client_fraction=0.5, eval_every=2, checkpoint_every=3, seed=2)
+    full = train(cfg, str(tmp_path / "full"), progress=False)
+    with pytest.raises(RunInterrupted):
+        train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=2)
+    resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    for key in ("novel", "training_val", "selected_round", "rounds_completed"):
+        assert resumed[key] == full[key], key
+    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+    assert full["privacy"]["epsilon_max_novel"] == pytest.approx(1.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"encoder": "deepset", "novel_epsilon": 1.0}, "novel_epsilon=1.0 needs a privatizable encoder"),
+    ({"encoder": "lstm"}, "encoder must be one of deepset, dp_deepset, dss, set_transformer, got 'lstm'"),
+    ({"descriptor": "sum"}, "descriptor must be one of full, batch_mean"),
+    ({"encoder": "dss", "train_mean_noise": 0.1}, "train_mean_noise=0.1 applies only to encoder='dp_deepset'"),
+    ({"local_momentum": 1.0}, "local_momentum must be in [0, 1)"),
+    ({"novel_noise": "urandom"}, "novel_noise must be 'seeded' or 'secure'"),
+])
+def test_bad_settings_are_named(values, needle):
+    with pytest.raises(ConfigError) as info:
+        get_method("odpflhn").make_config(**values)
+    assert needle in str(info.value)

@@ -1,0 +1,290 @@
+"""pFedHN and the PFL baselines (PFL-sampled, -ensemble, -nearest): server arithmetic, serving, ledgers, runs."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from privfl.data import NovelClient, TrainingClient
+from privfl.errors import ConfigError
+from privfl.evaluation.metrics import ExpectedModel, score_model
+from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.federation import InProcessRuntime, RunDirectory, sample_clients
+from privfl.methods import ModelFactory, get_method
+from privfl.methods.local_training import sgd_settings
+from privfl.methods.pfl_baselines import LogitEnsemble, proxy_a_distance
+from privfl.models import functional_forward
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: the machine is shared, and OpenMP threads spin badly when it is oversubscribed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+FACTORY = ModelFactory("mlp2nn", (3,), 2)
+TINY_HN = {"hidden_dim": 4, "n_hidden": 1, "embed_dim": 3}
+
+
+def make(name, num_clients=4, factory=FACTORY, **settings):
+    spec = get_method(name)
+    config = spec.make_config(**{**TINY_HN, **settings})
+    strategy = spec.strategy(model_factory=factory, config=config, seed=0, num_training_clients=num_clients)
+    return strategy, spec.client(model_factory=factory, config=config)
+
+
+def client(cid, n=12, shift=0.0, dim=3):
+    g = torch.Generator().manual_seed(100 + cid)
+    x = torch.randn(n, dim, generator=g) + shift
+    y = (x[:, 0] > shift).long()
+    return TrainingClient(client_id=cid, x_train=x, y_train=y, x_val=x[:4], y_val=y[:4])
+
+
+def runtime(name, clients, fraction=1.0, **settings):
+    strategy, proc = make(name, num_clients=len(clients), **settings)
+    return InProcessRuntime(strategy=strategy, client=proc, training_clients=clients, seed=0,
+                            client_fraction=fraction), strategy
+
+
+def test_one_plain_sgd_step_gives_the_server_lr_times_the_true_gradient():
+    """d = before - after of one full-batch plain SGD step is eta * dL/dw, so the server's averaged gradient must be
+    eta * the gradient of the clients' mean loss through w = f(e) (digest 3.1 'Unit-test this')."""
+    clients = [client(3), client(7)]
+    eta = 0.3
+    rt, strategy = runtime("pfedhn", clients, lr=eta, local_steps=1, batch_size=64, momentum=0.0, weight_decay=0.0,
+                           grad_clip=None, server_grad_clip=None, hn_momentum=0.0, hn_weight_decay=0.0, hn_lr=0.5,
+                           embed_lr=0.25)
+    target = FACTORY()
+    params = dict(strategy.hnet.named_parameters())
+    before = {k: v.detach().clone() for k, v in params.items()}
+    rows = {c.client_id: strategy.embedding(c.client_id).clone().requires_grad_(True) for c in clients}
+    true_hn = {k: torch.zeros_like(v) for k, v in params.items()}
+    true_rows = {}
+    for c in clients:
+        loss = nn.functional.cross_entropy(functional_forward(target, strategy.hnet(rows[c.client_id]), c.x_train),
+                                           c.y_train)
+        grads = torch.autograd.grad(loss, [*params.values(), rows[c.client_id]])
+        for name, g in zip(params, grads[:-1]):
+            true_hn[name] += g / len(clients)
+        true_rows[c.client_id] = grads[-1] / len(clients)
+
+    rt.run_round(0)
+    got = strategy.last_gradients
+    for name in params:
+        assert torch.allclose(got["hypernetwork"][name], eta * true_hn[name], rtol=1e-4, atol=1e-7), name
+    for cid in rows:
+        assert torch.allclose(got["embeddings"][cid], eta * true_rows[cid], rtol=1e-4, atol=1e-7)
+    # plain SGD with separate learning rates: theta -= 0.5 * g, e_i -= 0.25 * g_e_i
+    for name in params:
+        assert torch.allclose(params[name].detach(), before[name] - 0.5 * eta * true_hn[name], rtol=1e-4, atol=1e-6)
+    for cid, row in rows.items():
+        assert torch.allclose(strategy.embeddings[cid], row.detach() - 0.25 * eta * true_rows[cid], atol=1e-6)
+    assert [r.purpose for r in rt.wire.ledgers[3].records] == ["weight_change"]
+
+
+def test_an_absent_clients_embedding_row_does_not_move_even_with_momentum_and_weight_decay():
+    clients = [client(i) for i in range(6)]
+    rt, strategy = runtime("pfedhn", clients, fraction=0.5, lr=0.1, local_steps=2, batch_size=4,
+                           hn_weight_decay=0.1, hn_momentum=0.9)
+    rt.run_round(0)
+    rt.run_round(1)
+    rows = {cid: row.clone() for cid, row in strategy.embeddings.items()}
+    sampled = sample_clients(sorted(c.client_id for c in clients), 0.5, seed=0, round=2)
+    absent_with_momentum = [cid for cid in rows if cid not in sampled]
+    assert absent_with_momentum, "pick a seed where a client trained earlier and sits out round 2"
+    rt.run_round(2)
+    for cid in absent_with_momentum:
+        assert torch.equal(strategy.embeddings[cid], rows[cid]), cid
+    for cid in sampled:
+        assert not torch.allclose(strategy.embedding(cid), rows.get(cid, strategy.initial_embedding(cid))), cid
+    # rows start N(0, 1) from (seed, client id), whatever order clients first appear in
+    assert torch.equal(strategy.initial_embedding(4), make("pfedhn", num_clients=6)[0].initial_embedding(4))
+
+
+def test_the_server_gradient_is_clipped_to_the_configured_norm():
+    rt, strategy = runtime("pfedhn", [client(0), client(1)], lr=0.5, local_steps=3, batch_size=4,
+                           server_grad_clip=1e-3)
+    rt.run_round(0)
+    grads = strategy.last_gradients
+    clipped = math.sqrt(sum(float(g.pow(2).sum()) for g in [*grads["hypernetwork"].values(),
+                                                           *grads["embeddings"].values()]))
+    assert grads["norm"] > 1e-3
+    assert clipped == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_training_clients_are_scored_with_their_own_generated_model_and_pfedhn_serves_no_novel_client():
+    strategy, proc = make("pfedhn")
+    assert proc.serves_novel_clients is False
+    message = strategy.configure_evaluate(5)
+    x = torch.randn(7, 3)
+    model = proc.evaluation_model(client(5), message, {})
+    expected = functional_forward(FACTORY(), strategy.generate(strategy.embedding(5)), x)
+    assert torch.allclose(model(x), expected)
+    with pytest.raises(ConfigError, match="pfl_sampled"):
+        strategy.novel_request(99)
+
+
+def _pool_strategy(name):
+    strategy, proc = make(name)
+    g = torch.Generator().manual_seed(1)
+    strategy.embeddings = {cid: torch.randn(3, generator=g) * 3 for cid in (2, 5, 9)}
+    return strategy, proc
+
+
+def test_pfl_sampled_scores_the_mean_of_the_members_accuracies():
+    strategy, proc = _pool_strategy("pfl_sampled")
+    novel = NovelClient(50, torch.randn(40, 3, generator=torch.Generator().manual_seed(2)))
+    model = proc.novel_model(novel, strategy.novel_reply(50, proc.novel_query(novel, strategy.novel_request(50))))
+    assert isinstance(model, ExpectedModel) and len(model.members) == 3
+    y = (novel.x[:, 1] > 0).long()
+    members = [score_model(functional_forward_module(strategy, j), novel.x, y) for j in (2, 5, 9)]
+    accuracies = [m.accuracy for m in members]
+    assert len(set(accuracies)) > 1                  # the members disagree, so a mean is not a member's value
+    score = score_model(model, novel.x, y)
+    assert score.accuracy == pytest.approx(sum(accuracies) / 3, abs=1e-12)
+    assert score.loss == pytest.approx(sum(m.loss for m in members) / 3, rel=1e-6)
+    with pytest.raises(TypeError, match="no single prediction"):
+        model(novel.x)
+    assert proc.novel_query(novel, strategy.novel_request(50)) is None     # the novel client sends nothing
+
+
+def functional_forward_module(strategy, cid):
+    model = FACTORY()
+    model.load_state_dict(strategy.generate(strategy.embeddings[cid]))
+    return model
+
+
+def test_pfl_ensemble_averages_logits_not_probabilities():
+    strategy, proc = _pool_strategy("pfl_ensemble")
+    novel = NovelClient(50, torch.randn(30, 3, generator=torch.Generator().manual_seed(3)))
+    model = proc.novel_model(novel, strategy.novel_request(50))
+    assert isinstance(model, LogitEnsemble)
+    logits = torch.stack([functional_forward_module(strategy, j)(novel.x) for j in (2, 5, 9)])
+    out = model(novel.x)
+    assert torch.allclose(out, logits.mean(0), atol=1e-6)
+    assert not torch.allclose(out.softmax(1), logits.softmax(2).mean(0), atol=1e-3)
+
+    # hand-made members where the two rules disagree: mean logits pick class 1, mean probabilities class 0
+    class Fixed(nn.Module):
+        def __init__(self, row):
+            super().__init__()
+            self.row = torch.tensor([row])
+
+        def forward(self, x):
+            return self.row.expand(len(x), -1)
+
+    ensemble = LogitEnsemble([Fixed([2.0, 0.0]), Fixed([2.0, 0.0]), Fixed([-5.0, 0.0])])
+    assert ensemble(torch.zeros(1, 3)).argmax(1).item() == 1
+    probs = torch.stack([m(torch.zeros(1, 3)).softmax(1) for m in ensemble.members]).mean(0)
+    assert probs.argmax(1).item() == 0
+
+
+def test_proxy_a_distance_is_near_zero_for_one_distribution_and_near_two_for_separated_ones():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(200, 4, generator=g), torch.randn(200, 4, generator=g)
+    far = torch.randn(200, 4, generator=g) + 6.0
+    rng = np.random.default_rng(0)
+    assert abs(proxy_a_distance(a, b, rng=rng)) < 0.35
+    assert proxy_a_distance(a, far, rng=rng) == pytest.approx(2.0)
+    with pytest.raises(ConfigError, match="at least 4"):
+        proxy_a_distance(a[:3], b, rng=rng)
+
+
+def test_pfl_nearest_picks_the_training_client_with_matching_inputs_and_records_every_raw_input_release():
+    shifts = {0: -4.0, 1: 0.0, 2: 4.0, 3: 8.0}
+    clients = [client(cid, n=40, shift=s) for cid, s in shifts.items()]
+    rt, strategy = runtime("pfl_nearest", clients, lr=0.1, local_steps=2, batch_size=8, nearest_max_inputs=30)
+    rt.run_round(0)
+    rt.run_round(1)
+    # inputs are collected once per training client (first round it takes part in), capped at 30
+    assert [r.purpose for r in rt.wire.ledgers[2].records] == ["weight_change", "raw_inputs", "weight_change"]
+    assert sorted(strategy.inputs) == [0, 1, 2, 3] and strategy.inputs[2].shape == (30, 3)
+    novel = NovelClient(77, torch.randn(50, 3, generator=torch.Generator().manual_seed(9)) + 4.0)
+    model = rt.novel_client_model(novel)
+    chosen, distances = strategy.last_nearest[77]
+    assert chosen == 2 and distances[2] < 0.6 and min(distances[j] for j in (0, 1, 3)) > 1.5
+    x = torch.randn(5, 3)
+    assert torch.allclose(model(x), functional_forward_module(strategy, 2)(x))
+    records = rt.wire.ledgers[77].records
+    assert [r.purpose for r in records] == ["raw_inputs"] and math.isinf(rt.wire.ledgers.epsilons(1e-5)[77])
+    assert records[0].metadata["bytes"] == 30 * 3 * 4
+
+
+def test_the_pfl_baselines_train_exactly_as_pfedhn():
+    clients = [client(i, n=10) for i in range(4)]
+    settings = dict(lr=0.1, local_steps=2, batch_size=4)
+    states = []
+    for name in ("pfedhn", "pfl_nearest", "pfl_sampled"):
+        rt, strategy = runtime(name, clients, fraction=0.5, **settings)
+        rt.run_round(0)
+        rt.run_round(1)
+        states.append(strategy.state_dict())
+    for other in states[1:]:
+        for group in ("hypernetwork", "embeddings", "embedding_momentum"):
+            assert other[group].keys() == states[0][group].keys()
+            assert all(torch.equal(other[group][k], states[0][group][k]) for k in states[0][group]), group
+
+
+def test_momentum_reaches_local_sgd_only_when_the_config_carries_it():
+    base = {"lr": 0.1, "local_steps": 1, "batch_size": 2}
+    assert "momentum" not in sgd_settings(base)
+    assert sgd_settings({**base, "momentum": 0.9})["momentum"] == 0.9
+    strategy, _ = make("pfedhn", momentum=0.5)
+    assert strategy.configure_train(0, [1])[1].config["momentum"] == 0.5
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"momentum": 1.0}, "momentum must be in \\[0, 1\\), got 1.0"),
+    ({"embed_dim_rule": "half"}, "embed_dim_rule must be one of quarter, pfedhn, got 'half'"),
+    ({"server_grad_clip": 0}, "server_grad_clip must be None or a finite number > 0, got 0"),
+    ({"embed_lr": -1.0}, "embed_lr must be a finite number > 0"),
+    ({"nearest_max_inputs": 2}, "nearest_max_inputs must be an integer >= 4, got 2"),
+])
+def test_bad_settings_raise_naming_the_value(bad, match):
+    name = "pfl_nearest" if "nearest_max_inputs" in bad else "pfedhn"
+    with pytest.raises(ConfigError, match=match):
+        get_method(name).make_config(**bad)
+
+
+def _run_config(make_spec, method, **overrides):
+    extra = {"nearest_max_inputs": 40} if method == "pfl_nearest" else {}
+    values = dict(federation=make_spec(), method=method,
+                  method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16, "hn_lr": 0.05, **TINY_HN, **extra},
+                  rounds=4, eval_every=2, checkpoint_every=2, seed=3, select="last")
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+@pytest.mark.parametrize("method", ["pfedhn", "pfl_sampled", "pfl_ensemble", "pfl_nearest"])
+def test_end_to_end_run(tmp_path, make_spec, method):
+    summary = train(_run_config(make_spec, method), str(tmp_path / method), progress=False)
+    assert summary["training_val"]["num_clients"] == 9
+    assert summary["training_val"]["accuracy_mean"] > 40.0                # 4 classes: chance is 25%
+    rows = RunDirectory(tmp_path / method).read_clients()
+    novel_eps = [float(r["epsilon"]) for r in rows if r["role"] == "novel"]
+    if method == "pfedhn":
+        assert summary["novel"]["num_clients"] == 0 and novel_eps == [0.0] * 3
+    else:
+        assert summary["novel"]["num_clients"] == 3 and summary["novel"]["accuracy_mean"] > 30.0
+        # only PFL-nearest's novel clients release anything (their raw inputs)
+        assert all(math.isinf(e) for e in novel_eps) == (method == "pfl_nearest")
+        assert all(e == 0.0 for e in novel_eps) == (method != "pfl_nearest")
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
+    """PFL-nearest's state is pFedHN's plus the stored inputs, so this covers pFedHN's resume too."""
+    cfg = _run_config(make_spec, "pfl_nearest", rounds=4, client_fraction=0.5, checkpoint_every=3, select="best_val")
+    full = train(cfg, str(tmp_path / "full"), progress=False)
+    with pytest.raises(RunInterrupted):
+        train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=2)
+    resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    for key in ("novel", "training_val", "selected_round"):
+        assert resumed[key] == full[key], key
+    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])

@@ -1,0 +1,81 @@
+"""``privfl sweep``: a tiny MNIST sweep end to end (table, files, ledger epsilons), and its user errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from privfl.cli import main
+from privfl.data import FederationSpec, build_federation
+from privfl.evaluation.novel_pool import NovelPool, held_out_pool
+from privfl.sweep import smallest_size_without_loss
+
+TINY = ["sweep", "--clients", "6", "--max-samples", "1200", "--rounds", "2", "--client-fraction", "0.5",
+        "--sizes", "20,60", "--epsilons", "0.3,3", "--novel-mixes", "2", "--eval-size", "40", "--repeats", "1",
+        "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(TINY + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| epsilon \\ n | 20 | 60 |" in printed and "| non-private |" in printed and "| 0.3 |" in printed
+    for name in ("sweep.csv", "sweep.json", "sweep.png", "train/summary.json", "train/ledger.json"):
+        assert (out / name).exists(), name
+    result = json.loads((out / "sweep.json").read_text())
+    assert list(result["table"]) == ["inf", "0.3", "3"] and list(result["table"]["0.3"]) == ["20", "60"]
+    # every served novel client made exactly one release, accounted at the epsilon asked for
+    assert result["ledger_epsilon_max"]["0.3"] == pytest.approx(0.3, rel=1e-6)
+    assert result["ledger_epsilon_max"]["3"] == pytest.approx(3.0, rel=1e-6)
+    assert result["ledger_epsilon_max"]["inf"] in ("inf", "Infinity") or math.isinf(result["ledger_epsilon_max"]["inf"])
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    # 2 mixes x 2 sizes x (1 non-private + 2 epsilons x 1 repeat)
+    assert len(rows) == 2 * 2 * 3 and {r["releases"] for r in rows} == {"1"}
+    assert result["table"]["0.3"]["20"]["count"] == 2 and result["table"]["inf"]["20"]["count"] == 2
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--epsilons", "0"], "epsilons must be finite numbers > 0"),
+    (["--sizes", "1"], "sizes must be integers >= 2"),
+    (["--max-samples", "60000"], "max_samples=60000 leaves no held-out images"),
+])
+def test_user_errors_exit_2(tmp_path, capsys, extra, needle):
+    assert main(TINY + ["--out", str(tmp_path / "s")] + extra) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_held_out_pool_is_disjoint_from_every_training_client():
+    spec = FederationSpec(source="mnist", split="train_test", num_clients=6, novel_clients=2, max_samples=1200)
+    x, y = held_out_pool(spec, seed=0)
+    assert x.shape == (58800, 1, 28, 28) and y.shape == (58800,)
+    federation = build_federation(spec, seed=0)
+    held = {row.numpy().tobytes() for row in x[:5000]}
+    training = [c.x_train for c in federation.training_clients] + [c.x_val for c in federation.training_clients]
+    assert sum(row.numpy().tobytes() in held for row in torch.cat(training)) == 0
+    pool = NovelPool(x, y)
+    a, ya = pool.draw({3: 1.0, 7: 1.0}, 101, np.random.default_rng(0))
+    b, yb = pool.draw({3: 1.0, 7: 1.0}, 100, np.random.default_rng(0))
+    assert sorted(torch.bincount(ya, minlength=10)[[3, 7]].tolist()) == [50, 51]
+    assert torch.bincount(yb, minlength=10)[[3, 7]].tolist() == [50, 50] and pool.remaining == 58800 - 201
+    assert not ({r.numpy().tobytes() for r in a} & {r.numpy().tobytes() for r in b})
+
+
+def test_smallest_size_without_loss_needs_every_larger_size_to_pass():
+    clean = {n: {"accuracy": 95.0} for n in ("50", "150", "500", "1500")}
+    cells = {"50": {"accuracy": 94.5}, "150": {"accuracy": 90.0}, "500": {"accuracy": 94.2}, "1500": {"accuracy": 95.0}}
+    assert smallest_size_without_loss(cells, clean, 1.0) == 500          # 50 passes, but 150 does not
+    assert smallest_size_without_loss(clean, clean, 1.0) == 50
+    assert smallest_size_without_loss({**cells, "1500": {"accuracy": 93.0}}, clean, 1.0) is None
