@@ -1,0 +1,524 @@
+"""PeFLL (Scott, Zakerinia and Lampert, ICLR 2024): an embedding network and a hypernetwork trained by learning to learn.
+
+A client describes itself by ``v_i = mean_j phi(x_j, y_j; eta_v)`` (labels are inputs); the server's hypernetwork
+turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (digest ``papers/pefll.md`` eq. 1,
+section 3.1)::
+
+    lambda_h ||eta_h||^2 + lambda_v ||eta_v||^2 + (1/n) sum_i [ L_i(theta_i) + lambda_theta ||theta_i||^2 ]
+
+One training round is the split computation of the paper's Algorithm 2 (digest section 3.2), three stages here, every
+message up a release recorded in the client's ledger by the wire:
+
+1. server -> client: the embedding network eta_v (line 3). Client: draw one batch of ``descriptor_batch`` examples
+   (32), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))`` (lines 5-6; the true mean, not the authors' code's division by
+   twice the number of batches, A8), keep the batch (and eta_v) for stage 3. **Up: v_i** (line 7, ``"descriptor"``).
+2. server: ``theta_i = h(v_i)`` (line 8). Down: theta_i (line 9). Client: ``local_steps`` (50) SGD steps with
+   momentum 0.9, lr 2e-3, per-step gradient clip 50 and weight decay ``2 lambda_theta`` (the gradient of
+   ``lambda_theta ||theta||^2``, A4) on fresh batches of 32, independent of the descriptor batch (A9) (line 10).
+   **Up: Delta theta_i = theta_i - theta~_i** (line 11, ``"weight_change"``).
+3. server: one vector-Jacobian product through h with cotangent Delta theta_i gives
+   ``Delta eta_h^i = (d theta_i/d eta_h)^T Delta theta_i`` (kept on the server) and
+   ``Delta v_i = (d theta_i/d v_i)^T Delta theta_i`` (line 12, :func:`~privfl.models.hypernetwork.backprop_weight_change`).
+   Down: Delta v_i (line 13). Client: ``Delta eta_v^i = (d v_i/d eta_v)^T Delta v_i`` through phi on the **same**
+   batch (line 14). **Up: Delta eta_v^i** (line 15, ``"embedding_gradient"``); the client forgets the batch.
+4. server (lines 17-18): ``g_h = mean_i Delta eta_h^i + 2 lambda_h eta_h``, ``g_v = mean_i Delta eta_v^i +
+   2 lambda_v eta_v`` over the clients that completed the round; clip the joint norm of (g_h, g_v) to
+   ``server_grad_clip`` (50); one Adam step (lr 2e-4; ``server_optimizer="sgd"`` for plain/momentum SGD).
+
+After one plain SGD local step at learning rate eta, Delta theta_i = eta dL_i/dtheta, so (with lambdas 0) the chain
+gives exactly eta times the true gradient of L_i(h(v(S_b; eta_v); eta_h)) with respect to both networks.
+
+Unseen clients (Algorithm 1, digest section 4): two down, one up, no fine-tuning: ``novel_request`` sends eta_v;
+``novel_query`` releases the descriptor of the client's **labelled** data (all of ``x_train``, or its first
+``eval_descriptor_samples``); ``novel_reply`` sends h(v); ``novel_model`` loads it. Because PeFLL's descriptor needs
+labels, an unseen client here is a labelled held-out client (any object with ``x_train``/``y_train``, such as a
+:class:`~privfl.data.TrainingClient`): :func:`unseen_clients_with_labels` builds one from each novel client of a
+:class:`~privfl.data.FederatedDataset`, splitting its data into a labelled descriptor part and a disjoint scoring part
+whose labels only the evaluator uses. An unlabelled :class:`~privfl.data.NovelClient` is refused with a ConfigError,
+so ``serves_novel_clients`` is ``False`` and :func:`privfl.experiment.train` scores no novel clients for PeFLL.
+Seen clients after training use the same protocol (their descriptor from their whole training split).
+
+With ``descriptor_epsilon`` set, the unseen-client descriptor is an (epsilon, delta)-DP release under replace-one of a
+labelled record (:func:`privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with
+``B = embed_bound``). Training releases (descriptors of training batches, weight changes, embedding gradients) are
+recorded as non-private (epsilon = infinity).
+
+The runtime scores training clients with one message down (``configure_evaluate``), with no way for the client to
+send a fresh descriptor; there the server generates the model from the **latest descriptor that client released in
+training** (a value it already holds; post-processing), from the mean of those if the client never trained. That
+score serves model selection only; the benchmark scores seen clients with the full protocol above.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from privfl.data import FederatedDataset, TrainingClient
+from privfl.errors import ConfigError
+from privfl.federation.messages import Message, Release, prefixed
+from privfl.federation.seeding import derive_seed, seeded_init
+from privfl.methods.base import (
+    ClientContext,
+    ClientProcedure,
+    ClientState,
+    Strategy,
+    _finite,
+    _require,
+    register_method,
+)
+from privfl.methods.local_training import minibatches
+from privfl.models.hypernetwork import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, resolve_kind
+from privfl.privacy.labelled import release_labelled_mean
+
+EMBED = "embed."
+DESCRIPTOR, DESCRIPTOR_GRAD = "descriptor", "descriptor_grad"
+_STATE_BATCH = "pefll.batch"
+_STATE_EMBED = "pefll.embed."
+SERVER_OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class PeFLLConfig:
+    """PeFLL's settings; defaults from the authors' code (digest section 3.3) unless noted.
+
+    Local training (client): ``lr`` 2e-3, ``local_steps`` 50, ``batch_size`` 32, ``momentum`` 0.9, ``grad_clip`` 50
+    (per-step L2 clip of the local gradient, a stabiliser; 0 = off).
+    Objective (eq. 1): ``lambda_theta`` weights ``||theta_i||^2`` (local weight decay ``2 lambda_theta``; 2.5e-5
+    reproduces the code's inner weight decay 5e-5); ``lambda_h`` and ``lambda_v`` weight ``||eta_h||^2`` and
+    ``||eta_v||^2`` (1e-3, digest A2; 0 reproduces the code's Adam path, which applies none).
+    Server: ``server_optimizer`` ``"adam"`` (lr 2e-4) or ``"sgd"`` (with ``server_momentum``), ``server_lr``,
+    ``server_grad_clip`` 50 (joint L2 norm of the averaged gradients; 0 = off).
+    Networks: ``embed_dim`` d (``None``: ``int(1 + N/4)`` with N the number of training clients; pass the paper's N =
+    all clients explicitly), ``embed_kind`` (``"auto"``: CNN with label channels for images, MLP for vectors;
+    ``"linear"``: label-only), ``hidden_dim`` 100 and ``n_hidden`` 3 of the hypernetwork.
+    Descriptors: ``descriptor_batch`` 32 examples in training; ``eval_descriptor_samples`` examples for seen/unseen
+    clients after training (``None``: the whole training split, as the code evaluates); ``embed_bound`` B clips each
+    per-example embedding to the L2 ball of radius B (``None``: no clipping; required for privacy).
+    Privacy of unseen-client descriptors: ``descriptor_epsilon`` (``None``: non-private), ``descriptor_delta``,
+    ``descriptor_noise`` (``"seeded"`` research / ``"secure"`` deployment).
+    """
+
+    lr: float = 2e-3
+    local_steps: int = 50
+    batch_size: int = 32
+    momentum: float = 0.9
+    grad_clip: float = 50.0
+    lambda_theta: float = 2.5e-5
+    lambda_h: float = 1e-3
+    lambda_v: float = 1e-3
+    server_optimizer: str = "adam"
+    server_lr: float = 2e-4
+    server_momentum: float = 0.9
+    server_grad_clip: float = 50.0
+    embed_dim: int | None = None
+    embed_kind: str = "auto"
+    hidden_dim: int = 100
+    n_hidden: int = 3
+    descriptor_batch: int = 32
+    eval_descriptor_samples: int | None = None
+    embed_bound: float | None = None
+    descriptor_epsilon: float | None = None
+    descriptor_delta: float = 1e-5
+    descriptor_noise: str = "seeded"
+
+    def __post_init__(self) -> None:
+        positive = ("lr", "server_lr")
+        for name in positive:
+            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                     "a finite number > 0")
+        for name in ("grad_clip", "lambda_theta", "lambda_h", "lambda_v", "server_grad_clip"):
+            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
+                     "a finite number >= 0")
+        for name in ("momentum", "server_momentum"):
+            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
+                     "in [0, 1)")
+        for name in ("local_steps", "batch_size", "hidden_dim", "descriptor_batch"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
+                     "an integer >= 1")
+        _require(isinstance(self.n_hidden, int) and not isinstance(self.n_hidden, bool) and self.n_hidden >= 0,
+                 "n_hidden", self.n_hidden, "an integer >= 0")
+        for name in ("embed_dim", "eval_descriptor_samples"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                     name, value, "None or an integer >= 1")
+        _require(self.server_optimizer in SERVER_OPTIMIZERS, "server_optimizer", self.server_optimizer,
+                 f"one of {', '.join(SERVER_OPTIMIZERS)}")
+        _require(self.embed_kind in EMBEDDING_KINDS, "embed_kind", self.embed_kind,
+                 f"one of {', '.join(EMBEDDING_KINDS)}")
+        _require(self.embed_bound is None or (_finite(self.embed_bound) and self.embed_bound > 0), "embed_bound",
+                 self.embed_bound, "None or a finite number > 0 (per-example L2 clipping radius)")
+        _require(self.descriptor_epsilon is None or (_finite(self.descriptor_epsilon) and self.descriptor_epsilon > 0),
+                 "descriptor_epsilon", self.descriptor_epsilon, "None or a finite number > 0 (natural log)")
+        _require(_finite(self.descriptor_delta) and 0 < self.descriptor_delta < 1, "descriptor_delta",
+                 self.descriptor_delta, "a probability in (0, 1)")
+        _require(self.descriptor_noise in ("seeded", "secure"), "descriptor_noise", self.descriptor_noise,
+                 "'seeded' or 'secure'")
+        if self.descriptor_epsilon is not None and self.embed_bound is None:
+            raise ConfigError(f"descriptor_epsilon={self.descriptor_epsilon!r} needs embed_bound (the per-example "
+                              "clipping radius B that sets the sensitivity 2B/n); got embed_bound=None")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def load_parameters(model: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """Copy generated ``weights`` (named like ``model.named_parameters()``) into ``model``; buffers are kept."""
+    names = [n for n, _ in model.named_parameters()]
+    missing = sorted(set(names) - set(weights))
+    if missing:
+        raise ConfigError(f"generated weights lack the target tensors {missing}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    return model
+
+
+def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor, *, bound: float | None,
+                  chunk: int = 256) -> torch.Tensor:
+    """``(1/n) sum_j clip_B(phi(x_j, y_j))`` over all n examples, computed ``chunk`` examples at a time.
+
+    1. per chunk, the **sum** of the clipped per-example embeddings (graph kept to eta_v);
+    2. the total divided by n: the true mean (digest section 2.3). The authors' code divides instead by twice the
+       number of batches (``len(B)`` of an ``(x, y)`` tuple is 2), 16 times the mean with 32-example batches.
+    """
+    n = len(y)
+    if n < 1:
+        raise ConfigError("a descriptor needs at least one labelled example, got none")
+    embedding.check_labels(y)
+    total = None
+    for start in range(0, n, chunk):
+        rows = embedding(x[start:start + chunk], y[start:start + chunk])
+        if bound is not None:
+            rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True).clamp_min(1e-12), max=1.0)
+        part = rows.sum(dim=0)
+        total = part if total is None else total + part
+    return total / n
+
+
+def _clone_tree(value: Any) -> Any:
+    """A deep copy of nested dicts/lists/tuples, cloning tensors (optimizer state without shared storage)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone_tree(v) for v in value)
+    return value
+
+
+def unseen_clients_with_labels(federation: FederatedDataset, *, score_fraction: float = 0.15,
+                               min_samples: int = 2) -> list[TrainingClient]:
+    """Labelled stand-ins for the federation's novel clients, for methods whose descriptor needs labels (PeFLL).
+
+    For each novel client (whose samples are already in random order): the first ``max(1, floor(score_fraction * n))``
+    samples form the **scoring** part (``x_val``, ``y_val``: only the evaluator reads these labels) and the rest the
+    labelled **descriptor** part (``x_train``, ``y_train``: the data a new PeFLL client labels itself). The two are
+    disjoint, so an unseen client is never scored on the data its model was generated from. The client takes no part
+    in training; it is served through the two-down/one-up protocol (``runtime.novel_client_model(client)``).
+    Score other methods on the same ``x_val``/``y_val`` for a like-for-like comparison. Novel clients with fewer
+    than ``min_samples`` samples (at least 2: one to describe itself, one to score) are left out, with a warning.
+    """
+    _require(_finite(score_fraction) and 0 < score_fraction < 1, "score_fraction", score_fraction, "in (0, 1)")
+    _require(isinstance(min_samples, int) and min_samples >= 2, "min_samples", min_samples, "an integer >= 2")
+    clients, skipped = [], []
+    for novel in federation.novel_clients:
+        x, y = novel.x, federation.novel_labels.labels(novel.client_id)
+        if len(y) < min_samples:
+            skipped.append(novel.client_id)
+            continue
+        k = min(max(1, math.floor(score_fraction * len(y))), len(y) - 1)
+        clients.append(TrainingClient(novel.client_id, x[k:].clone(), y[k:].clone(), x[:k].clone(), y[:k].clone()))
+    if skipped:
+        warnings.warn(f"{len(skipped)} novel client(s) have fewer than {min_samples} samples and are left out of the "
+                      f"unseen clients (ids {skipped})", stacklevel=2)
+    return clients
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# server
+
+
+class PeFLLStrategy(Strategy):
+    """Holds the hypernetwork eta_h (never sent), the embedding network eta_v and their optimiser; stateless towards
+    clients except the latest released descriptor per training client (for the runtime's one-message evaluation)."""
+
+    train_stages = 3
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        cfg: PeFLLConfig = self.config
+        factory = self.model_factory
+        self.embed_dim = cfg.embed_dim or embedding_dim(self.num_training_clients, rule="pfedhn")
+        self.embed_kind = resolve_kind(cfg.embed_kind, tuple(factory.input_shape))
+        target = factory.init(self.seed)
+        self.hnet = seeded_init(lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=cfg.hidden_dim,
+                                                     n_hidden=cfg.n_hidden),
+                                derive_seed(self.seed, "pefll_hypernetwork"))
+        self.embedding = seeded_init(lambda: EmbeddingNetwork(tuple(factory.input_shape), factory.num_classes,
+                                                              embed_dim=self.embed_dim, kind=self.embed_kind),
+                                     derive_seed(self.seed, "pefll_embedding"))
+        groups = [{"params": list(self.hnet.parameters())}, {"params": list(self.embedding.parameters())}]
+        if cfg.server_optimizer == "adam":
+            self.optimizer = torch.optim.Adam(groups, lr=cfg.server_lr)
+        else:
+            self.optimizer = torch.optim.SGD(groups, lr=cfg.server_lr, momentum=cfg.server_momentum)
+        self.descriptors: dict[int, torch.Tensor] = {}
+        self._round: dict[str, dict[int, Any]] = {}
+
+    # -- messages down ------------------------------------------------------------------------------------------------
+
+    def _embedding_message(self, client_id: int) -> Message:
+        cfg: PeFLLConfig = self.config
+        weights = {k: v.detach().clone() for k, v in self.embedding.state_dict().items()}
+        config = {"embed_dim": self.embed_dim, "embed_kind": self.embed_kind,
+                  "embed_bound": float(cfg.embed_bound or 0.0), "descriptor_batch": cfg.descriptor_batch,
+                  "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0),
+                  "noise_seed": derive_seed(self.seed, "pefll_descriptor_noise", client_id)}
+        return Message(arrays=prefixed(EMBED, weights), config=config)
+
+    @torch.no_grad()
+    def generate(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """theta = h(v): the generated target weights (detached)."""
+        return {k: v.detach().clone() for k, v in self.hnet(descriptor.to(torch.float32)).items()}
+
+    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
+        """Stage 0 (line 3): the embedding network to each sampled client."""
+        self._round = {"descriptor": {}, "hnet_grads": {}, "loss": {}}
+        return {cid: self._embedding_message(cid) for cid in client_ids}
+
+    def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
+        cfg: PeFLLConfig = self.config
+        if stage == 1:  # line 8-9: theta_i = h(v_i)
+            messages = {}
+            for cid, reply in replies.items():
+                v = self._checked_descriptor(cid, reply)
+                self._round["descriptor"][cid] = v
+                self.descriptors[cid] = v
+                config = {"lr": cfg.lr, "local_steps": cfg.local_steps, "batch_size": cfg.batch_size,
+                          "momentum": cfg.momentum, "weight_decay": 2 * cfg.lambda_theta, "grad_clip": cfg.grad_clip}
+                messages[cid] = Message(arrays=self.generate(v), config=config)
+            return messages
+        if stage == 2:  # line 12-13: one VJP through h; Delta eta_h^i stays here, Delta v_i goes down
+            messages = {}
+            for cid, reply in replies.items():
+                grads, dv = backprop_weight_change(self.hnet, self._round["descriptor"][cid], reply.arrays)
+                self._round["hnet_grads"][cid] = grads
+                self._round["loss"][cid] = float(reply.metrics.get("loss", float("nan")))
+                messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach()})
+            return messages
+        raise ValueError(f"PeFLL has stages 0-2, got stage {stage}")
+
+    def _checked_descriptor(self, client_id: int, reply: Message | None) -> torch.Tensor:
+        if reply is None or DESCRIPTOR not in reply.arrays:
+            raise ConfigError(f"client {client_id} sent no descriptor; PeFLL needs one to generate a model")
+        v = reply.arrays[DESCRIPTOR].detach().to(torch.float32)
+        if v.shape != (self.embed_dim,) or not bool(torch.isfinite(v).all()):
+            raise ConfigError(f"client {client_id} sent a descriptor of shape {tuple(v.shape)} (finite: "
+                              f"{bool(torch.isfinite(v).all())}); expected a finite vector of shape ({self.embed_dim},)")
+        return v
+
+    # -- the update ---------------------------------------------------------------------------------------------------
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        """Lines 17-18: average the clients' contributions, add the server regularisers, clip, step."""
+        cfg: PeFLLConfig = self.config
+        done = sorted(cid for cid in replies if cid in self._round.get("hnet_grads", {}))
+        if not done:
+            self._round = {}
+            return {}
+        hnet_params = dict(self.hnet.named_parameters())
+        embed_params = dict(self.embedding.named_parameters())
+        for name, param in hnet_params.items():
+            mean = sum(self._round["hnet_grads"][cid][name] for cid in done) / len(done)
+            param.grad = mean + 2 * cfg.lambda_h * param.detach()
+        for name, param in embed_params.items():
+            mean = sum(replies[cid].arrays[EMBED + name].to(param.dtype) for cid in done) / len(done)
+            param.grad = mean + 2 * cfg.lambda_v * param.detach()
+        params = [*hnet_params.values(), *embed_params.values()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        if cfg.server_grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.server_grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = [self._round["loss"][cid] for cid in done]
+        self._round = {}
+        return {"train_loss": sum(losses) / len(losses), "server_grad_norm": float(norm)}
+
+    # -- evaluation and novel clients ---------------------------------------------------------------------------------
+
+    def configure_evaluate(self, client_id: int) -> Message:
+        """The runtime's one-message evaluation of a training client: h(its latest released descriptor), or h(mean of
+        the released descriptors) if it never trained (model selection only; see the module docstring)."""
+        if client_id in self.descriptors:
+            v = self.descriptors[client_id]
+        elif self.descriptors:
+            v = torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]).mean(dim=0)
+        else:
+            v = torch.zeros(self.embed_dim)
+        return Message(arrays=self.generate(v))
+
+    def novel_request(self, client_id: int) -> Message:
+        """Algorithm 1, step 1: the embedding network."""
+        return self._embedding_message(client_id)
+
+    def novel_reply(self, client_id: int, delivered: Message | None) -> Message:
+        """Algorithm 1, steps 4-5: theta = h(v) from the client's released descriptor."""
+        return Message(arrays=self.generate(self._checked_descriptor(client_id, delivered)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "hypernetwork": {k: v.detach().clone() for k, v in self.hnet.state_dict().items()},
+            "embedding": {k: v.detach().clone() for k, v in self.embedding.state_dict().items()},
+            "optimizer": _clone_tree(self.optimizer.state_dict()),
+            "descriptor_ids": torch.tensor(sorted(self.descriptors), dtype=torch.int64),
+            "descriptors": (torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]) if self.descriptors
+                            else torch.zeros(0, self.embed_dim)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hnet.load_state_dict(state["hypernetwork"])
+        self.embedding.load_state_dict(state["embedding"])
+        self.optimizer.load_state_dict(_clone_tree(state["optimizer"]))
+        self.descriptors = {int(c): v.clone() for c, v in zip(state["descriptor_ids"].tolist(), state["descriptors"])}
+        self._round = {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# client
+
+
+class PeFLLClient(ClientProcedure):
+    """Computes descriptors with the received embedding network, trains generated models locally, and back-propagates
+    the server's descriptor gradient through the embedding network. Keeps nothing across rounds."""
+
+    serves_novel_clients = False  # novel clients need labels (see the module docstring and unseen_clients_with_labels)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._embeddings: dict[tuple[str, int], EmbeddingNetwork] = {}
+
+    def embedding_from(self, message_config: dict, weights: dict[str, torch.Tensor]) -> EmbeddingNetwork:
+        """The workspace embedding network for (kind, d) from the message, loaded with ``weights``."""
+        key = (str(message_config["embed_kind"]), int(message_config["embed_dim"]))
+        if key not in self._embeddings:
+            factory = self.model_factory
+            self._embeddings[key] = EmbeddingNetwork(tuple(factory.input_shape), factory.num_classes,
+                                                     embed_dim=key[1], kind=key[0])
+        net = self._embeddings[key]
+        net.load_state_dict(weights)
+        return net
+
+    @staticmethod
+    def _bound(config: dict) -> float | None:
+        bound = float(config.get("embed_bound", 0.0))
+        return bound if bound > 0 else None
+
+    def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        """Stage 0 (lines 5-7): descriptor of one random batch; keep the batch and eta_v for stage 2."""
+        weights = message.subset(EMBED)
+        net = self.embedding_from(message.config, weights)
+        size = min(int(message.config["descriptor_batch"]), data.num_train)
+        batch = torch.from_numpy(ctx.rng.permutation(data.num_train)[:size]).to(torch.int64)
+        with torch.no_grad():
+            v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=self._bound(message.config))
+        state[_STATE_BATCH] = batch
+        state["pefll.embed_dim"] = torch.tensor(int(message.config["embed_dim"]))
+        state["pefll.embed_bound"] = torch.tensor(float(message.config["embed_bound"]))
+        state["pefll.embed_kind"] = torch.tensor(EMBEDDING_KINDS.index(str(message.config["embed_kind"])))
+        state.update(prefixed(_STATE_EMBED, weights))
+        return Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
+
+    def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
+                    ctx: ClientContext) -> Release:
+        if stage == 1:
+            return self._local_training(data, message, ctx)
+        if stage == 2:
+            return self._embedding_gradient(data, message, state)
+        raise ValueError(f"PeFLL has stages 0-2, got stage {stage}")
+
+    def _local_training(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
+        """Stage 1 (lines 10-11): k SGD steps from theta_i; send theta_i - theta~_i."""
+        cfg = message.config
+        start = {k: v.clone() for k, v in message.arrays.items()}
+        model = load_parameters(self.workspace_model(), start)
+        model.train()
+        params = dict(model.named_parameters())
+        optimizer = torch.optim.SGD(params.values(), lr=float(cfg["lr"]), momentum=float(cfg["momentum"]),
+                                    weight_decay=float(cfg["weight_decay"]))
+        steps, clip, total = int(cfg["local_steps"]), float(cfg["grad_clip"]), 0.0
+        for index in minibatches(data.num_train, int(cfg["batch_size"]), steps, ctx.rng):
+            batch = torch.from_numpy(index)
+            loss = nn.functional.cross_entropy(model(data.x_train[batch]), data.y_train[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(params.values(), clip)
+            optimizer.step()
+            total += loss.item()
+        change = {k: start[k] - p.detach() for k, p in params.items()}
+        return Release.non_private(Message(arrays=change, metrics={"loss": total / steps}), purpose="weight_change")
+
+    def _embedding_gradient(self, data: TrainingClient, message: Message, state: ClientState) -> Release:
+        """Stage 2 (lines 14-15): Delta eta_v = (d v/d eta_v)^T Delta v on the stage-0 batch; forget the batch."""
+        batch = state.pop(_STATE_BATCH)
+        d = int(state.pop("pefll.embed_dim"))
+        bound = float(state.pop("pefll.embed_bound"))
+        weights = {k[len(_STATE_EMBED):]: state.pop(k) for k in list(state) if k.startswith(_STATE_EMBED)}
+        kind = EMBEDDING_KINDS[int(state.pop("pefll.embed_kind"))]
+        net = self.embedding_from({"embed_kind": kind, "embed_dim": d}, weights)
+        names = [n for n, _ in net.named_parameters()]
+        params = [p for _, p in net.named_parameters()]
+        v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound if bound > 0 else None)
+        grads = torch.autograd.grad(v, params, grad_outputs=message.arrays[DESCRIPTOR_GRAD].to(v.dtype),
+                                    allow_unused=True)
+        update = {EMBED + n: (torch.zeros_like(p) if g is None else g.detach())
+                  for n, p, g in zip(names, params, grads, strict=True)}
+        return Release.non_private(Message(arrays=update), purpose="embedding_gradient")
+
+    # -- seen clients after training and unseen clients: Algorithm 1 ---------------------------------------------------
+
+    def novel_query(self, novel: Any, message: Message) -> Release:
+        """Algorithm 1, steps 2-3: the descriptor of the client's labelled data, released (DP if configured)."""
+        if not (hasattr(novel, "x_train") and hasattr(novel, "y_train")):
+            raise ConfigError(
+                f"PeFLL needs labelled data for a new client's descriptor, but client "
+                f"{getattr(novel, 'client_id', '?')} is a {type(novel).__name__} without labels; serve unseen clients "
+                "as labelled held-out clients (privfl.methods.pefll.unseen_clients_with_labels)")
+        cfg: PeFLLConfig = self.config
+        net = self.embedding_from(message.config, message.subset(EMBED))
+        limit = int(message.config["eval_descriptor_samples"]) or novel.num_train
+        x, y = novel.x_train[:limit], novel.y_train[:limit]
+        if cfg.descriptor_epsilon is None:
+            with torch.no_grad():
+                v = descriptor_of(net, x, y, bound=self._bound(message.config))
+            return Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
+        generator = None
+        if cfg.descriptor_noise == "seeded":
+            generator = torch.Generator().manual_seed(int(message.config["noise_seed"]))
+        v, event, _ = release_labelled_mean(net, x, y, epsilon=cfg.descriptor_epsilon, delta=cfg.descriptor_delta,
+                                            bound=cfg.embed_bound, num_classes=self.model_factory.num_classes,
+                                            noise=cfg.descriptor_noise, generator=generator)
+        return Release(Message(arrays={DESCRIPTOR: v}), purpose="descriptor", event=event)
+
+    def novel_model(self, novel: Any, message: Message) -> nn.Module:
+        """Algorithm 1, step 5: the generated model, used as is (no fine-tuning)."""
+        return load_parameters(self.workspace_model(), message.arrays)
+
+    def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
+        return load_parameters(self.workspace_model(), message.arrays)
+
+
+register_method(
+    "pefll", strategy=PeFLLStrategy, client=PeFLLClient, config=PeFLLConfig,
+    description="PeFLL: embedding network + hypernetwork trained by learning to learn; unseen clients get a model "
+                "from one labelled descriptor (two messages down, one up, no fine-tuning)",
+)

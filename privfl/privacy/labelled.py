@@ -1,0 +1,123 @@
+"""A DP release of the mean of clipped per-example embeddings of **labelled** records (PeFLL's descriptor).
+
+PeFLL's client descriptor is ``v = (1/n) sum_j phi(x_j, y_j)`` with the label an input of the embedding network
+(digest ``papers/pefll.md`` sections 1 and 10.3), unlike ODPFL-HN's label-free ``phi(x_j)`` that
+:func:`~privfl.privacy.privatize.privatize` covers. The privacy argument, for a record ``r_j = (x_j, y_j)``:
+
+1. **Unit of privacy.** A record is the pair ``(x, y)``: image **and** label. Neighbouring client datasets ``S`` and
+   ``S'`` have the same public size n and differ in one record, ``(x_j, y_j)`` against ``(x_j', y_j')`` (replace-one);
+   the replacement may change the image, the label, or both. Labels are drawn from the public set ``0 .. C-1``
+   (checked; the one-hot encoding and the network are fixed before the release and do not depend on the data).
+2. **Per-record embedding.** ``phi`` is applied to each record on its own (``torch.func.vmap`` over records, the
+   network in eval mode; one record at a time when vmap cannot batch an op), so ``u_j = phi(x_j, y_j)`` is a
+   function of ``r_j`` alone, whatever the network does across its batch dimension. Seeing ``y`` as an input changes
+   nothing in this step: ``y_j`` is part of ``r_j``, and no other record's ``u_i`` reads it.
+3. **Clipping outside the network.** Each ``u_j`` is projected onto the L2 ball of radius B here, in float64
+   (a non-finite row becomes 0), so a network sent by the server cannot void the bound: ``||clip(u_j)|| <= B``.
+4. **Sensitivity 2B/n.** All terms but j cancel: ``v(S) - v(S') = (clip(u_j) - clip(u_j'))/n`` with both vectors in
+   the ball, so ``||v(S) - v(S')|| <= 2B/n``, attained by a replacement whose embedding is the antipode
+   (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`, replace-one, n public). n sets the noise scale, so n
+   is public: the guarantee protects the records (images and labels), not how many there are.
+5. **Noise.** :class:`~privfl.privacy.mechanisms.GaussianMechanism` adds ``N(0, sigma^2 I)`` with sigma from the
+   analytic Gaussian mechanism for (epsilon, delta, 2B/n): one (epsilon, delta)-DP release under replace-one of a
+   labelled record. Anything computed from the noisy descriptor (the hypernetwork's model) is post-processing.
+
+What the argument does **not** cover: the label histogram is what the descriptor is trained to encode (the "linear"
+embedding is an affine map of it, digest 10.3), so with small n and large epsilon it is revealed nearly exactly; the
+add/remove-one relation (n would be private) is not offered here. Units: epsilon natural-log, delta a probability,
+B and the sensitivity L2 in the units of phi's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from accounting import GaussianEvent, NeighboringRelation
+
+from privfl.errors import ConfigError
+from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
+from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped, check_bound
+
+PURPOSE = "descriptor"
+
+
+def certify_labelled_mean(bound: float, n: int, *, delta: float | None = None) -> SensitivityCertificate:
+    """The L2 sensitivity ``2B/n`` of the mean of ``n`` clipped embeddings of labelled records (replace-one, n
+    public), with the labelled-record argument (module docstring, steps 1-4) added to the certificate.
+
+    >>> certify_labelled_mean(1.0, 32).value
+    0.0625
+    """
+    certificate = certify_mean_of_clipped(bound, n, NeighboringRelation.REPLACE_ONE, n_public=True, delta=delta)
+    labelled = ("; the record is a labelled pair (x, y) and phi reads both, but phi runs on each record alone, so "
+                "replacing one pair (image, label or both) changes exactly one clipped embedding")
+    return dataclasses.replace(certificate, argument=certificate.argument + labelled)
+
+
+def _per_record(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``[n, d]``: row j is ``embedding(x_j, y_j)`` computed on record j alone (step 2)."""
+    def one(xj: torch.Tensor, yj: torch.Tensor) -> torch.Tensor:
+        return embedding(xj.unsqueeze(0), yj.unsqueeze(0)).reshape(-1)
+    try:
+        return torch.func.vmap(one)(x, y)
+    except (RuntimeError, NotImplementedError):  # an op vmap cannot batch: the same, one record at a time
+        return torch.stack([one(xj, yj) for xj, yj in zip(x, y, strict=True)])
+
+
+@torch.no_grad()
+def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, delta: float,
+                          bound: float, num_classes: int, noise: NoiseSource = "seeded",
+                          generator: torch.Generator | None = None
+                          ) -> tuple[torch.Tensor, GaussianEvent, SensitivityCertificate]:
+    """One (epsilon, delta)-DP release of ``(1/n) sum_j clip_B(embedding(x_j, y_j))`` under replace-one of a labelled
+    record ``(x_j, y_j)``, n public: ``(noisy descriptor in x's dtype, event, certificate)``.
+
+    Nothing is recorded here: the caller sends the value as a :class:`~privfl.federation.messages.Release` carrying
+    ``event``, and the wire records it in the client's ledger before delivery (design invariant 1).
+
+    Steps (module docstring): 1. validate epsilon, delta, B, x (finite), y (labels in ``0 .. num_classes-1``);
+    2. certify ``2B/n`` from public quantities; 3. per-record embeddings (eval mode, vmap); 4. clip each to B in
+    float64 and average; 5. analytic-Gaussian noise (:class:`GaussianMechanism`).
+
+    Args:
+        embedding: a module with ``forward(x, y) -> [n, d]``, e.g. :class:`privfl.models.pefll.EmbeddingNetwork`.
+        x: ``[n, ...]`` inputs; y: ``[n]`` integer labels aligned with x.
+        epsilon: natural-log epsilon of this release (> 0); delta: its delta, in (0, 1).
+        bound: per-record L2 clipping radius B (> 0).
+        num_classes: C, the public label set is ``0 .. C-1``.
+        noise: ``"seeded"`` (reproducible, research only) or ``"secure"``; generator: for seeded noise.
+    """
+    epsilon, delta = check_epsilon_delta(epsilon, delta)
+    bound = check_bound(bound)
+    noise = check_noise(noise, generator)
+    if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[0] < 1 or not x.is_floating_point():
+        raise ConfigError(f"x must be a floating-point tensor [n >= 1, ...] of one client's inputs, got "
+                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not bool(torch.isfinite(x).all()):
+        raise ConfigError("x contains NaN/inf values; nothing was released")
+    if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0],) or y.is_floating_point():
+        raise ConfigError(f"y must be an integer tensor of shape [{x.shape[0]}] aligned with x, got "
+                          f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
+    if int(y.min()) < 0 or int(y.max()) >= num_classes:
+        raise ConfigError(f"labels must lie in the public label set 0..{num_classes - 1}, got range "
+                          f"[{int(y.min())}, {int(y.max())}]; nothing was released")
+    n = int(x.shape[0])
+    certificate = certify_labelled_mean(bound, n, delta=delta)
+    was_training = embedding.training
+    embedding.eval()
+    try:
+        rows = _per_record(embedding, x, y).to(torch.float64)
+    finally:
+        embedding.train(was_training)
+    rows = torch.where(torch.isfinite(rows).all(dim=1, keepdim=True), rows, torch.zeros_like(rows))
+    rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True), max=1.0)  # norm 0 -> inf -> 1
+    mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=certificate.value,
+                                  relation=NeighboringRelation.REPLACE_ONE, noise=noise, generator=generator)
+    noisy = mechanism.add_noise(rows.mean(dim=0))
+    return noisy.to(x.dtype), mechanism.event, certificate
+
+
+__all__ = ["PURPOSE", "certify_labelled_mean", "release_labelled_mean"]

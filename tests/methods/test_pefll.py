@@ -1,0 +1,217 @@
+"""PeFLL: descriptor = mean of per-example embeddings, the split chain rule, the unseen-client protocol, privacy."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from privfl.data import NovelClient, TrainingClient, build_federation
+from privfl.errors import ConfigError
+from privfl.experiment import RunConfig, build_runtime, train
+from privfl.federation import InProcessRuntime
+from privfl.methods import ModelFactory, get_method
+from privfl.methods.pefll import PeFLLConfig, descriptor_of, unseen_clients_with_labels
+from privfl.models import functional_forward
+from privfl.models.pefll import EmbeddingNetwork
+
+from accounting import analytic_gaussian_sigma  # noqa: E402  (after privfl: tests/accounting would shadow it)
+
+torch.set_num_threads(1)
+
+FACTORY = ModelFactory("mlp2nn", (4,), 3)
+SMALL = {"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3}  # a small hypernetwork keeps every test fast
+
+
+def _client(cid, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n + 4, 4, generator=g)
+    y = torch.randint(0, 3, (n + 4,), generator=g)
+    return TrainingClient(cid, x[:n], y[:n], x[n:], y[n:])
+
+
+def _runtime(clients, **settings):
+    spec = get_method("pefll")
+    config = spec.make_config(**{**SMALL, **settings})
+    strategy = spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=len(clients))
+    client = spec.client(model_factory=FACTORY, config=config)
+    return InProcessRuntime(strategy=strategy, client=client, training_clients=clients, seed=0)
+
+
+# -- the descriptor -------------------------------------------------------------------------------------------------
+
+
+def test_descriptor_is_the_mean_of_per_example_embeddings_hand_computed_and_permutation_invariant():
+    net = EmbeddingNetwork((2,), 3, embed_dim=2, kind="linear")  # v = W * (label frequencies) + b
+    with torch.no_grad():
+        net.fc.weight.copy_(torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 4.0]]))
+        net.fc.bias.copy_(torch.tensor([0.5, -0.5]))
+    x, y = torch.zeros(4, 2), torch.tensor([0, 2, 2, 1])
+    # label frequencies (1/4, 1/4, 1/2): (0.25 + 0.5 + 1.5 + 0.5, 0 - 0.25 + 2 - 0.5)
+    assert net.descriptor(x, y).tolist() == pytest.approx([2.75, 1.25])
+    # clipped to B = 1 per example: rows (1.5, -0.5), (3.5, 3.5) x2, (2.5, -1.5) -> each projected to the unit ball
+    rows = torch.tensor([[1.5, -0.5], [3.5, 3.5], [3.5, 3.5], [2.5, -1.5]])
+    expected = (rows / rows.norm(dim=1, keepdim=True)).mean(dim=0)
+    assert torch.allclose(net.descriptor(x, y, bound=1.0), expected)
+
+    cnn = EmbeddingNetwork((1, 16, 16), 10, embed_dim=5, kind="cnn")
+    xs, ys = torch.randn(9, 1, 16, 16), torch.randint(0, 10, (9,))
+    perm = torch.randperm(9)
+    v = cnn.descriptor(xs, ys)
+    assert torch.allclose(v, cnn(xs, ys).mean(dim=0), atol=1e-6)
+    assert torch.allclose(v, cnn.descriptor(xs[perm], ys[perm]), atol=1e-6)
+    # labels are inputs: changing one label changes the descriptor
+    ys2 = ys.clone()
+    ys2[0] = (ys[0] + 1) % 10
+    assert not torch.allclose(v, cnn.descriptor(xs, ys2))
+
+
+def test_the_mean_divides_by_the_number_of_examples_not_twice_the_number_of_batches():
+    net = EmbeddingNetwork((4,), 3, embed_dim=2, kind="mlp")
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    with torch.no_grad():
+        v = descriptor_of(net, x, y, bound=None, chunk=32)  # two batches of 32
+        batch_means = (net(x[:32], y[:32]).mean(dim=0), net(x[32:], y[32:]).mean(dim=0))
+        code_quirk = net(x, y).sum(dim=0) / (2 * 2)  # the authors' code: sum / (2 * #batches)
+    assert torch.allclose(v, (batch_means[0] + batch_means[1]) / 2, atol=1e-6)
+    assert torch.allclose(code_quirk, 16 * v, atol=1e-5)
+
+
+# -- one round: the chain rule across the six messages ---------------------------------------------------------------
+
+
+def test_one_plain_sgd_step_gives_lr_times_the_true_gradient_through_the_whole_chain():
+    lr = 0.5
+    clients = [_client(0, seed=1), _client(1, seed=2)]
+    runtime = _runtime(clients, lr=lr, local_steps=1, batch_size=12, momentum=0.0, grad_clip=0.0, lambda_theta=0.0,
+                       lambda_h=0.0, lambda_v=0.0, server_optimizer="sgd", server_lr=1.0, server_momentum=0.0,
+                       server_grad_clip=0.0, descriptor_batch=12)
+    strategy = runtime.strategy
+    hnet0 = {k: v.clone() for k, v in strategy.hnet.state_dict().items()}
+    embed0 = {k: v.clone() for k, v in strategy.embedding.state_dict().items()}
+
+    # The true gradient of the mean client loss L_i(f(x_i; h(v(S_i; eta_v); eta_h))) over the same full batches.
+    params = [*strategy.hnet.parameters(), *strategy.embedding.parameters()]
+    target = FACTORY()
+    loss = sum(nn.functional.cross_entropy(
+        functional_forward(target, strategy.hnet(strategy.embedding.descriptor(c.x_train, c.y_train)), c.x_train),
+        c.y_train) for c in clients) / 2
+    true = torch.autograd.grad(loss, params)
+    n_hnet = len(list(strategy.hnet.parameters()))
+
+    metrics = runtime.run_round(0)
+    assert metrics["clients"] == 2.0
+    for (name, before), grad in zip(hnet0.items(), true[:n_hnet], strict=True):
+        change = before - strategy.hnet.state_dict()[name]
+        assert torch.allclose(change, lr * grad, rtol=1e-3, atol=1e-6), name
+    for (name, before), grad in zip(embed0.items(), true[n_hnet:], strict=True):
+        change = before - strategy.embedding.state_dict()[name]
+        assert torch.allclose(change, lr * grad, rtol=1e-3, atol=1e-6), name
+    assert any(g.abs().max() > 1e-4 for g in true[n_hnet:])  # the embedding network really moved
+
+    # Every message up is a recorded release, in protocol order; nothing persists on the client (stateless).
+    assert [r.purpose for r in runtime.wire.ledgers[0].records] == ["descriptor", "weight_change",
+                                                                    "embedding_gradient"]
+    assert runtime.client_states == {0: {}, 1: {}}
+
+
+def test_server_regularisers_add_two_lambda_eta_to_the_averaged_gradient():
+    clients = [_client(0, seed=1)]
+    base = dict(lr=0.1, local_steps=1, batch_size=12, momentum=0.0, grad_clip=0.0, lambda_theta=0.0,
+                server_optimizer="sgd", server_lr=1.0, server_momentum=0.0, server_grad_clip=0.0, descriptor_batch=12)
+    plain, regular = _runtime(clients, lambda_h=0.0, lambda_v=0.0, **base), _runtime(clients, lambda_h=0.01,
+                                                                                       lambda_v=0.02, **base)
+    start_h = regular.strategy.hnet.trunk[0].weight.detach().clone()
+    start_v = regular.strategy.embedding.fc1.weight.detach().clone()
+    plain.run_round(0)
+    regular.run_round(0)
+    diff_h = plain.strategy.hnet.trunk[0].weight - regular.strategy.hnet.trunk[0].weight
+    diff_v = plain.strategy.embedding.fc1.weight - regular.strategy.embedding.fc1.weight
+    assert torch.allclose(diff_h, 2 * 0.01 * start_h, atol=1e-6)
+    assert torch.allclose(diff_v, 2 * 0.02 * start_v, atol=1e-6)
+
+
+# -- unseen clients: two down, one up --------------------------------------------------------------------------------
+
+
+def test_an_unseen_client_releases_exactly_one_descriptor_and_gets_its_generated_model():
+    runtime = _runtime([_client(0)])
+    unseen = _client(7, n=20, seed=5)
+    model = runtime.novel_client_model(unseen)
+    records = runtime.wire.ledgers[7].records
+    assert [r.purpose for r in records] == ["descriptor"] and records[0].metadata["bytes"] == 3 * 4
+    # down: the embedding network, then the generated model; never the hypernetwork
+    embed_bytes = sum(p.numel() * 4 for p in runtime.strategy.embedding.parameters())
+    target_bytes = sum(p.numel() * 4 for p in FACTORY().parameters())
+    assert runtime.wire.bytes_down[7] == embed_bytes + target_bytes
+    expected = runtime.strategy.generate(runtime.strategy.embedding.descriptor(unseen.x_train, unseen.y_train))
+    for name, param in model.named_parameters():
+        assert torch.allclose(param, expected[name], atol=1e-6)
+    with pytest.raises(ConfigError, match="without labels"):
+        runtime.novel_client_model(NovelClient(8, unseen.x_train))
+
+
+def test_unseen_clients_with_labels_splits_novel_clients_into_disjoint_descriptor_and_scoring_parts(make_spec):
+    federation = build_federation(make_spec(), seed=0)
+    clients = unseen_clients_with_labels(federation, score_fraction=0.2)
+    assert [c.client_id for c in clients] == [c.client_id for c in federation.novel_clients]
+    for client, novel in zip(clients, federation.novel_clients, strict=True):
+        k = int(0.2 * novel.num_samples)
+        assert client.num_val == k and client.num_train == novel.num_samples - k
+        assert torch.equal(torch.cat([client.x_val, client.x_train]), novel.x)
+        assert torch.equal(torch.cat([client.y_val, client.y_train]), federation.novel_labels.labels(novel.client_id))
+
+
+def test_a_private_unseen_descriptor_has_the_requested_epsilon_and_the_analytic_sigma_for_2b_over_n():
+    runtime = _runtime([_client(0)], embed_bound=0.5, descriptor_epsilon=2.0, descriptor_delta=1e-5,
+                       eval_descriptor_samples=16)
+    unseen = _client(9, n=40, seed=3)
+    runtime.novel_client_model(unseen)
+    (record,) = runtime.wire.ledgers[9].records
+    assert record.purpose == "descriptor"
+    assert record.event.sensitivity == pytest.approx(2 * 0.5 / 16)       # 2B/n over the n = 16 examples used
+    assert record.event.sigma == pytest.approx(analytic_gaussian_sigma(2.0, 1e-5, 2 * 0.5 / 16), rel=1e-12)
+    assert runtime.wire.ledgers.epsilons(1e-5)[9] == pytest.approx(2.0, rel=1e-3)
+    assert set(runtime.wire.ledgers.epsilons(1e-5)) == {9}               # nobody else released anything
+
+
+def test_invalid_settings_name_the_value_and_what_is_valid():
+    with pytest.raises(ConfigError, match="descriptor_epsilon=1.0 needs embed_bound"):
+        PeFLLConfig(descriptor_epsilon=1.0)
+    with pytest.raises(ConfigError, match="server_optimizer must be one of adam, sgd, got 'rmsprop'"):
+        PeFLLConfig(server_optimizer="rmsprop")
+    with pytest.raises(ConfigError, match="embed_kind"):
+        PeFLLConfig(embed_kind="transformer")
+    with pytest.raises(ConfigError, match="momentum must be in \\[0, 1\\), got 1.5"):
+        PeFLLConfig(momentum=1.5)
+
+
+# -- end to end ------------------------------------------------------------------------------------------------------
+
+
+def test_train_end_to_end_records_every_release_and_resumes_to_the_same_numbers(make_spec, tmp_path):
+    settings = {**SMALL, "local_steps": 3, "lr": 0.05, "server_lr": 1e-2}
+    config = RunConfig(federation=make_spec(), method="pefll", method_config=settings, rounds=4, eval_every=2,
+                       checkpoint_every=1, client_fraction=0.35, seed=3, select="last")
+    summary = train(config, str(tmp_path / "full"), progress=False)
+    assert summary["rounds_completed"] == 4 and summary["training_val"]["num_clients"] == 9
+    assert summary["novel"]["num_clients"] == 0        # unlabelled novel clients are not served (no descriptor)
+    assert summary["training_val"]["accuracy_mean"] > 0
+    ledger = json.loads((tmp_path / "full" / "ledger.json").read_text())
+    assert ledger  # written
+    assert summary["privacy"]["epsilon_max_training"] == float("inf")
+
+    from privfl.experiment import RunInterrupted
+    with pytest.raises(RunInterrupted):
+        train(config, str(tmp_path / "resumed"), progress=False, stop_after_round=2)
+    resumed = train(config, str(tmp_path / "resumed"), resume=True, progress=False)
+    assert resumed["training_val"] == summary["training_val"]
+
+    federation = build_federation(config.federation, seed=3)
+    runtime = build_runtime(config, federation)
+    from privfl.federation.rundir import RunDirectory
+    runtime.load_state_dict(RunDirectory(str(tmp_path / "full")).load_checkpoint()["runtime"])
+    other = build_runtime(config, federation)
+    other.load_state_dict(RunDirectory(str(tmp_path / "resumed")).load_checkpoint()["runtime"])
+    for (name, a), b in zip(runtime.strategy.hnet.state_dict().items(), other.strategy.hnet.state_dict().values()):
+        assert torch.equal(a, b), name
