@@ -1,0 +1,530 @@
+"""FedPFT and DP-FedPFT (Beitollahi et al. 2024, arXiv:2402.01862): one-shot transfer of per-class Gaussian mixtures.
+
+Every party shares a frozen backbone (:mod:`privfl.models.backbones`); the federation holds its features (source
+``features``). Only a classifier head is learned (a linear layer by default). Numbered as the paper's Algorithm 1:
+
+1. each client L2-normalises its features (``normalize``; the head applies the same map at test time) and, for every
+   class c it holds, fits a Gaussian mixture g^{c} with ``K_eff = min(K, n_c)`` components by EM (scikit-learn
+   ``GaussianMixture``: k-means initialisation, ``max_iter`` 100, ``tol`` 1e-3, ``reg_covar`` 1e-6, seeded), with
+   ``"full"``, ``"diag"`` or ``"spherical"`` covariance;
+2. it sends the mixture weights, means and covariances in float16 (full covariances as their upper triangle) and the
+   class count n_c as an int32: per client ``2 * floats + 4 * C_held`` bytes, where ``floats`` is the paper's
+   eqs. 9-11 (:func:`communication_floats`), C counting the classes the client holds;
+3. the server draws n_c synthetic features from each received g^{c} (or ``samples_per_class``), pools them over
+   clients and trains the head on them with cross-entropy (minibatch SGD, :func:`privfl.methods.local_training.local_sgd`;
+   the paper uses Adam at lr 1e-4: the optimiser differs, the objective does not);
+4. the head goes back to every client, and to novel clients.
+
+``topology="decentralized"`` is the paper's chain (Sec. 4.2): the round has one stage per client; client s draws
+samples from the mixtures it received (as many as the counts they carry), adds its own real features, refits the
+mixtures, trains its own head on the union (kept in its state and used to score it) and sends the new mixtures on.
+The server only relays (the runtime is a star); after the last hop it trains the head the novel clients receive from
+the last client's mixtures, which summarise everyone.
+
+**Privacy.** Plain FedPFT is *not* private: every message is recorded as non-private (epsilon = infinity). When
+``K >= n_c`` the means are raw features. With ``dp_epsilon`` set (DP-FedPFT) each client sends the DP-GMM release
+of :func:`privfl.privacy.dp_gmm.release_class_gaussians`: K = 1 per class, features L2-normalised (so clipping to
+the unit ball, bound 1, changes nothing and the sensitivities hold), sensitivities derived from the per-class counts,
+the analytic Gaussian mechanism, counts either noised or declared public (``dp_counts``; public means replace-one
+within the public class histogram), PSD projection. The release is one message per client, accounted as one
+composed event in that client's ledger by the wire; clients hold disjoint data, so each record's guarantee is its own
+client's (epsilon, delta) (parallel composition). The server's sampling and head training are post-processing.
+Only the centralized topology is offered with DP (a hop in the chain would mix received synthetic data into the
+client's own statistics, whose sensitivity this release does not cover).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from privfl.data import NovelClient, TrainingClient
+from privfl.errors import ConfigError
+from privfl.federation.messages import Message, Release
+from privfl.federation.seeding import derive_rng, derive_seed
+from privfl.methods.base import (
+    ClientContext,
+    ClientProcedure,
+    ClientState,
+    ModelFactory,
+    Strategy,
+    _finite,
+    _require,
+    register_method,
+)
+from privfl.methods.local_training import local_sgd, weights_of
+from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES, release_class_gaussians
+
+__all__ = [
+    "COVARIANCE_TYPES", "HEADS", "TOPOLOGIES", "ClassMixture", "FeatureHead", "FedPFTClient", "FedPFTConfig",
+    "FedPFTStrategy", "HeadFactory", "communication_floats", "decode_mixtures", "encode_mixtures",
+    "fit_class_mixtures", "gmm_floats", "head_factory", "l2_normalize", "payload_bytes", "sample_mixtures",
+    "train_head",
+]
+
+TOPOLOGIES = ("centralized", "decentralized")
+HEADS = ("linear", "target")
+_COUNT_DTYPE = torch.int32
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Communication cost (paper Sec. 6.3, eqs. 9-11).
+
+
+def gmm_floats(dim: int, components: int, covariance: str) -> int:
+    """Floats of one class's mixture: per component a weight, a mean (d) and a covariance (d(d+1)/2, d or 1)."""
+    _require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
+    per_component = {"full": 2 * dim + (dim * dim - dim) // 2 + 1, "diag": 2 * dim + 1, "spherical": dim + 2}
+    return per_component[covariance] * components
+
+
+def communication_floats(dim: int, components: int, num_classes: int, covariance: str) -> int:
+    """The paper's floats per client: (2d + (d^2 - d)/2 + 1) K C (full), (2d + 1) K C (diag), (d + 2) K C (spherical).
+
+    >>> communication_floats(512, 10, 101, "diag")
+    1035250
+    """
+    return gmm_floats(dim, components, covariance) * num_classes
+
+
+def payload_bytes(dim: int, components: int, num_classes: int, covariance: str) -> int:
+    """Bytes FedPFT actually sends per client: the floats above in float16 plus one int32 count per class."""
+    return 2 * communication_floats(dim, components, num_classes, covariance) + 4 * num_classes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mixtures: fit, encode, decode, sample.
+
+
+@dataclass(frozen=True)
+class ClassMixture:
+    """One class's Gaussian mixture (float64 numpy arrays).
+
+    ``covariances`` is ``[K, d, d]`` (full), ``[K, d]`` (diag) or ``[K]`` (spherical); ``count`` is the number of
+    real samples it summarises (what the server draws by default).
+    """
+
+    label: int
+    count: int
+    weights: np.ndarray
+    means: np.ndarray
+    covariances: np.ndarray
+    covariance_type: str
+
+    @property
+    def components(self) -> int:
+        return len(self.weights)
+
+
+def l2_normalize(x: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """``x / ||x||`` row by row (rows of norm 0 stay 0): the map applied to features before fitting and in the head."""
+    x = torch.as_tensor(x)
+    return x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def fit_class_mixtures(features: Any, labels: Any, *, num_classes: int, components: int, covariance: str,
+                       seed: int, reg_covar: float = 1e-6, max_iter: int = 100) -> list[ClassMixture]:
+    """EM-fitted mixtures for every class present in ``labels`` (``K_eff = min(components, n_c)``), in label order.
+
+    Uses scikit-learn's ``GaussianMixture`` with its defaults (k-means init, tol 1e-3, n_init 1) and
+    ``random_state`` derived from ``seed`` and the class. Not private: the means and covariances are functions of the
+    raw features (with ``K_eff = n_c`` each mean is a feature).
+    """
+    from sklearn.mixture import GaussianMixture
+
+    _require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
+    x = np.asarray(torch.as_tensor(features).detach().cpu(), dtype=np.float64)
+    y = np.asarray(torch.as_tensor(labels).detach().cpu(), dtype=np.int64)
+    if x.ndim != 2 or len(x) != len(y):
+        raise ConfigError(f"features must be [n, d] with one label each, got {x.shape} and {y.shape}")
+    if not np.isfinite(x).all():
+        raise ConfigError("features contain NaN or inf")
+    mixtures = []
+    for c in range(num_classes):
+        xc = x[y == c]
+        if len(xc) == 0:
+            continue
+        if len(xc) == 1:  # scikit-learn needs 2 samples; EM's answer for one is that sample with variance reg_covar
+            shape = {"full": (1, x.shape[1], x.shape[1]), "diag": (1, x.shape[1]), "spherical": (1,)}[covariance]
+            cov = np.eye(x.shape[1])[None] * reg_covar if covariance == "full" else np.full(shape, reg_covar)
+            mixtures.append(ClassMixture(label=c, count=1, weights=np.ones(1), means=xc.copy(), covariances=cov,
+                                         covariance_type=covariance))
+            continue
+        k = min(components, len(xc))
+        gmm = GaussianMixture(n_components=k, covariance_type=covariance, reg_covar=reg_covar, max_iter=max_iter,
+                              random_state=int(derive_seed(seed, "fedpft_em", c) % (2**31 - 1)))
+        gmm.fit(xc)
+        mixtures.append(ClassMixture(label=c, count=len(xc), weights=gmm.weights_, means=gmm.means_,
+                                     covariances=gmm.covariances_, covariance_type=covariance))
+    return mixtures
+
+
+def encode_mixtures(mixtures: list[ClassMixture], *, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """The wire arrays: ``c{label}.weights [K]``, ``.means [K, d]``, ``.covariances`` (full: the upper triangle,
+    ``[K, d(d+1)/2]``; diag ``[K, d]``; spherical ``[K]``) in ``dtype``, and ``c{label}.count`` (int32 ``[1]``)."""
+    arrays = {}
+    for m in mixtures:
+        cov = torch.as_tensor(m.covariances)
+        if m.covariance_type == "full":
+            d = cov.shape[-1]
+            rows, cols = torch.triu_indices(d, d)
+            cov = cov[:, rows, cols]
+        prefix = f"c{m.label}."
+        arrays[prefix + "weights"] = torch.as_tensor(m.weights).to(dtype)
+        arrays[prefix + "means"] = torch.as_tensor(m.means).to(dtype)
+        arrays[prefix + "covariances"] = cov.to(dtype)
+        arrays[prefix + "count"] = torch.tensor([m.count], dtype=_COUNT_DTYPE)
+    return arrays
+
+
+def decode_mixtures(arrays: dict[str, torch.Tensor], *, covariance: str, floor: float = 1e-6) -> list[ClassMixture]:
+    """The inverse of :func:`encode_mixtures`, in float64: weights renormalised, full covariances re-symmetrised,
+    variances (eigenvalues for full) floored at ``floor`` so 16-bit rounding cannot break positive definiteness."""
+    labels = sorted({int(name.split(".")[0][1:]) for name in arrays})
+    mixtures = []
+    for c in labels:
+        prefix = f"c{c}."
+        weights = arrays[prefix + "weights"].double().clamp_min(0).numpy()
+        weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(weights), 1.0 / len(weights))
+        means = arrays[prefix + "means"].double().numpy()
+        cov = arrays[prefix + "covariances"].double()
+        if covariance == "full":
+            k, d = means.shape
+            rows, cols = torch.triu_indices(d, d)
+            full = torch.zeros(k, d, d, dtype=torch.float64)
+            full[:, rows, cols] = cov
+            full = full + full.transpose(1, 2) - torch.diag_embed(torch.diagonal(full, dim1=1, dim2=2))
+            cov = full.numpy()
+        else:
+            cov = cov.clamp_min(floor).numpy()
+        mixtures.append(ClassMixture(label=c, count=int(arrays[prefix + "count"][0]), weights=weights, means=means,
+                                     covariances=cov, covariance_type=covariance))
+    return mixtures
+
+
+def _sqrt_factor(cov: np.ndarray, floor: float) -> np.ndarray:
+    """A factor L with L L^T = cov (Cholesky; if that fails, eigenvalues clipped at ``floor``)."""
+    try:
+        return np.linalg.cholesky(cov)
+    except np.linalg.LinAlgError:
+        eigenvalues, eigenvectors = np.linalg.eigh((cov + cov.T) / 2)
+        return eigenvectors * np.sqrt(np.clip(eigenvalues, floor, None))
+
+
+def sample_mixtures(mixtures: list[ClassMixture], rng: np.random.Generator, *, samples_per_class: int | None = None,
+                    floor: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic ``(features [m, d] float32, labels [m] int64)``: ``count`` draws per class (or ``samples_per_class``),
+    components chosen by a multinomial over the weights, rows shuffled (sklearn returns them grouped)."""
+    xs, ys = [], []
+    for m in mixtures:
+        total = m.count if samples_per_class is None else samples_per_class
+        if total <= 0:
+            continue
+        per_component = rng.multinomial(total, m.weights)
+        d = m.means.shape[1]
+        for k, n in enumerate(per_component):
+            if n == 0:
+                continue
+            z = rng.standard_normal((n, d))
+            if m.covariance_type == "full":
+                draws = m.means[k] + z @ _sqrt_factor(m.covariances[k], floor).T
+            else:
+                draws = m.means[k] + z * np.sqrt(m.covariances[k])
+            xs.append(draws.astype(np.float32))
+            ys.append(np.full(n, m.label, dtype=np.int64))
+    if not xs:
+        d = mixtures[0].means.shape[1] if mixtures else 0
+        return np.zeros((0, d), np.float32), np.zeros(0, np.int64)
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    order = rng.permutation(len(y))
+    return x[order], y[order]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The head.
+
+
+class FeatureHead(nn.Module):
+    """The classifier on frozen features: optional L2 normalisation (the clients' map), then ``body``.
+
+    ``body`` is a linear layer ``d -> C`` by default, or any network (e.g. the ``feature_mlp`` target).
+    """
+
+    def __init__(self, dim: int, num_classes: int, *, normalize: bool = True, body: nn.Module | None = None) -> None:
+        super().__init__()
+        self.normalize = normalize
+        self.body = body if body is not None else nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(l2_normalize(x) if self.normalize else x)
+
+
+@dataclass(frozen=True)
+class HeadFactory(ModelFactory):
+    """A :class:`ModelFactory` for :class:`FeatureHead`, so existing methods (``fedavg``) can train the same head.
+
+    ``name`` is ``"linear"`` or the registry name of a target network used as the head's body.
+    """
+
+    normalize: bool = True
+
+    def __call__(self) -> nn.Module:
+        dim = int(np.prod(self.input_shape))
+        body = None if self.name == "linear" else ModelFactory(self.name, self.input_shape, self.num_classes)()
+        return FeatureHead(dim, self.num_classes, normalize=self.normalize, body=body)
+
+
+def head_factory(model_factory: ModelFactory, config: FedPFTConfig) -> HeadFactory:
+    """The head a FedPFT run trains: linear, or the run's target network (``head="target"``)."""
+    if len(model_factory.input_shape) != 1:
+        raise ConfigError(f"FedPFT works on feature vectors (source 'features'), got inputs of shape "
+                          f"{tuple(model_factory.input_shape)}; extract features with privfl.models.backbones first")
+    name = "linear" if config.head == "linear" else model_factory.name
+    return HeadFactory(name, tuple(model_factory.input_shape), model_factory.num_classes, normalize=config.normalize)
+
+
+def train_head(head: nn.Module, x: Any, y: Any, *, lr: float, epochs: float, batch_size: int,
+               rng: np.random.Generator, weight_decay: float = 0.0) -> float:
+    """Train ``head`` in place on ``(x, y)`` for ``epochs`` passes of minibatch SGD; return the mean loss."""
+    x = torch.as_tensor(x, dtype=torch.float32)
+    y = torch.as_tensor(y, dtype=torch.long)
+    if len(y) == 0:
+        raise ConfigError("no samples to train the head on")
+    steps = max(1, math.ceil(epochs * len(y) / min(batch_size, len(y))))
+    return local_sgd(head, x, y, lr=lr, steps=steps, batch_size=batch_size, rng=rng, weight_decay=weight_decay)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The method.
+
+
+@dataclass(frozen=True)
+class FedPFTConfig:
+    """FedPFT's settings.
+
+    Attributes:
+        components: K, the Gaussians per (client, class) (capped at n_c).
+        covariance: ``"full"``, ``"diag"`` or ``"spherical"``.
+        normalize: L2-normalise features before fitting (and in the head). Required with DP.
+        samples_per_class: synthetic draws per (client, class); ``None`` = the count the client sent.
+        topology: ``"centralized"`` (one round, all clients to the server) or ``"decentralized"`` (a chain).
+        head: ``"linear"`` or ``"target"`` (the run's target network, e.g. ``feature_mlp``).
+        head_lr, head_epochs, head_batch_size, head_weight_decay: head training by minibatch SGD. Unit-norm features
+            give small gradients, hence the large default learning rate (chosen on MNIST/MobileNetV2 centralized).
+        reg_covar, max_iter: EM settings (scikit-learn's defaults).
+        dp_epsilon: ``None`` for FedPFT; a finite epsilon > 0 for DP-FedPFT (K = 1).
+        dp_delta: the public delta of each client's release (e.g. 1e-5; never 1/n).
+        dp_counts: ``"public"`` (counts sent in the clear; replace-one within the public class histogram) or
+            ``"noisy"`` (counts privatised too).
+        dp_relation: ``"replace_one"`` or ``"add_or_remove_one"`` (the latter needs ``dp_counts="noisy"``).
+    """
+
+    components: int = 10
+    covariance: str = "diag"
+    normalize: bool = True
+    samples_per_class: int | None = None
+    topology: str = "centralized"
+    head: str = "linear"
+    head_lr: float = 20.0
+    head_epochs: float = 50.0
+    head_batch_size: int = 256
+    head_weight_decay: float = 0.0
+    reg_covar: float = 1e-6
+    max_iter: int = 100
+    dp_epsilon: float | None = None
+    dp_delta: float = 1e-5
+    dp_counts: str = "public"
+    dp_relation: str = "replace_one"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.components, int) and not isinstance(self.components, bool)
+                 and self.components >= 1, "components", self.components, "an integer >= 1")
+        _require(self.covariance in COVARIANCE_TYPES, "covariance", self.covariance,
+                 f"one of {', '.join(COVARIANCE_TYPES)}")
+        _require(isinstance(self.normalize, bool), "normalize", self.normalize, "true or false")
+        _require(self.samples_per_class is None or (isinstance(self.samples_per_class, int)
+                                                    and self.samples_per_class >= 1),
+                 "samples_per_class", self.samples_per_class, "None or an integer >= 1")
+        _require(self.topology in TOPOLOGIES, "topology", self.topology, f"one of {', '.join(TOPOLOGIES)}")
+        _require(self.head in HEADS, "head", self.head, f"one of {', '.join(HEADS)}")
+        _require(_finite(self.head_lr) and self.head_lr > 0, "head_lr", self.head_lr, "a finite number > 0")
+        _require(_finite(self.head_epochs) and self.head_epochs > 0, "head_epochs", self.head_epochs,
+                 "a finite number > 0")
+        _require(isinstance(self.head_batch_size, int) and self.head_batch_size >= 1, "head_batch_size",
+                 self.head_batch_size, "an integer >= 1")
+        _require(_finite(self.head_weight_decay) and self.head_weight_decay >= 0, "head_weight_decay",
+                 self.head_weight_decay, "a finite number >= 0")
+        _require(_finite(self.reg_covar) and self.reg_covar > 0, "reg_covar", self.reg_covar, "a finite number > 0")
+        _require(isinstance(self.max_iter, int) and self.max_iter >= 1, "max_iter", self.max_iter, "an integer >= 1")
+        if self.dp_epsilon is None:
+            return
+        _require(_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
+                 "None (FedPFT) or a finite number > 0 (DP-FedPFT)")
+        _require(_finite(self.dp_delta) and 0 < self.dp_delta < 1, "dp_delta", self.dp_delta, "a probability in (0, 1)")
+        _require(self.components == 1, "components", self.components,
+                 "1 with DP (EM-fitted mixtures, K > 1, are not differentially private)")
+        _require(self.normalize, "normalize", self.normalize,
+                 "true with DP (features must lie in the unit ball for the sensitivities to hold)")
+        _require(self.topology == "centralized", "topology", self.topology, "'centralized' with DP")
+        _require(self.dp_counts in COUNTS_MODES, "dp_counts", self.dp_counts, f"one of {', '.join(COUNTS_MODES)}")
+        _require(self.dp_relation in ("replace_one", "add_or_remove_one"), "dp_relation", self.dp_relation,
+                 "'replace_one' or 'add_or_remove_one'")
+        _require(not (self.dp_counts == "public" and self.dp_relation == "add_or_remove_one"), "dp_counts",
+                 self.dp_counts, "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
+
+    @property
+    def private(self) -> bool:
+        return self.dp_epsilon is not None
+
+    def head_settings(self) -> dict[str, Any]:
+        return {"lr": self.head_lr, "epochs": self.head_epochs, "batch_size": self.head_batch_size,
+                "weight_decay": self.head_weight_decay}
+
+
+def _features(x: torch.Tensor, config: FedPFTConfig) -> torch.Tensor:
+    return l2_normalize(x.double()) if config.normalize else x.double()
+
+
+class FedPFTStrategy(Strategy):
+    """Receives mixtures (one message per client, once), samples synthetic features and trains the head."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.heads = head_factory(self.model_factory, self.config)
+        self.head_weights = weights_of(self.heads.init(self.seed))
+        self.chain: list[int] = []
+        self._last_replies: dict[int, Message] = {}
+        if self.config.topology == "decentralized":
+            self.train_stages = max(1, self.num_training_clients)
+
+    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
+        if round > 0:  # one-shot: later rounds send nothing and release nothing
+            return {}
+        config = {"round": round}
+        if self.config.topology == "centralized":
+            return {cid: Message(config=config) for cid in client_ids}
+        self.chain = list(client_ids)
+        self._last_replies = {}
+        return {self.chain[0]: Message(config=config)}
+
+    def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
+        """Relay the previous hop's mixtures to the next client of the chain."""
+        if replies:
+            self._last_replies = replies
+        if round > 0 or stage >= len(self.chain) or not replies:
+            return {}
+        (previous,) = replies.values()
+        return {self.chain[stage]: Message(arrays=previous.arrays, config={"round": round, "hop": stage})}
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        replies = replies or self._last_replies
+        if round > 0 or not replies:
+            return {}
+        rng = derive_rng(self.seed, "fedpft_server", round)
+        xs, ys = [], []
+        for cid in sorted(replies):
+            mixtures = decode_mixtures(replies[cid].arrays, covariance=self.config.covariance,
+                                       floor=self.config.reg_covar)
+            x, y = sample_mixtures(mixtures, rng, samples_per_class=self.config.samples_per_class,
+                                   floor=self.config.reg_covar)
+            xs.append(x)
+            ys.append(y)
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        head = self.heads.init(derive_seed(self.seed, "fedpft_head", round))
+        loss = train_head(head, x, y, rng=derive_rng(self.seed, "fedpft_head_sgd", round), **self.config.head_settings())
+        self.head_weights = weights_of(head)
+        self._last_replies = {}
+        return {"train_loss": loss, "synthetic_samples": float(len(y))}
+
+    def novel_request(self, client_id: int) -> Message:
+        return Message(arrays=self.head_weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"head_weights": self.head_weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.head_weights = {k: v.clone() for k, v in state["head_weights"].items()}
+
+
+class FedPFTClient(ClientProcedure):
+    """Fits (or privately releases) per-class Gaussians of its features; in a chain, also merges what it received."""
+
+    def workspace_model(self) -> nn.Module:
+        if self._model is None:
+            self._model = head_factory(self.model_factory, self.config)()
+        return self._model
+
+    def _mixtures(self, data: TrainingClient, ctx: ClientContext,
+                  received: dict[str, torch.Tensor] | None) -> tuple[list[ClassMixture], tuple[torch.Tensor, torch.Tensor]]:
+        """This client's mixtures, and the (normalised real + received synthetic) features they were fitted on."""
+        cfg = self.config
+        x, y = _features(data.x_train, cfg), data.y_train
+        if received:
+            synthetic_x, synthetic_y = sample_mixtures(decode_mixtures(received, covariance=cfg.covariance,
+                                                                       floor=cfg.reg_covar), ctx.rng)
+            x = torch.cat([x, torch.from_numpy(synthetic_x).double()])
+            y = torch.cat([y, torch.from_numpy(synthetic_y)])
+        return fit_class_mixtures(x, y, num_classes=self.model_factory.num_classes, components=cfg.components,
+                                  covariance=cfg.covariance, seed=derive_seed(ctx.run_seed, "fedpft_client",
+                                                                              ctx.client_id),
+                                  reg_covar=cfg.reg_covar, max_iter=cfg.max_iter), (x, y)
+
+    def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
+        if self.config.private:
+            return self._private_release(data, ctx)
+        mixtures, _ = self._mixtures(data, ctx, None)
+        if self.config.topology == "decentralized":
+            self._train_own_head(mixtures, data, state, ctx)
+        return Release.non_private(Message(arrays=encode_mixtures(mixtures)), purpose="gmm")
+
+    def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
+                    ctx: ClientContext) -> Release | None:
+        """A hop of the chain: refit on own real features plus samples of the received mixtures, send on."""
+        mixtures, (x, y) = self._mixtures(data, ctx, message.arrays)
+        head = head_factory(self.model_factory, self.config).init(ctx.run_seed)
+        train_head(head, x.float(), y, rng=ctx.rng, **self.config.head_settings())
+        state.update({"head." + k: v for k, v in weights_of(head).items()})
+        return Release.non_private(Message(arrays=encode_mixtures(mixtures)), purpose="gmm")
+
+    def _train_own_head(self, mixtures, data: TrainingClient, state: ClientState, ctx: ClientContext) -> None:
+        head = head_factory(self.model_factory, self.config).init(ctx.run_seed)
+        train_head(head, data.x_train, data.y_train, rng=ctx.rng, **self.config.head_settings())
+        state.update({"head." + k: v for k, v in weights_of(head).items()})
+
+    def _private_release(self, data: TrainingClient, ctx: ClientContext) -> Release:
+        """DP-FedPFT: :func:`release_class_gaussians` on unit-norm features; the wire records its composed event."""
+        cfg = self.config
+        generator = torch.Generator().manual_seed(derive_seed(ctx.run_seed, "fedpft_dp_noise", ctx.client_id))
+        release = release_class_gaussians(
+            _features(data.x_train, cfg), data.y_train, num_classes=self.model_factory.num_classes,
+            epsilon=cfg.dp_epsilon, delta=cfg.dp_delta, bound=1.0, covariance=cfg.covariance, components=1,
+            counts=cfg.dp_counts, relation=cfg.dp_relation, generator=generator, eigenvalue_floor=cfg.reg_covar)
+        mixtures = []
+        for cls in release.classes:
+            count = max(0, int(round(float(cls.count))))
+            if not cls.released or count == 0:  # dropping a class from a DP output is post-processing
+                continue
+            cov = cls.covariance.double().numpy()
+            mixtures.append(ClassMixture(label=cls.label, count=count, weights=np.ones(1), means=cls.mean.numpy()[None],
+                                         covariances=cov[None] if cov.ndim else cov.reshape(1),
+                                         covariance_type=cfg.covariance))
+        return Release(Message(arrays=encode_mixtures(mixtures)), purpose="dp_gmm", event=release.event)
+
+    def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
+        own = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
+        return self.model_from(own or message.arrays)
+
+    def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
+        return self.model_from(message.arrays)
+
+
+register_method(
+    "fedpft", strategy=FedPFTStrategy, client=FedPFTClient, config=FedPFTConfig,
+    description="FedPFT: one-shot per-class Gaussian mixtures of frozen features; the server trains a head on samples "
+                "(dp_epsilon set: DP-FedPFT, K = 1)",
+)

