@@ -1,0 +1,271 @@
+"""FedTTA, FedTTA-Prox, FedTTA++: the meta-gradient, the test-time adaptation, the protocol and client-level DP."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from accounting import GaussianEvent, NonPrivateEvent, analytic_gaussian_sigma
+from privfl.data import build_federation
+from privfl.errors import ConfigError
+from privfl.experiment import RunConfig, build_runtime
+from privfl.federation import ClientContext, Message, Wire
+from privfl.methods import ModelFactory, get_method
+from privfl.methods.fedtta import (
+    AdaptationModel,
+    adapt,
+    meta_loss,
+    personalization_loss,
+    prediction_entropy,
+    proxy_kl,
+)
+
+
+class Bias(nn.Module):
+    """f(x; b) = b for every sample: logits independent of x, so adaptation is easy to derive by hand."""
+
+    def __init__(self, b):
+        super().__init__()
+        self.b = nn.Parameter(torch.tensor(b, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.b.expand(x.shape[0], -1)
+
+
+class Margin(nn.Module):
+    """g(z) = z_1 - z_2 - c per sample, so l_per = sqrt(B) |b_1 - b_2 - c| for the Bias model."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.lin = nn.Linear(2, 1).double()
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.tensor([[1.0, -1.0]]))
+            self.lin.bias.fill_(-c)
+
+    def forward(self, z):
+        return self.lin(z)
+
+
+def tiny_models(seed=0):
+    torch.manual_seed(seed)
+    f = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    g = AdaptationModel(3, hidden=4, layers=1).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 1, 0])
+    return f, g, x, y
+
+
+def test_meta_gradient_matches_finite_differences_for_both_models():
+    f, g, x, y = tiny_models()
+    psi, phi = dict(f.named_parameters()), dict(g.named_parameters())
+    teacher = torch.randn(5, 3, dtype=torch.float64)
+    kwargs = dict(inner_lr=0.7, weight_decay=0.01, mu=0.3, teacher_logits=teacher)
+    loss, _ = meta_loss(f, g, psi, phi, x, y, **kwargs)
+    grads = torch.autograd.grad(loss, list(psi.values()) + list(phi.values()))
+    analytic = torch.cat([gr.reshape(-1) for gr in grads])
+
+    def value(flat):
+        tensors, start = {}, 0
+        for name, p in list(psi.items()) + [("phi." + k, v) for k, v in phi.items()]:
+            tensors[name] = flat[start:start + p.numel()].view_as(p)
+            start += p.numel()
+        p_psi = {k: v for k, v in tensors.items() if not k.startswith("phi.")}
+        p_phi = {k[4:]: v for k, v in tensors.items() if k.startswith("phi.")}
+        return meta_loss(f, g, p_psi, p_phi, x, y, **kwargs)[0]
+
+    flat = torch.cat([p.detach().reshape(-1) for p in list(psi.values()) + list(phi.values())])
+    numeric = torch.zeros_like(flat)
+    h = 1e-6
+    for i in range(len(flat)):
+        up, down = flat.clone().requires_grad_(True), flat.clone().requires_grad_(True)
+        with torch.no_grad():
+            up[i] += h
+            down[i] -= h
+        numeric[i] = (value(up) - value(down)).detach() / (2 * h)
+    assert torch.allclose(analytic, numeric, atol=1e-6, rtol=1e-5)
+    # phi is reached only through the inner gradient (a mixed second derivative): it must not be zero.
+    num_psi = sum(p.numel() for p in psi.values())
+    assert numeric[num_psi:].abs().max() > 1e-4
+
+
+def test_a_first_order_inner_step_would_give_phi_no_gradient():
+    f, g, x, y = tiny_models(1)
+    psi, phi = dict(f.named_parameters()), dict(g.named_parameters())
+    loss, _ = meta_loss(f, g, psi, phi, x, y, inner_lr=0.5)
+    assert torch.autograd.grad(loss, list(phi.values()))[0].abs().sum() > 0
+    # The same loss with the inner gradient detached (what `higher` with track_higher_grads=False computes).
+    logits = torch.func.functional_call(f, psi, (x,))
+    grads = torch.autograd.grad(personalization_loss(g, phi, logits), list(psi.values()), create_graph=False)
+    tilde = {k: p - 0.5 * gr for (k, p), gr in zip(psi.items(), grads)}
+    detached = nn.functional.cross_entropy(torch.func.functional_call(f, tilde, (x,)), y)
+    assert torch.autograd.grad(detached, list(phi.values()), allow_unused=True)[0] is None
+
+
+def test_personalization_loss_is_the_norm_over_the_batch_and_the_mean_over_chunks():
+    g = Margin(c=0.0)
+    phi = dict(g.named_parameters())
+    z = torch.tensor([[3.0, 1.0], [0.0, 1.0], [4.0, 0.0], [1.0, 1.0]], dtype=torch.float64)  # g = 2, -1, 4, 0
+    assert personalization_loss(g, phi, z).item() == pytest.approx(math.sqrt(4 + 1 + 16))
+    assert personalization_loss(g, phi, z.flip(0)).item() == pytest.approx(math.sqrt(21))
+    assert personalization_loss(g, phi, z, chunk=2).item() == pytest.approx((math.sqrt(5) + 4.0) / 2)
+
+
+def test_proxy_kl_direction_hand_values():
+    student = torch.log(torch.tensor([[0.5, 0.5]]))
+    teacher = torch.log(torch.tensor([[0.9, 0.1]]))
+    teacher_student = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    student_teacher = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert float(proxy_kl(student, teacher)) == pytest.approx(teacher_student)
+    assert float(proxy_kl(student, teacher, "student_teacher")) == pytest.approx(student_teacher)
+
+
+def _staircase(patience, steps=50):
+    # l_per = 2 |b1 - b2 - c| on 4 samples; each step moves d = b1 - b2 by s = 2 * lr * 2 = 1 towards c = 2.5:
+    # d = 0, 1, 2, 3, 2, 3, ... The entropy falls with |d|, so iterate 3 (d = 3) is the lowest; iterate 4 is higher.
+    f, g = Bias([0.0, 0.0]), Margin(c=2.5)
+    x = torch.zeros(4, 1, dtype=torch.float64)
+    return adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x, inner_lr=0.25, steps=steps,
+                 patience=patience, chunk=64)
+
+
+def test_fedtta_pp_returns_the_lowest_entropy_iterate_not_the_unadapted_or_the_last():
+    result = _staircase(patience=1)
+    d = float(result.weights["b"][0] - result.weights["b"][1])
+    assert result.chosen_step == 3 and d == pytest.approx(3.0)
+    assert result.steps_taken == 4  # step 4 went back to d = 2: no strict decrease, patience 1 -> stop
+    expected = [prediction_entropy(torch.tensor([[v / 2, -v / 2]])) for v in (0.0, 1.0, 2.0, 3.0, 2.0)]
+    assert result.entropies == pytest.approx(expected)
+    # Patience 2: step 5 returns to d = 3, equal (not lower) entropy, so iterate 3 stays chosen and it stops there.
+    result = _staircase(patience=2)
+    assert (result.chosen_step, result.steps_taken) == (3, 5)
+
+
+def test_fedtta_takes_one_step_and_keeps_the_last_iterate():
+    result = _staircase(patience=None, steps=1)
+    assert result.chosen_step == 1 and result.entropies == ()
+    assert float(result.weights["b"][0] - result.weights["b"][1]) == pytest.approx(1.0)
+    assert _staircase(patience=None, steps=0).weights["b"].tolist() == [0.0, 0.0]
+
+
+FACTORY = ModelFactory("mlp2nn", (3,), 2)
+
+
+def make(name, **settings):
+    spec = get_method(name)
+    config = spec.make_config(**settings)
+    return spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=2), config
+
+
+@pytest.mark.parametrize("weighted, expected", [(False, 2.5), (True, (10 * 1.0 + 30 * 4.0) / 40)])
+def test_server_averages_both_models(weighted, expected):
+    strategy, _ = make("fedtta", weighted=weighted)
+    psi, phi = dict(strategy.psi), dict(strategy.phi)
+    message = strategy.configure_train(0, [0])[0]
+    assert set(message.subset("psi.")) == set(psi) and set(message.subset("phi.")) == set(phi)
+
+    def reply(value, n):
+        return Message(arrays={k: torch.full_like(v, value) for k, v in message.arrays.items()},
+                       metrics={"num_examples": n, "loss": 0.5})
+
+    strategy.aggregate_train(0, {1: reply(1.0, 10.0), 2: reply(4.0, 30.0)})
+    for k in psi:
+        assert torch.allclose(strategy.psi[k], psi[k] + expected)
+    for k in phi:
+        assert torch.allclose(strategy.phi[k], phi[k] + expected)
+
+
+def test_registered_variants_carry_the_papers_mnist_settings():
+    _, fedtta = make("fedtta")
+    _, prox = make("fedtta_prox")
+    _, pp = make("fedtta_pp")
+    assert (fedtta.mu, fedtta.tta_steps, fedtta.patience, fedtta.adapt_lr) == (0.0, 1, None, 0.01)
+    assert (prox.mu, prox.tta_steps, prox.patience, prox.adapt_lr) == (0.01, 1, None, 0.001)
+    assert (pp.mu, pp.tta_steps, pp.patience) == (0.01, 50, 1)
+    assert fedtta.round_config(20)["inner_lr"] == 0.5
+    assert make("fedtta", lr_decay=0.5)[1].round_config(20)["inner_lr"] == pytest.approx(0.125)
+
+
+@pytest.mark.parametrize("settings, name", [
+    ({"patience": 0}, "patience"),
+    ({"tta_steps": 0, "patience": 1}, "tta_steps"),
+    ({"kl_direction": "forward"}, "kl_direction"),
+    ({"inner_lr": 0.0}, "inner_lr"),
+    ({"dp_epsilon": 1.0}, "dp_participations"),
+    ({"dp_epsilon": 1.0, "dp_participations": 3, "weighted": True}, "weighted"),
+    ({"dp_epsilon": 1.0, "dp_participations": 3, "dp_shares": 4}, "dp_shares"),
+    ({"dp_mode": "central"}, "dp_mode"),
+])
+def test_bad_settings_are_refused_by_name(settings, name):
+    with pytest.raises(ConfigError, match=name):
+        get_method("fedtta").make_config(**settings)
+
+
+def _run(make_spec, method, rounds=1, **settings):
+    spec = make_spec(num_clients=6, novel_fraction=0.5)
+    config = RunConfig(federation=spec, method=method, model="mlp2nn", rounds=rounds,
+                       method_config={"local_steps": 2, "batch_size": 16, **settings})
+    federation = build_federation(spec, seed=0)
+    runtime = build_runtime(config, federation)
+    for r in range(rounds):
+        runtime.run_round(r)
+    return federation, runtime
+
+
+@pytest.mark.parametrize("method", ["fedtta", "fedtta_pp"])
+def test_novel_clients_adapt_locally_and_send_nothing(make_spec, method):
+    federation, runtime = _run(make_spec, method)
+    downloaded = runtime.strategy.psi
+    for novel in federation.novel_clients:
+        model = runtime.novel_client_model(novel)
+        assert novel.client_id not in runtime.wire.ledgers
+        assert runtime.wire.bytes_up.get(novel.client_id, 0) == 0
+        assert runtime.wire.bytes_down[novel.client_id] > 0
+        with torch.no_grad():
+            out = model(novel.x)
+        assert out.shape == (novel.num_samples, federation.num_classes)
+    if method == "fedtta":  # one adaptation step, always kept: the served model is not the download
+        for novel in federation.novel_clients:
+            weights = runtime.novel_client_model(novel).state_dict()
+            assert any(not torch.equal(weights[k], downloaded[k]) for k in downloaded)
+    for client in federation.training_clients:
+        records = runtime.wire.ledgers[client.client_id].records
+        assert len(records) == 1 and all(isinstance(r.event, NonPrivateEvent) for r in records)
+    assert math.isinf(runtime.wire.ledgers.epsilons(1e-5)[federation.training_clients[0].client_id])
+
+
+def _dp_client(make_spec, **settings):
+    federation = build_federation(make_spec(num_clients=6, novel_fraction=0.5), seed=0)
+    spec = get_method("fedtta")
+    config = spec.make_config(local_steps=1, batch_size=8, **settings)
+    factory = ModelFactory("mlp2nn", federation.input_shape, federation.num_classes)
+    strategy = spec.strategy(model_factory=factory, config=config, seed=0, num_training_clients=3)
+    return federation.training_clients[0], strategy, spec.client(model_factory=factory, config=config), config
+
+
+def test_client_level_dp_releases_are_recorded_reach_the_target_and_are_capped(make_spec):
+    data, strategy, client, config = _dp_client(make_spec, dp_epsilon=2.0, dp_max_norm=0.5, dp_participations=2)
+    wire, state = Wire(), {}
+    message = strategy.configure_train(0, [data.client_id])[data.client_id]
+    for round in range(2):
+        ctx = ClientContext(client_id=data.client_id, round=round, run_seed=0, rng=np.random.default_rng(round))
+        wire.client_to_server(data.client_id, client.train(data, message, state, ctx), round=round)
+    sigma = config.privacy().sigma
+    assert sigma == pytest.approx(analytic_gaussian_sigma(2.0, 1e-5, 2 * 0.5 * math.sqrt(2)))
+    assert wire.ledgers[data.client_id].events == (GaussianEvent(sigma=sigma, sensitivity=1.0),) * 2
+    assert wire.ledgers.epsilons(1e-5)[data.client_id] == pytest.approx(2.0, rel=1e-3)
+    with pytest.raises(RuntimeError, match="dp_participations=2"):
+        client.train(data, message, state, ctx)
+
+
+def test_dp_release_is_clipped_update_plus_noise_of_the_calibrated_scale(make_spec):
+    data, strategy, client, config = _dp_client(make_spec, dp_epsilon=1.0, dp_participations=1, dp_max_norm=1e-3)
+    ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
+    state = {}
+    release = client.train(data, strategy.configure_train(0, [data.client_id])[data.client_id], state, ctx)
+    flat = torch.cat([v.reshape(-1) for v in release.message.arrays.values()])
+    sigma = config.privacy().sigma
+    # The clipped update has norm <= 1e-3, so the release is essentially noise: its std must be sigma.
+    assert float(flat.std()) == pytest.approx(sigma, rel=0.02)
+    assert release.message.metrics == {} and int(state["dp_releases"]) == 1

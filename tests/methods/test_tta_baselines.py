@@ -1,0 +1,312 @@
+"""TENT, AFL, FedGMA, FedADG and FedSR (the FedTTA paper's test-time and domain-generalisation baselines): values
+computed by hand, and short runs on a tiny synthetic federation."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from privfl.data import NovelClient, build_federation
+from privfl.errors import ConfigError
+from privfl.experiment import RunConfig, build_runtime
+from privfl.federation import ClientContext, Message
+from privfl.methods import ModelFactory, get_method
+from privfl.methods.afl import project_to_simplex
+from privfl.methods.fedadg import FedADGModel, adversarial_step
+from privfl.methods.fedgma import gradient_mask, sign_agreement
+from privfl.methods.fedsr import FedSRModel, conditional_mi_bound, l2_representation
+from privfl.methods.tent import normalisation_parameters, prediction_entropy, tent_adapt
+from privfl.models import targets
+
+VECTOR = ModelFactory("mlp2nn", (3,), 2)
+
+
+class NormMLP(nn.Module):
+    """A target with normalisation layers: Linear -> BatchNorm -> ReLU -> Linear -> LayerNorm -> Linear."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.fc1 = nn.Linear(math.prod(input_shape), 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc3 = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.fc1(torch.flatten(x, 1))))
+        return self.fc3(torch.relu(self.ln(self.fc2(x))))
+
+
+@pytest.fixture
+def norm_mlp(monkeypatch):
+    monkeypatch.setitem(targets.MODELS, "norm_mlp", NormMLP)
+    return "norm_mlp"
+
+
+def make(name, factory=VECTOR, num_clients=3, **settings):
+    spec = get_method(name)
+    config = spec.make_config(**settings)
+    strategy = spec.strategy(model_factory=factory, config=config, seed=0, num_training_clients=num_clients)
+    return strategy, spec.client(model_factory=factory, config=config)
+
+
+# --- TENT -------------------------------------------------------------------------------------------------------
+
+def test_prediction_entropy_in_bits_and_nats():
+    assert float(prediction_entropy(torch.zeros(3, 2))) == pytest.approx(1.0)            # uniform over 2: 1 bit
+    assert float(prediction_entropy(torch.zeros(1, 4))) == pytest.approx(2.0)
+    assert float(prediction_entropy(torch.zeros(1, 4), base=math.e)) == pytest.approx(math.log(4))
+    # p = (0.8, 0.2): -(0.8 log2 0.8 + 0.2 log2 0.2) = 0.721928
+    logits = torch.tensor([[math.log(0.8), math.log(0.2)]])
+    assert float(prediction_entropy(logits)) == pytest.approx(0.7219281, abs=1e-6)
+
+
+def test_tent_step_moves_only_norm_affine_parameters_by_the_entropy_gradient(norm_mlp):
+    torch.manual_seed(0)
+    model = NormMLP((5,), 3)
+    x = torch.randn(32, 5)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    # the expected step by hand: gradient of the mean entropy (bits) under test-batch statistics
+    reference = copy.deepcopy(model).train()
+    norm = normalisation_parameters(reference)
+    assert sorted(norm) == ["bn.bias", "bn.weight", "ln.bias", "ln.weight"]
+    entropy_before = prediction_entropy(reference(x))
+    grads = dict(zip(norm, torch.autograd.grad(entropy_before, list(norm.values()))))
+
+    tent_adapt(model, x, adapt="norm", steps=1, lr=0.5)
+    for name, value in model.named_parameters():
+        if name in norm:
+            assert torch.allclose(value, before[name] - 0.5 * grads[name], atol=1e-6), name
+            assert not torch.equal(value, before[name]), name
+        else:
+            assert torch.equal(value, before[name]), name
+    assert model.bn.running_mean is None                        # batch norm now normalises with test statistics
+    entropy_after = float(prediction_entropy(model(x)).detach())
+    assert entropy_after < float(entropy_before.detach()) - 1e-3
+
+
+def test_tent_refuses_norm_adaptation_on_a_model_without_normalisation_layers():
+    with pytest.raises(ConfigError, match="adapt='all'"):
+        make("tent")                                            # mlp2nn has no normalisation layer
+    with pytest.raises(ConfigError, match="adapt must be one of norm, all"):
+        make("tent", adapt="bn")
+    with pytest.raises(ConfigError, match="tta_steps must be an integer >= 0"):
+        make("tent", adapt="all", tta_steps=-1)
+
+
+def test_tent_all_is_one_full_data_step_with_fedavg_lr_and_zero_steps_is_fedavg():
+    strategy, client = make("tent", adapt="all", lr=0.3, tta_weight_decay=0.0, tta_grad_clip=None)
+    novel = NovelClient(7, torch.randn(20, 3, generator=torch.Generator().manual_seed(1)))
+    message = strategy.novel_request(7)
+    adapted = client.novel_model(novel, message.copy())
+    model = VECTOR()
+    model.load_state_dict(message.arrays)
+    grads = torch.autograd.grad(prediction_entropy(model(novel.x)), list(model.parameters()))
+    for (name, start), g in zip(model.named_parameters(), grads):
+        assert torch.allclose(dict(adapted.named_parameters())[name], start - 0.3 * g, atol=1e-6), name
+    _, unchanged = make("tent", adapt="all", tta_steps=0)
+    plain = unchanged.novel_model(novel, message.copy())
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in message.arrays.items())
+
+
+# --- FedGMA -----------------------------------------------------------------------------------------------------
+
+# three clients, four coordinates: signs (+,+,+), (-,-,+), (+,-,-), (+,-,0) -> agreement 1, 1/3, 1/3, 0
+GMA_UPDATES = [torch.tensor([1.0, -1.0, 2.0, 1.0]), torch.tensor([3.0, -2.0, -1.0, -3.0]),
+               torch.tensor([2.0, 1.0, -4.0, 0.0])]
+
+
+def test_fedgma_mask_is_the_hand_computed_sign_agreement():
+    updates = [{"w": u} for u in GMA_UPDATES]
+    assert torch.allclose(sign_agreement(updates)["w"], torch.tensor([1.0, 1 / 3, 1 / 3, 0.0]))
+    assert torch.allclose(gradient_mask(updates, 0.5)["w"], torch.tensor([1.0, 1 / 3, 1 / 3, 0.0]))
+    assert torch.allclose(gradient_mask(updates, 0.3)["w"], torch.tensor([1.0, 1.0, 1.0, 0.0]))
+
+
+def test_fedgma_server_step_is_masked_weighted_mean():
+    strategy, _ = make("fedgma", threshold=0.5, server_lr=2.0)
+    before = {k: v.clone() for k, v in strategy.weights.items()}
+
+    def tile(pattern, like):       # coordinate j of every tensor takes pattern[j % 4]
+        return pattern[torch.arange(like.numel()) % 4].reshape(like.shape)
+
+    replies = {cid: Message(arrays={k: tile(u, v) for k, v in before.items()},
+                            metrics={"num_examples": n, "loss": 0.0})
+               for cid, (u, n) in enumerate(zip(GMA_UPDATES, [1.0, 1.0, 2.0]))}
+    strategy.aggregate_train(0, replies)
+    # weighted mean (1, 1, 2)/4: [2, -0.25, -1.75, -0.5]; mask [1, 1/3, 1/3, 0]; server lr 2
+    step = torch.tensor([4.0, -1 / 6, -7 / 6, 0.0])
+    for k, v in before.items():
+        assert torch.allclose(strategy.weights[k], v + tile(step, v), atol=1e-6), k
+
+
+# --- AFL --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("v, expected", [
+    ([0.5, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]),
+    ([1.2, 0.1, -0.3], [1.0, 0.0, 0.0]),
+    ([0.4, 0.3, 0.5], [1 / 3, 7 / 30, 13 / 30]),
+])
+def test_projection_on_the_simplex(v, expected):
+    assert torch.allclose(project_to_simplex(torch.tensor(v, dtype=torch.float64)),
+                          torch.tensor(expected, dtype=torch.float64))
+
+
+def test_afl_lambda_ascends_toward_the_worst_client_and_weights_the_step():
+    strategy, _ = make("afl", num_clients=3, lambda_lr=0.1)
+    before = {k: v.clone() for k, v in strategy.weights.items()}
+    losses = {10: 1.0, 11: 2.0, 12: 5.0}
+
+    def replies(values):
+        return {cid: Message(arrays={k: torch.full_like(v, values[cid]) for k, v in before.items()},
+                             metrics={"num_examples": 1.0, "afl_loss": losses[cid]}) for cid in losses}
+
+    strategy.aggregate_train(0, replies({10: 3.0, 11: 6.0, 12: 9.0}))
+    # round 0: lambda uniform -> mean change 6; then Proj(1/3 + 0.1 * (1, 2, 5)) = (1/6, 4/15, 17/30)
+    assert strategy.mixture_weights() == pytest.approx({10: 1 / 6, 11: 4 / 15, 12: 17 / 30})
+    assert float(strategy.lambdas.sum()) == pytest.approx(1.0) and float(strategy.lambdas.min()) >= 0
+    for k, v in before.items():
+        assert torch.allclose(strategy.weights[k], v + 6.0)
+    strategy.aggregate_train(1, replies({10: 30.0, 11: 0.0, 12: 0.0}))
+    for k, v in before.items():                               # lambda-weighted: 6 + 30 / 6 = 11
+        assert torch.allclose(strategy.weights[k], v + 11.0, atol=1e-5)
+    assert max(strategy.mixture_weights(), key=strategy.mixture_weights().get) == 12
+
+
+# --- FedSR ------------------------------------------------------------------------------------------------------
+
+def test_fedsr_regularisers_on_a_fixed_example():
+    z = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    assert float(l2_representation(z)) == pytest.approx(2.5)
+    assert float(l2_representation(z, squared=True)) == pytest.approx(12.5)
+    mu, sigma, y = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 1.0]]), torch.tensor([0])
+    r_mu = torch.zeros(2, 2)
+    r_sigma_raw = torch.full((2, 2), math.log(math.e - 1))     # softplus -> 1
+    # KL(N(mu, s^2) || N(0, 1)) per dim = -log s + (s^2 + mu^2) / 2 - 1/2: 0.818147 + 2.0
+    assert float(conditional_mi_bound(mu, sigma, y, r_mu, r_sigma_raw, torch.tensor(1.0))) == pytest.approx(
+        2.8181472, abs=1e-6)
+    # scale C = 2: dims (mu, s) = (2, 1) and (4, 2): 2.0 + 8.806853
+    assert float(conditional_mi_bound(mu, sigma, y, r_mu, r_sigma_raw, torch.tensor(2.0))) == pytest.approx(
+        10.8068528, abs=1e-6)
+    q = torch.distributions.Normal(mu * 2, sigma * 2)
+    p = torch.distributions.Normal(torch.zeros(1, 2), torch.ones(1, 2))
+    assert float(torch.distributions.kl_divergence(q, p).sum()) == pytest.approx(10.8068528, abs=1e-6)
+
+
+def test_fedsr_predicts_with_the_target_network_and_trains_with_a_sampled_representation():
+    target = VECTOR.init(0)
+    model = FedSRModel(copy.deepcopy(target), 2)
+    x = torch.randn(4, 3)
+    assert torch.equal(model(x), target(x))                    # prediction: z = mu
+    parts = model.sample(x)
+    assert parts["z"].shape == (4, 200) and not torch.allclose(parts["z"], parts["mu"])
+    assert torch.all(parts["sigma"] > 0)
+    loss, values = model.objective(x, torch.tensor([0, 1, 0, 1]), l2r_coeff=0.01, cmi_coeff=0.0005)
+    assert float(loss.detach()) == pytest.approx(values["ce"] + 0.01 * values["l2r"] + 0.0005 * values["cmi"], rel=1e-5)
+
+
+# --- FedADG -----------------------------------------------------------------------------------------------------
+
+def test_fedadg_step_updates_every_network_and_novel_clients_get_the_target_only():
+    torch.manual_seed(0)
+    model = FedADGModel(VECTOR(), 2, noise_dim=10, hidden=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizers = {"target": torch.optim.SGD(model.target.parameters(), lr=0.1),
+                  "discriminator": torch.optim.SGD(model.discriminator.parameters(), lr=0.1),
+                  "generator": torch.optim.SGD(model.generator.parameters(), lr=0.1)}
+    losses = adversarial_step(model, torch.randn(16, 3), torch.randint(0, 2, (16,)), optimizers, adv_weight=0.5)
+    assert set(losses) == {"ce", "adv_f", "adv_d", "adv_g"}
+    for prefix in ("target.", "generator.", "discriminator."):
+        assert any(not torch.equal(model.state_dict()[k], v) for k, v in before.items() if k.startswith(prefix))
+    strategy, _ = make("fedadg")
+    assert sorted(strategy.novel_request(0).arrays) == sorted(VECTOR().state_dict())
+
+
+# --- short runs: every method trains, novel clients send nothing ------------------------------------------------
+
+RUN_SETTINGS = {
+    "tent": {"adapt": "all"},
+    "afl": {"lambda_lr": 0.05},
+    "fedgma": {"threshold": 0.4},
+    "fedadg": {},
+    "fedsr": {},
+}
+
+
+@pytest.mark.parametrize("method", sorted(RUN_SETTINGS))
+def test_short_run_trains_and_novel_clients_send_nothing(make_spec, method):
+    spec = make_spec(source_options={"num_samples": 320, "dim": 10, "num_classes": 4}, num_clients=8)
+    federation = build_federation(spec, seed=1)
+    config = RunConfig(federation=spec, method=method, rounds=2, seed=1,
+                       method_config={"lr": 0.1, "local_steps": 4, "batch_size": 16, **RUN_SETTINGS[method]})
+    runtime = build_runtime(config, federation)
+    start = {k: v.clone() for k, v in runtime.strategy.weights.items()}
+    for round in range(2):
+        metrics = runtime.run_round(round)
+        assert math.isfinite(metrics["train_loss"])
+    assert any(not torch.equal(runtime.strategy.weights[k], v) for k, v in start.items())
+    for client in federation.training_clients:
+        assert [r.purpose for r in runtime.wire.ledgers[client.client_id].records] == ["model_update"] * 2
+    correct = total = 0
+    for novel in federation.novel_clients:
+        model = runtime.novel_client_model(novel)
+        labels = federation.novel_labels.labels(novel.client_id)
+        correct += int((model(novel.x).argmax(1) == labels).sum())
+        total += len(labels)
+        assert novel.client_id not in runtime.wire.ledgers
+        assert runtime.wire.bytes_up.get(novel.client_id, 0) == 0
+    assert correct / total > 0.5                                # 4 separable classes; chance is 0.25
+    if method == "afl":
+        lambdas = runtime.strategy.lambdas
+        assert float(lambdas.sum()) == pytest.approx(1.0) and float(lambdas.min()) >= 0
+        assert not torch.allclose(lambdas, torch.full_like(lambdas, 1 / len(lambdas)))
+
+
+def test_tent_norm_run_adapts_only_normalisation_parameters(make_spec, norm_mlp):
+    spec = make_spec(source_options={"num_samples": 320, "dim": 10, "num_classes": 4}, num_clients=8)
+    federation = build_federation(spec, seed=1)
+    config = RunConfig(federation=spec, method="tent", model=norm_mlp, rounds=2, seed=1,
+                       method_config={"lr": 0.1, "local_steps": 4, "batch_size": 16, "tta_steps": 3})
+    runtime = build_runtime(config, federation)
+    for round in range(2):
+        runtime.run_round(round)
+    novel = federation.novel_clients[0]
+    model = runtime.novel_client_model(novel)
+    served = runtime.strategy.weights
+    changed = {k for k, v in model.named_parameters() if not torch.equal(v.detach(), served[k])}
+    assert changed == {"bn.weight", "bn.bias", "ln.weight", "ln.bias"}
+    assert novel.client_id not in runtime.wire.ledgers
+    # training clients adapt on their own validation inputs before they are scored
+    data = federation.training_clients[0]
+    evaluated = runtime.client.evaluation_model(data, Message(arrays=served), {})
+    assert not torch.equal(evaluated.bn.weight.detach(), served["bn.weight"])
+
+
+def test_method_settings_are_validated():
+    with pytest.raises(ConfigError, match="threshold must be in \\[0, 1\\]"):
+        make("fedgma", threshold=1.5)
+    with pytest.raises(ConfigError, match="lambda_lr must be a finite number >= 0"):
+        make("afl", lambda_lr=-1.0)
+    with pytest.raises(ConfigError, match="l2r must be one of norm, squared"):
+        make("fedsr", l2r="cube")
+    with pytest.raises(ConfigError, match="adv_weight must be in \\[0, 1\\)"):
+        make("fedadg", adv_weight=1.0)
+
+
+def test_fedsr_and_fedadg_clients_are_deterministic_given_the_seeded_context(make_spec):
+    # they draw noise from torch's generator, which the runtime seeds per (round, client)
+    data = build_federation(make_spec(), seed=0).training_clients[0]
+    factory = ModelFactory("mlp2nn", (10,), 4)
+    for method in ("fedsr", "fedadg"):
+        strategy, client = make(method, factory=factory, local_steps=3, batch_size=16)
+        message = strategy.configure_train(0, [data.client_id])[data.client_id]
+        releases = []
+        for _ in range(2):
+            torch.manual_seed(5)
+            ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(3))
+            releases.append(client.train(data, message.copy(), {}, ctx).message.arrays)
+        assert releases[0].keys() == message.arrays.keys()
+        assert all(torch.equal(releases[0][k], releases[1][k]) for k in message.arrays), method
