@@ -1,0 +1,118 @@
+"""Which reconstructions an attack is scored on (FedPFT paper, App. E, Table 6 and 7; digest ``papers/fedpft.md`` 7.4).
+
+- **all**: every evaluated defender image with its reconstruction (total reconstruction).
+- **attacker**: no ground truth. Draw k reconstructions per feature, score each feature by the mean pairwise SSIM
+  among its k samples (agreement = confident sampling), keep the top ``fraction`` (1 % in the paper) and score the
+  medoid sample (the one with the highest mean SSIM to the other k - 1; digest 8.2 #22) (partial reconstruction).
+- **oracle**: the top ``fraction`` of pairs by their true SSIM (set-level reconstruction; worst case for the
+  defender).
+- **nearest attacker image**: the baseline of an attacker who saw no release: each defender image's most similar
+  (SSIM) image of the attacker's own data.
+- **near-duplicate filter**: defender images whose maximum SSIM to any attacker image is among the top ``fraction``
+  (10 % in the paper), or at least ``threshold``, are removed before scoring: a memorised near-copy is not a
+  reconstruction.
+
+All functions take image batches ``[N, C, H, W]`` on [0, 1] and return indices into them.
+
+Example:
+    >>> import numpy as np
+    >>> top_count(450, 0.01), top_indices(np.array([0.2, 0.9, 0.5]), 0.34).tolist()
+    (5, [1, 2])
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from attacks.metrics import ssim_matrix
+from privfl.errors import ConfigError
+
+__all__ = ["agreement_scores", "near_duplicate_filter", "nearest", "top_count", "top_indices"]
+
+
+def _fraction(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value > 1 \
+            or value < 0 or (value == 0 and not allow_zero):
+        low = "[0" if allow_zero else "(0"
+        raise ConfigError(f"{name} must be a fraction in {low}, 1], got {value!r}")
+    return float(value)
+
+
+def top_count(n: int, fraction: float) -> int:
+    """How many of ``n`` items the top ``fraction`` keeps: ``ceil(fraction * n)``, at least 1 (0 when n = 0)."""
+    fraction = _fraction("fraction", fraction)
+    if n <= 0:
+        return 0
+    return max(1, min(n, math.ceil(fraction * n - 1e-9)))
+
+
+def top_indices(scores: Any, fraction: float) -> np.ndarray:
+    """Indices of the ``top_count`` highest scores, best first (ties: the lower index first)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 1:
+        raise ConfigError(f"scores must be one-dimensional, got shape {scores.shape}")
+    order = np.argsort(-scores, kind="stable")
+    return order[:top_count(len(scores), fraction)]
+
+
+def agreement_scores(samples: Any, *, data_range: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Per feature, the mean pairwise SSIM among its k samples and the index of the medoid sample.
+
+    Args:
+        samples: ``[n, k, C, H, W]`` (k >= 2 reconstructions of each of n features).
+
+    Returns:
+        ``(agreement [n], medoid [n])``: the mean SSIM over the k(k-1)/2 pairs, and for each feature the sample with
+        the highest mean SSIM to the other k - 1 (the lowest index on ties).
+    """
+    samples = np.asarray(samples)
+    if samples.ndim != 5 or samples.shape[1] < 2:
+        raise ConfigError(f"samples must be [n, k >= 2, C, H, W], got shape {samples.shape}")
+    n, k = samples.shape[:2]
+    agreement, medoid = np.empty(n), np.empty(n, dtype=np.int64)
+    off_diagonal = ~np.eye(k, dtype=bool)
+    for i in range(n):
+        s = ssim_matrix(samples[i], samples[i], data_range=data_range)
+        s = (s + s.T) / 2  # symmetric up to rounding
+        agreement[i] = s[off_diagonal].mean()
+        medoid[i] = int(np.argmax(np.where(off_diagonal, s, 0.0).sum(1) / (k - 1)))
+    return agreement, medoid
+
+
+def nearest(targets: Any, candidates: Any, *, data_range: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """For each target, the candidate with the highest SSIM: ``(index [n], ssim [n])``."""
+    s = ssim_matrix(targets, candidates, data_range=data_range)
+    if s.shape[1] == 0:
+        raise ConfigError("nearest needs at least one candidate image")
+    index = np.argmax(s, axis=1)
+    return index, s[np.arange(len(s)), index]
+
+
+def near_duplicate_filter(defender: Any, attacker: Any, *, fraction: float = 0.1, threshold: float | None = 0.95,
+                          data_range: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Drop defender images too similar to an attacker image (the paper drops the top 10 % by maximum SSIM).
+
+    Args:
+        defender, attacker: image batches.
+        fraction: the share of defender images with the highest maximum SSIM to the attacker set that is dropped
+            (0 drops none by rank).
+        threshold: also drop every defender image whose maximum SSIM reaches it (``None``: rank only). An exact
+            copy (SSIM 1) is always dropped.
+
+    Returns:
+        ``(kept, max_ssim)``: the kept defender indices (ascending) and every defender image's maximum SSIM.
+    """
+    fraction = _fraction("fraction", fraction, allow_zero=True)
+    if threshold is not None:
+        threshold = _fraction("threshold", threshold)
+    _, best = nearest(defender, attacker, data_range=data_range)
+    n = len(best)
+    dropped = np.zeros(n, dtype=bool)
+    if fraction > 0 and n:
+        dropped[top_indices(best, fraction)] = True
+    dropped |= best >= (1.0 - 1e-9 if threshold is None else min(threshold, 1.0 - 1e-9))
+    return np.flatnonzero(~dropped), best
