@@ -1,4 +1,4 @@
-"""The ``privfl`` command: train, demo, report, datasets.
+"""The ``privfl`` command: train, sweep, demo, report, datasets.
 
 A user error (an unknown name, a value out of range, unreadable data) exits with status 2 and one message that
 names the bad value and the valid choices; it never prints a traceback.
@@ -127,6 +127,27 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
     )
 
 
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", default="inprocess", choices=("inprocess", "flower-sim"),
+                   help="inprocess (default) or flower-sim (Flower's simulation engine; needs privfl[flower])")
+    g.add_argument("--flower-cpus-per-client", type=float, default=1.0, help="Ray CPUs per client process (1)")
+    g.add_argument("--flower-gpus-per-client", type=float, default=0.0, help="Ray GPU share per client process (0)")
+    g.add_argument("--flower-actors", type=int, default=None,
+                   help="client processes at once (default: half the CPU cores, at least 1)")
+    g.add_argument("--flower-threads", type=int, default=1, help="torch threads per client process (1)")
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    if args.engine == "inprocess":
+        return {}
+    from privfl.federation.flower import FlowerOptions
+
+    return {"engine": args.engine, "flower_options": FlowerOptions(
+        cpus_per_client=args.flower_cpus_per_client, gpus_per_client=args.flower_gpus_per_client,
+        max_actors=args.flower_actors, threads=args.flower_threads)}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from privfl.evaluation import comparison_table
     from privfl.experiment import train
@@ -138,7 +159,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not args.out:
             raise PrivflError("--out RUN_DIR is required for a new run (or --resume RUN_DIR to continue one)")
         config = _run_config(args, args.method, _method_settings(args))
-        summary = train(config, args.out, overwrite=args.overwrite, progress=not args.no_progress)
+        summary = train(config, args.out, overwrite=args.overwrite, progress=not args.no_progress,
+                        **_engine_settings(args))
         out = args.out
     print(comparison_table([summary]))
     print(f"run directory: {out}")
@@ -197,6 +219,35 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_numbers(kind):
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+    return parse
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Train ODPFL-HN once, serve novel clients at several (epsilon, n); print the privacy-utility table."""
+    from privfl.sweep import DEFAULT_METHOD, SweepConfig, format_table, run_sweep
+
+    config = SweepConfig(dataset=args.dataset, data_root=args.data_root, clients=args.clients,
+                         max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
+                         method_config=dict(DEFAULT_METHOD), epsilons=args.epsilons, delta=args.delta,
+                         bound=args.bound, sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
+                         repeats=args.repeats, seed=args.seed)
+    result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
+    t = result["training"]
+    print(f"\nODPFL-HN on {args.dataset}: {t['rounds']} rounds, training-client validation accuracy "
+          f"{t['training_val_accuracy']:.2f}%; novel clients with a private descriptor (delta={args.delta:g}, "
+          f"bound={args.bound:g}, replace-one, n public), accuracy (%) +- SEM over label mixes and noise draws:\n")
+    print(format_table(result))
+    print(f"\nwall time {result['wall_s']:.0f} s; results: {args.out}/sweep.csv, sweep.json, sweep.png; "
+          f"training run: {args.out}/train")
+    return 0
+
+
 def cmd_datasets(args: argparse.Namespace) -> int:
     from privfl.data import list_sources
 
@@ -218,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     _add_federation_arguments(p)
     _add_training_arguments(p)
+    _add_engine_arguments(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="FedAvg vs FedProx vs SCAFFOLD on MNIST with novel clients")
@@ -239,6 +291,35 @@ def build_parser() -> argparse.ArgumentParser:
     attack = p.add_subparsers(dest="attack", required=True)
     # `privfl attack audit ...` is handed to the audit's own parser in main(); listed here for --help.
     attack.add_parser("audit", help="empirical epsilon lower bound for a mechanism (privatize, dp_gmm, classic, maxpool)")
+    attack.add_parser("reconstruct", help="diffusion reconstruction attack on raw / FedPFT / DP-FedPFT releases "
+                      "(PSNR, LPIPS, SSIM table and image grid)")
+
+    # `privfl flower ...` is handed to privfl.federation.flower.launch in main(); listed here for --help.
+    sub.add_parser("flower", help="Flower deployment engine: certs, superlink, register, supernode, run")
+
+    p = sub.add_parser("sweep", help="privacy-utility sweep: train ODPFL-HN once, serve novel clients at several "
+                                     "epsilons and sizes")
+    p.add_argument("--out", default="runs/sweep", help="folder for the training run, sweep.csv/json and sweep.png")
+    p.add_argument("--dataset", default="mnist")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--clients", type=int, default=50, help="training clients (pathological, 2 shards each)")
+    p.add_argument("--max-samples", type=int, default=20000,
+                   help="training images; the rest of the train split is the novel clients' held-out pool")
+    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--client-fraction", type=float, default=0.2)
+    p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0), help="e.g. 0.1,0.3,1,3")
+    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--bound", type=float, default=1.0, help="per-sample L2 clipping radius of phi")
+    p.add_argument("--sizes", type=_parse_numbers(int), default=(50, 150, 500, 1500, 5000),
+                   help="novel-client sizes, e.g. 50,500,5000")
+    p.add_argument("--novel-mixes", type=int, default=5, help="label mixes (novel clients) per size")
+    p.add_argument("--eval-size", type=int, default=500, help="held-out test images per novel client")
+    p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--overwrite", action="store_true", help="retrain even if OUT/train holds the same run")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("datasets", help="list every data source and whether it is available here")
     p.add_argument("--data-root", default=None)
@@ -248,10 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["flower"]:
+        from privfl.federation.flower.launch import main as flower_main
+
+        return flower_main(argv[1:])
     if argv[:2] == ["attack", "audit"]:
         from attacks.audit import audit_main
 
         return audit_main(argv[2:])
+    if argv[:2] == ["attack", "reconstruct"]:
+        from attacks.reconstruct_cli import reconstruct_main
+
+        return reconstruct_main(argv[2:])
     args = build_parser().parse_args(argv)
     for name in ("lr", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay", "alpha", "novel_fraction",
                  "client_fraction", "delta"):

@@ -105,18 +105,32 @@ def build_runtime(config: RunConfig, federation: FederatedDataset) -> InProcessR
 
 
 
+ENGINES = ("inprocess", "flower-sim")
+
+
 def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
-          stop_after_round: int | None = None) -> dict[str, Any]:
+          stop_after_round: int | None = None, engine: str = "inprocess", flower_options=None,
+          runtime_factory=None) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
     ``stop_after_round`` stops the run as an interruption would, after that many completed rounds (for tests).
     A ``KeyboardInterrupt`` saves a checkpoint of the last completed round and raises :class:`RunInterrupted`.
+    ``engine="flower-sim"`` runs the same loop on Flower's simulation engine (``flower_options``: a
+    :class:`privfl.federation.flower.FlowerOptions`); ``runtime_factory(config, federation)`` replaces
+    :func:`build_runtime` (the Flower ServerApp passes one that drives its Grid).
     """
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "flower-sim":
+        from privfl.federation.flower.simulation import train_simulation
+
+        return train_simulation(config, out, resume=resume, overwrite=overwrite, progress=progress,
+                                stop_after_round=stop_after_round, options=flower_options)
     run_dir = RunDirectory(out)
     if resume:
         config = RunConfig.from_dict(run_dir.read_json(RunDirectory.CONFIG))
     federation = build_federation(config.federation, seed=config.seed)
-    runtime = build_runtime(config, federation)
+    runtime = (runtime_factory or build_runtime)(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
     elapsed = 0.0
     if resume:
@@ -176,7 +190,9 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRu
         selected_round = rounds_completed
     training_scores = runtime.evaluate_training_clients(score_model, report_to_server=False, round=None)
     novel_scores: dict[int, ClientScore] = {}
-    if runtime.client.serves_novel_clients:
+    if runtime.client.serves_novel_clients and hasattr(runtime, "score_novel_clients"):
+        novel_scores = runtime.score_novel_clients(federation)   # Flower: each node scores its own model
+    elif runtime.client.serves_novel_clients:
         for novel in federation.novel_clients:
             model = runtime.novel_client_model(novel)
             labels = federation.novel_labels.labels(novel.client_id)

@@ -1,6 +1,12 @@
-"""Federated methods, one module each, registered by name (see :mod:`privfl.methods.base`)."""
+"""Federated methods, one module each, registered by name (see :mod:`privfl.methods.base`).
 
-from privfl.methods import fedavg, fedprox, local, scaffold  # noqa: F401  (registration side effects)
+Every module of this package is imported here, so a new method is one new module whose ``register_method`` call runs
+on import; nothing else needs editing.
+"""
+
+import importlib
+import pkgutil
+
 from privfl.methods.base import (
     METHODS,
     ClientContext,
@@ -17,3 +23,6 @@ __all__ = [
     "METHODS", "ClientContext", "ClientProcedure", "LocalTrainingConfig", "MethodSpec", "ModelFactory", "Strategy",
     "get_method", "register_method",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,0 +1,127 @@
+"""What the privfl ServerApp and ClientApp agree on: operations, message types, run-config keys, options.
+
+Every Flower message carries a privfl :class:`~privfl.federation.messages.Message` plus a small header (a
+``ConfigRecord`` under ``"privfl"``, see :mod:`privfl.federation.flower.records`) that names the operation:
+
+============== ======================= ===========================================================================
+operation      Flower message type     what the node does
+============== ======================= ===========================================================================
+hello          ``query.hello``         says which client it holds (id and role, from the node config; no data)
+train          ``train``               stage 0 of a round: ``ClientProcedure.train``; the release goes up
+train_stage    ``train.stage``         stage s >= 1: ``ClientProcedure.train_stage``; the release goes up
+evaluate       ``evaluate``            scores ``evaluation_model`` on its validation split
+novel_request  ``query.novel_request`` a novel node's ``novel_query`` (a release, or nothing)
+novel_model    ``query.novel_model``   a novel node builds its model with ``novel_model`` and scores it
+ledger         ``query.ledger``        the node's privacy ledger (what it recorded; the node keeps the original)
+============== ======================= ===========================================================================
+
+Every reply that carries a release was recorded in the node's ledger, and the ledger saved on the node, before the
+reply left the node. Replies that carry no release are labelled ``telemetry`` (the experimenter's scores, which the
+in-process runtime reads directly without a release) or ``nothing``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from privfl.errors import ConfigError
+
+# operations -> Flower message types
+MESSAGE_TYPES = {
+    "hello": "query.hello",
+    "train": "train",
+    "train_stage": "train.stage",
+    "evaluate": "evaluate",
+    "novel_request": "query.novel_request",
+    "novel_model": "query.novel_model",
+    "ledger": "query.ledger",
+}
+
+# reply kinds
+RELEASE, NOTHING, TELEMETRY = "release", "nothing", "telemetry"
+
+# run-config keys (``[tool.flwr.app.config]`` of the app, or the simulation's defaults)
+RUN_CONFIG = "privfl-config"        # the RunConfig as JSON
+OUT = "out"                          # the run directory (server side)
+OVERWRITE = "overwrite"
+NODES_ROOT = "nodes-root"            # default parent of node directories ("" = each node names its own)
+THREADS = "threads"                  # torch threads per ClientApp process (0 = leave torch's choice)
+TIMEOUT = "timeout-s"                # seconds to wait for the replies of one exchange (0 = no limit)
+NODE_WAIT = "node-wait-s"            # seconds to wait for the training clients' nodes to connect
+
+# node-config keys (``flower-supernode --node-config``)
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+NODE_DIR = "privfl-dir"              # where the node keeps its clients' ledgers
+
+
+def _default_actors() -> int:
+    # Half the cores, at least one: on a shared 2-core machine one client process trains at a time and the
+    # server thread and the rest of the machine keep the other core.
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+@dataclass(frozen=True)
+class FlowerOptions:
+    """How a run uses Flower: resources per client, parallel client processes, waiting limits.
+
+    ``cpus_per_client`` and ``gpus_per_client`` are Ray resources (a fraction of a GPU shares it); ``max_actors`` caps
+    the client processes the simulation runs at once (default: half the CPU cores, at least 1). ``threads`` sets
+    ``torch.set_num_threads`` in each client process (0 leaves torch's default). ``timeout_s`` bounds the wait for
+    one exchange's replies (``None``: no limit); ``node_wait_s`` bounds the wait for the training clients' nodes.
+    ``poll_interval_s`` is how often the server asks the SuperLink for replies. A GPU share only reserves the
+    device in Ray: privfl's client procedures compute on the CPU today.
+    """
+
+    cpus_per_client: float = 1.0
+    gpus_per_client: float = 0.0
+    max_actors: int | None = None
+    threads: int = 1
+    timeout_s: float | None = None
+    node_wait_s: float = 120.0
+    poll_interval_s: float = 0.02
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        checks = [
+            ("cpus_per_client", self.cpus_per_client, number(self.cpus_per_client) and self.cpus_per_client > 0,
+             "a number > 0"),
+            ("gpus_per_client", self.gpus_per_client, number(self.gpus_per_client) and self.gpus_per_client >= 0,
+             "a number >= 0"),
+            ("max_actors", self.max_actors, self.max_actors is None or (
+                isinstance(self.max_actors, int) and self.max_actors >= 1), "None or an integer >= 1"),
+            ("threads", self.threads, isinstance(self.threads, int) and self.threads >= 0, "an integer >= 0"),
+            ("timeout_s", self.timeout_s, self.timeout_s is None or (number(self.timeout_s) and self.timeout_s > 0),
+             "None or a number > 0"),
+            ("node_wait_s", self.node_wait_s, number(self.node_wait_s) and self.node_wait_s >= 0, "a number >= 0"),
+            ("poll_interval_s", self.poll_interval_s, number(self.poll_interval_s) and self.poll_interval_s > 0,
+             "a number > 0"),
+        ]
+        for name, value, ok, valid in checks:
+            if not ok:
+                raise ConfigError(f"flower option {name} must be {valid}, got {value!r}")
+        if self.gpus_per_client > 0 and not torch.cuda.is_available():
+            raise ConfigError(f"flower option gpus_per_client={self.gpus_per_client!r} but no CUDA GPU is visible")
+
+    @property
+    def actors(self) -> int:
+        return self.max_actors if self.max_actors is not None else _default_actors()
+
+    def backend_config(self) -> dict[str, Any]:
+        """Flower's simulation ``backend_config``: Ray gets exactly ``actors * cpus_per_client`` CPUs, so Ray starts
+        ``actors`` client processes and no more."""
+        init_args: dict[str, Any] = {"num_cpus": max(1, math.ceil(self.actors * self.cpus_per_client)),
+                                     "logging_level": "INFO" if self.verbose else "ERROR",
+                                     "log_to_driver": self.verbose}
+        if self.gpus_per_client > 0:
+            init_args["num_gpus"] = torch.cuda.device_count()
+        return {"client_resources": {"num_cpus": self.cpus_per_client, "num_gpus": self.gpus_per_client},
+                "init_args": init_args}

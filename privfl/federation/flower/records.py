@@ -1,0 +1,81 @@
+"""privfl messages <-> Flower records, written once for both directions.
+
+A :class:`~privfl.federation.messages.Message` already has Flower's shape, so a message becomes a ``RecordDict``
+with three records (``"arrays"``: :class:`flwr.app.ArrayRecord`, ``"metrics"``: :class:`flwr.app.MetricRecord`,
+``"config"``: :class:`flwr.app.ConfigRecord`) plus one ``ConfigRecord`` under ``"privfl"``: the protocol header (which
+operation, round, stage, ...) that the runtime needs and the method never sees. Tensors keep their dtype and shape
+(``ArrayRecord`` stores them as numpy arrays); metrics keep int or float; config values must be ``int``, ``float``,
+``str``, ``bool`` or ``bytes`` (or lists of one of those).
+
+>>> import torch
+>>> message = Message(arrays={"w": torch.ones(2, dtype=torch.float64)}, metrics={"loss": 0.5}, config={"lr": 0.1})
+>>> back, header = from_records(to_records(message, {"op": "train"}))
+>>> back.arrays["w"].dtype, back.metrics, back.config, header
+(torch.float64, {'loss': 0.5}, {'lr': 0.1}, {'op': 'train'})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from privfl.errors import ConfigError
+from privfl.federation.messages import Message
+
+ARRAYS, METRICS, CONFIG, HEADER = "arrays", "metrics", "config", "privfl"
+_CONFIG_SCALARS = (bool, int, float, str, bytes)
+
+
+def tensors_to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """An ``ArrayRecord`` of ``tensors`` (detached, on the CPU; dtype and shape kept)."""
+    return ArrayRecord({name: t.detach().cpu() for name, t in tensors.items()})
+
+
+def record_to_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """The tensors of ``record``, in their original order, dtype and shape (writable, not sharing the buffer)."""
+    return dict(record.to_torch_state_dict()) if len(record) else {}
+
+
+def _check_config(values: Mapping[str, Any], what: str) -> dict[str, Any]:
+    for key, value in values.items():
+        ok = isinstance(value, _CONFIG_SCALARS) or (
+            isinstance(value, list) and value and all(isinstance(v, type(value[0])) for v in value)
+            and isinstance(value[0], _CONFIG_SCALARS))
+        if not ok:
+            raise ConfigError(f"{what} value {key}={value!r} cannot travel in a Flower ConfigRecord; "
+                              "use int, float, str, bool, bytes or a non-empty list of one of those")
+    return dict(values)
+
+
+def to_records(message: Message, header: Mapping[str, Any] | None = None) -> RecordDict:
+    """``message`` (and the runtime's ``header``) as a Flower ``RecordDict``."""
+    return RecordDict({
+        ARRAYS: tensors_to_record(message.arrays),
+        METRICS: MetricRecord(dict(message.metrics)),
+        CONFIG: ConfigRecord(_check_config(message.config, "message config")),
+        HEADER: ConfigRecord(_check_config(header or {}, "header")),
+    })
+
+
+def from_records(records: RecordDict) -> tuple[Message, dict[str, Any]]:
+    """The privfl message and the runtime header carried by ``records`` (missing records read as empty)."""
+    arrays = record_to_tensors(records[ARRAYS]) if ARRAYS in records else {}
+    metrics = dict(records[METRICS]) if METRICS in records else {}
+    config = dict(records[CONFIG]) if CONFIG in records else {}
+    header = dict(records[HEADER]) if HEADER in records else {}
+    return Message(arrays=arrays, metrics=metrics, config=config), header
+
+
+def state_to_records(state: Mapping[str, Any]) -> tuple[ArrayRecord, ConfigRecord]:
+    """A client state (tensors, and plain scalars some procedures keep) as an ``ArrayRecord`` and a ``ConfigRecord``."""
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    scalars = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    return tensors_to_record(tensors), ConfigRecord(_check_config(scalars, "client state"))
+
+
+def records_to_state(tensors: ArrayRecord, scalars: ConfigRecord) -> dict[str, Any]:
+    """The inverse of :func:`state_to_records`."""
+    return {**record_to_tensors(tensors), **dict(scalars)}
