@@ -96,9 +96,9 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
     base = runtime.client.config
     best = {name: {"score": float("-inf"), "round": None, "snapshot": None} for name in variants}
     history, started = [], time.perf_counter()
-    for round in range(rounds):
-        metrics = runtime.run_round(round)
-        done = round + 1
+    for round_index in range(rounds):   # not `round`: the size sweep below calls the built-in
+        metrics = runtime.run_round(round_index)
+        done = round_index + 1
         if done % eval_every and done != rounds:
             continue
         record = {"round": done, "train_loss": metrics.get("train_loss"), "elapsed_s": time.perf_counter() - started}
@@ -150,8 +150,7 @@ def store(name: str, payload: dict, key: str) -> Path:
         stored = json.loads(path.read_text()) if path.exists() else {}
         stored[key] = payload
         path.write_text(json.dumps(stored, indent=2) + "\n")
-    path.with_suffix(".lock").unlink(missing_ok=True)
-    return path
+    return path   # the lock file stays: removing it would race with a process waiting on it
 
 
 def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str) -> None:
@@ -179,6 +178,13 @@ def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str
                       f"round {r['selected_round']} | by data fraction {r['novel_accuracy_by_data_fraction']} |")
 
 
+def shares_per_round(args) -> int:
+    """Clients per round of the 50 training clients (the M whose noise shares must sum to the calibrated noise)."""
+    from privfl.federation.runtime import sample_clients
+
+    return len(sample_clients(list(range(50)), args.client_fraction, seed=0, round=0))
+
+
 def part_dp(args, extras: dict, suffix: str) -> None:
     method, settings = FAMILY_TRAINING["fedtta"]
     settings = {**settings, "local_steps": 20, "batch_size": 64, **extras}
@@ -188,8 +194,9 @@ def part_dp(args, extras: dict, suffix: str) -> None:
     for seed in args.seeds:
         for eps in levels:
             dp = {} if eps is None else {"dp_epsilon": float(eps), "dp_delta": 1e-5, "dp_max_norm": args.dp_max_norm,
+                                         "dp_noise": "seeded",   # a research measurement: same seed, same numbers
                                          "dp_participations": args.rounds, "dp_mode": args.dp_mode,
-                                         "dp_shares": 50 if args.dp_mode == "distributed" else 1}
+                                         "dp_shares": shares_per_round(args) if args.dp_mode == "distributed" else 1}
             result = run_family(MNIST_SPEC, method, {**settings, **dp}, FAMILY_VARIANTS["fedtta"], rounds=args.rounds,
                                 seed=seed, eval_every=args.eval_every, select="last", log_prefix=f"eps={eps}",
                                 client_fraction=args.client_fraction)

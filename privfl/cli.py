@@ -86,6 +86,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="fedavg: train clients with DP-SGD at this noise multiplier (use --select last, since "
                         "validation reports for best_val are non-private releases)")
     g.add_argument("--dp-max-grad-norm", type=float, default=None, help="DP-SGD per-sample clipping norm (1.0)")
+    g.add_argument("--dp-noise", default=None, choices=("secure", "seeded"),
+                   help="DP-SGD randomness: secure (default, OS-seeded) or seeded (reproducible, research only)")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
     g.add_argument("--select", default="best_val", help="best_val or last")
@@ -98,7 +100,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 def _method_settings(args: argparse.Namespace) -> dict:
     names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay",
-             "dp_noise_multiplier", "dp_max_grad_norm")
+             "dp_noise_multiplier", "dp_max_grad_norm", "dp_noise")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -147,6 +147,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
                     runtime.client = type(base_client)(model_factory=base_client.model_factory,
                                                        config=dataclasses.replace(base_client.config,
                                                                                   novel_epsilon=eps,
+                                                                                  novel_noise="seeded",
                                                                                   novel_noise_seed=repeat))
                     client_id += 1
                     model = runtime.novel_client_model(NovelClient(client_id, x))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,11 +56,19 @@ class Release:
     ``event`` is an :mod:`accounting` event. A release built without a privacy mechanism carries
     :class:`accounting.NonPrivateEvent`, so the client's epsilon becomes infinite and no summary can claim otherwise.
     ``purpose`` names what is released (``"model_update"``, ``"descriptor"``, ...) and is kept in the ledger.
+    ``metadata`` (JSON-able values) says how the release was made where the event alone does not: the noise source
+    (``"secure"`` or ``"seeded"``), the clipping bound, whether counts were declared public, the neighbouring
+    relation in words. The wire keeps it in the ledger record beside the byte count.
     """
 
     message: Message
     purpose: str
     event: PrivacyEvent = field(default_factory=NonPrivateEvent)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def ledger_metadata(self) -> dict[str, Any]:
+        """What the ledger keeps beside the event: ``metadata`` and the payload's byte count."""
+        return {**self.metadata, "bytes": self.message.num_bytes()}
 
     @classmethod
     def non_private(cls, message: Message, purpose: str) -> Release:

@@ -35,11 +35,9 @@ class Wire:
         Raises :class:`accounting.BudgetExceededError` (from the ledger) before anything is delivered when the
         release would exceed the client's budget.
         """
-        num_bytes = release.message.num_bytes()
-        self.ledgers[client_id].record(
-            release.event, purpose=release.purpose, round=round, metadata={"bytes": num_bytes}
-        )
-        self.bytes_up[client_id] += num_bytes
+        metadata = release.ledger_metadata()
+        self.ledgers[client_id].record(release.event, purpose=release.purpose, round=round, metadata=metadata)
+        self.bytes_up[client_id] += metadata["bytes"]
         return release.message.copy()
 
     def state_dict(self) -> dict:

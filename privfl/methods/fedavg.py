@@ -29,6 +29,7 @@ from privfl.methods.base import (
 )
 from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
+from privfl.privacy.mechanisms import NOISE_SOURCES
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,13 @@ class FedAvgConfig(ServerStepConfig):
     """FedAvg's settings. With ``dp_noise_multiplier`` set, clients train with DP-SGD (Opacus, Poisson sampling,
     per-sample clipping at ``dp_max_grad_norm``) and each round's weight change is released with that round's
     DP-SGD event (record-level, add/remove one); the client's ledger composes the rounds for its whole life.
+    ``dp_noise`` is ``"secure"`` (default; OS-seeded sampling and noise) or ``"seeded"`` (from the client's keyed
+    generator: reproducible, for research runs only, since the server knows the run seed).
     """
 
     dp_noise_multiplier: float | None = None
     dp_max_grad_norm: float = 1.0
+    dp_noise: str = "secure"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +63,7 @@ class FedAvgConfig(ServerStepConfig):
                  "dp_noise_multiplier", self.dp_noise_multiplier, "None or a finite number > 0")
         _require(0 < self.dp_max_grad_norm < float("inf"), "dp_max_grad_norm", self.dp_max_grad_norm,
                  "a finite number > 0")
+        _require(self.dp_noise in NOISE_SOURCES, "dp_noise", self.dp_noise, "'secure' or 'seeded'")
 
 
 def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -135,11 +140,12 @@ class FedAvgClient(ClientProcedure):
         training loss are not sent: they depend on the data and no mechanism covers them.
         """
         trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.config.dp_noise_multiplier,
-                                           max_grad_norm=self.config.dp_max_grad_norm))
+                                           max_grad_norm=self.config.dp_max_grad_norm, noise=self.config.dp_noise))
         settings = sgd_settings(message.config)
         _, event = trainer.train(model, data.x_train, data.y_train, lr=settings["lr"], steps=settings["steps"],
                                  batch_size=settings["batch_size"], rng=ctx.rng)
-        return Release(Message(arrays=difference(weights_of(model), start)), purpose="model_update", event=event)
+        return Release(Message(arrays=difference(weights_of(model), start)), purpose="model_update", event=event,
+                       metadata={"noise": self.config.dp_noise, "max_grad_norm": self.config.dp_max_grad_norm})
 
 
 register_method(

@@ -322,6 +322,8 @@ class FedPFTConfig:
         dp_counts: ``"public"`` (counts sent in the clear; replace-one within the public class histogram) or
             ``"noisy"`` (counts privatised too).
         dp_relation: ``"replace_one"`` or ``"add_or_remove_one"`` (the latter needs ``dp_counts="noisy"``).
+        dp_noise: ``"secure"`` (default; OS-seeded) or ``"seeded"`` (reproducible research runs, from the client's
+            own ``dp_noise_seed``; anyone who knows that seed can subtract the noise).
     """
 
     components: int = 10
@@ -340,6 +342,8 @@ class FedPFTConfig:
     dp_delta: float = 1e-5
     dp_counts: str = "public"
     dp_relation: str = "replace_one"
+    dp_noise: str = "secure"
+    dp_noise_seed: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.components, int) and not isinstance(self.components, bool)
@@ -374,6 +378,9 @@ class FedPFTConfig:
         _require(self.dp_counts in COUNTS_MODES, "dp_counts", self.dp_counts, f"one of {', '.join(COUNTS_MODES)}")
         _require(self.dp_relation in ("replace_one", "add_or_remove_one"), "dp_relation", self.dp_relation,
                  "'replace_one' or 'add_or_remove_one'")
+        _require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
+        _require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool), "dp_noise_seed",
+                 self.dp_noise_seed, "an int")
         _require(not (self.dp_counts == "public" and self.dp_relation == "add_or_remove_one"), "dp_counts",
                  self.dp_counts, "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
 
@@ -499,11 +506,14 @@ class FedPFTClient(ClientProcedure):
     def _private_release(self, data: TrainingClient, ctx: ClientContext) -> Release:
         """DP-FedPFT: :func:`release_class_gaussians` on unit-norm features; the wire records its composed event."""
         cfg = self.config
-        generator = torch.Generator().manual_seed(derive_seed(ctx.run_seed, "fedpft_dp_noise", ctx.client_id))
+        generator = None
+        if cfg.dp_noise == "seeded":   # the client's own seed; never the run seed, which the server knows
+            generator = torch.Generator().manual_seed(derive_seed(cfg.dp_noise_seed, "fedpft_dp_noise", ctx.client_id))
         release = release_class_gaussians(
             _features(data.x_train, cfg), data.y_train, num_classes=self.model_factory.num_classes,
             epsilon=cfg.dp_epsilon, delta=cfg.dp_delta, bound=1.0, covariance=cfg.covariance, components=1,
-            counts=cfg.dp_counts, relation=cfg.dp_relation, generator=generator, eigenvalue_floor=cfg.reg_covar)
+            counts=cfg.dp_counts, relation=cfg.dp_relation, noise=cfg.dp_noise, generator=generator,
+            eigenvalue_floor=cfg.reg_covar)
         mixtures = []
         for cls in release.classes:
             count = max(0, int(round(float(cls.count))))
@@ -513,7 +523,8 @@ class FedPFTClient(ClientProcedure):
             mixtures.append(ClassMixture(label=cls.label, count=count, weights=np.ones(1), means=cls.mean.numpy()[None],
                                          covariances=cov[None] if cov.ndim else cov.reshape(1),
                                          covariance_type=cfg.covariance))
-        return Release(Message(arrays=encode_mixtures(mixtures)), purpose="dp_gmm", event=release.event)
+        return Release(Message(arrays=encode_mixtures(mixtures)), purpose="dp_gmm", event=release.event,
+                       metadata={**release.metadata(), "noise": cfg.dp_noise})
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         own = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}

@@ -106,7 +106,10 @@ class FedTTAConfig(LocalTrainingConfig):
 
     Client-level DP (see module docstring): ``dp_epsilon`` (None: off), ``dp_delta``, ``dp_max_norm`` (C, joint L2
     norm of (Delta psi, Delta phi)), ``dp_participations`` (the most rounds one client takes part in; required with
-    ``dp_epsilon``; a further release raises), ``dp_mode`` and ``dp_shares`` (``"distributed"``: M).
+    ``dp_epsilon``; a further release raises), ``dp_mode`` and ``dp_shares`` (``"distributed"``: M), ``dp_noise``
+    (``"secure"``, the default, OS-seeded; ``"seeded"``: reproducible research runs from the client's own
+    ``dp_noise_seed``). Under DP a client whose local loss diverged releases noise around a zero update rather than
+    staying silent.
     """
 
     lr: float = 0.3
@@ -127,6 +130,8 @@ class FedTTAConfig(LocalTrainingConfig):
     dp_participations: int | None = None
     dp_mode: str = "local"
     dp_shares: int = 1
+    dp_noise: str = "secure"
+    dp_noise_seed: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,6 +164,9 @@ class FedTTAConfig(LocalTrainingConfig):
                      "False with dp_epsilon (the sample count is data-dependent and not released)")
             _require(_int_at_least(self.dp_shares, 1) and (self.dp_mode == "distributed" or self.dp_shares == 1),
                      "dp_shares", self.dp_shares, "an integer >= 1, and 1 unless dp_mode='distributed'")
+            _require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
+            _require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool),
+                     "dp_noise_seed", self.dp_noise_seed, "an int")
 
     def round_config(self, round: int) -> dict:
         decay = self.lr_decay ** (round / 10)
@@ -394,12 +402,21 @@ class FedTTAClient(ClientProcedure):
         f, g = self.model_from(start_psi), self.adapter_from(start_phi)
         loss = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng,
                           teacher=start_psi if self.config.mu > 0 else None)
-        if not math.isfinite(loss):
+        generator = None
+        if self.config.dp_noise == "seeded":   # the client's own seed; never the run seed, which the server knows
+            generator = torch.Generator().manual_seed(
+                derive_seed(self.config.dp_noise_seed, "fedtta_client_dp", ctx.round, ctx.client_id))
+        mechanism = self.config.privacy(generator=generator)
+        if math.isfinite(loss):
+            update = {**prefixed(PSI, difference(weights_of(f), start_psi)),
+                      **prefixed(PHI, difference(weights_of(g), start_phi))}
+        elif mechanism is None:
             return None  # a diverged client sends nothing (the authors' code gives it weight 0)
-        update = {**prefixed(PSI, difference(weights_of(f), start_psi)),
-                  **prefixed(PHI, difference(weights_of(g), start_phi))}
-        mechanism = self.config.privacy(generator=torch.Generator().manual_seed(
-            derive_seed(ctx.run_seed, "fedtta_client_dp", ctx.round, ctx.client_id)))
+        else:
+            # Under DP a diverged client still releases (noise around a zero update): whether it speaks would
+            # otherwise depend on its data, outside any mechanism.
+            update = {**prefixed(PSI, {k: torch.zeros_like(v) for k, v in start_psi.items()}),
+                      **prefixed(PHI, {k: torch.zeros_like(v) for k, v in start_phi.items()})}
         if mechanism is None:
             return Release.non_private(Message(arrays=update, metrics={"num_examples": float(data.num_train),
                                                                        "loss": loss}), purpose="model_update")
@@ -410,7 +427,9 @@ class FedTTAClient(ClientProcedure):
         noisy, event, _ = mechanism.release(update)
         state["dp_releases"] = torch.tensor(released + 1)
         # Only the noised update leaves: sample count and loss are data-dependent and no mechanism covers them.
-        return Release(Message(arrays=noisy), purpose="model_update", event=event)
+        return Release(Message(arrays=noisy), purpose="model_update", event=event,
+                       metadata={"noise": self.config.dp_noise, "max_norm": self.config.dp_max_norm,
+                                 "relation": "replace one client's whole dataset", "mode": self.config.dp_mode})
 
     def adapted_model(self, x: torch.Tensor, message: Message) -> nn.Module:
         """Download (psi, phi), adapt psi on ``x`` (unlabelled), return the prediction model with the chosen psi."""

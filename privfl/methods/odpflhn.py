@@ -77,8 +77,8 @@ class ODPFLHNConfig:
     (mean of the descriptors of random batches of ``descriptor_batch_size``); ``train_mean_noise`` (``dp_deepset``
     only): std of Gaussian noise added to the pooled mean during training (noise-aware training, digest 5.7 item 12).
     Novel clients: ``novel_epsilon`` (``None``: the descriptor is released without privacy), ``novel_delta``,
-    ``novel_bound`` (per-sample clipping radius), ``novel_noise`` (``"seeded"`` for research, ``"secure"`` for
-    deployment), ``novel_noise_seed`` (the client-side seed of seeded noise).
+    ``novel_bound`` (per-sample clipping radius), ``novel_noise`` (``"secure"``, the default, OS-seeded; ``"seeded"``
+    for reproducible research runs), ``novel_noise_seed`` (the client-side seed of seeded noise).
     """
 
     lr: float = 0.05
@@ -107,7 +107,7 @@ class ODPFLHNConfig:
     novel_epsilon: float | None = None
     novel_delta: float = 1e-5
     novel_bound: float = 1.0
-    novel_noise: str = "seeded"
+    novel_noise: str = "secure"
     novel_noise_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -486,7 +486,9 @@ class ODPFLHNClient(ClientProcedure):
         else:
             descriptor, event = private.release(novel.x)
         descriptor = descriptor.to(torch.get_default_dtype())
-        return Release(Message(arrays={"descriptor": descriptor}), purpose="descriptor", event=event)
+        return Release(Message(arrays={"descriptor": descriptor}), purpose="descriptor", event=event,
+                       metadata={"noise": config.novel_noise, "bound": config.novel_bound, "n": len(novel.x),
+                                 "relation": "replace one sample; n public"})
 
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
         return self.model_from(message.arrays)

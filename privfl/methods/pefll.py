@@ -102,7 +102,9 @@ class PeFLLConfig:
     clients after training (``None``: the whole training split, as the code evaluates); ``embed_bound`` B clips each
     per-example embedding to the L2 ball of radius B (``None``: no clipping; required for privacy).
     Privacy of unseen-client descriptors: ``descriptor_epsilon`` (``None``: non-private), ``descriptor_delta``,
-    ``descriptor_noise`` (``"seeded"`` research / ``"secure"`` deployment).
+    ``descriptor_noise`` (``"secure"``, the default: OS-seeded; ``"seeded"``: reproducible research runs, from
+    ``descriptor_noise_seed``, a seed the client holds and the server never sends or sees in the protocol).
+    Seeded noise repeats for repeated queries of one client; only the secure source gives independent releases.
     """
 
     lr: float = 2e-3
@@ -126,7 +128,8 @@ class PeFLLConfig:
     embed_bound: float | None = None
     descriptor_epsilon: float | None = None
     descriptor_delta: float = 1e-5
-    descriptor_noise: str = "seeded"
+    descriptor_noise: str = "secure"
+    descriptor_noise_seed: int = 0
 
     def __post_init__(self) -> None:
         positive = ("lr", "server_lr")
@@ -161,6 +164,8 @@ class PeFLLConfig:
                  self.descriptor_delta, "a probability in (0, 1)")
         _require(self.descriptor_noise in ("seeded", "secure"), "descriptor_noise", self.descriptor_noise,
                  "'seeded' or 'secure'")
+        _require(isinstance(self.descriptor_noise_seed, int) and not isinstance(self.descriptor_noise_seed, bool),
+                 "descriptor_noise_seed", self.descriptor_noise_seed, "an int")
         if self.descriptor_epsilon is not None and self.embed_bound is None:
             raise ConfigError(f"descriptor_epsilon={self.descriptor_epsilon!r} needs embed_bound (the per-example "
                               "clipping radius B that sets the sensitivity 2B/n); got embed_bound=None")
@@ -281,8 +286,7 @@ class PeFLLStrategy(Strategy):
         weights = {k: v.detach().clone() for k, v in self.embedding.state_dict().items()}
         config = {"embed_dim": self.embed_dim, "embed_kind": self.embed_kind,
                   "embed_bound": float(cfg.embed_bound or 0.0), "descriptor_batch": cfg.descriptor_batch,
-                  "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0),
-                  "noise_seed": derive_seed(self.seed, "pefll_descriptor_noise", client_id)}
+                  "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0)}
         return Message(arrays=prefixed(EMBED, weights), config=config)
 
     @torch.no_grad()
@@ -502,12 +506,15 @@ class PeFLLClient(ClientProcedure):
                 v = descriptor_of(net, x, y, bound=self._bound(message.config))
             return Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
         generator = None
-        if cfg.descriptor_noise == "seeded":
-            generator = torch.Generator().manual_seed(int(message.config["noise_seed"]))
+        if cfg.descriptor_noise == "seeded":   # the client's own seed: nothing in the server's message sets it
+            generator = torch.Generator().manual_seed(derive_seed(cfg.descriptor_noise_seed, "pefll_descriptor_noise",
+                                                                  novel.client_id))
         v, event, _ = release_labelled_mean(net, x, y, epsilon=cfg.descriptor_epsilon, delta=cfg.descriptor_delta,
                                             bound=cfg.embed_bound, num_classes=self.model_factory.num_classes,
                                             noise=cfg.descriptor_noise, generator=generator)
-        return Release(Message(arrays={DESCRIPTOR: v}), purpose="descriptor", event=event)
+        return Release(Message(arrays={DESCRIPTOR: v}), purpose="descriptor", event=event,
+                       metadata={"noise": cfg.descriptor_noise, "bound": float(cfg.embed_bound),
+                                 "relation": "replace one labelled record (x, y); n public"})
 
     def novel_model(self, novel: Any, message: Message) -> nn.Module:
         """Algorithm 1, step 5: the generated model, used as is (no fine-tuning)."""

@@ -257,7 +257,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
                             bound: float, covariance: CovarianceType = "full", components: int = 1,
                             counts: CountsMode = "noisy", relation: NeighboringRelation | str = "replace_one",
                             ledger: PrivacyLedger | None = None, generator: torch.Generator | None = None,
-                            noise: NoiseSource = "seeded", eigenvalue_floor: float | None = None,
+                            noise: NoiseSource | None = None, eigenvalue_floor: float | None = None,
                             round: int | None = None) -> DPGaussianRelease:
     """One (epsilon, delta)-DP release of a Gaussian per class (DP-FedPFT with K = 1); see the module docstring.
 

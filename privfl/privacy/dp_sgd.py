@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import secrets
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from torch import nn
 import accounting
 from accounting import ComposedEvent, SelfComposedEvent, SubsampledGaussianEvent
 from privfl.errors import ConfigError
+from privfl.privacy.mechanisms import NOISE_SOURCES
 
 #: grad_sample_mode values this module accepts. "ghost" (fast gradient clipping, Li et al. 2022 / Bu et al. 2023)
 #: never materialises per-sample gradients of linear layers and is about 9x faster than "hooks" on the MNIST 2NN.
@@ -68,6 +70,9 @@ class DPSGDConfig:
         total_steps: the client's planned local steps over the run (see above).
         accountant: "pld" (dp-accounting, tight) or "prv" (Opacus' default); used for calibration and
             :meth:`DPSGDTrainer.epsilon`.
+        noise: "secure" (default): batch sampling and gradient noise from generators seeded by the OS CSPRNG, so
+            no one who knows the run seed can tell which records were sampled or subtract the noise; "seeded":
+            both from the client's keyed generator (same seed, same numbers), for research runs only.
 
     >>> DPSGDConfig(noise_multiplier=1.1).grad_sample_mode
     'ghost'
@@ -80,6 +85,7 @@ class DPSGDConfig:
     grad_sample_mode: str = "ghost"
     total_steps: int | None = None
     accountant: str = "pld"
+    noise: str = "secure"
 
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -109,6 +115,8 @@ class DPSGDConfig:
             )
         if self.accountant not in DP_SGD_ACCOUNTANTS:
             raise _config_error("accountant", self.accountant, f"one of {', '.join(DP_SGD_ACCOUNTANTS)}")
+        if self.noise not in NOISE_SOURCES:
+            raise _config_error("noise", self.noise, f"one of {', '.join(NOISE_SOURCES)}")
 
 
 def check_dp_compatible(model: nn.Module) -> None:
@@ -231,7 +239,8 @@ class DPSGDTrainer:
             lr: SGD learning rate.
             steps: DP-SGD steps this round (>= 1).
             batch_size: expected batch size; each record is sampled with probability q = min(1, batch_size / n).
-            rng: the client's keyed generator; sampling and noise are drawn from it (same seed, same numbers).
+            rng: the client's keyed generator; with ``noise="seeded"`` sampling and noise are drawn from it (same
+                seed, same numbers); with ``"secure"`` from the OS CSPRNG.
 
         Returns:
             ``(mean_loss, event)``: the mean batch loss over the non-empty batches (nan if all were empty) and
@@ -258,6 +267,7 @@ class DPSGDTrainer:
         losses = _dp_sgd_steps(
             model, x, y, lr=lr, steps=steps, q=q, noise_multiplier=sigma,
             max_grad_norm=self.config.max_grad_norm, grad_sample_mode=self.config.grad_sample_mode, rng=rng,
+            noise=self.config.noise,
         )
         self._record(sigma, q, steps)
         event = SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps)
@@ -298,6 +308,7 @@ def sampling_probability(num_samples: int, batch_size: int) -> float:
 def _dp_sgd_steps(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, lr: float, steps: int, q: float,
     noise_multiplier: float, max_grad_norm: float, grad_sample_mode: str, rng: np.random.Generator,
+    noise: str = "secure",
 ) -> list[float]:
     """The DP-SGD loop with Opacus' per-sample machinery; returns the losses of the non-empty batches.
 
@@ -313,14 +324,17 @@ def _dp_sgd_steps(
 
     n = len(y)
     expected_batch_size = q * n
-    sampling_gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
-    noise_gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
+    sampling_seed, noise_seed = int(rng.integers(2**62)), int(rng.integers(2**62))   # drawn either way: same stream
+    if noise == "secure":
+        sampling_seed, noise_seed = secrets.randbits(63), secrets.randbits(63)
+    sampling_gen = torch.Generator().manual_seed(sampling_seed)
+    noise_gen = torch.Generator().manual_seed(noise_seed)
     ghost = grad_sample_mode == "ghost"
     params = [p for p in model.parameters() if p.requires_grad]
     base_optimizer = torch.optim.SGD(params, lr=lr)
     try:
         with warnings.catch_warnings():
-            # Opacus warns that secure_mode is off; the noise is seeded from the client's keyed generator on purpose.
+            # Opacus warns that secure_mode is off (it needs torchcsprng); our generators are seeded as `noise` says.
             warnings.simplefilter("ignore", UserWarning)
             kwargs = {"max_grad_norm": max_grad_norm} if ghost else {}
             gsm = prepare_module(model, grad_sample_mode, True, batch_first=True, loss_reduction="mean", **kwargs)

@@ -69,7 +69,7 @@ def _per_record(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 
 @torch.no_grad()
 def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, delta: float,
-                          bound: float, num_classes: int, noise: NoiseSource = "seeded",
+                          bound: float, num_classes: int, noise: NoiseSource | None = None,
                           generator: torch.Generator | None = None
                           ) -> tuple[torch.Tensor, GaussianEvent, SensitivityCertificate]:
     """One (epsilon, delta)-DP release of ``(1/n) sum_j clip_B(embedding(x_j, y_j))`` under replace-one of a labelled
@@ -88,7 +88,8 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
         epsilon: natural-log epsilon of this release (> 0); delta: its delta, in (0, 1).
         bound: per-record L2 clipping radius B (> 0).
         num_classes: C, the public label set is ``0 .. C-1``.
-        noise: ``"seeded"`` (reproducible, research only) or ``"secure"``; generator: for seeded noise.
+        noise: ``"secure"`` or ``"seeded"`` (reproducible, research only; needs ``generator``); by default seeded
+            exactly when ``generator`` is given.
     """
     epsilon, delta = check_epsilon_delta(epsilon, delta)
     bound = check_bound(bound)

@@ -34,7 +34,15 @@ def check_epsilon_delta(epsilon: object, delta: object) -> tuple[float, float]:
 
 
 def check_noise(noise: object, generator: object) -> NoiseSource:
-    """Validated noise source; a generator is accepted only with ``noise="seeded"``."""
+    """Validated noise source: ``"secure"`` takes no generator, ``"seeded"`` needs one; ``None`` (the default of
+    every mechanism) means ``"seeded"`` when a generator is given and ``"secure"`` otherwise.
+
+    Seeded noise without an explicit generator is refused rather than drawn from torch's global generator: every
+    runtime seeds that generator from the run seed (which the server knows) before a client works, so such noise
+    could be regenerated and subtracted by the server, and the release's epsilon would mean nothing.
+    """
+    if noise is None:
+        noise = "secure" if generator is None else "seeded"
     if noise not in NOISE_SOURCES:
         raise ConfigError(f"noise must be one of {', '.join(map(repr, NOISE_SOURCES))}, got {noise!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -42,6 +50,10 @@ def check_noise(noise: object, generator: object) -> NoiseSource:
     if noise == "secure" and generator is not None:
         raise ConfigError("noise='secure' draws from an OS-seeded generator; a generator is only for noise='seeded', "
                           f"got generator={generator!r}")
+    if noise == "seeded" and generator is None:
+        raise ConfigError("noise='seeded' needs an explicit torch.Generator whose seed only the client knows (torch's "
+                          "global generator is seeded from the run seed, which the server knows); pass generator=, "
+                          "or use noise='secure' (the default)")
     return noise  # type: ignore[return-value]
 
 
@@ -54,10 +66,10 @@ class GaussianMechanism:
 
     Noise sources:
 
-    - ``"seeded"``: from ``generator`` (or torch's global generator if ``None``): reproducible, for research runs only;
-      anyone who knows the seed can subtract the noise.
-    - ``"secure"``: from a fresh generator seeded with 63 bits of ``secrets.randbits`` (the OS CSPRNG) at each call,
-      independent of the experiment seed: for deployments. The Gaussian itself is still sampled in floating point,
+    - ``"secure"`` (the default without a generator): from a fresh generator seeded with 63 bits of ``secrets.randbits`` (the OS CSPRNG)
+      at each call, independent of the experiment seed. Not reproducible, by design.
+    - ``"seeded"``: from ``generator``, which must be given: reproducible, for research runs only; anyone who knows
+      the generator's seed can subtract the noise, so the seed must be one only the client holds. The Gaussian itself is still sampled in floating point,
       which is open to the attacks of Mironov (2012); a discrete Gaussian would close that gap.
 
     Args (keyword-only):
@@ -65,8 +77,8 @@ class GaussianMechanism:
         delta: target delta, in (0, 1).
         sensitivity: L2 sensitivity of the released value, > 0.
         relation: the neighbouring relation ``sensitivity`` holds under (recorded in :attr:`event`).
-        noise: ``"seeded"`` or ``"secure"``.
-        generator: the torch.Generator for ``"seeded"`` noise.
+        noise: ``"secure"`` or ``"seeded"``; by default seeded exactly when ``generator`` is given.
+        generator: the torch.Generator for ``"seeded"`` noise (required there, refused with ``"secure"``).
 
     >>> m = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0)
     >>> round(m.sigma, 3)
@@ -75,7 +87,7 @@ class GaussianMechanism:
 
     def __init__(self, *, epsilon: float, delta: float, sensitivity: float,
                  relation: NeighboringRelation | str = NeighboringRelation.REPLACE_ONE,
-                 noise: NoiseSource = "seeded", generator: torch.Generator | None = None) -> None:
+                 noise: NoiseSource | None = None, generator: torch.Generator | None = None) -> None:
         self.epsilon, self.delta = check_epsilon_delta(epsilon, delta)
         if isinstance(sensitivity, bool) or not isinstance(sensitivity, numbers.Real) \
                 or not math.isfinite(sensitivity) or sensitivity <= 0:
@@ -97,8 +109,7 @@ class GaussianMechanism:
             generator.manual_seed(secrets.randbits(63))
         else:
             generator = self.generator
-        device = like.device if generator is None else generator.device
-        return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=device).to(like.device)
+        return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=generator.device).to(like.device)
 
     def add_noise(self, value: torch.Tensor) -> torch.Tensor:
         """``value + N(0, sigma^2 I)``, a new tensor of the same shape and dtype (floating point, all finite)."""

@@ -267,7 +267,7 @@ class PrivateEncoder(nn.Module):
 
 def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.0,
               relation: NeighboringRelation | str = "replace_one", ledger: PrivacyLedger | None = None,
-              noise: NoiseSource = "seeded", generator: torch.Generator | None = None,
+              noise: NoiseSource | None = None, generator: torch.Generator | None = None,
               min_samples: int | None = None) -> PrivateEncoder:
     """Wrap a mean-pooled DeepSet ``encoder`` so that each forward call is one (eps, delta)-DP descriptor release.
 
@@ -281,8 +281,10 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
         relation: ``"replace_one"`` (n public; the ODPFL-HN setting) or ``"add_or_remove_one"`` (n private; needs
             ``min_samples``).
         ledger: the client's ledger; every release is recorded before its noisy output is computed.
-        noise: ``"seeded"`` (reproducible, research only) or ``"secure"`` (OS-seeded, for deployments).
-        generator: the torch.Generator for seeded noise (torch's global generator if None).
+        noise: ``"secure"`` (OS-seeded, for deployments) or ``"seeded"`` (reproducible, research only); by default
+            seeded exactly when ``generator`` is given.
+        generator: the torch.Generator for seeded noise, whose seed only the client may know (required for
+            ``"seeded"``: torch's global generator is keyed from the run seed, which the server knows).
         min_samples: public lower bound on n, required for (and only for) add/remove-one.
 
     Returns:

@@ -74,7 +74,7 @@ _SETTINGS = {
     "scaffold": {"lr": 0.1, "local_steps": 3, "batch_size": 16},
     # three stages per round; the novel clients release a DP descriptor (finite epsilon on both engines)
     "odpflhn": {"lr": 0.05, "local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8,
-                "hn_layers": 1, "novel_epsilon": 2.0},
+                "hn_layers": 1, "novel_epsilon": 2.0, "novel_noise": "seeded"},
 }
 
 

@@ -174,6 +174,19 @@ def test_dp_epsilon_per_client_through_the_ledger(federation):
     assert runtime.wire.bytes_up[0] == payload_bytes(DIM, 1, CLASSES, "spherical")
 
 
+def test_dp_release_records_how_it_was_made_and_its_noise_is_not_the_run_seeds(federation):
+    first, _ = run_fedpft(federation, components=1, covariance="spherical", dp_epsilon=1.0)
+    second, _ = run_fedpft(federation, components=1, covariance="spherical", dp_epsilon=1.0)
+    (record,) = first.wire.ledgers[0].records
+    meta = record.metadata
+    assert meta["noise"] == "secure" and meta["counts_public"] is True
+    assert meta["relation_detail"].startswith("replace_one within the public class histogram")
+    assert meta["bytes"] == payload_bytes(DIM, 1, CLASSES, "spherical")
+    # the same run seed gives other noise: a server that knows the seed cannot subtract it
+    heads = [runtime.strategy.head_weights for runtime in (first, second)]
+    assert any(not torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
 def test_dp_noisy_counts_compose_three_blocks(federation):
     runtime, _ = run_fedpft(federation, components=1, covariance="diag", dp_epsilon=2.0, dp_counts="noisy")
     # noisy counts, replace-one with label change: blocks (2B, sqrt2 B^2, sqrt2), each at (eps/3, delta/3)

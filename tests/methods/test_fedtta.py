@@ -259,6 +259,24 @@ def test_client_level_dp_releases_are_recorded_reach_the_target_and_are_capped(m
         client.train(data, message, state, ctx)
 
 
+def test_under_dp_a_diverged_client_still_releases_noise_so_its_silence_reveals_nothing(make_spec):
+    data, strategy, client, config = _dp_client(make_spec, dp_epsilon=1.0, dp_participations=1, dp_max_norm=1e-3)
+    message = strategy.configure_train(0, [data.client_id])[data.client_id]
+    message.config["inner_lr"] = float("inf")           # the local loss turns non-finite
+    ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
+    state = {}
+    release = client.train(data, message, state, ctx)
+    assert release is not None and int(state["dp_releases"]) == 1
+    flat = torch.cat([v.reshape(-1) for v in release.message.arrays.values()])
+    assert bool(torch.isfinite(flat).all()) and float(flat.std()) == pytest.approx(config.privacy().sigma, rel=0.02)
+    assert release.metadata["noise"] == "secure"
+    # without DP the diverged client stays silent, as the authors' code has it
+    _, strategy, plain, _ = _dp_client(make_spec)
+    message = strategy.configure_train(0, [data.client_id])[data.client_id]
+    message.config["inner_lr"] = float("inf")
+    assert plain.train(data, message, {}, ctx) is None
+
+
 def test_dp_release_is_clipped_update_plus_noise_of_the_calibrated_scale(make_spec):
     data, strategy, client, config = _dp_client(make_spec, dp_epsilon=1.0, dp_participations=1, dp_max_norm=1e-3)
     ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))

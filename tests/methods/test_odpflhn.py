@@ -123,7 +123,7 @@ def test_the_private_descriptor_is_the_clean_one_plus_noise_that_shrinks_with_n(
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
     cfg = RunConfig(federation=make_spec(), method="odpflhn",
                     method_config={"local_steps": 3, "batch_size": 16, "encoder_hidden": 16, "hn_hidden": 32,
-                                   "novel_epsilon": 1.0},
+                                   "novel_epsilon": 1.0, "novel_noise": "seeded"},
                     rounds=4, client_fraction=0.5, eval_every=2, checkpoint_every=3, seed=2)
     full = train(cfg, str(tmp_path / "full"), progress=False)
     with pytest.raises(RunInterrupted):

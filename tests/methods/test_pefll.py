@@ -175,6 +175,18 @@ def test_a_private_unseen_descriptor_has_the_requested_epsilon_and_the_analytic_
     assert set(runtime.wire.ledgers.epsilons(1e-5)) == {9}               # nobody else released anything
 
 
+def test_private_descriptor_noise_is_secure_by_default_and_no_seed_comes_from_the_server():
+    runtime = _runtime([_client(0)], embed_bound=0.5, descriptor_epsilon=2.0, eval_descriptor_samples=16)
+    message = runtime.strategy.configure_evaluate(9)
+    assert not any("seed" in key for key in message.config)      # the server cannot choose (or know) the noise
+    weights = [torch.cat([p.detach().clone().reshape(-1)    # clone: the client reuses one workspace model
+                          for p in runtime.novel_client_model(_client(9, n=40, seed=3)).parameters()])
+               for _ in range(2)]
+    assert not torch.equal(*weights)                                  # same data, same run seed, fresh noise
+    record = runtime.wire.ledgers[9].records[-1]
+    assert record.metadata["noise"] == "secure" and record.metadata["bound"] == 0.5
+
+
 def test_invalid_settings_name_the_value_and_what_is_valid():
     with pytest.raises(ConfigError, match="descriptor_epsilon=1.0 needs embed_bound"):
         PeFLLConfig(descriptor_epsilon=1.0)

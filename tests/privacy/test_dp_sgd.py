@@ -150,16 +150,32 @@ def test_empty_poisson_batches_are_noise_only_steps():
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_same_seed_same_weights():
+def _weights_after_two_runs(noise: str) -> list[list[torch.Tensor]]:
     x, y = separable_data()
     results = []
     for _ in range(2):
         model = small_model()
-        DPSGDTrainer(DPSGDConfig(noise_multiplier=1.0)).train(
+        DPSGDTrainer(DPSGDConfig(noise_multiplier=1.0, noise=noise)).train(
             model, x, y, lr=0.1, steps=5, batch_size=20, rng=np.random.default_rng(7))
         results.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*results):
+    return results
+
+
+def test_seeded_noise_same_seed_same_weights():
+    for a, b in zip(*_weights_after_two_runs("seeded")):
         assert torch.equal(a, b)
+
+
+def test_secure_noise_is_the_default_and_not_determined_by_the_run_seed():
+    # The server knows the run seed; with the default noise the same keyed generator must not give the same draws.
+    assert DPSGDConfig(noise_multiplier=1.0).noise == "secure"
+    first, second = _weights_after_two_runs("secure")
+    assert any(not torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_unknown_noise_source_is_refused_by_name():
+    with pytest.raises(ConfigError, match="noise.*'bogus'"):
+        DPSGDConfig(noise_multiplier=1.0, noise="bogus")
 
 
 def test_batchnorm_model_is_refused_with_the_remedy():

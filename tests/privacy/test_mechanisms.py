@@ -80,6 +80,23 @@ def test_secure_noise_refuses_a_generator():
         GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0, noise="secure", generator=torch.Generator())
 
 
+def test_seeded_noise_without_its_own_generator_is_refused():
+    # torch's global generator is keyed from the run seed in every runtime, so the server could replay it.
+    with pytest.raises(ConfigError, match="seeded.*explicit torch.Generator"):
+        GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0, noise="seeded")
+
+
+def test_default_noise_is_secure_unless_a_generator_is_given():
+    assert GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0).noise == "secure"
+    seeded = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0, generator=torch.Generator().manual_seed(1))
+    assert seeded.noise == "seeded"
+    torch.manual_seed(0)
+    first = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0).add_noise(torch.zeros(8))
+    torch.manual_seed(0)
+    second = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0).add_noise(torch.zeros(8))
+    assert not torch.equal(first, second)
+
+
 def test_non_finite_value_is_refused():
     m = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0)
     with pytest.raises(ConfigError, match="NaN or inf"):

@@ -106,8 +106,7 @@ class Node:
         Raises :class:`accounting.BudgetExceededError` (and sends nothing) when the release would exceed the budget.
         """
         ledger = self.ledger()
-        ledger.record(release.event, purpose=release.purpose, round=round,
-                      metadata={"bytes": release.message.num_bytes()})
+        ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.ledger_metadata())
         ledger.save(self.ledger_path)
         return release.message, {"kind": p.RELEASE, "purpose": release.purpose}
 
