@@ -3,6 +3,10 @@
 - :mod:`privfl.privacy.mechanisms`: :class:`GaussianMechanism` (analytic Gaussian calibration, seeded or secure noise).
 - :mod:`privfl.privacy.sensitivity`: :class:`SensitivityCertificate`, sensitivities derived from structure, with proofs.
 - :mod:`privfl.privacy.privatize`: :func:`privatize` turns a mean-pooled DeepSet into a DP descriptor release.
+- :mod:`privfl.privacy.labelled`: :func:`release_labelled_mean`, the same release for embeddings of labelled records
+  (PeFLL's descriptor).
+- :mod:`privfl.privacy.dp_gmm`: the DP-GMM release of DP-FedPFT; :mod:`privfl.privacy.dp_sgd`: DP-SGD through Opacus;
+  :mod:`privfl.privacy.client_dp`: client-level clip-and-noise of whole model updates.
 """
 
 from privfl.privacy.mechanisms import GaussianMechanism
@@ -15,3 +19,7 @@ __all__ = ["GaussianMechanism", "PrivateEncoder", "SensitivityCertificate", "cer
 from privfl.privacy.dp_gmm import DPGaussianRelease, release_class_gaussians, sample_features  # noqa: E402
 
 __all__ += ["DPGaussianRelease", "release_class_gaussians", "sample_features"]
+
+from privfl.privacy.labelled import certify_labelled_mean, release_labelled_mean  # noqa: E402
+
+__all__ += ["certify_labelled_mean", "release_labelled_mean"]

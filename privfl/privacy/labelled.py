@@ -35,7 +35,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from accounting import GaussianEvent, NeighboringRelation
+from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
@@ -70,17 +70,20 @@ def _per_record(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 @torch.no_grad()
 def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, delta: float,
                           bound: float, num_classes: int, noise: NoiseSource | None = None,
-                          generator: torch.Generator | None = None
+                          generator: torch.Generator | None = None, ledger: PrivacyLedger | None = None
                           ) -> tuple[torch.Tensor, GaussianEvent, SensitivityCertificate]:
     """One (epsilon, delta)-DP release of ``(1/n) sum_j clip_B(embedding(x_j, y_j))`` under replace-one of a labelled
     record ``(x_j, y_j)``, n public: ``(noisy descriptor in x's dtype, event, certificate)``.
 
-    Nothing is recorded here: the caller sends the value as a :class:`~privfl.federation.messages.Release` carrying
-    ``event``, and the wire records it in the client's ledger before delivery (design invariant 1).
+    Inside a federation nothing is recorded here: the caller sends the value as a
+    :class:`~privfl.federation.messages.Release` carrying ``event``, and the wire records it in the client's ledger
+    before delivery (design invariant 1). Used as a library call, pass ``ledger`` (as for
+    :func:`~privfl.privacy.privatize`): the release is recorded there before any noise is drawn, and one that would
+    exceed the ledger's budget raises :class:`accounting.BudgetExceededError` with nothing released.
 
     Steps (module docstring): 1. validate epsilon, delta, B, x (finite), y (labels in ``0 .. num_classes-1``);
     2. certify ``2B/n`` from public quantities; 3. per-record embeddings (eval mode, vmap); 4. clip each to B in
-    float64 and average; 5. analytic-Gaussian noise (:class:`GaussianMechanism`).
+    float64 and average; 5. record in ``ledger`` if given; 6. analytic-Gaussian noise (:class:`GaussianMechanism`).
 
     Args:
         embedding: a module with ``forward(x, y) -> [n, d]``, e.g. :class:`privfl.models.pefll.EmbeddingNetwork`.
@@ -90,10 +93,14 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
         num_classes: C, the public label set is ``0 .. C-1``.
         noise: ``"secure"`` or ``"seeded"`` (reproducible, research only; needs ``generator``); by default seeded
             exactly when ``generator`` is given.
+        ledger: an :class:`accounting.PrivacyLedger` to record the release in (library use; ``None`` inside a
+            federation, where the wire records it).
     """
     epsilon, delta = check_epsilon_delta(epsilon, delta)
     bound = check_bound(bound)
     noise = check_noise(noise, generator)
+    if ledger is not None and not isinstance(ledger, PrivacyLedger):
+        raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
     if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[0] < 1 or not x.is_floating_point():
         raise ConfigError(f"x must be a floating-point tensor [n >= 1, ...] of one client's inputs, got "
                           f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -117,6 +124,9 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
     rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True), max=1.0)  # norm 0 -> inf -> 1
     mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=certificate.value,
                                   relation=NeighboringRelation.REPLACE_ONE, noise=noise, generator=generator)
+    if ledger is not None:
+        ledger.record(mechanism.event, purpose=PURPOSE,
+                      metadata={"noise": noise, "n": n, "bound": bound, "relation": "replace one labelled record"})
     noisy = mechanism.add_noise(rows.mean(dim=0))
     return noisy.to(x.dtype), mechanism.event, certificate
 
