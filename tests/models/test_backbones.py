@@ -1,5 +1,6 @@
 """Backbones: the pinned MobileNetV2 hash, real ImageNet predictions through the extracted features, clear errors for
-missing or altered weights, grey-image adaptation, the sentence encoder, and the feature cache (hit, and misses)."""
+missing or altered weights (verified on the very bytes that are loaded, and before deserialising a download),
+grey-image adaptation, the sentence encoder, and the feature cache (hit, and misses on changed weights alone)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from privfl.models.backbones import (
     extract_features,
     file_sha256,
     load_backbone,
+    mobilenet_state_dict,
     mobilenet_v2,
     mobilenet_weights_path,
+    module_sha256,
 )
 
 needs_weights = pytest.mark.skipif(not any(p.is_file() for p in backbones._mobilenet_candidates()),
@@ -42,7 +45,7 @@ def test_mobilenet_features_classify_chelsea_as_egyptian_cat():
     image = torch.from_numpy(data.chelsea()).permute(2, 0, 1)[None].float() / 255.0
     features = backbone(image)
     assert features.shape == (1, 1280) and features.dtype == torch.float32
-    state = torch.load(mobilenet_weights_path(), map_location="cpu", weights_only=True)
+    state = mobilenet_state_dict()
     logits = features @ state["classifier.1.weight"].T + state["classifier.1.bias"]
     assert int(logits.argmax()) == 285  # ImageNet "Egyptian cat"
     assert not any(p.requires_grad for p in backbone.parameters()) and not backbone.training
@@ -54,11 +57,59 @@ def test_missing_weights_name_the_package(monkeypatch, tmp_path):
         mobilenet_v2(input_size=64)
 
 
-def test_altered_weights_are_refused_before_loading(tmp_path):
+def test_altered_weights_are_refused_before_loading(tmp_path, monkeypatch):
     fake = tmp_path / "mobilenet_v2-b0353104.pth"
     torch.save({"x": torch.zeros(1)}, fake)
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or {})
     with pytest.raises(DataUnavailableError, match="sha256"):
         mobilenet_v2(weights_path=fake)
+    assert loads == []  # nothing was deserialised
+
+
+def test_the_verified_bytes_are_the_bytes_loaded(tmp_path, monkeypatch):
+    """One read: the file is hashed and deserialised from the same bytes, so replacing it after the check changes
+    nothing (a path-based verify-then-load would load the replacement)."""
+    good = b"the genuine weights"
+    path = tmp_path / "w.pth"
+    path.write_bytes(good)
+    monkeypatch.setattr(backbones, "MOBILENET_V2_SHA256", __import__("hashlib").sha256(good).hexdigest())
+    real_read = type(path).read_bytes
+    reads = []
+
+    def read_then_swap(self):
+        data = real_read(self)
+        reads.append(self)
+        self.write_bytes(b"a malicious replacement")  # swapped right after the read
+        return data
+
+    monkeypatch.setattr(type(path), "read_bytes", read_then_swap)
+    loaded = []
+    monkeypatch.setattr(torch, "load", lambda f, **k: loaded.append(f.read()) or {"ok": torch.ones(1)})
+    assert mobilenet_state_dict(weights_path=path) == {"ok": torch.ones(1)}
+    assert len(reads) == 1 and loaded == [good]
+
+
+def test_download_checks_the_full_hash_before_deserialising(tmp_path, monkeypatch):
+    """torchvision's check_hash compares 8 hex digits; a download whose full sha256 differs is refused, unloaded,
+    and not kept in the hub cache."""
+    monkeypatch.setattr(backbones, "_mobilenet_candidates", lambda: [tmp_path / "none.pth"])
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    calls = []
+
+    def fake_download(url, dst, hash_prefix=None, progress=True):
+        calls.append((url, hash_prefix))
+        with open(dst, "wb") as handle:
+            handle.write(b"same 8-digit prefix in the name, different file")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", fake_download)
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or {})
+    with pytest.raises(DataUnavailableError, match="sha256"):
+        mobilenet_state_dict(download=True)
+    assert len(calls) == 1 and calls[0][0].endswith("mobilenet_v2-b0353104.pth")
+    assert loads == []
+    assert list((tmp_path / "hub").rglob("*")) == [tmp_path / "hub" / "checkpoints"]  # nothing kept
 
 
 def test_grey_images_adapted_to_three_normalised_channels():
@@ -77,7 +128,7 @@ class Counting(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        return self.proj(torch.flatten(x, 1))
+        return self.proj(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 16), 1))
 
 
 def test_feature_cache_hit_and_misses(tmp_path):
@@ -89,12 +140,32 @@ def test_feature_cache_hit_and_misses(tmp_path):
     second = extract_features(make(16), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
     assert module.calls == 3  # read from the cache
     np.testing.assert_array_equal(first, second)
-    module.proj = nn.Linear(3 * 20 * 20, 5)
+    reused = make(16)
+    extract_features(reused, x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
+    extract_features(reused, x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
+    assert module.calls == 3  # the same object, its width now inferred, still hits
+    # only the weights change: same module object, name, input size, inputs and dataset name
+    with torch.no_grad():
+        module.proj.bias.add_(1.0)
+    third = extract_features(make(16), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
+    assert module.calls == 6  # missed: the weights digest is in the key
+    np.testing.assert_allclose(third, first + 1.0, atol=1e-5)  # and the features are the new module's, not stale
     extract_features(make(20), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
-    assert module.calls == 6  # a changed preprocessing (input size) misses
+    assert module.calls == 9  # a changed preprocessing (input size) misses
     extract_features(make(20), x[:5], dataset="toy", cache_dir=tmp_path, batch_size=5, progress=False)
-    assert module.calls == 7  # other inputs miss
-    assert len(list((tmp_path / "features").glob("counting-toy-*.npz"))) == 3
+    assert module.calls == 10  # other inputs miss
+    assert len(list((tmp_path / "features").glob("counting-toy-*.npz"))) == 4
+
+
+def test_module_digest_tracks_every_weight_and_buffer():
+    net = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    before = module_sha256(net)
+    assert before == module_sha256(net) and len(before) == 64
+    net[1].running_mean[0] += 1e-3  # a buffer, not a parameter
+    assert module_sha256(net) != before
+    clone = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    clone.load_state_dict(net.state_dict())
+    assert module_sha256(clone) == module_sha256(net)
 
 
 def test_sentence_encoder_384d_and_meaningful():
@@ -105,6 +176,7 @@ def test_sentence_encoder_384d_and_meaningful():
     np.testing.assert_allclose(features.norm(dim=1).numpy(), 1.0, atol=1e-5)
     similarity = features @ features.T
     assert similarity[0, 1] > similarity[0, 2] + 0.3
+    assert encoder.cache_key()["weights_sha256"] == module_sha256(encoder.model)
 
 
 def test_bad_names_and_sizes():
