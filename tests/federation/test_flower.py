@@ -1,8 +1,11 @@
-"""privfl on Flower: record conversion, the simulation engine against the in-process runtime, a node's ledger across a
-restart, and the deployment engine (SuperLink + SuperNodes with TLS and node authentication) on loopback."""
+"""privfl on Flower: record conversion and packing, the ServerApp against nodes in this process (a loopback Grid: node
+discovery, time limits, nodes holding several clients), the simulation engine against the in-process runtime, serving
+novel clients in a run of their own, a node's ledger and client state across a restart, and the deployment engine
+(SuperLink + SuperNodes with TLS and node authentication) on loopback."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -11,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,7 @@ import torch
 
 flwr = pytest.importorskip("flwr")
 
-from flwr.app import Context, RecordDict  # noqa: E402
+from flwr.app import Context, Error, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 
 from accounting import PrivacyLedger  # noqa: E402
@@ -26,9 +31,12 @@ from privfl.data import build_federation  # noqa: E402
 from privfl.errors import ConfigError  # noqa: E402
 from privfl.experiment import RunConfig, build_runtime, train  # noqa: E402
 from privfl.federation import Message, RunDirectory  # noqa: E402
+from privfl.federation.context import client_context  # noqa: E402
 from privfl.federation.flower import FlowerOptions, from_records, to_records  # noqa: E402
-from privfl.federation.flower import client_app, launch  # noqa: E402
-from privfl.federation.flower.records import records_to_state, state_to_records  # noqa: E402
+from privfl.federation.flower import client_app, launch, server_app  # noqa: E402
+from privfl.federation.flower import protocol as p  # noqa: E402
+from privfl.federation.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
+from privfl.federation.flower.server_app import FlowerClientError, flower_runtime_factory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 
 # -- records ---------------------------------------------------------------------------------------------------------
@@ -56,6 +64,45 @@ def test_records_round_trip_keeps_values_dtypes_and_shapes():
     assert torch.equal(records_to_state(*state_to_records(state))["c_i.w"], state["c_i.w"])
 
 
+def test_pack_stores_a_shared_message_once_and_gives_each_client_its_own_copy():
+    shared = Message(arrays={"w": torch.arange(6.0).reshape(2, 3)}, config={"lr": 0.1})
+    own = Message(arrays={"c": torch.ones(2, dtype=torch.float64)}, metrics={"n": 3})
+    packed = pack({7: (shared, {"state_of": 2}), 3: (shared, {}), 5: (own, {"state_of": -1})}, {"op": "train"})
+    assert sorted(k for k in packed if k.endswith(".arrays")) == ["m0.arrays", "m1.arrays"]   # two distinct messages
+    header, items = unpack(packed)
+    assert header == {"op": "train"} and sorted(items) == [3, 5, 7]
+    assert items[7][1] == {"state_of": 2} and items[3][1] == {} and items[5][1] == {"state_of": -1}
+    assert torch.equal(items[3][0].arrays["w"], shared.arrays["w"]) and items[3][0].config == {"lr": 0.1}
+    assert items[5][0].arrays["c"].dtype == torch.float64 and items[5][0].metrics == {"n": 3}
+    items[3][0].arrays["w"].add_(1.0)                     # a client that writes into its copy touches no other
+    assert torch.equal(items[7][0].arrays["w"], shared.arrays["w"])
+    with pytest.raises(ConfigError, match="reserved"):
+        pack({1: (shared, {})}, {"op": "train", "clients": [1]})
+
+
+def test_node_config_names_one_partition_or_a_range():
+    assert p.node_partitions({"partition-id": 2, "num-partitions": 5}) == ([2], 5)
+    assert p.node_partitions({"partition-range": "1-3", "num-partitions": 5}) == ([1, 2, 3], 5)
+    with pytest.raises(ConfigError, match="partition-range='3-5'.*0 <= FIRST <= LAST < num-partitions"):
+        p.node_partitions({"partition-range": "3-5", "num-partitions": 5})
+    with pytest.raises(ConfigError, match="exactly one of partition-id .* and partition-range"):
+        p.node_partitions({"partition-id": 0, "partition-range": "0-1", "num-partitions": 5})
+
+
+def test_the_wheel_ships_the_flower_app():
+    # `privfl flower run` hands privfl/federation/flower/app/ to `flwr run`: a non-editable install needs its files.
+    root = Path(__file__).resolve().parents[2]
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = package_data["privfl.federation.flower"]
+    package = root / "privfl" / "federation" / "flower"
+    data_files = [f.relative_to(package).as_posix() for f in package.rglob("*")
+                  if f.is_file() and f.suffix not in (".py", ".pyc")]
+    assert "app/pyproject.toml" in data_files
+    for name in data_files:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
+    assert launch.APP_DIR == package / "app"
+
+
 def test_records_refuse_values_flower_cannot_carry():
     with pytest.raises(ConfigError, match="grad_clip=None"):
         to_records(Message(config={"grad_clip": None}))
@@ -64,7 +111,171 @@ def test_records_refuse_values_flower_cannot_carry():
 def test_flower_options_validate_their_values():
     with pytest.raises(ConfigError, match="max_actors must be .* got 0"):
         FlowerOptions(max_actors=0)
+    with pytest.raises(ConfigError, match="poll_max_s must be a number >= poll_min_s"):
+        FlowerOptions(poll_min_s=0.5, poll_max_s=0.1)
     assert FlowerOptions(max_actors=2, cpus_per_client=1).backend_config()["init_args"]["num_cpus"] == 2
+    # a dead node must end a run, not hang it: the default limit is finite, in the options and in the App's config
+    assert FlowerOptions().timeout_s == p.DEFAULT_TIMEOUT_S < math.inf
+    app_config = tomllib.loads((launch.APP_DIR / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert app_config["timeout-s"] == p.DEFAULT_TIMEOUT_S
+    assert server_app.options_from_run_config(app_config).timeout_s == p.DEFAULT_TIMEOUT_S
+    with pytest.raises(ConfigError, match="timeout-s=0 must be > 0 seconds"):
+        server_app.options_from_run_config({"timeout-s": 0})
+
+
+# -- the ServerApp against nodes in this process --------------------------------------------------------------------
+
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    """The identity Flower gives a process that runs a task (messages cannot be made without one)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+
+
+class LoopbackGrid:
+    """A Flower Grid whose nodes run the privfl ClientApp in this process, each message as it is pushed.
+
+    ``nodes``: node id -> node config; ``silent``: node ids that answer the hello but nothing after (a SuperNode that
+    died). ``sent`` lists (node id, message type) of every message pushed.
+    """
+
+    def __init__(self, nodes, run_config, *, silent=()):
+        self.contexts = {nid: Context(run_id=1, node_id=nid, node_config=dict(config), state=RecordDict(),
+                                      run_config=dict(run_config)) for nid, config in nodes.items()}
+        self.silent = set(silent)
+        self.replies: list[FlowerMessage] = []
+        self.sent: list[tuple[int, str]] = []
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            nid, kind = message.metadata.dst_node_id, message.metadata.message_type
+            self.sent.append((nid, kind))
+            ids.append(message.metadata.message_id)
+            if nid in self.silent and kind != "query.hello":
+                continue
+            try:
+                self.replies.append(client_app.handle(message, self.contexts[nid]))
+            except Exception as error:       # as Flower does: the ClientApp's exception becomes an error reply
+                self.replies.append(FlowerMessage(Error(code=0, reason=f"{type(error).__name__}: {error}"),
+                                                  reply_to=message))
+        return ids
+
+    def pull_messages(self, message_ids):
+        wanted = set(message_ids)
+        out = [r for r in self.replies if r.metadata.reply_to_message_id in wanted]
+        self.replies = [r for r in self.replies if r.metadata.reply_to_message_id not in wanted]
+        return out
+
+
+def _loopback(config, tmp_path, ranges, *, num_partitions=None, silent=(), text=None):
+    """Nodes 100, 101, ... holding the partition ranges ``ranges`` (inclusive pairs)."""
+    federation = build_federation(config.federation, seed=config.seed)
+    total = num_partitions or len(federation.training_clients) + len(federation.novel_clients)
+    nodes = {100 + i: {"partition-range": f"{a}-{b}", "num-partitions": total, "privfl-dir": str(tmp_path / f"n{i}")}
+             for i, (a, b) in enumerate(ranges)}
+    grid = LoopbackGrid(nodes, {"privfl-config": text or json.dumps(config.to_dict())}, silent=silent)
+    return grid, federation
+
+
+def _serve_config(config, out):
+    return {"privfl-config": json.dumps(config.to_dict()), "out": str(out)}
+
+
+def test_nodes_holding_several_clients_give_the_in_process_numbers(tmp_path, make_spec, task_identity):
+    # SCAFFOLD keeps control variates on the clients; best_val evaluates the selected round's pinned states.
+    config = _run_config(make_spec(), "scaffold")
+    training = len(build_federation(config.federation, seed=config.seed).training_clients)     # 9, and 3 novel
+    grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = train(config, str(tmp_path / "inprocess"), progress=False)
+        got = server_app.run_server(grid, _serve_config(config, tmp_path / "flower"),
+                                    options=FlowerOptions(timeout_s=60, node_wait_s=5))
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("novel", "training_val", "selected_round", "rounds_completed", "privacy", "communication"):
+        assert json.dumps(got[key], sort_keys=True) == json.dumps(expected[key], sort_keys=True), key
+    assert _comparable(tmp_path / "flower")[:3] == _comparable(tmp_path / "inprocess")[:3]
+    assert _equal_states(_comparable(tmp_path / "flower")[3], _comparable(tmp_path / "inprocess")[3])
+    assert got["flower"]["nodes"] == 2 and got["flower"]["clients_per_node_max"] == 7
+    assert len(got["flower"]["round_seconds"]) == config.rounds and got["flower"]["novel_not_served"] == []
+    # one Flower message per node and exchange, whatever the number of clients it holds
+    assert sum(kind == "train" for _, kind in grid.sent) <= 2 * config.rounds
+    assert sum(kind == "evaluate" for _, kind in grid.sent) == 2 * (config.rounds + 1)
+    # the clients' states are on the nodes' disks, tensors only: SCAFFOLD's control variates of the last round
+    states = sorted((tmp_path / "n0").glob("state-client-*.pt")) + sorted((tmp_path / "n1").glob("state-client-*.pt"))
+    assert 0 < len(states) <= training
+    saved = torch.load(states[0], weights_only=True)
+    assert saved["committed_round"] >= 0 and saved["committed"]
+    assert all(isinstance(v, torch.Tensor) for v in saved["committed"].values())
+
+
+def test_the_server_waits_only_for_the_nodes_the_run_needs(tmp_path, make_spec, task_identity):
+    settings = {"lr": 0.1, "local_steps": 2, "batch_size": 16}
+    config = RunConfig(federation=make_spec(), method="fedavg", method_config=settings, rounds=1, select="last", seed=3)
+    federation = build_federation(config.federation, seed=config.seed)
+    training, novel = len(federation.training_clients), [c.client_id for c in federation.novel_clients]
+    patient = FlowerOptions(node_wait_s=120, timeout_s=60)
+
+    # Nodes started with num-partitions = training clients: no novel client is in this deployment. The run does not
+    # wait for novel nodes, and its summary (and a warning) says which novel clients were not served and why.
+    grid, _ = _loopback(config, tmp_path / "a", [(0, training - 1)], num_partitions=training)
+    started = time.monotonic()
+    with pytest.warns(UserWarning, match=f"{len(novel)} novel clients will not be served"):
+        summary = server_app.run_server(grid, _serve_config(config, tmp_path / "a" / "run"), options=patient)
+    assert time.monotonic() - started < 60
+    assert summary["flower"]["novel_not_served"] == novel and summary["novel"]["num_clients"] == 0
+    assert f"num-partitions={training}" in summary["flower"]["novel_not_served_reason"]
+    assert json.loads((tmp_path / "a" / "run" / "summary.json").read_text())["flower"]["novel_not_served"] == novel
+
+    # A method that serves no novel clients does not wait for their nodes, even when the nodes declare them.
+    local = RunConfig(federation=make_spec(), method="local", method_config=settings, rounds=1, select="last", seed=3)
+    grid, _ = _loopback(local, tmp_path / "b", [(0, training - 1)], num_partitions=training + len(novel))
+    started = time.monotonic()
+    summary = server_app.run_server(grid, _serve_config(local, tmp_path / "b" / "run"), options=patient)
+    assert time.monotonic() - started < 60 and summary["flower"]["novel_not_served"] == []
+
+    # The nodes declare novel partitions but one novel node never connects: the run stops, naming it.
+    grid, _ = _loopback(config, tmp_path / "c", [(0, training + len(novel) - 2)])
+    missing = rf"clients \[{novel[-1]}\] \(partitions \[{training + len(novel) - 1}\] of {training + len(novel)}\)"
+    with pytest.raises(FlowerClientError, match=missing):
+        server_app.run_server(grid, _serve_config(config, tmp_path / "c" / "run"),
+                              options=FlowerOptions(node_wait_s=0.5, timeout_s=60))
+
+
+def test_a_node_that_does_not_answer_is_named_when_the_exchange_times_out(tmp_path, make_spec, task_identity):
+    config = _run_config(make_spec(), "fedavg", rounds=1, client_fraction=1.0)
+    grid, federation = _loopback(config, tmp_path, [(0, 4), (5, 11)], silent={101})
+    held = sorted(c.client_id for c in federation.training_clients[5:] + federation.novel_clients)
+    started = time.monotonic()
+    with pytest.raises(FlowerClientError, match=rf"1 of 2 nodes did not answer 'train' within 0.5 s \(timeout-s\): "
+                                                rf"node 101 \(clients \[{', '.join(map(str, held))}\]\)"):
+        server_app.run_server(grid, _serve_config(config, tmp_path / "run"),
+                              options=FlowerOptions(timeout_s=0.5, node_wait_s=5))
+    assert time.monotonic() - started < 30
+
+
+def test_the_hello_compares_parsed_run_configs(tmp_path, make_spec, task_identity):
+    config = _run_config(make_spec(), "fedavg")
+    # the same config written differently (other key order, indentation) is the same config
+    reordered = json.dumps(dict(reversed(list(config.to_dict().items()))), indent=3)
+    grid, federation = _loopback(config, tmp_path / "same", [(0, 11)], text=reordered)
+    runtime = flower_runtime_factory(grid, FlowerOptions(timeout_s=60, node_wait_s=5))(config, federation)
+    assert sorted(runtime.nodes) == sorted(c.client_id for c in federation.training_clients + federation.novel_clients)
+    # a config that differs is refused, naming what differs
+    other = json.dumps({**config.to_dict(), "seed": 4})
+    grid, federation = _loopback(config, tmp_path / "other", [(0, 11)], text=other)
+    with pytest.raises(ConfigError, match="node 100 runs with a different privfl-config .*seed: server 3, node 4"):
+        flower_runtime_factory(grid, FlowerOptions(timeout_s=60, node_wait_s=5))(config, federation)
 
 
 # -- simulation engine == in-process runtime --------------------------------------------------------------------------
@@ -132,7 +343,48 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
         assert 0 < got["privacy"]["epsilon_max_novel"] < math.inf
 
 
-# -- a node's ledger survives a restart ---------------------------------------------------------------------------------
+# -- novel clients served in a run of their own ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", [_method("odpflhn"), _method("fedavg")])
+def test_novel_clients_are_served_in_a_run_of_their_own_on_the_simulation_engine(tmp_path, make_spec, method):
+    # Train in-process (its finish serves the novel clients too), then serve them again from its checkpoint on
+    # Flower's simulation engine: ODPFL-HN's descriptor goes up and a model comes down; FedAvg's model comes down.
+    from privfl.federation.flower.simulation import serve_simulation
+
+    config = _run_config(make_spec(), method, rounds=2)                # select best_val: the best snapshot is served
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = train(config, str(tmp_path / "train"), progress=False)
+        served = serve_simulation(str(tmp_path / "train"), str(tmp_path / "serve"), nodes_root=str(tmp_path / "nodes"),
+                                  options=FlowerOptions(max_actors=1, threads=1, node_wait_s=60, timeout_s=300))
+    finally:
+        torch.set_num_threads(threads)
+    assert served["selected_round"] == expected["selected_round"]
+    assert json.dumps(served["novel"], sort_keys=True) == json.dumps(expected["novel"], sort_keys=True)
+    rows = {int(r["client_id"]): r for r in RunDirectory(tmp_path / "train").read_clients() if r["role"] == "novel"}
+    assert [r["client_id"] for r in served["clients"]] == sorted(rows)
+    for row in served["clients"]:
+        assert row["accuracy"] == float(rows[row["client_id"]]["accuracy"]), row
+        assert row["bytes_down"] > 0
+    assert json.loads((tmp_path / "serve" / "serve.json").read_text())["novel"] == served["novel"]
+    federation = build_federation(config.federation, seed=config.seed)
+    training = len(federation.training_clients)
+    for j, novel in enumerate(federation.novel_clients):
+        row = next(r for r in served["clients"] if r["client_id"] == novel.client_id)
+        ledger_path = tmp_path / "nodes" / f"partition-{training + j}" / f"ledger-client-{novel.client_id}.json"
+        if method == "odpflhn":
+            # one DP descriptor release, recorded on the novel client's node, with the in-process run's epsilon
+            ledger = PrivacyLedger.load(ledger_path)
+            assert [(r.purpose, r.round) for r in ledger.records] == [("descriptor", None)]
+            assert 0 < row["epsilon"] == expected["privacy"]["epsilon_per_client"][str(novel.client_id)] < math.inf
+            assert row["releases"] == 1 and row["bytes_up"] > 0
+        else:
+            assert not ledger_path.exists() and row["releases"] == 0 and row["bytes_up"] == 0 and row["epsilon"] == 0
+
+
+# -- a node's ledger and client state survive a restart ----------------------------------------------------------
 
 
 def _node_context(config, node_dir, partition, count):
@@ -141,18 +393,20 @@ def _node_context(config, node_dir, partition, count):
                    run_config={"privfl-config": json.dumps(config.to_dict()), "threads": 0})
 
 
-def _train_message(message, round, completed):
+def _train_message(message, round, completed, client_id, state_of):
     header = {"op": "train", "round": round, "stage": 0, "completed_rounds": completed}
-    return FlowerMessage(to_records(message, header), 100, "train")
+    return FlowerMessage(pack({client_id: (message, {"state_of": state_of})}, header), 100, "train")
 
 
-@pytest.fixture
-def task_identity(monkeypatch):
-    """The identity Flower gives a process that runs a task (messages cannot be made without one)."""
-    from flwr.supercore.task_identity import TaskIdentity
+def _restart_node():
+    """What a SuperNode restart leaves: nothing in this process's memory (and an empty Flower Context)."""
+    for cache in (client_app._PARTS, client_app._PROCEDURES, client_app._FEDERATIONS, client_app._NODES):
+        cache.clear()
 
-    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", 0)):
-        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+
+def _reply(reply, client_id):
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    return unpack(reply.content)[1][client_id]
 
 
 def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_path, make_spec, task_identity):
@@ -165,17 +419,16 @@ def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_pat
     strategy = reference.strategy
 
     context = _node_context(config, node_dir, 0, len(reference.clients))
-    reply = client_app.app(_train_message(strategy.configure_train(0, [client_id])[client_id], 0, 0), context)
-    assert not reply.has_error() and from_records(reply.content)[1]["kind"] == "release"
+    message = strategy.configure_train(0, [client_id])[client_id]
+    reply = client_app.app(_train_message(message, 0, 0, client_id, -1), context)
+    assert _reply(reply, client_id)[1]["kind"] == "release"
     after_one = PrivacyLedger.load(node_dir / f"ledger-client-{client_id}.json")
     assert len(after_one) == 1
 
-    client_app._PARTS.clear()                  # the node process restarts: nothing in memory, an empty Flower state
-    client_app._PROCEDURES.clear()
-    client_app._FEDERATIONS.clear()
+    _restart_node()
     context = _node_context(config, node_dir, 0, len(reference.clients))
-    reply = client_app.app(_train_message(strategy.configure_train(1, [client_id])[client_id], 1, 1), context)
-    assert not reply.has_error()
+    message = strategy.configure_train(1, [client_id])[client_id]
+    _reply(client_app.app(_train_message(message, 1, 1, client_id, 0), context), client_id)
     after_two = PrivacyLedger.load(node_dir / f"ledger-client-{client_id}.json")
 
     # The same two rounds in the in-process runtime (every client trains each round) record the same events.
@@ -186,6 +439,38 @@ def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_pat
     assert after_two.events == expected.events
     assert after_two.spent(1e-5).epsilon == expected.spent(1e-5).epsilon
     assert after_two.spent(1e-5).epsilon > after_one.spent(1e-5).epsilon > 0
+
+
+def test_a_node_that_restarts_keeps_its_client_state_or_refuses_to_go_on(tmp_path, make_spec, task_identity):
+    # SCAFFOLD: a client's round-1 update depends on the control variate c_i it kept from round 0.
+    config = RunConfig(federation=make_spec(), method="scaffold", rounds=2, seed=3, method_config=_SETTINGS["scaffold"])
+    federation = build_federation(config.federation, seed=config.seed)
+    reference = build_runtime(config, federation)
+    client_id = sorted(reference.clients)[0]
+    first = reference.strategy.configure_train(0, sorted(reference.clients))[client_id].copy()
+    reference.run_round(0)                               # every client trains (client_fraction 1)
+    second = reference.strategy.configure_train(1, sorted(reference.clients))[client_id]
+    data = reference.clients[client_id]
+    expected = reference.client.train(data, second.copy(), dict(reference.client_states[client_id]),
+                                      client_context(config.seed, client_id, 1)).message
+    fresh = reference.client.train(data, second.copy(), {}, client_context(config.seed, client_id, 1)).message
+    assert any(not torch.equal(expected.arrays[k], fresh.arrays[k]) for k in expected.arrays)   # c_i matters
+
+    node_dir = tmp_path / "node-0"
+    count = len(federation.training_clients)
+    client_app.app(_train_message(first, 0, 0, client_id, -1), _node_context(config, node_dir, 0, count))
+    _restart_node()                    # between round 0's reply and round 1: its state is still pending on disk
+    reply = client_app.app(_train_message(second.copy(), 1, 1, client_id, 0), _node_context(config, node_dir, 0, count))
+    got = _reply(reply, client_id)[0]
+    assert got.arrays.keys() == expected.arrays.keys()
+    assert all(torch.equal(got.arrays[k], expected.arrays[k]) for k in expected.arrays)
+
+    # A node whose state file is gone (its directory replaced) refuses round 1 instead of starting from scratch.
+    (node_dir / f"state-client-{client_id}.pt").unlink()
+    _restart_node()
+    with pytest.raises(RuntimeError, match=rf"client {client_id}: the server expects it to hold its state of round 0, "
+                                           "but its node has no state file"):
+        client_app.handle(_train_message(second.copy(), 1, 1, client_id, 0), _node_context(config, node_dir, 0, count))
 
 
 # -- deployment engine on loopback: SuperLink + two SuperNodes, TLS and node authentication ---------------------------
@@ -273,7 +558,12 @@ def test_deployment_engine_on_loopback_with_tls_and_node_auth_gives_the_in_proce
         _end(processes)
         log.close()
     got = json.loads((out / "summary.json").read_text())
-    train(config, str(tmp_path / "inprocess"), progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                    # as the ClientApps (OMP_NUM_THREADS=1): the same reductions, exactly
+    try:
+        train(config, str(tmp_path / "inprocess"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
     expected = RunDirectory(tmp_path / "inprocess").read_json("summary.json")
     for key in ("novel", "training_val", "selected_round", "privacy", "communication"):
         assert got[key] == expected[key], key

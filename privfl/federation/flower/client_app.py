@@ -1,19 +1,22 @@
-"""The privfl ClientApp: one node holds one client, runs the method's client procedure, and owns its ledger.
+"""The privfl ClientApp: a node holds one client (or several), runs the method's client procedure, owns the ledgers.
 
-A node finds its client from its node config (``partition-id``, ``num-partitions``) and the run config (the run's
-:class:`~privfl.experiment.RunConfig` as JSON: dataset spec, seed, method). Every node builds the same
-:class:`~privfl.data.FederatedDataset` with :func:`privfl.data.build_federation` and keeps its own part:
-partition ``i < T`` is the ``i``-th training client (by increasing client id), partition ``T + j`` the ``j``-th novel
-client, where ``T`` is the number of training clients; ``num-partitions`` must be ``T`` (training clients only) or
-``T + N`` (with the ``N`` novel clients).
+A node finds its clients from its node config (``partition-id``, or ``partition-range="FIRST-LAST"`` for several,
+and ``num-partitions``) and the run config (the run's :class:`~privfl.experiment.RunConfig` as JSON: dataset spec,
+seed, method). Every node builds the same :class:`~privfl.data.FederatedDataset` with
+:func:`privfl.data.build_federation` and keeps its own part: partition ``i < T`` is the ``i``-th training client (by
+increasing client id), partition ``T + j`` the ``j``-th novel client, where ``T`` is the number of training clients;
+``num-partitions`` must be ``T`` (training clients only) or ``T + N`` (with the ``N`` novel clients).
 
 The release choke point runs here, on the node that owns the data: a release is recorded in the client's
 :class:`accounting.PrivacyLedger`, and the ledger written atomically to the node directory, before the reply
 leaves the node. The ledger file outlives rounds, runs and restarts of the node, so epsilon only grows.
 
-The client state (control variates, personal models) lives in the node's Flower ``Context.state`` and follows the
-in-process runtime's transaction: a round works on a copy, committed once the server has completed the round (the
-server says so in the next message it sends).
+A training client's state (control variates, personal models) is kept in the node directory too
+(:class:`ClientStateFile`, tensors and plain scalars, loaded with ``weights_only=True``), not in Flower's in-memory
+``Context``, so a SuperNode that restarts carries on with it. It follows the in-process runtime's transaction: a
+round works on a copy, committed once the server has completed the round (the server says so in the next message it
+sends). The server also says which round's state it expects each client to hold; a node whose state does not match
+(its directory was replaced, or the state file is from another run) refuses to compute, naming the client.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context
+from flwr.app import Context
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
@@ -35,54 +40,25 @@ from accounting import PrivacyLedger
 from privfl.errors import ConfigError
 from privfl.federation.context import client_context
 from privfl.federation.flower import protocol as p
-from privfl.federation.flower.records import from_records, records_to_state, state_to_records, to_records
+from privfl.federation.flower.records import pack, unpack
 from privfl.federation.messages import Message, Release
 from privfl.federation.rundir import atomic_write_bytes
 
-_PARTS: dict[str, Any] = {}            # per process: (spec, seed, partition) -> this node's client
+_PARTS: dict[str, Any] = {}            # per process: (spec, seed, partition) -> that partition's client
+_NODES: dict[str, Any] = {}            # per process: (run config, node config) -> Node
 _FEDERATIONS: dict[str, Any] = {}      # per process: the last federation built (spec, seed)
 _PROCEDURES: dict[str, Any] = {}       # per process: run config -> ClientProcedure (shared like in-process)
 _THREADS_SET: list[int] = []
 
 
-class Node:
-    """One node's view of the run: its client, its data, the method's client procedure, and where its ledger lives."""
+class NodeClient:
+    """One client a node holds: its data (a novel client's hidden labels too, for scoring only) and its ledger."""
 
-    def __init__(self, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> None:
-        from privfl.experiment import RunConfig
-
-        text = run_config.get(p.RUN_CONFIG) or ""
-        if not text:
-            raise ConfigError(f"run config {p.RUN_CONFIG!r} is empty: the node needs the run's RunConfig as JSON")
-        self.config_text = text
-        self.config = RunConfig.from_dict(json.loads(text))
-        partition, count = node_config.get(p.PARTITION_ID), node_config.get(p.NUM_PARTITIONS)
-        if not isinstance(partition, int) or not isinstance(count, int) or not 0 <= partition < count:
-            raise ConfigError(f"node config {p.PARTITION_ID}={partition!r}, {p.NUM_PARTITIONS}={count!r} is "
-                              f"invalid: they must be integers with 0 <= {p.PARTITION_ID} < {p.NUM_PARTITIONS}")
+    def __init__(self, partition: int, part: dict[str, Any], directory: Path) -> None:
         self.partition = partition
-
-        directory = node_config.get(p.NODE_DIR) or ""
-        if not directory:
-            root = run_config.get(p.NODES_ROOT) or ""
-            if not root:
-                raise ConfigError(f"node config {p.NODE_DIR!r} is missing: a node needs a directory for its ledger "
-                                  f"(e.g. --node-config '{p.NODE_DIR}=\"/var/lib/privfl/node-0\" ...')")
-            directory = str(Path(root) / f"partition-{partition}")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-        part = _partition(self.config, partition, count, self.directory)
         self.role, self.data, self.labels = part["role"], part["data"], part["labels"]
         self.client_id = self.data.client_id
-        if text not in _PROCEDURES:
-            _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"])
-        self.procedure = _PROCEDURES[text]
-
-        threads = int(run_config.get(p.THREADS) or 0)
-        if threads and not _THREADS_SET:
-            torch.set_num_threads(threads)
-            _THREADS_SET.append(threads)
+        self.directory = directory
 
     # -- the ledger: on disk, read before and written after every release ------------------------------------------
 
@@ -109,6 +85,75 @@ class Node:
         ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.ledger_metadata())
         ledger.save(self.ledger_path)
         return release.message, {"kind": p.RELEASE, "purpose": release.purpose}
+
+    @property
+    def state_path(self) -> Path:
+        return self.directory / f"state-client-{self.client_id}.pt"
+
+    def expect(self, role: str, op: str) -> None:
+        if self.role != role:
+            raise ConfigError(f"operation {op!r} sent to partition {self.partition}, which holds {self.role} client "
+                              f"{self.client_id}, not a {role} client")
+
+
+class Node:
+    """One node's view of the run: its clients, the method's client procedure, and the directory that keeps the
+    clients' ledgers and states."""
+
+    def __init__(self, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> None:
+        from privfl.experiment import RunConfig
+
+        text = run_config.get(p.RUN_CONFIG) or ""
+        if not text:
+            raise ConfigError(f"run config {p.RUN_CONFIG!r} is empty: the node needs the run's RunConfig as JSON")
+        self.config = RunConfig.from_dict(json.loads(text))
+        self.config_key = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self.partitions, self.num_partitions = p.node_partitions(node_config)
+
+        directory = node_config.get(p.NODE_DIR) or ""
+        if not directory:
+            root = run_config.get(p.NODES_ROOT) or ""
+            if not root:
+                raise ConfigError(f"node config {p.NODE_DIR!r} is missing: a node needs a directory for its ledgers "
+                                  f"(e.g. --node-config '{p.NODE_DIR}=\"/var/lib/privfl/node-0\" ...')")
+            first = self.partitions[0]
+            directory = str(Path(root) / f"partition-{first}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+        self.clients: dict[int, NodeClient] = {}
+        part = None
+        for partition in self.partitions:
+            part = _partition(self.config, partition, self.num_partitions, self.directory)
+            client = NodeClient(partition, part, self.directory)
+            self.clients[client.client_id] = client
+        if text not in _PROCEDURES:
+            _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"])
+        self.procedure = _PROCEDURES[text]
+
+        threads = int(run_config.get(p.THREADS) or 0)
+        if threads and not _THREADS_SET:
+            torch.set_num_threads(threads)
+            _THREADS_SET.append(threads)
+
+    def client(self, client_id: int) -> NodeClient:
+        if client_id not in self.clients:
+            raise ConfigError(f"a message for client {client_id} arrived at the node holding partitions "
+                              f"{_span(self.partitions)} (clients {sorted(self.clients)})")
+        return self.clients[client_id]
+
+
+def _span(partitions: list[int]) -> str:
+    return str(partitions[0]) if len(partitions) == 1 else f"{partitions[0]}-{partitions[-1]}"
+
+
+def _node(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Node:
+    """The node for these configs (built once per process: a simulation process serves many virtual nodes)."""
+    key = json.dumps([run_config.get(p.RUN_CONFIG) or "", run_config.get(p.NODES_ROOT) or "",
+                      run_config.get(p.THREADS) or 0, dict(node_config)], sort_keys=True, default=str)
+    if key not in _NODES:
+        _NODES[key] = Node(run_config, node_config)
+    return _NODES[key]
 
 
 def _partition(config, partition: int, count: int, directory: Path) -> dict[str, Any]:
@@ -177,43 +222,82 @@ def _procedure(config, input_shape: tuple[int, ...], num_classes: int):
     return procedure
 
 
-class _StateStore:
-    """Client states in the node's ``Context.state``: committed, pending (the round in progress), pinned per round."""
+class ClientStateFile:
+    """A training client's state on its node, in ``state-client-<id>.pt`` beside its ledger.
 
-    TAGS = "privfl.tags"
+    It holds the committed state (of the last round the server completed with this client, ``committed_round``), the
+    pending state (the round in progress, ``pending_round``), and states pinned per round (to evaluate with an
+    earlier round's state after the server rolls back to it). Tensors and plain scalars only: it loads with
+    ``weights_only=True``. Every change is written atomically (a temporary file renamed over the old one). The state
+    is per run: the file names the run (Flower's run id and the run config's digest) and a file of another run is
+    not used.
+    """
 
-    def __init__(self, state) -> None:
-        self.records = state
-        if self.TAGS not in state:
-            state[self.TAGS] = ConfigRecord({"pending_round": -1})
-        self.tags = state[self.TAGS]
+    def __init__(self, path: Path, run: str) -> None:
+        self.path, self.run = path, run
+        self.committed: dict[str, Any] = {}
+        self.committed_round = -1
+        self.pending: dict[str, Any] | None = None
+        self.pending_round = -1
+        self.pins: dict[int, dict[str, Any]] = {}
+        self.found = "no state file"
+        if path.exists():
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if saved.get("run") == run:
+                self.committed, self.committed_round = saved["committed"], int(saved["committed_round"])
+                self.pending, self.pending_round = saved["pending"], int(saved["pending_round"])
+                self.pins = {int(r): s for r, s in saved["pins"].items()}
+                self.found = f"its state of round {self.committed_round}" if self.committed_round >= 0 else \
+                    "no committed state"
+            else:
+                self.found = f"a state file of another run ({saved.get('run')!r}, this run is {run!r})"
 
-    def get(self, name: str) -> dict[str, Any] | None:
-        if f"{name}.t" not in self.records:
-            return None
-        return records_to_state(self.records[f"{name}.t"], self.records[f"{name}.s"])
+    def save(self) -> None:
+        _check_state(self.committed, self.path)
+        buffer = io.BytesIO()
+        torch.save({"run": self.run, "committed": self.committed, "committed_round": self.committed_round,
+                    "pending": self.pending, "pending_round": self.pending_round,
+                    "pins": {str(r): s for r, s in self.pins.items()}}, buffer)
+        _replace(self.path, buffer.getvalue())
 
-    def put(self, name: str, state: Mapping[str, Any]) -> None:
-        self.records[f"{name}.t"], self.records[f"{name}.s"] = state_to_records(state)
+    def settle(self, completed_rounds: int) -> bool:
+        """Commit the pending state if the server has completed its round since; True if something changed."""
+        if 0 <= self.pending_round < completed_rounds:
+            self.committed, self.committed_round = self.pending or {}, self.pending_round
+            self.pending, self.pending_round = None, -1
+            return True
+        return False
 
-    def drop(self, name: str) -> None:
-        for suffix in (".t", ".s"):
-            self.records.pop(f"{name}{suffix}", None)
+    def check(self, client_id: int, expected_round: int) -> None:
+        """Refuse to go on when this is not the state of ``expected_round`` (the last round the server completed
+        with this client; -1: it never trained), so a lost state never passes for a fresh one."""
+        if self.committed_round != expected_round:
+            expected = "no state (it has not trained yet)" if expected_round < 0 else \
+                f"its state of round {expected_round}"
+            raise RuntimeError(f"client {client_id}: the server expects it to hold {expected}, but its node has "
+                               f"{self.found} in {self.path}; the client state (control variates, personal models) "
+                               "was lost or belongs to another run, and this run cannot go on with it: start the "
+                               "run again")
 
-    @property
-    def pending_round(self) -> int:
-        return int(self.tags["pending_round"])
 
-    def settle(self, completed_rounds: int) -> None:
-        """Commit the pending state if the server has completed its round since."""
-        pending = self.pending_round
-        if 0 <= pending < completed_rounds:
-            self.put("privfl.committed", self.get("privfl.pending") or {})
-            self.drop("privfl.pending")
-            self.tags["pending_round"] = -1
+def _check_state(state: Mapping[str, Any], path: Path) -> None:
+    for key, value in state.items():
+        if not isinstance(value, (torch.Tensor, bool, int, float, str)):
+            raise ConfigError(f"client state value {key}={type(value).__name__} cannot be kept in {path}: a client "
+                              "state holds tensors and int, float, str or bool values only")
 
-    def pins(self) -> list[int]:
-        return sorted(int(k.split(".")[2]) for k in self.records if k.startswith("privfl.pin.") and k.endswith(".t"))
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file in the same directory, renamed over ``path``. (No
+    fsync: after a power loss the previous state may come back, which :meth:`ClientStateFile.check` refuses.)"""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _optional_round(value: Any) -> int | None:
@@ -222,101 +306,111 @@ def _optional_round(value: Any) -> int | None:
 
 
 def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None = None) -> FlowerMessage:
-    """Run one operation of the privfl protocol on this node and return the reply."""
+    """Run one operation of the privfl protocol for each client the message names, and return the packed replies."""
     run_config = dict(defaults or {})
     run_config.update({k: v for k, v in context.run_config.items() if v not in ("", None)})
-    node = Node(run_config, context.node_config)
-    body, header = from_records(message.content)
+    node = _node(run_config, context.node_config)
+    header, items = unpack(message.content)
     op = header.get("op")
     if op == "hello":
-        reply, reply_header = Message(), {"kind": p.TELEMETRY, "client_id": node.client_id, "role": node.role,
-                                          "partition_id": node.partition,
-                                          "config_matches": header.get("config") == node.config_text}
-    elif op in ("train", "train_stage"):
-        reply, reply_header = _train(node, _StateStore(context.state), body, header)
-    elif op == "evaluate":
-        reply, reply_header = _evaluate(node, _StateStore(context.state), body, header)
-    elif op == "novel_request":
-        release = node.procedure.novel_query(_novel(node, op), body)
-        reply, reply_header = (Message(), {"kind": p.NOTHING}) if release is None else node.send(release, round=None)
-    elif op == "novel_model":
-        from privfl.evaluation.metrics import score_model
-
-        model = node.procedure.novel_model(_novel(node, op), body)
-        reply, reply_header = _score_reply(score_model(model, node.data.x, node.labels))
-    elif op == "ledger":
-        reply, reply_header = Message(), {"kind": p.TELEMETRY}
-    else:
+        clients = [node.clients[cid] for cid in sorted(node.clients)]
+        reply_header = {"kind": p.TELEMETRY, "holds": [c.client_id for c in clients],
+                        "roles": [c.role for c in clients], "partitions": [c.partition for c in clients],
+                        "num_partitions": node.num_partitions, "config": json.dumps(node.config.to_dict())}
+        return FlowerMessage(pack({}, reply_header), reply_to=message)
+    if op not in _OPERATIONS:
         raise ConfigError(f"unknown privfl operation {op!r}; valid: {', '.join(p.MESSAGE_TYPES)}")
-    if op == "ledger" or header.get("send_ledger"):
-        ledger = node.ledger()     # after this message's release, if any: what the node has recorded so far
-        reply_header["ledger"] = json.dumps(ledger.state_dict()) if len(ledger) else ""
-    return FlowerMessage(to_records(reply, reply_header), reply_to=message)
+    run = f"{context.run_id}-{node.config_key}"
+    replies = {}
+    for cid, (body, own_header) in items.items():
+        client = node.client(cid)
+        client_header = {**header, **own_header}
+        reply, reply_header = _OPERATIONS[op](node, client, body, client_header, run)
+        if op == "ledger" or client_header.get("send_ledger"):
+            ledger = client.ledger()     # after this message's release, if any: what the node has recorded so far
+            reply_header["ledger"] = json.dumps(ledger.state_dict()) if len(ledger) else ""
+        replies[cid] = (reply, reply_header)
+    return FlowerMessage(pack(replies, {"kind": "replies"}), reply_to=message)
 
 
-def _novel(node: Node, op: str):
-    if node.role != "novel":
-        raise ConfigError(f"operation {op!r} sent to partition {node.partition}, which holds training client "
-                          f"{node.client_id}, not a novel client")
-    return node.data
-
-
-def _training(node: Node, op: str):
-    if node.role != "training":
-        raise ConfigError(f"operation {op!r} sent to partition {node.partition}, which holds novel client "
-                          f"{node.client_id}, not a training client")
-    return node.data
-
-
-def _train(node: Node, store: _StateStore, body: Message, header: dict[str, Any]):
-    data = _training(node, header["op"])
+def _train(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
+    client.expect("training", header["op"])
     round, stage = int(header["round"]), int(header["stage"])
+    store = ClientStateFile(client.state_path, run)
     store.settle(int(header["completed_rounds"]))
     if stage == 0:
-        store.drop("privfl.pending")                    # a round interrupted earlier is being run again
-        working = dict(store.get("privfl.committed") or {})
-        ctx = client_context(node.config.seed, node.client_id, round, 0)
-        release = node.procedure.train(data, body, working, ctx)
+        store.check(client.client_id, int(header["state_of"]))
+        working = dict(store.committed)            # a pending round interrupted earlier is being run again
+        ctx = client_context(node.config.seed, client.client_id, round, 0)
+        release = node.procedure.train(client.data, body, working, ctx)
     else:
-        if store.pending_round != round:
-            raise RuntimeError(f"client {node.client_id}: stage {stage} of round {round} arrived, but the node "
-                               f"holds no stage-0 work of that round (pending round {store.pending_round})")
-        working = store.get("privfl.pending") or {}
-        ctx = client_context(node.config.seed, node.client_id, round, stage)
-        release = node.procedure.train_stage(stage, data, body, working, ctx)
-    store.put("privfl.pending", working)
-    store.tags["pending_round"] = round
+        if store.pending_round != round or store.pending is None:
+            raise RuntimeError(f"client {client.client_id}: stage {stage} of round {round} arrived, but the node "
+                               f"holds no stage-0 work of that round (pending round {store.pending_round}, "
+                               f"{store.found})")
+        working = store.pending
+        ctx = client_context(node.config.seed, client.client_id, round, stage)
+        release = node.procedure.train_stage(stage, client.data, body, working, ctx)
+    _check_state(working, client.state_path)
+    store.pending, store.pending_round = working, round
+    store.save()
     if release is None:
         return Message(), {"kind": p.NOTHING}
-    return node.send(release, round=round)
+    return client.send(release, round=round)
 
 
-def _evaluate(node: Node, store: _StateStore, body: Message, header: dict[str, Any]):
+def _evaluate(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
     from privfl.evaluation.metrics import score_model
 
-    data = _training(node, "evaluate")
+    client.expect("training", "evaluate")
     completed = int(header["completed_rounds"])
-    store.settle(completed)
+    store = ClientStateFile(client.state_path, run)
+    changed = store.settle(completed)
+    store.check(client.client_id, int(header["state_of"]))
     state_round = int(header.get("state_round", -1))
     if state_round >= 0:
-        state = store.get(f"privfl.pin.{state_round}")
-        if state is None:
-            raise RuntimeError(f"client {node.client_id}: asked to evaluate with its state of round {state_round}, "
-                               f"but it pinned only rounds {store.pins()}")
+        if state_round not in store.pins:
+            raise RuntimeError(f"client {client.client_id}: asked to evaluate with its state of round {state_round}, "
+                               f"but it pinned only rounds {sorted(store.pins)}")
+        state = store.pins[state_round]
     else:
-        state = store.get("privfl.committed") or {}
+        state = store.committed
     if header.get("pin"):
         keep = {int(r) for r in str(header.get("keep_pins", "")).split(",") if r}
-        for r in store.pins():
-            if r not in keep:
-                store.drop(f"privfl.pin.{r}")
-        store.put(f"privfl.pin.{completed}", state)
-    score = score_model(node.procedure.evaluation_model(data, body, state), data.x_val, data.y_val)
+        store.pins = {r: s for r, s in store.pins.items() if r in keep}
+        store.pins[completed] = state
+        changed = True
+    if changed:
+        store.save()
+    data = client.data
+    score = score_model(node.procedure.evaluation_model(data, body, dict(state)), data.x_val, data.y_val)
     if header.get("report"):
         report = Message(metrics={"num_samples": float(score.num_samples), "correct": float(score.correct),
                                   "loss_sum": float(score.loss_sum)})
-        return node.send(Release.non_private(report, "validation_metrics"), round=_optional_round(header["round"]))
+        return client.send(Release.non_private(report, "validation_metrics"), round=_optional_round(header["round"]))
     return _score_reply(score)
+
+
+def _novel_request(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
+    client.expect("novel", "novel_request")
+    release = node.procedure.novel_query(client.data, body)
+    return (Message(), {"kind": p.NOTHING}) if release is None else client.send(release, round=None)
+
+
+def _novel_model(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
+    from privfl.evaluation.metrics import score_model
+
+    client.expect("novel", "novel_model")
+    model = node.procedure.novel_model(client.data, body)
+    return _score_reply(score_model(model, client.data.x, client.labels))
+
+
+def _ledger(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
+    return Message(), {"kind": p.TELEMETRY}
+
+
+_OPERATIONS = {"train": _train, "train_stage": _train, "evaluate": _evaluate, "novel_request": _novel_request,
+               "novel_model": _novel_model, "ledger": _ledger}
 
 
 def _score_reply(score) -> tuple[Message, dict[str, Any]]:

@@ -7,10 +7,10 @@
 * ``superlink``: ``flower-superlink`` with TLS and SuperNode authentication on, this project's app dependencies
   not installed at run time (they are installed already: privfl itself);
 * ``register``: ``flwr supernode register`` of nodes' public keys (only registered nodes may connect);
-* ``supernode``: ``flower-supernode`` with TLS, its private key, and a node config naming its partition and the
-  directory that keeps its clients' ledgers;
+* ``supernode``: ``flower-supernode`` with TLS, its private key, and a node config naming its partition (or range of
+  partitions) and the directory that keeps its clients' ledgers and states;
 * ``run``: ``flwr run`` of the privfl app (``app/`` beside this file) with a RunConfig JSON (e.g. the ``config.json``
-  of a run directory).
+  of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves.
 
 The daemons are started with ``exec``: the process id you start is the daemon's, so you can end it by that id.
 Commands use ``$FLWR_HOME`` when set, else ``CERTS/flwr-home``; they set ``FLWR_DISABLE_UPDATE_CHECK=1`` and
@@ -142,24 +142,50 @@ def superlink_command(certs: Path, address: str, database: str | None = None) ->
     return command + (["--database", database] if database else [])
 
 
-def supernode_command(certs: Path, superlink: str, *, node: int, partition_id: int, num_partitions: int,
-                      node_dir: str, port: int, host: str = "127.0.0.1") -> list[str]:
-    config = f'{p.PARTITION_ID}={partition_id} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}"'
+def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions: int, node_dir: str, port: int,
+                      partition_id: int | None = None, partition_range: str | None = None,
+                      host: str = "127.0.0.1") -> list[str]:
+    """``flower-supernode`` for one partition (``partition_id``) or several (``partition_range="FIRST-LAST"``)."""
+    if (partition_id is None) == (partition_range is None):
+        raise ConfigError(f"give exactly one of --partition-id and --partition-range, got {partition_id!r} and "
+                          f"{partition_range!r}")
+    held = f"{p.PARTITION_ID}={partition_id}" if partition_id is not None else \
+        f'{p.PARTITION_RANGE}="{partition_range}"'
+    config = f'{held} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}"'
+    p.node_partitions(_parse_node_config(config))        # refuse a bad range here, not in the ClientApp
     return [_tool("flower-supernode"), "--superlink", superlink, "--root-certificates", str(certs / CA_CERT),
             "--auth-supernode-private-key", str(node_key(certs, node)), "--node-config", config,
             "--host", host, "--port", str(port)]
 
 
-def run_command(config_path: str, out: str, *, overwrite: bool = False, timeout_s: float = 0,
-                node_wait_s: float = 120, stream: bool = False) -> list[str]:
-    config = json.loads(Path(config_path).read_text())
+def _parse_node_config(text: str) -> dict:
+    from flwr.common.config import parse_config_args       # as flower-supernode reads --node-config
+
+    return parse_config_args([text])
+
+
+def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
+                timeout_s: float = p.DEFAULT_TIMEOUT_S, node_wait_s: float = 120, stream: bool = False,
+                serve_from: str | None = None, serve_clients: str = "") -> list[str]:
+    """``flwr run`` of the privfl app: train the RunConfig in ``config_path``, or, with ``serve_from`` (a finished
+    training run directory on the SuperLink's machine), serve its novel clients (``serve_clients``: ids, "" = all;
+    the RunConfig defaults to ``serve_from/config.json``)."""
     from privfl.experiment import RunConfig
 
+    if config_path is None:
+        if serve_from is None:
+            raise ConfigError("give --config (a RunConfig JSON), or --serve-from a finished training run")
+        config_path = str(Path(serve_from) / "config.json")
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout-s must be > 0 seconds (a limit for one exchange's replies), got {timeout_s!r}")
+    config = json.loads(Path(config_path).read_text())
     RunConfig.from_dict(config)        # refuse a bad config here, not in the ServerApp on the SuperLink's machine
     text = json.dumps(config).replace("'", "\\u0027")    # one TOML literal string
     settings = [f"{p.RUN_CONFIG}='{text}'", f'{p.OUT}="{Path(out).resolve()}"',
                 f"{p.OVERWRITE}={'true' if overwrite else 'false'}", f"{p.TIMEOUT}={float(timeout_s)}",
                 f"{p.NODE_WAIT}={float(node_wait_s)}"]
+    if serve_from is not None:
+        settings += [f'{p.SERVE_FROM}="{Path(serve_from).resolve()}"', f'{p.SERVE_CLIENTS}="{serve_clients}"']
     command = [_tool("flwr"), "run", str(APP_DIR), CONNECTION]
     for setting in settings:
         command += ["--run-config", setting]
@@ -181,22 +207,29 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--certs", required=True)
     r.add_argument("--superlink", default="127.0.0.1:9093")
     r.add_argument("nodes", type=int, nargs="+", help="node indices (keys CERTS/node-<i>.pub)")
-    n = sub.add_parser("supernode", help="start a SuperNode holding one partition; exec, so PID = daemon")
+    n = sub.add_parser("supernode", help="start a SuperNode holding one partition or a range; exec, so PID = daemon")
     n.add_argument("--certs", required=True)
     n.add_argument("--superlink", default="127.0.0.1:9093")
     n.add_argument("--node", type=int, required=True, help="index of its key pair in CERTS")
-    n.add_argument("--partition-id", type=int, required=True)
+    held = n.add_mutually_exclusive_group(required=True)
+    held.add_argument("--partition-id", type=int, help="the one partition this node holds")
+    held.add_argument("--partition-range", help="FIRST-LAST (inclusive): the partitions this node holds")
     n.add_argument("--num-partitions", type=int, required=True)
     n.add_argument("--node-dir", required=True, help="directory that keeps this node's ledgers")
     n.add_argument("--port", type=int, default=None, help="its local runtime API port (default 9100 + node)")
-    f = sub.add_parser("run", help="flwr run of the privfl app with a RunConfig JSON")
+    f = sub.add_parser("run", help="flwr run of the privfl app: train a RunConfig JSON, or serve novel clients")
     f.add_argument("--certs", required=True)
     f.add_argument("--superlink", default="127.0.0.1:9093")
-    f.add_argument("--config", required=True, help="RunConfig JSON (e.g. a run directory's config.json)")
-    f.add_argument("--out", required=True, help="run directory, on the SuperLink's machine")
+    f.add_argument("--config", default=None, help="RunConfig JSON (e.g. a run directory's config.json)")
+    f.add_argument("--out", required=True, help="run (or serving) directory, on the SuperLink's machine")
     f.add_argument("--overwrite", action="store_true")
-    f.add_argument("--timeout-s", type=float, default=0, help="limit for one exchange's replies (0: none)")
-    f.add_argument("--node-wait-s", type=float, default=120)
+    f.add_argument("--timeout-s", type=float, default=p.DEFAULT_TIMEOUT_S,
+                   help=f"limit for one exchange's replies, > 0 ({p.DEFAULT_TIMEOUT_S:g} s)")
+    f.add_argument("--node-wait-s", type=float, default=120, help="wait this long for the nodes the run needs")
+    f.add_argument("--serve-from", default=None,
+                   help="a finished training run directory (on the SuperLink's machine): serve its novel clients "
+                        "in a run of their own instead of training")
+    f.add_argument("--serve-clients", default="", help="with --serve-from: novel client ids, e.g. 9,10 (all)")
     f.add_argument("--stream", action="store_true", help="show the run's log until it ends")
     args = parser.parse_args(argv)
 
@@ -211,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         command = superlink_command(certs, args.address, args.database)
     elif args.command == "supernode":
         command = supernode_command(certs, args.superlink, node=args.node, partition_id=args.partition_id,
-                                    num_partitions=args.num_partitions, node_dir=str(Path(args.node_dir).resolve()),
+                                    partition_range=args.partition_range, num_partitions=args.num_partitions,
+                                    node_dir=str(Path(args.node_dir).resolve()),
                                     port=args.port if args.port is not None else 9100 + args.node)
     elif args.command == "register":
         write_connection(env, args.superlink, certs)
@@ -222,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         write_connection(env, args.superlink, certs)
         command = run_command(args.config, args.out, overwrite=args.overwrite, timeout_s=args.timeout_s,
-                              node_wait_s=args.node_wait_s, stream=args.stream)
+                              node_wait_s=args.node_wait_s, stream=args.stream, serve_from=args.serve_from,
+                              serve_clients=args.serve_clients)
         return subprocess.run(command, env=env).returncode
     os.execve(command[0], command, env)      # the daemon takes this process id
 

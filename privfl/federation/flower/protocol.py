@@ -1,29 +1,36 @@
 """What the privfl ServerApp and ClientApp agree on: operations, message types, run-config keys, options.
 
-Every Flower message carries a privfl :class:`~privfl.federation.messages.Message` plus a small header (a
-``ConfigRecord`` under ``"privfl"``, see :mod:`privfl.federation.flower.records`) that names the operation:
+Every Flower message carries the privfl :class:`~privfl.federation.messages.Message` of each client the node holds,
+plus a small header (a ``ConfigRecord`` under ``"privfl"``, see :mod:`privfl.federation.flower.records`) that names
+the operation:
 
 ============== ======================= ===========================================================================
 operation      Flower message type     what the node does
 ============== ======================= ===========================================================================
-hello          ``query.hello``         says which client it holds (id and role, from the node config; no data)
+hello          ``query.hello``         says which clients it holds (ids and roles, from the node config; no data)
+                                       and the run config it runs with
 train          ``train``               stage 0 of a round: ``ClientProcedure.train``; the release goes up
 train_stage    ``train.stage``         stage s >= 1: ``ClientProcedure.train_stage``; the release goes up
 evaluate       ``evaluate``            scores ``evaluation_model`` on its validation split
 novel_request  ``query.novel_request`` a novel node's ``novel_query`` (a release, or nothing)
 novel_model    ``query.novel_model``   a novel node builds its model with ``novel_model`` and scores it
-ledger         ``query.ledger``        the node's privacy ledger (what it recorded; the node keeps the original)
+ledger         ``query.ledger``        a client's privacy ledger (what it recorded; the node keeps the original)
 ============== ======================= ===========================================================================
 
 Every reply that carries a release was recorded in the node's ledger, and the ledger saved on the node, before the
 reply left the node. Replies that carry no release are labelled ``telemetry`` (the experimenter's scores, which the
 in-process runtime reads directly without a release) or ``nothing``.
+
+A node may hold several clients (node config ``partition-range``): the server then sends it one Flower message per
+exchange that packs the messages of all its clients (:func:`~privfl.federation.flower.records.pack`), and the node
+answers with one message that packs their replies.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,13 +58,20 @@ OUT = "out"                          # the run directory (server side)
 OVERWRITE = "overwrite"
 NODES_ROOT = "nodes-root"            # default parent of node directories ("" = each node names its own)
 THREADS = "threads"                  # torch threads per ClientApp process (0 = leave torch's choice)
-TIMEOUT = "timeout-s"                # seconds to wait for the replies of one exchange (0 = no limit)
-NODE_WAIT = "node-wait-s"            # seconds to wait for the training clients' nodes to connect
+TIMEOUT = "timeout-s"                # seconds to wait for the replies of one exchange (> 0)
+NODE_WAIT = "node-wait-s"            # seconds to wait for the nodes the run needs to connect
+SERVE_FROM = "serve-from"            # a finished training run directory: serve its novel clients, do not train
+SERVE_CLIENTS = "serve-clients"      # with serve-from: the novel client ids to serve ("" = every novel client)
 
 # node-config keys (``flower-supernode --node-config``)
 PARTITION_ID = "partition-id"
+PARTITION_RANGE = "partition-range"  # "FIRST-LAST" (inclusive): the node holds several partitions (no partition-id)
 NUM_PARTITIONS = "num-partitions"
-NODE_DIR = "privfl-dir"              # where the node keeps its clients' ledgers
+NODE_DIR = "privfl-dir"              # where the node keeps its clients' ledgers and states
+
+#: Default limit for one exchange's replies: long enough for a node that trains many clients on a CPU, short enough
+#: that a dead node ends the run with an error instead of hanging it.
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 def _default_actors() -> int:
@@ -73,18 +87,21 @@ class FlowerOptions:
     ``cpus_per_client`` and ``gpus_per_client`` are Ray resources (a fraction of a GPU shares it); ``max_actors`` caps
     the client processes the simulation runs at once (default: half the CPU cores, at least 1). ``threads`` sets
     ``torch.set_num_threads`` in each client process (0 leaves torch's default). ``timeout_s`` bounds the wait for
-    one exchange's replies (``None``: no limit); ``node_wait_s`` bounds the wait for the training clients' nodes.
-    ``poll_interval_s`` is how often the server asks the SuperLink for replies. A GPU share only reserves the
-    device in Ray: privfl's client procedures compute on the CPU today.
+    one exchange's replies (seconds; the nodes that did not answer are named in the error); ``None`` waits forever,
+    so a dead node hangs the run: use it only where something else watches the run. ``node_wait_s`` bounds the wait
+    for the nodes the run needs. The server asks the SuperLink for replies with exponential backoff, from
+    ``poll_min_s`` up to ``poll_max_s`` between asks, back to ``poll_min_s`` whenever a reply arrives. A GPU share only
+    reserves the device in Ray: privfl's client procedures compute on the CPU today.
     """
 
     cpus_per_client: float = 1.0
     gpus_per_client: float = 0.0
     max_actors: int | None = None
     threads: int = 1
-    timeout_s: float | None = None
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
     node_wait_s: float = 120.0
-    poll_interval_s: float = 0.02
+    poll_min_s: float = 0.002
+    poll_max_s: float = 0.1
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -102,8 +119,9 @@ class FlowerOptions:
             ("timeout_s", self.timeout_s, self.timeout_s is None or (number(self.timeout_s) and self.timeout_s > 0),
              "None or a number > 0"),
             ("node_wait_s", self.node_wait_s, number(self.node_wait_s) and self.node_wait_s >= 0, "a number >= 0"),
-            ("poll_interval_s", self.poll_interval_s, number(self.poll_interval_s) and self.poll_interval_s > 0,
-             "a number > 0"),
+            ("poll_min_s", self.poll_min_s, number(self.poll_min_s) and self.poll_min_s > 0, "a number > 0"),
+            ("poll_max_s", self.poll_max_s, number(self.poll_max_s) and self.poll_max_s >= self.poll_min_s,
+             f"a number >= poll_min_s ({self.poll_min_s!r})"),
         ]
         for name, value, ok, valid in checks:
             if not ok:
@@ -125,3 +143,32 @@ class FlowerOptions:
             init_args["num_gpus"] = torch.cuda.device_count()
         return {"client_resources": {"num_cpus": self.cpus_per_client, "num_gpus": self.gpus_per_client},
                 "init_args": init_args}
+
+
+def node_partitions(node_config: Mapping[str, Any]) -> tuple[list[int], int]:
+    """The partitions a node holds and the number of partitions, from its node config.
+
+    Either ``partition-id`` (one partition; what Flower's simulation engine sets) or ``partition-range`` (a string
+    ``"FIRST-LAST"``, both included: one SuperNode holds several clients), with ``num-partitions``.
+    """
+    single, span = node_config.get(PARTITION_ID), node_config.get(PARTITION_RANGE)
+    count = node_config.get(NUM_PARTITIONS)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ConfigError(f"node config {NUM_PARTITIONS}={count!r} is invalid: it must be an integer >= 1")
+    if (single is None) == (span is None):
+        raise ConfigError(f"node config needs exactly one of {PARTITION_ID} (one partition) and {PARTITION_RANGE} "
+                          f"(\"FIRST-LAST\", several), got {PARTITION_ID}={single!r}, {PARTITION_RANGE}={span!r}")
+    if single is not None:
+        if not isinstance(single, int) or isinstance(single, bool) or not 0 <= single < count:
+            raise ConfigError(f"node config {PARTITION_ID}={single!r}, {NUM_PARTITIONS}={count!r} is invalid: they "
+                              f"must be integers with 0 <= {PARTITION_ID} < {NUM_PARTITIONS}")
+        return [single], count
+    first, _, last = str(span).partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        lo, hi = -1, -1
+    if not 0 <= lo <= hi < count:
+        raise ConfigError(f"node config {PARTITION_RANGE}={span!r}, {NUM_PARTITIONS}={count!r} is invalid: it must "
+                          f"be \"FIRST-LAST\" with 0 <= FIRST <= LAST < {NUM_PARTITIONS}, e.g. \"0-49\"")
+    return list(range(lo, hi + 1)), count

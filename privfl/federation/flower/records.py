@@ -12,6 +12,15 @@ operation, round, stage, ...) that the runtime needs and the method never sees. 
 >>> back, header = from_records(to_records(message, {"op": "train"}))
 >>> back.arrays["w"].dtype, back.metrics, back.config, header
 (torch.float64, {'loss': 0.5}, {'lr': 0.1}, {'op': 'train'})
+
+A node that holds several clients gets one Flower message per exchange: :func:`pack` puts each client's message under
+prefixed keys (``m<k>.arrays``, ... for the ``k``-th distinct message, ``h<id>`` for a client's own header), storing
+a message that several clients receive (FedAvg's global model) once; :func:`unpack` gives each client its own copy.
+
+>>> packed = pack({3: (message, {}), 5: (message, {"send_ledger": True})}, {"op": "train"})
+>>> header, items = unpack(packed)
+>>> header, sorted(items), items[5][1], torch.equal(items[3][0].arrays["w"], items[5][0].arrays["w"])
+({'op': 'train'}, [3, 5], {'send_ledger': True}, True)
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from privfl.errors import ConfigError
 from privfl.federation.messages import Message
 
 ARRAYS, METRICS, CONFIG, HEADER = "arrays", "metrics", "config", "privfl"
+CLIENTS, MESSAGE_OF = "clients", "message_of"      # pack header: the client ids, and which message each one gets
 _CONFIG_SCALARS = (bool, int, float, str, bytes)
 
 
@@ -79,3 +89,62 @@ def state_to_records(state: Mapping[str, Any]) -> tuple[ArrayRecord, ConfigRecor
 def records_to_state(tensors: ArrayRecord, scalars: ConfigRecord) -> dict[str, Any]:
     """The inverse of :func:`state_to_records`."""
     return {**record_to_tensors(tensors), **dict(scalars)}
+
+
+def _message_records(message: Message) -> dict[str, Any]:
+    return {ARRAYS: tensors_to_record(message.arrays), METRICS: MetricRecord(dict(message.metrics)),
+            CONFIG: ConfigRecord(_check_config(message.config, "message config"))}
+
+
+def pack(items: Mapping[int, tuple[Message, Mapping[str, Any]]], header: Mapping[str, Any], *,
+         converted: dict[int, dict[str, Any]] | None = None) -> RecordDict:
+    """One ``RecordDict`` carrying a message and a per-client header for each client id in ``items``, plus the
+    ``header`` common to all of them. The same :class:`Message` object given to several clients is stored once;
+    ``converted`` (``id(message)`` -> records) lets a caller share the conversion across packs."""
+    content: dict[str, Any] = {}
+    index: dict[int, int] = {}
+    clients, message_of = [], []
+    for cid in sorted(items):
+        message, client_header = items[cid]
+        if id(message) not in index:
+            k = index[id(message)] = len(index)
+            records = converted.get(id(message)) if converted is not None else None
+            if records is None:
+                records = _message_records(message)
+                if converted is not None:
+                    converted[id(message)] = records
+            content.update({f"m{k}.{name}": record for name, record in records.items()})
+        clients.append(int(cid))
+        message_of.append(index[id(message)])
+        if client_header:
+            content[f"h{cid}"] = ConfigRecord(_check_config(client_header, "header"))
+    common = _check_config(header, "header")
+    if CLIENTS in common or MESSAGE_OF in common:
+        raise ConfigError(f"header keys {CLIENTS!r} and {MESSAGE_OF!r} are reserved for the pack, got {sorted(common)}")
+    if clients:
+        common.update({CLIENTS: clients, MESSAGE_OF: message_of})
+    content[HEADER] = ConfigRecord(common)
+    return RecordDict(content)
+
+
+def unpack(records: RecordDict) -> tuple[dict[str, Any], dict[int, tuple[Message, dict[str, Any]]]]:
+    """The common header and, per client id, its own copy of its message and its own header (inverse of
+    :func:`pack`)."""
+    header = dict(records[HEADER]) if HEADER in records else {}
+    clients, message_of = header.pop(CLIENTS, []), header.pop(MESSAGE_OF, [])
+    if len(clients) != len(message_of):
+        raise ConfigError(f"a packed message lists {len(clients)} clients but {len(message_of)} message indices")
+    decoded: dict[int, Message] = {}
+    used: set[int] = set()
+    items: dict[int, tuple[Message, dict[str, Any]]] = {}
+    for cid, k in zip(clients, message_of):
+        if k not in decoded:
+            prefix = f"m{k}."
+            if prefix + ARRAYS not in records:
+                raise ConfigError(f"a packed message names message {k} for client {cid} but does not carry it")
+            decoded[k] = Message(arrays=record_to_tensors(records[prefix + ARRAYS]),
+                                 metrics=dict(records[prefix + METRICS]), config=dict(records[prefix + CONFIG]))
+        message = decoded[k].copy() if k in used else decoded[k]     # each client gets its own tensors
+        used.add(k)
+        items[int(cid)] = (message, dict(records[f"h{cid}"]) if f"h{cid}" in records else {})
+    return header, items
