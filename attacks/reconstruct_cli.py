@@ -6,16 +6,24 @@ Protocol (FedPFT paper, App. E; digest ``papers/fedpft.md`` 7 and 8.3 for the CP
    test split (disjoint; a source without a test split is cut into two disjoint halves).
 2. Embedding ``E``: the frozen backbone (e.g. the ImageNet MobileNetV2 at ``--input-size`` pixels, features cached
    on disk) followed by L2 normalisation.
-3. The reconstructor is trained on ``(E(x), x)`` for ``x`` in ``D_a`` at ``--image-size`` (images resized with
-   antialiasing), checkpointed to ``OUT/reconstructor.pt`` (``--checkpoint``) and resumed from there when it exists.
-4. Near-duplicate filter: the ``--near-duplicate-fraction`` of ``D_d`` most similar (SSIM) to some image of ``D_a``
+3. The reconstructor is trained on ``(E(x), x)`` for ``x`` in ``D_a`` minus ``--validation-images`` held-out pairs,
+   at ``--image-size`` (images resized with antialiasing), checkpointed to ``OUT/reconstructor.pt``
+   (``--checkpoint``) and resumed from there when it exists. Its features are standardised per dimension with the
+   attacker's training statistics, or whitened to ``--condition-dims`` principal components of them.
+4. Guidance: with several ``--guidance`` scales, the one whose reconstructions of the held-out attacker pairs have
+   the highest mean SSIM is used (no defender data is involved in the choice).
+5. Near-duplicate filter: the ``--near-duplicate-fraction`` of ``D_d`` most similar (SSIM) to some image of ``D_a``
    is removed from evaluation (the paper: 10 %).
-5. Each scheme releases ``E(D_d)`` (:func:`attacks.schemes.make_release`); the reconstructions are scored with
-   PSNR / LPIPS (AlexNet) / SSIM under the selections all / attacker / oracle
-   (:func:`attacks.schemes.evaluate_release`), beside the nearest-attacker-image baseline (over all of ``D_a`` and
-   over a random subset of ``|D_d|`` images, the size of the set-level reconstruction sets).
-6. Outputs in ``--out``: ``attack_results.csv``, ``attack_results.md``, ``attack_results.json`` (settings, rows,
-   timings) and ``attack_grid.png`` (original / reconstruction per scheme / nearest attacker image).
+6. Each scheme releases ``E(D_d)`` through the method's client procedure and the wire, which records it in the
+   defender's ledger (:func:`attacks.schemes.make_release`); mixture releases are read naively and, with
+   ``--postprocess`` (default), also after the attacker's post-processing (:func:`attacks.schemes.
+   postprocess_release`). The diffusion reconstructions and the feature-space nearest attacker image of every
+   released feature are scored with PSNR / LPIPS (AlexNet) / SSIM under the rows of :mod:`attacks.schemes`, beside
+   the oracle nearest-attacker-image-by-SSIM baseline (over all of ``D_a`` and over a random subset of ``|D_d|``
+   images, the size of the set-level reconstruction sets).
+7. Outputs in ``--out``: ``attack_results.csv``, ``attack_results.md``, ``attack_results.json`` (settings, rows,
+   releases with their ledger records, guidance scores, timings) and ``attack_grid.png`` (originals, then what
+   each attacker shows for them).
 
 Example:
     privfl attack reconstruct --dataset mnist --backbone mobilenet_v2 --schemes raw,fedpft,dp-fedpft --eps 1,8 \
@@ -60,15 +68,20 @@ class AttackSettings:
     covariance: str = "diag"
     attacker_images: int = 5000
     defender_images: int = 250
+    validation_images: int = 200
     image_size: int = 16
     block_channels: tuple[int, ...] = (32, 64, 64)
+    mid_attention: bool = True
+    condition_dims: int | None = None
     steps: int = 2000
-    batch_size: int = 64
+    batch_size: int = 32
     learning_rate: float = 2e-4
     cond_dropout: float = 0.1
-    guidance: float = 2.0
+    guidance: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
     ddim_steps: int = 20
-    samples_per_feature: int = 5
+    samples_per_feature: int = 4
+    postprocess: bool = True
+    dp_noise: str = "seeded"
     top_fractions: tuple[float, ...] = (0.01, 0.05)
     near_duplicate_fraction: float = 0.1
     checkpoint: str | None = None
@@ -111,13 +124,25 @@ class AttackSettings:
             raise ConfigError(f"--top-fractions must be fractions in (0, 1], got {list(self.top_fractions)}")
         if not 0 <= self.near_duplicate_fraction < 1:
             raise ConfigError(f"--near-duplicate-fraction must be in [0, 1), got {self.near_duplicate_fraction}")
-        if self.guidance < 0:
-            raise ConfigError(f"--guidance must be >= 0, got {self.guidance}")
+        if not self.guidance or any(not math.isfinite(w) or w < 0 for w in self.guidance):
+            raise ConfigError(f"--guidance must be one or more finite scales >= 0, got {list(self.guidance)}")
+        if self.validation_images < (1 if len(self.guidance) > 1 else 0):
+            raise ConfigError(f"--validation-images must be >= 1 to choose among guidance scales "
+                              f"{list(self.guidance)}, got {self.validation_images}")
+        if self.validation_images >= self.attacker_images:
+            raise ConfigError(f"--validation-images ({self.validation_images}) must leave training pairs out of "
+                              f"--attacker-images ({self.attacker_images})")
+        if self.dp_noise not in ("seeded", "secure"):
+            raise ConfigError(f"--dp-noise must be seeded or secure, got {self.dp_noise!r}")
+        if self.condition_dims is not None and self.condition_dims < 1:
+            raise ConfigError(f"--condition-dims must be an integer >= 1 or none, got {self.condition_dims}")
         from attacks.reconstructor import ReconstructorConfig
 
-        ReconstructorConfig(feature_dim=1, image_size=self.image_size, block_channels=self.block_channels,
-                            batch_size=self.batch_size, learning_rate=self.learning_rate,
-                            cond_dropout=self.cond_dropout)  # its errors name the setting, before any work
+        ReconstructorConfig(feature_dim=max(1, self.condition_dims or 1), image_size=self.image_size,
+                            block_channels=self.block_channels, batch_size=self.batch_size,
+                            learning_rate=self.learning_rate, cond_dropout=self.cond_dropout,
+                            mid_attention=self.mid_attention, condition_dims=self.condition_dims)
+        # (its errors name the setting, before any work)
 
 
 # -- data -----------------------------------------------------------------------------------------------------------
@@ -166,42 +191,54 @@ def _embed(settings: AttackSettings, images: np.ndarray, name: str) -> torch.Ten
 
 # -- output ---------------------------------------------------------------------------------------------------------
 
-_COLUMNS = ("source", "epsilon", "selection", "top", "n", "psnr", "lpips", "ssim", "set_size")
+_COLUMNS = ("source", "attack", "epsilon", "level", "selection", "top", "n", "ground_truth", "psnr", "lpips", "ssim",
+            "set_size")
 
 
 def format_markdown(rows: Sequence[Any]) -> str:
-    """The table in the paper's layout (PSNR up, LPIPS down, SSIM up)."""
-    lines = ["| source | epsilon | selection | top | n | PSNR ↑ | LPIPS ↓ | SSIM ↑ | set size |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """The table in the paper's layout (PSNR up, LPIPS down, SSIM up), with the attack, the row's level and which
+    rows use the defender's images (ground truth) to match or select; epsilon is the ledger's."""
+    lines = ["| source | attack | ε (ledger) | level | selection | top | n | ground truth used | PSNR ↑ | LPIPS ↓ | "
+             "SSIM ↑ | set size |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        eps = "∞" if math.isinf(r.epsilon) else f"{r.epsilon:g}"
-        lines.append(f"| {r.source} | {eps} | {r.selection} | {r.top} | {r.n} | {r.psnr:.2f} | {r.lpips:.3f} | "
-                     f"{r.ssim:.3f} | {r.set_size} |")
+        eps = "∞" if math.isinf(r.epsilon) else f"{r.epsilon:.3g}"
+        lines.append(f"| {r.source} | {r.attack} | {eps} | {r.level} | {r.selection} | {r.top} | {r.n} | "
+                     f"{r.ground_truth} | {r.psnr:.2f} | {r.lpips:.3f} | {r.ssim:.3f} | {r.set_size} |")
     return "\n".join(lines) + "\n"
 
 
 def save_grid(path: Path, panels: Sequence[tuple[str, torch.Tensor]], columns: int = 10) -> Path:
-    """A PNG with one row per panel (name, ``[n, C, H, W]`` images on [0, 1]) and ``columns`` images per row."""
+    """A PNG with one row per panel (name, ``[n, C, H, W]`` images on [0, 1]) and ``columns`` images per row.
+
+    The images are tiled into one mosaic (one ``imshow``, a 1-pixel white border around each image) so the file is
+    quick to write however many panels there are.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     columns = min(columns, min(len(images) for _, images in panels))
-    fig, axes = plt.subplots(len(panels), columns, figsize=(1.1 * columns + 1.6, 1.15 * len(panels)), squeeze=False)
-    for row, (name, images) in enumerate(panels):
+    c, h, w = panels[0][1].shape[1:]
+    pad = 1
+    mosaic = np.ones((len(panels) * (h + pad) + pad, columns * (w + pad) + pad, 3))
+    for row, (_, images) in enumerate(panels):
         for col in range(columns):
-            ax = axes[row][col]
-            image = images[col].numpy()
-            if image.shape[0] == 1:
-                ax.imshow(image[0], cmap="gray", vmin=0, vmax=1, interpolation="nearest")
-            else:
-                ax.imshow(image.transpose(1, 2, 0).clip(0, 1), interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if col == 0:
-                ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
-    fig.suptitle("defender images (top row) and what each attacker gets", fontsize=9)
+            image = images[col].clamp(0, 1).numpy()
+            image = np.repeat(image, 3, axis=0) if image.shape[0] == 1 else image
+            top, left = pad + row * (h + pad), pad + col * (w + pad)
+            mosaic[top:top + h, left:left + w] = image.transpose(1, 2, 0)
+    scale = 0.075  # inches per pixel
+    fig, ax = plt.subplots(figsize=(mosaic.shape[1] * scale + 2.4, mosaic.shape[0] * scale + 0.5))
+    ax.imshow(mosaic, interpolation="nearest")
+    ax.set_xticks([])
+    ax.set_yticks([pad + row * (h + pad) + h / 2 for row in range(len(panels))])
+    ax.set_yticklabels([name for name, _ in panels], fontsize=8)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_title("defender images (top row) and what each attacker shows for them", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -211,11 +248,34 @@ def save_grid(path: Path, panels: Sequence[tuple[str, torch.Tensor]], columns: i
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
+def _releases(settings: AttackSettings, features_d: torch.Tensor, yd: np.ndarray, kept: np.ndarray,
+              num_classes: int, prior: Any) -> list[Any]:
+    """Every release the run attacks, in table order (raw; FedPFT; DP-FedPFT per epsilon), each mixture release
+    naive and, with ``settings.postprocess``, post-processed."""
+    from attacks.schemes import make_release, postprocess_release
+
+    releases = []
+    for scheme in settings.schemes:
+        if scheme == "raw":
+            releases.append(make_release("raw", features_d[torch.as_tensor(kept)], yd[kept], num_classes=num_classes,
+                                         delta=settings.delta))
+            continue
+        for eps in (settings.eps if scheme == "dp-fedpft" else (None,)):
+            release = make_release(scheme, features_d, yd, num_classes=num_classes, epsilon=eps,
+                                   delta=settings.delta, components=settings.components,
+                                   covariance=settings.covariance, seed=settings.seed, dp_noise=settings.dp_noise)
+            releases.append(release)
+            if settings.postprocess:
+                releases.append(postprocess_release(release, prior, seed=settings.seed))
+    return releases
+
+
 def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes."""
     from attacks.metrics import LPIPS
-    from attacks.reconstructor import ReconstructorConfig, train_or_resume
-    from attacks.schemes import evaluate_release, make_release, nearest_image_baseline
+    from attacks.reconstructor import ReconstructorConfig, select_guidance_scale, train_or_resume
+    from attacks.schemes import (AttackerPrior, evaluate_release, feature_diagnostics, feature_retrieval,
+                                 nearest_image_baseline)
     from attacks.selection import near_duplicate_filter
 
     settings.validate()
@@ -231,70 +291,80 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     images_a, images_d = _resize(xa, settings.image_size), _resize(xd, settings.image_size)
     timings["data_and_features_s"] = time.perf_counter() - started
 
+    # The attacker holds some of its own pairs out of training to choose the guidance scale.
+    order = np.random.default_rng([settings.seed, 2]).permutation(len(xa))
+    held_out = torch.as_tensor(np.sort(order[:settings.validation_images]))
+    train = torch.as_tensor(np.sort(order[settings.validation_images:]))
     config = ReconstructorConfig(feature_dim=features_a.shape[1], image_size=settings.image_size,
                                  channels=images_a.shape[1], block_channels=settings.block_channels,
+                                 mid_attention=settings.mid_attention, condition_dims=settings.condition_dims,
                                  batch_size=settings.batch_size, learning_rate=settings.learning_rate,
                                  cond_dropout=settings.cond_dropout)
     checkpoint = Path(settings.checkpoint) if settings.checkpoint else out / "reconstructor.pt"
     started = time.perf_counter()
-    reconstructor = train_or_resume(config, features_a, images_a, steps=settings.steps, checkpoint=checkpoint,
-                                    device=settings.device, seed=settings.seed,
+    reconstructor = train_or_resume(config, features_a[train], images_a[train], steps=settings.steps,
+                                    checkpoint=checkpoint, device=settings.device, seed=settings.seed,
                                     checkpoint_every=settings.checkpoint_every, progress=settings.progress)
     timings["reconstructor_call_s"] = time.perf_counter() - started
     timings["reconstructor_train_s"] = reconstructor.train_seconds
+
+    started = time.perf_counter()
+    if len(settings.guidance) > 1:
+        guidance, guidance_scores = select_guidance_scale(
+            reconstructor, features_a[held_out], images_a[held_out], settings.guidance,
+            num_inference_steps=settings.ddim_steps, seed=settings.seed, progress=settings.progress)
+    else:
+        guidance, guidance_scores = float(settings.guidance[0]), {}
+    timings["guidance_selection_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
     kept, max_ssim = near_duplicate_filter(images_d, images_a, fraction=settings.near_duplicate_fraction)
     timings["near_duplicate_filter_s"] = time.perf_counter() - started
     targets = images_d[torch.as_tensor(kept)]
 
+    prior = AttackerPrior.fit(features_a, ya, num_classes=num_classes)
+    releases = _releases(settings, features_d, yd, kept, num_classes, prior)
     rows = []
     panels: list[tuple[str, torch.Tensor]] = [("original", targets)]
-    releases = []
-    for scheme in settings.schemes:
-        if scheme == "raw":
-            releases.append(make_release("raw", features_d[torch.as_tensor(kept)], yd[kept], num_classes=num_classes))
-        elif scheme == "fedpft":
-            releases.append(make_release("fedpft", features_d, yd, num_classes=num_classes,
-                                         components=settings.components, covariance=settings.covariance,
-                                         seed=settings.seed))
-        else:
-            for eps in settings.eps:
-                releases.append(make_release("dp-fedpft", features_d, yd, num_classes=num_classes, epsilon=eps,
-                                             delta=settings.delta, covariance=settings.covariance,
-                                             seed=settings.seed))
     release_details = []
     for release in releases:
         started = time.perf_counter()
-        evaluation = evaluate_release(release, reconstructor, targets, lpips=lpips,
-                                      samples_per_feature=settings.samples_per_feature,
-                                      top_fractions=settings.top_fractions, guidance_scale=settings.guidance,
-                                      num_inference_steps=settings.ddim_steps, seed=settings.seed,
-                                      progress=settings.progress)
-        rows.extend(evaluation.rows)
-        panels.append((release.label, evaluation.matched))
-        release_details.append({"source": release.label, "set_level": release.set_level,
+        diffusion = evaluate_release(release, reconstructor, targets, lpips=lpips,
+                                     samples_per_feature=settings.samples_per_feature,
+                                     top_fractions=settings.top_fractions, guidance_scale=guidance,
+                                     num_inference_steps=settings.ddim_steps, seed=settings.seed,
+                                     progress=settings.progress)
+        retrieval = feature_retrieval(release, features_a, images_a, targets, lpips=lpips,
+                                      top_fractions=settings.top_fractions)
+        rows.extend(diffusion.rows + retrieval.rows)
+        panels.append((f"{release.label}: diffusion", diffusion.shown))
+        if not release.set_level:
+            panels.append((f"{release.label}: feature NN", retrieval.shown))
+        release_details.append({"source": release.label, "scheme": release.scheme, "set_level": release.set_level,
+                                "epsilon": "inf" if math.isinf(release.epsilon) else release.epsilon,
                                 "features": len(release.features), **release.details,
-                                "sampling_s": evaluation.seconds_sampling,
+                                "feature_diagnostics": feature_diagnostics(release.features, prior),
+                                "sampling_and_scoring_s": diffusion.seconds, "retrieval_s": retrieval.seconds,
                                 "total_s": time.perf_counter() - started})
         if settings.progress:
             print(f"{release.label}: done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     started = time.perf_counter()
     baseline, matched = nearest_image_baseline(targets, images_a, lpips=lpips, top_fractions=settings.top_fractions)
     rows.extend(baseline)
-    panels.append(("nearest attacker image", matched))
+    panels.append(("nearest image by SSIM (oracle)", matched))
     subset = np.random.default_rng(settings.seed + 1).choice(len(images_a), size=min(len(images_a), len(xd)),
                                                              replace=False)
     subset_rows, _ = nearest_image_baseline(targets, images_a[torch.as_tensor(np.sort(subset))], lpips=lpips,
                                             top_fractions=settings.top_fractions,
-                                            source=f"nearest attacker image (subset of {len(subset)})")
+                                            source=f"no release ({len(subset)} attacker images)")
     rows.extend(subset_rows)
     timings["baseline_s"] = time.perf_counter() - started
 
     summary = {
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
         "protocol": {
-            "attacker": f"{len(xa)} images of the {settings.dataset} training split",
+            "attacker": f"{len(xa)} images of the {settings.dataset} training split ({len(train)} train the "
+                        f"reconstructor, {len(held_out)} held out to choose the guidance scale)",
             "defender": f"{len(xd)} images of the {settings.dataset} test split",
             "evaluated_defender_images": int(len(kept)),
             "near_duplicates_removed": int(len(xd) - len(kept)),
@@ -303,11 +373,17 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
             "images": f"{settings.image_size} x {settings.image_size}, antialiased resize, [0, 1]",
             "metrics": "PSNR (data range 1), SSIM (Gaussian window sigma 1.5, population covariances), LPIPS "
                        "v0.1 AlexNet (pretrained; images upsampled to 64 px)",
+            "attacker_features": feature_diagnostics(features_a, prior),
+            "defender_features": feature_diagnostics(features_d, prior),
         },
         "reconstructor": {"parameters": reconstructor.num_parameters, "config": config.to_dict(),
                           "steps": reconstructor.step, "final_loss_mean_100": float(np.mean(reconstructor.losses[-100:])),
                           "first_loss_mean_100": float(np.mean(reconstructor.losses[:100])),
-                          "train_seconds": reconstructor.train_seconds, "checkpoint": str(checkpoint)},
+                          "loss_mean_per_1000_steps": [float(np.mean(reconstructor.losses[i:i + 1000]))
+                                                       for i in range(0, len(reconstructor.losses), 1000)],
+                          "train_seconds": reconstructor.train_seconds, "checkpoint": checkpoint.name},
+        "guidance": {"chosen": guidance, "held_out_mean_ssim": {f"{w:g}": v for w, v in guidance_scores.items()},
+                     "held_out_pairs": int(len(held_out))},
         "releases": release_details,
         "timings_s": timings,
         "rows": [r.to_dict() for r in rows],
@@ -344,6 +420,15 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+def _dims(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = AttackSettings(out="")
     p = argparse.ArgumentParser(prog="privfl attack reconstruct",
@@ -355,22 +440,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backbone", default=d.backbone, help="frozen feature extractor (mobilenet_v2)")
     p.add_argument("--input-size", type=int, default=d.input_size, help="backbone input pixels (224 in ImageNet)")
     p.add_argument("--schemes", type=_names, default=d.schemes, help="comma-separated: raw,fedpft,dp-fedpft")
-    p.add_argument("--eps", type=_floats, default=d.eps, help="DP-FedPFT epsilons, e.g. 1,8")
+    p.add_argument("--eps", type=_floats, default=d.eps, help="DP-FedPFT epsilons requested, e.g. 1,8")
     p.add_argument("--delta", type=float, default=d.delta, help="DP-FedPFT delta (public)")
+    p.add_argument("--dp-noise", default=d.dp_noise,
+                   help="seeded (reproducible simulation of the defender) or secure (OS randomness)")
     p.add_argument("--components", type=int, default=d.components, help="FedPFT mixture components K")
     p.add_argument("--covariance", default=d.covariance, help="full, diag or spherical")
+    p.add_argument("--no-postprocess", action="store_true",
+                   help="attack mixture releases only as delivered (no attacker post-processing rows)")
     p.add_argument("--attacker-images", type=int, default=d.attacker_images)
+    p.add_argument("--validation-images", type=int, default=d.validation_images,
+                   help="attacker pairs held out of training to choose the guidance scale")
     p.add_argument("--defender-images", type=int, default=d.defender_images)
     p.add_argument("--image-size", type=int, default=d.image_size, help="reconstruction resolution (16 or 28)")
     p.add_argument("--block-channels", type=_ints, default=d.block_channels, help="U-Net channels per level")
+    p.add_argument("--no-mid-attention", action="store_true", help="no self-attention in the U-Net's middle block")
+    p.add_argument("--condition-dims", type=_dims, default=d.condition_dims,
+                   help="principal components the features are whitened to (none: per-dimension standardisation)")
     p.add_argument("--steps", type=int, default=d.steps, help="reconstructor training steps (total)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.learning_rate)
     p.add_argument("--cond-dropout", type=float, default=d.cond_dropout, help="condition dropout probability")
-    p.add_argument("--guidance", type=float, default=d.guidance, help="classifier-free guidance scale w")
+    p.add_argument("--guidance", type=_floats, default=d.guidance,
+                   help="classifier-free guidance scale w, or several to choose from on the held-out pairs")
     p.add_argument("--ddim-steps", type=int, default=d.ddim_steps)
     p.add_argument("--samples-per-feature", type=int, default=d.samples_per_feature,
-                   help="reconstructions per feature for the attacker selection (the paper: 10)")
+                   help="reconstructions per feature for the attacker selection and medoid (the paper: 10)")
     p.add_argument("--top-fractions", type=_floats, default=d.top_fractions,
                    help="attacker / oracle selection sizes (the paper: 0.01)")
     p.add_argument("--near-duplicate-fraction", type=float, default=d.near_duplicate_fraction)
@@ -395,19 +490,23 @@ def reconstruct_main(argv: Sequence[str] | None = None) -> int:
             out=args.out, dataset=args.dataset, data_root=args.data_root, backbone=args.backbone,
             input_size=args.input_size, schemes=args.schemes, eps=args.eps, delta=args.delta,
             components=args.components, covariance=args.covariance, attacker_images=args.attacker_images,
-            defender_images=args.defender_images, image_size=args.image_size, block_channels=args.block_channels,
-            steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, cond_dropout=args.cond_dropout,
-            guidance=args.guidance, ddim_steps=args.ddim_steps, samples_per_feature=args.samples_per_feature,
-            top_fractions=args.top_fractions, near_duplicate_fraction=args.near_duplicate_fraction,
-            checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, device=args.device, seed=args.seed,
+            validation_images=args.validation_images, defender_images=args.defender_images,
+            image_size=args.image_size, block_channels=args.block_channels, mid_attention=not args.no_mid_attention,
+            condition_dims=args.condition_dims, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
+            cond_dropout=args.cond_dropout, guidance=args.guidance, ddim_steps=args.ddim_steps,
+            samples_per_feature=args.samples_per_feature, postprocess=not args.no_postprocess,
+            dp_noise=args.dp_noise, top_fractions=args.top_fractions,
+            near_duplicate_fraction=args.near_duplicate_fraction, checkpoint=args.checkpoint,
+            checkpoint_every=args.checkpoint_every, device=args.device, seed=args.seed,
             progress=not args.no_progress)
         summary = run_reconstruction_attack(settings)
     except PrivflError as error:
         print(f"privfl: error: {error}", file=sys.stderr)
         return 2
     print(summary["table"], end="")
-    print(f"reconstructor: {summary['reconstructor']['parameters']:,} parameters, "
-          f"{summary['reconstructor']['steps']} steps, trained {summary['reconstructor']['train_seconds']:.0f} s")
+    rec = summary["reconstructor"]
+    print(f"reconstructor: {rec['parameters']:,} parameters, {rec['steps']} steps, trained "
+          f"{rec['train_seconds']:.0f} s; guidance w = {summary['guidance']['chosen']:g}")
     print(f"results: {Path(args.out) / 'attack_results.md'} (.csv, .json), grid: {Path(args.out) / 'attack_grid.png'}")
     return 0
 

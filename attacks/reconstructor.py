@@ -10,9 +10,14 @@ Model (what the paper states, App. E.3, and the unstated choices, digest ``paper
 1. A diffusers ``UNet2DModel`` predicts the noise ``epsilon`` (DDPM, Ho et al. 2020, eq. 14); its residual blocks
    are conditioned by scale-and-shift group normalisation (``resnet_time_scale_shift="scale_shift"``, AdaGN of
    Dhariwal and Nichol 2021) on one embedding vector.
-2. The feature is standardised with the mean and standard deviation of the attacker's own training features, mapped
-   by a two-layer MLP ``d -> 4 * base channels`` and **added to the timestep embedding** (``class_embed_type=
-   "identity"``). The MLP's last layer starts at zero, so the untrained model is unconditional.
+2. The feature is standardised with the attacker's own training features: per dimension (``condition_dims=None``,
+   the default), or whitened: centred, projected onto their top ``condition_dims`` principal components and divided
+   by each component's standard deviation (drops the many near-constant directions of a 1280-d feature; on MNIST /
+   MobileNetV2 at 1,500 steps, 128 components reconstructed held-out attacker images worse than per-dimension
+   standardisation, SSIM 0.13 against 0.22, so the attack uses the default). A two-layer MLP
+   ``(condition_dims or d) -> 4 * base channels`` maps it to the embedding width, and the result is **added
+   to the timestep embedding** (``class_embed_type="identity"``). The MLP's last layer starts at zero, so the
+   untrained model is unconditional.
 3. Condition dropout (Ho and Salimans 2022): with probability ``cond_dropout`` a training example's condition
    embedding is replaced by the null embedding, zero. The same network is then also an unconditional model.
 4. Sampling: DDIM (Song et al. 2021, eq. 12, eta = 0, deterministic given the starting noise) with classifier-free
@@ -20,8 +25,10 @@ Model (what the paper states, App. E.3, and the unstated choices, digest ``paper
    the unconditional model, ``w = 1`` the conditional one, ``w > 1`` sharpens towards the condition.
 5. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
 
-Sizes: the default (``block_channels=(32, 64, 64)``, one residual block per level, no attention, about 1.6 M
-parameters) trains at 16 x 16 or 28 x 28 on a CPU in minutes; on a GPU pass ``device="cuda"`` and wider channels.
+Sizes: the default (``block_channels=(32, 64, 64)``, one residual block per level, self-attention only in the middle
+block at the lowest resolution (``mid_attention``; diffusers' ``add_attention``)) has 1,321,281 parameters for
+1280-d standardised features at 16 x 16 (1,173,825 with ``condition_dims=128``); it trains at about 0.15 s per
+step of 32 images on one idle CPU thread; on a GPU pass ``device="cuda"`` and wider channels.
 Training is checkpointed atomically (write to a temporary file, then ``os.replace``), loads with
 ``torch.load(weights_only=True)`` and resumes exactly: the data sampler's random state is part of the checkpoint,
 so training k steps, saving, loading and training k more gives the weights of 2k uninterrupted steps.
@@ -53,9 +60,9 @@ from torch import nn
 from privfl.errors import ConfigError
 
 __all__ = ["CHECKPOINT_FORMAT", "FeatureConditionedUNet", "Reconstructor", "ReconstructorConfig", "data_fingerprint",
-           "train_or_resume"]
+           "select_guidance_scale", "train_or_resume"]
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 
@@ -84,7 +91,8 @@ class ReconstructorConfig:
         channels: image channels (1 for MNIST).
         block_channels: U-Net channels per resolution level (one down-sampling between consecutive levels).
         layers_per_block: residual blocks per level.
-        attention: add self-attention at the lowest resolution.
+        mid_attention: self-attention in the middle block, at the lowest resolution (diffusers' ``add_attention``).
+        attention: also self-attention blocks in the deepest down and up levels.
         norm_groups: groups of the group normalisation (divides every entry of ``block_channels``).
         train_timesteps: T of the forward process.
         beta_schedule: ``"squaredcos_cap_v2"`` (cosine, Nichol and Dhariwal 2021), ``"linear"`` or
@@ -93,6 +101,8 @@ class ReconstructorConfig:
         learning_rate: AdamW learning rate.
         batch_size: training examples per step.
         ema_decay: decay of the weight average used for sampling, in [0, 1).
+        condition_dims: principal components the feature is whitened to before the conditioning MLP (at most
+            ``feature_dim``, and fewer than the training pairs); ``None``: per-dimension standardisation.
     """
 
     feature_dim: int
@@ -100,6 +110,7 @@ class ReconstructorConfig:
     channels: int = 1
     block_channels: tuple[int, ...] = (32, 64, 64)
     layers_per_block: int = 1
+    mid_attention: bool = True
     attention: bool = False
     norm_groups: int = 8
     train_timesteps: int = 1000
@@ -108,6 +119,7 @@ class ReconstructorConfig:
     learning_rate: float = 2e-4
     batch_size: int = 64
     ema_decay: float = 0.999
+    condition_dims: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("feature_dim", self.feature_dim)
@@ -130,8 +142,19 @@ class ReconstructorConfig:
         _real("learning_rate", self.learning_rate, 0.0, 1.0, low_open=True)
         _positive_int("batch_size", self.batch_size)
         _real("ema_decay", self.ema_decay, 0.0, 0.999999)
-        if not isinstance(self.attention, bool):
-            raise ConfigError(f"attention must be True or False, got {self.attention!r}")
+        for name in ("mid_attention", "attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.condition_dims is not None:
+            _positive_int("condition_dims", self.condition_dims)
+            if self.condition_dims > self.feature_dim:
+                raise ConfigError(f"condition_dims={self.condition_dims} must be at most feature_dim="
+                                  f"{self.feature_dim} (or None for per-dimension standardisation)")
+
+    @property
+    def condition_width(self) -> int:
+        """The length of the whitened feature the conditioning MLP reads."""
+        return self.feature_dim if self.condition_dims is None else self.condition_dims
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -148,7 +171,10 @@ class ReconstructorConfig:
 
 
 class FeatureConditionedUNet(nn.Module):
-    """``UNet2DModel`` whose timestep embedding gets ``MLP(standardised feature)`` added (the condition).
+    """``UNet2DModel`` whose timestep embedding gets ``MLP(whitened feature)`` added (the condition).
+
+    The whitening is ``(f - feature_mean) @ feature_projection`` (buffers, saved with the weights; set by
+    :meth:`Reconstructor.set_feature_statistics`).
 
     ``forward(x_t, t, features, keep)``: ``keep`` is a boolean ``[B]`` mask; where it is False the condition
     embedding is the null embedding (zero), i.e. the unconditional model.
@@ -167,16 +193,21 @@ class FeatureConditionedUNet(nn.Module):
             sample_size=config.image_size, in_channels=config.channels, out_channels=config.channels,
             block_out_channels=config.block_channels, layers_per_block=config.layers_per_block,
             down_block_types=tuple(down), up_block_types=tuple(up), norm_num_groups=config.norm_groups,
-            resnet_time_scale_shift="scale_shift", class_embed_type="identity")
+            resnet_time_scale_shift="scale_shift", class_embed_type="identity", add_attention=config.mid_attention)
         width = 4 * config.block_channels[0]  # UNet2DModel's time-embedding width
-        self.condition = nn.Sequential(nn.Linear(config.feature_dim, width), nn.SiLU(), nn.Linear(width, width))
+        r = config.condition_width
+        self.condition = nn.Sequential(nn.Linear(r, width), nn.SiLU(), nn.Linear(width, width))
         nn.init.zeros_(self.condition[2].weight)
         nn.init.zeros_(self.condition[2].bias)
         self.register_buffer("feature_mean", torch.zeros(config.feature_dim))
-        self.register_buffer("feature_std", torch.ones(config.feature_dim))
+        self.register_buffer("feature_projection", torch.eye(config.feature_dim, r))
+
+    def whiten(self, features: torch.Tensor) -> torch.Tensor:
+        """``[n, d]`` features -> ``[n, condition_width]`` whitened (or standardised) coordinates."""
+        return (features - self.feature_mean) @ self.feature_projection
 
     def condition_embedding(self, features: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        embedding = self.condition((features - self.feature_mean) / self.feature_std)
+        embedding = self.condition(self.whiten(features))
         if keep is not None:
             embedding = embedding * keep.to(embedding.dtype)[:, None]
         return embedding
@@ -254,13 +285,28 @@ class Reconstructor:
         return f, x
 
     def set_feature_statistics(self, features: torch.Tensor) -> None:
-        """Standardise conditions with the attacker's own training features (mean, per-dimension std, floored)."""
-        mean = features.mean(0)
-        std = features.std(0, unbiased=False)
-        std = std.clamp_min(max(float(std.mean()) * 1e-2, 1e-8))
+        """Fit the whitening on the attacker's own training features.
+
+        With ``condition_dims = r``: the mean, the top r right singular vectors V_r of the centred features and
+        their standard deviations s_r (population; floored at 1 % of their mean), projection ``V_r / s_r``. With
+        ``None``: projection ``diag(1 / std)`` (per-dimension, floored likewise). Computed in float64.
+        """
+        f = features.double()
+        mean = f.mean(0)
+        r = self.config.condition_dims
+        if r is None:
+            std = f.std(0, unbiased=False)
+            projection = torch.diag(1.0 / std.clamp_min(max(float(std.mean()) * 1e-2, 1e-8)))
+        else:
+            if r >= len(f):
+                raise ConfigError(f"condition_dims={r} needs more than {r} training pairs to fit {r} principal "
+                                  f"components, got {len(f)}")
+            _, singular, vh = torch.linalg.svd(f - mean, full_matrices=False)
+            scales = singular[:r] / math.sqrt(len(f))
+            projection = vh[:r].T / scales.clamp_min(max(float(scales.mean()) * 1e-2, 1e-8))
         for model in (self.model, self.ema):
-            model.feature_mean.copy_(mean.to(self.device))
-            model.feature_std.copy_(std.to(self.device))
+            model.feature_mean.copy_(mean.float().to(self.device))
+            model.feature_projection.copy_(projection.float().to(self.device))
 
     # -- training ---------------------------------------------------------------------------------------------------
 
@@ -468,3 +514,39 @@ def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, 
     reconstructor.fit(features, images, steps=steps, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
                       progress=progress)
     return reconstructor
+
+
+def select_guidance_scale(reconstructor: Reconstructor, features: Any, images: Any, scales: Any, *,
+                          num_inference_steps: int = 20, seed: int = 0,
+                          progress: bool = False) -> tuple[float, dict[float, float]]:
+    """The guidance scale w whose reconstructions of held-out attacker pairs have the highest mean SSIM.
+
+    The attacker holds these pairs out of training, so the choice uses no defender data. Every scale starts from the
+    same noise (one sample per feature), so the scores differ only by w; ties go to the smaller w.
+
+    Args:
+        reconstructor: a trained reconstructor (anything with its ``sample`` method).
+        features, images: ``[n, d]`` held-out attacker features and their images ``[n, C, H, W]`` on [0, 1].
+        scales: candidate scales w >= 0.
+
+    Returns:
+        ``(best w, {w: mean SSIM})``.
+    """
+    from attacks.metrics import ssim_pairs
+
+    values = [_real("guidance scale", w, 0.0, 1e3) for w in scales]
+    if not values:
+        raise ConfigError("select_guidance_scale needs at least one candidate scale")
+    x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images, dtype=torch.float32)
+    f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
+                        dtype=torch.float32)
+    if len(f) == 0 or len(f) != len(x):
+        raise ConfigError(f"need as many held-out features as images (and at least one), got {len(f)} and {len(x)}")
+    scores: dict[float, float] = {}
+    for w in values:
+        generator = torch.Generator().manual_seed(seed)
+        recon = reconstructor.sample(f, guidance_scale=w, num_inference_steps=num_inference_steps,
+                                     generator=generator, progress=progress)
+        scores[w] = float(ssim_pairs(x, recon).mean())
+    best = max(scores, key=lambda w: (scores[w], -w))
+    return best, scores

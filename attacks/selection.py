@@ -1,13 +1,16 @@
 """Which reconstructions an attack is scored on (FedPFT paper, App. E, Table 6 and 7; digest ``papers/fedpft.md`` 7.4).
 
-- **all**: every evaluated defender image with its reconstruction (total reconstruction).
-- **attacker**: no ground truth. Draw k reconstructions per feature, score each feature by the mean pairwise SSIM
-  among its k samples (agreement = confident sampling), keep the top ``fraction`` (1 % in the paper) and score the
-  medoid sample (the one with the highest mean SSIM to the other k - 1; digest 8.2 #22) (partial reconstruction).
-- **oracle**: the top ``fraction`` of pairs by their true SSIM (set-level reconstruction; worst case for the
-  defender).
-- **nearest attacker image**: the baseline of an attacker who saw no release: each defender image's most similar
-  (SSIM) image of the attacker's own data.
+The building blocks of the rows that :mod:`attacks.schemes` defines (per-feature and set-level; which rows use the
+defender's images to match or to select is stated there and in every table):
+
+- **top fraction**: :func:`top_count` keeps ``ceil(fraction * n)`` items (at least 1), :func:`top_indices` the best
+  scored ones; every row counts n in defender images.
+- **attacker confidence**: draw k reconstructions per feature and score the feature by the mean pairwise SSIM among
+  its k samples (agreement = confident sampling; no ground truth); the attacker's reconstruction of the feature is
+  the medoid sample, the one with the highest mean SSIM to the other k - 1 (digest 8.2 #22)
+  (:func:`agreement_scores`).
+- **matching**: :func:`nearest` pairs each image with its most similar candidate by SSIM (set-level rows; with the
+  attacker's own images as candidates, the oracle "nearest attacker image" baseline of App. E.4).
 - **near-duplicate filter**: defender images whose maximum SSIM to any attacker image is among the top ``fraction``
   (10 % in the paper), or at least ``threshold``, are removed before scoring: a memorised near-copy is not a
   reconstruction.

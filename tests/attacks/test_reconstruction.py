@@ -17,11 +17,30 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attacks.metrics import LPIPS  # noqa: E402
+from accounting import epsilon as accountant_epsilon  # noqa: E402
+from accounting import event_from_dict  # noqa: E402
+from attacks.metrics import ssim_pairs  # noqa: E402
 from attacks.reconstruct_cli import reconstruct_main  # noqa: E402
-from attacks.reconstructor import Reconstructor, ReconstructorConfig, train_or_resume  # noqa: E402
-from attacks.schemes import AttackRow, Release, evaluate_release, make_release, nearest_image_baseline  # noqa: E402
+from attacks.reconstructor import (  # noqa: E402
+    Reconstructor,
+    ReconstructorConfig,
+    select_guidance_scale,
+    train_or_resume,
+)
+from attacks.schemes import (  # noqa: E402
+    AttackerPrior,
+    AttackRow,
+    Release,
+    evaluate_release,
+    feature_diagnostics,
+    feature_retrieval,
+    make_release,
+    nearest_image_baseline,
+    postprocess_release,
+)
 from attacks.selection import agreement_scores, near_duplicate_filter, nearest, top_count, top_indices  # noqa: E402
 from privfl.errors import ConfigError  # noqa: E402
+from privfl.methods.fedpft import ClassMixture, payload_bytes  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -140,9 +159,89 @@ def test_config_errors_name_the_value():
         r.sample(torch.zeros(2, 4), guidance_scale=-1)
 
 
-def test_default_size_is_cpu_sized():
-    r = Reconstructor(ReconstructorConfig(feature_dim=1280, image_size=28), seed=0)
-    assert 1_000_000 < r.num_parameters < 5_000_000
+def test_default_size_and_attention_are_what_the_docstring_says():
+    r = Reconstructor(ReconstructorConfig(feature_dim=1280, image_size=16), seed=0)
+    assert r.num_parameters == 1_321_281
+    assert r.model.unet.mid_block.attentions[0] is not None  # diffusers' add_attention, on by default
+    assert not any("Attn" in type(b).__name__ for b in r.model.unet.down_blocks)
+    whitened = Reconstructor(ReconstructorConfig(feature_dim=1280, image_size=16, condition_dims=128), seed=0)
+    assert whitened.num_parameters == 1_173_825
+    plain = Reconstructor(ReconstructorConfig(feature_dim=1280, image_size=16, mid_attention=False), seed=0)
+    assert plain.model.unet.mid_block.attentions[0] is None and plain.num_parameters < r.num_parameters
+    deep = Reconstructor(ReconstructorConfig(feature_dim=4, image_size=16, attention=True), seed=0)
+    assert type(deep.model.unet.down_blocks[-1]).__name__ == "AttnDownBlock2D"
+
+
+def test_whitening_is_pca_of_the_attackers_features():
+    g = torch.Generator().manual_seed(0)
+    # features with very different scales along three orthogonal directions (plus a little isotropic noise)
+    basis = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))[0]
+    coords = torch.randn(400, 6, generator=g, dtype=torch.float64) * torch.tensor([5.0, 2.0, 0.5, 1e-3, 1e-3, 1e-3])
+    features = (coords @ basis.T + 3.0).float()
+    r = Reconstructor(tiny_config(feature_dim=6, condition_dims=3), seed=0)
+    r.set_feature_statistics(features)
+    white = r.model.whiten(features).double()
+    assert white.shape == (400, 3)
+    assert torch.allclose(white.mean(0), torch.zeros(3, dtype=torch.float64), atol=1e-4)
+    assert torch.allclose(white.T @ white / 400, torch.eye(3, dtype=torch.float64), atol=1e-3)  # whitened
+    # the kept subspace is the top three directions: the tiny ones are dropped
+    kept = r.model.feature_projection.double()
+    assert torch.allclose((basis[:, 3:].T @ kept).abs().max(), torch.tensor(0.0, dtype=torch.float64), atol=1e-3)
+    assert torch.equal(r.ema.feature_projection, r.model.feature_projection)
+    with pytest.raises(ConfigError, match="condition_dims=7 must be at most feature_dim=6"):
+        tiny_config(feature_dim=6, condition_dims=7)
+    with pytest.raises(ConfigError, match="needs more than 3 training pairs"):
+        r.set_feature_statistics(features[:3])
+
+
+def test_guided_noise_is_unconditional_plus_w_times_the_difference():
+    r = Reconstructor(tiny_config(), seed=0)
+    calls = []
+
+    class Recorder(torch.nn.Module):
+        """eps(x, t, f, keep) = x + t + (sum of f where kept): known conditional and unconditional outputs."""
+
+        def forward(self, x, t, features, keep):
+            calls.append(len(x))
+            cond = (features.sum(1) * keep.to(x.dtype)).view(-1, 1, 1, 1)
+            return x + t.view(-1, 1, 1, 1).to(x.dtype) + cond
+
+    r.ema = Recorder()
+    x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    f = torch.tensor([[1.0, 0, 0, 0], [0, 2.0, 0, 0], [-1.0, 0, 0, 3.0]])
+    t = torch.tensor(7)
+    u = x + 7.0
+    c = u + f.sum(1).view(-1, 1, 1, 1)
+    for w in (2.5, 0.3, 7.0):
+        assert torch.allclose(r.guided_noise(x, t, f, w), u + w * (c - u), atol=1e-6)
+    assert calls == [6, 6, 6]  # one batched pass with both halves
+    assert torch.equal(r.guided_noise(x, t, f, 1.0), c) and torch.equal(r.guided_noise(x, t, f, 0.0), u)
+    assert calls[3:] == [3, 3]  # w = 1 and w = 0 need one half only
+
+
+def test_guidance_is_chosen_on_held_out_pairs():
+    class Stub:
+        """Reconstructs image i exactly at w = 3 and worse the further w is from 3."""
+
+        def __init__(self, images):
+            self.images = images
+            self.seen = []
+
+        def sample(self, features, *, guidance_scale, num_inference_steps, generator, progress=False):
+            self.seen.append(generator.initial_seed())
+            noise = torch.rand(self.images.shape, generator=torch.Generator().manual_seed(1)) - 0.5
+            return (self.images + abs(guidance_scale - 3.0) * 0.3 * noise).clamp(0, 1)
+
+    images = torch.as_tensor(_blocks(), dtype=torch.float32)
+    stub = Stub(images)
+    best, scores = select_guidance_scale(stub, torch.zeros(4, 2), images, (1.0, 3.0, 5.0, 2.0), seed=5)
+    assert best == 3.0 and scores[3.0] == pytest.approx(1.0)
+    assert scores[1.0] == pytest.approx(scores[5.0]) and scores[2.0] > scores[1.0]
+    assert stub.seen == [5, 5, 5, 5]  # the same starting noise for every scale
+    tied, _ = select_guidance_scale(stub, torch.zeros(4, 2), images, (5.0, 1.0))
+    assert tied == 1.0  # ties go to the smaller scale
+    with pytest.raises(ConfigError, match="guidance scale"):
+        select_guidance_scale(stub, torch.zeros(4, 2), images, (-1.0,))
 
 
 # -- selections -----------------------------------------------------------------------------------------------------
@@ -191,7 +290,8 @@ def test_nearest_and_near_duplicate_filter_remove_an_exact_copy():
 
 
 class StubReconstructor:
-    """Returns, for feature (i, noise), target i plus ``noise`` * fixed noise (so every selection is predictable)."""
+    """Returns, for feature (i, amount, jitter), target i plus ``amount`` * fixed noise plus ``jitter`` * fresh noise
+    (so every selection is predictable)."""
 
     def __init__(self, targets: torch.Tensor) -> None:
         self.targets = targets
@@ -209,61 +309,169 @@ def lpips_metric():
     return LPIPS()
 
 
-def test_raw_selections_pick_the_right_items(lpips_metric):
+def _rows(result):
+    return {(r.level, r.selection, r.top): r for r in result.rows}
+
+
+def test_raw_rows_score_medoids_and_say_which_use_ground_truth(lpips_metric):
     targets = torch.as_tensor(_blocks(), dtype=torch.float32)
     # target 2 is reconstructed exactly, every time; the others with growing error and sample-to-sample jitter.
     features = torch.tensor([[0, 0.6, 0.3], [1, 0.9, 0.3], [2, 0.0, 0.0], [3, 0.3, 0.3]])
     release = Release("raw", features, torch.arange(4), set_level=False, epsilon=math.inf)
     result = evaluate_release(release, StubReconstructor(targets), targets, lpips=lpips_metric,
                               samples_per_feature=3, top_fractions=(0.25,))
-    rows = {(r.selection, r.top): r for r in result.rows}
-    assert set(rows) == {("all", "all"), ("attacker", "25%"), ("oracle", "25%")}
-    oracle, attacker = rows[("oracle", "25%")], rows[("attacker", "25%")]
-    assert oracle.n == 1 and oracle.ssim == pytest.approx(1.0) and oracle.psnr == 100.0
-    assert oracle.lpips == pytest.approx(0.0, abs=1e-6)
-    assert attacker.n == 1 and attacker.ssim == pytest.approx(1.0)  # agreement 1 only for the noise-free feature
-    assert rows[("all", "all")].n == 4 and rows[("all", "all")].ssim < 0.99
-    assert torch.equal(result.matched[2], targets[2])
+    rows = _rows(result)
+    assert set(rows) == {("per-feature", "all", "all"), ("per-feature", "attacker", "25%"),
+                         ("per-feature", "oracle", "25%"), ("set-level", "all", "all"),
+                         ("set-level", "attacker", "25%"), ("set-level", "oracle", "25%")}
+    truth = {k: r.ground_truth for k, r in rows.items()}
+    assert truth[("per-feature", "all", "all")] == "none" and truth[("per-feature", "attacker", "25%")] == "none"
+    assert truth[("per-feature", "oracle", "25%")] == "selection"
+    assert truth[("set-level", "all", "all")] == "matching" and truth[("set-level", "attacker", "25%")] == "matching"
+    assert truth[("set-level", "oracle", "25%")] == "matching+selection"
+    # n counts scored defender images the same way everywhere: all = 4, a top 25 % = ceil(0.25 * 4) = 1.
+    assert [rows[k].n for k in sorted(rows)] == [4, 1, 1, 4, 1, 1]
+    oracle, attacker = rows[("per-feature", "oracle", "25%")], rows[("per-feature", "attacker", "25%")]
+    assert oracle.ssim == pytest.approx(1.0) and oracle.psnr == 100.0 and oracle.lpips == pytest.approx(0, abs=1e-6)
+    assert attacker.ssim == pytest.approx(1.0)  # agreement 1 only for the noise-free feature
+    assert rows[("per-feature", "all", "all")].ssim < 0.99
+    # the per-feature reconstruction is the medoid of the samples: recompute it independently
+    samples = StubReconstructor(targets).sample(features.repeat_interleave(3, 0), guidance_scale=2.0,
+                                                num_inference_steps=20, generator=torch.Generator().manual_seed(0))
+    _, medoid = agreement_scores(samples.reshape(4, 3, 1, 16, 16).numpy())
+    medoids = samples.reshape(4, 3, 1, 16, 16)[torch.arange(4), torch.as_tensor(medoid)]
+    assert torch.equal(result.reconstructions, medoids) and torch.equal(result.shown, medoids)
+    assert rows[("per-feature", "all", "all")].ssim == pytest.approx(float(ssim_pairs(targets, medoids).mean()))
+    # set-level all can only match better than per-feature all (each target may pick any reconstruction)
+    assert rows[("set-level", "all", "all")].ssim >= rows[("per-feature", "all", "all")].ssim - 1e-12
 
 
 def test_set_level_matches_each_target_to_its_closest_reconstruction(lpips_metric):
     targets = torch.as_tensor(_blocks(), dtype=torch.float32)
-    # The reconstruction set holds an exact copy of target 1 and a noisy version of target 3 only.
-    features = torch.tensor([[1, 0.0, 0.0], [3, 0.8, 0.0], [3, 0.9, 0.0]])
+    # The reconstruction set holds an exact copy of target 1 and noisy versions of target 3 only.
+    features = torch.tensor([[1, 0.0, 0.0], [3, 0.8, 0.2], [3, 0.9, 0.0]])
     release = Release("fedpft", features, torch.zeros(3, dtype=torch.long), set_level=True, epsilon=math.inf)
     result = evaluate_release(release, StubReconstructor(targets), targets, lpips=lpips_metric,
                               samples_per_feature=2, top_fractions=(0.25,))
-    rows = {(r.selection, r.top): r for r in result.rows}
-    assert rows[("oracle", "25%")].ssim == pytest.approx(1.0) and rows[("oracle", "25%")].set_size == 3
-    assert torch.equal(result.matched[1], targets[1])
-    assert rows[("all", "all")].n == 4 and rows[("all", "all")].ssim < 0.9
+    rows = _rows(result)
+    assert not any(level == "per-feature" for level, _, _ in rows)
+    assert rows[("set-level", "oracle", "25%")].ssim == pytest.approx(1.0)
+    assert rows[("set-level", "oracle", "25%")].set_size == 3
+    assert torch.equal(result.shown[1], targets[1])
+    assert rows[("set-level", "all", "all")].n == 4 and rows[("set-level", "all", "all")].ssim < 0.9
+    # the attacker's most confident reconstruction is the exact copy (its two samples agree), paired with target 1
+    attacker = rows[("set-level", "attacker", "25%")]
+    assert attacker.n == 1 and attacker.ssim == pytest.approx(1.0)
     baseline, matched = nearest_image_baseline(targets[:2], targets, lpips=lpips_metric, top_fractions=(0.5,))
-    assert [r.selection for r in baseline] == ["all", "oracle"] and baseline[0].ssim == pytest.approx(1.0)
+    assert [(r.selection, r.ground_truth) for r in baseline] == [("all", "matching"),
+                                                                 ("oracle", "matching+selection")]
+    assert baseline[0].ssim == pytest.approx(1.0) and baseline[0].attack == "nearest image by SSIM"
     assert isinstance(baseline[0], AttackRow) and torch.equal(matched, targets[:2])
+
+
+def test_feature_retrieval_returns_the_attacker_image_with_the_closest_feature(lpips_metric):
+    targets = torch.as_tensor(_blocks(), dtype=torch.float32)
+    attacker_images = torch.flip(targets, dims=(0,))  # attacker image j = target 3 - j
+    attacker_features = torch.eye(4)
+    # released features: target i's feature is near attacker feature 3 - i, with decreasing clarity
+    released = torch.eye(4)[[3, 2, 1, 0]] + torch.tensor([0.0, 0.3, 0.6, 0.9])[:, None]
+    release = Release("raw", released, torch.arange(4), set_level=False, epsilon=math.inf)
+    result = feature_retrieval(release, attacker_features, attacker_images, targets, lpips=lpips_metric,
+                               top_fractions=(0.25,))
+    assert torch.equal(result.reconstructions, targets)
+    rows = _rows(result)
+    assert all(r.attack == "feature NN" for r in result.rows)
+    assert rows[("per-feature", "all", "all")].ssim == pytest.approx(1.0)
+    assert rows[("per-feature", "attacker", "25%")].n == 1
+    # retrieval from a wrong attacker image scores lower than from the right one
+    wrong = Release("raw", torch.eye(4), torch.arange(4), set_level=False, epsilon=math.inf)
+    worse = feature_retrieval(wrong, attacker_features, attacker_images, targets, lpips=lpips_metric)
+    assert _rows(worse)[("per-feature", "all", "all")].ssim < 0.5
 
 
 # -- schemes --------------------------------------------------------------------------------------------------------
 
-def test_releases():
-    g = torch.Generator().manual_seed(0)
-    features = torch.randn(60, 6, generator=g)
-    features = features / features.norm(dim=1, keepdim=True)
-    labels = torch.arange(60) % 3
+def _unit_data(n: int = 60, d: int = 6, classes: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % classes
+    centres = torch.rand(classes, d, generator=g) * 2
+    features = (centres[labels] + 0.1 * torch.rand(n, d, generator=g)).clamp_min(0)
+    return features / features.norm(dim=1, keepdim=True), labels
+
+
+def test_releases_go_through_the_client_and_the_ledger():
+    features, labels = _unit_data()
     raw = make_release("raw", features, labels, num_classes=3)
     assert not raw.set_level and torch.equal(raw.features, features) and raw.epsilon == math.inf
+    assert raw.details["ledger"]["purpose"] == "raw_features" and raw.details["bytes"] == 60 * 6 * 4 + 60 * 8
     fedpft = make_release("fedpft", features, labels, num_classes=3, components=2)
     assert fedpft.set_level and fedpft.features.shape == (60, 6) and fedpft.details["set_size"] == 60
+    assert fedpft.epsilon == math.inf and fedpft.details["ledger"]["purpose"] == "gmm"
+    assert fedpft.details["bytes"] == payload_bytes(6, 2, 3, "diag")  # float16 on the wire, as FedPFT sends it
     assert torch.allclose(fedpft.features.norm(dim=1), torch.ones(60), atol=1e-5)
     assert sorted(torch.bincount(fedpft.labels).tolist()) == [20, 20, 20]
-    dp1 = make_release("dp-fedpft", features, labels, num_classes=3, epsilon=1.0)
-    dp8 = make_release("dp-fedpft", features, labels, num_classes=3, epsilon=8.0)
-    assert dp1.epsilon == 1.0 and dp1.label == "dp-fedpft (eps=1)"
-    assert dp1.details["sigmas"]["sum"] > 4 * dp8.details["sigmas"]["sum"]
+    dp1 = make_release("dp-fedpft", features, labels, num_classes=3, epsilon=1.0, delta=1e-5)
+    dp8 = make_release("dp-fedpft", features, labels, num_classes=3, epsilon=8.0, delta=1e-5)
+    ledger = dp1.details["ledger"]
+    assert ledger["purpose"] == "dp_gmm" and ledger["metadata"]["noise"] == "seeded"
+    # the epsilon is the accountant's for the recorded event, not the requested one
+    assert dp1.epsilon == pytest.approx(accountant_epsilon(event_from_dict(ledger["event"]), 1e-5), rel=1e-12)
+    assert dp1.details["requested_epsilon"] == 1.0 and 0 < dp1.epsilon <= 1.0 + 1e-9
+    assert dp1.epsilon < dp8.epsilon and dp1.label == "dp-fedpft, naive"
+    assert ledger["metadata"]["sigmas"]["sum"] > 4 * dp8.details["ledger"]["metadata"]["sigmas"]["sum"]
+    assert dp1.details["bytes"] == payload_bytes(6, 1, 3, "diag")
+    # seeded noise: the same seed gives the same release, another seed another one
+    again = make_release("dp-fedpft", features, labels, num_classes=3, epsilon=1.0, delta=1e-5)
+    other = make_release("dp-fedpft", features, labels, num_classes=3, epsilon=1.0, delta=1e-5, seed=1)
+    assert torch.equal(again.features, dp1.features) and not torch.equal(other.features, dp1.features)
     with pytest.raises(ConfigError, match="valid schemes: raw, fedpft, dp-fedpft"):
         make_release("gan", features, labels, num_classes=3)
     with pytest.raises(ConfigError, match="epsilon is required"):
         make_release("dp-fedpft", features, labels, num_classes=3)
+    with pytest.raises(ConfigError, match="dp_noise"):
+        make_release("dp-fedpft", features, labels, num_classes=3, epsilon=1.0, dp_noise="weak")
 
+
+def test_postprocessing_is_the_lmmse_of_the_class_moments():
+    features, labels = _unit_data(n=90)
+    prior = AttackerPrior.fit(features, labels, num_classes=3)
+    release = make_release("dp-fedpft", features[:60], labels[:60], num_classes=3, epsilon=2.0, delta=1e-5)
+    post = postprocess_release(release, prior, seed=0)
+    assert post.label == "dp-fedpft, post-processed" and post.epsilon == release.epsilon
+    sigmas = release.details["ledger"]["metadata"]["sigmas"]
+    for delivered, estimate in zip(release.mixtures, post.mixtures):
+        c, n_c = delivered.label, delivered.count
+        mu, var = prior.class_means[c], prior.class_variances[c]
+        m = torch.as_tensor(delivered.means[0], dtype=torch.float64)
+        s2 = (sigmas["sum"] / n_c) ** 2
+        if float(m.norm()) >= 1 - 2e-3:  # the release clipped its mean to the unit ball
+            m = m * math.sqrt(float(mu @ mu) + 6 * s2) / float(m.norm())
+        w = (var / n_c) / (var / n_c + s2)
+        assert torch.allclose(torch.as_tensor(estimate.means[0]), mu + w * (m - mu), atol=1e-12)
+        v = torch.as_tensor(delivered.covariances[0], dtype=torch.float64)
+        q, r = 2 * var * var / n_c, (sigmas["second_moment_sum"] / n_c) ** 2
+        expected = (var + q / (q + r) * (v - var)).clamp_min(1e-6)
+        assert torch.allclose(torch.as_tensor(estimate.covariances[0]), expected, atol=1e-12)
+    assert (post.features >= 0).all() and torch.allclose(post.features.norm(dim=1), torch.ones(60), atol=1e-5)
+    assert 0 < post.details["postprocessing"]["mean_release_weight"] < 0.5  # the noise outweighs the signal
+    before, after = feature_diagnostics(release.features, prior), feature_diagnostics(post.features, prior)
+    assert before["standardised_rms"] > 2 * after["standardised_rms"] and after["standardised_rms"] < 1.5
+    assert before["negative_fraction"] > 0.1 and after["negative_fraction"] == 0
+    # FedPFT has no noise: its mixtures stay, only the draws are clipped at 0 and renormalised
+    fedpft = make_release("fedpft", features[:60], labels[:60], num_classes=3, components=2)
+    clipped = postprocess_release(fedpft, prior)
+    assert clipped.mixtures == fedpft.mixtures and clipped.label == "fedpft, post-processed"
+    assert torch.allclose(clipped.features, fedpft.features.clamp_min(0) / fedpft.features.clamp_min(0).norm(
+        dim=1, keepdim=True), atol=1e-6)
+    with pytest.raises(ConfigError, match="mixture releases"):
+        postprocess_release(make_release("raw", features, labels, num_classes=3), prior)
+    sparse = AttackerPrior.fit(features[:5], labels[:5], num_classes=3)  # one feature of class 2
+    assert sparse.class_counts.tolist() == [2, 2, 1] and torch.isnan(sparse.class_means[2]).all()
+    with pytest.raises(ConfigError, match="class 2, of which the attacker's prior holds 1 features"):
+        postprocess_release(release, sparse)
+
+
+# -- the command line -----------------------------------------------------------------------------------------------
 
 def test_cli_rejects_bad_values_before_any_work(tmp_path, capsys):
     assert reconstruct_main(["--out", str(tmp_path), "--schemes", "raw,gan"]) == 2
@@ -274,3 +482,51 @@ def test_cli_rejects_bad_values_before_any_work(tmp_path, capsys):
     assert "--image-size" in capsys.readouterr().err
     assert reconstruct_main(["--out", str(tmp_path), "--covariance", "banana"]) == 2
     assert "full, diag or spherical" in capsys.readouterr().err
+    assert reconstruct_main(["--out", str(tmp_path), "--guidance", "1,-2"]) == 2
+    assert "--guidance" in capsys.readouterr().err
+    assert reconstruct_main(["--out", str(tmp_path), "--validation-images", "0"]) == 2
+    assert "--validation-images" in capsys.readouterr().err
+    assert reconstruct_main(["--out", str(tmp_path), "--dp-noise", "weak"]) == 2
+    assert "--dp-noise" in capsys.readouterr().err
+
+
+def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch, capsys):
+    import csv
+    import json
+
+    monkeypatch.setenv("PRIVFL_CACHE_DIR", str(tmp_path / "cache"))  # backbone features cached here
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--dataset", "digits", "--input-size", "32", "--attacker-images", "100",
+            "--validation-images", "8", "--defender-images", "20", "--image-size", "16", "--block-channels", "8,16",
+            "--condition-dims", "8", "--steps", "3", "--batch-size", "8", "--guidance", "1,2", "--ddim-steps", "2",
+            "--samples-per-feature", "2", "--top-fractions", "0.1", "--eps", "1", "--components", "2",
+            "--checkpoint-every", "2", "--near-duplicate-fraction", "0.1", "--no-progress", "--threads", "1"]
+    assert reconstruct_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "ground truth used" in printed and "3 steps" in printed
+    summary = json.loads((out / "attack_results.json").read_text())
+    with open(out / "attack_results.csv", newline="") as stream:
+        table = list(csv.DictReader(stream))
+    assert len(table) == len(summary["rows"]) > 0
+    assert (out / "attack_results.md").read_text().count("\n") == len(table) + 2
+    assert (out / "attack_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "reconstructor.pt").is_file()
+    sources = {row["source"] for row in table}
+    assert sources == {"raw", "fedpft, naive", "fedpft, post-processed", "dp-fedpft, naive",
+                       "dp-fedpft, post-processed", "no release", "no release (20 attacker images)"}
+    assert {row["attack"] for row in table} == {"diffusion", "feature NN", "nearest image by SSIM"}
+    evaluated = summary["protocol"]["evaluated_defender_images"]
+    assert evaluated == 18  # 10 % of 20 removed as near-duplicates
+    assert {int(row["n"]) for row in table if row["top"] == "all"} == {evaluated}
+    assert {int(row["n"]) for row in table if row["top"] == "10%"} == {2}
+    assert summary["reconstructor"]["steps"] == 3 and summary["reconstructor"]["checkpoint"] == "reconstructor.pt"
+    assert summary["guidance"]["chosen"] in (1.0, 2.0) and set(summary["guidance"]["held_out_mean_ssim"]) == {"1",
+                                                                                                              "2"}
+    dp = [r for r in summary["releases"] if r["scheme"] == "dp-fedpft"]
+    assert len(dp) == 2 and all(r["epsilon"] == r["ledger"]["epsilon"] and r["requested_epsilon"] == 1.0 for r in dp)
+    assert {row["epsilon"] for row in table if row["source"].startswith("dp-fedpft")} == {str(dp[0]["epsilon"])}
+    # A second call finds the checkpoint at the requested steps and trains nothing.
+    monkeypatch.setattr(Reconstructor, "training_loss", lambda *a, **k: pytest.fail("trained again"))
+    assert reconstruct_main(argv) == 0
+    again = json.loads((out / "attack_results.json").read_text())
+    assert again["rows"] == summary["rows"] and again["reconstructor"]["steps"] == 3
