@@ -34,12 +34,14 @@ are the project's own (:func:`privfl.privacy.privatize`, and the DP-FedPFT relea
 :func:`privfl.privacy.dp_gmm.release_class_gaussians` through :func:`audit_dp_gmm`) and two deliberately broken ones
 built only for the audit.
 
-**Auditing one block of a composed release** (:func:`audit_dp_gmm`). The DP-GMM message is k Gaussian blocks (S1,
-S2, and counts when noisy), each calibrated at ``(epsilon/k, delta/k)``. The audit's worst-case pair moves only the S1
-block (by exactly its sensitivity); it can therefore only bound the S1 block's share of the budget, and the claim it
-is set against (``epsilon_claimed``, the ratio, the verdict) is that block's ``(epsilon/k, delta/k)``; the whole
-message's ``(epsilon, delta)`` is reported beside it (``epsilon_release``, ``delta_release``), never as the ratio's
-denominator (that would make any audit look k times better than it is).
+**Auditing one block of a jointly calibrated release** (:func:`audit_dp_gmm`). The DP-GMM message is k Gaussian
+blocks (S1, S2 when released, and counts when noisy), each scaled to unit sensitivity and noised by one Gaussian of
+joint sensitivity sqrt(k) calibrated at the message's ``(epsilon, delta)``. The audit's worst-case pair moves only the
+S1 block (by exactly its sensitivity); it can therefore only bound what that block alone spends, and the claim it is
+set against (``epsilon_claimed``, the ratio, the verdict) is the S1 block's own epsilon at the message's delta, from
+the accountant (a Gaussian of noise multiplier ``sigma_S1 / Delta_S1``); the whole message's ``(epsilon, delta)`` is
+reported beside it (``epsilon_release``, ``delta_release``), never as the ratio's denominator (that would make any
+audit look better than it is).
 """
 
 from __future__ import annotations
@@ -539,38 +541,43 @@ def dp_gmm_worst_case_pair(n: int, bound: float = 1.0, dim: int = 2, relation: s
 
 
 def _dp_gmm_releases(eps, delta, trials, bound, n, dim, covariance, counts, relation, seed):
-    """``trials`` noisy S1 blocks of the one class on each side, and the release's (block sigma, k, sensitivity).
+    """``trials`` noisy S1 blocks of the one class on each side, the number k of released blocks, and the S1 block's
+    own epsilon at ``delta`` (the claim the audit is set against).
 
-    The noise is drawn by the release's own mechanism for the S1 block: a GaussianMechanism built exactly as
-    release_class_gaussians builds it (``(eps/k, delta/k)``, ``sensitivity = block_sensitivities(...).sum``), and
-    checked against one real release on D (its ``sigmas["sum"]`` and its number of blocks ``len(events)``); then
-    one ``add_noise`` call per side on the exact clipped sums expanded to ``[trials, dim]``.
+    The noise is drawn by the release's own calibration (:func:`privfl.privacy.dp_gmm.calibrate_blocks` on
+    ``block_sensitivities(...).blocks()``, as release_class_gaussians builds it), checked against one real release on
+    D (its ``sigmas["sum"]`` and its event); then one ``add_noise("sum", ...)`` call per side on the exact clipped
+    sums expanded to ``[trials, dim]``.
     """
     import torch
 
-    from privfl.privacy.dp_gmm import block_sensitivities, clipped_class_sums, release_class_gaussians
-    from privfl.privacy.mechanisms import GaussianMechanism
+    from accounting import GaussianEvent
+    from accounting import epsilon as accountant_epsilon
+    from privfl.privacy.dp_gmm import block_sensitivities, calibrate_blocks, clipped_class_sums, release_class_gaussians
 
     x_d, x_dp, y_d, y_dp = dp_gmm_worst_case_pair(n, bound, dim, relation)
     generator = _torch_generator(seed)
     probe = release_class_gaussians(x_d, y_d, num_classes=1, epsilon=eps, delta=delta, bound=bound,
                                     covariance=covariance, counts=counts, relation=relation, noise="seeded",
                                     generator=_torch_generator(seed + 1))
-    k = len(probe.events)
     sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts)
-    mechanism = GaussianMechanism(epsilon=eps / k, delta=delta / k, sensitivity=sens.sum, relation=relation,
-                                  noise="seeded", generator=generator)
-    if mechanism.sigma != probe.sigmas["sum"] or probe.sensitivities.sum != sens.sum:
-        raise AssertionError(f"audit noise path out of step with release_class_gaussians: sigma {mechanism.sigma} "
-                             f"vs {probe.sigmas['sum']}")
+    k = len(sens.blocks())
+    calibration = calibrate_blocks(epsilon=eps, delta=delta, sensitivities=sens.blocks(), relation=relation,
+                                   noise="seeded", generator=generator)
+    if calibration.sigmas["sum"] != probe.sigmas["sum"] or calibration.event != probe.event \
+            or probe.sensitivities.sum != sens.sum:
+        raise AssertionError(f"audit noise path out of step with release_class_gaussians: sigma "
+                             f"{calibration.sigmas['sum']} vs {probe.sigmas['sum']}")
+    block_epsilon = accountant_epsilon(GaussianEvent(sigma=calibration.sigmas["sum"], sensitivity=sens.sum,
+                                                     relation=relation), delta)
     s1_d = clipped_class_sums(x_d, y_d, num_classes=1, bound=bound, covariance=covariance)[0][0]
     s1_dp = clipped_class_sums(x_dp, y_dp, num_classes=1, bound=bound, covariance=covariance)[0][0]
     gap = float(torch.linalg.vector_norm(s1_d - s1_dp))
     if not math.isclose(gap, sens.sum, rel_tol=1e-9):
         raise AssertionError(f"worst-case pair broken: S1 blocks differ by {gap}, not the sensitivity {sens.sum}")
-    rd = mechanism.add_noise(s1_d.expand(trials, -1).clone()).numpy()
-    rdp = mechanism.add_noise(s1_dp.expand(trials, -1).clone()).numpy()
-    return rd, rdp, k
+    rd = calibration.add_noise("sum", s1_d.expand(trials, -1).clone()).numpy()
+    rdp = calibration.add_noise("sum", s1_dp.expand(trials, -1).clone()).numpy()
+    return rd, rdp, k, block_epsilon
 
 
 def audit_dp_gmm(eps: float, delta: float, *, trials: int, bound: float = 1.0, n: int = 20, dim: int = 2,
@@ -584,9 +591,10 @@ def audit_dp_gmm(eps: float, delta: float, *, trials: int, bound: float = 1.0, n
     block's own mechanism (see :func:`_dp_gmm_releases`; identical in distribution to the S1 block of ``trials``
     calls of ``release_class_gaussians``).
 
-    The claim set against the bound is the S1 block's: ``(eps / k, delta / k)`` with k = 2 blocks (public counts)
-    or 3 (noisy counts), the release's equal split; ``eps`` and ``delta`` (the whole message's) are reported as
-    ``epsilon_release`` / ``delta_release``. ``ratio = epsilon_lower / (eps / k)`` is the ratio that matters.
+    The claim set against the bound is the S1 block's own: its epsilon at ``delta`` from the accountant (the block's
+    noise multiplier is ``sqrt(k)`` times the message's, k = 2 blocks with public counts, 3 with noisy counts);
+    ``eps`` and ``delta`` (the whole message's) are reported as ``epsilon_release`` / ``delta_release``.
+    ``ratio = epsilon_lower / epsilon_claimed`` is the ratio that matters.
     """
     from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES
     from privfl.privacy.sensitivity import check_relation
@@ -599,11 +607,11 @@ def audit_dp_gmm(eps: float, delta: float, *, trials: int, bound: float = 1.0, n
     if counts not in COUNTS_MODES:
         raise _err(f"counts must be one of {', '.join(COUNTS_MODES)}, got {counts!r}")
     relation = check_relation(relation).value
-    rd, rdp, k = _dp_gmm_releases(eps, delta, trials, float(bound), int(n), int(dim), covariance, counts, relation,
-                                  seed)
-    result = audit_samples(rd, rdp, epsilon_claimed=eps / k, delta=delta / k, confidence=confidence)
+    rd, rdp, k, block_epsilon = _dp_gmm_releases(eps, delta, trials, float(bound), int(n), int(dim), covariance,
+                                                 counts, relation, seed)
+    result = audit_samples(rd, rdp, epsilon_claimed=block_epsilon, delta=delta, confidence=confidence)
     return AuditResult(**{**{f: getattr(result, f) for f in result.__dataclass_fields__},
-                          "audited": f"S1 block (1 of k={k} blocks, equal split; {counts} counts, {relation})",
+                          "audited": f"S1 block (1 of k={k} jointly calibrated blocks; {counts} counts, {relation})",
                           "epsilon_release": eps, "delta_release": delta})
 
 
@@ -630,7 +638,7 @@ def run_audit(mechanism: str, eps: float, delta: float, *, trials: int, bound: f
     classic closed-form calibration) and ``"maxpool"`` (a max-pooled branch released as if mean-pooled) are
     deliberately broken mechanisms that the audit must catch. ``"dp_gmm"`` is the DP-FedPFT release audited through
     its S1 block with the defaults of :func:`audit_dp_gmm` (diag covariance, public counts, replace-one, dim 2):
-    its ``epsilon_claimed`` is the block's ``eps / 2``, the release's ``eps`` is ``epsilon_release``.
+    its ``epsilon_claimed`` is the S1 block's own epsilon, the release's ``eps`` is ``epsilon_release``.
     """
     if mechanism not in MECHANISMS:
         raise _err(f"mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")

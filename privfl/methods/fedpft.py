@@ -6,7 +6,9 @@ Every party shares a frozen backbone (:mod:`privfl.models.backbones`); the feder
 1. each client L2-normalises its features (``normalize``; the head applies the same map at test time) and, for every
    class c it holds, fits a Gaussian mixture g^{c} with ``K_eff = min(K, n_c)`` components by EM (scikit-learn
    ``GaussianMixture``: k-means initialisation, ``max_iter`` 100, ``tol`` 1e-3, ``reg_covar`` 1e-6, seeded), with
-   ``"full"``, ``"diag"`` or ``"spherical"`` covariance;
+   ``"full"``, ``"diag"`` or ``"spherical"`` covariance; the cap is recorded in the release's metadata
+   (``components_effective`` per class, and ``raw_feature_classes``: those with ``n_c <= K``, whose means are the raw
+   features) and logged;
 2. it sends the mixture weights, means and covariances in float16 (full covariances as their upper triangle) and the
    class count n_c as an int32: per client ``2 * floats + 4 * C_held`` bytes, where ``floats`` is the paper's
    eqs. 9-11 (:func:`communication_floats`), C counting the classes the client holds;
@@ -24,9 +26,11 @@ the last client's mixtures, which summarise everyone.
 **Privacy.** Plain FedPFT is *not* private: every message is recorded as non-private (epsilon = infinity). When
 ``K >= n_c`` the means are raw features. With ``dp_epsilon`` set (DP-FedPFT) each client sends the DP-GMM release
 of :func:`privfl.privacy.dp_gmm.release_class_gaussians`: K = 1 per class, features L2-normalised (so clipping to
-the unit ball, bound 1, changes nothing and the sensitivities hold), sensitivities derived from the per-class counts,
-the analytic Gaussian mechanism, counts either noised or declared public (``dp_counts``; public means replace-one
-within the public class histogram), PSD projection. The release is one message per client, accounted as one
+the unit sphere, ``project="sphere"`` with bound 1, changes nothing and the sensitivities hold), sensitivities derived
+from the per-class counts, one analytic Gaussian over the jointly calibrated blocks (the release spends exactly
+``dp_epsilon``), counts either noised or declared public (``dp_counts``; public means replace-one within the public
+class histogram), PSD projection. With spherical covariance no budget goes to the second moment: on the sphere it is
+``n_c``, a function of the count. The release is one message per client, accounted as one
 composed event in that client's ledger by the wire; clients hold disjoint data, so each record's guarantee is its own
 client's (epsilon, delta) (parallel composition). The server's sampling and head training are post-processing.
 Only the centralized topology is offered with DP (a hop in the chain would mix received synthetic data into the
@@ -35,6 +39,7 @@ client's own statistics, whose sensitivity this release does not cover).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -62,10 +67,12 @@ from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES, release_class_
 
 __all__ = [
     "COVARIANCE_TYPES", "HEADS", "TOPOLOGIES", "ClassMixture", "FeatureHead", "FedPFTClient", "FedPFTConfig",
-    "FedPFTStrategy", "HeadFactory", "communication_floats", "decode_mixtures", "encode_mixtures",
-    "fit_class_mixtures", "gmm_floats", "head_factory", "l2_normalize", "payload_bytes", "sample_mixtures",
-    "train_head",
+    "FedPFTStrategy", "HeadFactory", "communication_floats", "component_summary", "decode_mixtures",
+    "encode_mixtures", "fit_class_mixtures", "gmm_floats", "head_factory", "l2_normalize", "payload_bytes",
+    "sample_mixtures", "train_head",
 ]
+
+logger = logging.getLogger(__name__)
 
 TOPOLOGIES = ("centralized", "decentralized")
 HEADS = ("linear", "target")
@@ -162,6 +169,24 @@ def fit_class_mixtures(features: Any, labels: Any, *, num_classes: int, componen
         mixtures.append(ClassMixture(label=c, count=len(xc), weights=gmm.weights_, means=gmm.means_,
                                      covariances=gmm.covariances_, covariance_type=covariance))
     return mixtures
+
+
+def component_summary(mixtures: list[ClassMixture], requested: int) -> dict[str, Any]:
+    """What ``K_eff = min(K, n_c)`` did to each class: JSON-able, recorded with the release.
+
+    ``components_effective`` maps each class to its K_eff; ``capped_classes`` lists those with ``n_c < K``;
+    ``raw_feature_classes`` those with ``n_c <= K`` (every component sits on one feature, so the means sent are the
+    raw features themselves).
+
+    >>> m = ClassMixture(label=2, count=3, weights=np.ones(3) / 3, means=np.zeros((3, 1)), covariances=np.ones((3, 1)),
+    ...                  covariance_type="diag")
+    >>> component_summary([m], requested=5)["capped_classes"]
+    [2]
+    """
+    return {"components_requested": int(requested),
+            "components_effective": {str(m.label): m.components for m in mixtures},
+            "capped_classes": [m.label for m in mixtures if m.components < requested],
+            "raw_feature_classes": [m.label for m in mixtures if m.count <= requested]}
 
 
 def encode_mixtures(mixtures: list[ClassMixture], *, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
@@ -315,7 +340,8 @@ class FedPFTConfig:
         topology: ``"centralized"`` (one round, all clients to the server) or ``"decentralized"`` (a chain).
         head: ``"linear"`` or ``"target"`` (the run's target network, e.g. ``feature_mlp``).
         head_lr, head_epochs, head_batch_size, head_weight_decay: head training by minibatch SGD. Unit-norm features
-            give small gradients, hence the large default learning rate (chosen on MNIST/MobileNetV2 centralized).
+            give small gradients, hence the large default learning rate; choose it on training clients' validation
+            splits for a new backbone or dataset (``benchmarks/fedpft_mnist.py`` does, never on test data).
         reg_covar, max_iter: EM settings (scikit-learn's defaults).
         dp_epsilon: ``None`` for FedPFT; a finite epsilon > 0 for DP-FedPFT (K = 1).
         dp_delta: the public delta of each client's release (e.g. 1e-5; never 1/n).
@@ -428,10 +454,8 @@ class FedPFTStrategy(Strategy):
         (previous,) = replies.values()
         return {self.chain[stage]: Message(arrays=previous.arrays, config={"round": round, "hop": stage})}
 
-    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
-        replies = replies or self._last_replies
-        if round > 0 or not replies:
-            return {}
+    def synthetic_features(self, round: int, replies: dict[int, Message]) -> tuple[np.ndarray, np.ndarray]:
+        """Step 3 of Algorithm 1, first half: decode every client's mixtures and draw the pooled synthetic set."""
         rng = derive_rng(self.seed, "fedpft_server", round)
         xs, ys = [], []
         for cid in sorted(replies):
@@ -441,9 +465,22 @@ class FedPFTStrategy(Strategy):
                                    floor=self.config.reg_covar)
             xs.append(x)
             ys.append(y)
-        x, y = np.concatenate(xs), np.concatenate(ys)
+        return np.concatenate(xs), np.concatenate(ys)
+
+    def fit_head(self, round: int, x: np.ndarray, y: np.ndarray, **settings: Any) -> tuple[nn.Module, float]:
+        """Step 3, second half: a fresh head trained on ``(x, y)``; ``settings`` override the config's head settings
+        (e.g. ``lr``, for a learning rate chosen on training clients' validation splits). Returns (head, mean loss)."""
         head = self.heads.init(derive_seed(self.seed, "fedpft_head", round))
-        loss = train_head(head, x, y, rng=derive_rng(self.seed, "fedpft_head_sgd", round), **self.config.head_settings())
+        loss = train_head(head, x, y, rng=derive_rng(self.seed, "fedpft_head_sgd", round),
+                          **{**self.config.head_settings(), **settings})
+        return head, loss
+
+    def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
+        replies = replies or self._last_replies
+        if round > 0 or not replies:
+            return {}
+        x, y = self.synthetic_features(round, replies)
+        head, loss = self.fit_head(round, x, y)
         self.head_weights = weights_of(head)
         self._last_replies = {}
         return {"train_loss": loss, "synthetic_samples": float(len(y))}
@@ -487,7 +524,7 @@ class FedPFTClient(ClientProcedure):
         mixtures, _ = self._mixtures(data, ctx, None)
         if self.config.topology == "decentralized":
             self._train_own_head(mixtures, data, state, ctx)
-        return Release.non_private(Message(arrays=encode_mixtures(mixtures)), purpose="gmm")
+        return self._mixture_release(mixtures, ctx)
 
     def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
                     ctx: ClientContext) -> Release | None:
@@ -496,7 +533,17 @@ class FedPFTClient(ClientProcedure):
         head = head_factory(self.model_factory, self.config).init(ctx.run_seed)
         train_head(head, x.float(), y, rng=ctx.rng, **self.config.head_settings())
         state.update({"head." + k: v for k, v in weights_of(head).items()})
-        return Release.non_private(Message(arrays=encode_mixtures(mixtures)), purpose="gmm")
+        return self._mixture_release(mixtures, ctx)
+
+    def _mixture_release(self, mixtures: list[ClassMixture], ctx: ClientContext) -> Release:
+        """The non-private mixture message, with what the ``K_eff = min(K, n_c)`` cap did recorded beside it."""
+        summary = component_summary(mixtures, self.config.components)
+        if summary["capped_classes"]:
+            logger.info("FedPFT client %s: K=%d capped at n_c for classes %s (K_eff %s); classes %s send raw features "
+                        "as means", ctx.client_id, self.config.components, summary["capped_classes"],
+                        {c: summary["components_effective"][str(c)] for c in summary["capped_classes"]},
+                        summary["raw_feature_classes"])
+        return Release(Message(arrays=encode_mixtures(mixtures)), purpose="gmm", metadata=summary)
 
     def _train_own_head(self, mixtures, data: TrainingClient, state: ClientState, ctx: ClientContext) -> None:
         head = head_factory(self.model_factory, self.config).init(ctx.run_seed)
@@ -513,7 +560,7 @@ class FedPFTClient(ClientProcedure):
             _features(data.x_train, cfg), data.y_train, num_classes=self.model_factory.num_classes,
             epsilon=cfg.dp_epsilon, delta=cfg.dp_delta, bound=1.0, covariance=cfg.covariance, components=1,
             counts=cfg.dp_counts, relation=cfg.dp_relation, noise=cfg.dp_noise, generator=generator,
-            eigenvalue_floor=cfg.reg_covar)
+            eigenvalue_floor=cfg.reg_covar, project="sphere")
         mixtures = []
         for cls in release.classes:
             count = max(0, int(round(float(cls.count))))

@@ -12,7 +12,8 @@ a head in float32 (``4 * (C d + C)``), which is what ``fedavg`` puts on the wire
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,13 +27,47 @@ from privfl.methods.base import get_method
 from privfl.methods.fedpft import FeatureHead, HeadFactory, train_head
 
 __all__ = ["FeatureHead", "MaxProbabilityEnsemble", "accuracy", "centralized_head", "fedavg_head_curve", "head_bytes",
-           "local_heads", "mean_local_accuracy", "pooled_train"]
+           "local_heads", "log_odds", "mean_local_accuracy", "pooled_train", "pooled_validation", "select_on_validation"]
 
 
 def pooled_train(federation: FederatedDataset) -> tuple[torch.Tensor, torch.Tensor]:
     """All training clients' train splits, concatenated (the centralized oracle's data)."""
     clients = federation.training_clients
     return torch.cat([c.x_train for c in clients]), torch.cat([c.y_train for c in clients])
+
+
+def pooled_validation(federation: FederatedDataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """All training clients' validation splits, concatenated: where hyperparameters are chosen (never test data).
+
+    Raises ConfigError when the federation has no validation data (``val_fraction=0``)."""
+    from privfl.errors import ConfigError
+
+    clients = federation.training_clients
+    x, y = torch.cat([c.x_val for c in clients]), torch.cat([c.y_val for c in clients])
+    if len(y) == 0:
+        raise ConfigError("the training clients have no validation splits (val_fraction=0): hyperparameters must be "
+                          "chosen on validation data, not on test data; build the federation with val_fraction > 0")
+    return x, y
+
+
+def select_on_validation(candidates: Sequence[Any], fit: Callable[[Any], Any],
+                         score: Callable[[Any], float]) -> tuple[Any, Any, dict[str, float]]:
+    """Fit one model per candidate setting and keep the one whose ``score`` (a validation accuracy) is highest.
+
+    Returns ``(best candidate, its model, {str(candidate): validation score})``; ties go to the earlier candidate.
+
+    >>> select_on_validation([1, 3, 2], fit=lambda c: c * 10, score=lambda m: -abs(m - 25))
+    (3, 30, {'1': -15, '3': -5, '2': -5})
+    """
+    if not candidates:
+        raise ValueError("select_on_validation needs at least one candidate")
+    best, scores = None, {}
+    for candidate in candidates:
+        model = fit(candidate)
+        scores[str(candidate)] = value = score(model)
+        if best is None or value > best[2]:
+            best = (candidate, model, value)
+    return best[0], best[1], scores
 
 
 def head_bytes(dim: int, num_classes: int, *, bytes_per_float: int = 4) -> int:
@@ -66,10 +101,32 @@ def local_heads(federation: FederatedDataset, *, settings: dict[str, Any], seed:
     return heads
 
 
+def log_odds(logits: torch.Tensor) -> torch.Tensor:
+    """``log(p_c / (1 - p_c))`` of ``softmax(logits)`` for every class, computed as ``z_c - logsumexp_{i != c} z_i``.
+
+    A strictly increasing function of the probability that never saturates: where float32 softmax rounds two
+    confident heads' top probabilities to exactly 1.0 (and their log-softmax to exactly 0.0), their log-odds still
+    differ by the difference of their margins.
+
+    >>> log_odds(torch.tensor([[0.0, 0.0]]))
+    tensor([[0., 0.]], dtype=torch.float64)
+    >>> bool(torch.softmax(torch.tensor([40.0, 0.0]), 0)[0] == torch.softmax(torch.tensor([60.0, 0.0]), 0)[0])
+    True
+    >>> log_odds(torch.tensor([[40.0, 0.0], [60.0, 0.0]]))[:, 0]
+    tensor([40., 60.], dtype=torch.float64)
+    """
+    z = logits.double()
+    num_classes = z.shape[1]
+    others = z[:, None, :].expand(-1, num_classes, -1).masked_fill(torch.eye(num_classes, dtype=torch.bool), -math.inf)
+    return z - torch.logsumexp(others, dim=2)
+
+
 class MaxProbabilityEnsemble(nn.Module):
     """The paper's one-shot ensemble: for each input, the class with the highest softmax probability over all heads.
 
-    ``forward`` returns ``log`` of the per-class maximum probability, so ``argmax`` is the ensemble's prediction.
+    ``forward`` returns, per class, the maximum over heads of the class's log-odds (:func:`log_odds`), a strictly
+    increasing function of its probability, so ``argmax`` is exactly the max-probability prediction, without the ties
+    that saturated softmax outputs (exactly 1.0 in float32 for several heads and classes) would resolve by class index.
     """
 
     def __init__(self, heads: list[nn.Module]) -> None:
@@ -77,8 +134,7 @@ class MaxProbabilityEnsemble(nn.Module):
         self.heads = nn.ModuleList(heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probabilities = torch.stack([torch.softmax(head(x), dim=1) for head in self.heads])
-        return probabilities.max(dim=0).values.clamp_min(1e-30).log()
+        return torch.stack([log_odds(head(x)) for head in self.heads]).max(dim=0).values
 
 
 def fedavg_head_curve(federation: FederatedDataset, *, rounds: int, lr: float, local_steps: int, batch_size: int,

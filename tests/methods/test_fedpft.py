@@ -1,5 +1,7 @@
-"""FedPFT / DP-FedPFT: exact payload bytes against the paper's formulas, fp16 round trip, sampler counts, the one-shot
-run through the wire, the chain, the baselines, and DP epsilon per client through the ledger."""
+"""FedPFT / DP-FedPFT: exact payload bytes against the paper's formulas (also where K is capped at n_c, which the
+release records), fp16 round trip, sampler counts, the one-shot run through the wire, the chain, the baselines (a
+max-probability ensemble that saturated softmax cannot fool, selection on validation data), and DP epsilon per client
+through the ledger (the whole requested budget, one jointly calibrated Gaussian)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from accounting import ComposedEvent, GaussianEvent, analytic_gaussian_sigma, epsilon
+from scipy import optimize, stats
+from torch import nn
+
+from accounting import GaussianEvent, epsilon
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import score_model
@@ -21,6 +26,7 @@ from privfl.methods.fedpft import (
     decode_mixtures,
     encode_mixtures,
     fit_class_mixtures,
+    gmm_floats,
     payload_bytes,
     sample_mixtures,
 )
@@ -30,6 +36,8 @@ from privfl.methods.fedpft_baselines import (
     centralized_head,
     fedavg_head_curve,
     local_heads,
+    pooled_validation,
+    select_on_validation,
 )
 
 DIM, CLASSES = 12, 4
@@ -77,6 +85,28 @@ def test_payload_bytes_on_the_wire_equal_the_formula(federation, covariance):
         assert runtime.wire.bytes_up[client.client_id] == payload_bytes(d, k, held, covariance)
     # non-private: every client's epsilon is infinite
     assert set(runtime.wire.ledgers.epsilons(1e-5).values()) == {math.inf}
+
+
+def test_payload_bytes_where_k_is_capped_at_the_class_count():
+    """Dirichlet(0.1) leaves classes with n_c < K: each such class sends K_eff = n_c components, the wire's bytes are
+    the per-class sum of the formula at K_eff, and the release records the cap (no silent K_eff)."""
+    fed = build_federation(spec(partition="dirichlet", alpha=0.1, num_clients=4), seed=1)
+    k = 20
+    runtime, _ = run_fedpft(fed, components=k, covariance="diag")
+    capped_somewhere = False
+    for client in fed.training_clients:
+        counts = torch.bincount(client.y_train, minlength=CLASSES).tolist()
+        held = {c: n for c, n in enumerate(counts) if n > 0}
+        expected = sum(2 * gmm_floats(DIM, min(k, n), "diag") + 4 for n in held.values())
+        assert runtime.wire.bytes_up[client.client_id] == expected
+        (record,) = runtime.wire.ledgers[client.client_id].records
+        meta = record.metadata
+        assert meta["components_requested"] == k
+        assert meta["components_effective"] == {str(c): min(k, n) for c, n in held.items()}
+        assert meta["capped_classes"] == [c for c, n in held.items() if n < k]
+        assert meta["raw_feature_classes"] == [c for c, n in held.items() if n <= k]
+        capped_somewhere |= any(n < k for n in held.values())
+    assert capped_somewhere  # the partition does exercise n_c < K
 
 
 def test_fp16_round_trip_and_psd():
@@ -144,6 +174,38 @@ def test_decentralized_chain_accumulates(federation):
     assert all(len(runtime.wire.ledgers[c.client_id]) == 1 for c in fed.training_clients)
 
 
+def test_ensemble_is_not_fooled_by_saturated_softmax():
+    """Two heads confident in different classes: float32 softmax gives both exactly 1.0, so a max over probabilities
+    ties and argmax picks the lower class index; the max-probability rule must pick the head with the larger margin."""
+    a, b = nn.Linear(2, 4, bias=True), nn.Linear(2, 4, bias=True)
+    with torch.no_grad():
+        for head, label, margin in ((a, 1, 40.0), (b, 3, 60.0)):
+            head.weight.zero_()
+            head.bias.zero_()
+            head.bias[label] = margin
+    x = torch.zeros(5, 2)
+    assert bool((torch.softmax(a(x), 1)[:, 1] == 1.0).all() and (torch.softmax(b(x), 1)[:, 3] == 1.0).all())
+    prediction = MaxProbabilityEnsemble([a, b])(x).argmax(1)
+    assert prediction.tolist() == [3] * 5
+    # and where softmax does not saturate it is the plain max-probability rule
+    with torch.no_grad():
+        a.bias[1], b.bias[3] = 2.0, 1.5
+    assert MaxProbabilityEnsemble([a, b])(x).argmax(1).tolist() == [1] * 5
+
+
+def test_selection_uses_validation_splits(federation):
+    with pytest.raises(ConfigError, match="validation"):
+        pooled_validation(federation)  # val_fraction=0: refused rather than silently scored on something else
+    fed = build_federation(spec(val_fraction=0.2), seed=0)
+    x_val, y_val = pooled_validation(fed)
+    assert len(y_val) == sum(c.num_val for c in fed.training_clients) > 0
+    settings = get_method("fedpft").make_config(**HEAD).head_settings()
+    lr, head, scores = select_on_validation(
+        [1e-4, 5.0], fit=lambda lr: centralized_head(fed, settings={**settings, "lr": lr}, seed=0)[0],
+        score=lambda head: accuracy(head, x_val, y_val))
+    assert lr == 5.0 and scores["5.0"] > scores["0.0001"] + 20 and scores["5.0"] == accuracy(head, x_val, y_val)
+
+
 def test_baselines_local_ensemble_fedavg(federation):
     settings = get_method("fedpft").make_config(**HEAD).head_settings()
     novel = federation.novel_clients[0]
@@ -158,19 +220,29 @@ def test_baselines_local_ensemble_fedavg(federation):
     assert [p["bytes_up_total"] for p in curve] == [per_round, 2 * per_round]
 
 
+def _balle_wang_sigma(eps: float, delta: float, sensitivity: float) -> float:
+    """Independent of the package: sigma where Balle and Wang's exact delta (2018, Thm 8) equals ``delta``."""
+    def excess(log_sigma):
+        s = math.exp(log_sigma)
+        a, b = sensitivity / (2 * s), eps * s / sensitivity
+        return stats.norm.cdf(a - b) - math.exp(eps) * stats.norm.cdf(-a - b) - delta
+    return math.exp(optimize.brentq(excess, -10, 10, xtol=1e-13))
+
+
 def test_dp_epsilon_per_client_through_the_ledger(federation):
     eps, delta = 1.0, 1e-5
     runtime, _ = run_fedpft(federation, components=1, covariance="spherical", dp_epsilon=eps, dp_delta=delta)
-    # the accountant's value for the composed release: two Gaussian blocks with public counts, each at (eps/2, delta/2):
-    # the class sums (sensitivity 2B = 2) and the spherical second-moment sums (sensitivity B^2 = 1)
-    blocks = [GaussianEvent(sigma=analytic_gaussian_sigma(eps / 2, delta / 2, s), sensitivity=s) for s in (2.0, 1.0)]
-    expected = epsilon(ComposedEvent(tuple(blocks)), delta)
+    # spherical, unit-norm features, public counts: S2 = n_c is public, so the only block is S1 (sensitivity 2B = 2),
+    # and the whole budget goes to it: sigma = 2 * 3.7306
     epsilons = runtime.wire.ledgers.epsilons(delta)
     for client in federation.training_clients:
-        assert epsilons[client.client_id] == pytest.approx(expected, rel=1e-9)
+        assert epsilons[client.client_id] == pytest.approx(eps, rel=1e-6)  # all of it (the equal split spent 0.695)
         (record,) = runtime.wire.ledgers[client.client_id].records
         assert record.purpose == "dp_gmm"
-    assert expected == pytest.approx(0.6954, abs=1e-3)  # below the requested 1: basic composition is conservative
+        assert record.event == GaussianEvent(sigma=record.event.sigma, sensitivity=1.0)
+        assert record.metadata["sigmas"]["sum"] == pytest.approx(2 * _balle_wang_sigma(eps, delta, 1.0), rel=1e-6)
+        assert record.metadata["sigmas"]["sum"] == pytest.approx(7.4612, abs=1e-3)
+        assert record.metadata["sigmas"]["second_moment_sum"] == 0.0 and record.metadata["second_moment_from_counts"]
     assert runtime.wire.bytes_up[0] == payload_bytes(DIM, 1, CLASSES, "spherical")
 
 
@@ -187,13 +259,16 @@ def test_dp_release_records_how_it_was_made_and_its_noise_is_not_the_run_seeds(f
     assert any(not torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
 
 
-def test_dp_noisy_counts_compose_three_blocks(federation):
+def test_dp_noisy_counts_calibrate_three_blocks_jointly(federation):
     runtime, _ = run_fedpft(federation, components=1, covariance="diag", dp_epsilon=2.0, dp_counts="noisy")
-    # noisy counts, replace-one with label change: blocks (2B, sqrt2 B^2, sqrt2), each at (eps/3, delta/3)
-    blocks = [GaussianEvent(sigma=analytic_gaussian_sigma(2.0 / 3, 1e-5 / 3, s), sensitivity=s)
-              for s in (2.0, math.sqrt(2), math.sqrt(2))]
-    expected = epsilon(ComposedEvent(tuple(blocks)), 1e-5)
-    assert runtime.wire.ledgers.epsilons(1e-5)[0] == pytest.approx(expected, rel=1e-9)
+    # noisy counts, replace-one with label change: blocks (2B, sqrt2 B^2, sqrt2), each scaled to unit sensitivity,
+    # one Gaussian of sensitivity sqrt3 at (2, 1e-5): block b's sigma is Delta_b * sigma_BW(2, 1e-5, sqrt3)
+    (record,) = runtime.wire.ledgers[0].records
+    joint = _balle_wang_sigma(2.0, 1e-5, math.sqrt(3))
+    assert record.metadata["sigmas"] == pytest.approx({"sum": 2 * joint, "second_moment_sum": math.sqrt(2) * joint,
+                                                       "count": math.sqrt(2) * joint}, rel=1e-6)
+    assert runtime.wire.ledgers.epsilons(1e-5)[0] == pytest.approx(2.0, rel=1e-6)
+    assert epsilon(record.event, 1e-5) == pytest.approx(2.0, rel=1e-6)
 
 
 @pytest.mark.parametrize("values,name", [
