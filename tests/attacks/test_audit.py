@@ -145,12 +145,16 @@ def test_dp_gmm_worst_case_pair_moves_only_s1_by_its_sensitivity():
 def test_dp_gmm_at_eps_4_is_consistent_with_the_block_claim_and_bound_is_positive():
     from attacks.audit import audit_dp_gmm
     result = audit_dp_gmm(4.0, 1e-5, trials=100_000, seed=0)
-    # public counts: k = 2 blocks (S1, S2), equal split -> the audited S1 block claims (2, 5e-6)
-    assert result.epsilon_claimed == 2.0 and result.delta == pytest.approx(5e-6)
+    # public counts: k = 2 unit-scaled blocks (S1, S2) share one Gaussian of joint sensitivity sqrt(2) calibrated at
+    # (4, 1e-5); the S1 block alone is a Gaussian of sensitivity 1 and that same noise multiplier, so its own epsilon
+    # at 1e-5 is the e with sigma_analytic(e, 1e-5, 1) == sigma_analytic(4, 1e-5, sqrt(2)) (2.6945, not an even 2.0)
+    block_sigma = analytic_gaussian_sigma(4.0, 1e-5, math.sqrt(2))
+    assert analytic_gaussian_sigma(result.epsilon_claimed, 1e-5, 1.0) == pytest.approx(block_sigma, rel=1e-6)
+    assert result.epsilon_claimed == pytest.approx(2.6945, abs=1e-3) and result.delta == 1e-5
     assert result.epsilon_release == 4.0 and result.delta_release == 1e-5
     assert "S1 block" in result.audited and "k=2" in result.audited
-    assert 0.5 < result.epsilon_lower < 2.0
-    assert result.ratio == pytest.approx(result.epsilon_lower / 2.0)
+    assert 0.5 < result.epsilon_lower < result.epsilon_claimed
+    assert result.ratio == pytest.approx(result.epsilon_lower / result.epsilon_claimed)
     assert not result.violated and result.verdict == "consistent with claim"
     d = result.to_dict()
     assert d["epsilon_release"] == 4.0 and d["violated"] is False
@@ -160,7 +164,10 @@ def test_dp_gmm_at_eps_4_is_consistent_with_the_block_claim_and_bound_is_positiv
 def test_dp_gmm_noisy_counts_split_over_three_blocks():
     from attacks.audit import audit_dp_gmm
     result = audit_dp_gmm(3.0, 3e-5, trials=2000, seed=2, counts="noisy")
-    assert result.epsilon_claimed == pytest.approx(1.0) and result.delta == pytest.approx(1e-5)
+    # k = 3 blocks: the S1 block's noise multiplier is sigma_analytic(3, 3e-5, sqrt(3)); its own epsilon is at 3e-5
+    assert analytic_gaussian_sigma(result.epsilon_claimed, 3e-5, 1.0) == pytest.approx(
+        analytic_gaussian_sigma(3.0, 3e-5, math.sqrt(3)), rel=1e-6)
+    assert result.epsilon_claimed == pytest.approx(1.6076, abs=1e-3) and result.delta == pytest.approx(3e-5)
     assert "k=3" in result.audited
 
 
@@ -176,11 +183,13 @@ def test_dp_gmm_vectorised_noise_matches_real_releases():
                                     covariance="diag", counts="public", generator=g) for _ in range(300)]
     s1_real = np.stack([r.classes[0].mean.numpy() * n for r in real])  # S1~ = mean * n_c (public count)
     sigma_real = real[0].sigmas["sum"]
-    assert sigma_real == pytest.approx(analytic_gaussian_sigma(eps / 2, delta / 2, 2.0), rel=1e-12)
-    vec, _, k = _dp_gmm_releases(eps, delta, 300, 1.0, n, 2, "diag", "public", "replace_one", 3)
+    # S1 moves by 2 (replace-one, B = 1); scaled to unit sensitivity beside S2 it shares one Gaussian of joint
+    # sensitivity sqrt(2) calibrated at the whole (eps, delta): sigma_S1 = 2 * sigma_analytic(eps, delta, sqrt(2))
+    assert sigma_real == pytest.approx(analytic_gaussian_sigma(eps, delta, 2.0 * math.sqrt(2)), rel=1e-12)
+    vec, _, k, _ = _dp_gmm_releases(eps, delta, 300, 1.0, n, 2, "diag", "public", "replace_one", 3)
     assert k == 2
-    # 600 coordinates each: the sample sd is within ~3% of sigma (1 sd); a sigma calibrated at the whole release's
-    # (eps, delta) instead of the block's would be ~1.8x smaller, and 15% catches it
+    # 600 coordinates each: the sample sd is within ~3% of sigma (1 sd); a sigma calibrated for S1 alone (sensitivity
+    # 2 instead of the joint 2 * sqrt(2)) would be ~1.4x smaller, and 15% catches it
     for draws in (s1_real, vec):
         assert (draws - np.array([1.0, 0.0])).std(ddof=1) == pytest.approx(sigma_real, rel=0.15)
         assert draws.mean(axis=0) == pytest.approx([1.0, 0.0], abs=4 * sigma_real / math.sqrt(300))
@@ -193,4 +202,4 @@ def test_cli_dp_gmm_reports_block_and_release_claims(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "dp_gmm" in text and "S1 block" in text and "eps=4" in text
     payload = json.loads(out.read_text())
-    assert payload["epsilon_claimed"] == 2.0 and payload["epsilon_release"] == 4.0
+    assert payload["epsilon_claimed"] == pytest.approx(2.6945, abs=1e-3) and payload["epsilon_release"] == 4.0
