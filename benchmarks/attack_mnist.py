@@ -180,7 +180,7 @@ def render_markdown(summary: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7000)
+    parser.add_argument("--steps", type=int, default=10000)
     parser.add_argument("--attacker-images", type=int, default=10000)
     parser.add_argument("--defender-images", type=int, default=250)
     parser.add_argument("--work", default=str(default_cache_dir() / "attack_mnist"),

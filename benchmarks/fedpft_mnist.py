@@ -45,20 +45,24 @@ from privfl.methods.fedpft_baselines import (
     local_heads,
     mean_local_accuracy,
 )
-from privfl.models.backbones import default_cache_dir, extract_features, mobilenet_v2
+from privfl.models.backbones import cache_key_sha256, default_cache_dir, extract_features, mobilenet_v2
 
 RESULTS = Path(__file__).parent / "results"
 HEAD = {"head_lr": 20.0, "head_epochs": 50.0, "head_batch_size": 256}
 
 
 def mnist_features(args, input_size: int, num_train: int, num_test: int) -> Path:
-    """Extract (or read from the cache) MobileNetV2 features of a seeded MNIST subset; write the features .npz."""
+    """Extract (or read from the cache) MobileNetV2 features of a seeded MNIST subset; write the features .npz.
+
+    The .npz is named by the subset and by a digest of the backbone's cache key (its weights digest and
+    preprocessing), so a changed backbone never reads features another one made.
+    """
     source = load_source("mnist")
     rng = np.random.default_rng(args.seed)
     train_idx = np.sort(rng.choice(len(source.train), num_train, replace=False))
     test_idx = np.sort(rng.choice(len(source.test), num_test, replace=False))
     backbone = mobilenet_v2(input_size=input_size)
-    tag = f"mnist-s{args.seed}-{num_train}-{num_test}-px{input_size}"
+    tag = f"mnist-s{args.seed}-{num_train}-{num_test}-px{input_size}-{cache_key_sha256(backbone)[:16]}"
     path = Path(args.cache_dir) / f"fedpft_{tag}.npz"
     if not path.is_file():
         x = extract_features(backbone, source.train.x[train_idx], dataset=f"mnist-train-{num_train}-s{args.seed}",

@@ -21,7 +21,7 @@ The FedTTA family (``--part``; every part writes ``benchmarks/results/fedtta_<pa
   best-validation round. At the end it also serves novel clients that keep 10% to 100% of their data (paper Fig. 3).
 * ``rotated``: concept shift (paper Fig. 4): 1,000 MNIST images IID over 50 clients of 20 images, 25 training
   clients rotated by an angle from {0, 30, 60} degrees, 25 novel clients from {15, 45}; FedTTA, FedTTA-Prox/++,
-  FedAvg (and TENT).
+  FedAvg (and TENT, ODPFL-HN with ``--methods ... tent odpflhn``).
 * ``dp``: FedTTA with client-level DP (clip the joint update, Gaussian noise on the client, see
   ``privfl/privacy/client_dp.py``) at ``--epsilons`` with delta 1e-5, beside non-private FedTTA of the same rounds;
   the reported model is the last round's (selection on validation would spend private data).
@@ -63,6 +63,7 @@ FAMILY_TRAINING = {
     "fedtta_prox": ("fedtta_prox", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.001, "mu": 0.01}),
     "fedavg": ("fedavg", {"lr": 0.1}),
     "tent": ("tent", {"lr": 0.1, "adapt": "all"}),
+    "odpflhn": ("odpflhn", {}),   # the method's own defaults (encoder, hypernetwork and local SGD settings)
 }
 # Test-time variants evaluated on each training (name -> overrides of the method config).
 FAMILY_VARIANTS = {
@@ -72,6 +73,7 @@ FAMILY_VARIANTS = {
                     "fedtta_prox_no_tta": {"tta_steps": 0, "patience": None}},
     "fedavg": {"fedavg": {}},
     "tent": {"tent": {}},
+    "odpflhn": {"odpflhn": {}},
 }
 SIZE_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
 MNIST_SPEC = FederationSpec(source="mnist", num_clients=100, partition="pathological", shards_per_client=2,
@@ -159,7 +161,8 @@ def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str
             print(f"method {FAMILY_TRAINING[training][0]!r} is not implemented here; skipped")
             continue
         method, settings = FAMILY_TRAINING[training]
-        settings = {**settings, "local_steps": 20, "batch_size": 64, **extras}
+        settings = {**settings, "local_steps": 20, "batch_size": 64,
+                    **(extras if method != "odpflhn" else {})}   # the stabilisers are FedAvg-family options
         if method.startswith("fedtta") and extras:
             settings["adapt_momentum"] = 0.9  # the authors' code: momentum 0.9 on the adaptation model only
         for seed in args.seeds:

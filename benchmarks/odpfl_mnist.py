@@ -75,8 +75,16 @@ def method_name(tag: str) -> str:
     return "odpflhn" if tag.startswith("odpflhn") else tag
 
 
-def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str = "best_val") -> dict:
-    """Train ``tag`` on ``spec`` (resuming an interrupted run); ``{"status": "not run", ...}`` if not registered."""
+#: Model selection per settings tag (default ``best_val``). IT-PFL-HN scores training clients with its pre-fine-tune
+#: hypernetwork, so their validation accuracy cannot improve in phase 2 and ``best_val`` would never select a phase-2
+#: round: its fine-tuned hypernetwork, the one meant for novel clients, would never be served.
+SELECT = {"itpflhn": "last"}
+
+
+def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str | None = None) -> dict:
+    """Train ``tag`` on ``spec`` (resuming an interrupted run); ``{"status": "not run", ...}`` if not registered.
+    ``select``: ``None`` takes the tag's entry of :data:`SELECT` (``"best_val"`` if it has none)."""
+    select = select or SELECT.get(tag, "best_val")
     method = method_name(tag)
     if method not in METHODS:
         return {"status": "not run", "reason": f"method {method!r} is not registered"}
@@ -88,7 +96,7 @@ def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str =
         summary = json.loads((out / "summary.json").read_text())
     else:
         summary = train(config, str(out), resume=resume, overwrite=not resume)
-    return {"status": "ran", "novel_accuracy_mean": summary["novel"]["accuracy_mean"],
+    return {"status": "ran", "select": select, "novel_accuracy_mean": summary["novel"]["accuracy_mean"],
             "novel_accuracy_sem": summary["novel"]["accuracy_sem"], "selected_round": summary["selected_round"],
             "rounds": summary["rounds_completed"], "wall_time_s": summary["wall_time_s"], "run_dir": str(out)}
 
@@ -149,12 +157,18 @@ def part_splits(args) -> dict:
 
 
 def serve_shifted(run_dir: Path, **shift) -> dict:
-    """Serve the novel clients of a finished run again with shifted inputs (the selected server state)."""
+    """Serve the novel clients of a finished run again with shifted inputs, from the server state the run selected:
+    the last round's (``select="last"``) or the best validation round's (``select="best_val"``; its snapshot is
+    kept in the checkpoint's ``best`` entry, as :func:`privfl.experiment.finish` restores it)."""
     config = RunConfig.from_dict(RunDirectory(run_dir).read_json(RunDirectory.CONFIG))
     config = dataclasses.replace(config, federation=dataclasses.replace(config.federation, **shift))
     federation = build_federation(config.federation, seed=config.seed)
     runtime = build_runtime(config, federation)
-    runtime.load_state_dict(RunDirectory(run_dir).load_checkpoint()["runtime"])
+    checkpoint = RunDirectory(run_dir).load_checkpoint()
+    runtime.load_state_dict(checkpoint["runtime"])
+    best = checkpoint.get("best") or {}
+    if config.select == "best_val" and best.get("snapshot") is not None:
+        runtime.restore(best["snapshot"])
     scores = [score_model(runtime.novel_client_model(n), n.x, federation.novel_labels.labels(n.client_id))
               for n in federation.novel_clients]
     return summarize_scores(scores)
@@ -172,7 +186,8 @@ def part_shift(args) -> dict:
                                  for kind, value, shift in levels}
         print(tag_dir.name, results[tag_dir.name], flush=True)
     _plot_shift(results)
-    return {"note": "the last checkpoint of each part-2 pathological run serves blurred / rotated novel clients",
+    return {"note": "the selected server state (best validation round, or the last for itpflhn) of each part-2 "
+                    "pathological run serves blurred / rotated novel clients",
             "results": results}
 
 
