@@ -3,14 +3,24 @@
 Setting: the MNIST protocol of ``runtime_overhead.py`` (MNIST 2NN, 20 local SGD steps x batch 64, pathological 2
 shards), with 200 clients (100 training, 100 novel) so that a round can hold 10 or 100 training clients
 (``client_fraction`` 0.1 or 1.0). Timed: ``--rounds`` training rounds after one warm-up round (which includes each
-client process building its data); evaluation excluded. Ratios are to in-process at the same clients per round.
+client process building or loading its data); evaluation excluded. Every engine runs ``--repeats`` times, interleaved
+(one run of each engine per repeat, in a rotating order), so a load change on the shared machine hits all of them;
+ratios are of medians, and per repeat to the in-process run of the same repeat.
 
-    nice python benchmarks/flower_overhead.py [--rounds 2] [--per-round 10 100] [--actors 1] [--profile]
+* in-process: :func:`privfl.experiment.build_runtime`, this process, 1 torch thread;
+* simulation: one virtual SuperNode per client the app would start
+  (:func:`~privfl.federation.flower.simulation.num_nodes`: 200 for FedAvg, which serves novel clients), ``--actors`` Ray client processes with 1 torch thread each;
+* deployment: a SuperLink and 2 SuperNodes on loopback (TLS, node authentication), each SuperNode holding 50
+  training clients (``partition-range``), ``flwr run`` of the privfl app; round times come from the run's summary
+  (``summary["flower"]["round_seconds"]``). Two SuperNodes train in parallel (one ClientApp process each, 1 thread),
+  so on a 2-core machine this engine may use 2 cores where the others use 1.
 
-Target: simulation within 2x of in-process at 100 clients per round. Writes benchmarks/results/flower_overhead.json.
-The deployment engine is not timed here yet: it needs one SuperNode process per client, and Flower 1.41 runs every
-message in a fresh ClientApp process (torch import + data load each time) after up to 3 s of SuperNode polling, so
-its rounds are bounded below by seconds per message; tests/federation/test_flower.py times a 2-node run.
+    nice python benchmarks/flower_overhead.py [--rounds 2] [--per-round 10 100] [--repeats 3] [--actors 1]
+        [--engines inprocess simulation deployment] [--profile]
+
+``--profile`` adds one profiled simulation run per setting (not timed): the ServerApp's profile, and the ClientApp's
+profile inside the Ray actor. Target: simulation within 2x of in-process at 100 clients per round. Writes
+benchmarks/results/flower_overhead.json (paths relative to the repository and the Python installation).
 """
 
 from __future__ import annotations
@@ -19,32 +29,55 @@ import argparse
 import cProfile
 import io
 import json
+import os
+import platform
 import pstats
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "flower_overhead.json"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "flower_overhead.json"
+TRAINING_CLIENTS = 100
 
 
-def spec(num_clients: int = 200):
+def spec(num_clients: int = 2 * TRAINING_CLIENTS):
     from privfl.data import FederationSpec
 
     return FederationSpec(source="mnist", num_clients=num_clients, partition="pathological", shards_per_client=2,
                           novel_fraction=0.5)
 
 
-def run_config(per_round: int, rounds: int, num_clients: int = 200):
+def run_config(per_round: int, rounds: int):
     from privfl.experiment import RunConfig
 
-    training = num_clients // 2
-    return RunConfig(federation=spec(num_clients), method="fedavg", model="mlp2nn", rounds=rounds + 1, seed=0,
+    return RunConfig(federation=spec(), method="fedavg", model="mlp2nn", rounds=rounds + 1, seed=0,
                      method_config={"lr": 0.1, "local_steps": 20, "batch_size": 64},
-                     client_fraction=per_round / training, select="last", eval_every=10_000)
+                     client_fraction=per_round / TRAINING_CLIENTS, select="last", eval_every=10_000,
+                     checkpoint_every=10_000)
+
+
+def _strip(text: str) -> str:
+    """Profile text with the repository's and the Python installations' paths removed (no machine names)."""
+    for prefix in sorted({str(ROOT), sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}, key=len,
+                         reverse=True):
+        text = text.replace(prefix + "/", "")
+    return text
+
+
+def _stats_text(stats: pstats.Stats, limit: int = 22) -> str:
+    buffer = io.StringIO()
+    stats.stream = buffer
+    stats.sort_stats("cumulative").print_stats(limit)
+    return _strip(buffer.getvalue())
 
 
 def time_rounds(runtime, rounds: int, profile: bool = False) -> tuple[float, str]:
@@ -58,24 +91,61 @@ def time_rounds(runtime, rounds: int, profile: bool = False) -> tuple[float, str
     if profiler:
         profiler.disable()
     elapsed = time.perf_counter() - start
-    text = ""
-    if profiler:
-        buffer = io.StringIO()
-        pstats.Stats(profiler, stream=buffer).sort_stats("cumulative").print_stats(18)
-        # Paths relative to the repository and the venv, so the saved profile names no machine.
-        text = buffer.getvalue().replace(str(Path(__file__).resolve().parents[1]) + "/", "").replace(sys.prefix + "/", "")
-    return elapsed, text
+    return elapsed, _stats_text(pstats.Stats(profiler)) if profiler else ""
 
 
-def in_process(per_round: int, rounds: int) -> float:
+# -- in-process -----------------------------------------------------------------------------------------------------
+
+
+def in_process(per_round: int, rounds: int) -> dict:
     from privfl.data import build_federation
     from privfl.experiment import build_runtime
 
     config = run_config(per_round, rounds)
-    return time_rounds(build_runtime(config, build_federation(config.federation, seed=0)), rounds)[0]
+    seconds, _ = time_rounds(build_runtime(config, build_federation(config.federation, seed=0)), rounds)
+    return {"seconds": seconds}
 
 
-def simulation(per_round: int, rounds: int, actors: int, profile: bool) -> dict:
+# -- simulation -----------------------------------------------------------------------------------------------------
+
+
+def _timed_client_app(defaults: dict, log_dir: str, profile: bool):
+    """The privfl ClientApp, timing each message's handling (and, with ``profile``, profiling the timed rounds')
+    into files under ``log_dir``, one per client process."""
+    from flwr.clientapp import ClientApp
+
+    from privfl.federation.flower import protocol as p
+    from privfl.federation.flower.client_app import handle
+
+    app = ClientApp()
+
+    def run(message, context):
+        import uuid
+
+        timed = message.metadata.group_id not in ("", "0")             # rounds >= 1; not hello, not warm-up
+        profiler = cProfile.Profile() if profile and timed else None
+        start = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        try:
+            return handle(message, context, defaults)
+        finally:
+            if profiler:                    # one file per message (the app is unpickled afresh for each one)
+                profiler.disable()
+                profiler.dump_stats(os.path.join(log_dir, f"client-{uuid.uuid4().hex}.prof"))
+            if timed:
+                with open(os.path.join(log_dir, f"client-{os.getpid()}.jsonl"), "a") as f:
+                    f.write(json.dumps({"type": message.metadata.message_type,
+                                        "seconds": time.perf_counter() - start}) + "\n")
+
+    for message_type in set(p.MESSAGE_TYPES.values()):
+        category, _, action = message_type.partition(".")
+        register = getattr(app, category)
+        register(action)(run) if action else register()(run)
+    return app
+
+
+def simulation(per_round: int, rounds: int, actors: int, profile: bool = False) -> dict:
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
@@ -83,8 +153,8 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool) -> dict:
     from privfl.data import build_federation
     from privfl.federation.flower import FlowerOptions
     from privfl.federation.flower import protocol as p
-    from privfl.federation.flower.client_app import make_client_app
     from privfl.federation.flower.server_app import flower_runtime_factory
+    from privfl.federation.flower.simulation import num_nodes
 
     config = run_config(per_round, rounds)
     options = FlowerOptions(max_actors=actors, threads=1)
@@ -96,48 +166,297 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool) -> dict:
     def main(grid: Grid, context: Context) -> None:
         try:
             runtime = flower_runtime_factory(grid, options)(config, federation)
-            out["seconds"], out["profile"] = time_rounds(runtime, rounds, profile)
+            out["connect_s"] = runtime.connect_seconds
+            out["seconds"], out["server_profile"] = time_rounds(runtime, rounds, profile)
         except BaseException as error:
             out["error"] = repr(error)
 
-    nodes = Path(tempfile.mkdtemp(prefix=f"privfl-flower-bench-{per_round}-"))
-    client = make_client_app({p.RUN_CONFIG: json.dumps(config.to_dict()), p.NODES_ROOT: str(nodes),
-                              p.THREADS: 1})
+    work = Path(tempfile.mkdtemp(prefix=f"privfl-flower-sim-{per_round}-"))
+    logs = work / "logs"
+    logs.mkdir()
+    client = _timed_client_app({p.RUN_CONFIG: json.dumps(config.to_dict()), p.NODES_ROOT: str(work / "nodes"),
+                                p.THREADS: 1}, str(logs), profile)
+    nodes = num_nodes(config, federation)
     started = time.perf_counter()
-    run_simulation(server_app=app, client_app=client, num_supernodes=len(federation.training_clients),
-                   backend_config=options.backend_config())
-    out["total_seconds"] = time.perf_counter() - started
-    if "error" in out:
-        raise RuntimeError(out["error"])
+    try:
+        run_simulation(server_app=app, client_app=client, num_supernodes=nodes,
+                       backend_config=options.backend_config())
+        out["total_with_startup_s"] = time.perf_counter() - started
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        handled = [json.loads(line) for f in logs.glob("*.jsonl") for line in f.read_text().splitlines()]
+        out["client_handle_s"] = sum(h["seconds"] for h in handled)
+        out["client_messages"] = len(handled)
+        out["nodes"] = nodes
+        profiles = sorted(logs.glob("*.prof"))
+        if profile and profiles:
+            out["client_profile"] = _stats_text(pstats.Stats(*map(str, profiles)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+# -- deployment -----------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _end(processes: list[subprocess.Popen]) -> None:
+    """End every process started here, and what each one started, by process id."""
+    for process in processes:
+        below = _descendants(process.pid)
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+_TIMED_APP = '''"""The privfl ClientApp, timing each message: when its process started, when privfl was imported, and how long the
+message's handling took (benchmark only; written to $PRIVFL_BENCH_TIMINGS)."""
+import json
+import os
+import time
+
+IMPORTING = time.time()
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from privfl.federation.flower import protocol as p  # noqa: E402
+from privfl.federation.flower.client_app import handle  # noqa: E402
+
+IMPORTED = time.time()
+
+
+def _process_started() -> float:
+    ticks = os.sysconf("SC_CLK_TCK")
+    start = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]) / ticks
+    boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    return boot + start
+
+
+app = ClientApp()
+
+
+def run(message, context):
+    start = time.time()
+    reply = handle(message, context)
+    end = time.time()
+    with open(os.path.join(os.environ["PRIVFL_BENCH_TIMINGS"], f"{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"type": message.metadata.message_type, "group": message.metadata.group_id,
+                            "node": context.node_id, "process_started": _process_started(),
+                            "importing": IMPORTING, "imported": IMPORTED, "start": start, "end": end}) + "\\n")
+    return reply
+
+
+for message_type in set(p.MESSAGE_TYPES.values()):
+    category, _, action = message_type.partition(".")
+    register = getattr(app, category)
+    register(action)(run) if action else register()(run)
+'''
+
+
+def _timed_app(directory: Path) -> Path:
+    """The privfl Flower App with a ClientApp that times its messages (the App ships ``timed_app.py``)."""
+    from privfl.federation.flower import launch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    text = (launch.APP_DIR / "pyproject.toml").read_text()
+    text = text.replace('clientapp = "privfl.federation.flower.client_app:app"', 'clientapp = "timed_app:app"')
+    if 'clientapp = "timed_app:app"' not in text:
+        raise RuntimeError("the privfl App's pyproject.toml no longer names its ClientApp as this benchmark expects")
+    (directory / "pyproject.toml").write_text(text)
+    (directory / "timed_app.py").write_text(_TIMED_APP)
+    return directory
+
+
+def _deployment_breakdown(timings: list[dict], round_seconds: list[float]) -> dict:
+    """Per timed round (the train messages of groups >= 1): the round's wall time on the server, and on the nodes
+    (the slowest node's): ClientApp process start to privfl imported, handling (data, training, ledger), and what
+    is left (SuperNode and SuperExec polling, transfers)."""
+    rows = []
+    for round, wall in enumerate(round_seconds):
+        if round == 0:
+            continue
+        messages = [t for t in timings if t["type"] == "train" and t["group"] == str(round)]
+        if not messages:
+            continue
+        slowest = max(messages, key=lambda t: t["end"] - t["process_started"])
+        rows.append({"round": round, "server_round_s": wall, "messages": len(messages),
+                     "process_start_to_imported_s": slowest["imported"] - slowest["process_started"],
+                     "imported_to_handle_s": slowest["start"] - slowest["imported"],
+                     "handle_s": slowest["end"] - slowest["start"],
+                     "rest_s": wall - (slowest["end"] - slowest["process_started"])})
+    return {"per_round": rows}
+
+
+def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2) -> dict:
+    """One ``flwr run`` on a fresh SuperLink and ``nodes`` SuperNodes, each holding TRAINING_CLIENTS / nodes training
+    clients; the node directories under ``work`` persist across calls, so the data is built once."""
+    from privfl.federation.flower import launch
+
+    config = run_config(per_round, rounds)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"privfl-flower-deploy-{per_round}-", dir=work))
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    certs = work / "certs"
+    if not certs.exists():
+        launch.generate_certificates(certs, nodes=nodes)
+    timings = run_dir / "timings"
+    timings.mkdir()
+    env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(run_dir / "flwr-home"),
+           "PRIVFL_BENCH_TIMINGS": str(timings)}
+    app_dir = _timed_app(run_dir / "app")
+    address = f"127.0.0.1:{_free_port()}"
+    command = [sys.executable, "-m", "privfl.federation.flower.launch"]
+    log = open(run_dir / "flower.log", "w")
+    processes: list[subprocess.Popen] = []
+    out = run_dir / "run"
+    share = TRAINING_CLIENTS // nodes
+    started = time.perf_counter()
+    try:
+        processes.append(subprocess.Popen(command + ["superlink", "--certs", str(certs), "--address", address],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+        register = command + ["register", "--certs", str(certs), "--superlink", address]
+        register += [str(i) for i in range(nodes)]
+        deadline = time.monotonic() + 120
+        while subprocess.run(register, env=env, capture_output=True).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the SuperLink did not accept registrations within 120 s")
+            time.sleep(1)
+        for node in range(nodes):
+            processes.append(subprocess.Popen(
+                command + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
+                           "--partition-range", f"{node * share}-{(node + 1) * share - 1}",
+                           "--num-partitions", str(TRAINING_CLIENTS), "--node-dir", str(work / f"node-{node}"),
+                           "--port", str(_free_port())],
+                env=env, stdout=log, stderr=subprocess.STDOUT))
+        launch.write_connection(env, address, certs)
+        flwr_run = launch.run_command(str(run_dir / "config.json"), str(out), timeout_s=900)
+        flwr_run[flwr_run.index(str(launch.APP_DIR))] = str(app_dir)
+        submitted = subprocess.run(flwr_run, env=env, capture_output=True, text=True)
+        if submitted.returncode != 0:
+            raise RuntimeError(submitted.stdout + submitted.stderr)
+        deadline = time.monotonic() + 1800
+        while not (out / "summary.json").exists():
+            if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+                raise RuntimeError((run_dir / "flower.log").read_text()[-3000:])
+            time.sleep(1)
+    finally:
+        _end(processes)
+        log.close()
+    total = time.perf_counter() - started
+    summary = json.loads((out / "summary.json").read_text())["flower"]
+    handled = [json.loads(line) for f in timings.glob("*.jsonl") for line in f.read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"seconds": sum(summary["round_seconds"][1:]), "warm_up_round_s": summary["round_seconds"][0],
+            "connect_s": summary["connect_s"], "total_with_startup_s": total, "nodes": summary["nodes"],
+            "clients_per_node": summary["clients_per_node_max"],
+            "breakdown": _deployment_breakdown(handled, summary["round_seconds"])}
+
+
+# -- the experiment -------------------------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--per-round", type=int, nargs="+", default=[10, 100])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--actors", type=int, default=1)
+    parser.add_argument("--engines", nargs="+", default=["inprocess", "simulation", "deployment"],
+                        choices=["inprocess", "simulation", "deployment"])
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    if "inprocess" not in args.engines:
+        parser.error("--engines must include inprocess (the ratios' denominator)")
     torch.set_num_threads(1)
-    results = {"setting": "FedAvg, MNIST 2NN, 20 local steps x batch 64, 200 clients (100 training), "
-                          f"{args.rounds} timed rounds after 1 warm-up, torch threads 1, Ray actors {args.actors}",
-               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), "
-                          f"{__import__('os').cpu_count()} CPU cores (shared)",
+    work = Path(tempfile.mkdtemp(prefix="privfl-flower-bench-"))
+    runs: dict[int, dict[str, list[dict]]] = {n: {e: [] for e in args.engines} for n in args.per_round}
+    try:
+        for repeat in range(args.repeats):
+            for per_round in args.per_round:
+                order = args.engines[repeat % len(args.engines):] + args.engines[:repeat % len(args.engines)]
+                for engine in order:
+                    if engine == "inprocess":
+                        result = in_process(per_round, args.rounds)
+                    elif engine == "simulation":
+                        result = simulation(per_round, args.rounds, args.actors)
+                    else:
+                        result = deployment(per_round, args.rounds, work)
+                    runs[per_round][engine].append(result)
+                    print(json.dumps({"repeat": repeat, "clients_per_round": per_round, "engine": engine,
+                                      **{k: v for k, v in result.items() if not k.endswith("profile")}}), flush=True)
+        profiles = {n: simulation(n, args.rounds, args.actors, profile=True) for n in args.per_round} \
+            if args.profile and "simulation" in args.engines else {}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    results = {"setting": f"FedAvg, MNIST 2NN, 20 local steps x batch 64, 200 clients (100 training), {args.rounds} "
+                          f"timed rounds after 1 warm-up, torch threads 1, Ray actors {args.actors}, "
+                          f"{args.repeats} interleaved repeats per engine; deployment: 2 SuperNodes x 50 clients",
+               "command": "nice python benchmarks/flower_overhead.py " + " ".join(sys.argv[1:]),
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs)",
                "runs": []}
     for per_round in args.per_round:
-        base = in_process(per_round, args.rounds)
-        sim = simulation(per_round, args.rounds, args.actors, args.profile)
-        row = {"clients_per_round": per_round, "in_process_s": base, "simulation_s": sim["seconds"],
-               "simulation_ratio": sim["seconds"] / base, "simulation_total_with_startup_s": sim["total_seconds"],
-               "deployment_s": None, "deployment_ratio": None,
-               "deployment_note": "not measured: needs one SuperNode process per client (see docstring)"}
-        if args.profile:
-            row["simulation_server_profile"] = sim["profile"]
+        engines = runs[per_round]
+        base = [r["seconds"] for r in engines["inprocess"]]
+        row: dict = {"clients_per_round": per_round, "in_process_s": base, "in_process_median_s": _median(base)}
+        for engine in ("simulation", "deployment"):
+            if engine not in engines:
+                row[f"{engine}_note"] = "not measured in this invocation (--engines)"
+                continue
+            seconds = [r["seconds"] for r in engines[engine]]
+            row[f"{engine}_s"] = seconds
+            row[f"{engine}_median_s"] = _median(seconds)
+            row[f"{engine}_ratio_of_medians"] = _median(seconds) / _median(base)
+            row[f"{engine}_ratio_per_repeat"] = [s / b for s, b in zip(seconds, base)]
+            row[f"{engine}_total_with_startup_s"] = [r["total_with_startup_s"] for r in engines[engine]]
+            row[f"{engine}_connect_s"] = [r["connect_s"] for r in engines[engine]]
+        if "simulation" in engines:
+            sims = engines["simulation"]
+            row["simulation_nodes"] = sims[0]["nodes"]
+            row["simulation_client_handle_s"] = [r["client_handle_s"] for r in sims]
+            row["simulation_outside_client_s"] = [r["seconds"] - r["client_handle_s"] for r in sims]
+        if "deployment" in engines:
+            row["deployment_warm_up_round_s"] = [r["warm_up_round_s"] for r in engines["deployment"]]
+            row["deployment_breakdown"] = [r["breakdown"]["per_round"] for r in engines["deployment"]]
+        if per_round in profiles:
+            row["simulation_server_profile"] = profiles[per_round]["server_profile"]
+            row["simulation_client_profile"] = profiles[per_round].get("client_profile", "")
         results["runs"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "simulation_server_profile"}), flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps([{k: v for k, v in r.items() if not k.endswith("profile")} for r in results["runs"]], indent=1))
 
 
 if __name__ == "__main__":
