@@ -14,9 +14,19 @@ The privacy-utility experiment of the ODPFL-HN paper (digest 5.4-5.5 and 7.7, wi
    descriptor release up (through :func:`privfl.privacy.privatize` at (epsilon, delta), replace-one, n public; or
    without privacy), generated model down. Each release is recorded in the client's ledger, and the epsilon the
    ledger reports is written beside the one asked for.
-4. **Report.** Mean accuracy (+- SEM over mixes and repeats) per (epsilon, n), the smallest n from which every
-   larger size is within ``tolerance`` points of the non-private accuracy at the same size, a printed table,
-   ``sweep.csv``, ``sweep.json`` and ``sweep.png`` in ``OUT``.
+4. **Controls: does the descriptor matter?** A flat privacy-utility curve is also what a system that ignores its
+   descriptor produces (one model for everybody is equally good at every epsilon and every n). So every mix is also
+   served, at every n, two models built *without* its own descriptor: ``control_mean_training``, the model the
+   hypernetwork generates from the mean of the training clients' last released descriptors (a model for the average
+   client; the server needs nothing from the novel client), and ``control_other_mix``, the model served
+   non-privately to the next mix at the same n (a descriptor of the wrong client). No extra release is made for
+   either. ``descriptor_margin`` is, per n, the clean (non-private) accuracy minus the better control's;
+   ``descriptor_informative`` says whether it is at least ``min_margin`` points at every n. When it is not, the
+   privacy-utility table says nothing about privacy: the noise had nothing to destroy.
+5. **Report.** Mean accuracy (+- SEM over mixes and repeats) per (epsilon, n) and per control, the smallest n from
+   which every larger size is within ``tolerance`` points of the non-private accuracy at the same size, a printed
+   table, ``sweep.csv`` (one row per served model; ``descriptor`` says clean, private or which control),
+   ``sweep.json`` and ``sweep.png`` in ``OUT``.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from privfl.data import FederationSpec, NovelClient, build_federation
@@ -40,12 +51,16 @@ from privfl.evaluation.novel_pool import NovelPool, held_out_pool
 from privfl.experiment import RunConfig, build_runtime, train
 from privfl.federation import RunDirectory
 
-#: ODPFL-HN settings of the sweep's training run (DP-ready encoder, clipped phi; everything else the method's
-#: defaults; phi on the unit sphere). A deeper, narrow phi keeps the noise (which lives in phi's output space) small.
-#: The encoder learning rate is raised (0.5) because its averaged gradients are tiny (about 5e-3).
+#: ODPFL-HN settings of the sweep's training run: the DP-ready encoder phi -> mean -> psi, made so that the served model
+#: depends on the descriptor (see "Making the descriptor matter" in :mod:`privfl.methods.odpflhn`): phi (a hidden
+#: layer of 200, then 32 prototype scores) ends in a softmax, so each sample's output is in the unit ball and the mean
+#: is a soft histogram; psi is the identity; the hypernetwork sees standardised descriptors. Noise-aware training
+#: (std 0.03 on the mean, about the noise of a release at epsilon 0.3 on n = 900) keeps the hypernetwork smooth in the
+#: descriptor, which helps label mixes no training client had. The encoder learning rate is 0.2.
 DEFAULT_METHOD = {"encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hidden": 200, "encoder_clip": 1.0,
-                  "lr": 0.05, "local_steps": 10, "batch_size": 64, "hn_lr": 0.05, "encoder_lr": 0.5,
-                  "train_mean_noise": 0.01}
+                  "encoder_sphere": False, "encoder_phi_head": "softmax", "encoder_psi": "identity",
+                  "standardize_descriptors": True, "lr": 0.05, "local_steps": 10, "batch_size": 64, "hn_lr": 0.05,
+                  "encoder_lr": 0.2, "train_mean_noise": 0.03}
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class SweepConfig:
     eval_size: int = 500
     repeats: int = 2
     tolerance: float = 1.0
+    min_margin: float = 2.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +97,8 @@ class SweepConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.min_margin, (int, float)) and math.isfinite(self.min_margin)):
+            raise ConfigError(f"min_margin must be a finite number of accuracy points, got {self.min_margin!r}")
         if not (0 < self.delta < 1):
             raise ConfigError(f"delta must be a probability in (0, 1), got {self.delta!r}")
         if self.method_config.get("encoder", "dp_deepset") != "dp_deepset":
@@ -131,11 +149,14 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
     rows = []
     client_id = 10_000
     spent: dict[tuple, float] = {}
+    clean_models: dict[tuple[int, int], Any] = {}
+    evaluation: list[tuple[Any, Any]] = []
     bar = tqdm(total=len(mixes) * len(config.sizes) * len(levels) * config.repeats, desc="serving novel clients",
                disable=not progress, dynamic_ncols=True)
     for mix_index, mix in enumerate(mixes):
         proportions = {c: 1.0 for c in mix}
         x_eval, y_eval = pool.draw(proportions, config.eval_size, rng)
+        evaluation.append((x_eval, y_eval))
         # the descriptor sets are nested: the first n of one draw of the largest size, with the mix's proportions
         # (the draw is stratified, so its prefixes follow them up to sampling noise); labels are never used
         x_all, _ = pool.draw(proportions, max(config.sizes), rng)
@@ -157,17 +178,45 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
                         spent[ledger.events] = ledger.spent(config.delta).epsilon
                     rows.append({"mix": mix_index, "classes": json.dumps(mix), "n": n,
                                  "epsilon": "inf" if eps is None else eps, "repeat": repeat,
+                                 "descriptor": "clean" if eps is None else "private",
                                  "accuracy": 100.0 * score.accuracy,
                                  "ledger_epsilon": spent[ledger.events],
                                  "releases": len(ledger.records)})
                     bar.update(1)
                     if eps is None:
+                        clean_models[mix_index, n] = model
                         break                        # no noise: repeats would be identical
     bar.close()
     runtime.client = base_client
+    rows += _control_rows(runtime, mixes, config.sizes, evaluation, clean_models)
     result = _summarise(config, rows, summary, train_s, time.perf_counter() - started)
     _write(out, config, rows, result)
     return result
+
+
+#: The uninformative descriptors every mix is also served with (module docstring, step 4).
+CONTROLS = ("control_mean_training", "control_other_mix")
+
+
+def _control_rows(runtime, mixes: list[list[int]], sizes: tuple[int, ...], evaluation: list[tuple],
+                  clean_models: dict[tuple[int, int], Any]) -> list[dict]:
+    """Score every (mix, n) with the two control models: the hypernetwork's model for the mean of the training
+    clients' last released descriptors, and the model served non-privately to the next mix at the same n."""
+    strategy = runtime.strategy
+    if not strategy.descriptors:
+        raise ConfigError("the trained server holds no training descriptor to build the mean-descriptor control from")
+    mean_descriptor = torch.stack([strategy.descriptors[k] for k in sorted(strategy.descriptors)]).mean(dim=0)
+    mean_model = runtime.client.model_from(strategy.generated_weights(mean_descriptor))
+    rows = []
+    for mix_index, mix in enumerate(mixes):
+        x_eval, y_eval = evaluation[mix_index]
+        for n in sizes:
+            other = clean_models[(mix_index + 1) % len(mixes), n]
+            for name, model in zip(CONTROLS, (mean_model, other)):
+                rows.append({"mix": mix_index, "classes": json.dumps(mix), "n": n, "epsilon": name, "repeat": 0,
+                             "descriptor": name, "accuracy": 100.0 * score_model(model, x_eval, y_eval).accuracy,
+                             "ledger_epsilon": float("nan"), "releases": 0})
+    return rows
 
 
 def _label_mixes(num_classes: int, per_client: int, count: int, rng: np.random.Generator) -> list[list[int]]:
@@ -194,19 +243,35 @@ def _summarise(config: SweepConfig, rows: list[dict], summary: dict, train_s: fl
             accs = [r["accuracy"] for r in rows if r["epsilon"] == eps and r["n"] == n]
             mean, sem = mean_sem(accs)
             table[key][str(n)] = {"accuracy": mean, "sem": sem, "count": len(accs)}
+    for name in CONTROLS:
+        table[name] = {}
+        for n in config.sizes:
+            accs = [r["accuracy"] for r in rows if r["epsilon"] == name and r["n"] == n]
+            mean, sem = mean_sem(accs)
+            table[name][str(n)] = {"accuracy": mean, "sem": sem, "count": len(accs)}
     smallest = {}
     for key, cells in table.items():
-        if key == "inf":
+        if key == "inf" or key in CONTROLS:
             continue
         smallest[key] = smallest_size_without_loss(cells, table["inf"], config.tolerance)
+    margin = descriptor_margin(table, CONTROLS)
+    informative = all(m >= config.min_margin for m in margin.values())
     return {"config": {**dataclasses.asdict(config), "epsilons": list(config.epsilons), "sizes": list(config.sizes)},
             "training": {"novel_accuracy": summary["novel"]["accuracy_mean"],
                          "training_val_accuracy": summary["training_val"]["accuracy_mean"],
                          "rounds": summary["rounds_completed"], "train_wall_s": train_s},
             "table": table, "smallest_n_without_loss": smallest, "tolerance_points": config.tolerance,
+            "descriptor_margin": margin, "min_margin_points": config.min_margin,
+            "descriptor_informative": informative,
             "ledger_epsilon_max": {key: max((r["ledger_epsilon"] for r in rows if _key(r["epsilon"]) == key),
-                                            default=float("nan")) for key in table},
+                                            default=float("nan")) for key in table if key not in CONTROLS},
             "wall_s": wall_s}
+
+
+def descriptor_margin(table: dict[str, dict[str, dict]], controls: tuple[str, ...] = CONTROLS) -> dict[str, float]:
+    """Per n: the non-private accuracy minus the best control's (accuracy points). Near 0 means the served model
+    does not depend on the client's descriptor, and then no privacy-utility conclusion can be drawn."""
+    return {n: cell["accuracy"] - max(table[c][n]["accuracy"] for c in controls) for n, cell in table["inf"].items()}
 
 
 def smallest_size_without_loss(cells: dict[str, dict], clean: dict[str, dict], tolerance: float) -> int | None:
@@ -221,7 +286,7 @@ def smallest_size_without_loss(cells: dict[str, dict], clean: dict[str, dict], t
 
 
 def _key(epsilon: float | str) -> str:
-    return "inf" if epsilon == "inf" else f"{epsilon:g}"
+    return epsilon if isinstance(epsilon, str) else f"{epsilon:g}"
 
 
 def format_table(result: dict) -> str:
@@ -229,12 +294,21 @@ def format_table(result: dict) -> str:
     sizes = list(next(iter(result["table"].values())))
     lines = ["| epsilon \\ n | " + " | ".join(sizes) + " | smallest n within "
              f"{result['tolerance_points']:g} pt |", "|---" * (len(sizes) + 2) + "|"]
+    labels = {"inf": "non-private", "control_mean_training": "control: mean training descriptor",
+              "control_other_mix": "control: another mix's descriptor"}
     for key, cells in result["table"].items():
-        label = "non-private" if key == "inf" else key
-        smallest = "-" if key == "inf" else (result["smallest_n_without_loss"][key] or "none")
+        label = labels.get(key, key)
+        smallest = "-" if key in labels else (result["smallest_n_without_loss"][key] or "none")
         lines.append(f"| {label} | " + " | ".join(f"{c['accuracy']:.2f} +- {c['sem']:.2f}"
                                                   if math.isfinite(c["sem"]) else f"{c['accuracy']:.2f}"
                                                   for c in cells.values()) + f" | {smallest} |")
+    if "descriptor_margin" in result:
+        margins = ", ".join(f"{m:+.2f}" for m in result["descriptor_margin"].values())
+        verdict = ("the descriptor matters" if result["descriptor_informative"] else
+                   "VACUOUS: the served model barely depends on the descriptor, so this table says nothing about "
+                   "the cost of privacy")
+        lines.append(f"\nnon-private minus best control, per n: {margins} points (needed: >= "
+                     f"{result['min_margin_points']:g} at every n): {verdict}")
     return "\n".join(lines)
 
 
@@ -256,13 +330,15 @@ def plot_sweep(result: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    styles = {"inf": ("no privacy", "--", "black"),
+              "control_mean_training": ("control: mean training descriptor", ":", "grey"),
+              "control_other_mix": ("control: another mix's descriptor", "-.", "silver")}
     for key, cells in result["table"].items():
         sizes = [int(n) for n in cells]
         mean = np.array([c["accuracy"] for c in cells.values()])
         sem = np.nan_to_num(np.array([c["sem"] for c in cells.values()]))
-        label = "no privacy" if key == "inf" else f"epsilon = {key}"
-        ax.errorbar(sizes, mean, yerr=sem, marker="o", capsize=3, label=label,
-                    linestyle="--" if key == "inf" else "-", color="black" if key == "inf" else None)
+        label, linestyle, color = styles.get(key, (f"epsilon = {key}", "-", None))
+        ax.errorbar(sizes, mean, yerr=sem, marker="o", capsize=3, label=label, linestyle=linestyle, color=color)
     delta = result["config"]["delta"]
     ax.set(xscale="log", xlabel="novel client's samples n", ylabel="accuracy (%)",
            title=f"ODPFL-HN novel clients, private descriptor (delta = {delta:g})")
@@ -274,4 +350,4 @@ def plot_sweep(result: dict, path: Path) -> Path:
     return path
 
 
-__all__ = ["DEFAULT_METHOD", "SweepConfig", "format_table", "plot_sweep", "run_sweep", "smallest_size_without_loss"]
+__all__ = ["CONTROLS", "DEFAULT_METHOD", "SweepConfig", "descriptor_margin", "format_table", "plot_sweep", "run_sweep", "smallest_size_without_loss"]

@@ -13,7 +13,7 @@ import torch
 from privfl.cli import main
 from privfl.data import FederationSpec, build_federation
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.sweep import smallest_size_without_loss
+from privfl.sweep import descriptor_margin, smallest_size_without_loss
 
 TINY = ["sweep", "--clients", "6", "--max-samples", "1200", "--rounds", "2", "--client-fraction", "0.5",
         "--sizes", "20,60", "--epsilons", "0.3,3", "--novel-mixes", "2", "--eval-size", "40", "--repeats", "1",
@@ -35,15 +35,25 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     for name in ("sweep.csv", "sweep.json", "sweep.png", "train/summary.json", "train/ledger.json"):
         assert (out / name).exists(), name
     result = json.loads((out / "sweep.json").read_text())
-    assert list(result["table"]) == ["inf", "0.3", "3"] and list(result["table"]["0.3"]) == ["20", "60"]
+    assert list(result["table"]) == ["inf", "0.3", "3", "control_mean_training", "control_other_mix"]
+    assert list(result["table"]["0.3"]) == ["20", "60"]
     # every served novel client made exactly one release, accounted at the epsilon asked for
     assert result["ledger_epsilon_max"]["0.3"] == pytest.approx(0.3, rel=1e-6)
     assert result["ledger_epsilon_max"]["3"] == pytest.approx(3.0, rel=1e-6)
     assert result["ledger_epsilon_max"]["inf"] in ("inf", "Infinity") or math.isinf(result["ledger_epsilon_max"]["inf"])
     rows = list(csv.DictReader(open(out / "sweep.csv")))
-    # 2 mixes x 2 sizes x (1 non-private + 2 epsilons x 1 repeat)
-    assert len(rows) == 2 * 2 * 3 and {r["releases"] for r in rows} == {"1"}
+    served = [r for r in rows if r["descriptor"] in ("clean", "private")]
+    controls = [r for r in rows if r["descriptor"].startswith("control_")]
+    # 2 mixes x 2 sizes x (1 non-private + 2 epsilons x 1 repeat), one release each; the controls release nothing
+    assert len(served) == 2 * 2 * 3 and {r["releases"] for r in served} == {"1"}
+    assert len(controls) == 2 * 2 * 2 and {r["releases"] for r in controls} == {"0"} and len(rows) == 20
     assert result["table"]["0.3"]["20"]["count"] == 2 and result["table"]["inf"]["20"]["count"] == 2
+    # the margin is the non-private accuracy minus the better control's, per n, and the verdict follows from it
+    for n in ("20", "60"):
+        best = max(result["table"][c][n]["accuracy"] for c in ("control_mean_training", "control_other_mix"))
+        assert result["descriptor_margin"][n] == pytest.approx(result["table"]["inf"][n]["accuracy"] - best)
+    assert result["descriptor_informative"] == all(m >= 2.0 for m in result["descriptor_margin"].values())
+    assert "non-private minus best control, per n" in printed
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -71,6 +81,13 @@ def test_held_out_pool_is_disjoint_from_every_training_client():
     assert sorted(torch.bincount(ya, minlength=10)[[3, 7]].tolist()) == [50, 51]
     assert torch.bincount(yb, minlength=10)[[3, 7]].tolist() == [50, 50] and pool.remaining == 58800 - 201
     assert not ({r.numpy().tobytes() for r in a} & {r.numpy().tobytes() for r in b})
+
+
+def test_descriptor_margin_is_clean_minus_the_best_control():
+    table = {"inf": {"50": {"accuracy": 90.0}, "500": {"accuracy": 95.0}},
+             "control_mean_training": {"50": {"accuracy": 89.5}, "500": {"accuracy": 80.0}},
+             "control_other_mix": {"50": {"accuracy": 70.0}, "500": {"accuracy": 94.0}}}
+    assert descriptor_margin(table) == {"50": pytest.approx(0.5), "500": pytest.approx(1.0)}
 
 
 def test_smallest_size_without_loss_needs_every_larger_size_to_pass():

@@ -24,6 +24,29 @@ descriptor locally and releases it -- optionally through :func:`privfl.privacy.p
 Gaussian event goes with the release into the client's ledger -- and receives f_theta(e); nothing else leaves it.
 Training clients get no privacy here: their descriptors, weight changes and encoder gradients are sent in the clear
 and recorded with epsilon = infinity (digest 5.7 item 10).
+
+**Making the descriptor matter.** Trained end to end, the system can settle on one model for everybody: the
+hypernetwork is then as good as FedAvg and a flat privacy-utility curve is vacuous (noise cannot hurt a descriptor
+nobody reads). With the earlier DP default (phi on the unit sphere, a small MLP psi) that is what happened on MNIST
+with pathological 2-class clients: psi contracted the clients' differences about tenfold, generated models differed
+by 0.2% of their norm, and a novel client got the same accuracy from its own descriptor, from zeros or from another
+client's. Three changes, measured on that federation (``privfl.sweep``), fix it while keeping the DP structure
+phi (per sample, in the unit ball) -> mean (+ noise) -> psi:
+
+1. ``encoder_phi_head="softmax"``: phi ends in a softmax over learned prototypes, so the mean is a soft histogram of
+   the client's data (for label-shifted clients, close to its label mix), and every phi output is in the unit ball;
+2. ``encoder_psi="identity"``: nothing learned between the noisy mean and the hypernetwork can contract it;
+3. ``standardize_descriptors=True``: the hypernetwork sees ``(e - mu) / s``, with mu and s (one isotropic spread) from
+   the training clients' latest descriptors. Histograms of different clients differ by a few hundredths, which a
+   trunk initialised for inputs of order 1 barely resolves; without this step the descriptor was still ignored.
+   The map is post-processing of released descriptors and so costs no privacy. Because it is refitted every round,
+   the descriptor gradients sent to the encoder are taken with its statistics differentiated over the round's
+   clients (:meth:`~privfl.models.hypernetwork.DescriptorStandardizer.batch_gradients`): with the statistics held
+   fixed, the encoder drifted along the shift and scale the refit undoes until the softmax saturated on one
+   prototype and every client had the same descriptor.
+
+With these three, Algorithm 1's gradient identity (stage-2 updates = lr_local x the true gradients) holds for the
+hypernetwork; the encoder's gradient is the batch-statistics one of step 3.
 """
 
 from __future__ import annotations
@@ -52,6 +75,7 @@ from privfl.methods.base import (
 from privfl.methods.local_training import minibatches, weights_of
 from privfl.models.encoders import ENCODERS, PRIVATIZABLE, build_encoder
 from privfl.models.hypernetwork import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.models.set_encoders import PHI_HEADS, PSI_KINDS
 
 DESCRIPTOR_MODES = ("full", "batch_mean")
 ENCODER_PREFIX = "encoder."
@@ -71,8 +95,15 @@ class ODPFLHNConfig:
     ``encoder_clip`` (``dp_deepset``, ignored by the others: phi's outputs are projected onto the L2 ball of this
     radius in training, as privatize does on release; ``None`` for none), ``encoder_sphere`` (with a clip: scale phi's
     outputs onto the sphere of that radius, the paper's normalisation, digest 5.4; it keeps the encoder from
-    shrinking phi towards 0, which the ball allows), ``encoder_phi_hidden`` (``dp_deepset`` only: a deeper phi), ``embed_dim``
-    (``None``: ``floor(N_train / 4)``, at least 2; digest 2.4), ``hn_hidden``, ``hn_layers``.
+    shrinking phi towards 0, which the ball allows), ``encoder_phi_hidden`` (``dp_deepset`` only: a deeper phi),
+    ``encoder_phi_head`` (``dp_deepset`` only: ``"relu"``, or ``"softmax"``: phi softly assigns each sample to
+    ``encoder_hidden`` learned prototypes, so the pooled mean is a histogram; set ``encoder_sphere=False`` with it),
+    ``encoder_temperature`` (that softmax's temperature), ``encoder_psi`` (``dp_deepset`` only: ``"mlp"``,
+    ``"linear"`` or ``"identity"``, the descriptor then being the pooled mean itself, of ``encoder_hidden``
+    coordinates), ``embed_dim`` (``None``: ``floor(N_train / 4)``, at least 2; digest 2.4; ignored with an identity
+    psi), ``hn_hidden``, ``hn_layers``, ``standardize_descriptors`` (a
+    :class:`~privfl.models.hypernetwork.DescriptorStandardizer` in front of the hypernetwork, refitted every round to
+    the training clients' latest descriptors; see "Making the descriptor matter" in the module docstring).
     Descriptors: ``descriptor`` ``"full"`` (the whole training split as one set, the default) or ``"batch_mean"``
     (mean of the descriptors of random batches of ``descriptor_batch_size``); ``train_mean_noise`` (``dp_deepset``
     only): std of Gaussian noise added to the pooled mean during training (noise-aware training, digest 5.7 item 12).
@@ -98,6 +129,10 @@ class ODPFLHNConfig:
     encoder_clip: float | None = 1.0
     encoder_sphere: bool = True
     encoder_phi_hidden: int | None = None
+    encoder_phi_head: str = "relu"
+    encoder_temperature: float = 1.0
+    encoder_psi: str = "mlp"
+    standardize_descriptors: bool = False
     embed_dim: int | None = None
     hn_hidden: int = 100
     hn_layers: int = 3
@@ -111,7 +146,7 @@ class ODPFLHNConfig:
     novel_noise_seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("lr", "hn_lr", "encoder_lr"):
+        for name in ("lr", "hn_lr", "encoder_lr", "encoder_temperature"):
             _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
                      "a finite number > 0")
         for name in ("local_weight_decay", "hn_weight_decay", "train_mean_noise"):
@@ -140,7 +175,22 @@ class ODPFLHNConfig:
                  f"one of {', '.join(DESCRIPTOR_MODES)}")
         _require(self.encoder_clip is None or (_finite(self.encoder_clip) and self.encoder_clip > 0),
                  "encoder_clip", self.encoder_clip, "None or a finite L2 radius > 0")
-        dp_only = {"encoder_phi_hidden": self.encoder_phi_hidden, "train_mean_noise": self.train_mean_noise or None}
+        _require(self.encoder_phi_head in PHI_HEADS, "encoder_phi_head", self.encoder_phi_head,
+                 f"one of {', '.join(PHI_HEADS)}")
+        _require(self.encoder_psi in PSI_KINDS, "encoder_psi", self.encoder_psi, f"one of {', '.join(PSI_KINDS)}")
+        _require(isinstance(self.standardize_descriptors, bool), "standardize_descriptors",
+                 self.standardize_descriptors, "True or False")
+        if self.encoder_psi == "identity" and self.embed_dim is not None and self.embed_dim != self.encoder_hidden:
+            raise ConfigError(f"encoder_psi='identity' releases phi's pooled mean, so the descriptor has "
+                              f"encoder_hidden={self.encoder_hidden} coordinates; embed_dim={self.embed_dim} differs "
+                              "(leave embed_dim unset)")
+        if self.encoder_phi_head == "softmax" and self.encoder_sphere:
+            raise ConfigError("encoder_phi_head='softmax' puts phi's outputs on the probability simplex; "
+                              "encoder_sphere=True would rescale them off it (set encoder_sphere=False)")
+        dp_only = {"encoder_phi_hidden": self.encoder_phi_hidden, "train_mean_noise": self.train_mean_noise or None,
+                   "encoder_phi_head": None if self.encoder_phi_head == "relu" else self.encoder_phi_head,
+                   "encoder_psi": None if self.encoder_psi == "mlp" else self.encoder_psi,
+                   "encoder_temperature": None if self.encoder_temperature == 1.0 else self.encoder_temperature}
         for name, value in dp_only.items():
             if value is not None and self.encoder != "dp_deepset":
                 raise ConfigError(f"{name}={value!r} applies only to encoder='dp_deepset', got "
@@ -161,7 +211,8 @@ class ODPFLHNConfig:
         """Keyword options of :func:`~privfl.models.encoders.build_encoder` for this config."""
         if self.encoder == "dp_deepset":
             return {"hidden": self.encoder_hidden, "clip": self.encoder_clip, "phi_hidden": self.encoder_phi_hidden,
-                    "sphere": self.encoder_sphere}
+                    "sphere": self.encoder_sphere, "phi_head": self.encoder_phi_head, "psi": self.encoder_psi,
+                    "temperature": self.encoder_temperature}
         if self.encoder == "set_transformer":
             return {"dim": self.encoder_hidden}
         if self.encoder in ("deepset", "dss"):
@@ -170,6 +221,14 @@ class ODPFLHNConfig:
 
 
 # -- pieces shared by both sides -------------------------------------------------------------------------------------
+
+
+def descriptor_dim(config: ODPFLHNConfig, num_training_clients: int) -> int:
+    """The descriptor size: ``encoder_hidden`` with an identity psi (the descriptor is phi's pooled mean), else
+    ``embed_dim`` or ``floor(N_train / 4)`` (at least 2; digest 2.4)."""
+    if config.encoder == "dp_deepset" and config.encoder_psi == "identity":
+        return config.encoder_hidden
+    return config.embed_dim or max(2, embedding_dim(num_training_clients))
 
 
 def make_encoder(config: ODPFLHNConfig, input_shape: tuple[int, ...], embed_dim: int) -> nn.Module:
@@ -231,11 +290,13 @@ class ODPFLHNStrategy(Strategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         config: ODPFLHNConfig = self.config
-        self.embed_dim = config.embed_dim or max(2, embedding_dim(self.num_training_clients))
+        self.embed_dim = descriptor_dim(config, self.num_training_clients)
         target = self.model_factory.init(self.seed)
         input_shape = tuple(self.model_factory.input_shape)
         self.hnet = seeded_init(lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=config.hn_hidden,
-                                                     n_hidden=config.hn_layers), derive_seed(self.seed, "hnet_init"))
+                                                     n_hidden=config.hn_layers,
+                                                     standardize=config.standardize_descriptors),
+                                derive_seed(self.seed, "hnet_init"))
         self.encoder = seeded_init(lambda: make_encoder(config, input_shape, self.embed_dim),
                                    derive_seed(self.seed, "encoder_init"))
         self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}}
@@ -269,8 +330,12 @@ class ODPFLHNStrategy(Strategy):
             descriptor = reply.arrays["descriptor"].to(torch.get_default_dtype())
             self._round["descriptors"][cid] = descriptor
             self.descriptors[str(cid)] = descriptor.clone()
+        if self.hnet.standardizer is not None and self.descriptors:
+            # post-processing of non-private training releases: the latest descriptor of every client seen so far
+            self.hnet.standardizer.fit(torch.stack([self.descriptors[k] for k in sorted(self.descriptors)]))
+        for cid in replies:
             with torch.no_grad():
-                weights = {k: v.detach().clone() for k, v in self.hnet(descriptor).items()}
+                weights = {k: v.detach().clone() for k, v in self.hnet(self._round["descriptors"][cid]).items()}
             messages[cid] = Message(arrays=weights, config={
                 "lr": config.lr, "local_steps": config.local_steps, "local_epochs": config.local_epochs or 0,
                 "batch_size": config.batch_size, "momentum": config.local_momentum,
@@ -279,14 +344,25 @@ class ODPFLHNStrategy(Strategy):
 
     def _backprop_changes(self, replies: dict[int, Message]) -> dict[int, Message]:
         """Stage 2: the chain rule through the hypernetwork (digest 3.1 step 5); de_i and the encoder down."""
-        messages = {}
+        descriptor_grads = {}
         for cid, reply in replies.items():
             grads, descriptor_grad = backprop_weight_change(self.hnet, self._round["descriptors"][cid], reply.arrays)
             self._round["hn_grads"][cid] = grads
             self._round["losses"][cid] = float(reply.metrics.get("loss", float("nan")))
             self._round["counts"][cid] = float(reply.metrics.get("num_examples", 1.0))
+            descriptor_grads[cid] = descriptor_grad.detach()
+        if self.hnet.standardizer is not None and descriptor_grads:
+            # the standardizer is refitted to the descriptors: differentiate its statistics as well, over this round's
+            # clients, or the encoder drifts along the directions a refit undoes (DescriptorStandardizer docstring)
+            ids = sorted(descriptor_grads)
+            projected = self.hnet.standardizer.batch_gradients(
+                torch.stack([self._round["descriptors"][cid] for cid in ids]),
+                torch.stack([descriptor_grads[cid] for cid in ids]))
+            descriptor_grads = dict(zip(ids, projected, strict=True))
+        messages = {}
+        for cid, descriptor_grad in descriptor_grads.items():
             message = self._encoder_message(stage=2)
-            message.arrays["descriptor_grad"] = descriptor_grad.detach()
+            message.arrays["descriptor_grad"] = descriptor_grad
             messages[cid] = message
         return messages
 
@@ -305,7 +381,10 @@ class ODPFLHNStrategy(Strategy):
         self._sgd_step("encoder", self.encoder, encoder_grads, config.encoder_lr, encoder_wd)
         losses = [self._round["losses"][cid] for cid in done]
         self._round = {}
-        return {"train_loss": float(np.mean(losses)), "hn_grad_norm": hn_norm, "encoder_grad_norm": encoder_norm}
+        metrics = {"train_loss": float(np.mean(losses)), "hn_grad_norm": hn_norm, "encoder_grad_norm": encoder_norm}
+        if self.hnet.standardizer is not None:
+            metrics["descriptor_scale"] = float(self.hnet.standardizer.scale)
+        return metrics
 
     def _sgd_step(self, which: str, module: nn.Module, grads: dict[str, torch.Tensor], lr: float, wd: float) -> None:
         """torch.optim.SGD's update (dampening 0, no Nesterov): g += wd p; b = mu b + g (b = g at first); p -= lr b."""

@@ -52,6 +52,98 @@ def embedding_dim(num_clients: int, *, rule: str = "quarter") -> int:
     raise ConfigError(f"embedding dimension rule must be 'quarter' or 'pfedhn', got {rule!r}")
 
 
+class DescriptorStandardizer(nn.Module):
+    """A fixed affine map ``e -> (e - shift) / scale`` in front of a hypernetwork, fitted to training descriptors.
+
+    Descriptors of label-shifted clients can differ by only a few hundredths in absolute terms (a mean of vectors in
+    the unit ball), which a hypernetwork trunk initialised for O(1) inputs barely resolves: it then learns one model
+    for everybody and the descriptor stops mattering. :meth:`fit` sets ``shift`` to the mean of the training
+    clients' descriptors and ``scale`` to their root-mean-square spread around it (one number for all coordinates),
+    so the trunk sees between-client differences of order 1.
+
+    **Isotropic on purpose.** A per-coordinate standard deviation would divide coordinates along which the training
+    clients hardly differ by a tiny number, and a private descriptor's Gaussian noise (isotropic, of one sigma in
+    every coordinate) would be blown up exactly there. One scale for all coordinates multiplies signal and noise
+    alike, so the signal-to-noise ratio the hypernetwork sees is the one the release has.
+
+    **Privacy.** It is applied on the server to descriptors already released and its statistics come from training
+    clients' descriptors (released without privacy, recorded as such), so it is post-processing: it changes no
+    private release's guarantee. ``shift`` and ``scale`` are buffers (saved with the hypernetwork, not trained by
+    gradient steps).
+
+    Args:
+        embed_dim: descriptor size.
+        min_scale: lower bound on ``scale`` (in descriptor units), so near-identical training descriptors cannot
+            make the map blow up.
+
+    >>> standardizer = DescriptorStandardizer(2)
+    >>> standardizer.fit(torch.tensor([[0.0, 1.0], [2.0, 1.0]]))
+    >>> standardizer.shift.tolist(), round(float(standardizer.scale), 4)
+    ([1.0, 1.0], 0.7071)
+    """
+
+    def __init__(self, embed_dim: int, *, min_scale: float = 1e-3) -> None:
+        super().__init__()
+        self.embed_dim = _positive_int("embed_dim", embed_dim)
+        if not (isinstance(min_scale, (int, float)) and math.isfinite(min_scale) and min_scale > 0):
+            raise ConfigError(f"min_scale must be a finite number > 0, got {min_scale!r}")
+        self.min_scale = float(min_scale)
+        self.register_buffer("shift", torch.zeros(self.embed_dim))
+        self.register_buffer("scale", torch.ones(()))
+
+    @torch.no_grad()
+    def fit(self, descriptors: torch.Tensor) -> None:
+        """Set ``shift`` and ``scale`` from training descriptors ``[m, embed_dim]`` (``m >= 2``; with fewer the map
+        is left as it is: one descriptor has no spread)."""
+        if descriptors.ndim != 2 or descriptors.shape[1] != self.embed_dim:
+            raise ConfigError(f"descriptors must have shape [m, {self.embed_dim}], got {tuple(descriptors.shape)}")
+        if not bool(torch.isfinite(descriptors).all()):
+            raise ConfigError("descriptors to fit the standardizer contain NaN/inf")
+        if len(descriptors) < 2:
+            return
+        d = descriptors.to(self.shift.dtype)
+        shift = d.mean(dim=0)
+        spread = (d - shift).pow(2).sum(dim=1).mean().div(self.embed_dim).sqrt()
+        self.shift.copy_(shift)
+        self.scale.copy_(torch.clamp(spread, min=self.min_scale))
+
+    def forward(self, descriptor: torch.Tensor) -> torch.Tensor:
+        return (descriptor - self.shift) / self.scale
+
+    @torch.no_grad()
+    def batch_gradients(self, descriptors: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        """The descriptor gradients ``grads`` ``[r, embed_dim]`` (of a loss through this map, statistics held
+        fixed) turned into the gradients with the statistics differentiated too, computed from the ``r``
+        descriptors ``[r, embed_dim]`` themselves, as batch normalisation does over its batch.
+
+        Why: the statistics are refitted to the training descriptors, so a shift common to every client, or a change
+        of their overall scale, is undone by the next fit and never changes what the hypernetwork sees. The
+        fixed-statistics gradient does not know that: its average over clients is generally not 0, and an encoder
+        following it drifts along those directions without bound (a softmax phi then saturates on one prototype
+        and every client gets the same descriptor). The batch form removes exactly these components. With
+        ``e_k = (m_k - mu) / s``, ``mu`` the mean and ``s`` the isotropic spread of the batch, and ``h_k`` the
+        fixed-statistics gradients::
+
+            dL/dm_k = h_k - mean_j h_j - e_k * sum_j <h_j, e_j> / (r * embed_dim)
+
+        (the sum of the results over k is 0, and so is their projection on the batch's own spread). Fewer than 2
+        descriptors have no spread: ``grads`` is returned unchanged.
+        """
+        if descriptors.shape != grads.shape or descriptors.ndim != 2 or descriptors.shape[1] != self.embed_dim:
+            raise ConfigError(f"descriptors and grads must both have shape [r, {self.embed_dim}], got "
+                              f"{tuple(descriptors.shape)} and {tuple(grads.shape)}")
+        r = len(descriptors)
+        if r < 2:
+            return grads.clone()
+        centred = descriptors - descriptors.mean(dim=0)
+        spread = centred.pow(2).sum(dim=1).mean().div(self.embed_dim).sqrt().clamp_min(self.min_scale)
+        e = centred / spread
+        return grads - grads.mean(dim=0) - e * (grads * e).sum() / (r * self.embed_dim)
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, min_scale={self.min_scale}"
+
+
 class HyperNetwork(nn.Module):
     """Maps a descriptor ``[embed_dim]`` to a dict of target weights named like ``target.named_parameters()``.
 
@@ -65,6 +157,9 @@ class HyperNetwork(nn.Module):
             ``False`` force the generator.
         chunk_size: weights emitted per chunk by the chunked generator.
         chunk_embed_dim: size of the learned per-chunk embedding.
+        standardize: put a :class:`DescriptorStandardizer` (attribute ``standardizer``) in front of the trunk; its
+            statistics are set by calling ``hnet.standardizer.fit(training_descriptors)``. Off by default (pFedHN's
+            learned embeddings need none).
 
     >>> from privfl.models import build_model
     >>> target = build_model("mlp2nn", (1, 28, 28), 10)
@@ -76,9 +171,10 @@ class HyperNetwork(nn.Module):
 
     def __init__(self, target: nn.Module, *, embed_dim: int, hidden_dim: int = 100, n_hidden: int = 3,
                  spectral_norm: bool = False, chunked: bool | None = None, chunk_size: int = 10_000,
-                 chunk_embed_dim: int = 16) -> None:
+                 chunk_embed_dim: int = 16, standardize: bool = False) -> None:
         super().__init__()
         self.embed_dim = _positive_int("embed_dim", embed_dim)
+        self.standardizer = DescriptorStandardizer(self.embed_dim) if standardize else None
         hidden_dim = _positive_int("hidden_dim", hidden_dim)
         if isinstance(n_hidden, bool) or not isinstance(n_hidden, int) or n_hidden < 0:
             raise ConfigError(f"n_hidden must be an int >= 0, got {n_hidden!r}")
@@ -110,6 +206,8 @@ class HyperNetwork(nn.Module):
         """``descriptor`` ``[embed_dim]`` -> ``{name: tensor of the target's shape}`` (graph kept to both)."""
         if descriptor.shape != (self.embed_dim,):
             raise ConfigError(f"descriptor must have shape ({self.embed_dim},), got {tuple(descriptor.shape)}")
+        if self.standardizer is not None:
+            descriptor = self.standardizer(descriptor)
         features = self.trunk(descriptor)
         if not self.chunked:
             return {name: self.heads[_key(name)](features).reshape(shape) for name, shape in self.shapes.items()}
@@ -153,4 +251,4 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
-__all__ = ["CHUNK_THRESHOLD", "HyperNetwork", "backprop_weight_change", "embedding_dim", "target_shapes"]
+__all__ = ["CHUNK_THRESHOLD", "DescriptorStandardizer", "HyperNetwork", "backprop_weight_change", "embedding_dim", "target_shapes"]

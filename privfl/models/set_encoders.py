@@ -94,6 +94,30 @@ class ClipToBall(nn.Module):
         return f"bound={self.bound}, sphere={self.sphere}"
 
 
+class PrototypeSoftmax(nn.Module):
+    """Soft assignment of each sample to prototypes: row-wise ``softmax(scores / temperature)`` of ``[n, k]`` scores.
+
+    Each output row lies on the probability simplex (L2 norm at most 1), so the mean over a client's samples is a
+    soft histogram of its data over the ``k`` prototypes. A ``temperature`` below 1 makes the assignments sharper
+    from the first round on: with scores from a freshly initialised linear layer (of order 0.1) a softmax at
+    temperature 1 is nearly uniform, every client's histogram is nearly the same, and the differences the rest of
+    the system has to learn from start out tiny.
+    """
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        super().__init__()
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature > 0):
+            raise ConfigError(f"temperature must be a finite number > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(h / self.temperature, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}"
+
+
 def _input_shape(input_dim: int | None, input_shape: int | Sequence[int] | None) -> tuple[int, ...]:
     if (input_dim is None) == (input_shape is None):
         raise ConfigError(f"give exactly one of input_dim and input_shape, got input_dim={input_dim!r}, "
@@ -163,6 +187,12 @@ class DeepSetEncoder(_SetEncoder):
         self.pool = MeanMaxPool(hidden // 2)
 
 
+#: What phi ends with in :class:`DPDeepSetEncoder`.
+PHI_HEADS = ("relu", "softmax")
+#: What psi is in :class:`DPDeepSetEncoder`.
+PSI_KINDS = ("mlp", "linear", "identity")
+
+
 class DPDeepSetEncoder(_SetEncoder):
     """The DP-ready DeepSet: ``phi`` per sample -> mean over samples (``pool``, a :class:`MeanPool`) -> ``psi``.
 
@@ -178,6 +208,18 @@ class DPDeepSetEncoder(_SetEncoder):
             ``FC(F -> hidden), ReLU``.
         sphere: with ``clip``, scale phi's outputs onto the sphere of radius ``clip`` rather than into the ball
             (the paper's normalisation; keeps the encoder from collapsing its outputs towards 0).
+        phi_head: ``"relu"`` (default: phi as above) or ``"softmax"``: phi's last linear layer scores ``hidden``
+            learned *prototypes* and a softmax turns the scores into a soft assignment of the sample to them
+            (``FC(F -> hidden)`` or ``FC(F -> phi_hidden), ReLU, FC(phi_hidden -> hidden)``, then softmax). Every
+            output lies on the probability simplex, whose L2 norm is at most 1, so with ``clip >= 1`` the clipping
+            is a no-op, and the pooled mean is a soft histogram of the client's data over the prototypes: for
+            label-shifted clients it spreads out with their label mix instead of averaging towards one point.
+        temperature: the softmax temperature of ``phi_head="softmax"`` (:class:`PrototypeSoftmax`).
+        psi: ``"mlp"`` (default: ``FC(hidden -> hidden), ReLU, FC(hidden -> output_dim)``), ``"linear"``
+            (``FC(hidden -> output_dim)``) or ``"identity"`` (the descriptor *is* the pooled mean; ``output_dim``
+            must equal ``hidden``). psi is post-processing of the (noisy) mean either way; a learned MLP psi can
+            contract the differences between clients' means until the hypernetwork no longer sees them, which
+            identity cannot.
 
     >>> enc = DPDeepSetEncoder(input_shape=(1, 4, 4), hidden=8, output_dim=3)
     >>> enc(torch.randn(5, 1, 4, 4)).shape
@@ -185,20 +227,45 @@ class DPDeepSetEncoder(_SetEncoder):
     >>> clipped = DPDeepSetEncoder(input_dim=4, hidden=8, output_dim=3, clip=1.0)
     >>> bool(clipped.phi(100 * torch.randn(6, 4)).norm(dim=1).max() <= 1.0 + 1e-6)
     True
+    >>> histogram = DPDeepSetEncoder(input_dim=4, hidden=6, output_dim=6, clip=1.0, phi_head="softmax", psi="identity")
+    >>> round(float(histogram(torch.randn(9, 4)).detach().sum()), 5)   # a mean of soft assignments: a histogram
+    1.0
     """
 
     def __init__(self, input_dim: int | None = None, *, input_shape: int | Sequence[int] | None = None,
                  hidden: int = 500, output_dim: int = 64, clip: float | None = None,
-                 phi_hidden: int | None = None, sphere: bool = False) -> None:
+                 phi_hidden: int | None = None, sphere: bool = False, phi_head: str = "relu",
+                 psi: str = "mlp", temperature: float = 1.0) -> None:
         super().__init__()
+        if phi_head not in PHI_HEADS:
+            raise ConfigError(f"phi_head must be one of {', '.join(PHI_HEADS)}, got {phi_head!r}")
+        if psi not in PSI_KINDS:
+            raise ConfigError(f"psi must be one of {', '.join(PSI_KINDS)}, got {psi!r}")
+        if psi == "identity" and output_dim != hidden:
+            raise ConfigError(f"psi='identity' releases the pooled mean itself, so output_dim must equal hidden; "
+                              f"got output_dim={output_dim!r}, hidden={hidden!r}")
+        if phi_head == "softmax" and sphere:
+            raise ConfigError("phi_head='softmax' already puts phi's outputs on the probability simplex; "
+                              "sphere=True would rescale them off it (use sphere=False)")
         self._build(input_dim, input_shape, hidden, output_dim)
         if phi_hidden is not None:
             phi_hidden = _positive("phi_hidden", phi_hidden)
             self.phi = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(self.input_shape), phi_hidden), nn.ReLU(),
                                      nn.Linear(phi_hidden, hidden))
+        if phi_head == "softmax":
+            if phi_hidden is None:           # drop the ReLU: the prototype scores may be negative
+                self.phi = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(self.input_shape), hidden))
+            self.phi.append(PrototypeSoftmax(temperature))
+        elif temperature != 1.0:
+            raise ConfigError(f"temperature={temperature!r} applies only to phi_head='softmax'")
         if clip is not None:
             self.phi.append(ClipToBall(clip, sphere=sphere))
+        if psi == "linear":
+            self.psi = nn.Linear(hidden, output_dim)
+        elif psi == "identity":
+            self.psi = nn.Identity()
         self.clip = None if clip is None else float(clip)
+        self.phi_head, self.psi_kind = phi_head, psi
         self.pool = MeanPool()
 
 
@@ -392,5 +459,5 @@ class SetTransformerEncoder(_SetLayerBase):
         return self.out(self.pma(h).reshape(-1))
 
 
-__all__ = ["ClipToBall", "DPDeepSetEncoder", "DSSEncoder", "DSSLayer", "DeepSetEncoder", "ISAB", "MAB", "MaxPool",
+__all__ = ["PHI_HEADS", "PSI_KINDS", "ClipToBall", "PrototypeSoftmax", "DPDeepSetEncoder", "DSSEncoder", "DSSLayer", "DeepSetEncoder", "ISAB", "MAB", "MaxPool",
            "MeanMaxPool", "MeanPool", "PMA", "SetTransformerEncoder"]

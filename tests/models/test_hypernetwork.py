@@ -87,3 +87,72 @@ def test_bad_settings_are_refused_by_name():
     assert embedding_dim(100) == 25 and embedding_dim(100, rule="pfedhn") == 26
     with pytest.raises(ConfigError, match="rule"):
         embedding_dim(100, rule="half")
+
+
+# -- the descriptor standardizer ----------------------------------------------------------------------------------
+
+from privfl.models.hypernetwork import DescriptorStandardizer  # noqa: E402
+
+
+def test_standardizer_fits_the_mean_and_one_isotropic_spread():
+    d = torch.tensor([[1.0, 0.0, 0.0], [3.0, 0.0, 0.0], [2.0, 0.0, 3.0], [2.0, 0.0, 1.0]])
+    standardizer = DescriptorStandardizer(3)
+    standardizer.fit(d)
+    torch.testing.assert_close(standardizer.shift, torch.tensor([2.0, 0.0, 1.0]))
+    # squared distances to the mean 2, 2, 4, 0: mean 2 over clients, / 3 coordinates = 2/3
+    assert float(standardizer.scale) == pytest.approx((2 / 3) ** 0.5)
+    out = standardizer(d)
+    torch.testing.assert_close(out.mean(0), torch.zeros(3))
+    assert float(out.pow(2).sum(1).mean() / 3) == pytest.approx(1.0)
+    # the coordinate along which nobody differs is not blown up (isotropic: no per-coordinate division)
+    assert float(out[:, 1].abs().max()) == 0.0
+    noise = torch.tensor([0.0, 1e-2, 0.0])
+    torch.testing.assert_close(standardizer(d[0] + noise) - standardizer(d[0]), noise / standardizer.scale)
+
+
+def test_standardizer_floors_its_scale_and_ignores_a_single_descriptor():
+    standardizer = DescriptorStandardizer(2, min_scale=0.1)
+    standardizer.fit(torch.tensor([[1.0, 1.0]]))                     # one descriptor: no spread, left as it was
+    assert standardizer.shift.tolist() == [0.0, 0.0] and float(standardizer.scale) == 1.0
+    standardizer.fit(torch.tensor([[1.0, 1.0], [1.0, 1.001]]))
+    assert float(standardizer.scale) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match=r"shape \[m, 2\]"):
+        standardizer.fit(torch.zeros(3, 4))
+    with pytest.raises(ConfigError, match="NaN"):
+        standardizer.fit(torch.tensor([[1.0, float("nan")], [0.0, 0.0]]))
+
+
+def test_standardizer_batch_gradients_are_those_of_batch_statistics():
+    """The projected gradients equal autograd's when mu and s are computed from the batch itself."""
+    torch.manual_seed(0)
+    m = torch.randn(5, 4, dtype=torch.float64)
+    g = torch.randn(5, 4, dtype=torch.float64)           # dL/de of a linear loss L = sum <g_k, e_k>
+    leaf = m.clone().requires_grad_(True)
+    centred = leaf - leaf.mean(0)
+    s = centred.pow(2).sum(1).mean().div(4).sqrt()
+    (g * centred / s).sum().backward()
+    standardizer = DescriptorStandardizer(4).double()
+    standardizer.fit(m)
+    fixed = g / standardizer.scale                       # the gradient with the statistics held fixed
+    got = standardizer.batch_gradients(m, fixed)
+    torch.testing.assert_close(got, leaf.grad)
+    # a shift common to every client and a change of overall scale have no gradient left
+    assert float(got.sum(0).abs().max()) < 1e-12 and abs(float((got * (m - m.mean(0))).sum())) < 1e-12
+    torch.testing.assert_close(standardizer.batch_gradients(m[:1], fixed[:1]), fixed[:1])
+
+
+def test_a_standardizing_hypernetwork_is_the_plain_one_on_standardized_descriptors():
+    torch.manual_seed(0)
+    target = build_model("mlp2nn", (1, 4, 4), 3)
+    torch.manual_seed(1)
+    plain = HyperNetwork(target, embed_dim=3)
+    torch.manual_seed(1)
+    standardizing = HyperNetwork(target, embed_dim=3, standardize=True)
+    d = torch.randn(6, 3) * 0.01 + 0.3
+    standardizing.standardizer.fit(d)
+    assert set(standardizing.state_dict()) - set(plain.state_dict()) == {"standardizer.shift", "standardizer.scale"}
+    got, want = standardizing(d[2]), plain((d[2] - d.mean(0)) / standardizing.standardizer.scale)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    # buffers, not parameters: the optimiser never moves them
+    assert all("standardizer" not in name for name, _ in standardizing.named_parameters())

@@ -156,3 +156,56 @@ def test_registry_builds_every_encoder_and_names_bad_values():
         build_encoder("dss", (4,), 2, clip=1.0)
     with pytest.raises(ConfigError, match="heads must divide dim"):
         build_encoder("set_transformer", (4,), 2, dim=10, heads=4)
+
+
+# -- the prototype-histogram form (softmax phi, identity or linear psi) -----------------------------------------------
+
+from privfl.models.set_encoders import PrototypeSoftmax  # noqa: E402
+
+
+def test_softmax_phi_gives_soft_histograms_that_privatize_releases_unchanged():
+    torch.manual_seed(0)
+    enc = DPDeepSetEncoder(input_dim=6, hidden=5, output_dim=5, clip=1.0, phi_hidden=7, phi_head="softmax",
+                           psi="identity", temperature=0.5)
+    x = 30 * torch.randn(40, 6)
+    v = enc.phi(x).detach()
+    torch.testing.assert_close(v.sum(1), torch.ones(40))                 # every sample: a point of the simplex
+    assert float(v.min()) >= 0 and float(v.norm(dim=1).max()) <= 1.0 + 1e-6
+    scores = enc.phi[:-2](x).detach()                                    # before PrototypeSoftmax and ClipToBall
+    torch.testing.assert_close(v, torch.softmax(scores / 0.5, dim=1))
+    descriptor = enc(x).detach()
+    torch.testing.assert_close(descriptor, v.mean(0))                     # identity psi: the histogram itself
+    private = privatize(enc, 1.0, 1e-5, bound=1.0)
+    torch.testing.assert_close(private.clipped_mean(x).float(), descriptor, rtol=1e-5, atol=1e-6)
+    assert isinstance(enc.psi, torch.nn.Identity)
+
+
+def test_histograms_of_clients_with_different_data_differ_by_their_mixture():
+    """Two 'classes' of inputs far apart, prototypes = the two directions: the pooled mean is the class mix."""
+    enc = DPDeepSetEncoder(input_dim=2, hidden=2, output_dim=2, phi_head="softmax", psi="identity",
+                           temperature=0.01)
+    with torch.no_grad():
+        enc.phi[1].weight.copy_(torch.eye(2))
+        enc.phi[1].bias.zero_()
+    a, b = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    mixed = torch.cat([a.repeat(30, 1), b.repeat(10, 1)])
+    torch.testing.assert_close(enc(mixed).detach(), torch.tensor([0.75, 0.25]))
+    torch.testing.assert_close(enc(b.repeat(5, 1)).detach(), torch.tensor([0.0, 1.0]))
+
+
+def test_linear_psi_and_the_new_options_are_checked():
+    enc = DPDeepSetEncoder(input_dim=4, hidden=6, output_dim=3, psi="linear")
+    assert isinstance(enc.psi, torch.nn.Linear) and enc(torch.randn(5, 4)).shape == (3,)
+    with pytest.raises(ConfigError, match="output_dim must equal hidden"):
+        DPDeepSetEncoder(input_dim=4, hidden=6, output_dim=3, psi="identity")
+    with pytest.raises(ConfigError, match="phi_head must be one of relu, softmax"):
+        DPDeepSetEncoder(input_dim=4, phi_head="sigmoid")
+    with pytest.raises(ConfigError, match="psi must be one of mlp, linear, identity"):
+        DPDeepSetEncoder(input_dim=4, psi="attention")
+    with pytest.raises(ConfigError, match="sphere=True would rescale them off it"):
+        DPDeepSetEncoder(input_dim=4, clip=1.0, sphere=True, phi_head="softmax")
+    with pytest.raises(ConfigError, match="temperature=0.5 applies only to phi_head='softmax'"):
+        DPDeepSetEncoder(input_dim=4, temperature=0.5)
+    with pytest.raises(ConfigError, match="temperature must be a finite number > 0"):
+        PrototypeSoftmax(0.0)
+    assert {"phi_head", "psi", "temperature"} <= set(encoder_options("dp_deepset"))
