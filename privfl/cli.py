@@ -88,6 +88,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-max-grad-norm", type=float, default=None, help="DP-SGD per-sample clipping norm (1.0)")
     g.add_argument("--dp-noise", default=None, choices=("secure", "seeded"),
                    help="DP-SGD randomness: secure (default, OS-seeded) or seeded (reproducible, research only)")
+    g.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="any other field of the method's config (VALUE read as JSON, else as text), e.g. "
+                        "--method-option novel_epsilon=1 --method-option encoder=\"dp_deepset\"; repeatable")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
     g.add_argument("--select", default="best_val", help="best_val or last")
@@ -101,7 +104,13 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 def _method_settings(args: argparse.Namespace) -> dict:
     names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay",
              "dp_noise_multiplier", "dp_max_grad_norm", "dp_noise")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    for key, value in getattr(args, "method_option", []):
+        if key in settings and settings[key] != value:
+            raise PrivflError(f"--method-option {key}={value!r} contradicts --{key.replace('_', '-')} "
+                              f"{settings[key]!r}; give it once")
+        settings[key] = value
+    return settings
 
 
 def _federation_spec(args: argparse.Namespace):

@@ -19,6 +19,8 @@ BASE = ["train", "--dataset", "synthetic", "--clients", "8", "--partition", "iid
     (["--client-fraction", "2"], "client_fraction"),
     (["--partition", "pathological", "--shards-per-client", "5000"], "shards"),
     (["--method", "fedavg", "--mu", "0.1"], "no setting mu"),
+    (["--method", "fedavg", "--method-option", "novel_epsilon=1"], "no setting novel_epsilon"),
+    (["--lr", "0.1", "--method-option", "lr=0.2"], "contradicts --lr"),
 ])
 def test_user_errors_exit_2_with_a_message(tmp_path, capsys, extra, needle):
     args = BASE[:1] + ["--out", str(tmp_path / "r")] + BASE[1:] + extra
@@ -53,6 +55,26 @@ def test_train_then_report(tmp_path, capsys):
     assert "model_update x2" in listing and "inf" in listing   # 2 rounds, every training client sampled
     assert main(["train", "--out", out] + BASE[1:]) == 2           # refuses to overwrite a run
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_method_options_reach_the_method_config_and_the_ledger(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "odpfl"
+    args = ["train", "--out", str(out), "--dataset", "synthetic", "--clients", "8", "--partition", "iid",
+            "--rounds", "1", "--no-progress", "--method", "odpflhn", "--local-steps", "2",
+            "--method-option", "novel_epsilon=0.5", "--method-option", 'encoder="dp_deepset"',
+            "--method-option", "encoder_hidden=8"]
+    assert main(args) == 0
+    capsys.readouterr()
+    config = json.loads((out / "config.json").read_text())
+    assert config["method_config"]["novel_epsilon"] == 0.5 and config["method_config"]["encoder_hidden"] == 8
+    assert config["method_config"]["local_steps"] == 2
+    privacy = json.loads((out / "summary.json").read_text())["privacy"]
+    # the 4 novel clients each released one descriptor through privatize at the epsilon given as a method option
+    assert privacy["epsilon_max_novel"] == pytest.approx(0.5, rel=1e-6)
+    novel = {k: v for k, v in privacy["epsilon_per_client"].items() if v != "inf"}
+    assert len(novel) == 4 and all(v == pytest.approx(0.5, rel=1e-6) for v in novel.values())
 
 
 def test_datasets_lists_every_source(capsys):
