@@ -19,7 +19,7 @@ plots beside them as PNG).
     python benchmarks/odpfl_mnist.py --part splits [--rounds 500] [--splits pathological dir0.1 dir1 dir10]
     python benchmarks/odpfl_mnist.py --part shift   # after --part splits (pathological)
     python benchmarks/odpfl_mnist.py --part kl      # after --part splits
-    python benchmarks/odpfl_mnist.py --part privacy [--rounds 100]
+    python benchmarks/odpfl_mnist.py --part privacy [--rounds 200]
     python benchmarks/odpfl_mnist.py --part speed [--rounds 3]
 
 A method that is not registered is recorded as "not run". Every run directory is under ``--out``
@@ -46,14 +46,15 @@ from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E40
 from privfl.experiment import RunConfig, build_runtime, train  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
+from privfl.sweep import DEFAULT_METHOD  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 #: The FedTTA paper's MNIST Table 1 ("Test") for the personalised baselines; FedAvg from benchmarks/fedtta_mnist.py.
 FEDTTA_PAPER = {"odpflhn": 95.67, "pfl_sampled": 9.43, "pfl_ensemble": 44.82, "fedavg": FEDTTA_PAPER_BASELINES["fedavg"]}
 
 _HN = {"lr": 0.05, "local_steps": 20, "batch_size": 64}
-_ODPFL = {**_HN, "encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hidden": 200, "encoder_clip": 1.0,
-          "hn_lr": 0.05, "encoder_lr": 5.0}
+#: ODPFL-HN with the sweep's encoder and server settings (privfl.sweep.DEFAULT_METHOD) and this file's local training
+_ODPFL = {**DEFAULT_METHOD, **_HN}
 SETTINGS = {
     "fedavg": {"lr": 0.1, "local_steps": 20, "batch_size": 64, "weight_decay": 1e-4, "grad_clip": 10.0},
     "fedprox": {"lr": 0.1, "mu": 0.01, "local_steps": 20, "batch_size": 64, "weight_decay": 1e-4, "grad_clip": 10.0},
@@ -285,7 +286,7 @@ def main() -> None:
     global args_max_samples
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", required=True, choices=sorted(PARTS))
-    parser.add_argument("--rounds", type=int, default=None, help="default: 200 fedtta, 500 splits, 100 privacy, "
+    parser.add_argument("--rounds", type=int, default=None, help="default: 200 fedtta, 500 splits, 200 privacy, "
                                                                  "3 speed")
     parser.add_argument("--client-fraction", type=float, default=None, help="default: 1.0 fedtta/speed, 0.1 splits")
     parser.add_argument("--eval-every", type=int, default=10)
@@ -296,7 +297,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/odpfl_mnist")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    defaults = {"fedtta": (200, 1.0), "splits": (500, 0.1), "privacy": (100, 0.2), "speed": (3, 1.0)}
+    defaults = {"fedtta": (200, 1.0), "splits": (500, 0.1), "privacy": (200, 0.2), "speed": (3, 1.0)}
     rounds, fraction = defaults.get(args.part, (None, None))
     args.rounds = args.rounds or rounds
     args.client_fraction = args.client_fraction or fraction

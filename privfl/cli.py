@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=50, help="training clients (pathological, 2 shards each)")
     p.add_argument("--max-samples", type=int, default=20000,
                    help="training images; the rest of the train split is the novel clients' held-out pool")
-    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--client-fraction", type=float, default=0.2)
     p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0), help="e.g. 0.1,0.3,1,3")
     p.add_argument("--delta", type=float, default=1e-5)

@@ -56,23 +56,26 @@ from privfl.federation import RunDirectory
 #: layer of 200, then 32 prototype scores) ends in a softmax, so each sample's output is in the unit ball and the mean
 #: is a soft histogram; psi is the identity; the hypernetwork sees standardised descriptors. Noise-aware training
 #: (std 0.03 on the mean, about the noise of a release at epsilon 0.3 on n = 900) keeps the hypernetwork smooth in the
-#: descriptor, which helps label mixes no training client had. The encoder learning rate is 0.2.
+#: descriptor, which helps label mixes no training client had. Server learning rates 0.1 (hypernetwork) and 1.0
+#: (encoder): on MNIST (50 clients, 2 classes each, 200 rounds of 10) the clean descriptor then beats the better
+#: uninformative control by about 7 points at n = 500; with 0.05 / 0.2 the margin was under 1 point (the hypernetwork
+#: had not personalised in 100 rounds), and with 0.2 / 2.0 again under 1 (noisier training).
 DEFAULT_METHOD = {"encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hidden": 200, "encoder_clip": 1.0,
                   "encoder_sphere": False, "encoder_phi_head": "softmax", "encoder_psi": "identity",
-                  "standardize_descriptors": True, "lr": 0.05, "local_steps": 10, "batch_size": 64, "hn_lr": 0.05,
-                  "encoder_lr": 0.2, "train_mean_noise": 0.03}
+                  "standardize_descriptors": True, "lr": 0.05, "local_steps": 10, "batch_size": 64, "hn_lr": 0.1,
+                  "encoder_lr": 1.0, "train_mean_noise": 0.03}
 
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """What a sweep trains and serves (defaults: MNIST, about 5 minutes of training on one free core)."""
+    """What a sweep trains and serves (defaults: MNIST, about 2.5 minutes of training and 1 of serving on one core)."""
 
     dataset: str = "mnist"
     data_root: str | None = None
     clients: int = 50
     shards_per_client: int = 2
     max_samples: int = 20000
-    rounds: int = 100
+    rounds: int = 200
     client_fraction: float = 0.2
     method_config: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_METHOD))
     epsilons: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0)
