@@ -14,7 +14,8 @@ CPU budget: extracting 70k MNIST images at 224x224 takes hours on 2 cores, so th
 (``--train``/``--test`` images of MNIST's train and test splits) at ``--input-size`` 64, and features are cached under
 ``--cache-dir`` (default ``~/.cache/privfl``, never inside the repository). Full covariance of 1280-d features costs
 (d^2 + 3d + 2)/2 = 820,481 floats per component and class (1.6 MB in float16), so it is run at K = 1 only; DP with
-full covariance is not run (the DP-GMM release materialises n x d^2 outer products, about 4 GB for one client here).
+full covariance is not run here (CPU budget: per client and class, 820,481 noisy coordinates and an eigendecomposition
+of a 1280 x 1280 matrix to project the noisy covariance onto the PSD cone).
 
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/fedpft_mnist.py              # all parts, about 20 minutes
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/fedpft_mnist.py --quick      # smoke run, about a minute

@@ -74,11 +74,16 @@ class ITPFLHNConfig(PFedHNConfig):
     ``phase1_rounds``: rounds of phase 1; later rounds fine-tune (a run of R rounds fine-tunes for the last
     ``R - phase1_rounds``, none if R <= phase1_rounds; the digest's example split is 400 + 100).
     ``finetune_lr``: the hypernetwork's learning rate in phase 2 (``None``: ``hn_lr``).
+
+    ``encoder_lr`` defaults to 1e-3 (the paper gives none): the regression loss is a sum over the descriptor's
+    coordinates of a set function of a client's whole training split, and on MNIST (pathological, 100 clients) 1e-2
+    with momentum 0.9 diverged in the first round (loss 1.7e5, then NaN), while 1e-3 stayed near 10. A non-finite
+    encoder update is refused at the server (:class:`~privfl.errors.ConfigError` naming ``encoder_lr``).
     """
 
     encoder: str = "deepset"
     encoder_options: dict[str, Any] = field(default_factory=dict)
-    encoder_lr: float = 1e-2
+    encoder_lr: float = 1e-3
     encoder_momentum: float = 0.9
     encoder_weight_decay: float | None = None
     encoder_steps: int = 5
@@ -174,6 +179,10 @@ class ITPFLHNStrategy(PFedHNStrategy):
             ids = sorted(replies)
             counts = [float(replies[cid].metrics["num_examples"]) for cid in ids]
             delta = weighted_mean([replies[cid].arrays for cid in ids], counts)
+            if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
+                raise ConfigError(f"round {round}: the encoder regression diverged (non-finite encoder update from "
+                                  f"clients {ids}); lower encoder_lr (now {self.config.encoder_lr!r}) or "
+                                  "encoder_steps")
             self.encoder_weights = {k: v + delta[k] for k, v in self.encoder_weights.items()}
             losses = [float(replies[cid].metrics["encoder_loss"]) for cid in ids]
             metrics["encoder_loss"] = sum(v * w for v, w in zip(losses, counts)) / sum(counts)

@@ -70,6 +70,17 @@ def test_phase_one_regresses_the_encoder_onto_the_embedding_rows():
     assert [r.purpose for r in rt.wire.ledgers[1].records[:2]] == ["weight_change", "encoder_update"]
 
 
+def test_a_diverging_encoder_regression_is_refused_naming_encoder_lr():
+    clients = [client(i, shift=50.0 * i) for i in range(4)]      # large inputs: lr 1e3 overflows at once
+    rt, strategy, _ = runtime(clients, phase1_rounds=50, encoder_lr=1e3, encoder_steps=10)
+    before = {k: v.clone() for k, v in strategy.encoder_weights.items()}
+    with pytest.raises(ConfigError, match=r"encoder regression diverged.*encoder_lr \(now 1000.0\)"):
+        for r in range(3):
+            rt.run_round(r)
+    assert all(bool(torch.isfinite(v).all()) for v in strategy.encoder_weights.values())
+    assert set(strategy.encoder_weights) == set(before)
+
+
 def test_the_encoder_update_is_the_data_size_weighted_mean_of_the_clients_changes():
     strategy, _ = make(hn_weight_decay=0.0)
     before = {k: v.clone() for k, v in strategy.encoder_weights.items()}
