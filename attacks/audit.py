@@ -186,7 +186,7 @@ class AuditResult:
         direction: ``"say D if score > t"`` or ``"say D' if score <= t"`` (the swapped test).
         delta_audit: the delta-violation test at the claimed epsilon, if run.
         audited: what was audited: ``"whole release"``, or the one block of a composed release (then
-            ``epsilon_claimed`` / ``delta`` are that block's share of the budget).
+            ``epsilon_claimed`` is that block's own epsilon at ``delta``, the release's delta).
         epsilon_release, delta_release: the whole release's claimed (epsilon, delta) when only a block was audited
             (NaN otherwise: then the release's claim is ``epsilon_claimed``).
     """
@@ -680,7 +680,7 @@ def format_table(results: Sequence[tuple[str, AuditResult]]) -> str:
                      f"{r.epsilon_point:>8.3f} {r.ratio:>7.3f} {dl:>12} {r.verdict}")
     for name, r in results:
         if isinstance(r.epsilon_release, float) and math.isfinite(r.epsilon_release):
-            lines.append(f"{name}: audited {r.audited}: claimed eps/delta above are that block's share; "
+            lines.append(f"{name}: audited {r.audited}: claimed eps above is that block's own epsilon at the release's delta; "
                          f"the whole release claims eps={r.epsilon_release:.4g}, delta={r.delta_release:.2g}")
     if results:
         lines.append(f"eps_lb: {results[0][1].confidence:.0%} Clopper-Pearson lower bound on the evaluation half; "

@@ -5,8 +5,10 @@ epsilon from a threshold test (Clopper-Pearson, test chosen on a held-out half),
 must stay below 1. Then the classic closed-form calibration at eps = 20 (true delta ~1.5e-3; caught by the
 delta-violation test at the claimed eps) and a mean+max encoder released with mean-pool noise (caught by eps_lb).
 Then the DP-FedPFT release (dp_gmm: diag covariance, public counts, replace-one, one class of n = 20 records in
-dim 2) at eps = 1 and 4, audited through its S1 block: the claim set against the bound is the block's share
-eps/2 (delta/2) of the equal split over the k = 2 blocks; the whole release's eps is in ``epsilon_release``.
+dim 2) at eps = 1 and 4, audited through its S1 block: the k = 2 unit-scaled blocks share one Gaussian of joint
+sensitivity sqrt(2) calibrated at the release's (eps, delta), so the claim set against the bound is the S1 block's own
+epsilon at delta (the accountant's, for that noise multiplier: 2.69 for a release at eps 4); the whole release's eps
+is in ``epsilon_release``.
 
     .venv/bin/python benchmarks/audit_privatize.py [--trials 1000000] [--out benchmarks/results/audit_privatize.json]
 """
