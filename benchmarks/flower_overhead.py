@@ -77,7 +77,9 @@ def _stats_text(stats: pstats.Stats, limit: int = 22) -> str:
     buffer = io.StringIO()
     stats.stream = buffer
     stats.sort_stats("cumulative").print_stats(limit)
-    return _strip(buffer.getvalue())
+    # drop the header lines naming each profile file (temporary paths), keep the table
+    lines = [line for line in buffer.getvalue().splitlines() if not line.rstrip().endswith(".prof")]
+    return _strip("\n".join(lines) + "\n")
 
 
 def time_rounds(runtime, rounds: int, profile: bool = False) -> tuple[float, str]:
@@ -396,6 +398,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["inprocess", "simulation", "deployment"],
                         choices=["inprocess", "simulation", "deployment"])
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS.relative_to(ROOT)),
+                        help="results file, relative to the repository (default %(default)s)")
     args = parser.parse_args()
     if "inprocess" not in args.engines:
         parser.error("--engines must include inprocess (the ratios' denominator)")
@@ -454,8 +458,9 @@ def main() -> None:
             row["simulation_server_profile"] = profiles[per_round]["server_profile"]
             row["simulation_client_profile"] = profiles[per_round].get("client_profile", "")
         results["runs"].append(row)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps([{k: v for k, v in r.items() if not k.endswith("profile")} for r in results["runs"]], indent=1))
 
 
