@@ -58,7 +58,12 @@ def method_settings(method: str, num_clients: int) -> dict:
         return {"embed_dim": d, "server_lr": 1e-3, "lambda_h": 0.0, "lambda_v": 0.0, "eval_descriptor_samples": 256}
     if method == "fedavg":
         return {"lr": 0.05, "local_steps": 50, "batch_size": 32}
-    return {}  # pfedhn, odpflhn: their registered defaults
+    if method == "odpflhn":
+        # the privacy sweep's encoder (DP DeepSet, prototype-histogram phi, standardised descriptors) and server lrs
+        from privfl.sweep import DEFAULT_METHOD
+
+        return {**DEFAULT_METHOD, "local_steps": 50, "batch_size": 32}
+    return {}  # pfedhn: its registered defaults
 
 
 def _spec(num_clients: int, partition: str) -> FederationSpec:
@@ -116,9 +121,24 @@ def communication(method: str, num_clients: int, partition: str) -> dict:
             "down_bytes_per_client_round": sum(runtime.wire.bytes_down.values()) / clients}
 
 
-def _summary(per_seed: list[dict], key: str) -> tuple[float, float]:
+def _strict(value):
+    """``value`` with every NaN / infinity replaced by ``None`` (strict JSON: ``null``)."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return None
+    return value
+
+
+def _summary(per_seed: list[dict], key: str) -> tuple[float | None, float | None]:
+    """Mean over seeds and SEM over seeds; ``(None, None)`` when a seed has no score (pFedHN serves no unseen client),
+    so the file holds JSON ``null`` rather than a bare NaN."""
     values = [r[key] for r in per_seed]
-    return statistics.mean(values), (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan"))
+    if not values or any(v is None or v != v for v in values):
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None)
 
 
 def main() -> None:
@@ -168,10 +188,11 @@ def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method
     results = stored.setdefault("results", {})
     if scores is None:
         results.setdefault(key, {"status": "not run: method not registered when the benchmark ran"})
-        path.write_text(json.dumps(stored, indent=2) + "\n")
+        path.write_text(json.dumps(_strict(stored), indent=2, allow_nan=False) + "\n")
         return
     entry = results.get(key, {})
-    if entry.get("status") != "run" or entry.get("rounds") != args.rounds:
+    if entry.get("status") != "run" or entry.get("rounds") != args.rounds \
+            or entry.get("settings") != method_settings(method, args.clients):   # other settings: a fresh entry
         partition = key.split("/")[0]
         entry = {"status": "run", "rounds": args.rounds, "settings": method_settings(method, args.clients),
                  "per_seed": [], "communication": communication(method, args.clients, partition)}
@@ -181,7 +202,7 @@ def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method
     entry["seen_mean"], entry["seen_sem_seeds"] = _summary(entry["per_seed"], "seen")
     entry["unseen_mean"], entry["unseen_sem_seeds"] = _summary(entry["per_seed"], "unseen")
     results[key] = entry
-    path.write_text(json.dumps(stored, indent=2) + "\n")
+    path.write_text(json.dumps(_strict(stored), indent=2, allow_nan=False) + "\n")
 
 
 def print_tables(stored: dict) -> None:
@@ -195,9 +216,13 @@ def print_tables(stored: dict) -> None:
             print(f"| {stored['clients']} | {partition} | {method} | - | - | {r['status']} | | | | |")
             continue
         c = r["communication"]
-        print(f"| {stored['clients']} | {partition} | {method} | {r['rounds']} | {r['seeds']} | {r['seen_mean']:.2f} +- "
-              f"{r['seen_sem_seeds']:.2f} | {r['unseen_mean']:.2f} +- {r['unseen_sem_seeds']:.2f} | "
-              f"{r['unseen_mean'] - r['seen_mean']:+.2f} | {c['up_bytes_per_client_round']:,.0f} | "
+        def num(value, spec=".2f"):
+            return "n/a" if value is None else format(value, spec)
+
+        gap = None if r["unseen_mean"] is None or r["seen_mean"] is None else r["unseen_mean"] - r["seen_mean"]
+        print(f"| {stored['clients']} | {partition} | {method} | {r['rounds']} | {r['seeds']} | {num(r['seen_mean'])} +- "
+              f"{num(r['seen_sem_seeds'])} | {num(r['unseen_mean'])} +- {num(r['unseen_sem_seeds'])} | "
+              f"{num(gap, '+.2f')} | {c['up_bytes_per_client_round']:,.0f} | "
               f"{c['down_bytes_per_client_round']:,.0f} |")
 
 
