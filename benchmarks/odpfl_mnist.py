@@ -89,7 +89,11 @@ def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str |
     method = method_name(tag)
     if method not in METHODS:
         return {"status": "not run", "reason": f"method {method!r} is not registered"}
-    config = RunConfig(federation=spec, method=method, method_config=SETTINGS[tag], model="mlp2nn",
+    settings = dict(SETTINGS[tag])
+    if method == "itpflhn":
+        # the digest's 400 + 100 split of a 500-round run, scaled to the rounds run (phase 2 = the last fifth)
+        settings.setdefault("phase1_rounds", max(1, (4 * args.rounds) // 5))
+    config = RunConfig(federation=spec, method=method, method_config=settings, model="mlp2nn",
                        rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
                        checkpoint_every=args.eval_every, select=select, seed=args.seed)
     resume = (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
