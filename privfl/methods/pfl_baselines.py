@@ -62,6 +62,10 @@ class LogitEnsemble(nn.Module):
         return torch.stack([member(x) for member in self.members]).mean(dim=0)
 
 
+#: Fewest inputs on each side for which :func:`proxy_a_distance` is defined.
+MIN_DISTANCE_INPUTS = 4
+
+
 def proxy_a_distance(a: torch.Tensor, b: torch.Tensor, *, rng: np.random.Generator) -> float:
     """Proxy A-distance ``2 (1 - 2 err)`` between two input samples (Ben-David et al. 2007; digest 10.2 #21).
 
@@ -76,8 +80,8 @@ def proxy_a_distance(a: torch.Tensor, b: torch.Tensor, *, rng: np.random.Generat
     a = a.reshape(len(a), -1).double()
     b = b.reshape(len(b), -1).double()
     m = min(len(a), len(b))
-    if m < 4:
-        raise ConfigError(f"proxy A-distance needs at least 4 inputs on each side, got {len(a)} and {len(b)}")
+    if m < MIN_DISTANCE_INPUTS:
+        raise ConfigError(f"proxy A-distance needs at least {MIN_DISTANCE_INPUTS} inputs on each side, got {len(a)} and {len(b)}")
     a = a[torch.from_numpy(rng.permutation(len(a))[:m])]
     b = b[torch.from_numpy(rng.permutation(len(b))[:m])]
     half = m // 2
@@ -188,12 +192,23 @@ class PFLNearestStrategy(PFedHNStrategy):
                                "sample_seed": derive_seed(self.seed, "pfl_nearest_query", client_id)})
 
     def novel_reply(self, client_id: int, delivered: Message | None) -> Message:
-        """Step 3: d_A between the novel client's inputs and each stored training client's; the nearest model."""
+        """Step 3: d_A between the novel client's inputs and each stored training client's; the nearest model.
+
+        Only training clients that sent at least :data:`MIN_DISTANCE_INPUTS` inputs are candidates: the proxy
+        A-distance needs a fit half and a held-out half of at least two each, and a client of one or two images
+        (Dirichlet alpha 0.1 makes them) has no measurable distance. They are skipped, not guessed at."""
         if delivered is None or "inputs" not in delivered.arrays:
             raise ConfigError(f"pfl_nearest needs novel client {client_id}'s inputs, and it sent none")
-        candidates = sorted(j for j in self.inputs if j in self.embeddings)
-        if not candidates:
+        if len(delivered.arrays["inputs"]) < MIN_DISTANCE_INPUTS:
+            raise ConfigError(f"pfl_nearest: novel client {client_id} sent {len(delivered.arrays['inputs'])} inputs; "
+                              f"the proxy A-distance needs at least {MIN_DISTANCE_INPUTS}")
+        stored = sorted(j for j in self.inputs if j in self.embeddings)
+        if not stored:
             raise ConfigError("pfl_nearest holds no training client's inputs yet (no round has completed)")
+        candidates = [j for j in stored if len(self.inputs[j]) >= MIN_DISTANCE_INPUTS]
+        if not candidates:
+            raise ConfigError(f"pfl_nearest: no training client sent at least {MIN_DISTANCE_INPUTS} inputs, so no "
+                              "proxy A-distance can be computed")
         distances = {j: proxy_a_distance(delivered.arrays["inputs"], self.inputs[j],
                                          rng=derive_rng(self.seed, "pfl_nearest_distance", client_id, j))
                      for j in candidates}

@@ -215,6 +215,22 @@ def test_pfl_nearest_picks_the_training_client_with_matching_inputs_and_records_
     assert records[0].metadata["bytes"] == 30 * 3 * 4
 
 
+def test_pfl_nearest_skips_training_clients_too_small_for_a_distance():
+    # client 2 (shift 4) is near the novel inputs (shift 7.5) but holds 2 images (Dirichlet 0.1 makes such
+    # clients): no distance to it is measured, and of the others client 3 (shift 8) is nearest
+    shifts = {0: -4.0, 1: 0.0, 2: 4.0, 3: 8.0}
+    clients = [client(cid, n=2 if cid == 2 else 40, shift=s) for cid, s in shifts.items()]
+    rt, strategy = runtime("pfl_nearest", clients, lr=0.1, local_steps=2, batch_size=8, nearest_max_inputs=30)
+    rt.run_round(0)
+    assert len(strategy.inputs[2]) == 2
+    novel = NovelClient(77, torch.randn(50, 3, generator=torch.Generator().manual_seed(9)) + 7.5)
+    rt.novel_client_model(novel)
+    chosen, distances = strategy.last_nearest[77]
+    assert sorted(distances) == [0, 1, 3] and chosen == 3 and distances[3] < 1.5 < distances[0], distances
+    with pytest.raises(ConfigError, match="sent 3 inputs; the proxy A-distance needs at least 4"):
+        rt.novel_client_model(NovelClient(78, torch.randn(3, 3)))
+
+
 def test_the_pfl_baselines_train_exactly_as_pfedhn():
     clients = [client(i, n=10) for i in range(4)]
     settings = dict(lr=0.1, local_steps=2, batch_size=4)
