@@ -47,6 +47,7 @@ from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
 from privfl.experiment import RunConfig, build_runtime, train
 from privfl.methods import METHODS
+from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
 
 PAPER = {"fedavg": 94.69, "fedprox": 95.77, "scaffold": 97.26}
 SETTINGS = {
@@ -63,7 +64,7 @@ FAMILY_TRAINING = {
     "fedtta_prox": ("fedtta_prox", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.001, "mu": 0.01}),
     "fedavg": ("fedavg", {"lr": 0.1}),
     "tent": ("tent", {"lr": 0.1, "adapt": "all"}),
-    "odpflhn": ("odpflhn", {}),   # the method's own defaults (encoder, hypernetwork and local SGD settings)
+    "odpflhn": ("odpflhn", {k: v for k, v in SWEEP_METHOD.items() if k not in ("local_steps", "batch_size")}),
 }
 # Test-time variants evaluated on each training (name -> overrides of the method config).
 FAMILY_VARIANTS = {
@@ -155,6 +156,12 @@ def store(name: str, payload: dict, key: str) -> Path:
     return path   # the lock file stays: removing it would race with a process waiting on it
 
 
+def stored_keys(name: str) -> set[str]:
+    """The keys already in ``benchmarks/results/<name>.json`` (empty if there is no such file)."""
+    path = Path(__file__).parent / "results" / f"{name}.json"
+    return set(json.loads(path.read_text())) if path.exists() else set()
+
+
 def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str) -> None:
     for training in args.methods:
         if FAMILY_TRAINING[training][0] not in METHODS:
@@ -194,8 +201,14 @@ def part_dp(args, extras: dict, suffix: str) -> None:
     if extras:
         settings["adapt_momentum"] = 0.9
     levels = [None, *args.epsilons]
+    done = stored_keys(f"fedtta_dp{suffix}")
     for seed in args.seeds:
         for eps in levels:
+            key = (f"{'nonprivate' if eps is None else f'eps{eps:g}'}-{args.dp_mode}-seed{seed}-rounds{args.rounds}"
+                   f"-fraction{args.client_fraction:g}")
+            if key in done:            # a level already measured with the same settings is not run again
+                print(f"{key}: already in fedtta_dp{suffix}.json; skipped", flush=True)
+                continue
             dp = {} if eps is None else {"dp_epsilon": float(eps), "dp_delta": 1e-5, "dp_max_norm": args.dp_max_norm,
                                          "dp_noise": "seeded",   # a research measurement: same seed, same numbers
                                          "dp_participations": args.rounds, "dp_mode": args.dp_mode,
@@ -209,8 +222,6 @@ def part_dp(args, extras: dict, suffix: str) -> None:
                 mechanism = FedTTAConfig(**{**settings, **dp}).privacy()
                 result["sigma_per_release"] = mechanism.sigma
                 result["claimed_epsilon"] = eps
-            key = (f"{'nonprivate' if eps is None else f'eps{eps:g}'}-{args.dp_mode}-seed{seed}-rounds{args.rounds}"
-                   f"-fraction{args.client_fraction:g}")
             store(f"fedtta_dp{suffix}", result, key)
             v = result["variants"]["fedtta"]
             print(f"| {eps} | {v['novel']['accuracy_mean']:.2f} +- {v['novel']['accuracy_sem']:.2f} | "
