@@ -33,8 +33,6 @@ import os
 import platform
 import pstats
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -201,46 +199,6 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False) 
 # -- deployment -----------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _end(processes: list[subprocess.Popen]) -> None:
-    """End every process started here, and what each one started, by process id."""
-    for process in processes:
-        below = _descendants(process.pid)
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        for pid in below:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 _TIMED_APP = '''"""The privfl ClientApp, timing each message: when its process started, when privfl was imported, and how long the
 message's handling took (benchmark only; written to $PRIVFL_BENCH_TIMINGS)."""
 import json
@@ -334,7 +292,7 @@ def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2) -> dict:
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(run_dir / "flwr-home"),
            "PRIVFL_BENCH_TIMINGS": str(timings)}
     app_dir = _timed_app(run_dir / "app")
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{launch.free_port()}"
     command = [sys.executable, "-m", "privfl.federation.flower.launch"]
     log = open(run_dir / "flower.log", "w")
     processes: list[subprocess.Popen] = []
@@ -356,7 +314,7 @@ def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2) -> dict:
                 command + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
                            "--partition-range", f"{node * share}-{(node + 1) * share - 1}",
                            "--num-partitions", str(TRAINING_CLIENTS), "--node-dir", str(work / f"node-{node}"),
-                           "--port", str(_free_port())],
+                           "--port", str(launch.free_port())],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
         launch.write_connection(env, address, certs)
         flwr_run = launch.run_command(str(run_dir / "config.json"), str(out), timeout_s=900)
@@ -370,7 +328,7 @@ def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2) -> dict:
                 raise RuntimeError((run_dir / "flower.log").read_text()[-3000:])
             time.sleep(1)
     finally:
-        _end(processes)
+        launch.end_processes(processes)
         log.close()
     total = time.perf_counter() - started
     summary = json.loads((out / "summary.json").read_text())["flower"]

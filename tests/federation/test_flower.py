@@ -8,9 +8,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -476,47 +473,6 @@ def test_a_node_that_restarts_keeps_its_client_state_or_refuses_to_go_on(tmp_pat
 # -- deployment engine on loopback: SuperLink + two SuperNodes, TLS and node authentication ---------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Process ids below ``pid`` (Flower's SuperExec, ServerApp and ClientApp processes), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _end(processes: list[subprocess.Popen]) -> None:
-    """End every started process and what it started, by process id."""
-    for process in processes:
-        below = _descendants(process.pid) if Path("/proc").exists() else []
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        for pid in below:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process clean-up reads /proc")
 def test_deployment_engine_on_loopback_with_tls_and_node_auth_gives_the_in_process_numbers(tmp_path, make_spec):
@@ -526,7 +482,7 @@ def test_deployment_engine_on_loopback_with_tls_and_node_auth_gives_the_in_proce
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     certs = launch.generate_certificates(tmp_path / "certs", nodes=2)
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{launch.free_port()}"
     command = [sys.executable, "-m", "privfl.federation.flower.launch"]
     log = open(tmp_path / "flower.log", "w")
     processes: list[subprocess.Popen] = []
@@ -542,7 +498,7 @@ def test_deployment_engine_on_loopback_with_tls_and_node_auth_gives_the_in_proce
             processes.append(subprocess.Popen(
                 command + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
                            "--partition-id", str(node), "--num-partitions", "2",
-                           "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(_free_port())],
+                           "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(launch.free_port())],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
         out = tmp_path / "run"
         started = subprocess.run(command + ["run", "--certs", str(certs), "--superlink", address, "--config",
@@ -555,7 +511,7 @@ def test_deployment_engine_on_loopback_with_tls_and_node_auth_gives_the_in_proce
             assert all(p.poll() is None for p in processes), (tmp_path / "flower.log").read_text()[-3000:]
             time.sleep(1)
     finally:
-        _end(processes)
+        launch.end_processes(processes)
         log.close()
     got = json.loads((out / "summary.json").read_text())
     threads = torch.get_num_threads()

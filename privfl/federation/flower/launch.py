@@ -192,6 +192,61 @@ def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
     return command + (["--stream"] if stream else [])
 
 
+
+# -- local sessions: what a test or benchmark needs to start a deployment on one machine and end it ------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS's choice)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (Flower's SuperExec, ServerApp and ClientApp processes), read from ``/proc``
+    (empty where there is no ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if not proc.exists():
+        return []
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def end_processes(processes: list[subprocess.Popen]) -> None:
+    """End every process started here, and everything it started, by process id (terminate, then kill after 10 s;
+    the descendants are listed before their parent ends, so none is orphaned and missed)."""
+    import signal
+
+    for process in processes:
+        below = descendants(process.pid)
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="privfl flower", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
