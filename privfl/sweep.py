@@ -100,6 +100,9 @@ class SweepConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.novel_mixes < 2:
+            raise ConfigError(f"novel_mixes must be >= 2: the control_other_mix control serves each mix another mix's "
+                              f"model, and with {self.novel_mixes} mix it would be its own; got {self.novel_mixes}")
         if not (isinstance(self.min_margin, (int, float)) and math.isfinite(self.min_margin)):
             raise ConfigError(f"min_margin must be a finite number of accuracy points, got {self.min_margin!r}")
         if not (0 < self.delta < 1):

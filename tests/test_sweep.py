@@ -60,6 +60,7 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     (["--epsilons", "0"], "epsilons must be finite numbers > 0"),
     (["--sizes", "1"], "sizes must be integers >= 2"),
     (["--max-samples", "60000"], "max_samples=60000 leaves no held-out images"),
+    (["--novel-mixes", "1"], "novel_mixes must be >= 2"),
 ])
 def test_user_errors_exit_2(tmp_path, capsys, extra, needle):
     assert main(TINY + ["--out", str(tmp_path / "s")] + extra) == 2
