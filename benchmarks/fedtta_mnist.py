@@ -144,9 +144,13 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
             "wall_time_s": time.perf_counter() - started}
 
 
+def results_path(name: str) -> Path:
+    return Path(__file__).parent / "results" / f"{name}.json"
+
+
 def store(name: str, payload: dict, key: str) -> Path:
     """Merge ``payload`` under ``key`` into ``benchmarks/results/<name>.json``."""
-    path = Path(__file__).parent / "results" / f"{name}.json"
+    path = results_path(name)
     path.parent.mkdir(exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:  # parts run in parallel processes merge into one file
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -158,7 +162,7 @@ def store(name: str, payload: dict, key: str) -> Path:
 
 def stored_keys(name: str) -> set[str]:
     """The keys already in ``benchmarks/results/<name>.json`` (empty if there is no such file)."""
-    path = Path(__file__).parent / "results" / f"{name}.json"
+    path = results_path(name)
     return set(json.loads(path.read_text())) if path.exists() else set()
 
 
@@ -334,8 +338,7 @@ def main() -> None:
         }
     Path(__file__).parent.joinpath("results").mkdir(exist_ok=True)
     # Merge into the results file, so methods run in separate processes (one per core) end up in one table.
-    path = Path(__file__).parent / "results" / ("fedtta_mnist_code.json" if args.code_stabilisers else
-                                                "fedtta_mnist.json")
+    path = results_path("fedtta_mnist_code" if args.code_stabilisers else "fedtta_mnist")
     stored = json.loads(path.read_text()) if path.exists() else {}
     if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
         stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}

@@ -242,19 +242,12 @@ def _label_mixes(num_classes: int, per_client: int, count: int, rng: np.random.G
 def _summarise(config: SweepConfig, rows: list[dict], summary: dict, train_s: float, wall_s: float) -> dict:
     """Mean +- SEM per (epsilon, n) and the smallest n within ``tolerance`` of the non-private accuracy."""
     table: dict[str, dict[str, dict[str, float]]] = {}
-    for eps in ["inf", *sorted(config.epsilons)]:
-        key = _key(eps)
-        table[key] = {}
+    for level in ["inf", *sorted(config.epsilons), *CONTROLS]:     # a row's "epsilon" is one of these
+        table[_key(level)] = {}
         for n in config.sizes:
-            accs = [r["accuracy"] for r in rows if r["epsilon"] == eps and r["n"] == n]
+            accs = [r["accuracy"] for r in rows if r["epsilon"] == level and r["n"] == n]
             mean, sem = mean_sem(accs)
-            table[key][str(n)] = {"accuracy": mean, "sem": sem, "count": len(accs)}
-    for name in CONTROLS:
-        table[name] = {}
-        for n in config.sizes:
-            accs = [r["accuracy"] for r in rows if r["epsilon"] == name and r["n"] == n]
-            mean, sem = mean_sem(accs)
-            table[name][str(n)] = {"accuracy": mean, "sem": sem, "count": len(accs)}
+            table[_key(level)][str(n)] = {"accuracy": mean, "sem": sem, "count": len(accs)}
     smallest = {}
     for key, cells in table.items():
         if key == "inf" or key in CONTROLS:

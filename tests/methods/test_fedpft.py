@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from scipy import optimize, stats
 from torch import nn
 
 from accounting import GaussianEvent, epsilon
@@ -220,16 +219,7 @@ def test_baselines_local_ensemble_fedavg(federation):
     assert [p["bytes_up_total"] for p in curve] == [per_round, 2 * per_round]
 
 
-def _balle_wang_sigma(eps: float, delta: float, sensitivity: float) -> float:
-    """Independent of the package: sigma where Balle and Wang's exact delta (2018, Thm 8) equals ``delta``."""
-    def excess(log_sigma):
-        s = math.exp(log_sigma)
-        a, b = sensitivity / (2 * s), eps * s / sensitivity
-        return stats.norm.cdf(a - b) - math.exp(eps) * stats.norm.cdf(-a - b) - delta
-    return math.exp(optimize.brentq(excess, -10, 10, xtol=1e-13))
-
-
-def test_dp_epsilon_per_client_through_the_ledger(federation):
+def test_dp_epsilon_per_client_through_the_ledger(federation, balle_wang_sigma):
     eps, delta = 1.0, 1e-5
     runtime, _ = run_fedpft(federation, components=1, covariance="spherical", dp_epsilon=eps, dp_delta=delta)
     # spherical, unit-norm features, public counts: S2 = n_c is public, so the only block is S1 (sensitivity 2B = 2),
@@ -240,7 +230,7 @@ def test_dp_epsilon_per_client_through_the_ledger(federation):
         (record,) = runtime.wire.ledgers[client.client_id].records
         assert record.purpose == "dp_gmm"
         assert record.event == GaussianEvent(sigma=record.event.sigma, sensitivity=1.0)
-        assert record.metadata["sigmas"]["sum"] == pytest.approx(2 * _balle_wang_sigma(eps, delta, 1.0), rel=1e-6)
+        assert record.metadata["sigmas"]["sum"] == pytest.approx(2 * balle_wang_sigma(eps, delta, 1.0), rel=1e-6)
         assert record.metadata["sigmas"]["sum"] == pytest.approx(7.4612, abs=1e-3)
         assert record.metadata["sigmas"]["second_moment_sum"] == 0.0 and record.metadata["second_moment_from_counts"]
     assert runtime.wire.bytes_up[0] == payload_bytes(DIM, 1, CLASSES, "spherical")
@@ -259,12 +249,12 @@ def test_dp_release_records_how_it_was_made_and_its_noise_is_not_the_run_seeds(f
     assert any(not torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
 
 
-def test_dp_noisy_counts_calibrate_three_blocks_jointly(federation):
+def test_dp_noisy_counts_calibrate_three_blocks_jointly(federation, balle_wang_sigma):
     runtime, _ = run_fedpft(federation, components=1, covariance="diag", dp_epsilon=2.0, dp_counts="noisy")
     # noisy counts, replace-one with label change: blocks (2B, sqrt2 B^2, sqrt2), each scaled to unit sensitivity,
     # one Gaussian of sensitivity sqrt3 at (2, 1e-5): block b's sigma is Delta_b * sigma_BW(2, 1e-5, sqrt3)
     (record,) = runtime.wire.ledgers[0].records
-    joint = _balle_wang_sigma(2.0, 1e-5, math.sqrt(3))
+    joint = balle_wang_sigma(2.0, 1e-5, math.sqrt(3))
     assert record.metadata["sigmas"] == pytest.approx({"sum": 2 * joint, "second_moment_sum": math.sqrt(2) * joint,
                                                        "count": math.sqrt(2) * joint}, rel=1e-6)
     assert runtime.wire.ledgers.epsilons(1e-5)[0] == pytest.approx(2.0, rel=1e-6)

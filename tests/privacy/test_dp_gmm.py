@@ -12,7 +12,6 @@ import resource
 import numpy as np
 import pytest
 import torch
-from scipy import optimize, stats
 
 from accounting import BudgetExceededError, NeighboringRelation, PrivacyBudget, PrivacyLedger, epsilon
 from privfl.errors import ConfigError
@@ -28,16 +27,7 @@ EPS, DELTA = 1.0, 1e-5
 COVS = ("full", "diag", "spherical")
 
 
-def balle_wang_sigma(eps: float, delta: float, sensitivity: float) -> float:
-    """Independent of the package: the sigma at which Balle and Wang's (2018, Thm 8) exact delta equals ``delta``."""
-    def excess(log_sigma):
-        s = math.exp(log_sigma)
-        a, b = sensitivity / (2 * s), eps * s / sensitivity
-        return stats.norm.cdf(a - b) - math.exp(eps) * stats.norm.cdf(-a - b) - delta
-    return math.exp(optimize.brentq(excess, -10, 10, xtol=1e-13))
-
-
-def test_independent_sigma_matches_the_literature_value():
+def test_independent_sigma_matches_the_literature_value(balle_wang_sigma):
     # ENVIRONMENT.md / digest 3.6: analytic multiplier 3.731 at (1, 1e-5), 0.500 at (10, 1e-5)
     assert balle_wang_sigma(1.0, 1e-5, 1.0) == pytest.approx(3.7306, abs=2e-4)
     assert balle_wang_sigma(10.0, 1e-5, 1.0) == pytest.approx(0.500, abs=2e-3)
@@ -228,7 +218,7 @@ def test_counts_public_vs_noisy_recorded():
                                          ("spherical", "sphere")])
 @pytest.mark.parametrize("counts,relation", [("public", "replace_one"), ("noisy", "replace_one"),
                                              ("noisy", "add_or_remove_one")])
-def test_joint_calibration_spends_exactly_the_budget(cov, project, counts, relation):
+def test_joint_calibration_spends_exactly_the_budget(cov, project, counts, relation, balle_wang_sigma):
     """The accountant gives back the requested epsilon (the equal split spent ~0.7 of it), and every block's sigma is
     its sensitivity times the Balle-Wang sigma at sqrt(k), solved here without the package."""
     x, y = data()
@@ -278,7 +268,7 @@ def _noise_draws(cov: str, reps: int = 150, n: int = 3000, d: int = 6, eps: floa
 
 
 @pytest.mark.parametrize("cov", ["diag", "full"])
-def test_s1_s2_noise_matches_the_calibrated_sigmas(cov):
+def test_s1_s2_noise_matches_the_calibrated_sigmas(cov, balle_wang_sigma):
     """The released sums carry noise of exactly the calibrated standard deviation: a release without noise (0), with
     the old equal split (S1 sigma 1.33x larger) or with noise on S1 only would all fail."""
     e1, e2, sigmas = _noise_draws(cov)
@@ -296,7 +286,7 @@ def test_s1_s2_noise_matches_the_calibrated_sigmas(cov):
         assert float(e2[:, rows, cols].std()) == pytest.approx(sigmas["second_moment_sum"] / math.sqrt(2), rel=0.06)
 
 
-def test_spherical_on_the_sphere_spends_nothing_on_s2():
+def test_spherical_on_the_sphere_spends_nothing_on_s2(balle_wang_sigma):
     """Unit-norm features, public counts: the variance released is (B^2 - ||mean~||^2)/d, a function of the noisy mean
     alone (no S2 noise), and the whole budget goes to S1."""
     x, y = data(n=600, d=5)
