@@ -147,6 +147,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--flower-actors", type=int, default=None,
                    help="client processes at once (default: half the CPU cores, at least 1)")
     g.add_argument("--flower-threads", type=int, default=1, help="torch threads per client process (1)")
+    g.add_argument("--flower-clients-per-node", type=int, default=1,
+                   help="clients each virtual SuperNode holds (1): more means fewer, larger Flower messages")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:
@@ -156,7 +158,7 @@ def _engine_settings(args: argparse.Namespace) -> dict:
 
     return {"engine": args.engine, "flower_options": FlowerOptions(
         cpus_per_client=args.flower_cpus_per_client, gpus_per_client=args.flower_gpus_per_client,
-        max_actors=args.flower_actors, threads=args.flower_threads)}
+        max_actors=args.flower_actors, threads=args.flower_threads, clients_per_node=args.flower_clients_per_node)}
 
 
 def cmd_train(args: argparse.Namespace) -> int:

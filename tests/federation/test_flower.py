@@ -34,6 +34,7 @@ from privfl.federation.flower import client_app, launch, server_app  # noqa: E40
 from privfl.federation.flower import protocol as p  # noqa: E402
 from privfl.federation.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
 from privfl.federation.flower.server_app import FlowerClientError, flower_runtime_factory  # noqa: E402
+from privfl.federation.flower.simulation import num_clients  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 
 # -- records ---------------------------------------------------------------------------------------------------------
@@ -84,6 +85,23 @@ def test_node_config_names_one_partition_or_a_range():
         p.node_partitions({"partition-range": "3-5", "num-partitions": 5})
     with pytest.raises(ConfigError, match="exactly one of partition-id .* and partition-range"):
         p.node_partitions({"partition-id": 0, "partition-range": "0-1", "num-partitions": 5})
+
+
+def test_simulated_nodes_hold_consecutive_groups_of_clients():
+    grouped = {"clients-per-node": 4, "num-clients": 10}
+    assert p.simulated_nodes(10, 4) == 3 and p.simulated_nodes(8, 4) == 2 and p.simulated_nodes(10, 1) == 10
+    assert [p.node_partitions({"partition-id": i, "num-partitions": 3}, grouped) for i in range(3)] == [
+        ([0, 1, 2, 3], 10), ([4, 5, 6, 7], 10), ([8, 9], 10)]
+    # one client per node, or a deployment node's range, ignore the grouping
+    assert p.node_partitions({"partition-id": 7, "num-partitions": 10}, {}) == ([7], 10)
+    assert p.node_partitions({"partition-range": "2-5", "num-partitions": 10}, grouped) == ([2, 3, 4, 5], 10)
+    with pytest.raises(ConfigError, match="num-partitions=4 does not fit clients-per-node=4 and num-clients=10: "
+                                          "there must be 3 nodes"):
+        p.node_partitions({"partition-id": 0, "num-partitions": 4}, grouped)
+    with pytest.raises(ConfigError, match="num-clients=None is invalid"):
+        p.node_partitions({"partition-id": 0, "num-partitions": 3}, {"clients-per-node": 4})
+    with pytest.raises(ConfigError, match="clients_per_node must be an integer >= 1, got 0"):
+        FlowerOptions(clients_per_node=0)
 
 
 def test_the_wheel_ships_the_flower_app():
@@ -316,15 +334,17 @@ def _equal_states(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("method", [_method("fedavg"), _method("scaffold"), _method("odpflhn")])
-def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, method):
+@pytest.mark.parametrize("method,per_node", [(_method("fedavg"), 1), (_method("scaffold"), 3), (_method("odpflhn"), 1)])
+def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, method, per_node):
+    # SCAFFOLD's control variates live on the nodes: it runs with virtual nodes of 3 clients each (the last holds
+    # fewer), whose packed messages must give the same numbers as one client per node
     config = _run_config(make_spec(), method)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                    # the Flower client processes compute with one thread too
     try:
         expected = train(config, str(tmp_path / "inprocess"), progress=False)
         got = train(config, str(tmp_path / "flower"), progress=False, engine="flower-sim",
-                    flower_options=FlowerOptions(max_actors=1, threads=1))
+                    flower_options=FlowerOptions(max_actors=1, threads=1, clients_per_node=per_node))
     finally:
         torch.set_num_threads(threads)
     for key in ("novel", "training_val", "selected_round", "rounds_completed", "privacy", "communication"):
@@ -336,6 +356,8 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     # the nodes, not the server, hold the ledgers: one file per client that released something
     node_ledgers = sorted((tmp_path / "flower" / "nodes").glob("partition-*/ledger-client-*.json"))
     assert len(node_ledgers) == len(ledgers)
+    clients = num_clients(config)
+    assert len(list((tmp_path / "flower" / "nodes").glob("partition-*"))) == -(-clients // per_node)
     if method == "odpflhn":
         assert 0 < got["privacy"]["epsilon_max_novel"] < math.inf
 

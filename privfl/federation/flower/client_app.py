@@ -108,7 +108,7 @@ class Node:
             raise ConfigError(f"run config {p.RUN_CONFIG!r} is empty: the node needs the run's RunConfig as JSON")
         self.config = RunConfig.from_dict(json.loads(text))
         self.config_key = hashlib.sha256(text.encode()).hexdigest()[:16]
-        self.partitions, self.num_partitions = p.node_partitions(node_config)
+        self.partitions, self.num_partitions = p.node_partitions(node_config, run_config)
 
         directory = node_config.get(p.NODE_DIR) or ""
         if not directory:
@@ -150,7 +150,8 @@ def _span(partitions: list[int]) -> str:
 def _node(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Node:
     """The node for these configs (built once per process: a simulation process serves many virtual nodes)."""
     key = json.dumps([run_config.get(p.RUN_CONFIG) or "", run_config.get(p.NODES_ROOT) or "",
-                      run_config.get(p.THREADS) or 0, dict(node_config)], sort_keys=True, default=str)
+                      run_config.get(p.THREADS) or 0, run_config.get(p.CLIENTS_PER_NODE) or 1,
+                      run_config.get(p.NUM_CLIENTS) or 0, dict(node_config)], sort_keys=True, default=str)
     if key not in _NODES:
         _NODES[key] = Node(run_config, node_config)
     return _NODES[key]

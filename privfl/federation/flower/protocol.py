@@ -62,6 +62,8 @@ TIMEOUT = "timeout-s"                # seconds to wait for the replies of one ex
 NODE_WAIT = "node-wait-s"            # seconds to wait for the nodes the run needs to connect
 SERVE_FROM = "serve-from"            # a finished training run directory: serve its novel clients, do not train
 SERVE_CLIENTS = "serve-clients"      # with serve-from: the novel client ids to serve ("" = every novel client)
+CLIENTS_PER_NODE = "clients-per-node"  # simulation: virtual node i holds partitions i*k .. i*k+k-1 (default 1)
+NUM_CLIENTS = "num-clients"          # with clients-per-node > 1: the number of partitions in all
 
 # node-config keys (``flower-supernode --node-config``)
 PARTITION_ID = "partition-id"
@@ -92,6 +94,12 @@ class FlowerOptions:
     for the nodes the run needs. The server asks the SuperLink for replies with exponential backoff, from
     ``poll_min_s`` up to ``poll_max_s`` between asks, back to ``poll_min_s`` whenever a reply arrives. A GPU share only
     reserves the device in Ray: privfl's client procedures compute on the CPU today.
+
+    ``clients_per_node`` (simulation only) lets each virtual SuperNode hold that many clients, as a deployment
+    SuperNode with a ``partition-range`` does: the server then sends one Flower message per node and round that packs
+    the messages of its selected clients, so Flower's per-message cost (a Ray task, the SuperLink's bookkeeping, the
+    simulation engine scanning every node for work) is paid per node, not per client. Each client keeps its own ledger
+    and state files on its node; the numbers are the same as with one client per node.
     """
 
     cpus_per_client: float = 1.0
@@ -102,6 +110,7 @@ class FlowerOptions:
     node_wait_s: float = 120.0
     poll_min_s: float = 0.002
     poll_max_s: float = 0.1
+    clients_per_node: int = 1
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -122,6 +131,8 @@ class FlowerOptions:
             ("poll_min_s", self.poll_min_s, number(self.poll_min_s) and self.poll_min_s > 0, "a number > 0"),
             ("poll_max_s", self.poll_max_s, number(self.poll_max_s) and self.poll_max_s >= self.poll_min_s,
              f"a number >= poll_min_s ({self.poll_min_s!r})"),
+            ("clients_per_node", self.clients_per_node, isinstance(self.clients_per_node, int)
+             and not isinstance(self.clients_per_node, bool) and self.clients_per_node >= 1, "an integer >= 1"),
         ]
         for name, value, ok, valid in checks:
             if not ok:
@@ -145,12 +156,35 @@ class FlowerOptions:
                 "init_args": init_args}
 
 
-def node_partitions(node_config: Mapping[str, Any]) -> tuple[list[int], int]:
+def simulated_nodes(num_clients: int, clients_per_node: int) -> int:
+    """Virtual SuperNodes a simulation needs for ``num_clients`` partitions at ``clients_per_node`` each."""
+    return -(-num_clients // clients_per_node)
+
+
+def node_partitions(node_config: Mapping[str, Any],
+                    run_config: Mapping[str, Any] | None = None) -> tuple[list[int], int]:
     """The partitions a node holds and the number of partitions, from its node config.
 
     Either ``partition-id`` (one partition; what Flower's simulation engine sets) or ``partition-range`` (a string
     ``"FIRST-LAST"``, both included: one SuperNode holds several clients), with ``num-partitions``.
+
+    With ``clients-per-node`` k > 1 in the run config (the simulation's grouping, see :class:`FlowerOptions`), the
+    node with ``partition-id`` i of ``num-partitions`` nodes holds partitions ``i*k`` to ``min(i*k + k, P) - 1``, where
+    ``P`` is the run config's ``num-clients``; the number of partitions returned is ``P``.
     """
+    per_node = (run_config or {}).get(CLIENTS_PER_NODE, 1)
+    if per_node != 1 and node_config.get(PARTITION_ID) is not None:
+        total = (run_config or {}).get(NUM_CLIENTS)
+        if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1 \
+                or not isinstance(total, int) or isinstance(total, bool) or total < 1:
+            raise ConfigError(f"run config {CLIENTS_PER_NODE}={per_node!r}, {NUM_CLIENTS}={total!r} is invalid: both "
+                              "must be integers >= 1")
+        node, count = node_config.get(PARTITION_ID), node_config.get(NUM_PARTITIONS)
+        if count != simulated_nodes(total, per_node) or not isinstance(node, int) or not 0 <= node < count:
+            raise ConfigError(f"node config {PARTITION_ID}={node!r}, {NUM_PARTITIONS}={count!r} does not fit "
+                              f"{CLIENTS_PER_NODE}={per_node} and {NUM_CLIENTS}={total}: there must be "
+                              f"{simulated_nodes(total, per_node)} nodes, numbered from 0")
+        return list(range(node * per_node, min(total, (node + 1) * per_node))), total
     single, span = node_config.get(PARTITION_ID), node_config.get(PARTITION_RANGE)
     count = node_config.get(NUM_PARTITIONS)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:

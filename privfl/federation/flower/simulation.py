@@ -1,6 +1,7 @@
 """``privfl train --engine flower-sim``: a whole run on Flower's simulation engine, in one command.
 
-One virtual SuperNode per client (training clients, then novel clients when the method serves them), Ray actors
+One virtual SuperNode per client, or per ``clients_per_node`` clients (training clients, then novel clients when the
+method serves them), Ray actors
 as client processes (:class:`~privfl.federation.flower.protocol.FlowerOptions` sets how many and their resources),
 the privfl ServerApp in this process. The nodes keep their ledgers under ``RUN_DIR/nodes/partition-<i>/``.
 
@@ -19,15 +20,28 @@ from privfl.federation.flower import protocol as p
 from privfl.federation.rundir import RunDirectory
 
 
-def num_nodes(config, federation=None) -> int:
-    """Nodes of a simulation of ``config``: every training client, and every novel one if the method serves them
-    (the ServerApp then waits for all of them, and for no other)."""
+def num_clients(config, federation=None) -> int:
+    """Partitions of a simulation of ``config``: every training client, and every novel one if the method serves
+    them (the ServerApp then waits for all of them, and for no other)."""
     from privfl.data import build_federation
     from privfl.methods import get_method
 
     federation = federation or build_federation(config.federation, seed=config.seed)
     novel = len(federation.novel_clients) if get_method(config.method).client.serves_novel_clients else 0
     return len(federation.training_clients) + novel
+
+
+def num_nodes(config, federation=None, clients_per_node: int = 1) -> int:
+    """Virtual SuperNodes of a simulation of ``config``, ``clients_per_node`` clients each (the last may hold
+    fewer)."""
+    return p.simulated_nodes(num_clients(config, federation), clients_per_node)
+
+
+def grouping(clients: int, options: p.FlowerOptions) -> dict[str, Any]:
+    """The run-config keys that tell each virtual node which partitions it holds (nothing for one per node)."""
+    if options.clients_per_node == 1:
+        return {}
+    return {p.CLIENTS_PER_NODE: options.clients_per_node, p.NUM_CLIENTS: clients}
 
 
 def _simulate(server_app, client_app, nodes: int, options: p.FlowerOptions) -> None:
@@ -70,12 +84,13 @@ def train_simulation(config, out: str, *, resume: bool = False, overwrite: bool 
     nodes_root = Path(out) / "nodes"
     if overwrite and nodes_root.exists():
         shutil.rmtree(nodes_root)           # the ledgers of the run being replaced
+    clients = num_clients(config)
     run_config = {p.RUN_CONFIG: json.dumps(config.to_dict()), p.OUT: str(out), p.OVERWRITE: overwrite,
-                  p.NODES_ROOT: str(nodes_root), p.THREADS: options.threads}
+                  p.NODES_ROOT: str(nodes_root), p.THREADS: options.threads, **grouping(clients, options)}
     result: dict[str, Any] = {}
     server_app = make_server_app(run_config, options=options, progress=progress, stop_after_round=stop_after_round,
                                  result=result)
-    _simulate(server_app, make_client_app(run_config), num_nodes(config), options)
+    _simulate(server_app, make_client_app(run_config), p.simulated_nodes(clients, options.clients_per_node), options)
     return _result(result)
 
 
@@ -98,11 +113,13 @@ def serve_simulation(train_dir: str, out: str, *, clients: list[int] | None = No
     options = options or p.FlowerOptions()
     config = RunConfig.from_dict(RunDirectory(train_dir).read_json(RunDirectory.CONFIG))
     federation = build_federation(config.federation, seed=config.seed)
+    partitions = len(federation.training_clients) + len(federation.novel_clients)
     run_config = {p.RUN_CONFIG: json.dumps(config.to_dict()), p.OUT: str(out), p.OVERWRITE: overwrite,
                   p.NODES_ROOT: str(nodes_root or Path(train_dir) / "nodes"), p.THREADS: options.threads,
-                  p.SERVE_FROM: str(train_dir), p.SERVE_CLIENTS: ",".join(str(c) for c in clients or [])}
+                  p.SERVE_FROM: str(train_dir), p.SERVE_CLIENTS: ",".join(str(c) for c in clients or []),
+                  **grouping(partitions, options)}
     result: dict[str, Any] = {}
     server_app = make_server_app(run_config, options=options, result=result)
-    nodes = len(federation.training_clients) + len(federation.novel_clients)
-    _simulate(server_app, make_client_app(run_config), nodes, options)
+    _simulate(server_app, make_client_app(run_config), p.simulated_nodes(partitions, options.clients_per_node),
+              options)
     return _result(result)
