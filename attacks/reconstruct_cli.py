@@ -239,9 +239,8 @@ def save_grid(path: Path, panels: Sequence[tuple[str, torch.Tensor]], columns: i
     for spine in ax.spines.values():
         spine.set_visible(False)
     ax.set_title("defender images (top row) and what each attacker shows for them", fontsize=9)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")   # the whole row labels, however long
     plt.close(fig)
     return path
 
@@ -337,9 +336,10 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
         retrieval = feature_retrieval(release, features_a, images_a, targets, lpips=lpips,
                                       top_fractions=settings.top_fractions)
         rows.extend(diffusion.rows + retrieval.rows)
-        panels.append((f"{release.label}: diffusion", diffusion.shown))
+        shown = release.label if math.isinf(release.epsilon) else f"{release.label}, ε {release.epsilon:.3g}"
+        panels.append((f"{shown}: diffusion", diffusion.shown))
         if not release.set_level:
-            panels.append((f"{release.label}: feature NN", retrieval.shown))
+            panels.append((f"{shown}: feature NN", retrieval.shown))
         release_details.append({"source": release.label, "scheme": release.scheme, "set_level": release.set_level,
                                 "epsilon": "inf" if math.isinf(release.epsilon) else release.epsilon,
                                 "features": len(release.features), **release.details,
