@@ -9,14 +9,16 @@ ratios are of medians, and per repeat to the in-process run of the same repeat.
 
 * in-process: :func:`privfl.experiment.build_runtime`, this process, 1 torch thread;
 * simulation: one virtual SuperNode per client the app would start
-  (:func:`~privfl.federation.flower.simulation.num_nodes`: 200 for FedAvg, which serves novel clients), ``--actors`` Ray client processes with 1 torch thread each;
+  (:func:`~privfl.federation.flower.simulation.num_nodes`: 200 for FedAvg, which serves novel clients), ``--actors``
+  Ray client processes with 1 torch thread each; ``simulation_kK`` for each ``--clients-per-node`` K > 1: virtual
+  SuperNodes holding K consecutive clients each (200 / K nodes), one packed Flower message per node and round;
 * deployment: a SuperLink and 2 SuperNodes on loopback (TLS, node authentication), each SuperNode holding 50
   training clients (``partition-range``), ``flwr run`` of the privfl app; round times come from the run's summary
   (``summary["flower"]["round_seconds"]``). Two SuperNodes train in parallel (one ClientApp process each, 1 thread),
   so on a 2-core machine this engine may use 2 cores where the others use 1.
 
     nice python benchmarks/flower_overhead.py [--rounds 2] [--per-round 10 100] [--repeats 3] [--actors 1]
-        [--engines inprocess simulation deployment] [--profile]
+        [--engines inprocess simulation deployment] [--clients-per-node 1 10] [--profile]
 
 ``--profile`` adds one profiled simulation run per setting (not timed): the ServerApp's profile, and the ClientApp's
 profile inside the Ray actor. Target: simulation within 2x of in-process at 100 clients per round. Writes
@@ -145,7 +147,7 @@ def _timed_client_app(defaults: dict, log_dir: str, profile: bool):
     return app
 
 
-def simulation(per_round: int, rounds: int, actors: int, profile: bool = False) -> dict:
+def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, clients_per_node: int = 1) -> dict:
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
@@ -154,10 +156,10 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False) 
     from privfl.federation.flower import FlowerOptions
     from privfl.federation.flower import protocol as p
     from privfl.federation.flower.server_app import flower_runtime_factory
-    from privfl.federation.flower.simulation import num_nodes
+    from privfl.federation.flower.simulation import grouping, num_clients, num_nodes
 
     config = run_config(per_round, rounds)
-    options = FlowerOptions(max_actors=actors, threads=1)
+    options = FlowerOptions(max_actors=actors, threads=1, clients_per_node=clients_per_node)
     federation = build_federation(config.federation, seed=0)
     out: dict = {}
     app = ServerApp()
@@ -174,9 +176,10 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False) 
     work = Path(tempfile.mkdtemp(prefix=f"privfl-flower-sim-{per_round}-"))
     logs = work / "logs"
     logs.mkdir()
+    clients = num_clients(config, federation)
     client = _timed_client_app({p.RUN_CONFIG: json.dumps(config.to_dict()), p.NODES_ROOT: str(work / "nodes"),
-                                p.THREADS: 1}, str(logs), profile)
-    nodes = num_nodes(config, federation)
+                                p.THREADS: 1, **grouping(clients, options)}, str(logs), profile)
+    nodes = num_nodes(config, federation, clients_per_node)
     started = time.perf_counter()
     try:
         run_simulation(server_app=app, client_app=client, num_supernodes=nodes,
@@ -355,6 +358,9 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--engines", nargs="+", default=["inprocess", "simulation", "deployment"],
                         choices=["inprocess", "simulation", "deployment"])
+    parser.add_argument("--clients-per-node", type=int, nargs="+", default=[1, 10],
+                        help="simulation: clients per virtual SuperNode, one simulation engine per value (1 = a node "
+                             "per client; K > 1 is reported as simulation_kK)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=str(RESULTS.relative_to(ROOT)),
                         help="results file, relative to the repository (default %(default)s)")
@@ -362,29 +368,33 @@ def main() -> None:
     if "inprocess" not in args.engines:
         parser.error("--engines must include inprocess (the ratios' denominator)")
     torch.set_num_threads(1)
+    grouped = {("simulation" if k == 1 else f"simulation_k{k}"): k for k in args.clients_per_node}
+    engines = [e for engine in args.engines for e in (grouped if engine == "simulation" else [engine])]
     work = Path(tempfile.mkdtemp(prefix="privfl-flower-bench-"))
-    runs: dict[int, dict[str, list[dict]]] = {n: {e: [] for e in args.engines} for n in args.per_round}
+    runs: dict[int, dict[str, list[dict]]] = {n: {e: [] for e in engines} for n in args.per_round}
     try:
         for repeat in range(args.repeats):
             for per_round in args.per_round:
-                order = args.engines[repeat % len(args.engines):] + args.engines[:repeat % len(args.engines)]
+                order = engines[repeat % len(engines):] + engines[:repeat % len(engines)]
                 for engine in order:
                     if engine == "inprocess":
                         result = in_process(per_round, args.rounds)
-                    elif engine == "simulation":
-                        result = simulation(per_round, args.rounds, args.actors)
+                    elif engine in grouped:
+                        result = simulation(per_round, args.rounds, args.actors, clients_per_node=grouped[engine])
                     else:
                         result = deployment(per_round, args.rounds, work)
                     runs[per_round][engine].append(result)
                     print(json.dumps({"repeat": repeat, "clients_per_round": per_round, "engine": engine,
                                       **{k: v for k, v in result.items() if not k.endswith("profile")}}), flush=True)
-        profiles = {n: simulation(n, args.rounds, args.actors, profile=True) for n in args.per_round} \
+        profiles = {(n, e): simulation(n, args.rounds, args.actors, profile=True, clients_per_node=k)
+                    for n in args.per_round for e, k in grouped.items()} \
             if args.profile and "simulation" in args.engines else {}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     results = {"setting": f"FedAvg, MNIST 2NN, 20 local steps x batch 64, 200 clients (100 training), {args.rounds} "
-                          f"timed rounds after 1 warm-up, torch threads 1, Ray actors {args.actors}, "
+                          f"timed rounds after 1 warm-up, torch threads 1, Ray actors {args.actors}, simulation with "
+                          f"{' and '.join(map(str, args.clients_per_node))} clients per virtual node, "
                           f"{args.repeats} interleaved repeats per engine; deployment: 2 SuperNodes x 50 clients",
                "command": "nice python benchmarks/flower_overhead.py " + " ".join(sys.argv[1:]),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs)",
@@ -393,7 +403,7 @@ def main() -> None:
         engines = runs[per_round]
         base = [r["seconds"] for r in engines["inprocess"]]
         row: dict = {"clients_per_round": per_round, "in_process_s": base, "in_process_median_s": _median(base)}
-        for engine in ("simulation", "deployment"):
+        for engine in [*grouped, "deployment"]:
             if engine not in engines:
                 row[f"{engine}_note"] = "not measured in this invocation (--engines)"
                 continue
@@ -404,17 +414,18 @@ def main() -> None:
             row[f"{engine}_ratio_per_repeat"] = [s / b for s, b in zip(seconds, base)]
             row[f"{engine}_total_with_startup_s"] = [r["total_with_startup_s"] for r in engines[engine]]
             row[f"{engine}_connect_s"] = [r["connect_s"] for r in engines[engine]]
-        if "simulation" in engines:
-            sims = engines["simulation"]
-            row["simulation_nodes"] = sims[0]["nodes"]
-            row["simulation_client_handle_s"] = [r["client_handle_s"] for r in sims]
-            row["simulation_outside_client_s"] = [r["seconds"] - r["client_handle_s"] for r in sims]
+            if engine in grouped:
+                sims = engines[engine]
+                row[f"{engine}_nodes"] = sims[0]["nodes"]
+                row[f"{engine}_client_handle_s"] = [r["client_handle_s"] for r in sims]
+                row[f"{engine}_client_messages"] = sims[0]["client_messages"]
+                row[f"{engine}_outside_client_s"] = [r["seconds"] - r["client_handle_s"] for r in sims]
+            if (per_round, engine) in profiles:
+                row[f"{engine}_server_profile"] = profiles[per_round, engine]["server_profile"]
+                row[f"{engine}_client_profile"] = profiles[per_round, engine].get("client_profile", "")
         if "deployment" in engines:
             row["deployment_warm_up_round_s"] = [r["warm_up_round_s"] for r in engines["deployment"]]
             row["deployment_breakdown"] = [r["breakdown"]["per_round"] for r in engines["deployment"]]
-        if per_round in profiles:
-            row["simulation_server_profile"] = profiles[per_round]["server_profile"]
-            row["simulation_client_profile"] = profiles[per_round].get("client_profile", "")
         results["runs"].append(row)
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
