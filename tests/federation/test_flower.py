@@ -356,8 +356,8 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     # the nodes, not the server, hold the ledgers: one file per client that released something
     node_ledgers = sorted((tmp_path / "flower" / "nodes").glob("partition-*/ledger-client-*.json"))
     assert len(node_ledgers) == len(ledgers)
-    clients = num_clients(config)
-    assert len(list((tmp_path / "flower" / "nodes").glob("partition-*"))) == -(-clients // per_node)
+    # every client has its own directory under the nodes root, however many clients a virtual node holds
+    assert len(list((tmp_path / "flower" / "nodes").glob("partition-*"))) == num_clients(config)
     if method == "odpflhn":
         assert 0 < got["privacy"]["epsilon_max_novel"] < math.inf
 
@@ -458,6 +458,33 @@ def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_pat
     assert after_two.events == expected.events
     assert after_two.spent(1e-5).epsilon == expected.spent(1e-5).epsilon
     assert after_two.spent(1e-5).epsilon > after_one.spent(1e-5).epsilon > 0
+
+
+def test_a_client_keeps_its_ledger_when_a_later_run_groups_the_nodes_differently(tmp_path, make_spec, task_identity):
+    # Without an explicit node directory each client has its own NODES_ROOT/partition-<i>, whatever clients-per-node
+    # the simulation uses: a run with 3 clients per virtual node, then one with a node per client, add to one ledger.
+    config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5})
+    reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
+    client_id, count = sorted(reference.clients)[1], len(reference.clients)      # partition 1
+    root = tmp_path / "nodes"
+    text = json.dumps(config.to_dict())
+
+    def context(node_config, **grouping):
+        return Context(run_id=1, node_id=100, state=RecordDict(), node_config=node_config,
+                       run_config={"privfl-config": text, "nodes-root": str(root), "threads": 0, **grouping})
+
+    grouped = context({"partition-id": 0, "num-partitions": -(-count // 3)}, **{"clients-per-node": 3,
+                                                                                 "num-clients": count})
+    message = reference.strategy.configure_train(0, [client_id])[client_id]
+    _reply(client_app.app(_train_message(message, 0, 0, client_id, -1), grouped), client_id)
+    assert sorted(d.name for d in root.iterdir()) == ["partition-0", "partition-1", "partition-2"]
+    _restart_node()
+    alone = context({"partition-id": 1, "num-partitions": count})
+    message = reference.strategy.configure_train(1, [client_id])[client_id]
+    _reply(client_app.app(_train_message(message, 1, 1, client_id, 0), alone), client_id)
+    ledger = PrivacyLedger.load(root / "partition-1" / f"ledger-client-{client_id}.json")
+    assert [r.round for r in ledger.records] == [0, 1]
 
 
 def test_a_node_that_restarts_keeps_its_client_state_or_refuses_to_go_on(tmp_path, make_spec, task_identity):

@@ -110,22 +110,22 @@ class Node:
         self.config_key = hashlib.sha256(text.encode()).hexdigest()[:16]
         self.partitions, self.num_partitions = p.node_partitions(node_config, run_config)
 
-        directory = node_config.get(p.NODE_DIR) or ""
-        if not directory:
-            root = run_config.get(p.NODES_ROOT) or ""
-            if not root:
-                raise ConfigError(f"node config {p.NODE_DIR!r} is missing: a node needs a directory for its ledgers "
-                                  f"(e.g. --node-config '{p.NODE_DIR}=\"/var/lib/privfl/node-0\" ...')")
-            first = self.partitions[0]
-            directory = str(Path(root) / f"partition-{first}")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # An explicit node directory holds all the node's clients; without one, each client gets its own
+        # NODES_ROOT/partition-<i>, so a client's ledger is found again whatever grouping a later run uses (a
+        # simulation with another clients-per-node, a serving run): epsilon never resets.
+        explicit = node_config.get(p.NODE_DIR) or ""
+        root = run_config.get(p.NODES_ROOT) or ""
+        if not explicit and not root:
+            raise ConfigError(f"node config {p.NODE_DIR!r} is missing: a node needs a directory for its ledgers "
+                              f"(e.g. --node-config '{p.NODE_DIR}=\"/var/lib/privfl/node-0\" ...')")
 
         self.clients: dict[int, NodeClient] = {}
         part = None
         for partition in self.partitions:
-            part = _partition(self.config, partition, self.num_partitions, self.directory)
-            client = NodeClient(partition, part, self.directory)
+            directory = Path(explicit) if explicit else Path(root) / f"partition-{partition}"
+            directory.mkdir(parents=True, exist_ok=True)
+            part = _partition(self.config, partition, self.num_partitions, directory)
+            client = NodeClient(partition, part, directory)
             self.clients[client.client_id] = client
         if text not in _PROCEDURES:
             _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"])
