@@ -175,15 +175,22 @@ def part_main(args, path: Path) -> dict:
     return results
 
 
-def part_dp(args, path: Path, previous: dict | None = None) -> dict:
+def part_dp(args, path: Path, previous: dict | None = None, checkpoint=None) -> dict:
     """DP-FedPFT rows per alpha, covariance and epsilon. A row already in ``previous`` (the results file's ``dp``
     part, same data settings) is kept instead of being run again, so a new covariance type or epsilon adds its rows
-    only; pass ``--fresh`` to run everything."""
-    results = {}
+    only; pass ``--fresh`` to run everything. ``checkpoint(partial)`` is called after every new row with the ``dp``
+    part as it stands (rows not yet reached kept from ``previous``), so an interrupted run loses one row at most."""
+    results = dict(previous or {})
     for alpha in args.alphas:
         federation = federation_for(path, alpha, args.clients, args.seed)
         kept = (previous or {}).get(str(alpha), {}).get("rows", [])
         rows = []
+
+        def save() -> None:
+            if checkpoint is not None:
+                results[str(alpha)] = {**(previous or {}).get(str(alpha), {}),
+                                       "rows": rows + [old for old in kept if old not in rows]}
+                checkpoint(results)
 
         def row(covariance: str, **dp) -> dict:
             for old in kept:
@@ -197,9 +204,9 @@ def part_dp(args, path: Path, previous: dict | None = None) -> dict:
             return new
 
         for covariance in args.dp_covariances:
-            rows.append(row(covariance))
-            for eps in args.epsilons:
-                rows.append(row(covariance, dp_epsilon=eps, dp_delta=1e-5, dp_counts="public"))
+            for dp in [{}] + [dict(dp_epsilon=eps, dp_delta=1e-5, dp_counts="public") for eps in args.epsilons]:
+                rows.append(row(covariance, **dp))
+                save()
         counts = torch.cat([torch.bincount(c.y_train, minlength=federation.num_classes)
                             for c in federation.training_clients])
         counts = counts[counts > 0].numpy()
@@ -269,8 +276,10 @@ def plot(results: dict, out: Path) -> None:
         fig, axes = plt.subplots(1, len(alphas), figsize=(6 * len(alphas), 4.5), squeeze=False)
         for ax, alpha in zip(axes[0], alphas):
             rows = results["dp"][alpha]["rows"]
-            for covariance, color in (("spherical", "C0"), ("diag", "C1")):
+            for covariance, color in (("spherical", "C0"), ("diag", "C1"), ("full", "C2")):
                 dp = [r for r in rows if r["covariance"] == covariance and r.get("dp_epsilon")]
+                if not dp:
+                    continue
                 ax.plot([r["dp_epsilon"] for r in dp], [r["accuracy"] for r in dp], "o-", color=color,
                         label=f"DP-FedPFT {covariance} K=1")
                 plain = next(r for r in rows if r["covariance"] == covariance and not r.get("dp_epsilon"))
@@ -311,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-train", type=int, default=1000)
     p.add_argument("--size-test", type=int, default=500)
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plots from --out and stop")
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out))
+        return 0
     if args.quick:
         args.train, args.test, args.clients, args.fedavg_rounds = 2000, 500, 10, 5
         args.alphas, args.components, args.epsilons, args.sizes = [0.5], [1, 5], [1.0, 8.0], [64]
@@ -327,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     previous: dict = {}
     if out.is_file():
         previous = json.loads(out.read_text())
-        results.update({k: v for k, v in previous.items() if k in ("main", "dp", "throughput")})
+        results.update({k: v for k, v in previous.items()
+                        if k.removesuffix("_seconds") in ("main", "dp", "throughput")})
     same_data = all(previous.get("config", {}).get(k) == getattr(args, k)
                     for k in ("seed", "input_size", "train", "test", "clients"))
     kept_dp = previous.get("dp") if same_data and not args.fresh else None
@@ -336,10 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"features: {path} ({args.train} train / {args.test} test MNIST images at {args.input_size}px)")
     for part in args.parts:
         started = time.perf_counter()
-        results[part] = part_main(args, path) if part == "main" else part_dp(args, path, kept_dp) if part == "dp" \
-            else part_throughput(args)
-        results[f"{part}_seconds"] = time.perf_counter() - started
         out.parent.mkdir(parents=True, exist_ok=True)
+
+        def checkpoint(partial: dict) -> None:
+            out.write_text(json.dumps({**results, "dp": partial}, indent=1))
+
+        results[part] = part_main(args, path) if part == "main" \
+            else part_dp(args, path, kept_dp, checkpoint) if part == "dp" else part_throughput(args)
+        results[f"{part}_seconds"] = time.perf_counter() - started
         out.write_text(json.dumps(results, indent=1))
         plot(results, out)
     return 0
