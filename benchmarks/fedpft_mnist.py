@@ -287,12 +287,16 @@ def plot(results: dict, out: Path) -> None:
             if "main" in results and alpha in results["main"]:
                 central = next(r for r in results["main"][alpha]["rows"] if r["method"] == "centralized")
                 ax.axhline(central["accuracy"], color="r", linestyle=":", label="centralized")
+            epsilons = sorted({r["dp_epsilon"] for r in rows if r.get("dp_epsilon")})
             ax.set_xscale("log")
+            ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+            ax.minorticks_off()
             ax.set_xlabel("epsilon per client (delta = 1e-5)")
             ax.set_ylabel("test accuracy (%)")
             ax.set_title(f"DP-FedPFT, 50 clients, Dir({alpha})")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
         fig.savefig(out.with_name(out.stem + "_dp.png"), dpi=120)
         plt.close(fig)
 
