@@ -45,7 +45,7 @@ import torch
 
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
-from privfl.experiment import RunConfig, build_runtime, train
+from privfl.experiment import RunConfig, build_runtime, train_once
 from privfl.methods import METHODS
 from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
 
@@ -321,8 +321,7 @@ def main() -> None:
                                model="mlp2nn", rounds=args.rounds, eval_every=10, checkpoint_every=10,
                                select="best_val", seed=seed)
             out = Path(args.out) / f"{method}-seed{seed}"
-            resume = (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
-            summary = train(config, str(out), resume=resume, overwrite=not resume)
+            summary = train_once(config, str(out))
             runs.append(summary)
         accs = [r["novel"]["accuracy_mean"] for r in runs]
         results[method] = {

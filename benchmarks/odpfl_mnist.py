@@ -43,7 +43,7 @@ from fedtta_mnist import PAPER as FEDTTA_PAPER_BASELINES  # noqa: E402
 
 from privfl.data import FederationSpec, build_federation  # noqa: E402
 from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E402
-from privfl.experiment import RunConfig, build_runtime, train  # noqa: E402
+from privfl.experiment import RunConfig, build_runtime, train_once  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.sweep import DEFAULT_METHOD  # noqa: E402
@@ -96,11 +96,7 @@ def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str |
     config = RunConfig(federation=spec, method=method, method_config=settings, model="mlp2nn",
                        rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
                        checkpoint_every=args.eval_every, select=select, seed=args.seed)
-    resume = (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
-    if (out / "summary.json").exists():
-        summary = json.loads((out / "summary.json").read_text())
-    else:
-        summary = train(config, str(out), resume=resume, overwrite=not resume)
+    summary = train_once(config, str(out))
     return {"status": "ran", "select": select, "novel_accuracy_mean": summary["novel"]["accuracy_mean"],
             "novel_accuracy_sem": summary["novel"]["accuracy_sem"], "selected_round": summary["selected_round"],
             "rounds": summary["rounds_completed"], "wall_time_s": summary["wall_time_s"], "run_dir": str(out)}

@@ -40,7 +40,7 @@ import torch
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
-from privfl.experiment import RunConfig, build_runtime, train
+from privfl.experiment import RunConfig, build_runtime, train_once
 from privfl.federation.rundir import RunDirectory
 from privfl.methods import METHODS
 from privfl.methods.pefll import unseen_clients_with_labels
@@ -171,8 +171,7 @@ def main() -> None:
                 config = _config(method, args.clients, partition, seed, args.rounds, round(args.clients * 0.9))
                 out = Path(args.out) / f"n{args.clients}-{partition}-{method}-seed{seed}"
                 started = time.perf_counter()
-                if not (out / "summary.json").exists():
-                    train(config, str(out), overwrite=True, progress=False)
+                train_once(config, str(out), progress=False)
                 scores = score_run(config, out, args.max_seen_scored)
                 scores = {"seed": seed, **scores, "wall_time_s": time.perf_counter() - started}
                 print(f"{key} seed {seed}: seen {scores['seen']:.2f}, unseen {scores['unseen']:.2f} "

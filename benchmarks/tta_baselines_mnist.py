@@ -27,7 +27,7 @@ import torch
 from fedtta_mnist import SETTINGS as FEDAVG_FAMILY_SETTINGS
 from privfl.data import FederationSpec, build_federation
 from privfl.evaluation.metrics import score_model
-from privfl.experiment import RunConfig, build_runtime, train
+from privfl.experiment import RunConfig, build_runtime, train_once
 
 #: FedTTA paper, Table 1, MNIST "Test" column (new clients), mean over 3 seeds.
 PAPER = {"tent": 98.51, "afl": 96.01, "fedgma": 95.35, "fedadg": 95.93, "fedsr": 93.08}
@@ -87,8 +87,7 @@ def main() -> None:
                                model="mlp2nn", rounds=args.rounds, eval_every=10, checkpoint_every=10,
                                select="best_val", seed=seed)
             out = Path(args.out) / f"{method}-r{args.rounds}-seed{seed}"
-            resume = (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
-            runs.append(train(config, str(out), resume=resume, overwrite=not resume))
+            runs.append(train_once(config, str(out)))
             if method == "tent" and args.tent_steps_ablation:
                 runs[-1]["tent_steps_ablation"] = tent_steps_ablation(config, out)
         accs = [r["novel"]["accuracy_mean"] for r in runs]

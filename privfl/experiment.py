@@ -21,7 +21,7 @@ from privfl.data import FederatedDataset, FederationSpec, build_federation, labe
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
-from privfl.federation.rundir import RunDirectory
+from privfl.federation.rundir import RunDirectory, dumps
 from privfl.federation.runtime import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
 
@@ -177,6 +177,21 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
         bar.close()
     wall = elapsed + time.perf_counter() - started
     return finish(config, federation, runtime, run_dir, best, wall)
+
+
+def train_once(config: RunConfig, out: str, **kwargs: Any) -> dict[str, Any]:
+    """The summary of ``config`` run in ``out``, computed at most once: read back when ``out`` holds this very run
+    finished, continued from its checkpoint when it holds this run interrupted, trained afresh otherwise (replacing
+    whatever ``out`` held). "This very run" means the stored ``config.json`` equals ``config``: a directory left by
+    another configuration (other rounds, settings or seed) is retrained, never mistaken for this one. For scripts
+    that rerun many settings and must lose nothing on interruption; ``kwargs`` go to :func:`train`."""
+    run_dir = RunDirectory(out)
+    stored = run_dir.path(RunDirectory.CONFIG)
+    same = stored.exists() and run_dir.read_json(RunDirectory.CONFIG) == json.loads(dumps(config.to_dict()))
+    if same and run_dir.path(RunDirectory.SUMMARY).exists():
+        return run_dir.read_json(RunDirectory.SUMMARY)
+    resume = same and run_dir.path(RunDirectory.CHECKPOINT).exists()
+    return train(config, out, resume=resume, overwrite=not resume, **kwargs)
 
 
 def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRuntime, run_dir: RunDirectory,

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.experiment import RunConfig, RunInterrupted, train, train_once
 from privfl.federation import RunDirectory
 
 
@@ -62,6 +62,25 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, config)
     b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
     assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
     assert RunDirectory(tmp_path / "full").read_metrics() == RunDirectory(tmp_path / "cut").read_metrics()
+
+
+def test_train_once_reuses_only_the_same_run_and_resumes_an_interrupted_one(tmp_path, config):
+    out = str(tmp_path / "run")
+    first = train_once(config(rounds=4), out, progress=False)
+    assert first["rounds_completed"] == 4
+    # the same config: read back, not trained again (the wall time would differ)
+    assert train_once(config(rounds=4), out, progress=False)["wall_time_s"] == first["wall_time_s"]
+    # another number of rounds in the same directory: trained afresh, not the 4-round model under a 6-round label
+    longer = train_once(config(rounds=6), out, progress=False)
+    assert longer["rounds_completed"] == 6 and RunConfig.from_dict(RunDirectory(out).read_json("config.json")) \
+        == config(rounds=6)
+    assert [r["round"] for r in RunDirectory(out).read_metrics()] == [2, 4, 6]
+    # an interrupted run of the same config is continued to the numbers of an uninterrupted one
+    with pytest.raises(RunInterrupted):
+        train(config(rounds=6, seed=4), str(tmp_path / "cut"), progress=False, stop_after_round=4)
+    resumed = train_once(config(rounds=6, seed=4), str(tmp_path / "cut"), progress=False)
+    whole = train(config(rounds=6, seed=4), str(tmp_path / "whole"), progress=False)
+    assert resumed["novel"] == whole["novel"] and resumed["rounds_completed"] == 6
 
 
 def _cli(*args):
