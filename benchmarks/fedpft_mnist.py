@@ -103,6 +103,12 @@ def run_fedpft(federation, seed: int, **method_config) -> dict:
             "epsilon_max": max(epsilons), "seconds": time.perf_counter() - started}
 
 
+def cell_sizes(federation) -> list[int]:
+    """n_c of every non-empty (training client, class) cell."""
+    return [int(n) for c in federation.training_clients
+            for n in torch.bincount(c.y_train, minlength=federation.num_classes) if n > 0]
+
+
 def raw_fractions(cells: list[int], k: int) -> dict:
     """K_eff = min(K, n_c): a (client, class) cell with n_c <= K sends its raw features as the mixture's means. The
     fraction of cells that do, and of training samples whose features leave their client that way."""
@@ -146,8 +152,7 @@ def part_main(args, path: Path) -> dict:
         x, y = test_set(federation)
         d, classes = federation.input_shape[0], federation.num_classes
         rows = []
-        cells = [int(n) for c in federation.training_clients
-                 for n in torch.bincount(c.y_train, minlength=classes) if n > 0]
+        cells = cell_sizes(federation)
         head, nbytes = centralized_head(federation, settings=settings, seed=args.seed)
         rows.append({"method": "centralized", "accuracy": accuracy(head, x, y), "bytes_up_total": nbytes})
         heads = local_heads(federation, settings=settings, seed=args.seed)
@@ -178,7 +183,7 @@ def part_main(args, path: Path) -> dict:
 def part_dp(args, path: Path, previous: dict | None = None, checkpoint=None) -> dict:
     """DP-FedPFT rows per alpha, covariance and epsilon. A row already in ``previous`` (the results file's ``dp``
     part, same data settings) is kept instead of being run again, so a new covariance type or epsilon adds its rows
-    only; pass ``--fresh`` to run everything. ``checkpoint(partial)`` is called after every new row with the ``dp``
+    only; pass ``--fresh`` to run everything. ``checkpoint(partial)`` is called after every row run with the ``dp``
     part as it stands (rows not yet reached kept from ``previous``), so an interrupted run loses one row at most."""
     results = dict(previous or {})
     for alpha in args.alphas:
@@ -206,10 +211,9 @@ def part_dp(args, path: Path, previous: dict | None = None, checkpoint=None) -> 
         for covariance in args.dp_covariances:
             for dp in [{}] + [dict(dp_epsilon=eps, dp_delta=1e-5, dp_counts="public") for eps in args.epsilons]:
                 rows.append(row(covariance, **dp))
-                save()
-        counts = torch.cat([torch.bincount(c.y_train, minlength=federation.num_classes)
-                            for c in federation.training_clients])
-        counts = counts[counts > 0].numpy()
+                if not any(rows[-1] is old for old in kept):
+                    save()
+        counts = np.asarray(cell_sizes(federation))
         results[str(alpha)] = {"rows": rows, "n_c_quantiles": {q: float(np.quantile(counts, q))
                                                                for q in (0.1, 0.25, 0.5, 0.75, 0.9)}}
     return results
