@@ -46,6 +46,7 @@ import torch
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
 from privfl.experiment import RunConfig, build_runtime, train_once
+from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
 
@@ -298,6 +299,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscription on 2 cores)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    reuse_freed_memory()
     extras = {"weight_decay": 1e-4, "grad_clip": 10.0, "lr_decay": 0.99} if args.code_stabilisers else {}
     suffix = "_code" if args.code_stabilisers else ""
     if args.part == "timing":

@@ -6,7 +6,8 @@ plots beside them as PNG).
    ODPFL-HN 95.67, PFL-sampled 9.43, PFL-ensemble 44.82 and FedAvg 94.69.
 2. ``splits``: the ODPFL-HN paper's protocol on MNIST (digest 7.1): 100 clients, 10% novel, 10% of training clients
    per round, pathological K=2 and Dirichlet alpha in {0.1, 1, 10}; FedAvg, FedProx, PFL-sampled/nearest/ensemble,
-   ODPFL-HN per encoder, two-phase IT-PFL-HN; mean +- SEM over novel clients.
+   ODPFL-HN per encoder, two-phase IT-PFL-HN; mean +- SEM over novel clients. The paper's 500 rounds write
+   odpfl_splits.json, other round counts odpfl_splits_rounds<R>.json; each finished row is written at once.
 3. ``shift``: covariate shift (digest 7.5): the models of part 2's pathological split serve novel clients blurred and
    rotated at several strengths (no retraining: the training clients are the same, only novel inputs change).
 4. ``kl``: novel-client accuracy against the KL divergence of its labels to the nearest training client, per method,
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import math
 import sys
@@ -45,6 +47,7 @@ from privfl.data import FederationSpec, build_federation  # noqa: E402
 from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.experiment import RunConfig, build_runtime, train_once  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
+from privfl.memory import reuse_freed_memory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.sweep import DEFAULT_METHOD  # noqa: E402
 
@@ -102,21 +105,34 @@ def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str |
             "rounds": summary["rounds_completed"], "wall_time_s": summary["wall_time_s"], "run_dir": str(out)}
 
 
+#: the ODPFL-HN paper's round count for part ``splits``; other counts go to their own file (``_rounds<R>``)
+SPLITS_ROUNDS = 500
+
+
+def results_path(part: str, payload: dict) -> Path:
+    """``results/odpfl_<part>.json``; part ``splits`` at other than :data:`SPLITS_ROUNDS` rounds gets
+    ``odpfl_splits_rounds<R>.json``, so a shorter run never replaces the protocol's table."""
+    suffix = "" if part != "splits" or payload["rounds"] == SPLITS_ROUNDS else f"_rounds{payload['rounds']}"
+    return RESULTS / f"odpfl_{part}{suffix}.json"
+
+
 def save(part: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"odpfl_{part}.json"
-    if part in ("fedtta", "splits", "speed") and path.exists():
-        # merge with methods run in other processes (one per core) under the same protocol settings
-        stored = json.loads(path.read_text())
-        same = all(stored.get(k) == payload.get(k) for k in ("rounds", "client_fraction", "timed_rounds"))
-        if same:
-            for key, value in stored.get("results", {}).items():
-                if isinstance(value, dict) and isinstance(payload["results"].get(key), dict) and part == "splits":
-                    payload["results"][key] = {**value, **payload["results"][key]}
-                else:
-                    payload["results"].setdefault(key, value)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    return path
+    path = results_path(part, payload)
+    with open(path.with_suffix(".lock"), "w") as lock:   # one process per core merges into the same file
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if part in ("fedtta", "splits", "speed") and path.exists():
+            # merge with methods run in other processes under the same protocol settings
+            stored = json.loads(path.read_text())
+            same = all(stored.get(k) == payload.get(k) for k in ("rounds", "client_fraction", "timed_rounds"))
+            if same:
+                for key, value in stored.get("results", {}).items():
+                    if isinstance(value, dict) and isinstance(payload["results"].get(key), dict) and part == "splits":
+                        payload["results"][key] = {**value, **payload["results"][key]}
+                    else:
+                        payload["results"].setdefault(key, value)
+        path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path   # the lock file stays: removing it would race with a process waiting on it
 
 
 # -- parts ------------------------------------------------------------------------------------------------------------
@@ -152,9 +168,14 @@ def part_splits(args) -> dict:
         for tag in tags:
             results[split][tag] = run_method(tag, _split_spec(split), Path(args.out) / "splits" / split / tag, args)
             print(split, tag, results[split][tag], flush=True)
+            save("splits", _splits_payload(args, results))   # an interrupted invocation keeps its finished rows
+    return _splits_payload(args, results)
+
+
+def _splits_payload(args, results: dict) -> dict:
     return {"protocol": "ODPFL-HN paper on MNIST: 100 clients, 10% novel, 10% of training clients per round",
             "rounds": args.rounds, "client_fraction": args.client_fraction, "max_samples": args_max_samples,
-            "results": results}
+            "results": {split: dict(rows) for split, rows in results.items()}}
 
 
 def serve_shifted(run_dir: Path, **shift) -> dict:
@@ -297,6 +318,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/odpfl_mnist")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    reuse_freed_memory()
     defaults = {"fedtta": (200, 1.0), "splits": (500, 0.1), "privacy": (200, 0.2), "speed": (3, 1.0)}
     rounds, fraction = defaults.get(args.part, (None, None))
     args.rounds = args.rounds or rounds

@@ -42,6 +42,7 @@ from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.experiment import RunConfig, build_runtime, train_once
 from privfl.federation.rundir import RunDirectory
+from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.methods.pefll import unseen_clients_with_labels
 from privfl.models.hypernetwork import embedding_dim
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on the shared 2-core machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    reuse_freed_memory()
 
     path = Path(__file__).parent / "results" / f"pefll_mnist_{args.clients}.json"
     path.parent.mkdir(exist_ok=True)

@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from privfl.experiment import RunInterrupted
 
+    from privfl.memory import reuse_freed_memory
+
+    reuse_freed_memory()   # large per-round tensors from the heap, not fresh page-faulted mmaps (privfl.memory)
     threads = getattr(args, "threads", None)
     if threads is not None:
         if threads < 1:
