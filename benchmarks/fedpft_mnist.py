@@ -37,6 +37,7 @@ import torch
 from privfl.data import FederationSpec, build_federation, load_source
 from privfl.evaluation.metrics import score_model
 from privfl.experiment import RunConfig, build_runtime
+from privfl.federation.rundir import to_json_safe
 from privfl.methods import get_method
 from privfl.methods.fedpft_baselines import (
     MaxProbabilityEnsemble,
@@ -361,12 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
 
         def checkpoint(partial: dict) -> None:
-            out.write_text(json.dumps({**results, "dp": partial}, indent=1))
+            out.write_text(json.dumps(to_json_safe({**results, "dp": partial}), indent=1, allow_nan=False))
 
         results[part] = part_main(args, path) if part == "main" \
             else part_dp(args, path, kept_dp, checkpoint) if part == "dp" else part_throughput(args)
         results[f"{part}_seconds"] = time.perf_counter() - started
-        out.write_text(json.dumps(results, indent=1))
+        out.write_text(json.dumps(to_json_safe(results), indent=1, allow_nan=False))
         plot(results, out)
     return 0
 
