@@ -46,7 +46,7 @@ import torch
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
 from privfl.experiment import RunConfig, build_runtime, train_once
-from privfl.federation.rundir import to_json_safe
+from privfl.federation.rundir import atomic_write_bytes, to_json_safe
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
@@ -158,7 +158,7 @@ def store(name: str, payload: dict, key: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stored = json.loads(path.read_text()) if path.exists() else {}
         stored[key] = payload
-        path.write_text(json.dumps(to_json_safe(stored), indent=2, allow_nan=False) + "\n")
+        atomic_write_bytes(path, (json.dumps(to_json_safe(stored), indent=2, allow_nan=False) + "\n").encode())
     return path   # the lock file stays: removing it would race with a process waiting on it
 
 
@@ -345,7 +345,7 @@ def main() -> None:
     if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
         stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}
     stored["results"].update(results)
-    path.write_text(json.dumps(to_json_safe(stored), indent=2, allow_nan=False) + "\n")
+    atomic_write_bytes(path, (json.dumps(to_json_safe(stored), indent=2, allow_nan=False) + "\n").encode())
     results = stored["results"]
     print("\n| method | novel-client accuracy (ours, mean over seeds; +- SEM over clients) | paper | gap | target met |")
     print("|---|---|---|---|---|")

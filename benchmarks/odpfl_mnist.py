@@ -47,7 +47,7 @@ from privfl.data import FederationSpec, build_federation  # noqa: E402
 from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.experiment import RunConfig, build_runtime, train_once  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
-from privfl.federation.rundir import to_json_safe  # noqa: E402
+from privfl.federation.rundir import atomic_write_bytes, to_json_safe  # noqa: E402
 from privfl.memory import reuse_freed_memory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.sweep import DEFAULT_METHOD  # noqa: E402
@@ -132,7 +132,7 @@ def save(part: str, payload: dict) -> Path:
                         payload["results"][key] = {**value, **payload["results"][key]}
                     else:
                         payload["results"].setdefault(key, value)
-        path.write_text(json.dumps(to_json_safe(payload), indent=2, default=str, allow_nan=False) + "\n")
+        atomic_write_bytes(path, (json.dumps(to_json_safe(payload), indent=2, default=str, allow_nan=False) + "\n").encode())
     return path   # the lock file stays: removing it would race with a process waiting on it
 
 
