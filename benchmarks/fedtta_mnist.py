@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import os
 import statistics
@@ -46,7 +45,7 @@ import torch
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
 from privfl.experiment import RunConfig, build_runtime, train_once
-from privfl.federation.rundir import atomic_write_bytes, to_json_safe
+from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
@@ -151,15 +150,10 @@ def results_path(name: str) -> Path:
 
 
 def store(name: str, payload: dict, key: str) -> Path:
-    """Merge ``payload`` under ``key`` into ``benchmarks/results/<name>.json``."""
+    """Merge ``payload`` under ``key`` into ``benchmarks/results/<name>.json`` (parts run in parallel processes)."""
     path = results_path(name)
-    path.parent.mkdir(exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:  # parts run in parallel processes merge into one file
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        stored = json.loads(path.read_text()) if path.exists() else {}
-        stored[key] = payload
-        atomic_write_bytes(path, (json.dumps(to_json_safe(stored), indent=2, allow_nan=False) + "\n").encode())
-    return path   # the lock file stays: removing it would race with a process waiting on it
+    update_json(path, lambda stored: {**stored, key: payload})
+    return path
 
 
 def stored_keys(name: str) -> set[str]:
@@ -338,14 +332,16 @@ def main() -> None:
             "within_target": statistics.mean(accs) >= PAPER[method] - 1.5,
             "wall_time_s": [r["wall_time_s"] for r in runs],
         }
-    Path(__file__).parent.joinpath("results").mkdir(exist_ok=True)
     # Merge into the results file, so methods run in separate processes (one per core) end up in one table.
     path = results_path("fedtta_mnist_code" if args.code_stabilisers else "fedtta_mnist")
-    stored = json.loads(path.read_text()) if path.exists() else {}
-    if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
-        stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}
-    stored["results"].update(results)
-    atomic_write_bytes(path, (json.dumps(to_json_safe(stored), indent=2, allow_nan=False) + "\n").encode())
+
+    def merge(stored: dict) -> dict:
+        if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
+            stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}
+        stored["results"].update(results)
+        return stored
+
+    stored = update_json(path, merge)
     results = stored["results"]
     print("\n| method | novel-client accuracy (ours, mean over seeds; +- SEM over clients) | paper | gap | target met |")
     print("|---|---|---|---|---|")

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
-import json
 import math
 import sys
 import time
@@ -47,7 +45,7 @@ from privfl.data import FederationSpec, build_federation  # noqa: E402
 from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.experiment import RunConfig, build_runtime, train_once  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
-from privfl.federation.rundir import atomic_write_bytes, to_json_safe  # noqa: E402
+from privfl.federation.rundir import update_json  # noqa: E402
 from privfl.memory import reuse_freed_memory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.sweep import DEFAULT_METHOD  # noqa: E402
@@ -118,22 +116,22 @@ def results_path(part: str, payload: dict) -> Path:
 
 
 def save(part: str, payload: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
+    """Write ``payload`` to the part's results file; for parts ``fedtta``, ``splits`` and ``speed`` under the same
+    protocol settings, rows stored by other processes (one per core) are kept, and for ``splits`` merged per split."""
     path = results_path(part, payload)
-    with open(path.with_suffix(".lock"), "w") as lock:   # one process per core merges into the same file
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if part in ("fedtta", "splits", "speed") and path.exists():
-            # merge with methods run in other processes under the same protocol settings
-            stored = json.loads(path.read_text())
-            same = all(stored.get(k) == payload.get(k) for k in ("rounds", "client_fraction", "timed_rounds"))
-            if same:
-                for key, value in stored.get("results", {}).items():
-                    if isinstance(value, dict) and isinstance(payload["results"].get(key), dict) and part == "splits":
-                        payload["results"][key] = {**value, **payload["results"][key]}
-                    else:
-                        payload["results"].setdefault(key, value)
-        atomic_write_bytes(path, (json.dumps(to_json_safe(payload), indent=2, default=str, allow_nan=False) + "\n").encode())
-    return path   # the lock file stays: removing it would race with a process waiting on it
+
+    def merge(stored: dict) -> dict:
+        same = all(stored.get(k) == payload.get(k) for k in ("rounds", "client_fraction", "timed_rounds"))
+        if part in ("fedtta", "splits", "speed") and same:
+            for key, value in stored.get("results", {}).items():
+                if isinstance(value, dict) and isinstance(payload["results"].get(key), dict) and part == "splits":
+                    payload["results"][key] = {**value, **payload["results"][key]}
+                else:
+                    payload["results"].setdefault(key, value)
+        return payload
+
+    update_json(path, merge)
+    return path
 
 
 # -- parts ------------------------------------------------------------------------------------------------------------

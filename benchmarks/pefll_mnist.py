@@ -41,7 +41,7 @@ from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.experiment import RunConfig, build_runtime, train_once
-from privfl.federation.rundir import RunDirectory
+from privfl.federation.rundir import RunDirectory, update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.methods.pefll import unseen_clients_with_labels
@@ -198,27 +198,29 @@ def main() -> None:
 
 
 def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method: str) -> None:
-    """Add one seed's scores (or a "not run" mark) to the results file, recomputing the summary over seeds."""
-    stored = json.loads(path.read_text()) if path.exists() else {}
-    stored.update(header)
-    results = stored.setdefault("results", {})
-    if scores is None:
-        results.setdefault(key, {"status": "not run: method not registered when the benchmark ran"})
-        path.write_text(json.dumps(_strict(stored), indent=2, allow_nan=False) + "\n")
-        return
-    entry = results.get(key, {})
-    if entry.get("status") != "run" or entry.get("rounds") != args.rounds \
-            or entry.get("settings") != method_settings(method, args.clients):   # other settings: a fresh entry
-        partition = key.split("/")[0]
-        entry = {"status": "run", "rounds": args.rounds, "settings": method_settings(method, args.clients),
-                 "per_seed": [], "communication": communication(method, args.clients, partition)}
-    entry["per_seed"] = sorted([r for r in entry["per_seed"] if r["seed"] != scores["seed"]] + [scores],
-                               key=lambda r: r["seed"])
-    entry["seeds"] = [r["seed"] for r in entry["per_seed"]]
-    entry["seen_mean"], entry["seen_sem_seeds"] = _summary(entry["per_seed"], "seen")
-    entry["unseen_mean"], entry["unseen_sem_seeds"] = _summary(entry["per_seed"], "unseen")
-    results[key] = entry
-    path.write_text(json.dumps(_strict(stored), indent=2, allow_nan=False) + "\n")
+    """Add one seed's scores (or a "not run" mark) to the results file, recomputing the summary over seeds; under the
+    file's lock, so seeds or partitions run in parallel processes (one per core) keep one another's rows."""
+    def merge(stored: dict) -> dict:
+        stored.update(header)
+        results = stored.setdefault("results", {})
+        if scores is None:
+            results.setdefault(key, {"status": "not run: method not registered when the benchmark ran"})
+            return _strict(stored)
+        entry = results.get(key, {})
+        if entry.get("status") != "run" or entry.get("rounds") != args.rounds \
+                or entry.get("settings") != method_settings(method, args.clients):   # other settings: a fresh entry
+            partition = key.split("/")[0]
+            entry = {"status": "run", "rounds": args.rounds, "settings": method_settings(method, args.clients),
+                     "per_seed": [], "communication": communication(method, args.clients, partition)}
+        entry["per_seed"] = sorted([r for r in entry["per_seed"] if r["seed"] != scores["seed"]] + [scores],
+                                   key=lambda r: r["seed"])
+        entry["seeds"] = [r["seed"] for r in entry["per_seed"]]
+        entry["seen_mean"], entry["seen_sem_seeds"] = _summary(entry["per_seed"], "seen")
+        entry["unseen_mean"], entry["unseen_sem_seeds"] = _summary(entry["per_seed"], "unseen")
+        results[key] = entry
+        return _strict(stored)
+
+    update_json(path, merge)
 
 
 def print_tables(stored: dict) -> None:

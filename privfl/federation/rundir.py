@@ -15,7 +15,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,6 +50,25 @@ def to_json_safe(value: Any) -> Any:
 
 def dumps(value: Any) -> str:
     return json.dumps(to_json_safe(value), indent=2, sort_keys=False, allow_nan=False)
+
+
+def update_json(path: Path, mutate: Callable[[Any], Any]) -> Any:
+    """Read ``path`` (``{}`` if absent), pass it to ``mutate``, write back what it returns; return that value.
+
+    Held under an exclusive ``flock`` on ``<path>.lock`` and written with :func:`atomic_write_bytes` as strict JSON
+    (:func:`to_json_safe`): several processes (one per core) merging rows into one results file never lose one
+    another's rows, and a reader never sees half a file. The lock file stays: removing it would race with a process
+    waiting on it.
+    """
+    import fcntl   # POSIX only, and only needed here
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        value = mutate(json.loads(path.read_text()) if path.exists() else {})
+        atomic_write_bytes(path, (dumps(value) + "\n").encode())
+    return value
 
 
 class RunDirectory:

@@ -137,3 +137,29 @@ def test_dp_sgd_is_refused_where_it_is_not_implemented():
         get_method("fedprox").make_config(dp_noise_multiplier=1.0)
     with pytest.raises(ConfigError, match="no setting dp_noise_multiplier"):
         get_method("scaffold").make_config(dp_noise_multiplier=1.0)
+
+
+def _add_keys(path: str, worker: int, count: int) -> None:
+    from privfl.federation.rundir import update_json
+
+    for i in range(count):
+        def add(stored: dict, key=f"{worker}-{i}") -> dict:
+            time.sleep(0.001)   # widen the read-write window an unlocked merge would lose rows in
+            return {**stored, key: float("inf") if i == 0 else i}
+        update_json(path, add)
+
+
+def test_update_json_merges_parallel_writers_without_losing_rows(tmp_path):
+    import multiprocessing
+
+    path = tmp_path / "results.json"
+    workers = [multiprocessing.get_context("fork").Process(target=_add_keys, args=(str(path), w, 20)) for w in range(4)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join()
+    assert [p.exitcode for p in workers] == [0, 0, 0, 0]
+    stored = json.loads(path.read_text())   # strict JSON: non-finite values as strings
+    assert sorted(stored) == sorted(f"{w}-{i}" for w in range(4) for i in range(20))
+    assert stored["2-0"] == "inf" and stored["3-19"] == 19
+    assert not list(tmp_path.glob(".results.json.*.tmp"))   # no temporary file left behind
