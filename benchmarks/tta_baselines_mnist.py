@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from fedtta_mnist import SETTINGS as FEDAVG_FAMILY_SETTINGS
 from privfl.data import FederationSpec, build_federation
 from privfl.evaluation.metrics import score_model
 from privfl.experiment import RunConfig, build_runtime, train_once
+from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 
 #: FedTTA paper, Table 1, MNIST "Test" column (new clients), mean over 3 seeds.
@@ -110,12 +110,14 @@ def main() -> None:
     suffix = "" if args.rounds == 200 else f"_{args.rounds}r"
     suffix += "_paper" if args.paper_as_written else ""
     path = Path(__file__).parent / "results" / f"tta_baselines_mnist{suffix}.json"
-    path.parent.mkdir(exist_ok=True)
-    stored = json.loads(path.read_text()) if path.exists() else {}
-    if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
-        stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}
-    stored["results"].update(results)
-    path.write_text(json.dumps(stored, indent=2) + "\n")
+
+    def merge(stored: dict) -> dict:   # methods run in parallel processes end up in one table
+        if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
+            stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}
+        stored["results"].update(results)
+        return stored
+
+    stored = update_json(path, merge)
     print(f"\n| method | novel-client accuracy, ours ({args.rounds} rounds; +- SEM over clients) | paper (Table 1, "
           "MNIST Test) | gap | selected round |")
     print("|---|---|---|---|---|")
