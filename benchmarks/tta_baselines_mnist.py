@@ -81,6 +81,17 @@ def main() -> None:
     reuse_freed_memory()
     extras = {} if args.paper_as_written else STABILISERS
     results = {}
+    suffix = "" if args.rounds == 200 else f"_{args.rounds}r"
+    suffix += "_paper" if args.paper_as_written else ""
+    path = Path(__file__).parent / "results" / f"tta_baselines_mnist{suffix}.json"
+
+    def merge(stored: dict) -> dict:   # methods run in parallel processes end up in one table
+        if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
+            stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}
+        stored["results"].update(results)
+        return stored
+
+    stored = {}
     for method in args.methods:
         runs = []
         for seed in args.seeds:
@@ -107,17 +118,7 @@ def main() -> None:
         }
         if any("tent_steps_ablation" in r for r in runs):
             results[method]["tent_steps_ablation_last_round"] = [r.get("tent_steps_ablation") for r in runs]
-    suffix = "" if args.rounds == 200 else f"_{args.rounds}r"
-    suffix += "_paper" if args.paper_as_written else ""
-    path = Path(__file__).parent / "results" / f"tta_baselines_mnist{suffix}.json"
-
-    def merge(stored: dict) -> dict:   # methods run in parallel processes end up in one table
-        if stored.get("seeds") != args.seeds or stored.get("rounds") != args.rounds:
-            stored = {"seeds": args.seeds, "rounds": args.rounds, "stabilisers": extras, "results": {}}
-        stored["results"].update(results)
-        return stored
-
-    stored = update_json(path, merge)
+        stored = update_json(path, merge)   # each finished method is kept if a later one is interrupted
     print(f"\n| method | novel-client accuracy, ours ({args.rounds} rounds; +- SEM over clients) | paper (Table 1, "
           "MNIST Test) | gap | selected round |")
     print("|---|---|---|---|---|")
