@@ -86,11 +86,15 @@ def _spec(num_clients: int, partition: str) -> FederationSpec:
                           alpha=0.1, novel_fraction=0.1, split="merged", val_fraction=0.15)
 
 
+#: Rounds between checkpoints: an interrupted run resumes from the last one (``train_once``).
+CHECKPOINT_EVERY = 50
+
+
 def _config(method: str, num_clients: int, partition: str, seed: int, rounds: int, num_training: int) -> RunConfig:
     return RunConfig(federation=_spec(num_clients, partition), method=registered(method),
                      method_config=method_settings(method, num_clients), model="mlp2nn", rounds=rounds,
                      client_fraction=min(1.0, CLIENTS_PER_ROUND / num_training), eval_every=rounds,
-                     checkpoint_every=rounds, select="last", seed=seed)
+                     checkpoint_every=min(rounds, CHECKPOINT_EVERY), select="last", seed=seed)
 
 
 def score_run(config: RunConfig, out: Path, max_seen: int | None = None) -> dict:
