@@ -172,11 +172,18 @@ def main() -> None:
     parser.add_argument("--max-seen-scored", type=int, default=None,
                         help="score a seeded subset of this many seen clients (the same for every method)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on the shared 2-core machine)")
+    parser.add_argument("--results", default=None,
+                        help="results file name under benchmarks/results (default pefll_mnist_<clients>.json); an "
+                             "entry run at other rounds or settings replaces the stored one, so give other round "
+                             "counts their own file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     reuse_freed_memory()
 
-    path = Path(__file__).parent / "results" / f"pefll_mnist_{args.clients}.json"
+    path = Path(__file__).parent / "results" / (args.results or f"pefll_mnist_{args.clients}.json")
+    if path.suffix != ".json" or path.parent.name != "results":
+        parser.error(f"--results {args.results!r}: give a file name ending in .json (it is written under "
+                     "benchmarks/results)")
     path.parent.mkdir(exist_ok=True)
     header = {"clients": args.clients, "clients_per_round": CLIENTS_PER_ROUND, "model": "mlp2nn",
               "max_seen_scored": args.max_seen_scored}
