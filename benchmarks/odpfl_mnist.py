@@ -7,7 +7,8 @@ plots beside them as PNG).
 2. ``splits``: the ODPFL-HN paper's protocol on MNIST (digest 7.1): 100 clients, 10% novel, 10% of training clients
    per round, pathological K=2 and Dirichlet alpha in {0.1, 1, 10}; FedAvg, FedProx, PFL-sampled/nearest/ensemble,
    ODPFL-HN per encoder, two-phase IT-PFL-HN; mean +- SEM over novel clients. The paper's 500 rounds write
-   odpfl_splits.json, other round counts odpfl_splits_rounds<R>.json; each finished row is written at once.
+   odpfl_splits.json, other round counts odpfl_splits_rounds<R>.json (part 1 likewise, at 200 rounds with every
+   training client per round); each finished row is written at once.
 3. ``shift``: covariate shift (digest 7.5): the models of part 2's pathological split serve novel clients blurred and
    rotated at several strengths (no retraining: the training clients are the same, only novel inputs change).
 4. ``kl``: novel-client accuracy against the KL divergence of its labels to the nearest training client, per method,
@@ -104,14 +105,17 @@ def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str |
             "rounds": summary["rounds_completed"], "wall_time_s": summary["wall_time_s"], "run_dir": str(out)}
 
 
-#: the ODPFL-HN paper's round count for part ``splits``; other counts go to their own file (``_rounds<R>``)
-SPLITS_ROUNDS = 500
+#: each protocol's (rounds, client fraction) for parts ``splits`` (the ODPFL-HN paper) and ``fedtta`` (the FedTTA
+#: paper); a run at other settings goes to its own file, so a shorter run never replaces the protocol's table
+PROTOCOLS = {"splits": (500, 0.1), "fedtta": (200, 1.0)}
 
 
 def results_path(part: str, payload: dict) -> Path:
-    """``results/odpfl_<part>.json``; part ``splits`` at other than :data:`SPLITS_ROUNDS` rounds gets
-    ``odpfl_splits_rounds<R>.json``, so a shorter run never replaces the protocol's table."""
-    suffix = "" if part != "splits" or payload["rounds"] == SPLITS_ROUNDS else f"_rounds{payload['rounds']}"
+    """``results/odpfl_<part>.json``; parts of :data:`PROTOCOLS` at other rounds get ``_rounds<R>`` appended, at
+    another client fraction ``_fraction<f>`` (``odpfl_splits_rounds200.json``, ``odpfl_fedtta_rounds100_fraction0.2.json``)."""
+    rounds, fraction = PROTOCOLS.get(part, (payload.get("rounds"), payload.get("client_fraction")))
+    suffix = "" if payload.get("rounds") == rounds else f"_rounds{payload['rounds']}"
+    suffix += "" if payload.get("client_fraction") == fraction else f"_fraction{payload['client_fraction']:g}"
     return RESULTS / f"odpfl_{part}{suffix}.json"
 
 
@@ -141,13 +145,18 @@ def part_fedtta(args) -> dict:
     spec = FederationSpec(source="mnist", num_clients=100, partition="pathological", shards_per_client=2,
                           novel_fraction=0.5, split="merged", val_fraction=0.15)
     results = {}
+
+    def payload() -> dict:
+        return {"protocol": "FedTTA MNIST (merged, 100 clients, 2 shards, 50% novel, MNIST 2NN, best validation round)",
+                "rounds": args.rounds, "client_fraction": args.client_fraction, "seed": args.seed,
+                "paper": FEDTTA_PAPER, "target": "odpflhn >= 95.67", "results": dict(results)}
+
     for tag in args.methods or ["odpflhn", "pfl_sampled", "pfl_ensemble"]:
         results[tag] = run_method(tag, spec, Path(args.out) / "fedtta" / tag, args)
         results[tag]["paper"] = FEDTTA_PAPER.get(tag)
         print(tag, results[tag], flush=True)
-    return {"protocol": "FedTTA MNIST (merged, 100 clients, 2 shards, 50% novel, MNIST 2NN, best validation round)",
-            "rounds": args.rounds, "client_fraction": args.client_fraction, "seed": args.seed,
-            "paper": FEDTTA_PAPER, "target": "odpflhn >= 95.67", "results": results}
+        save("fedtta", payload())   # an interrupted invocation keeps its finished rows
+    return payload()
 
 
 def _split_spec(split: str, **shift) -> FederationSpec:
