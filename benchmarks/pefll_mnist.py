@@ -210,7 +210,11 @@ def main() -> None:
 
 def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method: str) -> None:
     """Add one seed's scores (or a "not run" mark) to the results file, recomputing the summary over seeds; under the
-    file's lock, so seeds or partitions run in parallel processes (one per core) keep one another's rows."""
+    file's lock, so seeds or partitions run in parallel processes (one per core) keep one another's rows. The
+    communication figures (a one-round run) are measured before the lock is taken, so other writers never wait on it."""
+    settings = method_settings(method, args.clients)
+    comm = None if scores is None else communication(method, args.clients, key.split("/")[0])
+
     def merge(stored: dict) -> dict:
         stored.update(header)
         results = stored.setdefault("results", {})
@@ -219,10 +223,9 @@ def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method
             return _strict(stored)
         entry = results.get(key, {})
         if entry.get("status") != "run" or entry.get("rounds") != args.rounds \
-                or entry.get("settings") != method_settings(method, args.clients):   # other settings: a fresh entry
-            partition = key.split("/")[0]
-            entry = {"status": "run", "rounds": args.rounds, "settings": method_settings(method, args.clients),
-                     "per_seed": [], "communication": communication(method, args.clients, partition)}
+                or entry.get("settings") != settings:   # other settings: a fresh entry
+            entry = {"status": "run", "rounds": args.rounds, "settings": settings, "per_seed": [],
+                     "communication": comm}
         entry["per_seed"] = sorted([r for r in entry["per_seed"] if r["seed"] != scores["seed"]] + [scores],
                                    key=lambda r: r["seed"])
         entry["seeds"] = [r["seed"] for r in entry["per_seed"]]
