@@ -319,7 +319,7 @@ class PeFLLStrategy(Strategy):
                 self._round["loss"][cid] = float(reply.metrics.get("loss", float("nan")))
                 messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach()})
             return messages
-        raise ValueError(f"PeFLL has stages 0-2, got stage {stage}")
+        raise ConfigError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
 
     def _checked_descriptor(self, client_id: int, reply: Message | None) -> torch.Tensor:
         if reply is None or DESCRIPTOR not in reply.arrays:
@@ -447,7 +447,7 @@ class PeFLLClient(ClientProcedure):
             return self._local_training(data, message, ctx)
         if stage == 2:
             return self._embedding_gradient(data, message, state)
-        raise ValueError(f"PeFLL has stages 0-2, got stage {stage}")
+        raise ConfigError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
 
     def _local_training(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
         """Stage 1 (lines 10-11): k SGD steps from theta_i; send theta_i - theta~_i."""
