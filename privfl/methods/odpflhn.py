@@ -376,6 +376,13 @@ class ODPFLHNStrategy(Strategy):
         encoder_grads = _mean([replies[cid].arrays for cid in done])
         hn_norm = _clip_(list(hn_grads.values()), config.grad_clip)
         encoder_norm = _clip_(list(encoder_grads.values()), config.grad_clip)
+        if not (math.isfinite(hn_norm) and math.isfinite(encoder_norm)):
+            # refuse before stepping, so the hypernetwork, the encoder and the last checkpoint stay finite (a NaN
+            # step would only surface a round later, as NaN descriptors)
+            raise ConfigError(f"round {round}: ODPFL-HN training diverged (non-finite gradients from clients {done}: "
+                              f"hypernetwork norm {hn_norm}, encoder norm {encoder_norm}); lower hn_lr (now "
+                              f"{config.hn_lr!r}), encoder_lr (now {config.encoder_lr!r}) or the local lr (now "
+                              f"{config.lr!r})")
         encoder_wd = config.hn_weight_decay if config.encoder_weight_decay is None else config.encoder_weight_decay
         self._sgd_step("hnet", self.hnet, hn_grads, config.hn_lr, config.hn_weight_decay)
         self._sgd_step("encoder", self.encoder, encoder_grads, config.encoder_lr, encoder_wd)

@@ -87,6 +87,18 @@ def test_a_round_is_three_recorded_releases_per_client_and_lowers_the_loss():
     assert sorted(runtime.strategy.descriptors) == ["0", "1", "2"]
 
 
+def test_a_diverging_round_is_refused_naming_the_rates_and_leaves_the_models_finite():
+    # local lr 1e6 on unit-scale inputs: the weight change overflows, so the averaged gradients are not finite
+    config = ODPFLHNConfig(lr=1e6, local_steps=5, batch_size=8, encoder_hidden=8, embed_dim=4, hn_hidden=16,
+                           hn_lr=0.05, encoder_lr=0.05, grad_clip=None)
+    runtime = _runtime(config, [_client(i, seed=3) for i in range(3)])
+    with pytest.raises(ConfigError, match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr "
+                                          r"\(now 1000000.0\)"):
+        runtime.run_round(0)
+    for module in (runtime.strategy.hnet, runtime.strategy.encoder):
+        assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
 @pytest.mark.parametrize("epsilon", [None, 0.5])
 def test_a_novel_client_releases_exactly_one_descriptor(epsilon):
     config = ODPFLHNConfig(encoder_hidden=8, embed_dim=4, hn_hidden=16, novel_epsilon=epsilon, novel_delta=1e-5)
