@@ -74,10 +74,15 @@ def method_settings(method: str, num_clients: int) -> dict:
     if method == "fedavg":
         return {"lr": 0.05, "local_steps": 50, "batch_size": 32}
     if method == "odpflhn":
-        # the privacy sweep's encoder (DP DeepSet, prototype-histogram phi, standardised descriptors) and server lrs
+        # The privacy sweep's encoder (DP DeepSet, prototype-histogram phi, standardised descriptors). Its server
+        # learning rates were tuned for its 10 local steps; the weight change of 50 steps, which drives both server
+        # steps, is up to 5x larger, so both rates are scaled by 10/50. With the sweep's rates unscaled (0.1 and 1.0)
+        # one of three 1000-client pathological seeds diverged (round 24 loss 6.5, round 26 1e7, then NaN weights).
         from privfl.sweep import DEFAULT_METHOD
 
-        return {**DEFAULT_METHOD, "local_steps": 50, "batch_size": 32}
+        scale = DEFAULT_METHOD["local_steps"] / 50
+        return {**DEFAULT_METHOD, "local_steps": 50, "batch_size": 32, "hn_lr": DEFAULT_METHOD["hn_lr"] * scale,
+                "encoder_lr": DEFAULT_METHOD["encoder_lr"] * scale}
     return {}  # pfedhn: its registered defaults
 
 
