@@ -30,6 +30,7 @@ Methods not registered when it runs (pfedhn, odpflhn are written in parallel) ar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -134,8 +135,10 @@ def score_run(config: RunConfig, out: Path, max_seen: int | None = None) -> dict
             "num_seen": len(seen), "num_unseen": len(unseen), **({"note": note} if note else {})}
 
 
+@functools.lru_cache(maxsize=None)
 def communication(method: str, num_clients: int, partition: str) -> dict:
-    """Bytes per sampled client in one training round of a fresh run (seed 0), each way, from the wire's counters."""
+    """Bytes per sampled client in one training round of a fresh run (seed 0), each way, from the wire's counters
+    (the same for every seed, so measured once per method and partition in a process)."""
     federation = build_federation(_spec(num_clients, partition), seed=0)
     config = _config(method, num_clients, partition, 0, 1, len(federation.training_clients))
     runtime = build_runtime(config, federation)
