@@ -120,11 +120,19 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
     for name, overrides in variants.items():
         runtime.restore(best[name]["snapshot"])
         runtime.client.config = dataclasses.replace(base, **overrides)
+        logged = hasattr(runtime.client, "adaptation_log")   # the FedTTA family: which iterate each client kept
+        if logged:
+            runtime.client.adaptation_log = []
         scores = []
         for novel in federation.novel_clients:
             scores.append(score_model(runtime.novel_client_model(novel), novel.x,
                                       federation.novel_labels.labels(novel.client_id)))
         novel_summary = summarize_scores(scores)
+        adaptations = None
+        if logged:
+            log, runtime.client.adaptation_log = runtime.client.adaptation_log, None
+            adaptations = {"chosen_step": [a.chosen_step for a in log], "steps_taken": [a.steps_taken for a in log],
+                           "accuracy": [100.0 * s.accuracy for s in scores]}
         sizes = {}
         for fraction in size_fractions:
             kept = []
@@ -134,7 +142,8 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
                 kept.append(score_model(model, novel.x[:m], federation.novel_labels.labels(novel.client_id)[:m]))
             sizes[str(fraction)] = summarize_scores(kept)["accuracy_mean"]
         results[name] = {"novel": novel_summary, "selected_round": best[name]["round"],
-                         "val_at_selected": best[name]["score"], "novel_accuracy_by_data_fraction": sizes}
+                         "val_at_selected": best[name]["score"], "novel_accuracy_by_data_fraction": sizes,
+                         "novel_adaptations": adaptations}
     ledgers = runtime.wire.ledgers
     epsilons = ledgers.epsilons(1e-5)
     return {"training": training, "settings": settings, "rounds": rounds, "seed": seed,

@@ -389,6 +389,9 @@ class FedTTAClient(ClientProcedure):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._adapter: nn.Module | None = None
+        # Set to a list to keep each test-time adaptation's outcome (chosen iterate, steps, entropies): a diagnostic
+        # for the experimenter running the clients; nothing in it is sent anywhere.
+        self.adaptation_log: list[Adaptation] | None = None
 
     def adapter_from(self, weights: dict[str, torch.Tensor]) -> nn.Module:
         """The workspace adaptation model loaded with ``weights``."""
@@ -441,10 +444,13 @@ class FedTTAClient(ClientProcedure):
     def adaptation(self, f: nn.Module, g: nn.Module, x: torch.Tensor, message: Message) -> Adaptation:
         """The test-time adaptation of this method's settings on ``x`` (see :func:`adapt`)."""
         cfg = self.config
-        return adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x,
-                     inner_lr=float(message.config.get("inner_lr", cfg.inner_lr)), steps=cfg.tta_steps,
-                     patience=cfg.patience, chunk=cfg.tta_chunk, weight_decay=cfg.weight_decay,
-                     grad_clip=cfg.grad_clip or 0.0)
+        result = adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x,
+                       inner_lr=float(message.config.get("inner_lr", cfg.inner_lr)), steps=cfg.tta_steps,
+                       patience=cfg.patience, chunk=cfg.tta_chunk, weight_decay=cfg.weight_decay,
+                       grad_clip=cfg.grad_clip or 0.0)
+        if self.adaptation_log is not None:
+            self.adaptation_log.append(result)
+        return result
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         return self.adapted_model(data.x_val, message)

@@ -235,6 +235,22 @@ def test_novel_clients_adapt_locally_and_send_nothing(make_spec, method):
     assert math.isinf(runtime.wire.ledgers.epsilons(1e-5)[federation.training_clients[0].client_id])
 
 
+def test_the_adaptation_log_keeps_each_novel_clients_chosen_iterate_and_sends_nothing(make_spec):
+    federation, runtime = _run(make_spec, "fedtta_pp")
+    runtime.client.adaptation_log = []
+    served = [runtime.novel_client_model(novel).state_dict() for novel in federation.novel_clients]
+    log = runtime.client.adaptation_log
+    assert len(log) == len(federation.novel_clients)
+    for weights, outcome in zip(served, log):
+        assert all(torch.equal(weights[k], v) for k, v in outcome.weights.items())   # the logged iterate is served
+        h, chosen = outcome.entropies, outcome.chosen_step
+        assert len(h) == outcome.steps_taken + 1 and h[chosen] == min(h)
+        assert all(a > b for a, b in zip(h[:chosen], h[1:chosen + 1]))      # strictly falling up to the choice
+        # patience 1: the first step without a strict decrease ends the adaptation (or the 50-step cap does)
+        assert outcome.steps_taken == 50 or (outcome.steps_taken == chosen + 1 and h[-1] >= h[chosen])
+    assert all(novel.client_id not in runtime.wire.ledgers for novel in federation.novel_clients)
+
+
 def _dp_client(make_spec, **settings):
     federation = build_federation(make_spec(num_clients=6, novel_fraction=0.5), seed=0)
     spec = get_method("fedtta")
