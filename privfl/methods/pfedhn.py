@@ -231,6 +231,12 @@ class PFedHNStrategy(Strategy):
             row_grads = {}
         # step 4: the clip covers everything that steps (torch.nn.utils.clip_grad_norm_'s rule)
         norm = math.sqrt(sum(float(g.pow(2).sum()) for g in [*hn_grad.values(), *row_grads.values()]))
+        if not math.isfinite(norm):
+            # refuse before stepping: clipping would not help (0 * NaN is NaN), and a NaN hypernetwork would only
+            # surface later, as NaN client models, with the last checkpoint already overwritten
+            raise ConfigError(f"the hypernetwork training diverged (non-finite gradient, norm {norm}, from the weight "
+                              f"changes of clients {ids}); lower the hypernetwork lr (now {lr!r}) or the local lr "
+                              f"(now {self.config.lr!r})")
         clip = self.config.server_grad_clip
         if clip is not None and clip / (norm + 1e-6) < 1:
             scale = clip / (norm + 1e-6)

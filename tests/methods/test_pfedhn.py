@@ -12,6 +12,7 @@ from privfl.errors import ConfigError
 from privfl.evaluation.metrics import ExpectedModel, score_model
 from privfl.experiment import RunConfig, RunInterrupted, train
 from privfl.federation import InProcessRuntime, RunDirectory, sample_clients
+from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.local_training import sgd_settings
 from privfl.methods.pfl_baselines import LogitEnsemble, proxy_a_distance
@@ -115,6 +116,19 @@ def test_the_server_gradient_is_clipped_to_the_configured_norm():
                                                            *grads["embeddings"].values()]))
     assert grads["norm"] > 1e-3
     assert clipped == pytest.approx(1e-3, rel=1e-4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_change_is_refused_before_the_hypernetwork_steps(bad):
+    strategy, _ = make("pfedhn", hn_lr=0.05, lr=0.2)
+    before = {k: v.clone() for k, v in strategy.hnet.state_dict().items()}
+    row = strategy.embedding(0).clone()
+    change = {k: torch.full_like(v, bad) for k, v in FACTORY().state_dict().items()}
+    replies = {0: Message(arrays=change, metrics={"num_examples": 12.0, "loss": 1.0})}
+    with pytest.raises(ConfigError, match=r"diverged.*clients \[0\].*hypernetwork lr \(now 0.05\).*local lr \(now 0.2\)"):
+        strategy.aggregate_train(0, replies)
+    assert all(torch.equal(v, before[k]) for k, v in strategy.hnet.state_dict().items())
+    assert torch.equal(strategy.embedding(0), row)
 
 
 def test_training_clients_are_scored_with_their_own_generated_model_and_pfedhn_serves_no_novel_client():
