@@ -71,7 +71,9 @@ FAMILY_TRAINING = {
 FAMILY_VARIANTS = {
     "fedtta": {"fedtta": {"tta_steps": 1, "patience": None}},
     "fedtta_prox": {"fedtta_prox": {"tta_steps": 1, "patience": None},
-                    "fedtta_pp": {"tta_steps": 50, "patience": 1},
+                    "fedtta_pp": {"tta_steps": 50, "patience": 1, "unadapted_candidate": True},
+                    # the paper's Algorithm 1 reading: only adapted iterates compete (the released code adds iterate 0)
+                    "fedtta_pp_adapted_only": {"tta_steps": 50, "patience": 1, "unadapted_candidate": False},
                     "fedtta_prox_no_tta": {"tta_steps": 0, "patience": None}},
     "fedavg": {"fedavg": {}},
     "tent": {"tent": {}},

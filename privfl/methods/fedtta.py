@@ -28,7 +28,9 @@ Test time on a novel client (Eqs. 10-12), with phi frozen:
    H = mean_x -sum_k p_k log p_k; the iterates compete with iterate 0 (the unadapted model); stop after ``patience``
    steps without a strict decrease and return the **lowest-entropy iterate**. (The released code multiplies by the
    patience counter instead of the probabilities, so its argmin is always iterate 0, the unadapted model; this
-   follows the paper.)
+   follows the paper.) Whether iterate 0 competes is ``unadapted_candidate``: ``True`` (default) as the released code
+   has it; ``False`` as the paper's Algorithm 1 writes it, where the candidates are the iterates after each step
+   (so at least one step is always served, and the stopping count starts at step 1).
 4. predict argmax f(x; psi) on the same data (transductive).
 
 Training clients are scored the same way, adapting on their unlabelled validation split (paper: "validation").
@@ -99,7 +101,8 @@ class FedTTAConfig(LocalTrainingConfig):
     ``lr`` is the outer rate eta_out of psi, ``inner_lr`` eta_in (training and test time), ``adapt_lr`` eta_ad of
     phi with SGD momentum ``adapt_momentum`` (the authors' code uses 0.9). ``mu`` weighs the proxy KL term (0 for
     FedTTA). ``tta_steps`` test-time steps (0: no adaptation, an ablation), with ``patience`` (``None``: no early
-    stopping, the last iterate is used) the entropy early stopping of FedTTA++. ``tta_chunk`` is the test-time chunk
+    stopping, the last iterate is used) the entropy early stopping of FedTTA++, ``unadapted_candidate`` whether the
+    unadapted model competes in it (see the module docstring). ``tta_chunk`` is the test-time chunk
     size of l_per. ``adapt_hidden`` and ``adapt_layers`` shape g. ``weighted`` weights the server mean by train-split
     size. ``lr_decay`` decays eta_out, eta_in and eta_ad alike. ``weight_decay`` applies to both models and to the
     inner step; ``grad_clip`` clips psi's and phi's meta-gradients separately and the test-time gradient.
@@ -120,6 +123,7 @@ class FedTTAConfig(LocalTrainingConfig):
     kl_direction: str = "teacher_student"
     tta_steps: int = 1
     patience: int | None = None
+    unadapted_candidate: bool = True
     tta_chunk: int = 64
     adapt_hidden: int = 32
     adapt_layers: int = 3
@@ -151,6 +155,8 @@ class FedTTAConfig(LocalTrainingConfig):
         for name in ("tta_chunk", "adapt_hidden", "adapt_layers"):
             _require(_int_at_least(getattr(self, name), 1), name, getattr(self, name), "an integer >= 1")
         _require(isinstance(self.weighted, bool), "weighted", self.weighted, "True or False")
+        _require(isinstance(self.unadapted_candidate, bool), "unadapted_candidate", self.unadapted_candidate,
+                 "True or False")
         _require(self.dp_mode in MODES, "dp_mode", self.dp_mode, f"one of {', '.join(MODES)}")
         if self.dp_epsilon is not None:
             _require(_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
@@ -297,18 +303,20 @@ class Adaptation:
 
 def adapt(f: nn.Module, g: nn.Module, psi: dict[str, torch.Tensor], phi: dict[str, torch.Tensor], x: torch.Tensor,
           *, inner_lr: float, steps: int, patience: int | None = None, chunk: int = 64, weight_decay: float = 0.0,
-          grad_clip: float = 0.0) -> Adaptation:
+          grad_clip: float = 0.0, unadapted_candidate: bool = True) -> Adaptation:
     """Test-time adaptation of psi on unlabelled ``x`` with phi frozen (steps 1-3 of the test-time procedure).
 
-    Without ``patience``: ``steps`` steps, the last iterate. With it (FedTTA++): iterate 0 and each step's iterate
-    are candidates; stop after ``patience`` steps without a strict decrease of the mean prediction entropy; return
-    the candidate of lowest entropy.
+    Without ``patience``: ``steps`` steps, the last iterate. With it (FedTTA++): iterate 0 (unless
+    ``unadapted_candidate`` is False) and each step's iterate are candidates; stop after ``patience`` steps without a
+    strict decrease of the mean prediction entropy below the best candidate's; return the candidate of lowest
+    entropy. Iterate 0's entropy is recorded either way.
     """
     phi = {k: v.detach() for k, v in phi.items()}
     current = {k: v.detach() for k, v in psi.items()}
     with torch.no_grad():
         entropies = [prediction_entropy(functional_call(f, current, (x,)))] if patience is not None else []
-    best, best_step, best_entropy, waited, taken = current, 0, entropies[0] if entropies else math.inf, 0, 0
+    best_entropy = entropies[0] if entropies and unadapted_candidate else math.inf
+    best, best_step, waited, taken = current, 0, 0, 0
     for step in range(1, steps + 1):
         params = {k: v.clone().requires_grad_(True) for k, v in current.items()}
         current = {k: v.detach() for k, v in inner_step(f, g, params, phi, x, inner_lr=inner_lr,
@@ -320,7 +328,7 @@ def adapt(f: nn.Module, g: nn.Module, psi: dict[str, torch.Tensor], phi: dict[st
         with torch.no_grad():
             entropy = prediction_entropy(functional_call(f, current, (x,)))
         entropies.append(entropy)
-        if entropy < best_entropy:
+        if entropy < best_entropy or (step == 1 and not unadapted_candidate):   # step 1 is then the first candidate
             best, best_step, best_entropy, waited = current, step, entropy, 0
         else:
             waited += 1
@@ -447,7 +455,7 @@ class FedTTAClient(ClientProcedure):
         result = adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x,
                        inner_lr=float(message.config.get("inner_lr", cfg.inner_lr)), steps=cfg.tta_steps,
                        patience=cfg.patience, chunk=cfg.tta_chunk, weight_decay=cfg.weight_decay,
-                       grad_clip=cfg.grad_clip or 0.0)
+                       grad_clip=cfg.grad_clip or 0.0, unadapted_candidate=cfg.unadapted_candidate)
         if self.adaptation_log is not None:
             self.adaptation_log.append(result)
         return result

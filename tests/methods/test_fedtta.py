@@ -142,6 +142,25 @@ def test_fedtta_pp_returns_the_lowest_entropy_iterate_not_the_unadapted_or_the_l
     assert (result.chosen_step, result.steps_taken) == (3, 5)
 
 
+def test_fedtta_pp_candidates_with_and_without_the_unadapted_model():
+    # Start at d = 3 (the lowest entropy): the steps go d = 2, 3, 2, ... so step 1 raises the entropy.
+    f, g = Bias([3.0, 0.0]), Margin(c=2.5)
+    x = torch.zeros(4, 1, dtype=torch.float64)
+
+    def run(unadapted_candidate):
+        return adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x, inner_lr=0.25, steps=50,
+                     patience=1, chunk=64, unadapted_candidate=unadapted_candidate)
+
+    code = run(True)       # the released code's candidates: iterate 0 wins and patience 1 stops after step 1
+    assert (code.chosen_step, code.steps_taken) == (0, 1)
+    assert code.weights["b"].tolist() == [3.0, 0.0]
+    paper = run(False)     # the paper's Algorithm 1: only adapted iterates; step 2 (d = 3) beats step 1 (d = 2)
+    assert (paper.chosen_step, paper.steps_taken) == (2, 3)
+    assert float(paper.weights["b"][0] - paper.weights["b"][1]) == pytest.approx(3.0)
+    expected = [prediction_entropy(torch.tensor([[v / 2, -v / 2]])) for v in (3.0, 2.0, 3.0, 2.0)]
+    assert paper.entropies == pytest.approx(expected)    # iterate 0's entropy is recorded, though not a candidate
+
+
 def test_fedtta_takes_one_step_and_keeps_the_last_iterate():
     result = _staircase(patience=None, steps=1)
     assert result.chosen_step == 1 and result.entropies == ()
@@ -196,6 +215,7 @@ def test_registered_variants_carry_the_papers_mnist_settings():
     ({"dp_epsilon": 1.0, "dp_participations": 3, "weighted": True}, "weighted"),
     ({"dp_epsilon": 1.0, "dp_participations": 3, "dp_shares": 4}, "dp_shares"),
     ({"dp_mode": "central"}, "dp_mode"),
+    ({"unadapted_candidate": "no"}, "unadapted_candidate"),
 ])
 def test_bad_settings_are_refused_by_name(settings, name):
     with pytest.raises(ConfigError, match=name):
