@@ -125,7 +125,8 @@ def test_a_non_finite_weight_change_is_refused_before_the_hypernetwork_steps(bad
     row = strategy.embedding(0).clone()
     change = {k: torch.full_like(v, bad) for k, v in FACTORY().state_dict().items()}
     replies = {0: Message(arrays=change, metrics={"num_examples": 12.0, "loss": 1.0})}
-    with pytest.raises(ConfigError, match=r"diverged.*clients \[0\].*hypernetwork lr \(now 0.05\).*local lr \(now 0.2\)"):
+    refusal = r"diverged.*clients \[0\].*hypernetwork lr \(now 0.05\).*local lr \(now 0.2\)"
+    with pytest.raises(ConfigError, match=refusal):
         strategy.aggregate_train(0, replies)
     assert all(torch.equal(v, before[k]) for k, v in strategy.hnet.state_dict().items())
     assert torch.equal(strategy.embedding(0), row)
