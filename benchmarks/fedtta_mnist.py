@@ -87,15 +87,30 @@ ROTATED_SPEC = FederationSpec(source="mnist", num_clients=50, partition="iid", n
                               novel_angles=(15.0, 45.0))
 
 
+def score_novel(runtime, federation) -> list:
+    """Every novel client downloads, adapts on its own unlabelled data and is scored on it (nothing is sent)."""
+    return [score_model(runtime.novel_client_model(novel), novel.x, federation.novel_labels.labels(novel.client_id))
+            for novel in federation.novel_clients]
+
+
 def run_family(spec: FederationSpec, training: str, settings: dict, variants: dict[str, dict], *, rounds: int,
                seed: int, eval_every: int, select: str, size_fractions=(), log_prefix: str = "",
-               client_fraction: float = 1.0) -> dict:
+               client_fraction: float = 1.0, partition_seed: int | None = None, track_test: bool = False,
+               eval_from: int = 0) -> dict:
     """Train once; score every test-time variant on validation each ``eval_every`` rounds; serve novel clients.
 
     Each variant keeps its own selected round (best mean validation accuracy, or the last round). Validation scores
     stay with the experimenter (no release), as the single-method runs of ``train`` do with ``select="last"``.
+
+    ``partition_seed`` builds the federation from its own seed, so ``seed`` then varies only the model
+    initialisation, batches and client sampling (the released code fixes the partition with seed 24 and lets its
+    ``--seed`` vary the rest). ``track_test`` also scores the novel clients at every evaluation round and reports the
+    best of those (``best_test_over_rounds``): the released code's ``BestTestAcc`` log, a maximum over rounds taken
+    on the test clients themselves. It is an oracle that selects on test data, reported only to show what that
+    selection adds; the headline stays the novel accuracy at the best-validation round. ``eval_from`` skips the
+    evaluations before that round (the released code's ``--start-evaluation``); the last round is always evaluated.
     """
-    federation = build_federation(spec, seed=seed)
+    federation = build_federation(spec, seed=seed if partition_seed is None else partition_seed)
     config = RunConfig(federation=spec, method=training, method_config=settings, model="mlp2nn", rounds=rounds,
                        select=select, seed=seed, client_fraction=client_fraction)
     runtime = build_runtime(config, federation)
@@ -105,7 +120,7 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
     for round_index in range(rounds):   # not `round`: the size sweep below calls the built-in
         metrics = runtime.run_round(round_index)
         done = round_index + 1
-        if done % eval_every and done != rounds:
+        if (done < eval_from or done % eval_every) and done != rounds:
             continue
         record = {"round": done, "train_loss": metrics.get("train_loss"), "elapsed_s": time.perf_counter() - started}
         for name, overrides in variants.items():
@@ -113,6 +128,8 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
             scores = runtime.evaluate_training_clients(score_model, report_to_server=False, round=None)
             val = summarize_scores(list(scores.values()))["accuracy_mean"]
             record[f"val_{name}"] = val
+            if track_test:
+                record[f"test_{name}"] = summarize_scores(score_novel(runtime, federation))["accuracy_mean"]
             if select == "last" or val > best[name]["score"]:
                 best[name] = {"score": val, "round": done, "snapshot": runtime.snapshot()}
         runtime.client.config = base
@@ -125,10 +142,7 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
         logged = hasattr(runtime.client, "adaptation_log")   # the FedTTA family: which iterate each client kept
         if logged:
             runtime.client.adaptation_log = []
-        scores = []
-        for novel in federation.novel_clients:
-            scores.append(score_model(runtime.novel_client_model(novel), novel.x,
-                                      federation.novel_labels.labels(novel.client_id)))
+        scores = score_novel(runtime, federation)
         novel_summary = summarize_scores(scores)
         adaptations = None
         if logged:
@@ -146,9 +160,17 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
         results[name] = {"novel": novel_summary, "selected_round": best[name]["round"],
                          "val_at_selected": best[name]["score"], "novel_accuracy_by_data_fraction": sizes,
                          "novel_adaptations": adaptations}
+        if track_test:
+            tested = [(r[f"test_{name}"], r["round"]) for r in history]
+            top = max(tested, key=lambda t: t[0])   # the first round that reaches the maximum
+            results[name]["best_test_over_rounds"] = {"accuracy": top[0], "round": top[1],
+                                                      "note": "oracle: selected on the test clients"}
+            results[name]["test_at_last_round"] = tested[-1][0]
     ledgers = runtime.wire.ledgers
     epsilons = ledgers.epsilons(1e-5)
     return {"training": training, "settings": settings, "rounds": rounds, "seed": seed,
+            "partition_seed": seed if partition_seed is None else partition_seed, "eval_every": eval_every,
+            "eval_from": eval_from,
             "client_fraction": client_fraction, "history": history,
             "variants": results,
             "novel_clients_in_ledger": sum(novel.client_id in ledgers for novel in federation.novel_clients),
@@ -187,11 +209,16 @@ def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str
             result = run_family(spec, method, settings, FAMILY_VARIANTS[training], rounds=args.rounds, seed=seed,
                                 eval_every=args.eval_every, select="best_val",
                                 size_fractions=SIZE_FRACTIONS if file == "family" else (), log_prefix=training,
-                                client_fraction=args.client_fraction)
+                                client_fraction=args.client_fraction, partition_seed=args.partition_seed,
+                                track_test=args.track_test, eval_from=args.eval_from)
             for name, r in result["variants"].items():
                 r["paper"] = FAMILY_PAPER.get(name) if file == "family" else None
-            path = store(f"fedtta_{file}{suffix}", result,
-                         f"{training}-seed{seed}-rounds{args.rounds}-fraction{args.client_fraction:g}")
+            # A fixed partition is the released code's protocol, kept apart from the partition-per-seed tables.
+            name = f"fedtta_{file}{suffix}" if args.partition_seed is None else \
+                f"fedtta_{file}_partition{args.partition_seed}{suffix}"
+            key = f"{training}-seed{seed}-rounds{args.rounds}-fraction{args.client_fraction:g}"
+            key += "" if args.eval_every == 10 else f"-every{args.eval_every}"
+            path = store(name, result, key + (f"-from{args.eval_from}" if args.eval_from else ""))
             print(f"-> {path}")
             for name, r in result["variants"].items():
                 paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
@@ -294,6 +321,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--client-fraction", type=float, default=1.0, help="FedTTA parts: clients per round")
+    parser.add_argument("--partition-seed", type=int, default=None,
+                        help="family/rotated: one partition for every --seeds (the released code fixes it)")
+    parser.add_argument("--eval-from", type=int, default=0, help="family/rotated: first round evaluated")
+    parser.add_argument("--track-test", action="store_true",
+                        help="family/rotated: also score novel clients every evaluation (oracle best-over-rounds)")
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 4.0, 8.0])
     parser.add_argument("--dp-max-norm", type=float, default=1.0)
     parser.add_argument("--dp-mode", default="local", choices=("local", "distributed"))
@@ -304,6 +336,8 @@ def main() -> None:
                         help="weight decay 1e-4, grad clip 10, lr decay 0.99^(r/10), as the authors' code")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscription on 2 cores)")
     args = parser.parse_args()
+    if args.eval_every < 1 or args.eval_from < 0:
+        parser.error(f"--eval-every must be >= 1 and --eval-from >= 0; got {args.eval_every} and {args.eval_from}")
     torch.set_num_threads(args.threads)
     reuse_freed_memory()
     extras = {"weight_decay": 1e-4, "grad_clip": 10.0, "lr_decay": 0.99} if args.code_stabilisers else {}
