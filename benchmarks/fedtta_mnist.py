@@ -214,11 +214,11 @@ def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str
             for name, r in result["variants"].items():
                 r["paper"] = FAMILY_PAPER.get(name) if file == "family" else None
             # A fixed partition is the released code's protocol, kept apart from the partition-per-seed tables.
-            name = f"fedtta_{file}{suffix}" if args.partition_seed is None else \
+            results_name = f"fedtta_{file}{suffix}" if args.partition_seed is None else \
                 f"fedtta_{file}_partition{args.partition_seed}{suffix}"
             key = f"{training}-seed{seed}-rounds{args.rounds}-fraction{args.client_fraction:g}"
             key += "" if args.eval_every == 10 else f"-every{args.eval_every}"
-            path = store(name, result, key + (f"-from{args.eval_from}" if args.eval_from else ""))
+            path = store(results_name, result, key + (f"-from{args.eval_from}" if args.eval_from else ""))
             print(f"-> {path}")
             for name, r in result["variants"].items():
                 paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
