@@ -110,7 +110,8 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
     selection adds; the headline stays the novel accuracy at the best-validation round. ``eval_from`` skips the
     evaluations before that round (the released code's ``--start-evaluation``); the last round is always evaluated.
     """
-    federation = build_federation(spec, seed=seed if partition_seed is None else partition_seed)
+    partition = seed if partition_seed is None else partition_seed
+    federation = build_federation(spec, seed=partition)
     config = RunConfig(federation=spec, method=training, method_config=settings, model="mlp2nn", rounds=rounds,
                        select=select, seed=seed, client_fraction=client_fraction)
     runtime = build_runtime(config, federation)
@@ -169,7 +170,7 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
     ledgers = runtime.wire.ledgers
     epsilons = ledgers.epsilons(1e-5)
     return {"training": training, "settings": settings, "rounds": rounds, "seed": seed,
-            "partition_seed": seed if partition_seed is None else partition_seed, "eval_every": eval_every,
+            "partition_seed": partition, "eval_every": eval_every,
             "eval_from": eval_from,
             "client_fraction": client_fraction, "history": history,
             "variants": results,
