@@ -27,6 +27,9 @@ The FedTTA family (``--part``; every part writes ``benchmarks/results/fedtta_<pa
   the reported model is the last round's (selection on validation would spend private data).
 * ``timing``: median time of one FedTTA meta-step (MNIST 2NN, batch 64) beside one plain SGD step.
 
+The family and rotated parts store each (method, seed) as soon as it ends and skip those already stored, so an
+interrupted sweep resumes. ``benchmarks/fedtta_summary.py`` turns the stored runs into the README's tables and a plot.
+
     python benchmarks/fedtta_mnist.py --part family --code-stabilisers --rounds 200
 """
 
@@ -206,7 +209,16 @@ def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str
                     **(extras if method != "odpflhn" else {})}   # the stabilisers are FedAvg-family options
         if method.startswith("fedtta") and extras:
             settings["adapt_momentum"] = 0.9  # the authors' code: momentum 0.9 on the adaptation model only
+        # A fixed partition is the released code's protocol, kept apart from the partition-per-seed tables.
+        results_name = f"fedtta_{file}{suffix}" if args.partition_seed is None else \
+            f"fedtta_{file}_partition{args.partition_seed}{suffix}"
         for seed in args.seeds:
+            key = f"{training}-seed{seed}-rounds{args.rounds}-fraction{args.client_fraction:g}"
+            key += "" if args.eval_every == 10 else f"-every{args.eval_every}"
+            key += f"-from{args.eval_from}" if args.eval_from else ""
+            if key in stored_keys(results_name):   # an interrupted sweep resumes where it stopped
+                print(f"{key}: already in {results_name}.json; skipped (delete the key to rerun it)", flush=True)
+                continue
             result = run_family(spec, method, settings, FAMILY_VARIANTS[training], rounds=args.rounds, seed=seed,
                                 eval_every=args.eval_every, select="best_val",
                                 size_fractions=SIZE_FRACTIONS if file == "family" else (), log_prefix=training,
@@ -214,12 +226,7 @@ def part_family(args, spec: FederationSpec, extras: dict, suffix: str, file: str
                                 track_test=args.track_test, eval_from=args.eval_from)
             for name, r in result["variants"].items():
                 r["paper"] = FAMILY_PAPER.get(name) if file == "family" else None
-            # A fixed partition is the released code's protocol, kept apart from the partition-per-seed tables.
-            results_name = f"fedtta_{file}{suffix}" if args.partition_seed is None else \
-                f"fedtta_{file}_partition{args.partition_seed}{suffix}"
-            key = f"{training}-seed{seed}-rounds{args.rounds}-fraction{args.client_fraction:g}"
-            key += "" if args.eval_every == 10 else f"-every{args.eval_every}"
-            path = store(results_name, result, key + (f"-from{args.eval_from}" if args.eval_from else ""))
+            path = store(results_name, result, key)
             print(f"-> {path}")
             for name, r in result["variants"].items():
                 paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"

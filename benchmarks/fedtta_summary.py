@@ -1,0 +1,223 @@
+"""Summarise the stored FedTTA-family runs: per-seed accuracies, paired differences and one plot.
+
+Nothing is trained here: it reads what ``benchmarks/fedtta_mnist.py`` stored and derives the tables of
+``benchmarks/README.md`` from it, so every mean, SEM and p-value there can be regenerated.
+
+* ``family``: ``results/fedtta_family_code.json``, one federation per seed (all 50 training clients per round,
+  selection every 10 rounds); differences are TENT minus each method, paired by seed.
+* ``partition<P>``: ``results/fedtta_family_partition<P>_code.json``, one fixed federation, training seeds varying
+  (every round from 100 evaluated); the best-validation figure and the oracle best test over rounds.
+* ``rotated``: ``results/fedtta_rotated_code.json``, concept shift; differences are each method minus FedAvg, paired by
+  seed, beside the paper's gaps to its best baseline (FedTTA +1.4, FedTTA++ +1.6, read from its prose).
+
+Writes ``results/fedtta_summary.json`` and ``results/fedtta_summary.png`` and prints Markdown tables.
+
+    python benchmarks/fedtta_summary.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+from scipy import stats
+
+RESULTS = Path(__file__).parent / "results"
+KEY = re.compile(r"^(?P<training>[a-z_]+)-seed(?P<seed>\d+)-rounds(?P<rounds>\d+)-fraction(?P<fraction>[\d.]+)"
+                 r"(?P<extra>.*)$")
+FAMILY = ("fedtta", "fedtta_prox", "fedtta_pp", "tent", "fedtta_prox_no_tta")
+ROTATED = ("fedtta", "fedtta_prox", "fedtta_pp", "fedtta_pp_adapted_only", "fedtta_prox_no_tta", "fedavg", "tent",
+           "odpflhn")
+# The paper gives the concept-shift results only as gaps to its best baseline, in the prose of section 4.3.
+ROTATED_PAPER_GAP = {"fedtta": 1.4, "fedtta_pp": 1.6}
+LABEL = {"fedtta": "FedTTA", "fedtta_prox": "FedTTA-Prox", "fedtta_pp": "FedTTA++",
+         "fedtta_pp_adapted_only": "FedTTA++ (Alg. 1)", "fedtta_prox_no_tta": "no adaptation", "tent": "TENT",
+         "fedavg": "FedAvg", "odpflhn": "ODPFL-HN"}
+
+
+def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str = "") -> dict:
+    """``{variant: {seed: {"accuracy", "oracle", "paper"}}}`` for the runs of ``path`` with these settings.
+
+    A training serves several variants (FedTTA-Prox serves FedTTA++ and the no-adaptation ablation), so the variant,
+    not the training, is the row. ``oracle`` is the best novel accuracy over evaluated rounds where it was tracked.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: run benchmarks/fedtta_mnist.py for it first")
+    table: dict[str, dict[int, dict]] = {}
+    for key, run in json.loads(path.read_text()).items():
+        match = KEY.match(key)
+        if not match or (int(match["rounds"]), match["fraction"], match["extra"]) != (rounds, fraction, extra):
+            continue
+        for variant, result in run["variants"].items():
+            oracle = result.get("best_test_over_rounds")
+            table.setdefault(variant, {})[int(match["seed"])] = {
+                "accuracy": result["novel"]["accuracy_mean"], "paper": result.get("paper"),
+                "oracle": oracle["accuracy"] if oracle else None, "selected_round": result["selected_round"]}
+    return table
+
+
+def describe(values: list[float]) -> dict:
+    """Mean, standard deviation and SEM over seeds (``None`` where one value cannot give them)."""
+    n = len(values)
+    sd = statistics.stdev(values) if n > 1 else None
+    return {"n": n, "mean": statistics.fmean(values), "sd": sd, "sem": sd / math.sqrt(n) if sd is not None else None}
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict:
+    """``a - b`` on the seeds both have: per seed, its description and a paired t-test's two-sided p-value."""
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in seeds]
+    out = {"seeds": seeds, "per_seed": diffs, **describe(diffs)}
+    out["p_value"] = float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue) \
+        if len(seeds) > 1 else None
+    return out
+
+
+def summarise(table: dict, variants: tuple, *, reference: str, reference_first: bool) -> dict:
+    """Per variant: accuracies per seed, their description, the oracle's, and the paired difference to ``reference``.
+
+    ``reference_first`` gives ``reference - variant`` (TENT minus each, as the issue's ordering reads), otherwise
+    ``variant - reference`` (each minus FedAvg, as the paper's concept-shift gaps read).
+    """
+    out = {}
+    ref = {s: r["accuracy"] for s, r in table.get(reference, {}).items()}
+    for variant in variants:
+        if variant not in table:
+            continue
+        acc = {s: r["accuracy"] for s, r in sorted(table[variant].items())}
+        oracle = {s: r["oracle"] for s, r in sorted(table[variant].items()) if r["oracle"] is not None}
+        entry = {"per_seed": acc, **describe(list(acc.values())),
+                 "paper": next(iter(table[variant].values()))["paper"],
+                 "selected_round": {s: r["selected_round"] for s, r in sorted(table[variant].items())}}
+        if oracle:
+            entry["oracle"] = {"per_seed": oracle, **describe(list(oracle.values()))}
+        if variant != reference and ref:
+            entry[f"{reference}_minus_it" if reference_first else f"minus_{reference}"] = \
+                paired(ref, acc) if reference_first else paired(acc, ref)
+        out[variant] = entry
+    return out
+
+
+def fmt(d: dict | None, key: str = "sem") -> str:
+    if d is None:
+        return "-"
+    spread = d.get(key)
+    return f"{d['mean']:.2f}" + ("" if spread is None else f" +- {spread:.2f}")
+
+
+def print_tables(summary: dict) -> None:
+    family = summary.get("family", {})
+    if family:
+        print("\n### One partition per seed (mean +- SEM over seeds)\n")
+        print("| method | n | mean +- SEM | per seed | TENT minus it, paired (p) | paper |")
+        print("|---|---|---|---|---|---|")
+        for v, e in family.items():
+            diff = e.get("tent_minus_it")
+            d = "" if diff is None else f"{diff['mean']:+.2f} +- {diff['sem']:.2f} (p = {diff['p_value']:.2f})"
+            print(f"| {LABEL[v]} | {e['n']} | {fmt(e)} | {' / '.join(f'{a:.2f}' for a in e['per_seed'].values())} |"
+                  f" {d} | {'' if e['paper'] is None else e['paper']} |")
+    for name in sorted(k for k in summary if k.startswith("partition")):
+        print(f"\n### {name} (mean +- sd over training seeds)\n")
+        print("| method | best-validation round | per seed | oracle best test over rounds | TENT minus it |")
+        print("|---|---|---|---|---|")
+        for v, e in summary[name].items():
+            diff = e.get("tent_minus_it")
+            d = "" if diff is None else " / ".join(f"{x:+.2f}" for x in diff["per_seed"])
+            print(f"| {LABEL[v]} | {fmt(e, 'sd')} | {' / '.join(f'{a:.2f}' for a in e['per_seed'].values())} | "
+                  f"{fmt(e.get('oracle'), 'sd')} | {d} |")
+    rotated = summary.get("rotated", {})
+    if rotated:
+        print("\n### Rotated MNIST (mean +- SEM over seeds)\n")
+        print("| method | n | mean +- SEM | minus FedAvg, mean +- SEM (p) | minus FedAvg per seed | paper gap |")
+        print("|---|---|---|---|---|---|")
+        for v, e in rotated.items():
+            diff = e.get("minus_fedavg")
+            d = "" if diff is None else f"{diff['mean']:+.2f} +- {diff['sem']:.2f} (p = {diff['p_value']:.2f})"
+            per = "" if diff is None else " / ".join(f"{x:+.1f}" for x in diff["per_seed"])
+            paper = ROTATED_PAPER_GAP.get(v)
+            print(f"| {LABEL[v]} | {e['n']} | {fmt(e)} | {d} | {per} | {'' if paper is None else f'+{paper}'} |")
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    partitions = sorted(k for k in summary if k.startswith("partition"))
+    panels = [k for k in ("family", *partitions, "rotated") if summary.get(k)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], panels, strict=True):
+        entries = summary[name]
+        if name == "rotated":
+            shown = [v for v in entries if "minus_fedavg" in entries[v]]
+            values = {v: entries[v]["minus_fedavg"]["per_seed"] for v in shown}
+            seeds = {v: entries[v]["minus_fedavg"]["seeds"] for v in shown}
+            ax.axhline(0.0, color="grey", lw=0.8)
+            ax.set_ylabel("novel accuracy minus FedAvg's, same seed (points)")
+            ax.set_title(f"rotated MNIST ({max(len(s) for s in seeds.values())} seeds)")
+        else:
+            shown = [v for v in entries if v != "fedtta_prox_no_tta"]   # 75-91%: it would flatten the axis
+            values = {v: list(entries[v]["per_seed"].values()) for v in shown}
+            seeds = {v: list(entries[v]["per_seed"]) for v in shown}
+            ax.set_ylabel("novel-client accuracy (%)")
+            ax.set_title(f"one partition per seed ({max(len(s) for s in seeds.values())} seeds)" if name == "family"
+                         else f"fixed partition {name.removeprefix('partition')} (training seeds)")
+        # thin lines join one seed across methods: the pairing the differences rest on
+        for seed in sorted({s for v in shown for s in seeds[v]}):
+            xs = [i for i, v in enumerate(shown) if seed in seeds[v]]
+            ys = [values[shown[i]][seeds[shown[i]].index(seed)] for i in xs]
+            ax.plot(xs, ys, color="tab:blue", alpha=0.25, lw=0.8)
+        labelled = set()
+        for i, v in enumerate(shown):
+            ax.scatter([i] * len(values[v]), values[v], s=14, color="tab:blue", zorder=3)
+            mean = statistics.fmean(values[v])
+            sem = statistics.stdev(values[v]) / math.sqrt(len(values[v])) if len(values[v]) > 1 else 0.0
+            ax.errorbar(i + 0.18, mean, yerr=sem, fmt="o", color="black", ms=4, capsize=3, zorder=4)
+            oracle = entries[v].get("oracle")
+            if oracle and name != "rotated":
+                ax.scatter([i + 0.32], [oracle["mean"]], marker="^", color="tab:green", s=22, zorder=4,
+                           label=None if "oracle" in labelled else "oracle best test over rounds, mean")
+                labelled.add("oracle")
+            paper = ROTATED_PAPER_GAP.get(v) if name == "rotated" else entries[v].get("paper")
+            if paper is not None:
+                ax.scatter([i - 0.18], [paper], marker="x", color="tab:red", s=40, zorder=4,
+                           label=None if "paper" in labelled else "paper")
+                labelled.add("paper")
+        ax.set_xticks(range(len(shown)), [LABEL[v] for v in shown], rotation=35, ha="right", fontsize=8)
+    handles = {}
+    for ax in axes[0]:
+        handles.update({h.get_label(): h for h in ax.collections if not h.get_label().startswith("_")})
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle("FedTTA family on MNIST: dots are seeds (lines join one seed), black is mean +- SEM", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--partitions", type=int, nargs="*", default=[24, 25],
+                        help="fixed partitions to summarise (results/fedtta_family_partition<P>_code.json)")
+    args = parser.parse_args()
+    summary = {
+        "family": summarise(per_seed(RESULTS / "fedtta_family_code.json"), FAMILY, reference="tent",
+                            reference_first=True),
+        **{f"partition{p}": summarise(per_seed(RESULTS / f"fedtta_family_partition{p}_code.json",
+                                               extra="-every1-from100"),
+                                      FAMILY, reference="tent", reference_first=True) for p in args.partitions},
+        "rotated": summarise(per_seed(RESULTS / "fedtta_rotated_code.json"), ROTATED, reference="fedavg",
+                             reference_first=False),
+    }
+    (RESULTS / "fedtta_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary, RESULTS / "fedtta_summary.png")
+    print_tables(summary)
+    print(f"\n-> {RESULTS / 'fedtta_summary.json'}, {RESULTS / 'fedtta_summary.png'}")
+
+
+if __name__ == "__main__":
+    main()
