@@ -109,37 +109,44 @@ def fmt(d: dict | None, key: str = "sem") -> str:
     return f"{d['mean']:.2f}" + ("" if spread is None else f" +- {spread:.2f}")
 
 
+def fmt_diff(diff: dict | None) -> str:
+    if diff is None:
+        return ""
+    if diff["p_value"] is None:     # one common seed: no spread, no test
+        return f"{diff['mean']:+.2f} (1 seed)"
+    return f"{diff['mean']:+.2f} +- {diff['sem']:.2f} ({diff['n']} seeds, p = {diff['p_value']:.2f})"
+
+
+def joined(values, spec: str) -> str:
+    return " / ".join(format(x, spec) for x in values)
+
+
+def markdown(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n### {title}\n")
+    for line in (header, ["---"] * len(header), *rows):
+        print("| " + " | ".join(line) + " |")
+
+
 def print_tables(summary: dict) -> None:
-    family = summary.get("family", {})
-    if family:
-        print("\n### One partition per seed (mean +- SEM over seeds)\n")
-        print("| method | n | mean +- SEM | per seed | TENT minus it, paired (p) | paper |")
-        print("|---|---|---|---|---|---|")
-        for v, e in family.items():
-            diff = e.get("tent_minus_it")
-            d = "" if diff is None else f"{diff['mean']:+.2f} +- {diff['sem']:.2f} (p = {diff['p_value']:.2f})"
-            print(f"| {LABEL[v]} | {e['n']} | {fmt(e)} | {' / '.join(f'{a:.2f}' for a in e['per_seed'].values())} |"
-                  f" {d} | {'' if e['paper'] is None else e['paper']} |")
+    if summary.get("family"):
+        markdown("One partition per seed (mean +- SEM over seeds)",
+                 ["method", "n", "mean +- SEM", "per seed", "TENT minus it, paired (p)", "paper"],
+                 [[LABEL[v], str(e["n"]), fmt(e), joined(e["per_seed"].values(), ".2f"),
+                   fmt_diff(e.get("tent_minus_it")), "" if e["paper"] is None else f"{e['paper']:.2f}"]
+                  for v, e in summary["family"].items()])
     for name in sorted(k for k in summary if k.startswith("partition")):
-        print(f"\n### {name} (mean +- sd over training seeds)\n")
-        print("| method | best-validation round | per seed | oracle best test over rounds | TENT minus it |")
-        print("|---|---|---|---|---|")
-        for v, e in summary[name].items():
-            diff = e.get("tent_minus_it")
-            d = "" if diff is None else " / ".join(f"{x:+.2f}" for x in diff["per_seed"])
-            print(f"| {LABEL[v]} | {fmt(e, 'sd')} | {' / '.join(f'{a:.2f}' for a in e['per_seed'].values())} | "
-                  f"{fmt(e.get('oracle'), 'sd')} | {d} |")
-    rotated = summary.get("rotated", {})
-    if rotated:
-        print("\n### Rotated MNIST (mean +- SEM over seeds)\n")
-        print("| method | n | mean +- SEM | minus FedAvg, mean +- SEM (p) | minus FedAvg per seed | paper gap |")
-        print("|---|---|---|---|---|---|")
-        for v, e in rotated.items():
-            diff = e.get("minus_fedavg")
-            d = "" if diff is None else f"{diff['mean']:+.2f} +- {diff['sem']:.2f} (p = {diff['p_value']:.2f})"
-            per = "" if diff is None else " / ".join(f"{x:+.1f}" for x in diff["per_seed"])
-            paper = ROTATED_PAPER_GAP.get(v)
-            print(f"| {LABEL[v]} | {e['n']} | {fmt(e)} | {d} | {per} | {'' if paper is None else f'+{paper}'} |")
+        markdown(f"{name} (mean +- sd over training seeds)",
+                 ["method", "best-validation round", "per seed", "oracle best test over rounds", "TENT minus it"],
+                 [[LABEL[v], fmt(e, "sd"), joined(e["per_seed"].values(), ".2f"), fmt(e.get("oracle"), "sd"),
+                   joined(e["tent_minus_it"]["per_seed"], "+.2f") if "tent_minus_it" in e else ""]
+                  for v, e in summary[name].items()])
+    if summary.get("rotated"):
+        markdown("Rotated MNIST (mean +- SEM over seeds)",
+                 ["method", "n", "mean +- SEM", "minus FedAvg, mean +- SEM (p)", "minus FedAvg per seed", "paper gap"],
+                 [[LABEL[v], str(e["n"]), fmt(e), fmt_diff(e.get("minus_fedavg")),
+                   joined(e["minus_fedavg"]["per_seed"], "+.1f") if "minus_fedavg" in e else "",
+                   f"+{ROTATED_PAPER_GAP[v]}" if v in ROTATED_PAPER_GAP else ""]
+                  for v, e in summary["rotated"].items()])
 
 
 def plot(summary: dict, path: Path) -> None:
