@@ -21,10 +21,11 @@ import argparse
 import json
 import math
 import re
-import statistics
 from pathlib import Path
 
 from scipy import stats
+
+from privfl.evaluation.metrics import mean_sem
 
 RESULTS = Path(__file__).parent / "results"
 KEY = re.compile(r"^(?P<training>[a-z_]+)-seed(?P<seed>\d+)-rounds(?P<rounds>\d+)-fraction(?P<fraction>[\d.]+)"
@@ -62,9 +63,9 @@ def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str =
 
 def describe(values: list[float]) -> dict:
     """Mean, standard deviation and SEM over seeds (``None`` where one value cannot give them)."""
-    n = len(values)
-    sd = statistics.stdev(values) if n > 1 else None
-    return {"n": n, "mean": statistics.fmean(values), "sd": sd, "sem": sd / math.sqrt(n) if sd is not None else None}
+    mean, sem = mean_sem(values)
+    sem = None if math.isnan(sem) else sem
+    return {"n": len(values), "mean": mean, "sd": None if sem is None else sem * math.sqrt(len(values)), "sem": sem}
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict:
