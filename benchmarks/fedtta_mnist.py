@@ -69,6 +69,9 @@ FAMILY_TRAINING = {
     "fedavg": ("fedavg", {"lr": 0.1}),
     "tent": ("tent", {"lr": 0.1, "adapt": "all"}),
     "odpflhn": ("odpflhn", {k: v for k, v in SWEEP_METHOD.items() if k not in ("local_steps", "batch_size")}),
+    # Ablations separating FedTTA-Prox's two Table-4 differences from FedTTA: each swaps only eta_ad.
+    "fedtta_prox_adlr01": ("fedtta_prox", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01, "mu": 0.01}),
+    "fedtta_adlr001": ("fedtta", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.001}),
 }
 # Test-time variants evaluated on each training (name -> overrides of the method config).
 FAMILY_VARIANTS = {
@@ -81,6 +84,11 @@ FAMILY_VARIANTS = {
     "fedavg": {"fedavg": {}},
     "tent": {"tent": {}},
     "odpflhn": {"odpflhn": {}},
+    "fedtta_prox_adlr01": {"fedtta_prox_adlr01": {"tta_steps": 1, "patience": None},
+                           "fedtta_pp_adlr01": {"tta_steps": 50, "patience": 1, "unadapted_candidate": True},
+                           "fedtta_pp_adapted_only_adlr01": {"tta_steps": 50, "patience": 1,
+                                                             "unadapted_candidate": False}},
+    "fedtta_adlr001": {"fedtta_adlr001": {"tta_steps": 1, "patience": None}},
 }
 SIZE_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
 MNIST_SPEC = FederationSpec(source="mnist", num_clients=100, partition="pathological", shards_per_client=2,

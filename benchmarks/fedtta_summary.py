@@ -9,6 +9,8 @@ Nothing is trained here: it reads what ``benchmarks/fedtta_mnist.py`` stored and
   (every round from 100 evaluated); the best-validation figure and the oracle best test over rounds.
 * ``rotated``: ``results/fedtta_rotated_code.json``, concept shift; differences are each method minus FedAvg, paired by
   seed, beside the paper's gaps to its best baseline (FedTTA +1.4, FedTTA++ +1.6, read from its prose).
+* ``rotated_factorial``: the same file's mu x eta_ad ablation (FedTTA-Prox's two settings that differ from FedTTA's):
+  each setting's effect on the one-step accuracy at either level of the other, paired by seed.
 
 Writes ``results/fedtta_summary.json`` and ``results/fedtta_summary.png`` and prints Markdown tables.
 
@@ -35,9 +37,16 @@ ROTATED = ("fedtta", "fedtta_prox", "fedtta_pp", "fedtta_pp_adapted_only", "fedt
            "odpflhn")
 # The paper gives the concept-shift results only as gaps to its best baseline, in the prose of section 4.5.
 ROTATED_PAPER_GAP = {"fedtta": 1.4, "fedtta_pp": 1.6}
+# FedTTA-Prox differs from FedTTA in two MNIST Table-4 settings, mu (0.01 against 0) and eta_ad (0.001 against 0.01):
+# two ablation trainings complete the 2 x 2, (mu, eta_ad) -> the one-step variant trained so.
+ROTATED_FACTORIAL = {(0.0, 0.01): "fedtta", (0.01, 0.001): "fedtta_prox", (0.01, 0.01): "fedtta_prox_adlr01",
+                     (0.0, 0.001): "fedtta_adlr001"}
+ROTATED_ABLATION = ("fedtta_prox_adlr01", "fedtta_pp_adlr01", "fedtta_pp_adapted_only_adlr01", "fedtta_adlr001")
 LABEL = {"fedtta": "FedTTA", "fedtta_prox": "FedTTA-Prox", "fedtta_pp": "FedTTA++",
          "fedtta_pp_adapted_only": "FedTTA++ (Alg. 1)", "fedtta_prox_no_tta": "no adaptation", "tent": "TENT",
-         "fedavg": "FedAvg", "odpflhn": "ODPFL-HN"}
+         "fedavg": "FedAvg", "odpflhn": "ODPFL-HN",
+         "fedtta_prox_adlr01": "FedTTA-Prox, eta_ad 0.01", "fedtta_pp_adlr01": "FedTTA++, eta_ad 0.01",
+         "fedtta_pp_adapted_only_adlr01": "FedTTA++ (Alg. 1), eta_ad 0.01", "fedtta_adlr001": "FedTTA, eta_ad 0.001"}
 
 
 def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str = "") -> dict:
@@ -105,6 +114,20 @@ def summarise(table: dict, variants: tuple, *, references: tuple[str, ...], refe
     return out
 
 
+def factorial(table: dict) -> dict:
+    """The effect of each of mu and eta_ad at either level of the other, paired by seed (rotated MNIST).
+
+    ``mu_at_eta_ad_<e>`` is the one-step accuracy with mu = 0.01 minus with mu = 0, both trained with eta_ad = e;
+    ``eta_ad_0.01_at_mu_<m>`` is eta_ad 0.01 minus 0.001, both with mu = m. Contrasts whose runs are missing are left
+    out.
+    """
+    acc = {cell: {s: r["accuracy"] for s, r in table[v].items()} for cell, v in ROTATED_FACTORIAL.items()
+           if v in table}
+    contrasts = {f"mu_at_eta_ad_{e:g}": ((0.01, e), (0.0, e)) for e in (0.01, 0.001)}
+    contrasts |= {f"eta_ad_0.01_at_mu_{m:g}": ((m, 0.01), (m, 0.001)) for m in (0.0, 0.01)}
+    return {name: paired(acc[a], acc[b]) for name, (a, b) in contrasts.items() if a in acc and b in acc}
+
+
 def fmt(d: dict | None, key: str = "sem") -> str:
     if d is None:
         return "-"
@@ -117,7 +140,7 @@ def fmt_diff(diff: dict | None) -> str:
         return ""
     if diff["p_value"] is None:     # one common seed: no spread, no test
         return f"{diff['mean']:+.2f} (1 seed)"
-    return f"{diff['mean']:+.2f} +- {diff['sem']:.2f} ({diff['n']} seeds, p = {diff['p_value']:.2f})"
+    return f"{diff['mean']:+.2f} +- {diff['sem']:.2f} ({diff['n']} seeds, p = {diff['p_value']:.2g})"
 
 
 def joined(values, spec: str) -> str:
@@ -152,6 +175,10 @@ def print_tables(summary: dict) -> None:
                    fmt_diff(e.get("minus_odpflhn")),
                    f"+{ROTATED_PAPER_GAP[v]}" if v in ROTATED_PAPER_GAP else ""]
                   for v, e in summary["rotated"].items()])
+    if summary.get("rotated_factorial"):
+        markdown("Rotated MNIST: mu and eta_ad, one test-time step (paired by seed)",
+                 ["contrast", "mean +- SEM (seeds, p)", "per seed"],
+                 [[name, fmt_diff(d), joined(d["per_seed"], "+.1f")] for name, d in summary["rotated_factorial"].items()])
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -165,8 +192,8 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
     for ax, name in zip(axes[0], panels, strict=True):
         entries = summary[name]
-        if name == "rotated":
-            shown = [v for v in entries if "minus_fedavg" in entries[v]]
+        if name == "rotated":   # the ablation trainings are in the tables, not the plot
+            shown = [v for v in entries if "minus_fedavg" in entries[v] and v not in ROTATED_ABLATION]
             values = {v: entries[v]["minus_fedavg"]["per_seed"] for v in shown}
             seeds = {v: entries[v]["minus_fedavg"]["seeds"] for v in shown}
             ax.axhline(0.0, color="grey", lw=0.8)
@@ -222,9 +249,11 @@ def main() -> None:
         **{f"partition{p}": summarise(per_seed(RESULTS / f"fedtta_family_partition{p}_code.json",
                                                extra="-every1-from100"),
                                       FAMILY, references=("tent",), reference_first=True) for p in args.partitions},
-        "rotated": summarise(per_seed(RESULTS / "fedtta_rotated_code.json"), ROTATED,
-                             references=("fedavg", "odpflhn"), reference_first=False),
     }
+    rotated = per_seed(RESULTS / "fedtta_rotated_code.json")
+    summary["rotated"] = summarise(rotated, ROTATED + ROTATED_ABLATION, references=("fedavg", "odpflhn"),
+                                   reference_first=False)
+    summary["rotated_factorial"] = factorial(rotated)
     (RESULTS / "fedtta_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, RESULTS / "fedtta_summary.png")
     print_tables(summary)
