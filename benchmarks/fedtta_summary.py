@@ -66,7 +66,8 @@ def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str =
             oracle = result.get("best_test_over_rounds")
             table.setdefault(variant, {})[int(match["seed"])] = {
                 "accuracy": result["novel"]["accuracy_mean"], "paper": result.get("paper"),
-                "oracle": oracle["accuracy"] if oracle else None, "selected_round": result["selected_round"]}
+                "oracle": oracle["accuracy"] if oracle else None, "selected_round": result["selected_round"],
+                "adaptations": result.get("novel_adaptations")}
     return table
 
 
@@ -105,6 +106,12 @@ def summarise(table: dict, variants: tuple, *, references: tuple[str, ...], refe
                  "selected_round": {s: r["selected_round"] for s, r in sorted(table[variant].items())}}
         if oracle:
             entry["oracle"] = {"per_seed": oracle, **describe(list(oracle.values()))}
+        logs = [r["adaptations"] for r in table[variant].values() if r["adaptations"]]
+        if logs and any(step > 1 for log in logs for step in log["steps_taken"]):   # early-stopped variants
+            chosen = [step for log in logs for step in log["chosen_step"]]
+            entry["served_iterate"] = {"clients": len(chosen),
+                                       "count_by_step": {str(k): chosen.count(k) for k in sorted(set(chosen))},
+                                       "most_steps_taken": max(max(log["steps_taken"]) for log in logs)}
         for reference in references:
             ref = {s: r["accuracy"] for s, r in table.get(reference, {}).items()}
             if variant != reference and ref:
@@ -175,6 +182,13 @@ def print_tables(summary: dict) -> None:
                    fmt_diff(e.get("minus_odpflhn")),
                    f"+{ROTATED_PAPER_GAP[v]}" if v in ROTATED_PAPER_GAP else ""]
                   for v, e in summary["rotated"].items()])
+    early = [(name, v, e["served_iterate"]) for name in summary if name != "rotated_factorial"
+             for v, e in summary[name].items() if "served_iterate" in e]
+    if early:
+        markdown("Early-stopped adaptation: which iterate each novel client was served (0 = unadapted)",
+                 ["runs", "method", "novel clients (seeds that stored the log)", "clients by served iterate", "most steps taken"],
+                 [[name, LABEL[v], str(it["clients"]), ", ".join(f"{k}: {c}" for k, c in it["count_by_step"].items()),
+                   str(it["most_steps_taken"])] for name, v, it in early])
     if summary.get("rotated_factorial"):
         markdown("Rotated MNIST: mu and eta_ad, one test-time step (paired by seed)",
                  ["contrast", "mean +- SEM (seeds, p)", "per seed"],
