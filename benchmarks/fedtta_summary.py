@@ -30,7 +30,7 @@ from scipy import stats
 from privfl.evaluation.metrics import mean_sem
 
 RESULTS = Path(__file__).parent / "results"
-KEY = re.compile(r"^(?P<training>[a-z_]+)-seed(?P<seed>\d+)-rounds(?P<rounds>\d+)-fraction(?P<fraction>[\d.]+)"
+KEY = re.compile(r"^(?P<training>[a-z0-9_]+)-seed(?P<seed>\d+)-rounds(?P<rounds>\d+)-fraction(?P<fraction>[\d.]+)"
                  r"(?P<extra>.*)$")
 FAMILY = ("fedtta", "fedtta_prox", "fedtta_pp", "tent", "fedtta_prox_no_tta")
 ROTATED = ("fedtta", "fedtta_prox", "fedtta_pp", "fedtta_pp_adapted_only", "fedtta_prox_no_tta", "fedavg", "tent",
