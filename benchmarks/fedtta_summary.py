@@ -60,7 +60,9 @@ def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str =
     table: dict[str, dict[int, dict]] = {}
     for key, run in json.loads(path.read_text()).items():
         match = KEY.match(key)
-        if not match or (int(match["rounds"]), match["fraction"], match["extra"]) != (rounds, fraction, extra):
+        if not match:   # a key this script cannot read must not vanish from the tables unseen
+            raise ValueError(f"{path.name}: key {key!r} does not read as <training>-seed<S>-rounds<R>-fraction<F>")
+        if (int(match["rounds"]), match["fraction"], match["extra"]) != (rounds, fraction, extra):
             continue
         for variant, result in run["variants"].items():
             oracle = result.get("best_test_over_rounds")
