@@ -188,13 +188,15 @@ def print_tables(summary: dict) -> None:
              for v, e in summary[name].items() if "served_iterate" in e]
     if early:
         markdown("Early-stopped adaptation: which iterate each novel client was served (0 = unadapted)",
-                 ["runs", "method", "novel clients (seeds that stored the log)", "clients by served iterate", "most steps taken"],
+                 ["runs", "method", "novel clients (seeds that stored the log)", "clients by served iterate",
+                  "most steps taken"],
                  [[name, LABEL[v], str(it["clients"]), ", ".join(f"{k}: {c}" for k, c in it["count_by_step"].items()),
                    str(it["most_steps_taken"])] for name, v, it in early])
     if summary.get("rotated_factorial"):
         markdown("Rotated MNIST: mu and eta_ad, one test-time step (paired by seed)",
                  ["contrast", "mean +- SEM (seeds, p)", "per seed"],
-                 [[name, fmt_diff(d), joined(d["per_seed"], "+.1f")] for name, d in summary["rotated_factorial"].items()])
+                 [[name, fmt_diff(d), joined(d["per_seed"], "+.1f")]
+                  for name, d in summary["rotated_factorial"].items()])
 
 
 def plot(summary: dict, path: Path) -> None:
