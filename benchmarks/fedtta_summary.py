@@ -109,7 +109,9 @@ def summarise(table: dict, variants: tuple, *, references: tuple[str, ...], refe
         if oracle:
             entry["oracle"] = {"per_seed": oracle, **describe(list(oracle.values()))}
         logs = [r["adaptations"] for r in table[variant].values() if r["adaptations"]]
-        if logs and any(step > 1 for log in logs for step in log["steps_taken"]):   # early-stopped variants
+        # Early stopping serves an iterate before its last step (patience); a fixed-step variant serves its last one.
+        # (Testing for more than one step taken would miss an early-stopped run that kept the unadapted model.)
+        if any(c != t for log in logs for c, t in zip(log["chosen_step"], log["steps_taken"], strict=True)):
             chosen = [step for log in logs for step in log["chosen_step"]]
             entry["served_iterate"] = {"clients": len(chosen),
                                        "count_by_step": {str(k): chosen.count(k) for k in sorted(set(chosen))},
