@@ -69,7 +69,7 @@ def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str =
             table.setdefault(variant, {})[int(match["seed"])] = {
                 "accuracy": result["novel"]["accuracy_mean"], "paper": result.get("paper"),
                 "oracle": oracle["accuracy"] if oracle else None, "selected_round": result["selected_round"],
-                "adaptations": result.get("novel_adaptations")}
+                "adaptations": result.get("novel_adaptations"), "settings": run["settings"]}
     return table
 
 
@@ -130,10 +130,16 @@ def factorial(table: dict) -> dict:
 
     ``mu_at_eta_ad_<e>`` is the one-step accuracy with mu = 0.01 minus with mu = 0, both trained with eta_ad = e;
     ``eta_ad_0.01_at_mu_<m>`` is eta_ad 0.01 minus 0.001, both with mu = m. Contrasts whose runs are missing are left
-    out.
+    out. Each cell's stored training settings must be the cell's (mu defaults to 0, FedTTA's), so the table above
+    cannot drift from what was run.
     """
-    acc = {cell: {s: r["accuracy"] for s, r in table[v].items()} for cell, v in ROTATED_FACTORIAL.items()
-           if v in table}
+    acc = {}
+    for cell, v in ROTATED_FACTORIAL.items():
+        for seed, r in table.get(v, {}).items():
+            ran = (r["settings"].get("mu", 0.0), r["settings"]["adapt_lr"])
+            if ran != cell:
+                raise ValueError(f"{v} seed {seed} ran with (mu, eta_ad) {ran}; the factorial places it at {cell}")
+            acc.setdefault(cell, {})[seed] = r["accuracy"]
     contrasts = {f"mu_at_eta_ad_{e:g}": ((0.01, e), (0.0, e)) for e in (0.01, 0.001)}
     contrasts |= {f"eta_ad_0.01_at_mu_{m:g}": ((m, 0.01), (m, 0.001)) for m in (0.0, 0.01)}
     return {name: paired(acc[a], acc[b]) for name, (a, b) in contrasts.items() if a in acc and b in acc}
