@@ -72,6 +72,8 @@ FAMILY_TRAINING = {
     # Ablations separating FedTTA-Prox's two Table-4 differences from FedTTA: each swaps only eta_ad.
     "fedtta_prox_adlr01": ("fedtta_prox", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01, "mu": 0.01}),
     "fedtta_adlr001": ("fedtta", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.001}),
+    # FedTTA++'s early stopping on FedTTA's own training (mu 0, eta_ad 0.01) rather than FedTTA-Prox's.
+    "fedtta_mu0_pp": ("fedtta", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01}),
 }
 # Test-time variants evaluated on each training (name -> overrides of the method config).
 FAMILY_VARIANTS = {
@@ -89,6 +91,10 @@ FAMILY_VARIANTS = {
                            "fedtta_pp_adapted_only_adlr01": {"tta_steps": 50, "patience": 1,
                                                              "unadapted_candidate": False}},
     "fedtta_adlr001": {"fedtta_adlr001": {"tta_steps": 1, "patience": None}},
+    # fedtta_repeat is FedTTA's one step again: it shows whether this training reproduces the stored FedTTA runs.
+    "fedtta_mu0_pp": {"fedtta_repeat": {"tta_steps": 1, "patience": None},
+                      "fedtta_pp_mu0": {"tta_steps": 50, "patience": 1, "unadapted_candidate": True},
+                      "fedtta_pp_adapted_only_mu0": {"tta_steps": 50, "patience": 1, "unadapted_candidate": False}},
 }
 SIZE_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
 MNIST_SPEC = FederationSpec(source="mnist", num_clients=100, partition="pathological", shards_per_client=2,
@@ -404,7 +410,8 @@ def main() -> None:
 
     stored = update_json(path, merge)
     results = stored["results"]
-    print("\n| method | novel-client accuracy (ours, mean over seeds; +- SEM over clients) | paper | gap | target met |")
+    print("\n| method | novel-client accuracy (ours, mean over seeds; +- SEM over clients) | paper | gap | "
+          "target met |")
     print("|---|---|---|---|---|")
     for method, r in results.items():
         sem = statistics.mean(r["novel_sem_over_clients"])

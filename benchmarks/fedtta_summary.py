@@ -11,6 +11,8 @@ Nothing is trained here: it reads what ``benchmarks/fedtta_mnist.py`` stored and
   seed, beside the paper's gaps to its best baseline (FedTTA +1.4, FedTTA++ +1.6, read from its prose).
 * ``rotated_factorial``: the same file's mu x eta_ad ablation (FedTTA-Prox's two settings that differ from FedTTA's):
   each setting's effect on the one-step accuracy at either level of the other, paired by seed.
+* ``rotated_early_stopping``: FedTTA++ minus one step on the same training, for three of those four trainings;
+  ``rotated_repeat`` compares FedTTA's training run again (to serve FedTTA++) with the stored FedTTA runs.
 
 Writes ``results/fedtta_summary.json`` and ``results/fedtta_summary.png`` and prints Markdown tables.
 
@@ -41,12 +43,21 @@ ROTATED_PAPER_GAP = {"fedtta": 1.4, "fedtta_pp": 1.6}
 # two ablation trainings complete the 2 x 2, (mu, eta_ad) -> the one-step variant trained so.
 ROTATED_FACTORIAL = {(0.0, 0.01): "fedtta", (0.01, 0.001): "fedtta_prox", (0.01, 0.01): "fedtta_prox_adlr01",
                      (0.0, 0.001): "fedtta_adlr001"}
-ROTATED_ABLATION = ("fedtta_prox_adlr01", "fedtta_pp_adlr01", "fedtta_pp_adapted_only_adlr01", "fedtta_adlr001")
+ROTATED_ABLATION = ("fedtta_prox_adlr01", "fedtta_pp_adlr01", "fedtta_pp_adapted_only_adlr01", "fedtta_adlr001",
+                    "fedtta_repeat", "fedtta_pp_mu0", "fedtta_pp_adapted_only_mu0")
+# FedTTA++ against one test-time step on the same training, which isolates early stopping from the training:
+# (mu, eta_ad) of the training -> (its one-step variant, its early-stopped variants). fedtta_repeat is FedTTA's
+# training run again to serve FedTTA++ too; the summary checks it against the stored FedTTA runs.
+ROTATED_EARLY_STOPPING = {(0.0, 0.01): ("fedtta_repeat", ("fedtta_pp_mu0", "fedtta_pp_adapted_only_mu0")),
+                          (0.01, 0.01): ("fedtta_prox_adlr01", ("fedtta_pp_adlr01", "fedtta_pp_adapted_only_adlr01")),
+                          (0.01, 0.001): ("fedtta_prox", ("fedtta_pp", "fedtta_pp_adapted_only"))}
 LABEL = {"fedtta": "FedTTA", "fedtta_prox": "FedTTA-Prox", "fedtta_pp": "FedTTA++",
          "fedtta_pp_adapted_only": "FedTTA++ (Alg. 1)", "fedtta_prox_no_tta": "no adaptation", "tent": "TENT",
          "fedavg": "FedAvg", "odpflhn": "ODPFL-HN",
          "fedtta_prox_adlr01": "FedTTA-Prox, eta_ad 0.01", "fedtta_pp_adlr01": "FedTTA++, eta_ad 0.01",
-         "fedtta_pp_adapted_only_adlr01": "FedTTA++ (Alg. 1), eta_ad 0.01", "fedtta_adlr001": "FedTTA, eta_ad 0.001"}
+         "fedtta_pp_adapted_only_adlr01": "FedTTA++ (Alg. 1), eta_ad 0.01", "fedtta_adlr001": "FedTTA, eta_ad 0.001",
+         "fedtta_repeat": "FedTTA, repeated", "fedtta_pp_mu0": "FedTTA++, mu 0, eta_ad 0.01",
+         "fedtta_pp_adapted_only_mu0": "FedTTA++ (Alg. 1), mu 0, eta_ad 0.01"}
 
 
 def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str = "") -> dict:
@@ -145,6 +156,27 @@ def factorial(table: dict) -> dict:
     return {name: paired(acc[a], acc[b]) for name, (a, b) in contrasts.items() if a in acc and b in acc}
 
 
+def early_stopping(table: dict) -> dict:
+    """FedTTA++ minus one test-time step, both served from the same training, paired by seed (rotated MNIST).
+
+    Keyed ``mu_<m>_eta_ad_<e>`` by the training's settings, then by the early-stopped variant. Every variant of a cell
+    must have run with the cell's settings, as in ``factorial``. Cells whose runs are missing are left out.
+    """
+    out = {}
+    for (mu, eta_ad), (one_step, stopped) in ROTATED_EARLY_STOPPING.items():
+        for v in (one_step, *stopped):
+            for seed, r in table.get(v, {}).items():
+                ran = (r["settings"].get("mu", 0.0), r["settings"]["adapt_lr"])
+                if ran != (mu, eta_ad):
+                    raise ValueError(f"{v} seed {seed} ran with (mu, eta_ad) {ran}, not {(mu, eta_ad)}")
+        base = {s: r["accuracy"] for s, r in table.get(one_step, {}).items()}
+        cell = {v: paired({s: r["accuracy"] for s, r in table[v].items()}, base)
+                for v in stopped if v in table and base}
+        if cell:
+            out[f"mu_{mu:g}_eta_ad_{eta_ad:g}"] = cell
+    return out
+
+
 def fmt(d: dict | None, key: str = "sem") -> str:
     if d is None:
         return "-"
@@ -192,7 +224,8 @@ def print_tables(summary: dict) -> None:
                    fmt_diff(e.get("minus_odpflhn")),
                    f"+{ROTATED_PAPER_GAP[v]}" if v in ROTATED_PAPER_GAP else ""]
                   for v, e in summary["rotated"].items()])
-    early = [(name, v, e["served_iterate"]) for name in summary if name != "rotated_factorial"
+    per_variant = [name for name in summary if name in ("family", "rotated") or name.startswith("partition")]
+    early = [(name, v, e["served_iterate"]) for name in per_variant
              for v, e in summary[name].items() if "served_iterate" in e]
     if early:
         markdown("Early-stopped adaptation: which iterate each novel client was served (0 = unadapted)",
@@ -205,6 +238,15 @@ def print_tables(summary: dict) -> None:
                  ["contrast", "mean +- SEM (seeds, p)", "per seed"],
                  [[name, fmt_diff(d), joined(d["per_seed"], "+.1f")]
                   for name, d in summary["rotated_factorial"].items()])
+    if summary.get("rotated_early_stopping"):
+        markdown("Rotated MNIST: FedTTA++ minus one test-time step on the same training (paired by seed)",
+                 ["training", "variant", "mean +- SEM (seeds, p)", "per seed"],
+                 [[cell, LABEL[v], fmt_diff(d), joined(d["per_seed"], "+.1f")]
+                  for cell, ds in summary["rotated_early_stopping"].items() for v, d in ds.items()])
+    if summary.get("rotated_repeat"):
+        d = summary["rotated_repeat"]
+        print(f"\nFedTTA's training run again (to serve FedTTA++): repeated minus stored, per seed "
+              f"{joined(d['per_seed'], '+.2f')}")
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -280,6 +322,10 @@ def main() -> None:
     summary["rotated"] = summarise(rotated, ROTATED + ROTATED_ABLATION, references=("fedavg", "odpflhn"),
                                    reference_first=False)
     summary["rotated_factorial"] = factorial(rotated)
+    summary["rotated_early_stopping"] = early_stopping(rotated)
+    if "fedtta_repeat" in rotated:
+        summary["rotated_repeat"] = paired({s: r["accuracy"] for s, r in rotated["fedtta_repeat"].items()},
+                                           {s: r["accuracy"] for s, r in rotated["fedtta"].items()})
     (RESULTS / "fedtta_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, RESULTS / "fedtta_summary.png")
     print_tables(summary)
