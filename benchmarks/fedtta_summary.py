@@ -80,7 +80,8 @@ def per_seed(path: Path, *, rounds: int = 200, fraction: str = "1", extra: str =
             table.setdefault(variant, {})[int(match["seed"])] = {
                 "accuracy": result["novel"]["accuracy_mean"], "paper": result.get("paper"),
                 "oracle": oracle["accuracy"] if oracle else None, "selected_round": result["selected_round"],
-                "adaptations": result.get("novel_adaptations"), "settings": run["settings"]}
+                "adaptations": result.get("novel_adaptations"), "settings": run["settings"],
+                "train_losses": [h.get("train_loss") for h in run["history"]]}
     return table
 
 
@@ -177,6 +178,17 @@ def early_stopping(table: dict) -> dict:
     return out
 
 
+def repeat(again: dict[int, dict], stored: dict[int, dict]) -> dict:
+    """A training run again against its stored runs: per seed, whether every logged training loss is the same to the
+    last digit (a run without logged losses never counts as the same), and the accuracy difference (again minus
+    stored), paired by seed."""
+    seeds = sorted(set(again) & set(stored))
+    same = [s for s in seeds if again[s]["train_losses"] == stored[s]["train_losses"]
+            and any(loss is not None for loss in again[s]["train_losses"])]
+    return {"identical_training": same, "different_training": [s for s in seeds if s not in same],
+            **paired({s: again[s]["accuracy"] for s in seeds}, {s: stored[s]["accuracy"] for s in seeds})}
+
+
 def fmt(d: dict | None, key: str = "sem") -> str:
     if d is None:
         return "-"
@@ -245,8 +257,9 @@ def print_tables(summary: dict) -> None:
                   for cell, ds in summary["rotated_early_stopping"].items() for v, d in ds.items()])
     if summary.get("rotated_repeat"):
         d = summary["rotated_repeat"]
-        print(f"\nFedTTA's training run again (to serve FedTTA++): repeated minus stored, per seed "
-              f"{joined(d['per_seed'], '+.2f')}")
+        print(f"\nFedTTA's training run again (to serve FedTTA++): the same training to the last digit on seeds "
+              f"{d['identical_training']}, a different one on seeds {d['different_training']}; accuracy repeated "
+              f"minus stored, per seed {joined(d['per_seed'], '+.2f')}")
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -324,8 +337,7 @@ def main() -> None:
     summary["rotated_factorial"] = factorial(rotated)
     summary["rotated_early_stopping"] = early_stopping(rotated)
     if "fedtta_repeat" in rotated:
-        summary["rotated_repeat"] = paired({s: r["accuracy"] for s, r in rotated["fedtta_repeat"].items()},
-                                           {s: r["accuracy"] for s, r in rotated["fedtta"].items()})
+        summary["rotated_repeat"] = repeat(rotated["fedtta_repeat"], rotated["fedtta"])
     (RESULTS / "fedtta_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, RESULTS / "fedtta_summary.png")
     print_tables(summary)
