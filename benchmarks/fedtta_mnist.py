@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from privfl.experiment import RunConfig, build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
+from privfl.provenance import numerics
 from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
 
 PAPER = {"fedavg": 94.69, "fedprox": 95.77, "scaffold": 97.26}
@@ -195,24 +195,6 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
             "novel_clients_in_ledger": sum(novel.client_id in ledgers for novel in federation.novel_clients),
             "epsilon_max_training": max(epsilons.get(c.client_id, 0.0) for c in federation.training_clients),
             "wall_time_s": time.perf_counter() - started, "numerics": numerics()}
-
-
-def numerics() -> dict:
-    """What decides a run's floating-point sums, stored with every run: torch's version, its CPU kernels' instruction
-    set, its thread count, and the checkout's commit (``git describe --always --dirty``; ``None`` outside git).
-
-    Training amplifies a last-bit difference into a different model within tens of rounds, so a run repeated later
-    reproduces the stored one only when all four match: the same four repeat a run to the last digit, while 1, 2 and
-    3 threads train three different FedTTA models from one seed (rotated MNIST, round 10).
-    """
-    try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=30, check=False)
-        revision = (done.stdout.strip() or None) if done.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        revision = None
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(), "code_revision": revision}
 
 
 def results_path(name: str) -> Path:

@@ -24,6 +24,7 @@ from privfl.evaluation.plots import plot_run
 from privfl.federation.rundir import RunDirectory, dumps
 from privfl.federation.runtime import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
+from privfl.provenance import numerics
 
 SELECTIONS = ("best_val", "last")
 
@@ -239,6 +240,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRu
                           "bytes_down_total": sum(runtime.wire.bytes_down.values())},
         "wall_time_s": wall_time_s,
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "numerics": numerics(),   # of the process that finished the run (a resumed run may have begun elsewhere)
     }
     run_dir.write_json(RunDirectory.SUMMARY, summary)
     plot_run(run_dir.read_metrics(), rows, run_dir.path("plots.png"),

@@ -45,6 +45,8 @@ def test_fedavg_end_to_end_writes_a_complete_run_directory(tmp_path, config):
     ledger = json.loads(run.path("ledger.json").read_text())
     assert "model_update" in json.dumps(ledger) and "validation_metrics" in json.dumps(ledger)
     assert summary["selected_round"] in (2, 4, 6, 8, 10)
+    assert summary["numerics"]["threads"] == torch.get_num_threads()
+    assert summary["numerics"]["torch"] == torch.__version__
     assert RunConfig.from_dict(run.read_json("config.json")) == config(rounds=10)
 
 

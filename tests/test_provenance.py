@@ -1,0 +1,38 @@
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from privfl.provenance import numerics
+
+GIT = ["git", "-c", "user.name=privfl", "-c", "user.email=privfl@example.org", "-c", "commit.gpgsign=false"]
+
+
+def test_numerics_reports_this_process_threads_and_kernels():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = numerics()
+        torch.set_num_threads(2)
+        two = numerics()
+    finally:
+        torch.set_num_threads(before)
+    assert (one["threads"], two["threads"]) == (1, 2)
+    assert one["torch"] == torch.__version__
+    assert one["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_code_revision_is_the_commit_and_marks_uncommitted_changes(tmp_path):
+    assert numerics(tmp_path)["code_revision"] is None            # not a checkout: no revision rather than a guess
+    subprocess.run([*GIT, "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*GIT, "-C", str(tmp_path), "add", "a.py"], check=True)
+    subprocess.run([*GIT, "-C", str(tmp_path), "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    clean = numerics(tmp_path)["code_revision"]
+    assert head.startswith(clean) and len(clean) >= 7
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert numerics(tmp_path)["code_revision"] == clean + "-dirty"
