@@ -20,15 +20,25 @@ __all__ = ["numerics"]
 def numerics(checkout: str | Path | None = None) -> dict:
     """``{"torch", "cpu_capability", "threads", "code_revision"}`` of this process now.
 
-    ``code_revision`` is ``git describe --always --dirty`` in ``checkout`` (default: the folder this package is in),
-    or ``None`` where that is not a git checkout or git is missing: an installed copy has no revision to give.
+    ``code_revision`` is ``git describe --always --dirty`` in ``checkout``, or ``None`` where that is not a git
+    checkout or git is missing. By default the checkout is the one this package's own files are tracked in; a copy
+    installed inside some other repository (a virtual environment in a project's folder) gives ``None`` rather than
+    that repository's commit.
     """
-    where = Path(checkout) if checkout is not None else Path(__file__).parent
-    try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=where, capture_output=True, text=True,
-                              timeout=30, check=False)
-        revision = (done.stdout.strip() or None) if done.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        revision = None
+    if checkout is None:
+        here = Path(__file__).parent
+        tracked = _git(here, "ls-files", "--error-unmatch", Path(__file__).name)
+        revision = _git(here, "describe", "--always", "--dirty") if tracked is not None else None
+    else:
+        revision = _git(Path(checkout), "describe", "--always", "--dirty")
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "code_revision": revision}
+
+
+def _git(where: Path, *args: str) -> str | None:
+    """``git <args>``'s output in ``where``, or ``None`` if it failed, printed nothing, or git is missing."""
+    try:
+        done = subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None

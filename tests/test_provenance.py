@@ -1,5 +1,6 @@
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ def test_numerics_reports_this_process_threads_and_kernels():
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_code_revision_is_the_commit_and_marks_uncommitted_changes(tmp_path):
+def test_code_revision_is_the_commit_and_marks_uncommitted_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))   # no checkout above tmp_path counts
     assert numerics(tmp_path)["code_revision"] is None            # not a checkout: no revision rather than a guess
     subprocess.run([*GIT, "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "a.py").write_text("x = 1\n")
@@ -36,3 +38,16 @@ def test_code_revision_is_the_commit_and_marks_uncommitted_changes(tmp_path):
     assert head.startswith(clean) and len(clean) >= 7
     (tmp_path / "a.py").write_text("x = 2\n")
     assert numerics(tmp_path)["code_revision"] == clean + "-dirty"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_this_checkout_gives_its_own_commit():
+    import privfl
+
+    package = Path(privfl.__file__).parent
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "__init__.py"], cwd=package, capture_output=True)
+    if tracked.returncode != 0:
+        pytest.skip("privfl is not run from its git checkout here")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=package, capture_output=True, text=True, check=True)
+    revision = numerics()["code_revision"]
+    assert head.stdout.strip().startswith(revision.removesuffix("-dirty"))
