@@ -15,7 +15,9 @@ plots beside them as PNG).
    from part 2's runs (a plot).
 5. ``privacy``: descriptor DP through privatize at delta 1e-5, eps in {0.1, 0.3, 1, 3}, novel clients of 50 to 5000
    images from a held-out pool (:mod:`privfl.sweep`); the smallest size within 1 point of non-private, per eps.
-6. ``speed``: rounds per second of ODPFL-HN, pFedHN and FedAvg on the FedTTA MNIST protocol (1 torch thread).
+6. ``speed``: rounds per second of ODPFL-HN, pFedHN and FedAvg on the FedTTA MNIST protocol (1 torch thread), with
+   user and system time and page faults; ``--default-allocator`` measures them without ``reuse_freed_memory``. Time
+   one method per process (``--methods``) to compare allocators: glibc adapts to what ran before in the process.
 
     python benchmarks/odpfl_mnist.py --part fedtta [--rounds 200] [--client-fraction 1.0] [--methods ...]
     python benchmarks/odpfl_mnist.py --part splits [--rounds 500] [--splits pathological dir0.1 dir1 dir10]
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import resource
 import sys
 import time
 from pathlib import Path
@@ -49,6 +52,7 @@ from privfl.federation import RunDirectory  # noqa: E402
 from privfl.federation.rundir import update_json  # noqa: E402
 from privfl.memory import reuse_freed_memory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
+from privfl.provenance import numerics  # noqa: E402
 from privfl.sweep import DEFAULT_METHOD  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -116,6 +120,7 @@ def results_path(part: str, payload: dict) -> Path:
     rounds, fraction = PROTOCOLS.get(part, (payload.get("rounds"), payload.get("client_fraction")))
     suffix = "" if payload.get("rounds") == rounds else f"_rounds{payload['rounds']}"
     suffix += "" if payload.get("client_fraction") == fraction else f"_fraction{payload['client_fraction']:g}"
+    suffix += "" if payload.get("reuse_freed_memory", True) else "_default_allocator"
     return RESULTS / f"odpfl_{part}{suffix}.json"
 
 
@@ -295,16 +300,25 @@ def part_speed(args) -> dict:
                            rounds=args.rounds, client_fraction=args.client_fraction, seed=0)
         runtime = build_runtime(config, federation)
         runtime.run_round(0)                                  # warm-up (allocations, first optimizer state)
-        started = time.perf_counter()
+        before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         for r in range(1, args.rounds + 1):
             runtime.run_round(r)
         seconds = (time.perf_counter() - started) / args.rounds
+        after = resource.getrusage(resource.RUSAGE_SELF)
         clients = max(1, round(args.client_fraction * len(federation.training_clients)))
+        # user and system CPU time apart: page faults on freshly mapped memory are system time
         results[tag] = {"seconds_per_round": seconds, "rounds_per_second": 1 / seconds,
-                        "clients_per_round": clients, "seconds_per_client": seconds / clients}
+                        "clients_per_round": clients, "seconds_per_client": seconds / clients,
+                        "user_seconds_per_round": (after.ru_utime - before.ru_utime) / args.rounds,
+                        "system_seconds_per_round": (after.ru_stime - before.ru_stime) / args.rounds,
+                        "minor_page_faults_per_round": (after.ru_minflt - before.ru_minflt) / args.rounds,
+                        # glibc's allocator adapts to what ran before in the process: a method timed after another
+                        # can be spared page faults it pays in a process of its own
+                        "timed_after_in_process": [t for t, r in results.items() if "seconds_per_round" in r]}
         print(tag, results[tag], flush=True)
     return {"protocol": "FedTTA MNIST, MNIST 2NN, 20 local steps x batch 64, 1 torch thread, shared 2-core CPU",
-            "timed_rounds": args.rounds, "results": results}
+            "timed_rounds": args.rounds, "reuse_freed_memory": args.reuse_freed_memory, "numerics": numerics(),
+            "results": results}
 
 
 PARTS = {"fedtta": part_fedtta, "splits": part_splits, "shift": part_shift, "kl": part_kl, "privacy": part_privacy,
@@ -324,9 +338,14 @@ def main() -> None:
     parser.add_argument("--max-samples", type=int, default=None, help="splits: subsample MNIST first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/odpfl_mnist")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="speed: leave glibc's allocator as it is (no reuse_freed_memory), to measure what the "
+                             "call saves; written to odpfl_speed_default_allocator.json")
     args = parser.parse_args()
+    if args.default_allocator and args.part != "speed":
+        parser.error(f"--default-allocator is for --part speed only, not --part {args.part}")
     torch.set_num_threads(1)
-    reuse_freed_memory()
+    args.reuse_freed_memory = False if args.default_allocator else reuse_freed_memory()
     defaults = {"fedtta": (200, 1.0), "splits": (500, 0.1), "privacy": (200, 0.2), "speed": (3, 1.0)}
     rounds, fraction = defaults.get(args.part, (None, None))
     args.rounds = args.rounds or rounds
