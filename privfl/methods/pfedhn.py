@@ -222,10 +222,16 @@ class PFedHNStrategy(Strategy):
         count = len(ids)
         hn_grad: dict[str, torch.Tensor] = {}
         row_grads: dict[int, torch.Tensor] = {}
+        divisor = torch.tensor(float(count))
         for cid in ids:                                      # step 3
             grads, descriptor_grad = backprop_weight_change(self.hnet, descriptors[cid], replies[cid].arrays)
             for name, g in grads.items():
-                hn_grad[name] = hn_grad[name] + g / count if name in hn_grad else g / count
+                # acc + g / count in one pass over acc and g (addcdiv_ with value 1 rounds exactly as the two
+                # operations do); the first client's g / count is a fresh tensor the sum may then own
+                if name in hn_grad:
+                    hn_grad[name].addcdiv_(g, divisor)
+                else:
+                    hn_grad[name] = g / count
             row_grads[cid] = descriptor_grad / count
         if not update_embeddings:
             row_grads = {}
@@ -240,8 +246,8 @@ class PFedHNStrategy(Strategy):
         clip = self.config.server_grad_clip
         if clip is not None and clip / (norm + 1e-6) < 1:
             scale = clip / (norm + 1e-6)
-            hn_grad = {k: g * scale for k, g in hn_grad.items()}
-            row_grads = {k: g * scale for k, g in row_grads.items()}
+            for g in [*hn_grad.values(), *row_grads.values()]:     # the round's own tensors: scaled in place
+                g.mul_(scale)
         self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
         cfg = self.config
         params = dict(self.hnet.named_parameters())

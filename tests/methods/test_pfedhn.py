@@ -88,6 +88,35 @@ def test_one_plain_sgd_step_gives_the_server_lr_times_the_true_gradient():
     assert [r.purpose for r in rt.wire.ledgers[3].records] == ["weight_change"]
 
 
+def test_the_server_mean_is_the_per_client_sum_of_g_over_count_to_the_last_bit_and_leaves_replies_untouched():
+    """The in-place accumulation must round exactly as ``sum_i g_i / count`` in client order did, so runs stored
+    before it reproduce; and it must not write into a reply's tensors (a head's bias gradient can alias them)."""
+    from privfl.models.hypernetwork import backprop_weight_change
+
+    strategy, _ = make("pfedhn", num_clients=3, server_grad_clip=None)
+    ids = [0, 1, 2]
+    shapes = {k: v.shape for k, v in strategy.hnet(strategy.embedding(0)).items()}
+    g = torch.Generator().manual_seed(5)
+    replies = {cid: Message(arrays={k: torch.randn(shape, generator=g) for k, shape in shapes.items()},
+                            metrics={"loss": 1.0, "num_examples": 10.0}) for cid in ids}
+    sent = {cid: {k: v.clone() for k, v in replies[cid].arrays.items()} for cid in ids}
+    descriptors = {cid: strategy.embedding(cid) for cid in ids}
+    expected, expected_rows = {}, {}
+    for cid in ids:
+        grads, row = backprop_weight_change(strategy.hnet, descriptors[cid], replies[cid].arrays)
+        for name, grad in grads.items():
+            expected[name] = expected[name] + grad / 3 if name in expected else grad / 3
+        expected_rows[cid] = row / 3
+    strategy.hypernetwork_update(descriptors, replies, update_embeddings=True, lr=0.1)
+    got = strategy.last_gradients
+    assert got["hypernetwork"].keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got["hypernetwork"][name], value), name
+    for cid in ids:
+        assert torch.equal(got["embeddings"][cid], expected_rows[cid])
+        assert all(torch.equal(replies[cid].arrays[k], v) for k, v in sent[cid].items()), cid
+
+
 def test_an_absent_clients_embedding_row_does_not_move_even_with_momentum_and_weight_decay():
     clients = [client(i) for i in range(6)]
     rt, strategy = runtime("pfedhn", clients, fraction=0.5, lr=0.1, local_steps=2, batch_size=4,
