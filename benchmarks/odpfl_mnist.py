@@ -312,13 +312,14 @@ def part_speed(args) -> dict:
                         "user_seconds_per_round": (after.ru_utime - before.ru_utime) / args.rounds,
                         "system_seconds_per_round": (after.ru_stime - before.ru_stime) / args.rounds,
                         "minor_page_faults_per_round": (after.ru_minflt - before.ru_minflt) / args.rounds,
+                        "peak_resident_mib": after.ru_maxrss / 1024,   # the process's peak, so far in it
                         # glibc's allocator adapts to what ran before in the process: a method timed after another
                         # can be spared page faults it pays in a process of its own
-                        "timed_after_in_process": [t for t, r in results.items() if "seconds_per_round" in r]}
+                        "timed_after_in_process": [t for t, r in results.items() if "seconds_per_round" in r],
+                        "numerics": numerics()}   # per row: rows from several processes share one file
         print(tag, results[tag], flush=True)
     return {"protocol": "FedTTA MNIST, MNIST 2NN, 20 local steps x batch 64, 1 torch thread, shared 2-core CPU",
-            "timed_rounds": args.rounds, "reuse_freed_memory": args.reuse_freed_memory, "numerics": numerics(),
-            "results": results}
+            "timed_rounds": args.rounds, "reuse_freed_memory": args.reuse_freed_memory, "results": results}
 
 
 PARTS = {"fedtta": part_fedtta, "splits": part_splits, "shift": part_shift, "kl": part_kl, "privacy": part_privacy,
