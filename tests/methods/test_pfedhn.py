@@ -17,6 +17,7 @@ from privfl.methods import ModelFactory, get_method
 from privfl.methods.local_training import sgd_settings
 from privfl.methods.pfl_baselines import LogitEnsemble, proxy_a_distance
 from privfl.models import functional_forward
+from privfl.models.hypernetwork import backprop_weight_change
 
 
 @pytest.fixture(autouse=True)
@@ -91,8 +92,6 @@ def test_one_plain_sgd_step_gives_the_server_lr_times_the_true_gradient():
 def test_the_server_mean_is_the_per_client_sum_of_g_over_count_to_the_last_bit_and_leaves_replies_untouched():
     """The in-place accumulation must round exactly as ``sum_i g_i / count`` in client order did, so runs stored
     before it reproduce; and it must not write into a reply's tensors (a head's bias gradient can alias them)."""
-    from privfl.models.hypernetwork import backprop_weight_change
-
     strategy, _ = make("pfedhn", num_clients=3, server_grad_clip=None)
     ids = [0, 1, 2]
     shapes = {k: v.shape for k, v in strategy.hnet(strategy.embedding(0)).items()}
