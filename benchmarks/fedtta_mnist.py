@@ -64,38 +64,40 @@ SETTINGS = {
 
 # The FedTTA family (Table 4, MNIST): eta_in / eta_out / eta_ad (and mu). FedTTA++ = FedTTA-Prox training.
 FAMILY_PAPER = {"fedavg": 94.69, "tent": 98.51, "fedtta": 98.47, "fedtta_prox": 98.64, "fedtta_pp": 98.66}
+FEDTTA_MNIST = {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01}              # the paper's MNIST Table 4, FedTTA
+FEDTTA_PROX_MNIST = {**FEDTTA_MNIST, "adapt_lr": 0.001, "mu": 0.01}        # and FedTTA-Prox
 FAMILY_TRAINING = {
-    "fedtta": ("fedtta", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01}),
-    "fedtta_prox": ("fedtta_prox", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.001, "mu": 0.01}),
+    "fedtta": ("fedtta", FEDTTA_MNIST),
+    "fedtta_prox": ("fedtta_prox", FEDTTA_PROX_MNIST),
     "fedavg": ("fedavg", {"lr": 0.1}),
     "tent": ("tent", {"lr": 0.1, "adapt": "all"}),
     "odpflhn": ("odpflhn", {k: v for k, v in SWEEP_METHOD.items() if k not in ("local_steps", "batch_size")}),
     # Ablations separating FedTTA-Prox's two Table-4 differences from FedTTA: each swaps only eta_ad.
-    "fedtta_prox_adlr01": ("fedtta_prox", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01, "mu": 0.01}),
-    "fedtta_adlr001": ("fedtta", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.001}),
+    "fedtta_prox_adlr01": ("fedtta_prox", {**FEDTTA_PROX_MNIST, "adapt_lr": FEDTTA_MNIST["adapt_lr"]}),
+    "fedtta_adlr001": ("fedtta", {**FEDTTA_MNIST, "adapt_lr": FEDTTA_PROX_MNIST["adapt_lr"]}),
     # FedTTA++'s early stopping on FedTTA's own training (mu 0, eta_ad 0.01) rather than FedTTA-Prox's.
-    "fedtta_mu0_pp": ("fedtta", {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01}),
+    "fedtta_mu0_pp": ("fedtta", FEDTTA_MNIST),
 }
+# Test-time settings (overrides of the method config): one step; FedTTA++ with the released code's candidates (the
+# unadapted model competes); FedTTA++ as the paper's Algorithm 1 reads (only adapted iterates compete); no adaptation.
+ONE_STEP = {"tta_steps": 1, "patience": None}
+EARLY_STOPPED = {"tta_steps": 50, "patience": 1, "unadapted_candidate": True}
+EARLY_STOPPED_ADAPTED_ONLY = {"tta_steps": 50, "patience": 1, "unadapted_candidate": False}
+NO_ADAPTATION = {"tta_steps": 0, "patience": None}
 # Test-time variants evaluated on each training (name -> overrides of the method config).
 FAMILY_VARIANTS = {
-    "fedtta": {"fedtta": {"tta_steps": 1, "patience": None}},
-    "fedtta_prox": {"fedtta_prox": {"tta_steps": 1, "patience": None},
-                    "fedtta_pp": {"tta_steps": 50, "patience": 1, "unadapted_candidate": True},
-                    # the paper's Algorithm 1 reading: only adapted iterates compete (the released code adds iterate 0)
-                    "fedtta_pp_adapted_only": {"tta_steps": 50, "patience": 1, "unadapted_candidate": False},
-                    "fedtta_prox_no_tta": {"tta_steps": 0, "patience": None}},
+    "fedtta": {"fedtta": ONE_STEP},
+    "fedtta_prox": {"fedtta_prox": ONE_STEP, "fedtta_pp": EARLY_STOPPED,
+                    "fedtta_pp_adapted_only": EARLY_STOPPED_ADAPTED_ONLY, "fedtta_prox_no_tta": NO_ADAPTATION},
     "fedavg": {"fedavg": {}},
     "tent": {"tent": {}},
     "odpflhn": {"odpflhn": {}},
-    "fedtta_prox_adlr01": {"fedtta_prox_adlr01": {"tta_steps": 1, "patience": None},
-                           "fedtta_pp_adlr01": {"tta_steps": 50, "patience": 1, "unadapted_candidate": True},
-                           "fedtta_pp_adapted_only_adlr01": {"tta_steps": 50, "patience": 1,
-                                                             "unadapted_candidate": False}},
-    "fedtta_adlr001": {"fedtta_adlr001": {"tta_steps": 1, "patience": None}},
+    "fedtta_prox_adlr01": {"fedtta_prox_adlr01": ONE_STEP, "fedtta_pp_adlr01": EARLY_STOPPED,
+                           "fedtta_pp_adapted_only_adlr01": EARLY_STOPPED_ADAPTED_ONLY},
+    "fedtta_adlr001": {"fedtta_adlr001": ONE_STEP},
     # fedtta_repeat is FedTTA's one step again: it shows whether this training reproduces the stored FedTTA runs.
-    "fedtta_mu0_pp": {"fedtta_repeat": {"tta_steps": 1, "patience": None},
-                      "fedtta_pp_mu0": {"tta_steps": 50, "patience": 1, "unadapted_candidate": True},
-                      "fedtta_pp_adapted_only_mu0": {"tta_steps": 50, "patience": 1, "unadapted_candidate": False}},
+    "fedtta_mu0_pp": {"fedtta_repeat": ONE_STEP, "fedtta_pp_mu0": EARLY_STOPPED,
+                      "fedtta_pp_adapted_only_mu0": EARLY_STOPPED_ADAPTED_ONLY},
 }
 SIZE_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
 MNIST_SPEC = FederationSpec(source="mnist", num_clients=100, partition="pathological", shards_per_client=2,

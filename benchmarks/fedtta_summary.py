@@ -129,7 +129,7 @@ def summarise(table: dict, variants: tuple, *, references: tuple[str, ...], refe
                                        "count_by_step": {str(k): chosen.count(k) for k in sorted(set(chosen))},
                                        "most_steps_taken": max(max(log["steps_taken"]) for log in logs)}
         for reference in references:
-            ref = {s: r["accuracy"] for s, r in table.get(reference, {}).items()}
+            ref = accuracy_by_seed(table.get(reference, {}))
             if variant != reference and ref:
                 entry[f"{reference}_minus_it" if reference_first else f"minus_{reference}"] = \
                     paired(ref, acc) if reference_first else paired(acc, ref)
@@ -137,21 +137,32 @@ def summarise(table: dict, variants: tuple, *, references: tuple[str, ...], refe
     return out
 
 
+def accuracy_by_seed(runs: dict[int, dict]) -> dict[int, float]:
+    """``{seed: novel accuracy}`` of one variant's runs (a ``per_seed`` row)."""
+    return {s: r["accuracy"] for s, r in runs.items()}
+
+
+def require_settings(table: dict, variant: str, cell: tuple[float, float]) -> None:
+    """Refuse a run of ``variant`` whose stored (mu, eta_ad) is not ``cell`` (mu defaults to 0, FedTTA's), so a
+    hard-coded table of cells cannot drift from what was trained."""
+    for seed, r in table.get(variant, {}).items():
+        ran = (r["settings"].get("mu", 0.0), r["settings"]["adapt_lr"])
+        if ran != cell:
+            raise ValueError(f"{variant} seed {seed} ran with (mu, eta_ad) {ran}, not {cell}")
+
+
 def factorial(table: dict) -> dict:
     """The effect of each of mu and eta_ad at either level of the other, paired by seed (rotated MNIST).
 
     ``mu_at_eta_ad_<e>`` is the one-step accuracy with mu = 0.01 minus with mu = 0, both trained with eta_ad = e;
     ``eta_ad_0.01_at_mu_<m>`` is eta_ad 0.01 minus 0.001, both with mu = m. Contrasts whose runs are missing are left
-    out. Each cell's stored training settings must be the cell's (mu defaults to 0, FedTTA's), so the table above
-    cannot drift from what was run.
+    out. Each cell's stored training settings must be the cell's (``require_settings``).
     """
     acc = {}
     for cell, v in ROTATED_FACTORIAL.items():
-        for seed, r in table.get(v, {}).items():
-            ran = (r["settings"].get("mu", 0.0), r["settings"]["adapt_lr"])
-            if ran != cell:
-                raise ValueError(f"{v} seed {seed} ran with (mu, eta_ad) {ran}; the factorial places it at {cell}")
-            acc.setdefault(cell, {})[seed] = r["accuracy"]
+        require_settings(table, v, cell)
+        if v in table:
+            acc[cell] = accuracy_by_seed(table[v])
     contrasts = {f"mu_at_eta_ad_{e:g}": ((0.01, e), (0.0, e)) for e in (0.01, 0.001)}
     contrasts |= {f"eta_ad_0.01_at_mu_{m:g}": ((m, 0.01), (m, 0.001)) for m in (0.0, 0.01)}
     return {name: paired(acc[a], acc[b]) for name, (a, b) in contrasts.items() if a in acc and b in acc}
@@ -161,18 +172,14 @@ def early_stopping(table: dict) -> dict:
     """FedTTA++ minus one test-time step, both served from the same training, paired by seed (rotated MNIST).
 
     Keyed ``mu_<m>_eta_ad_<e>`` by the training's settings, then by the early-stopped variant. Every variant of a cell
-    must have run with the cell's settings, as in ``factorial``. Cells whose runs are missing are left out.
+    must have run with the cell's settings (``require_settings``). Cells whose runs are missing are left out.
     """
     out = {}
     for (mu, eta_ad), (one_step, stopped) in ROTATED_EARLY_STOPPING.items():
         for v in (one_step, *stopped):
-            for seed, r in table.get(v, {}).items():
-                ran = (r["settings"].get("mu", 0.0), r["settings"]["adapt_lr"])
-                if ran != (mu, eta_ad):
-                    raise ValueError(f"{v} seed {seed} ran with (mu, eta_ad) {ran}, not {(mu, eta_ad)}")
-        base = {s: r["accuracy"] for s, r in table.get(one_step, {}).items()}
-        cell = {v: paired({s: r["accuracy"] for s, r in table[v].items()}, base)
-                for v in stopped if v in table and base}
+            require_settings(table, v, (mu, eta_ad))
+        base = accuracy_by_seed(table.get(one_step, {}))
+        cell = {v: paired(accuracy_by_seed(table[v]), base) for v in stopped if v in table and base}
         if cell:
             out[f"mu_{mu:g}_eta_ad_{eta_ad:g}"] = cell
     return out
@@ -186,7 +193,7 @@ def repeat(again: dict[int, dict], stored: dict[int, dict]) -> dict:
     same = [s for s in seeds if again[s]["train_losses"] == stored[s]["train_losses"]
             and any(loss is not None for loss in again[s]["train_losses"])]
     return {"identical_training": same, "different_training": [s for s in seeds if s not in same],
-            **paired({s: again[s]["accuracy"] for s in seeds}, {s: stored[s]["accuracy"] for s in seeds})}
+            **paired(accuracy_by_seed(again), accuracy_by_seed(stored))}
 
 
 def fmt(d: dict | None, key: str = "sem") -> str:
