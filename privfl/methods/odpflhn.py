@@ -11,9 +11,10 @@ the corrected sign (digest 3.1 and 10.2 #2), as a three-stage dialogue with each
    (momentum 0.9, ``local_steps`` steps or ``local_epochs`` epochs) and releases the change d_i = w_before - w_after
    (pFedHN's sign: after one plain SGD step it is exactly lr_local * dL/dw).
 3. **Stage 2, ClientBackprop.** The server back-propagates d_i through the hypernetwork
-   (:func:`~privfl.models.hypernetwork.backprop_weight_change`): the hypernetwork gradient stays on the server and the
-   descriptor gradient de_i goes down with gamma; the client recomputes e_i, back-propagates de_i through the encoder
-   and releases the encoder gradient.
+   (:func:`~privfl.models.hypernetwork.backprop_weight_change`): the hypernetwork gradient stays on the server (summed
+   over the round's clients as it comes, :class:`~privfl.models.hypernetwork.RoundGradientMean`, not held one per
+   client) and the descriptor gradient de_i goes down with gamma; the client recomputes e_i, back-propagates de_i
+   through the encoder and releases the encoder gradient.
 4. **Aggregation.** The server averages the round's hypernetwork and encoder gradients over the clients that finished
    stage 2, clips each to L2 norm ``grad_clip`` (50, pFedHN's code) and takes one SGD step each (momentum 0.9,
    weight decay; separate learning rates for the hypernetwork and the encoder, digest 7.3 and 10.2 #4).
@@ -74,7 +75,7 @@ from privfl.methods.base import (
 )
 from privfl.methods.local_training import minibatches, weights_of
 from privfl.models.encoders import ENCODERS, PRIVATIZABLE, build_encoder
-from privfl.models.hypernetwork import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, embedding_dim
 from privfl.models.set_encoders import PHI_HEADS, PSI_KINDS
 
 DESCRIPTOR_MODES = ("full", "batch_mean")
@@ -311,7 +312,7 @@ class ODPFLHNStrategy(Strategy):
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         """Stage 0: the encoder to every sampled client."""
-        self._round = {"descriptors": {}, "hn_grads": {}, "losses": {}, "counts": {}}
+        self._round = {"descriptors": {}, "hn_grads": RoundGradientMean(self.hnet), "losses": {}}
         message = self._encoder_message(stage=0)
         return {cid: message for cid in client_ids}
 
@@ -345,11 +346,9 @@ class ODPFLHNStrategy(Strategy):
     def _backprop_changes(self, replies: dict[int, Message]) -> dict[int, Message]:
         """Stage 2: the chain rule through the hypernetwork (digest 3.1 step 5); de_i and the encoder down."""
         descriptor_grads = {}
-        for cid, reply in replies.items():
-            grads, descriptor_grad = backprop_weight_change(self.hnet, self._round["descriptors"][cid], reply.arrays)
-            self._round["hn_grads"][cid] = grads
-            self._round["losses"][cid] = float(reply.metrics.get("loss", float("nan")))
-            self._round["counts"][cid] = float(reply.metrics.get("num_examples", 1.0))
+        for cid in sorted(replies):       # ascending: the order the hypernetwork gradients are summed in
+            descriptor_grad = self._round["hn_grads"].add(cid, self._round["descriptors"][cid], replies[cid].arrays)
+            self._round["losses"][cid] = float(replies[cid].metrics.get("loss", float("nan")))
             descriptor_grads[cid] = descriptor_grad.detach()
         if self.hnet.standardizer is not None and descriptor_grads:
             # the standardizer is refitted to the descriptors: differentiate its statistics as well, over this round's
@@ -369,10 +368,10 @@ class ODPFLHNStrategy(Strategy):
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         """Average the hypernetwork and encoder gradients of the clients that finished, clip, one SGD step each."""
         config: ODPFLHNConfig = self.config
-        done = sorted(cid for cid in replies if cid in self._round.get("hn_grads", {}))
+        done = sorted(cid for cid in replies if cid in self._round.get("hn_grads", ()))
         if not done:
             return {}
-        hn_grads = _mean([self._round["hn_grads"][cid] for cid in done])
+        hn_grads = self._round["hn_grads"].mean(done)
         encoder_grads = _mean([replies[cid].arrays for cid in done])
         hn_norm = _clip_(list(hn_grads.values()), config.grad_clip)
         encoder_norm = _clip_(list(encoder_grads.values()), config.grad_clip)

@@ -73,7 +73,7 @@ from privfl.methods.base import (
     register_method,
 )
 from privfl.methods.local_training import minibatches
-from privfl.models.hypernetwork import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, embedding_dim
 from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, resolve_kind
 from privfl.privacy.labelled import release_labelled_mean
 
@@ -296,7 +296,7 @@ class PeFLLStrategy(Strategy):
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         """Stage 0 (line 3): the embedding network to each sampled client."""
-        self._round = {"descriptor": {}, "hnet_grads": {}, "loss": {}}
+        self._round = {"descriptor": {}, "hnet_grads": RoundGradientMean(self.hnet), "loss": {}}
         return {cid: self._embedding_message(cid) for cid in client_ids}
 
     def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
@@ -313,10 +313,9 @@ class PeFLLStrategy(Strategy):
             return messages
         if stage == 2:  # line 12-13: one VJP through h; Delta eta_h^i stays here, Delta v_i goes down
             messages = {}
-            for cid, reply in replies.items():
-                grads, dv = backprop_weight_change(self.hnet, self._round["descriptor"][cid], reply.arrays)
-                self._round["hnet_grads"][cid] = grads
-                self._round["loss"][cid] = float(reply.metrics.get("loss", float("nan")))
+            for cid in sorted(replies):   # ascending: the order the hypernetwork gradients are summed in
+                dv = self._round["hnet_grads"].add(cid, self._round["descriptor"][cid], replies[cid].arrays)
+                self._round["loss"][cid] = float(replies[cid].metrics.get("loss", float("nan")))
                 messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach()})
             return messages
         raise ConfigError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
@@ -335,15 +334,15 @@ class PeFLLStrategy(Strategy):
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         """Lines 17-18: average the clients' contributions, add the server regularisers, clip, step."""
         cfg: PeFLLConfig = self.config
-        done = sorted(cid for cid in replies if cid in self._round.get("hnet_grads", {}))
+        done = sorted(cid for cid in replies if cid in self._round.get("hnet_grads", ()))
         if not done:
             self._round = {}
             return {}
         hnet_params = dict(self.hnet.named_parameters())
         embed_params = dict(self.embedding.named_parameters())
+        hnet_grads = self._round["hnet_grads"].mean(done)
         for name, param in hnet_params.items():
-            mean = sum(self._round["hnet_grads"][cid][name] for cid in done) / len(done)
-            param.grad = mean + 2 * cfg.lambda_h * param.detach()
+            param.grad = hnet_grads[name] + 2 * cfg.lambda_h * param.detach()
         for name, param in embed_params.items():
             mean = sum(replies[cid].arrays[EMBED + name].to(param.dtype) for cid in done) / len(done)
             param.grad = mean + 2 * cfg.lambda_v * param.detach()

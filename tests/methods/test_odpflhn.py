@@ -15,7 +15,7 @@ from privfl.experiment import RunConfig, RunInterrupted, train
 from privfl.federation import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.odpflhn import ODPFLHNClient, ODPFLHNConfig, ODPFLHNStrategy, client_descriptor
-from privfl.models import functional_forward
+from privfl.models import backprop_weight_change, functional_forward
 
 FACTORY = ModelFactory("mlp2nn", (6,), 3)
 
@@ -97,6 +97,38 @@ def test_a_diverging_round_is_refused_naming_the_rates_and_leaves_the_models_fin
         runtime.run_round(0)
     for module in (runtime.strategy.hnet, runtime.strategy.encoder):
         assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_the_hypernetwork_step_averages_only_the_clients_that_answer_the_last_stage():
+    """A client that drops after its weight change is out of the round's mean (its gradient was already summed in
+    stage 2): the step is hn_lr x the mean of the others' chain-rule gradients, not of all three."""
+    config = ODPFLHNConfig(lr=0.1, local_steps=3, batch_size=8, encoder_hidden=8, embed_dim=4, hn_hidden=16,
+                           hn_lr=0.5, hn_weight_decay=0.0, server_momentum=0.0, grad_clip=None)
+    seen = {}
+
+    class Recording(ODPFLHNStrategy):
+        def _backprop_changes(self, replies):
+            seen.update({cid: (self._round["descriptors"][cid].clone(), dict(r.arrays)) for cid, r in replies.items()})
+            return super()._backprop_changes(replies)
+
+    class Dropping(ODPFLHNClient):
+        def train_stage(self, stage, data, message, state, ctx):
+            return None if stage == 2 and data.client_id == 1 else super().train_stage(stage, data, message, state,
+                                                                                         ctx)
+
+    clients = [_client(i, seed=3) for i in range(3)]
+    strategy = Recording(model_factory=FACTORY, config=config, seed=1, num_training_clients=3)
+    runtime = InProcessRuntime(strategy=strategy, client=Dropping(model_factory=FACTORY, config=config),
+                               training_clients=clients, seed=1)
+    hnet = copy.deepcopy(strategy.hnet)
+    runtime.run_round(0)
+    grads = {cid: backprop_weight_change(hnet, *seen[cid])[0] for cid in seen}
+    for name, after in strategy.hnet.named_parameters():
+        step = hnet.get_parameter(name).detach() - after.detach()
+        torch.testing.assert_close(step, config.hn_lr * (grads[0][name] + grads[2][name]) / 2, rtol=1e-4, atol=1e-6)
+    every = {n: config.hn_lr * sum(g[n] for g in grads.values()) / 3 for n in grads[0]}
+    assert not all(torch.allclose(hnet.get_parameter(n).detach() - p.detach(), every[n], rtol=1e-4, atol=1e-6)
+                   for n, p in strategy.hnet.named_parameters())
 
 
 @pytest.mark.parametrize("epsilon", [None, 0.5])

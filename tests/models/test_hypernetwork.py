@@ -6,7 +6,8 @@ from torch.nn import functional as F
 
 from privfl.errors import ConfigError
 from privfl.models import build_model, functional_forward
-from privfl.models.hypernetwork import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.models.hypernetwork import (HyperNetwork, RoundGradientMean, backprop_weight_change,
+                                        embedding_dim)
 
 
 @pytest.mark.parametrize("name,shape", [("mlp2nn", (1, 28, 28)), ("lenet", (3, 32, 32)), ("feature_mlp", (64,))])
@@ -76,6 +77,58 @@ def test_the_weight_change_chain_rule_is_the_true_gradient_after_one_sgd_step():
     for (name, got), want in zip(param_grads.items(), true[:-1]):
         torch.testing.assert_close(got, eta * want, msg=name)
     torch.testing.assert_close(e_grad, eta * true[-1])
+
+
+
+def _round_inputs(n_clients: int):
+    torch.manual_seed(1)
+    hnet = HyperNetwork(build_model("mlp2nn", (1, 4, 4), 3), embed_dim=4)
+    shapes = {k: v.shape for k, v in hnet(torch.zeros(4)).items()}
+    inputs = {cid: (torch.randn(4), {k: torch.randn(s) for k, s in shapes.items()}) for cid in range(n_clients)}
+    return hnet, inputs
+
+
+def _held_mean(hnet, inputs, ids):
+    """What the methods computed before: every client's gradient held, then copied, added in id order, divided."""
+    held = [backprop_weight_change(hnet, *inputs[cid])[0] for cid in ids]
+    total = {k: v.clone() for k, v in held[0].items()}
+    for grads in held[1:]:
+        for k, v in total.items():
+            v.add_(grads[k])
+    return {k: v.div_(len(ids)) for k, v in total.items()}
+
+
+@pytest.mark.parametrize("finished", [[0, 1, 2, 3, 4], [0, 2, 3], [4]])
+def test_round_gradient_mean_is_the_mean_of_the_held_gradients_to_the_last_bit(finished):
+    """One running sum instead of a gradient per client: the same mean, bit for bit, over all the added clients and
+    over the subset that finished the round (recomputed from the kept weight changes); the inputs stay untouched."""
+    hnet, inputs = _round_inputs(5)
+    kept = {cid: (e.clone(), {k: v.clone() for k, v in change.items()}) for cid, (e, change) in inputs.items()}
+    mean = RoundGradientMean(hnet)
+    for cid in range(5):
+        descriptor_grad = mean.add(cid, *inputs[cid])
+        assert torch.equal(descriptor_grad, backprop_weight_change(hnet, *inputs[cid])[1])
+    got = mean.mean(finished)
+    want = _held_mean(hnet, inputs, finished)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # a different subset gives a different mean: the check above can tell subsets apart
+    other = _held_mean(hnet, inputs, [0, 2, 3] if finished == [0, 1, 2, 3, 4] else [0, 1, 2, 3, 4])
+    assert not any(torch.equal(got[k], other[k]) for k in want)
+    for cid, (e, change) in inputs.items():
+        assert torch.equal(e, kept[cid][0]) and all(torch.equal(v, kept[cid][1][k]) for k, v in change.items())
+
+
+def test_round_gradient_mean_refuses_out_of_order_and_unknown_clients():
+    hnet, inputs = _round_inputs(3)
+    mean = RoundGradientMean(hnet)
+    mean.add(1, *inputs[1])
+    with pytest.raises(ValueError, match=r"client 0 added after client 1.*ascending"):
+        mean.add(0, *inputs[0])
+    with pytest.raises(ValueError, match=r"clients \[1, 2\].*not added: \[2\]"):
+        mean.mean([2, 1])
+    assert 1 in mean and 0 not in mean
 
 
 def test_bad_settings_are_refused_by_name():
