@@ -14,23 +14,33 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["numerics"]
+__all__ = ["RESULTS_DIR", "numerics"]
+
+#: Where the benchmarks write their results, relative to the checkout's top: changes there are not code changes.
+RESULTS_DIR = "benchmarks/results"
 
 
 def numerics(checkout: str | Path | None = None) -> dict:
     """``{"torch", "cpu_capability", "threads", "code_revision"}`` of this process now.
 
-    ``code_revision`` is ``git describe --always --dirty`` in ``checkout``, or ``None`` where that is not a git
-    checkout or git is missing. By default the checkout is the one this package's own files are tracked in; a copy
-    installed inside some other repository (a virtual environment in a project's folder) gives ``None`` rather than
-    that repository's commit.
+    ``code_revision`` is ``git describe --always`` in ``checkout``, with ``-dirty`` appended when a tracked file
+    differs from that commit, or ``None`` where that is not a git checkout or git is missing. Files under
+    :data:`RESULTS_DIR` do not count as differences: the benchmarks write there, so without the exception every run
+    after a benchmark's first in a checkout would be marked dirty for the results it had stored. By default the
+    checkout is the one this package's own files are tracked in; a copy installed inside some other repository (a
+    virtual environment in a project's folder) gives ``None`` rather than that repository's commit.
     """
     if checkout is None:
-        here = Path(__file__).parent
-        tracked = _git(here, "ls-files", "--error-unmatch", Path(__file__).name)
-        revision = _git(here, "describe", "--always", "--dirty") if tracked is not None else None
+        where = Path(__file__).parent
+        if _git(where, "ls-files", "--error-unmatch", Path(__file__).name) is None:
+            where = None
     else:
-        revision = _git(Path(checkout), "describe", "--always", "--dirty")
+        where = Path(checkout)
+    revision = _git(where, "describe", "--always") if where is not None else None
+    if revision is not None:
+        changed = _git(where, "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                       f":(top,exclude){RESULTS_DIR}")
+        revision += "-dirty" if changed else ""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "code_revision": revision}
 

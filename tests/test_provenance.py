@@ -36,8 +36,18 @@ def test_code_revision_is_the_commit_and_marks_uncommitted_changes(tmp_path, mon
                           text=True).stdout.strip()
     clean = numerics(tmp_path)["code_revision"]
     assert head.startswith(clean) and len(clean) >= 7
+    # what the benchmarks write is not a code change; any other tracked file is, seen from any folder of the checkout
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "r.json").write_text("{}\n")
+    subprocess.run([*GIT, "-C", str(tmp_path), "add", "."], check=True)
+    subprocess.run([*GIT, "-C", str(tmp_path), "commit", "-q", "-m", "two"], check=True)
+    clean = numerics(tmp_path)["code_revision"]
+    (results / "r.json").write_text('{"seconds": 1}\n')
+    (tmp_path / "untracked.py").write_text("y = 1\n")
+    assert numerics(tmp_path)["code_revision"] == clean == numerics(results)["code_revision"]
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert numerics(tmp_path)["code_revision"] == clean + "-dirty"
+    assert numerics(tmp_path)["code_revision"] == clean + "-dirty" == numerics(results)["code_revision"]
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
