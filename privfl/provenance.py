@@ -24,7 +24,8 @@ def numerics(checkout: str | Path | None = None) -> dict:
     """``{"torch", "cpu_capability", "threads", "code_revision"}`` of this process now.
 
     ``code_revision`` is ``git describe --always`` in ``checkout``, with ``-dirty`` appended when a tracked file
-    differs from that commit, or ``None`` where that is not a git checkout or git is missing. Files under
+    differs from that commit, or ``None`` where that is not a git checkout, git is missing, or git cannot tell whether
+    tracked files changed (never a clean revision by default). Files under
     :data:`RESULTS_DIR` do not count as differences: the benchmarks write there, so without the exception every run
     after a benchmark's first in a checkout would be marked dirty for the results it had stored. By default the
     checkout is the one this package's own files are tracked in; a copy installed inside some other repository (a
@@ -32,23 +33,25 @@ def numerics(checkout: str | Path | None = None) -> dict:
     """
     if checkout is None:
         where = Path(__file__).parent
-        if _git(where, "ls-files", "--error-unmatch", Path(__file__).name) is None:
+        if not _git(where, "ls-files", "--error-unmatch", Path(__file__).name):
             where = None
     else:
         where = Path(checkout)
-    revision = _git(where, "describe", "--always") if where is not None else None
+    revision = (_git(where, "describe", "--always") or None) if where is not None else None
     if revision is not None:
         changed = _git(where, "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
                        f":(top,exclude){RESULTS_DIR}")
-        revision += "-dirty" if changed else ""
+        # a status git could not give leaves the state unknown: no revision rather than a clean one by default
+        revision = None if changed is None else revision + ("-dirty" if changed else "")
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "code_revision": revision}
 
 
 def _git(where: Path, *args: str) -> str | None:
-    """``git <args>``'s output in ``where``, or ``None`` if it failed, printed nothing, or git is missing."""
+    """``git <args>``'s output in ``where`` (``""`` if it printed nothing), or ``None`` if it failed or git is
+    missing."""
     try:
         done = subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return (done.stdout.strip() or None) if done.returncode == 0 else None
+    return done.stdout.strip() if done.returncode == 0 else None

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from privfl import provenance
 from privfl.provenance import numerics
 
 GIT = ["git", "-c", "user.name=privfl", "-c", "user.email=privfl@example.org", "-c", "commit.gpgsign=false"]
@@ -48,6 +49,11 @@ def test_code_revision_is_the_commit_and_marks_uncommitted_changes(tmp_path, mon
     assert numerics(tmp_path)["code_revision"] == clean == numerics(results)["code_revision"]
     (tmp_path / "a.py").write_text("x = 2\n")
     assert numerics(tmp_path)["code_revision"] == clean + "-dirty" == numerics(results)["code_revision"]
+    # a checkout whose state git cannot report gets no revision, not a clean one
+    real_git = provenance._git
+    monkeypatch.setattr(provenance, "_git", lambda where, *args: None if args[0] == "status" else real_git(where, *args))
+    (tmp_path / "a.py").write_text("x = 1\n")
+    assert numerics(tmp_path)["code_revision"] is None
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
