@@ -4,7 +4,7 @@ glibc's ``malloc`` serves every block above its mmap threshold (128 KiB to 32 Mi
 fresh ``mmap`` and returns it to the kernel on ``free``. A hypernetwork's head for the MNIST 2NN's first layer has
 15.7 million weights, so each round allocates and frees dozens of 63 MB gradients, momentum steps and sums; every
 one of them is zero-filled page by page by the kernel on first touch. On the FedTTA MNIST protocol (50 clients a round,
-one CPU thread) that page faulting is half of an ODPFL-HN round and a quarter of a pFedHN round
+one CPU thread) that page faulting is about a quarter of a pFedHN or ODPFL-HN round
 (``benchmarks/odpfl_mnist.py --part speed --default-allocator``).
 
 :func:`reuse_freed_memory` raises the mmap threshold, the trim threshold and the top pad (``mallopt``), so freed
