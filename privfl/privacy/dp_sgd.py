@@ -1,9 +1,14 @@
 """DP-SGD for training clients (Abadi et al. 2016) through Opacus, with an accountant that lives as long as the client.
 
 A client that trains with DP-SGD releases a model update computed from ``steps`` steps of: Poisson-sample each record
-with probability q = batch_size / n, clip every per-sample gradient to L2 norm ``max_grad_norm`` (C), sum, add
-N(0, (noise_multiplier * C)^2 I), divide by the expected batch size q * n and take an SGD step. Under
-add-or-remove-one neighbouring, one round is ``SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, q), steps)``.
+with probability q = min(1, batch_size / n), clip every per-sample gradient to L2 norm ``max_grad_norm`` (C), sum,
+add N(0, (noise_multiplier * C)^2 I), divide by ``batch_size`` and take an SGD step. Under add-or-remove-one
+neighbouring, one round is ``SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, q), steps)``.
+
+The divisor is ``batch_size``, a public setting, never a quantity of the data. For q < 1 it equals the expected batch
+size q * n. For q = 1 (a client with no more records than ``batch_size``) the expected batch size would be n itself,
+which add-or-remove-one keeps private: dividing by it scales the released noise by 1/n, so the update's norm tells n
+from n + 1 whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
 
 Invariant 5 of DESIGN.md: the privacy of a client composes over **all** its rounds. Flower's Opacus example builds a
 new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps the
@@ -144,6 +149,9 @@ class DPSGDTrainer:
     The privacy claim (``epsilon(delta)``) assumes: each record is one individual (add-or-remove-one neighbouring
     on the client's dataset), the dataset size n used for q = batch_size / n is the one the trainer sees, and the
     updates are the only use of the data. Sampling is true Poisson sampling (batches have random size, possibly 0).
+    The accountants analyse Poisson sampling at a fixed q; q = batch_size / n is set from n, as in Opacus, so n is
+    taken as known for the sampling rate; nothing else released depends on n: the noisy sum is divided by
+    ``batch_size``, not by n.
 
     >>> trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=1.0))
     >>> trainer.total_steps, trainer.epsilon()
@@ -238,7 +246,8 @@ class DPSGDTrainer:
             x, y: the client's training records (n = len(y)) and integer labels.
             lr: SGD learning rate.
             steps: DP-SGD steps this round (>= 1).
-            batch_size: expected batch size; each record is sampled with probability q = min(1, batch_size / n).
+            batch_size: each record is sampled with probability q = min(1, batch_size / n), and the noisy sum of
+                clipped gradients is divided by ``batch_size`` (the expected batch size when q < 1).
             rng: the client's keyed generator; with ``noise="seeded"`` sampling and noise are drawn from it (same
                 seed, same numbers); with ``"secure"`` from the OS CSPRNG.
 
@@ -265,7 +274,7 @@ class DPSGDTrainer:
         check_dp_compatible(model)
 
         losses = _dp_sgd_steps(
-            model, x, y, lr=lr, steps=steps, q=q, noise_multiplier=sigma,
+            model, x, y, lr=lr, steps=steps, q=q, batch_size=batch_size, noise_multiplier=sigma,
             max_grad_norm=self.config.max_grad_norm, grad_sample_mode=self.config.grad_sample_mode, rng=rng,
             noise=self.config.noise,
         )
@@ -306,7 +315,7 @@ def sampling_probability(num_samples: int, batch_size: int) -> float:
 
 
 def _dp_sgd_steps(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, lr: float, steps: int, q: float,
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, lr: float, steps: int, q: float, batch_size: int,
     noise_multiplier: float, max_grad_norm: float, grad_sample_mode: str, rng: np.random.Generator,
     noise: str = "secure",
 ) -> list[float]:
@@ -315,7 +324,8 @@ def _dp_sgd_steps(
     Steps (Abadi et al. 2016, Algorithm 1, with Poisson sampling as analysed by the accountants):
     1. sample each record independently with probability q;
     2. per-sample gradients clipped to ``max_grad_norm`` and summed (Opacus: hooks / functorch / ghost clipping);
-    3. add N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by the expected batch size q * n;
+    3. add N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by ``batch_size`` (public; see the
+       module docstring);
     4. SGD step. An empty batch still takes steps 3 and 4 (pure noise), as the analysis assumes.
     """
     from opacus.grad_sample.utils import prepare_module
@@ -323,7 +333,6 @@ def _dp_sgd_steps(
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     n = len(y)
-    expected_batch_size = q * n
     sampling_seed, noise_seed = int(rng.integers(2**62)), int(rng.integers(2**62))   # drawn either way: same stream
     if noise == "secure":
         sampling_seed, noise_seed = secrets.randbits(63), secrets.randbits(63)
@@ -340,7 +349,7 @@ def _dp_sgd_steps(
             gsm = prepare_module(model, grad_sample_mode, True, batch_first=True, loss_reduction="mean", **kwargs)
             optimizer = get_optimizer_class("flat", False, grad_sample_mode)(
                 base_optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                expected_batch_size=expected_batch_size, loss_reduction="mean", generator=noise_gen,
+                expected_batch_size=batch_size, loss_reduction="mean", generator=noise_gen,
             )
     except Exception as exc:  # noqa: BLE001 - any Opacus failure here means this mode cannot wrap this model
         raise _mode_error(grad_sample_mode, model, exc) from exc
@@ -356,8 +365,7 @@ def _dp_sgd_steps(
                 # 1. Poisson sampling.
                 index = torch.nonzero(torch.rand(n, generator=sampling_gen) < q).flatten()
                 if index.numel() == 0:
-                    _noise_only_step(params, base_optimizer, noise_multiplier * max_grad_norm, expected_batch_size,
-                                     noise_gen)
+                    _noise_only_step(params, base_optimizer, noise_multiplier * max_grad_norm, batch_size, noise_gen)
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 # 2. clipped per-sample gradients, summed.
@@ -370,7 +378,7 @@ def _dp_sgd_steps(
                         raise
                     raise _mode_error(grad_sample_mode, model, exc) from exc
                 losses.append(loss.item())
-                # 3.-4. noise, scaling by the expected batch size, SGD step.
+                # 3.-4. noise, scaling by batch_size, SGD step.
                 optimizer.step()
     finally:
         optimizer.zero_grad(set_to_none=True)
@@ -379,10 +387,10 @@ def _dp_sgd_steps(
 
 
 def _noise_only_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, std: float,
-                     expected_batch_size: float, generator: torch.Generator) -> None:
-    """A step on an empty Poisson batch: the clipped sum is 0, the update is noise / expected batch size."""
+                     batch_size: int, generator: torch.Generator) -> None:
+    """A step on an empty Poisson batch: the clipped sum is 0, the update is noise / batch_size."""
     for p in params:
-        p.grad = torch.normal(0.0, std, p.shape, generator=generator, dtype=p.dtype) / expected_batch_size
+        p.grad = torch.normal(0.0, std, p.shape, generator=generator, dtype=p.dtype) / batch_size
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -161,6 +161,26 @@ def _weights_after_two_runs(noise: str) -> list[list[torch.Tensor]]:
     return results
 
 
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_update_with_every_record_sampled_does_not_depend_on_the_private_n(mode):
+    # batch_size >= n, so q = 1. Zero inputs and no bias make every per-sample gradient exactly 0, so the update is
+    # the noise alone: -lr * N(0, (sigma C)^2) / divisor. With the same seeded noise, n = 100 and its add-one
+    # neighbour n = 101 must release the same update. Dividing by the expected batch size q * n = n (private under
+    # add-or-remove-one) gives updates in the ratio 101 / 100, whose norms tell the neighbours apart.
+    updates = []
+    for n in (100, 101):
+        model = nn.Linear(5, 2, bias=False)
+        nn.init.zeros_(model.weight)   # the same start for both, so the updates compare to the last bit
+        trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=5.0, max_grad_norm=1.0, noise="seeded",
+                                           grad_sample_mode=mode))
+        trainer.train(model, torch.zeros(n, 5), torch.zeros(n, dtype=torch.long), lr=1.0, steps=1, batch_size=128,
+                      rng=np.random.default_rng(3))
+        updates.append(model.weight.detach().clone())
+    assert torch.equal(updates[0], updates[1])
+    # The update is the noise, N(0, 5^2) per coordinate, over batch_size = 128: its scale is not 1/n's.
+    assert 0.5 * 5.0 / 128 < updates[0].std().item() < 2.0 * 5.0 / 128
+
+
 def test_seeded_noise_same_seed_same_weights():
     for a, b in zip(*_weights_after_two_runs("seeded")):
         assert torch.equal(a, b)
