@@ -21,6 +21,7 @@ from accounting import (
     SelfComposedEvent,
     SubsampledGaussianEvent,
     UnsupportedAccountingError,
+    analytic_gaussian_sigma,
     epsilon,
 )
 
@@ -55,6 +56,33 @@ def test_bad_inputs_name_the_value(make, message):
     with pytest.raises(ValueError) as info:
         make()
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("budget_epsilon", "releases"), [(1.0, 1), (4.0, 1), (8.0, 1), (1.0, 5), (4.0, 100)])
+def test_a_budget_admits_releases_calibrated_to_it_exactly(budget_epsilon, releases):
+    # Noise calibrated so that `releases` Gaussian releases of sensitivity 1 compose to exactly the budget: k of them
+    # are one Gaussian of sensitivity sqrt(k) (client-level DP calibrates so). The accountant prices them up to
+    # ~1e-11 above the budget; a strict comparison refused the last of them.
+    event = GaussianEvent(analytic_gaussian_sigma(budget_epsilon, DELTA, math.sqrt(releases)))
+    ledger = PrivacyLedger("bob", budget=PrivacyBudget(budget_epsilon, DELTA))
+    for r in range(releases):
+        ledger.record(event, purpose="update", round=r)
+    assert ledger.spent().epsilon == pytest.approx(budget_epsilon, rel=1e-9)
+    # Nothing is left: a further release, even at sigma 50, is refused and nothing is recorded.
+    with pytest.raises(BudgetExceededError):
+        ledger.record(GaussianEvent(50.0), purpose="update", round=releases)
+    assert len(ledger) == releases
+
+
+def test_a_budget_refuses_an_excess_above_the_accountants_precision():
+    # 1e-5 relative above the budget: more than the accountant's numerical slack (BUDGET_RTOL), so refused.
+    budget = PrivacyBudget(1.0, DELTA)
+    assert budget.allows(1.0) and budget.allows(1.0 + 1e-7) and not budget.allows(1.0 + 1e-5)
+    assert not budget.allows(math.inf) and not budget.allows(math.nan)
+    over = GaussianEvent(analytic_gaussian_sigma(1.0 + 1e-5, DELTA))
+    assert PrivacyLedger("bob", budget=budget).would_exceed(over)
+    with pytest.raises(BudgetExceededError):
+        PrivacyLedger("bob", budget=budget).record(over, purpose="descriptor")
 
 
 def test_budget_refuses_before_anything_is_recorded():
