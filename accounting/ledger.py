@@ -223,10 +223,15 @@ class PrivacyLedger:
         grouped = ComposedEvent(tuple(SelfComposedEvent(leaf, n) for leaf, n in leaves.items()))
         return epsilon(grouped, delta, accountant=self._accountant)
 
-    def _check_relation(self, event: PrivacyEvent) -> NeighboringRelation | None:
-        """The ledger's relation after recording ``event``; raises if ``event`` is under a different one."""
+    def _check_event(self, event: PrivacyEvent) -> NeighboringRelation | None:
+        """The ledger's relation after recording ``event``; raises if ``event`` is not an event, composes no
+        mechanism at all (it would be priced as a free release), or is under a different relation."""
         if not isinstance(event, PrivacyEvent):
             raise ValueError(f"event must be an accounting PrivacyEvent, got {event!r}")
+        if not event.leaf_counts():
+            raise ValueError(f"client {self._client_id!r}: {event!r} composes no mechanism, so it would be recorded "
+                             "at epsilon 0; describe the release by the mechanism that made it (NonPrivateEvent for "
+                             "none)")
         if event.relation is None:
             return self._relation
         if self._relation is not None and event.relation is not self._relation:
@@ -268,7 +273,7 @@ class PrivacyLedger:
         budget = self._budget if budget is None else budget
         if not isinstance(budget, PrivacyBudget):
             raise ValueError(f"client {self._client_id!r}: give a PrivacyBudget; the ledger has none, got {budget!r}")
-        self._check_relation(event)
+        self._check_event(event)
         return not budget.allows(self._projected_epsilon(event, budget.delta))
 
     def record(self, event: PrivacyEvent, *, purpose: str, round: int | None = None,
@@ -281,7 +286,7 @@ class PrivacyLedger:
         """
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
                                 metadata={} if metadata is None else metadata)
-        relation = self._check_relation(event)
+        relation = self._check_event(event)
         check_supported(event, accountant=self._accountant)
         projected = None
         if self._budget is not None:
@@ -324,7 +329,7 @@ class PrivacyLedger:
             ledger = cls(state["client_id"], budget=budget, accountant=state["accountant"])
             for d in state["records"]:
                 release = ReleaseRecord.from_dict(d)
-                ledger._append(release, ledger._check_relation(release.event))
+                ledger._append(release, ledger._check_event(release.event))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ledger state: {exc!r}") from None
         return ledger
