@@ -694,7 +694,8 @@ def audit_main(argv: Sequence[str] | None = None) -> int:
                                      description="Empirical lower bound on epsilon for a mechanism, beside its claim.")
     parser.add_argument("--mechanism", default="privatize",
                         help=f"one of {', '.join(MECHANISMS)} (classic and maxpool are deliberately broken; dp_gmm "
-                             "is audited through its S1 block, claimed eps = the block's eps/2)")
+                             "is audited through its S1 block, claimed eps = that block's own epsilon at the "
+                             "release's delta, from the accountant)")
     parser.add_argument("--epsilon", type=float, default=1.0, help="claimed epsilon (natural log)")
     parser.add_argument("--delta", type=float, default=1e-5, help="claimed delta")
     parser.add_argument("--trials", type=int, default=100_000, help="releases per neighbouring input (>= 10)")
