@@ -410,6 +410,19 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         """Each client's epsilon (natural log) at ``delta``; ``inf`` for a client with a non-private release."""
         return {client_id: ledger.spent(delta).epsilon for client_id, ledger in self._ledgers.items()}
 
+    def relations(self) -> list[str]:
+        """The neighbouring relations the recorded guarantees hold under, each distinct one once, sorted: a record's
+        ``metadata["relation"]`` where the release described its neighbours in words (for example "replace one
+        sample; n public", or a relation narrower than the event's, as DP-GMM with public class counts), else its
+        event's relation. Releases made without privacy (no relation) are left out."""
+        found = set()
+        for ledger in self._ledgers.values():
+            for record in ledger.records:
+                if record.event.relation is not None:
+                    words = record.metadata.get("relation")
+                    found.add(words if isinstance(words, str) and words else record.event.relation.value)
+        return sorted(found)
+
     def state_dict(self) -> dict[str, Any]:
         """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON."""
         return {

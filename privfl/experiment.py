@@ -235,6 +235,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRu
             "epsilon_max_training": max((eps_of[c.client_id] for c in federation.training_clients), default=0.0),
             "epsilon_max_novel": max((eps_of[c.client_id] for c in federation.novel_clients), default=0.0),
             "epsilon_per_client": {str(cid): eps for cid, eps in eps_of.items()},
+            "relations": ledgers.relations(),   # what the epsilons hold under: the neighbours of each kind of release
         },
         "communication": {"bytes_up_total": sum(runtime.wire.bytes_up.values()),
                           "bytes_down_total": sum(runtime.wire.bytes_down.values())},

@@ -75,6 +75,8 @@ def test_method_options_reach_the_method_config_and_the_ledger(tmp_path, capsys)
     assert privacy["epsilon_max_novel"] == pytest.approx(0.5, rel=1e-6)
     novel = {k: v for k, v in privacy["epsilon_per_client"].items() if v != "inf"}
     assert len(novel) == 4 and all(v == pytest.approx(0.5, rel=1e-6) for v in novel.values())
+    # what those epsilons hold under (the training clients' releases are non-private: no relation)
+    assert privacy["relations"] == ["replace one sample; n public"]
 
 
 def test_datasets_lists_every_source(capsys):

@@ -1,8 +1,9 @@
 """A run directory: everything one run writes, in files others can load.
 
 ``config.json`` (how to reproduce it), ``metrics.jsonl`` (one line per evaluation), ``clients.csv`` (one row per
-client), ``ledger.json`` (every release of every client), ``summary.json`` (means, SEMs, epsilon, wall time, peak
-memory), ``plots.png`` (learning curve, accuracy against label shift) and ``checkpoint.pt`` (to resume). Every file is written atomically: a crash mid-write leaves the previous
+client), ``ledger.json`` (every release of every client), ``summary.json`` (means, SEMs, epsilon and the
+neighbouring relations it holds under, wall time, peak memory), ``plots.png`` (learning curve, accuracy against label
+shift) and ``checkpoint.pt`` (to resume). Every file is written atomically: a crash mid-write leaves the previous
 version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6).
 """
 

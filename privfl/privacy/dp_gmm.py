@@ -47,7 +47,7 @@ map) are on the unit sphere, so DP-FedPFT uses ``project="sphere"``, bound 1.
   exactly one class changes): ``S1``: ``2B``; ``S2``: ``sqrt(2) B^2`` (spherical: ``B^2``). Dividing by the public
   ``n_c``, the mean has sensitivity ``2B/n_c`` and the second moment ``sqrt(2) B^2/n_c`` (spherical ``B^2/n_c``);
   e.g. B = 1, n_c = 50: 0.04 for the mean. This is weaker than the standard replace-one relation; it is recorded in
-  the ledger metadata (``counts_public: true``, ``relation_detail``).
+  the ledger metadata (``counts_public: true``, ``relation``) and listed in the run summary.
 - ``counts="public"`` with ``relation="add_or_remove_one"``: refused; n_c is private under add/remove.
 - ``counts="noisy"``, ``relation="add_or_remove_one"``: one record is in one class, so one class's
   ``(S1, S2, n)`` moves by at most ``(B, B^2, 1)`` and the others not at all (parallel composition across classes).
@@ -343,9 +343,9 @@ def _metadata(covariance: str, counts: str, relation: NeighboringRelation, epsil
                          f"sqrt({len(released)})"),
         "joint_sensitivity": joint_sensitivity, "joint_sigma": joint_sigma,
         "counts_public": public,
-        "relation": relation.value,
-        "relation_detail": ("replace_one within the public class histogram (labels of replaced records unchanged)"
-                            if public else relation.value + " (labels may change; all classes released)"),
+        # the neighbours in words (the event carries the relation itself): the run summary lists these
+        "relation": ("replace_one within the public class histogram (labels of replaced records unchanged)"
+                     if public else relation.value + " (labels may change; all classes released)"),
         "sensitivities": {"sum": sens.sum, "second_moment_sum": sens.second_moment_sum, "count": sens.count},
         "sensitivity_argument": sens.argument,
         "sigmas": dict(sigmas),

@@ -274,6 +274,21 @@ def test_ledger_book_creates_ledgers_on_first_use():
     assert LedgerBook()[0].budget is None
 
 
+def test_ledger_book_lists_the_relations_its_guarantees_hold_under(tmp_path):
+    book = LedgerBook()
+    assert book.relations() == []
+    book[0].record(NonPrivateEvent(), purpose="model_update")             # no guarantee, no relation
+    assert book.relations() == []
+    book[1].record(DESCRIPTOR, purpose="descriptor", metadata={"relation": "replace one sample; n public"})
+    book[2].record(DESCRIPTOR, purpose="descriptor", metadata={"relation": "replace one sample; n public"})
+    book[2].record(DESCRIPTOR, purpose="descriptor")                      # no words: the event's relation
+    book[3].record(DESCRIPTOR, purpose="gmm", metadata={"relation": "replace_one within the public class histogram"})
+    expected = ["replace one sample; n public", "replace_one", "replace_one within the public class histogram"]
+    assert book.relations() == expected
+    book.save(tmp_path / "book.json")
+    assert LedgerBook.load(tmp_path / "book.json").relations() == expected
+
+
 def test_ledger_book_keeps_int_and_str_client_ids_apart_through_save_and_load(tmp_path):
     book = LedgerBook(default_budget=BUDGET, accountant="rdp")
     book[1].record(DESCRIPTOR, purpose="descriptor")

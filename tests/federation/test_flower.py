@@ -360,6 +360,7 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     assert len(list((tmp_path / "flower" / "nodes").glob("partition-*"))) == num_clients(config)
     if method == "odpflhn":
         assert 0 < got["privacy"]["epsilon_max_novel"] < math.inf
+        assert got["privacy"]["relations"] == ["replace one sample; n public"]   # the nodes' records, metadata kept
 
 
 # -- novel clients served in a run of their own ------------------------------------------------------------------------

@@ -128,6 +128,7 @@ def test_fedavg_with_dp_sgd_reports_the_composed_epsilon(tmp_path, make_spec):
     expected = epsilon(SelfComposedEvent(SubsampledGaussianEvent(1.1, q), 3 * 4), 1e-5)   # 3 rounds x 4 steps
     assert float(client["epsilon"]) == pytest.approx(expected, rel=1e-6)
     assert 0 < summary["privacy"]["epsilon_max_training"] < float("inf")
+    assert summary["privacy"]["relations"] == ["add_or_remove_one"]   # DP-SGD's records
     assert summary["novel"]["num_clients"] == 2
 
 

@@ -242,7 +242,7 @@ def test_dp_release_records_how_it_was_made_and_its_noise_is_not_the_run_seeds(f
     (record,) = first.wire.ledgers[0].records
     meta = record.metadata
     assert meta["noise"] == "secure" and meta["counts_public"] is True
-    assert meta["relation_detail"].startswith("replace_one within the public class histogram")
+    assert meta["relation"].startswith("replace_one within the public class histogram")
     assert meta["bytes"] == payload_bytes(DIM, 1, CLASSES, "spherical")
     # the same run seed gives other noise: a server that knows the seed cannot subtract it
     heads = [runtime.strategy.head_weights for runtime in (first, second)]

@@ -202,7 +202,7 @@ def test_counts_public_vs_noisy_recorded():
     (rec_p,), (rec_n,) = ledger_pub.records, ledger_noisy.records
     assert rec_p.purpose == rec_n.purpose == "dp_gmm" and rec_p.round == 2
     assert rec_p.metadata["counts_public"] is True and rec_n.metadata["counts_public"] is False
-    assert "histogram" in rec_p.metadata["relation_detail"]
+    assert "histogram" in rec_p.metadata["relation"] and "histogram" not in rec_n.metadata["relation"]
     # one Gaussian event per message, over sqrt(k) unit-scaled blocks: k = 2 (S1, S2) public, 3 (S1, S2, n) noisy
     assert rec_p.event == rp.event and rp.event.sensitivity == pytest.approx(math.sqrt(2))
     assert rec_n.event == rn.event and rn.event.sensitivity == pytest.approx(math.sqrt(3))
