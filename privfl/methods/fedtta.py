@@ -418,14 +418,14 @@ class FedTTAClient(ClientProcedure):
             generator = torch.Generator().manual_seed(
                 derive_seed(self.config.dp_noise_seed, "fedtta_client_dp", ctx.round, ctx.client_id))
         mechanism = self.config.privacy(generator=generator)
-        if math.isfinite(loss):
-            update = {**prefixed(PSI, difference(weights_of(f), start_psi)),
-                      **prefixed(PHI, difference(weights_of(g), start_phi))}
-        elif mechanism is None:
-            return None  # a diverged client sends nothing (the authors' code gives it weight 0)
-        else:
-            # Under DP a diverged client still releases (noise around a zero update): whether it speaks would
-            # otherwise depend on its data, outside any mechanism.
+        update = {**prefixed(PSI, difference(weights_of(f), start_psi)),
+                  **prefixed(PHI, difference(weights_of(g), start_phi))}
+        # Diverged: a non-finite loss, or a finite loss whose last step still overflowed the weights.
+        if not (math.isfinite(loss) and all(torch.isfinite(v).all() for v in update.values())):
+            if mechanism is None:
+                return None  # a diverged client sends nothing (the authors' code gives it weight 0)
+            # Under DP a diverged client still releases (noise around a zero update): whether it speaks, or fails,
+            # would otherwise depend on its data, outside any mechanism.
             update = {**prefixed(PSI, {k: torch.zeros_like(v) for k, v in start_psi.items()}),
                       **prefixed(PHI, {k: torch.zeros_like(v) for k, v in start_phi.items()})}
         if mechanism is None:

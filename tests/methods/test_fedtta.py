@@ -1,5 +1,6 @@
 """FedTTA, FedTTA-Prox, FedTTA++: the meta-gradient, the test-time adaptation, the protocol and client-level DP."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -295,10 +296,16 @@ def test_client_level_dp_releases_are_recorded_reach_the_target_and_are_capped(m
         client.train(data, message, state, ctx)
 
 
-def test_under_dp_a_diverged_client_still_releases_noise_so_its_silence_reveals_nothing(make_spec):
+@pytest.mark.parametrize("diverge", ["loss", "weights"])
+def test_under_dp_a_diverged_client_still_releases_noise_so_its_silence_reveals_nothing(make_spec, diverge):
     data, strategy, client, config = _dp_client(make_spec, dp_epsilon=1.0, dp_participations=1, dp_max_norm=1e-3)
     message = strategy.configure_train(0, [data.client_id])[data.client_id]
-    message.config["inner_lr"] = float("inf")           # the local loss turns non-finite
+    if diverge == "loss":
+        message.config["inner_lr"] = float("inf")       # the local loss turns non-finite
+    else:
+        # inputs of 1e25: the mean loss stays finite (~1e23) but the last step overflows the weights to inf/nan,
+        # which must count as diverged too, not fail the release (a failure would depend on the data)
+        data = dataclasses.replace(data, x_train=data.x_train * 1e25)
     ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
     state = {}
     release = client.train(data, message, state, ctx)
@@ -309,7 +316,8 @@ def test_under_dp_a_diverged_client_still_releases_noise_so_its_silence_reveals_
     # without DP the diverged client stays silent, as the authors' code has it
     _, strategy, plain, _ = _dp_client(make_spec)
     message = strategy.configure_train(0, [data.client_id])[data.client_id]
-    message.config["inner_lr"] = float("inf")
+    if diverge == "loss":
+        message.config["inner_lr"] = float("inf")
     assert plain.train(data, message, {}, ctx) is None
 
 
