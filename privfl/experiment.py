@@ -69,6 +69,9 @@ class RunConfig:
         for name, value, ok, valid in checks:
             if not ok:
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
+        if self.select == "best_val" and self.federation.val_fraction == 0:
+            raise ConfigError("select='best_val' picks the round on training clients' validation splits, but "
+                              "val_fraction=0 gives them none; use select='last' or a val_fraction > 0")
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
@@ -158,6 +161,10 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
                 scores = runtime.evaluate_training_clients(score_model, report_to_server=config.select == "best_val",
                                                            round=round)
                 val = summarize_scores(list(scores.values()))
+                if config.select == "best_val" and val["accuracy_mean"] is None:
+                    raise ConfigError(f"select='best_val' needs validation samples, but no training client has any "
+                                      f"at val_fraction={config.federation.val_fraction} (each keeps "
+                                      "floor(val_fraction * n)); use select='last' or a larger val_fraction")
                 if config.select == "best_val" and val["accuracy_mean"] > best["score"]:
                     best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.snapshot()}
                 record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}}

@@ -142,6 +142,19 @@ def test_dp_sgd_is_refused_where_it_is_not_implemented():
         get_method("scaffold").make_config(dp_noise_multiplier=1.0)
 
 
+def test_best_validation_selection_without_validation_data_is_refused_by_name(tmp_path, make_spec):
+    from privfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="select='best_val'.*val_fraction=0 gives them none"):
+        _config(make_spec(num_clients=5, novel_fraction=0.4, val_fraction=0.0), "fedavg", select="best_val")
+    # a val_fraction too small for any client to keep a validation sample is found at the first evaluation
+    tiny = _config(make_spec(num_clients=5, novel_fraction=0.4, val_fraction=0.001), "fedavg", select="best_val",
+                   rounds=2, eval_every=1)
+    with pytest.raises(ConfigError, match="no training client has any at val_fraction=0.001"):
+        train(tiny, str(tmp_path / "tiny"), progress=False)
+    assert _config(make_spec(num_clients=5, novel_fraction=0.4, val_fraction=0.0), "fedavg", select="last")
+
+
 def _add_keys(path: str, worker: int, count: int) -> None:
     from privfl.federation.rundir import update_json
 
