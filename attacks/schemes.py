@@ -255,7 +255,12 @@ def postprocess_release(release: Release, prior: AttackerPrior, *, seed: int = 0
     2. Mean: ``mu_c + w (m - mu_c)``, ``w = t / (t + s^2)`` per dimension, ``t = var_c / n_c`` (the LMMSE weight).
     3. Variance: ``var_c + u (v - var_c)``, ``u = q / (q + r)``, with ``q = 2 var_c^2 / n_c`` (a sample variance's
        spread) and ``r`` the variance of the release's noise on it: ``(sigma_second / n_c)^2`` (diag) or
-       ``(sigma_second / (n_c d))^2`` (spherical). Floored at the release's ``reg_covar``.
+       ``(sigma_second / (n_c d))^2`` (spherical). Floored at the release's ``reg_covar``. Spherical covariance on
+       the sphere releases no second moment (``sigma_second = 0``): its variance ``(B^2 - ||m||^2) / d`` is a function
+       of the noisy, clipped mean m, not a noiseless estimate (at small epsilon m is clipped to norm B and the
+       released variance is the floor). Every feature has norm B, so the class's variance is that same function of
+       the class mean: it is computed from the estimate of step 2, ``(B^2 - ||mean||^2) / d`` (``u = 0``: the
+       released variance is not used).
 
     A FedPFT release has no noise (``w = u = 1``): its mixtures are kept as they are. Then, for both:
 
@@ -325,8 +330,12 @@ def _lmmse_moments(release: Release, prior: AttackerPrior, floor: float) -> tupl
         else:
             p, r = var.mean(), (sigma_second / (n_c * d)) ** 2
             q = 2 * p * p / (n_c * d)
-        u = q / (q + r)
-        variance = (p + u * (v - p)).clamp_min(floor)
+        if covariance == "spherical" and sigma_second == 0:   # on the sphere: the variance follows from the mean
+            u = torch.zeros(())
+            variance = torch.as_tensor((bound * bound - float(mean @ mean)) / d, dtype=torch.float64).clamp_min(floor)
+        else:
+            u = q / (q + r)
+            variance = (p + u * (v - p)).clamp_min(floor)
         posterior.append(ClassMixture(label=c, count=mixture.count, weights=np.ones(1), means=mean.numpy()[None],
                                       covariances=variance.numpy().reshape(1, *variance.shape),
                                       covariance_type=covariance))

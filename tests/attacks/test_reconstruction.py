@@ -471,6 +471,32 @@ def test_postprocessing_is_the_lmmse_of_the_class_moments():
         postprocess_release(release, sparse)
 
 
+
+def test_spherical_postprocessing_derives_the_variance_from_the_estimated_mean():
+    # Spherical on the sphere releases no second moment: the released variance (1 - ||m||^2)/d comes from the noisy
+    # mean, and at epsilon 1 the mean is clipped to norm 1, so the release says "variance 0" (the floor). Trusting it
+    # collapsed every drawn feature of a class onto its mean.
+    features, labels = _unit_data(n=90)
+    prior = AttackerPrior.fit(features, labels, num_classes=3)
+    release = make_release("dp-fedpft", features[:60], labels[:60], num_classes=3, epsilon=1.0, delta=1e-5,
+                           covariance="spherical")
+    assert release.details["ledger"]["metadata"]["sigmas"]["second_moment_sum"] == 0.0
+    post = postprocess_release(release, prior, seed=0)
+    clipped = 0
+    for delivered, estimate in zip(release.mixtures, post.mixtures):
+        mean = torch.as_tensor(estimate.means[0], dtype=torch.float64)
+        expected = max((1.0 - float(mean @ mean)) / 6, 1e-6)
+        assert float(estimate.covariances[0]) == pytest.approx(expected, rel=1e-12)
+        if float(torch.as_tensor(delivered.means[0]).norm()) >= 1 - 2e-3:     # clipped: released at the floor
+            clipped += 1
+            assert float(delivered.covariances[0]) < 1e-5 < expected
+    assert clipped >= 1
+    assert post.details["postprocessing"]["variance_release_weight"] == 0.0
+    # the drawn features of a class spread like the class, not onto one point
+    spread = [float(torch.pdist(post.features[post.labels == c]).mean()) for c in range(3)]
+    truth = [float(torch.pdist(features[:60][labels[:60] == c]).mean()) for c in range(3)]
+    assert all(s > 0.3 * t for s, t in zip(spread, truth))
+
 # -- the command line -----------------------------------------------------------------------------------------------
 
 def test_cli_rejects_bad_values_before_any_work(tmp_path, capsys):
