@@ -459,6 +459,10 @@ def _pools(spec: FederationSpec, source: SourceData, rng: np.random.Generator) -
     """``(training pool, novel pool)``: the merged pool and None, or the train and test splits; each capped at
     ``max_samples`` by a random subset (kept in pool order)."""
     splits = [source.train] if source.test is None else [source.train, source.test]
+    if spec.split == "merged" and source.test_shifted:
+        raise ConfigError(f"source {source.name!r} has a shifted test split (its label or covariate shift), and "
+                          "split='merged' would spread it over training clients too; use split='train_test' so that "
+                          "only novel clients get it")
     if spec.split == "merged":
         pools = [_Pool(np.concatenate([s.x for s in splits]), np.concatenate([s.y for s in splits]))]
     elif source.test is None:

@@ -81,6 +81,8 @@ class SourceData:
         num_classes: number of classes; labels lie in ``[0, num_classes)``.
         input_shape: shape of one input, ``(C, H, W)`` for images and ``(D,)`` for vectors.
         mean, std: per-channel normalisation constants for images (on the [0, 1] scale); ``None`` for vectors.
+        test_shifted: the test split is drawn from another distribution than the training split (the synthetic
+            source's label and covariate shifts); merging the two splits would spread the shift over training clients.
     """
 
     name: str
@@ -90,6 +92,7 @@ class SourceData:
     input_shape: tuple[int, ...]
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
+    test_shifted: bool = False
 
     def __post_init__(self) -> None:
         for split in (self.train, self.test):
@@ -564,7 +567,8 @@ def _load_synthetic(
         else:
             test_labels = test_rng.permutation(np.arange(num_test) % num_classes)
         test = _split(_gaussian_mixture(test_rng, means, test_labels) + np.float32(covariate_shift), test_labels)
-    return SourceData("synthetic", train, test, num_classes, (dim,), None, None)
+    return SourceData("synthetic", train, test, num_classes, (dim,), None, None,
+                      test_shifted=test is not None and (label_shift > 0 or covariate_shift != 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -184,6 +184,19 @@ def test_train_test_split_uses_the_test_split_for_novel_clients() -> None:
     assert torch.equal(torch.bincount(novel_labels, minlength=10), expected)
 
 
+@pytest.mark.parametrize("options", [{"label_shift": 1.0}, {"covariate_shift": 5.0}])
+def test_a_shifted_test_split_is_not_merged_into_training_clients(options) -> None:
+    # the synthetic source draws its test split from the shifted distribution; merging would give training clients
+    # shifted samples (a quarter of each client's, by chance), where the shift belongs to novel clients only
+    spec = FederationSpec(source="synthetic", source_options=options, split="merged", num_clients=10,
+                          partition="iid", novel_fraction=0.4)
+    with pytest.raises(ConfigError, match="shifted test split.*split='train_test'"):
+        build_federation(spec, seed=1)
+    assert not load_source("synthetic").test_shifted and load_source("synthetic", **options).test_shifted
+    build_federation(FederationSpec(source="synthetic", split="merged", num_clients=10, partition="iid",
+                                    novel_fraction=0.4), seed=1)    # no shift: merging is fine
+
+
 def test_train_test_needs_a_test_split(tmp_path: Path) -> None:
     np.savez(tmp_path / "f.npz", x=np.ones((20, 2)), y=np.arange(20) % 2)
     spec = FederationSpec(source="features", source_options={"path": str(tmp_path / "f.npz")}, split="train_test",
