@@ -340,8 +340,9 @@ class FedPFTConfig:
         topology: ``"centralized"`` (one round, all clients to the server) or ``"decentralized"`` (a chain).
         head: ``"linear"`` or ``"target"`` (the run's target network, e.g. ``feature_mlp``).
         head_lr, head_epochs, head_batch_size, head_weight_decay: head training by minibatch SGD. Unit-norm features
-            give small gradients, hence the large default learning rate; choose it on training clients' validation
-            splits for a new backbone or dataset (``benchmarks/fedpft_mnist.py`` does, never on test data).
+            give small gradients, hence the large default learning rate. ``benchmarks/fedpft_mnist.py`` (which has
+            no validation split) uses it as set, without tuning it; for a new backbone or dataset choose it on
+            training clients' validation splits (``fedpft_baselines.select_on_validation``), never on test data.
         reg_covar, max_iter: EM settings (scikit-learn's defaults).
         dp_epsilon: ``None`` for FedPFT; a finite epsilon > 0 for DP-FedPFT (K = 1).
         dp_delta: the public delta of each client's release (e.g. 1e-5; never 1/n).
