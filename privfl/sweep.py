@@ -23,7 +23,8 @@ The privacy-utility experiment of the ODPFL-HN paper (digest 5.4-5.5 and 7.7, wi
    either. ``descriptor_margin`` is, per n, the clean (non-private) accuracy minus the better control's;
    ``descriptor_informative`` says whether it is at least ``min_margin`` points at every n. When it is not, the
    privacy-utility table says nothing about privacy: the noise had nothing to destroy.
-5. **Report.** Mean accuracy (+- SEM over mixes and repeats) per (epsilon, n) and per control, the smallest n from
+5. **Report.** Mean accuracy (+- SEM over mixes: a mix's repeats share its evaluation and descriptor sets and differ
+   only in the noise, so they are averaged first) per (epsilon, n) and per control, the smallest n from
    which every larger size is within ``tolerance`` points of the non-private accuracy at the same size, a printed
    table, ``sweep.csv`` (one row per served model; ``descriptor`` says clean, private or which control),
    ``sweep.json`` and ``sweep.png`` in ``OUT``.
@@ -240,14 +241,22 @@ def _label_mixes(num_classes: int, per_client: int, count: int, rng: np.random.G
 
 
 def _summarise(config: SweepConfig, rows: list[dict], summary: dict, train_s: float, wall_s: float) -> dict:
-    """Mean +- SEM per (epsilon, n) and the smallest n within ``tolerance`` of the non-private accuracy."""
+    """Mean +- SEM per (epsilon, n) and the smallest n within ``tolerance`` of the non-private accuracy.
+
+    The mixes are the independent units: a mix's repeats are averaged first, and the SEM is over the mix means
+    (``count`` mixes; ``rows`` served models). Treating repeats as independent would shrink the SEM with noise draws
+    that add no new evaluation or descriptor data."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     for level in ["inf", *sorted(config.epsilons), *CONTROLS]:     # a row's "epsilon" is one of these
         table[_key(level)] = {}
         for n in config.sizes:
-            accs = [r["accuracy"] for r in rows if r["epsilon"] == level and r["n"] == n]
-            mean, sem = mean_sem(accs)
-            table[_key(level)][str(n)] = {"accuracy": mean, "sem": sem, "count": len(accs)}
+            by_mix: dict[int, list[float]] = {}
+            for r in rows:
+                if r["epsilon"] == level and r["n"] == n:
+                    by_mix.setdefault(r["mix"], []).append(r["accuracy"])
+            mean, sem = mean_sem([float(np.mean(accs)) for accs in by_mix.values()])
+            table[_key(level)][str(n)] = {"accuracy": mean, "sem": sem, "count": len(by_mix),
+                                          "rows": sum(len(accs) for accs in by_mix.values())}
     smallest = {}
     for key, cells in table.items():
         if key == "inf" or key in CONTROLS:

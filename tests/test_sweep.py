@@ -13,7 +13,7 @@ import torch
 from privfl.cli import main
 from privfl.data import FederationSpec, build_federation
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.sweep import descriptor_margin, smallest_size_without_loss
+from privfl.sweep import SweepConfig, _summarise, descriptor_margin, smallest_size_without_loss
 
 TINY = ["sweep", "--clients", "6", "--max-samples", "1200", "--rounds", "2", "--client-fraction", "0.5",
         "--sizes", "20,60", "--epsilons", "0.3,3", "--novel-mixes", "2", "--eval-size", "40", "--repeats", "1",
@@ -97,3 +97,19 @@ def test_smallest_size_without_loss_needs_every_larger_size_to_pass():
     assert smallest_size_without_loss(cells, clean, 1.0) == 500          # 50 passes, but 150 does not
     assert smallest_size_without_loss(clean, clean, 1.0) == 50
     assert smallest_size_without_loss({**cells, "1500": {"accuracy": 93.0}}, clean, 1.0) is None
+
+
+def test_the_sem_is_over_mixes_with_repeats_averaged_first():
+    # 2 mixes x 2 noise repeats at epsilon 0.3: the repeats share the mix's evaluation and descriptor sets, so the
+    # independent units are the mixes (means 91 and 81): SEM = |91 - 81| / 2 = 5. Pooling the four rows as
+    # independent would give sqrt((4^2 + 6^2 + 6^2 + 4^2) / 3 / 4) = 2.94.
+    config = SweepConfig(epsilons=(0.3,), sizes=(20,), novel_mixes=2, repeats=2)
+    rows = [{"mix": m, "n": 20, "epsilon": 0.3, "accuracy": a, "ledger_epsilon": 0.3}
+            for m, accs in ((0, (90.0, 92.0)), (1, (80.0, 82.0))) for a in accs]
+    rows += [{"mix": m, "n": 20, "epsilon": level, "accuracy": a, "ledger_epsilon": math.inf}
+             for level, accs in (("inf", (95.0, 85.0)), ("control_mean_training", (70.0, 60.0)),
+                                 ("control_other_mix", (50.0, 40.0))) for m, a in enumerate(accs)]
+    summary = {"novel": {"accuracy_mean": 0.0}, "training_val": {"accuracy_mean": 0.0}, "rounds_completed": 1}
+    table = _summarise(config, rows, summary, 0.0, 0.0)["table"]
+    assert table["0.3"]["20"] == {"accuracy": 86.0, "sem": pytest.approx(5.0, rel=1e-12), "count": 2, "rows": 4}
+    assert table["inf"]["20"] == {"accuracy": 90.0, "sem": pytest.approx(5.0, rel=1e-12), "count": 2, "rows": 2}
