@@ -137,7 +137,9 @@ class FedAvgClient(ClientProcedure):
         """DP-SGD local training; the release carries only the weight change and this round's DP-SGD event.
 
         The change is post-processing of the DP-SGD iterates, so the round's event covers it. The sample count and
-        training loss are not sent: they depend on the data and no mechanism covers them.
+        training loss are not sent: they depend on the data and no mechanism covers them. (The accountant takes n as
+        known for the sampling rate q = batch_size / n, which the round's event records: a ledger sent to the server,
+        as Flower's summary does, gives n; see ``privfl.federation.flower.protocol.OUTSIDE_LEDGER``.)
         """
         trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.config.dp_noise_multiplier,
                                            max_grad_norm=self.config.dp_max_grad_norm, noise=self.config.dp_noise))

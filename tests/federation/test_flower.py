@@ -223,6 +223,11 @@ def test_nodes_holding_several_clients_give_the_in_process_numbers(tmp_path, mak
     assert _equal_states(_comparable(tmp_path / "flower")[3], _comparable(tmp_path / "inprocess")[3])
     assert got["flower"]["nodes"] == 2 and got["flower"]["clients_per_node_max"] == 7
     assert len(got["flower"]["round_seconds"]) == config.rounds and got["flower"]["novel_not_served"] == []
+    # what reached the server without a ledger record, counted: the final scores of the 9 training clients (the
+    # best_val evaluations during training are releases) and of the 3 novel clients, and the ledgers
+    outside = got["flower"]["outside_ledger"]
+    assert outside["evaluate"]["replies"] == training and outside["novel_model"]["replies"] == 3
+    assert outside["ledger"]["replies"] >= training + 3 and "batch_size / n" in outside["ledger"]["carries"]
     # one Flower message per node and exchange, whatever the number of clients it holds
     assert sum(kind == "train" for _, kind in grid.sent) <= 2 * config.rounds
     assert sum(kind == "evaluate" for _, kind in grid.sent) == 2 * (config.rounds + 1)

@@ -21,6 +21,11 @@ Every reply that carries a release was recorded in the node's ledger, and the le
 reply left the node. Replies that carry no release are labelled ``telemetry`` (the experimenter's scores, which the
 in-process runtime reads directly without a release) or ``nothing``.
 
+What reaches the server outside the ledger: the telemetry scores and the ledgers themselves (:data:`OUTSIDE_LEDGER`).
+In-process they stay with the experimenter; on Flower they cross to the server process, and the epsilons do not cover
+them. The run summary counts them (``flower.outside_ledger``), so a reader sees that the server was trusted with them;
+a deployment whose server is an adversary must not send them.
+
 A node may hold several clients (node config ``partition-range``): the server then sends it one Flower message per
 exchange that packs the messages of all its clients (:func:`~privfl.federation.flower.records.pack`), and the node
 answers with one message that packs their replies.
@@ -51,6 +56,17 @@ MESSAGE_TYPES = {
 
 # reply kinds
 RELEASE, NOTHING, TELEMETRY = "release", "nothing", "telemetry"
+
+#: What crosses to the server without a ledger record, by operation (telemetry replies) or ``"ledger"`` (a client's
+#: ledger in a reply header), and what it carries.
+OUTSIDE_LEDGER = {
+    "evaluate": "a training client's score of its evaluation model on its validation split (sample count, correct "
+                "count, loss sum), for the experimenter's model selection and report",
+    "novel_model": "a novel client's score of its served model on its own labels (sample count, correct count, "
+                   "loss sum), for the experimenter's report",
+    "ledger": "a client's privacy ledger (its release events and metadata, for the summary's epsilons; DP-SGD's "
+              "sampling rate q = batch_size / n gives n)",
+}
 
 # run-config keys (``[tool.flwr.app.config]`` of the app, or the simulation's defaults)
 RUN_CONFIG = "privfl-config"        # the RunConfig as JSON

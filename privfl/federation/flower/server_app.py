@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,7 @@ class FlowerRuntime:
         self.node_clients: dict[int, list[int]] = {}   # Flower node id -> the client ids it holds
         self.round_seconds: list[float] = []
         self.novel_not_served: dict[str, Any] = {}
+        self.outside_ledger: Counter[str] = Counter()   # replies that reached the server without a ledger record
         started = time.perf_counter()
         self._connect(serve)
         self.connect_seconds = time.perf_counter() - started
@@ -257,7 +258,10 @@ class FlowerRuntime:
                                         f"for clients {_ids(sorted(by_node[nid]))}")
             for cid, (message, reply_header) in items.items():
                 replies[cid] = (message, reply_header)
+                if reply_header.get("kind") == p.TELEMETRY and (message.metrics or message.arrays):
+                    self.outside_ledger[op] += 1                       # a score (the ledger op's reply is empty)
                 if "ledger" in reply_header:
+                    self.outside_ledger["ledger"] += 1
                     self._ledgers[cid] = reply_header["ledger"]        # the node's ledger as of this reply
                 elif reply_header.get("kind") == p.RELEASE:
                     self._ledgers.pop(cid, None)                       # a release since the last report
@@ -373,7 +377,10 @@ class FlowerRuntime:
                 "clients_per_node_max": max((len(c) for c in self.node_clients.values()), default=0),
                 "connect_s": self.connect_seconds, "round_seconds": list(self.round_seconds),
                 "novel_not_served": self.novel_not_served.get("clients", []),
-                "novel_not_served_reason": self.novel_not_served.get("reason", "")}
+                "novel_not_served_reason": self.novel_not_served.get("reason", ""),
+                # data-dependent replies the epsilons do not cover (protocol.OUTSIDE_LEDGER): count and content
+                "outside_ledger": {kind: {"replies": count, "carries": p.OUTSIDE_LEDGER[kind]}
+                                   for kind, count in sorted(self.outside_ledger.items())}}
 
 
 def _ids(ids: list[int], limit: int = 20) -> str:
