@@ -60,8 +60,9 @@ from privfl.provenance import numerics
 #: (std 0.03 on the mean, about the noise of a release at epsilon 0.3 on n = 900) keeps the hypernetwork smooth in the
 #: descriptor, which helps label mixes no training client had. Server learning rates 0.1 (hypernetwork) and 1.0
 #: (encoder): on MNIST (50 clients, 2 classes each, 200 rounds of 10) the clean descriptor then beats the better
-#: uninformative control by about 7 points at n = 500; with 0.05 / 0.2 the margin was under 1 point (the hypernetwork
-#: had not personalised in 100 rounds), and with 0.2 / 2.0 again under 1 (noisier training). These rates were picked
+#: uninformative control by 5 to 7 points at n = 500 (in two floating-point environments); with 0.05 / 0.2 the margin
+#: was under 1 point (the hypernetwork had not personalised in 100 rounds), and with 0.2 / 2.0 again under 1 (noisier
+#: training). These rates were picked
 #: on that margin, which is scored on the sweep's own evaluation mixes (held-out labels): the benchmark's margin and
 #: table are the best of three settings on the data they report (benchmarks/README.md says so).
 DEFAULT_METHOD = {"encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hidden": 200, "encoder_clip": 1.0,
