@@ -12,6 +12,7 @@ import torch
 
 from privfl.cli import main
 from privfl.data import FederationSpec, build_federation
+from privfl.errors import ConfigError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
 from privfl.sweep import SweepConfig, _summarise, descriptor_margin, smallest_size_without_loss
 
@@ -82,6 +83,14 @@ def test_held_out_pool_is_disjoint_from_every_training_client():
     assert sorted(torch.bincount(ya, minlength=10)[[3, 7]].tolist()) == [50, 51]
     assert torch.bincount(yb, minlength=10)[[3, 7]].tolist() == [50, 50] and pool.remaining == 58800 - 201
     assert not ({r.numpy().tobytes() for r in a} & {r.numpy().tobytes() for r in b})
+
+
+def test_held_out_pool_refuses_a_spec_that_shifts_images():
+    # the pool's images come back unshifted: drawing "novel clients" of a rotated spec from it would silently be wrong
+    spec = FederationSpec(source="mnist", split="train_test", num_clients=6, novel_clients=2, max_samples=1200,
+                          novel_rotation=30.0)
+    with pytest.raises(ConfigError, match="held_out_pool returns unshifted images.*novel_rotation=30.0"):
+        held_out_pool(spec, seed=0)
 
 
 def test_descriptor_margin_is_clean_minus_the_best_control():

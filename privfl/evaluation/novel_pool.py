@@ -25,8 +25,14 @@ def held_out_pool(spec: FederationSpec, *, seed: int) -> tuple[torch.Tensor, tor
     """``(x, y)``: the images of ``spec``'s training pool (the train split, or the merged pool) that
     ``build_federation(spec, seed=seed)`` left out by ``max_samples``; normalised float32 and int64 labels.
 
-    Raises :class:`ConfigError` when the federation uses the whole pool (``max_samples`` unset or too large).
+    Raises :class:`ConfigError` when the federation uses the whole pool (``max_samples`` unset or too large), or when
+    ``spec`` shifts images (blur, rotation, concept-shift angles): the held-out images are returned unshifted, so they
+    would silently not be the novel clients ``spec`` describes.
     """
+    if spec.has_image_shift:
+        raise ConfigError("held_out_pool returns unshifted images, but the federation shifts them (novel_blur_sigma="
+                          f"{spec.novel_blur_sigma}, novel_rotation={spec.novel_rotation}, train_angles="
+                          f"{list(spec.train_angles)}); draw held-out novel clients from an unshifted spec")
     source = load_source(spec.source, data_root=spec.data_root, download=spec.download, **spec.source_options)
     splits = [source.train] if source.test is None else [source.train, source.test]
     if spec.split == "merged":
