@@ -13,7 +13,10 @@ The privacy-utility experiment of the ODPFL-HN paper (digest 5.4-5.5 and 7.7, wi
 3. **Serve.** For every (mix, n, epsilon, repeat) a fresh novel client runs the real protocol: encoder down, one
    descriptor release up (through :func:`privfl.privacy.privatize` at (epsilon, delta), replace-one, n public; or
    without privacy), generated model down. Each release is recorded in the client's ledger, and the epsilon the
-   ledger reports is written beside the one asked for.
+   ledger reports is written beside the one asked for. Each (epsilon, repeat) is a separate hypothetical client
+   with the same images, so each ledger holds one release: the table measures what one release at each epsilon
+   buys. The same images released at every level and repeat would compose; no deployment does that, and no ledger
+   here sums them.
 4. **Controls: does the descriptor matter?** A flat privacy-utility curve is also what a system that ignores its
    descriptor produces (one model for everybody is equally good at every epsilon and every n). So every mix is also
    served, at every n, two models built *without* its own descriptor: ``control_mean_training``, the model the
