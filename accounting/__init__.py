@@ -41,6 +41,7 @@ from accounting.ledger import (
     LedgerBook,
     PrivacyBudget,
     PrivacyLedger,
+    ReleaseJournal,
     ReleaseRecord,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "PrivacyEvent",
     "PrivacyLedger",
     "PrivacySpent",
+    "ReleaseJournal",
     "ReleaseRecord",
     "SamplingMethod",
     "SelfComposedEvent",

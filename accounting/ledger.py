@@ -461,6 +461,68 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         return cls.from_state_dict(_read_json(Path(path)))
 
 
+class ReleaseJournal:
+    """Every release recorded in a book, appended to a file as it is recorded, one JSON line each.
+
+    A book is saved with a run's checkpoints, every few rounds. A process killed between two saves would lose the
+    records of the releases made since, although those releases were delivered; the run, resumed from the last
+    checkpoint, would then report epsilons that leave them out. The journal line is written (and flushed to the
+    operating system, which keeps it when the process dies) before the release is delivered, and
+    :meth:`replay_into` puts the lost records back into the checkpoint's book: a ledger never rolls back. A last line
+    cut short by the kill belongs to a release that was never delivered, and is ignored.
+
+    >>> import tempfile, pathlib
+    >>> from accounting.events import GaussianEvent
+    >>> journal = ReleaseJournal(pathlib.Path(tempfile.mkdtemp()) / "releases.jsonl")
+    >>> book = LedgerBook()
+    >>> journal.append(3, book[3].record(GaussianEvent(5.0), purpose="descriptor", round=0))
+    >>> journal.replay_into(LedgerBook())     # a book saved before that release gets it back
+    1
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def append(self, client_id: ClientId, record: ReleaseRecord) -> None:
+        """Append one recorded release of ``client_id``; call it before the release is delivered."""
+        line = json.dumps({"client_id": _check_client_id(client_id), "record": record.to_dict()}, allow_nan=False)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+
+    def entries(self) -> list[tuple[ClientId, ReleaseRecord]]:
+        """The journal's ``(client id, record)`` pairs in the order they were recorded (none if there is no file)."""
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text(encoding="utf-8").split("\n")
+        complete = lines[:-1]             # the text after the last newline is empty, or a line the kill cut short
+        try:
+            return [(entry["client_id"], ReleaseRecord.from_dict(entry["record"]))
+                    for entry in map(json.loads, complete)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed release journal {self.path}: {exc!r}") from None
+
+    def replay_into(self, book: LedgerBook) -> int:
+        """Add to ``book`` the journal's records beyond those it holds for each client (releases made after the book
+        was saved); return how many. The book's records must be the first of the journal's for every client.
+
+        Replayed records are history, as in :meth:`PrivacyLedger.from_state_dict`: not re-checked against a budget.
+        """
+        seen: Counter[ClientId] = Counter()
+        added = 0
+        for client_id, record in self.entries():
+            ledger = book[client_id]
+            if seen[client_id] < len(ledger):
+                if ledger.records[seen[client_id]] != record:
+                    raise ValueError(f"release journal {self.path} does not match the ledger of client {client_id!r} "
+                                     f"at its record {seen[client_id]}: they come from different runs")
+            else:
+                ledger._append(record, ledger._check_event(record.event))
+                added += 1
+            seen[client_id] += 1
+        return added
+
+
 def _check_format(state: object, expected: str) -> None:
     if not isinstance(state, Mapping) or state.get("format") != expected:
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__

@@ -17,12 +17,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from accounting import ReleaseJournal
 from privfl.data import FederatedDataset, FederationSpec, build_federation, label_shift_kl
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
 from privfl.federation.rundir import RunDirectory, dumps
 from privfl.federation.runtime import InProcessRuntime
+from privfl.federation.wire import Wire
 from privfl.methods import ModelFactory, get_method
 from privfl.provenance import numerics
 
@@ -145,6 +147,10 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
         run_dir.truncate_metrics(runtime.completed_rounds)
     else:
         run_dir.create(config.to_dict(), overwrite=overwrite)
+    if isinstance(runtime.wire, Wire):   # Flower's nodes keep their ledgers on disk themselves
+        runtime.wire.journal = ReleaseJournal(run_dir.path(RunDirectory.RELEASES))
+        if resume:   # releases made after the checkpoint, by a process that was killed, stay recorded
+            runtime.wire.journal.replay_into(runtime.wire.ledgers)
 
     def checkpoint_now(state: dict[str, Any]) -> None:
         run_dir.save_checkpoint({"format": 1, "runtime": state, "best": best,

@@ -3,7 +3,8 @@
 ``config.json`` (how to reproduce it), ``metrics.jsonl`` (one line per evaluation), ``clients.csv`` (one row per
 client), ``ledger.json`` (every release of every client), ``summary.json`` (means, SEMs, epsilon and the
 neighbouring relations it holds under, wall time, peak memory), ``plots.png`` (learning curve, accuracy against label
-shift) and ``checkpoint.pt`` (to resume). Every file is written atomically: a crash mid-write leaves the previous
+shift), ``checkpoint.pt`` (to resume) and ``releases.jsonl`` (each release's ledger record as it is made, so that a
+run resumed after a kill keeps the releases made since its last checkpoint). Every file is written atomically: a crash mid-write leaves the previous
 version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6).
 """
 
@@ -75,8 +76,9 @@ def update_json(path: Path, mutate: Callable[[Any], Any]) -> Any:
 class RunDirectory:
     """The files of one run under ``root``."""
 
-    CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT = (
-        "config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt")
+    CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES = (
+        "config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt",
+        "releases.jsonl")
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
@@ -91,7 +93,8 @@ class RunDirectory:
                 f"run directory {self.root} already holds a run; resume it with --resume {self.root}, "
                 "choose another --out, or pass --overwrite")
         self.root.mkdir(parents=True, exist_ok=True)
-        for name in (self.METRICS, self.CLIENTS, self.SUMMARY, self.LEDGER, self.CHECKPOINT, "plots.png"):
+        for name in (self.METRICS, self.CLIENTS, self.SUMMARY, self.LEDGER, self.CHECKPOINT, self.RELEASES,
+                     "plots.png"):
             self.path(name).unlink(missing_ok=True)
         self.write_json(self.CONFIG, config)
 

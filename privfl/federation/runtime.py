@@ -7,7 +7,9 @@ not know which method it runs: it calls the :class:`~privfl.methods.base.Strateg
 Rounds are transactional. A client procedure works on a copy of its state, and client states are committed only
 after the server has aggregated, so if a round is interrupted the runtime still holds the consistent state of the
 last completed round (:meth:`committed_state_dict`). The ledger is never rolled back: a release that was made stays
-recorded, even if its round is later run again.
+recorded, even if its round is later run again. A process killed between checkpoints takes with it the records of
+the releases made since the last one; :func:`privfl.experiment.train` gives the wire a run directory's release
+journal (``releases.jsonl``, appended before each delivery) and replays it into the checkpoint's ledgers on resume.
 """
 
 from __future__ import annotations

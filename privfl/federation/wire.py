@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from accounting import LedgerBook
+from accounting import LedgerBook, ReleaseJournal
 
 from privfl.federation.messages import Message, Release
 
@@ -21,6 +21,8 @@ class Wire:
 
     def __init__(self, ledgers: LedgerBook | None = None) -> None:
         self.ledgers = ledgers if ledgers is not None else LedgerBook()
+        # where each release's record is also appended before it is delivered (a run directory's releases.jsonl)
+        self.journal: ReleaseJournal | None = None
         self.bytes_down: dict[int, int] = defaultdict(int)
         self.bytes_up: dict[int, int] = defaultdict(int)
 
@@ -36,7 +38,9 @@ class Wire:
         release would exceed the client's budget.
         """
         metadata = release.ledger_metadata()
-        self.ledgers[client_id].record(release.event, purpose=release.purpose, round=round, metadata=metadata)
+        record = self.ledgers[client_id].record(release.event, purpose=release.purpose, round=round, metadata=metadata)
+        if self.journal is not None:
+            self.journal.append(client_id, record)
         self.bytes_up[client_id] += metadata["bytes"]
         return release.message.copy()
 

@@ -321,3 +321,22 @@ def test_ledger_book_save_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert set(LedgerBook.load(path)) == {0}
     assert os.listdir(tmp_path) == ["ledgers.json"]
+
+
+def test_release_journal_replays_what_a_saved_book_lacks_and_ignores_a_line_cut_short(tmp_path):
+    path = tmp_path / "releases.jsonl"
+    journal, book = accounting.ledger.ReleaseJournal(path), LedgerBook()
+    assert journal.entries() == [] and journal.replay_into(LedgerBook()) == 0        # no file yet: nothing
+    journal.append(1, book[1].record(DESCRIPTOR, purpose="descriptor", round=0, metadata={"bytes": 8}))
+    saved = LedgerBook.from_state_dict(book.state_dict())                            # the checkpoint's book
+    journal.append("a", book["a"].record(DESCRIPTOR, purpose="descriptor", round=1))
+    journal.append(1, book[1].record(GaussianEvent(7.0), purpose="model_update", round=1))
+    with open(path, "a") as f:
+        f.write('{"client_id": 1, "record": {"event"')                              # killed mid-line: not sent
+    assert [cid for cid, _ in journal.entries()] == [1, "a", 1]
+    assert journal.replay_into(saved) == 2 and saved.state_dict() == book.state_dict()
+    assert journal.replay_into(saved) == 0                                            # already there: idempotent
+    other = LedgerBook()
+    other[1].record(GaussianEvent(9.0), purpose="descriptor", round=0)               # another run's ledger
+    with pytest.raises(ValueError, match="does not match the ledger of client 1 at its record 0"):
+        journal.replay_into(other)

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from accounting import LedgerBook
 from privfl.experiment import RunConfig, RunInterrupted, train, train_once
 from privfl.federation import RunDirectory
 
@@ -83,6 +84,35 @@ def test_train_once_reuses_only_the_same_run_and_resumes_an_interrupted_one(tmp_
     resumed = train_once(config(rounds=6, seed=4), str(tmp_path / "cut"), progress=False)
     whole = train(config(rounds=6, seed=4), str(tmp_path / "whole"), progress=False)
     assert resumed["novel"] == whole["novel"] and resumed["rounds_completed"] == 6
+
+
+def test_a_run_killed_between_checkpoints_keeps_the_releases_it_made(tmp_path, config, monkeypatch):
+    from privfl.methods.fedavg import FedAvgStrategy
+
+    cfg = config(rounds=6, client_fraction=0.5, checkpoint_every=2)
+    full = train(cfg, str(tmp_path / "full"), progress=False)
+    aggregate = FedAvgStrategy.aggregate_train
+
+    def dies_in_round_3(self, round, replies):
+        if round == 3:   # rounds 0-2 done, checkpoint after round 1: the releases of rounds 2 and 3 are in no checkpoint
+            raise RuntimeError("process killed")
+        return aggregate(self, round, replies)
+
+    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", dies_in_round_3)
+    with pytest.raises(RuntimeError, match="process killed"):
+        train(cfg, str(tmp_path / "cut"), progress=False)
+    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", aggregate)
+    resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    assert resumed["novel"] == full["novel"]        # the numbers of an uninterrupted run
+
+    def rounds(path, purpose):
+        book = LedgerBook.load(tmp_path / path / "ledger.json")
+        return sorted(r.round for cid in book for r in book[cid].records if r.purpose == purpose)
+    # every release made is recorded: the updates of rounds 2 and 3 twice, once before the kill and once when re-run
+    # (the validation scores of round 3 were never sent: the process died first)
+    lost = [r for r in rounds("full", "model_update") if r in (2, 3)]
+    assert len(lost) > 0 and rounds("cut", "model_update") == sorted(rounds("full", "model_update") + lost)
+    assert rounds("cut", "validation_metrics") == rounds("full", "validation_metrics") != []
 
 
 def _cli(*args):
