@@ -7,9 +7,17 @@ The privacy argument (ODPFL-HN Lemma 2 with the corrections of the DP review, di
    any module outside phi -> pool -> psi are refused by name: their output can move by O(1) when one sample changes,
    whatever n, so noise that shrinks with n would not cover them.
 2. **Per-sample phi, clipped on the client.** ``phi`` is applied to each sample on its own (``torch.func.vmap``, the
-   encoder in eval mode), so ``v_i`` depends on ``x_i`` only. Each ``v_i`` is projected onto the L2 ball of radius
-   ``bound`` (``v * min(1, bound/||v||)``; a non-finite ``v_i`` becomes 0) by this wrapper, outside the encoder,
-   so a buggy or malicious encoder from the server cannot void the bound.
+   encoder put in eval mode at every release), so ``v_i`` depends on ``x_i`` only. Each ``v_i`` is projected onto
+   the L2 ball of radius ``bound`` (``v * min(1, bound/||v||)``; a non-finite ``v_i`` becomes 0) by this wrapper,
+   outside the encoder, so **weights** from the server, however chosen, cannot void the bound.
+
+   **Trust.** The encoder's *code* runs on the client and is trusted as the client's own: Python in phi can keep
+   state across samples, reach around ``vmap``, or hand over a tensor subclass whose arithmetic lies, and no wrapper
+   can verify arbitrary code. What is checked, and refused with nothing recorded or released: phi's parameters and
+   buffers must be unchanged by the release (a layer updating a running statistic in forward couples the samples);
+   phi's output must be a plain ``torch.Tensor``; psi must share no module with phi (a module both see would carry
+   data past the noise). Build encoders from the modules of :mod:`privfl.models.set_encoders` (what ODPFL-HN's
+   clients do, loading only the server's weights) and these are the only assumptions.
 3. **Sensitivity.** Under replace-one with n public the mean of the clipped ``v_i`` moves by at most ``2 bound / n``
    (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`). n is treated as **public**: it sets the noise
    scale, so it is not protected. Under add/remove-one the noise is calibrated to a public lower bound
@@ -73,6 +81,11 @@ def _refuse_if_not_mean_deepset(encoder: object) -> None:
         if name not in _STAGES:
             raise ConfigError(f"encoder.{name} is {type(child).__name__}: it is not reached only through "
                               "phi -> pool -> psi, so privatize cannot bound what it contributes")
+    phi_modules = {id(m) for m in encoder.phi.modules()}
+    shared = [name for name, m in encoder.psi.named_modules(prefix="encoder.psi") if id(m) in phi_modules]
+    if shared:
+        raise ConfigError(f"{shared[0]} is also a module of encoder.phi: psi must see only the noisy mean, and a "
+                          "module both use can carry what phi saw of the data past the noise")
     pool = encoder.pool
     if type(pool) is not MeanPool:  # a subclass could override forward; the mean is recomputed here anyway
         extra = " (its max half does not shrink with n)" if isinstance(pool, MeanMaxPool) else ""
@@ -153,11 +166,23 @@ class PrivateEncoder(nn.Module):
         This is the **pre-noise** value: it is not private, records nothing, and must never leave the client.
         """
         self._check_samples(x)
+        self.encoder.eval()          # a caller holding the encoder may have switched it back to train mode
         phi = self.encoder.phi
+        before = {k: t.clone() for k, t in phi.state_dict().items()}
         try:  # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
             v = torch.func.vmap(lambda s: phi(s.unsqueeze(0)).reshape(-1))(x)
         except (RuntimeError, NotImplementedError):  # an op vmap cannot batch: the same, one sample at a time
             v = torch.stack([phi(s.unsqueeze(0)).reshape(-1) for s in x])
+        after = phi.state_dict()
+        changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])]
+        if changed or after.keys() != before.keys():
+            phi.load_state_dict(before, strict=False)
+            raise ConfigError(f"encoder.phi changed its state while it ran ({(changed or sorted(after))[0]}): a phi "
+                              "that keeps state across samples couples them, so its mean has no 2*bound/n "
+                              "sensitivity; nothing was released or recorded")
+        if type(v) is not torch.Tensor:
+            raise ConfigError(f"encoder.phi returned a {type(v).__name__}, not a plain torch.Tensor: a tensor subclass "
+                              "can change what clipping computes; nothing was released or recorded")
         v = v.to(torch.float64)
         v = torch.where(torch.isfinite(v).all(dim=1, keepdim=True), v, torch.zeros_like(v))
         norms = v.norm(dim=1, keepdim=True)
@@ -177,9 +202,11 @@ class PrivateEncoder(nn.Module):
         n = self._check_samples(x)
         certificate = self.certificate(n)
         mean = self.clipped_mean(x)
-        metadata: dict[str, Any] = {"noise": self.noise, "n": n, "bound": self.bound}
-        if self.min_samples is not None:
-            metadata["min_samples"] = self.min_samples
+        metadata: dict[str, Any] = {"noise": self.noise, "bound": self.bound}
+        if self.min_samples is None:
+            metadata["n"] = n                               # public under replace-one: it set the noise
+        else:
+            metadata["min_samples"] = self.min_samples      # add/remove-one: n is private and stays out
         return self._record_noise_psi(certificate, mean, metadata)
 
     @staticmethod

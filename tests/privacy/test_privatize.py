@@ -88,6 +88,68 @@ def test_accepts_dp_deepset_and_conv_phi():
     assert out.shape == (2,)
 
 
+class RunningSum(nn.Module):
+    """Adds every input it sees to a buffer and returns the sum so far: state carried from sample to sample."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.total.add_(h.detach().sum(0))   # in place: vmap cannot batch it, so phi runs one sample after another
+        return self.total.unsqueeze(0).clone()
+
+
+class Normless(torch.Tensor):
+    """A tensor whose norm is always 0, so that clipping would leave it as it is."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return torch.zeros_like(out) if func in (torch.Tensor.norm, torch.linalg.vector_norm) else out
+
+
+class NormlessPhi(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.sum()) > -1e9:            # a data-dependent branch: vmap fails, the per-sample loop runs
+            return (100.0 * x).as_subclass(Normless)
+        return x
+
+
+def test_refuses_a_phi_that_changes_its_state_while_it_runs_and_restores_it():
+    # v_i would be x_1 + ... + x_i: the mean moves by about 1 when one early record changes, not by 2 bound / n
+    enc = Stages(nn.Sequential(nn.Flatten(), RunningSum(6)), MeanPool())
+    ledger = PrivacyLedger(0)
+    private = privatize(enc, EPS, DELTA, ledger=ledger, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"encoder\.phi changed its state while it ran \(1\.total\).*nothing was "
+                                          "released or recorded"):
+        private(torch.randn(50, 6))
+    assert len(ledger) == 0 and torch.equal(enc.phi[1].total, torch.zeros(6))   # the data-dependent sum is gone
+
+
+def test_refuses_a_phi_output_that_is_not_a_plain_tensor():
+    ledger = PrivacyLedger(0)
+    private = privatize(Stages(NormlessPhi(), MeanPool()), EPS, DELTA, ledger=ledger)
+    with pytest.raises(ConfigError, match="encoder.phi returned a Normless, not a plain torch.Tensor"):
+        private(torch.randn(10, 6))
+    assert len(ledger) == 0
+
+
+def test_refuses_a_psi_that_shares_a_module_with_phi():
+    shared = nn.Linear(6, 6)
+    with pytest.raises(ConfigError, match=r"encoder\.psi\.0 is also a module of encoder\.phi"):
+        privatize(Stages(nn.Sequential(shared), MeanPool(), nn.Sequential(shared)), EPS, DELTA)
+
+
+def test_each_release_runs_phi_in_eval_mode_even_if_the_caller_switched_it_back():
+    enc = Stages(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)), MeanPool())
+    private = privatize(enc, EPS, DELTA, generator=torch.Generator().manual_seed(0))
+    enc.train()                              # the caller still holds the encoder
+    stats = enc.phi[1].running_mean.clone()
+    private(torch.randn(30, 6) + 5.0)        # in train mode BatchNorm would fold these samples into its statistics
+    assert not enc.training and torch.equal(enc.phi[1].running_mean, stats)
+
+
 # -- clipping and sensitivity ---------------------------------------------------------------------------------------
 
 
@@ -229,6 +291,8 @@ def test_add_or_remove_uses_the_public_lower_bound_not_n():
     with pytest.raises(ConfigError, match="min_samples=20"):
         private(torch.randn(19, 6))
     assert len(ledger) == 2
+    # nor does the ledger: n is private under add/remove-one (under replace-one it is public and recorded)
+    assert all("n" not in r.metadata and r.metadata["min_samples"] == 20 for r in ledger.records)
 
 
 # -- sensitivity certificates ---------------------------------------------------------------------------------------
