@@ -39,7 +39,7 @@ from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
-from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped, check_bound
+from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped, check_bound, clipped_rows
 
 PURPOSE = "descriptor"
 
@@ -55,16 +55,6 @@ def certify_labelled_mean(bound: float, n: int, *, delta: float | None = None) -
     labelled = ("; the record is a labelled pair (x, y) and phi reads both, but phi runs on each record alone, so "
                 "replacing one pair (image, label or both) changes exactly one clipped embedding")
     return dataclasses.replace(certificate, argument=certificate.argument + labelled)
-
-
-def _per_record(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``[n, d]``: row j is ``embedding(x_j, y_j)`` computed on record j alone (step 2)."""
-    def one(xj: torch.Tensor, yj: torch.Tensor) -> torch.Tensor:
-        return embedding(xj.unsqueeze(0), yj.unsqueeze(0)).reshape(-1)
-    try:
-        return torch.func.vmap(one)(x, y)
-    except (RuntimeError, NotImplementedError):  # an op vmap cannot batch: the same, one record at a time
-        return torch.stack([one(xj, yj) for xj, yj in zip(x, y, strict=True)])
 
 
 @torch.no_grad()
@@ -116,12 +106,11 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
     certificate = certify_labelled_mean(bound, n, delta=delta)
     was_training = embedding.training
     embedding.eval()
-    try:
-        rows = _per_record(embedding, x, y).to(torch.float64)
+    try:   # row j: embedding(x_j, y_j) on record j alone, clipped to B
+        rows = clipped_rows(embedding, lambda xj, yj: embedding(xj.unsqueeze(0), yj.unsqueeze(0)).reshape(-1),
+                            (x, y), bound, name="embedding")
     finally:
         embedding.train(was_training)
-    rows = torch.where(torch.isfinite(rows).all(dim=1, keepdim=True), rows, torch.zeros_like(rows))
-    rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True), max=1.0)  # norm 0 -> inf -> 1
     mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=certificate.value,
                                   relation=NeighboringRelation.REPLACE_ONE, noise=noise, generator=generator)
     if ledger is not None:

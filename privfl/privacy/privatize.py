@@ -55,6 +55,7 @@ from privfl.privacy.sensitivity import (
     certify_mean_of_clipped,
     check_bound,
     check_relation,
+    clipped_rows,
 )
 
 PURPOSE = "descriptor"
@@ -168,26 +169,9 @@ class PrivateEncoder(nn.Module):
         self._check_samples(x)
         self.encoder.eval()          # a caller holding the encoder may have switched it back to train mode
         phi = self.encoder.phi
-        before = {k: t.clone() for k, t in phi.state_dict().items()}
-        try:  # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
-            v = torch.func.vmap(lambda s: phi(s.unsqueeze(0)).reshape(-1))(x)
-        except (RuntimeError, NotImplementedError):  # an op vmap cannot batch: the same, one sample at a time
-            v = torch.stack([phi(s.unsqueeze(0)).reshape(-1) for s in x])
-        after = phi.state_dict()
-        changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])]
-        if changed or after.keys() != before.keys():
-            phi.load_state_dict(before, strict=False)
-            raise ConfigError(f"encoder.phi changed its state while it ran ({(changed or sorted(after))[0]}): a phi "
-                              "that keeps state across samples couples them, so its mean has no 2*bound/n "
-                              "sensitivity; nothing was released or recorded")
-        if type(v) is not torch.Tensor:
-            raise ConfigError(f"encoder.phi returned a {type(v).__name__}, not a plain torch.Tensor: a tensor subclass "
-                              "can change what clipping computes; nothing was released or recorded")
-        v = v.to(torch.float64)
-        v = torch.where(torch.isfinite(v).all(dim=1, keepdim=True), v, torch.zeros_like(v))
-        norms = v.norm(dim=1, keepdim=True)
-        v = v * torch.clamp(self.bound / norms, max=1.0)  # norm 0 -> inf -> 1
-        return v.mean(dim=0)
+        # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
+        return clipped_rows(phi, lambda s: phi(s.unsqueeze(0)).reshape(-1), (x,), self.bound,
+                            name="encoder.phi").mean(dim=0)
 
     # -- releases -----------------------------------------------------------------------------------------------------
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 from accounting import NeighboringRelation
 
@@ -166,4 +169,39 @@ def certify_mean_of_batch_means(bound: float, batch_sizes: Sequence[int],
     return SensitivityCertificate(value, relation, n, True, bound, argument)
 
 
-__all__ = ["SensitivityCertificate", "certify_mean_of_batch_means", "certify_mean_of_clipped", "check_relation"]
+@torch.no_grad()
+def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], bound: float,
+                 *, name: str) -> torch.Tensor:
+    """``[n, d]`` in float64: row i is ``one(inputs[0][i], inputs[1][i], ...)`` (a flat vector) computed on record i
+    alone, set to 0 if not finite, then projected onto the L2 ball of radius ``bound`` (``v * min(1, bound/||v||)``):
+    the ``v_i`` every certificate here bounds.
+
+    Record i alone: ``torch.func.vmap`` (an op vmap cannot batch: one record after another). That v_i depends on
+    x_i only also needs ``module`` (the code ``one`` runs, called ``name`` in errors) to keep no state from record to
+    record, and the clipping to see real tensors. Both are checked, and refused with :class:`ConfigError` before
+    anything is released: a parameter or buffer of ``module`` that the call changed (it is restored), and an output
+    that is not a plain ``torch.Tensor`` (a subclass can change what the norm computes). Arbitrary code can still
+    escape vmap; the code is trusted, its weights need not be.
+    """
+    before = {k: t.clone() for k, t in module.state_dict().items()}
+    try:
+        v = torch.func.vmap(one)(*inputs)
+    except (RuntimeError, NotImplementedError):
+        v = torch.stack([one(*record) for record in zip(*inputs, strict=True)])
+    after = module.state_dict()
+    changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])]
+    if changed or after.keys() != before.keys():
+        module.load_state_dict(before, strict=False)
+        raise ConfigError(f"{name} changed its state while it ran ({(changed or sorted(after))[0]}): state kept "
+                          "across records couples them, so their mean has no 2*bound/n sensitivity; nothing was "
+                          "released or recorded")
+    if type(v) is not torch.Tensor:
+        raise ConfigError(f"{name} returned a {type(v).__name__}, not a plain torch.Tensor: a tensor subclass can "
+                          "change what clipping computes; nothing was released or recorded")
+    v = v.to(torch.float64)
+    v = torch.where(torch.isfinite(v).all(dim=1, keepdim=True), v, torch.zeros_like(v))
+    return v * torch.clamp(bound / v.norm(dim=1, keepdim=True), max=1.0)  # norm 0 -> inf -> 1
+
+
+__all__ = ["SensitivityCertificate", "certify_mean_of_batch_means", "certify_mean_of_clipped", "check_relation",
+           "clipped_rows"]

@@ -58,6 +58,28 @@ def test_the_release_clips_each_record_outside_the_network_then_adds_exactly_the
     assert torch.allclose(noisy, clipped_mean + event.sigma * z, atol=1e-12)
 
 
+class _Remembering(nn.Module):
+    """Adds each record to a buffer and returns the running sum: record j's row depends on records 1..j."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.flatten(1).sum(0))
+        return self.seen.unsqueeze(0).clone()
+
+
+def test_an_embedding_that_keeps_state_from_record_to_record_is_refused_and_restored():
+    from accounting import PrivacyLedger
+
+    embedding, ledger = _Remembering(), PrivacyLedger(0)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.long)
+    with pytest.raises(ConfigError, match=r"embedding changed its state while it ran \(seen\)"):
+        release_labelled_mean(embedding, x, y, epsilon=1.0, delta=1e-5, bound=0.5, num_classes=3, ledger=ledger)
+    assert len(ledger) == 0 and torch.equal(embedding.seen, torch.zeros(4, dtype=torch.float64))
+
+
 def test_with_a_ledger_the_release_is_recorded_first_and_refused_over_budget():
     from accounting import BudgetExceededError, PrivacyBudget, PrivacyLedger
 
