@@ -37,9 +37,13 @@ clients" (digest 3.2); before phase 2 that is the current ``theta``. A novel cli
 3. the server sends ``f_theta(e_new)`` from the current (fine-tuned) hypernetwork; the client predicts locally.
    Nothing else leaves the client.
 
-Model selection: during phase 2 the training clients' validation scores do not change (their models come from the
-pre-fine-tune hypernetwork), so with ``RunConfig(select="best_val")`` the selected round is never a phase-2 round
-and novel clients are served *without* fine-tuning. Use ``select="last"`` to serve the fine-tuned hypernetwork.
+Model selection: during phase 2 the training clients' validation scores are those of the end of phase 1 (their
+models come from the pre-fine-tune hypernetwork) and do not change. With ``RunConfig(select="best_val")`` and
+``phase1_rounds`` a multiple of ``eval_every`` the end of phase 1 is itself evaluated, so the selected round is never
+a phase-2 round and novel clients are served *without* fine-tuning. Otherwise the first phase-2 evaluation is the
+first to see the end-of-phase-1 weights and may be selected, and novel clients then get a hypernetwork fine-tuned for
+the phase-2 rounds before it (``eval_every`` 2, ``phase1_rounds`` 3: one round). Use ``select="last"`` to serve the
+fully fine-tuned hypernetwork.
 """
 
 from __future__ import annotations
