@@ -94,7 +94,8 @@ def test_a_run_killed_between_checkpoints_keeps_the_releases_it_made(tmp_path, c
     aggregate = FedAvgStrategy.aggregate_train
 
     def dies_in_round_3(self, round, replies):
-        if round == 3:   # rounds 0-2 done, checkpoint after round 1: the releases of rounds 2 and 3 are in no checkpoint
+        # rounds 0-2 done, the last checkpoint after round 1: the releases of rounds 2 and 3 are in no checkpoint
+        if round == 3:
             raise RuntimeError("process killed")
         return aggregate(self, round, replies)
 
