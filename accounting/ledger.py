@@ -36,8 +36,8 @@ ClientId = int | str
 #: numerical upper bound: pricing the analytic Gaussian mechanism calibrated exactly to (epsilon, delta) comes back
 #: above epsilon by up to 2.2e-9 relative at delta >= 1e-8 and 1.8e-7 at delta = 1e-10 (PLD accountant, epsilon 0.01
 #: to 32; client-level compositions of up to 200 releases: 2.2e-12). Without the slack a budget of exactly the
-#: calibrated epsilon refuses its own release. The excess it admits, 1e-6 * epsilon, moves the bound e^epsilon on the likelihood
-#: ratio by a factor e^(1e-6 epsilon), about 1 + 8e-6 at epsilon = 8.
+#: calibrated epsilon refuses its own release. The excess it admits, 1e-6 * epsilon, moves the bound e^epsilon on the
+#: likelihood ratio by a factor e^(1e-6 epsilon), about 1 + 8e-6 at epsilon = 8.
 BUDGET_RTOL = 1e-6
 
 _LEDGER_FORMAT = "privfl.accounting.ledger"

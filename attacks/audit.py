@@ -59,7 +59,8 @@ import numpy as np
 from scipy import stats
 
 __all__ = ["AuditResult", "DeltaAudit", "MECHANISMS", "audit_delta", "audit_dp_gmm", "audit_main", "audit_mechanism",
-           "audit_privatize", "dp_gmm_worst_case_pair", "audit_samples", "clopper_pearson", "format_table", "run_audit", "worst_case_pair"]
+           "audit_privatize", "dp_gmm_worst_case_pair", "audit_samples", "clopper_pearson", "format_table", "run_audit",
+           "worst_case_pair"]
 
 MECHANISMS = ("privatize", "classic", "maxpool", "dp_gmm")
 _MIN_TRIALS = 10
@@ -680,8 +681,9 @@ def format_table(results: Sequence[tuple[str, AuditResult]]) -> str:
                      f"{r.epsilon_point:>8.3f} {r.ratio:>7.3f} {dl:>12} {r.verdict}")
     for name, r in results:
         if isinstance(r.epsilon_release, float) and math.isfinite(r.epsilon_release):
-            lines.append(f"{name}: audited {r.audited}: claimed eps above is that block's own epsilon at the release's delta; "
-                         f"the whole release claims eps={r.epsilon_release:.4g}, delta={r.delta_release:.2g}")
+            lines.append(f"{name}: audited {r.audited}: claimed eps above is that block's own epsilon at the "
+                         f"release's delta; the whole release claims eps={r.epsilon_release:.4g}, "
+                         f"delta={r.delta_release:.2g}")
     if results:
         lines.append(f"eps_lb: {results[0][1].confidence:.0%} Clopper-Pearson lower bound on the evaluation half; "
                      "delta_lb@eps: lower bound on the delta at the claimed eps (Gaussian tail model for D')")

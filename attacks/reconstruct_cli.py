@@ -1,4 +1,5 @@
-"""``privfl attack reconstruct``: train (or reuse) a diffusion reconstructor and attack raw / FedPFT / DP-FedPFT releases.
+"""``privfl attack reconstruct``: train (or reuse) a diffusion reconstructor and attack raw / FedPFT / DP-FedPFT
+releases.
 
 Protocol (FedPFT paper, App. E; digest ``papers/fedpft.md`` 7 and 8.3 for the CPU scale):
 
@@ -377,7 +378,8 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
             "defender_features": feature_diagnostics(features_d, prior),
         },
         "reconstructor": {"parameters": reconstructor.num_parameters, "config": config.to_dict(),
-                          "steps": reconstructor.step, "final_loss_mean_100": float(np.mean(reconstructor.losses[-100:])),
+                          "steps": reconstructor.step,
+                          "final_loss_mean_100": float(np.mean(reconstructor.losses[-100:])),
                           "first_loss_mean_100": float(np.mean(reconstructor.losses[:100])),
                           "loss_mean_per_1000_steps": [float(np.mean(reconstructor.losses[i:i + 1000]))
                                                        for i in range(0, len(reconstructor.losses), 1000)],

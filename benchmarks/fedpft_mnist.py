@@ -160,8 +160,8 @@ def part_main(args, path: Path) -> dict:
         rows.append({"method": "local", "accuracy": mean_local_accuracy(heads, x, y), "bytes_up_total": 0})
         rows.append({"method": "ensemble", "accuracy": accuracy(MaxProbabilityEnsemble(list(heads.values())), x, y),
                      "bytes_up_total": head_bytes(d, classes) * len(heads)})
-        curve = fedavg_head_curve(federation, rounds=args.fedavg_rounds, lr=HEAD["head_lr"], local_steps=20, batch_size=64,
-                                  seed=args.seed, evaluate=lambda m: accuracy(m, x, y))
+        curve = fedavg_head_curve(federation, rounds=args.fedavg_rounds, lr=HEAD["head_lr"], local_steps=20,
+                                  batch_size=64, seed=args.seed, evaluate=lambda m: accuracy(m, x, y))
         rows += [{"method": "fedavg_head", **point} for point in curve]
         for k, covariance in grid:
             row = run_fedpft(federation, args.seed, components=k, covariance=covariance)
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out = str(Path(args.out).with_name("fedpft_mnist_quick.json"))
     torch.set_num_threads(1)
     out = Path(args.out)
-    results: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "cache_dir")}, "machine": platform.platform(),
+    results: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "cache_dir")},
+                     "machine": platform.platform(),
                      "python": sys.version.split()[0], "torch": torch.__version__,
                      "note": (f"MNIST subset: {args.train} train / {args.test} test images (seeded), MobileNetV2 at "
                               f"{args.input_size}x{args.input_size}; features cached in --cache-dir")}

@@ -202,8 +202,8 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, 
 # -- deployment -----------------------------------------------------------------------------------------------------
 
 
-_TIMED_APP = '''"""The privfl ClientApp, timing each message: when its process started, when privfl was imported, and how long the
-message's handling took (benchmark only; written to $PRIVFL_BENCH_TIMINGS)."""
+_TIMED_APP = '''"""The privfl ClientApp, timing each message: when its process started, when privfl was imported, and
+how long the message's handling took (benchmark only; written to $PRIVFL_BENCH_TIMINGS)."""
 import json
 import os
 import time

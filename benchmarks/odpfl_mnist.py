@@ -57,7 +57,8 @@ from privfl.sweep import DEFAULT_METHOD  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 #: The FedTTA paper's MNIST Table 1 ("Test") for the personalised baselines; FedAvg from benchmarks/fedtta_mnist.py.
-FEDTTA_PAPER = {"odpflhn": 95.67, "pfl_sampled": 9.43, "pfl_ensemble": 44.82, "fedavg": FEDTTA_PAPER_BASELINES["fedavg"]}
+FEDTTA_PAPER = {"odpflhn": 95.67, "pfl_sampled": 9.43, "pfl_ensemble": 44.82,
+                "fedavg": FEDTTA_PAPER_BASELINES["fedavg"]}
 
 _HN = {"lr": 0.05, "local_steps": 20, "batch_size": 64}
 #: ODPFL-HN with the sweep's encoder and server settings (privfl.sweep.DEFAULT_METHOD) and this file's local training
@@ -116,7 +117,8 @@ PROTOCOLS = {"splits": (500, 0.1), "fedtta": (200, 1.0)}
 
 def results_path(part: str, payload: dict) -> Path:
     """``results/odpfl_<part>.json``; parts of :data:`PROTOCOLS` at other rounds get ``_rounds<R>`` appended, at
-    another client fraction ``_fraction<f>`` (``odpfl_splits_rounds200.json``, ``odpfl_fedtta_rounds100_fraction0.2.json``)."""
+    another client fraction ``_fraction<f>`` (``odpfl_splits_rounds200.json``,
+    ``odpfl_fedtta_rounds100_fraction0.2.json``)."""
     rounds, fraction = PROTOCOLS.get(part, (payload.get("rounds"), payload.get("client_fraction")))
     suffix = "" if payload.get("rounds") == rounds else f"_rounds{payload['rounds']}"
     suffix += "" if payload.get("client_fraction") == fraction else f"_fraction{payload['client_fraction']:g}"

@@ -260,8 +260,9 @@ def print_tables(stored: dict) -> None:
             return "n/a" if value is None else format(value, spec)
 
         gap = None if r["unseen_mean"] is None or r["seen_mean"] is None else r["unseen_mean"] - r["seen_mean"]
-        print(f"| {stored['clients']} | {partition} | {method} | {r['rounds']} | {r['seeds']} | {num(r['seen_mean'])} +- "
-              f"{num(r['seen_sem_seeds'])} | {num(r['unseen_mean'])} +- {num(r['unseen_sem_seeds'])} | "
+        print(f"| {stored['clients']} | {partition} | {method} | {r['rounds']} | {r['seeds']} | "
+              f"{num(r['seen_mean'])} +- {num(r['seen_sem_seeds'])} | "
+              f"{num(r['unseen_mean'])} +- {num(r['unseen_sem_seeds'])} | "
               f"{num(gap, '+.2f')} | {c['up_bytes_per_client_round']:,.0f} | "
               f"{c['down_bytes_per_client_round']:,.0f} |")
 

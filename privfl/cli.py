@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("attack", help="attacks and audits against what methods release")
     attack = p.add_subparsers(dest="attack", required=True)
     # `privfl attack audit ...` is handed to the audit's own parser in main(); listed here for --help.
-    attack.add_parser("audit", help="empirical epsilon lower bound for a mechanism (privatize, dp_gmm, classic, maxpool)")
+    attack.add_parser("audit",
+                      help="empirical epsilon lower bound for a mechanism (privatize, dp_gmm, classic, maxpool)")
     attack.add_parser("reconstruct", help="diffusion reconstruction attack on raw / FedPFT / DP-FedPFT releases "
                       "(PSNR, LPIPS, SSIM table and image grid)")
 

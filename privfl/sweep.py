@@ -366,4 +366,5 @@ def plot_sweep(result: dict, path: Path) -> Path:
     return path
 
 
-__all__ = ["CONTROLS", "DEFAULT_METHOD", "SweepConfig", "descriptor_margin", "format_table", "plot_sweep", "run_sweep", "smallest_size_without_loss"]
+__all__ = ["CONTROLS", "DEFAULT_METHOD", "SweepConfig", "descriptor_margin", "format_table", "plot_sweep", "run_sweep",
+           "smallest_size_without_loss"]

@@ -51,7 +51,8 @@ def test_code_revision_is_the_commit_and_marks_uncommitted_changes(tmp_path, mon
     assert numerics(tmp_path)["code_revision"] == clean + "-dirty" == numerics(results)["code_revision"]
     # a checkout whose state git cannot report gets no revision, not a clean one
     real_git = provenance._git
-    monkeypatch.setattr(provenance, "_git", lambda where, *args: None if args[0] == "status" else real_git(where, *args))
+    monkeypatch.setattr(provenance, "_git",
+                        lambda where, *args: None if args[0] == "status" else real_git(where, *args))
     (tmp_path / "a.py").write_text("x = 1\n")
     assert numerics(tmp_path)["code_revision"] is None
 

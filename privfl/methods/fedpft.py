@@ -13,8 +13,9 @@ Every party shares a frozen backbone (:mod:`privfl.models.backbones`); the feder
    class count n_c as an int32: per client ``2 * floats + 4 * C_held`` bytes, where ``floats`` is the paper's
    eqs. 9-11 (:func:`communication_floats`), C counting the classes the client holds;
 3. the server draws n_c synthetic features from each received g^{c} (or ``samples_per_class``), pools them over
-   clients and trains the head on them with cross-entropy (minibatch SGD, :func:`privfl.methods.local_training.local_sgd`;
-   the paper uses Adam at lr 1e-4: the optimiser differs, the objective does not);
+   clients and trains the head on them with cross-entropy (minibatch SGD,
+   :func:`privfl.methods.local_training.local_sgd`; the paper uses Adam at lr 1e-4: the optimiser differs, the
+   objective does not);
 4. the head goes back to every client, and to novel clients.
 
 ``topology="decentralized"`` is the paper's chain (Sec. 4.2): the round has one stage per client; client s draws
@@ -505,7 +506,8 @@ class FedPFTClient(ClientProcedure):
         return self._model
 
     def _mixtures(self, data: TrainingClient, ctx: ClientContext,
-                  received: dict[str, torch.Tensor] | None) -> tuple[list[ClassMixture], tuple[torch.Tensor, torch.Tensor]]:
+                  received: dict[str, torch.Tensor] | None
+                  ) -> tuple[list[ClassMixture], tuple[torch.Tensor, torch.Tensor]]:
         """This client's mixtures, and the (normalised real + received synthetic) features they were fitted on."""
         cfg = self.config
         x, y = _features(data.x_train, cfg), data.y_train

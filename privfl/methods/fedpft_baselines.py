@@ -27,7 +27,8 @@ from privfl.methods.base import get_method
 from privfl.methods.fedpft import FeatureHead, HeadFactory, train_head
 
 __all__ = ["FeatureHead", "MaxProbabilityEnsemble", "accuracy", "centralized_head", "fedavg_head_curve", "head_bytes",
-           "local_heads", "log_odds", "mean_local_accuracy", "pooled_train", "pooled_validation", "select_on_validation"]
+           "local_heads", "log_odds", "mean_local_accuracy", "pooled_train", "pooled_validation",
+           "select_on_validation"]
 
 
 def pooled_train(federation: FederatedDataset) -> tuple[torch.Tensor, torch.Tensor]:

@@ -272,7 +272,8 @@ class HeteroFedTTAStrategy(Strategy):
         self.per = consensus([replies[cid].arrays["per"] for cid in ids], weights)
         metrics = {}
         for key in ("loss", "distill_loss"):
-            values = [replies[cid].metrics[key] for cid in ids if math.isfinite(replies[cid].metrics.get(key, math.nan))]
+            values = [replies[cid].metrics[key] for cid in ids
+                      if math.isfinite(replies[cid].metrics.get(key, math.nan))]
             if values:
                 metrics["train_loss" if key == "loss" else key] = weighted_mean_scalar(values, [1.0] * len(values))
         return metrics

@@ -1,4 +1,5 @@
-"""PeFLL (Scott, Zakerinia and Lampert, ICLR 2024): an embedding network and a hypernetwork trained by learning to learn.
+"""PeFLL (Scott, Zakerinia and Lampert, ICLR 2024): an embedding network and a hypernetwork trained by learning to
+learn.
 
 A client describes itself by ``v_i = mean_j phi(x_j, y_j; eta_v)`` (labels are inputs); the server's hypernetwork
 turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (digest ``papers/pefll.md`` eq. 1,
@@ -18,7 +19,8 @@ message up a release recorded in the client's ledger by the wire:
    **Up: Delta theta_i = theta_i - theta~_i** (line 11, ``"weight_change"``).
 3. server: one vector-Jacobian product through h with cotangent Delta theta_i gives
    ``Delta eta_h^i = (d theta_i/d eta_h)^T Delta theta_i`` (kept on the server) and
-   ``Delta v_i = (d theta_i/d v_i)^T Delta theta_i`` (line 12, :func:`~privfl.models.hypernetwork.backprop_weight_change`).
+   ``Delta v_i = (d theta_i/d v_i)^T Delta theta_i`` (line 12,
+   :func:`~privfl.models.hypernetwork.backprop_weight_change`).
    Down: Delta v_i (line 13). Client: ``Delta eta_v^i = (d v_i/d eta_v)^T Delta v_i`` through phi on the **same**
    batch (line 14). **Up: Delta eta_v^i** (line 15, ``"embedding_gradient"``); the client forgets the batch.
 4. server (lines 17-18): ``g_h = mean_i Delta eta_h^i + 2 lambda_h eta_h``, ``g_v = mean_i Delta eta_v^i +
@@ -326,7 +328,8 @@ class PeFLLStrategy(Strategy):
         v = reply.arrays[DESCRIPTOR].detach().to(torch.float32)
         if v.shape != (self.embed_dim,) or not bool(torch.isfinite(v).all()):
             raise ConfigError(f"client {client_id} sent a descriptor of shape {tuple(v.shape)} (finite: "
-                              f"{bool(torch.isfinite(v).all())}); expected a finite vector of shape ({self.embed_dim},)")
+                              f"{bool(torch.isfinite(v).all())}); expected a finite vector of shape "
+                              f"({self.embed_dim},)")
         return v
 
     # -- the update ---------------------------------------------------------------------------------------------------

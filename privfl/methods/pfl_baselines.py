@@ -81,7 +81,8 @@ def proxy_a_distance(a: torch.Tensor, b: torch.Tensor, *, rng: np.random.Generat
     b = b.reshape(len(b), -1).double()
     m = min(len(a), len(b))
     if m < MIN_DISTANCE_INPUTS:
-        raise ConfigError(f"proxy A-distance needs at least {MIN_DISTANCE_INPUTS} inputs on each side, got {len(a)} and {len(b)}")
+        raise ConfigError(f"proxy A-distance needs at least {MIN_DISTANCE_INPUTS} inputs on each side, got {len(a)} "
+                          f"and {len(b)}")
     a = a[torch.from_numpy(rng.permutation(len(a))[:m])]
     b = b[torch.from_numpy(rng.permutation(len(b))[:m])]
     half = m // 2

@@ -57,8 +57,8 @@ from privfl.errors import ConfigError, DataUnavailableError
 __all__ = [
     "BACKBONES", "IMAGENET_MEAN", "IMAGENET_STD", "MOBILENET_V2_FILE", "MOBILENET_V2_PACKAGE", "MOBILENET_V2_SHA256",
     "MINILM_PACKAGE", "Backbone", "ImageBackbone", "ModuleBackbone", "SentenceEncoderBackbone", "cache_key_sha256",
-    "default_cache_dir", "extract_features", "feature_cache_path", "file_sha256", "load_backbone", "mobilenet_state_dict",
-    "mobilenet_v2", "mobilenet_weights_path", "module_sha256", "sentence_encoder",
+    "default_cache_dir", "extract_features", "feature_cache_path", "file_sha256", "load_backbone",
+    "mobilenet_state_dict", "mobilenet_v2", "mobilenet_weights_path", "module_sha256", "sentence_encoder",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -178,7 +178,8 @@ class ImageBackbone(Backbone):
 
     def cache_key(self) -> dict[str, Any]:
         return {"backbone": self.name, "feature_dim": self.feature_dim, "weights_sha256": module_sha256(self.trunk),
-                "weights_file_sha256": self.weights_file_sha256, "preprocess": {"input_size": self.input_size, "channels": self.channels, "mean": self.mean,
+                "weights_file_sha256": self.weights_file_sha256,
+                "preprocess": {"input_size": self.input_size, "channels": self.channels, "mean": self.mean,
                                "std": self.std, "resize": "bilinear-antialias"}}
 
 

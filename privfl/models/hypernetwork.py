@@ -243,7 +243,8 @@ def backprop_weight_change(hnet: HyperNetwork, descriptor: torch.Tensor, change:
     grads = torch.autograd.grad(list(generated.values()), [*params, leaf],
                                 grad_outputs=[change[k].to(v.dtype) for k, v in generated.items()],
                                 allow_unused=True)
-    param_grads = {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, params, grads[:-1], strict=True)}
+    param_grads = {n: torch.zeros_like(p) if g is None else g
+                   for n, p, g in zip(names, params, grads[:-1], strict=True)}
     return param_grads, grads[-1]
 
 

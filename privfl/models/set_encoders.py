@@ -459,5 +459,5 @@ class SetTransformerEncoder(_SetLayerBase):
         return self.out(self.pma(h).reshape(-1))
 
 
-__all__ = ["PHI_HEADS", "PSI_KINDS", "ClipToBall", "PrototypeSoftmax", "DPDeepSetEncoder", "DSSEncoder", "DSSLayer", "DeepSetEncoder", "ISAB", "MAB", "MaxPool",
-           "MeanMaxPool", "MeanPool", "PMA", "SetTransformerEncoder"]
+__all__ = ["PHI_HEADS", "PSI_KINDS", "ClipToBall", "PrototypeSoftmax", "DPDeepSetEncoder", "DSSEncoder", "DSSLayer",
+           "DeepSetEncoder", "ISAB", "MAB", "MaxPool", "MeanMaxPool", "MeanPool", "PMA", "SetTransformerEncoder"]

@@ -98,7 +98,8 @@ class ClientLevelGaussian:
     """
 
     def __init__(self, *, epsilon: float, delta: float, max_norm: float, participations: int, mode: str = "local",
-                 num_shares: int = 1, noise: NoiseSource | None = None, generator: torch.Generator | None = None) -> None:
+                 num_shares: int = 1, noise: NoiseSource | None = None,
+                 generator: torch.Generator | None = None) -> None:
         self.epsilon, self.delta = check_epsilon_delta(epsilon, delta)
         if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not math.isfinite(max_norm) \
                 or max_norm <= 0:

@@ -4,9 +4,9 @@ The client releases, for every class c, a mean, a covariance (``"full"``, ``"dia
 the server draws synthetic features from the released Gaussians (:func:`sample_features`) and trains a head on them.
 This module fixes the errors of the paper's DP theorem (digest ``papers/fedpft.md`` 3.6): the sensitivity is written
 from the per-class count n_c (never the client total n), noise is calibrated with the analytic Gaussian mechanism
-(never the classic ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``), delta is a public input (never ``1/n``), counts are
-either privatised or declared public, a label change is accounted as touching two classes, and EM mixtures (K > 1)
-are refused.
+(never the classic ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``), delta is a public input (never
+``1/n``), counts are either privatised or declared public, a label change is accounted as touching two classes, and EM
+mixtures (K > 1) are refused.
 
 The privacy argument
 ====================

@@ -66,11 +66,13 @@ class GaussianMechanism:
 
     Noise sources:
 
-    - ``"secure"`` (the default without a generator): from a fresh generator seeded with 63 bits of ``secrets.randbits`` (the OS CSPRNG)
-      at each call, independent of the experiment seed. Not reproducible, by design.
+    - ``"secure"`` (the default without a generator): from a fresh generator seeded with 63 bits of
+      ``secrets.randbits`` (the OS CSPRNG) at each call, independent of the experiment seed. Not reproducible, by
+      design.
     - ``"seeded"``: from ``generator``, which must be given: reproducible, for research runs only; anyone who knows
-      the generator's seed can subtract the noise, so the seed must be one only the client holds. The Gaussian itself is still sampled in floating point,
-      which is open to the attacks of Mironov (2012); a discrete Gaussian would close that gap.
+      the generator's seed can subtract the noise, so the seed must be one only the client holds. The Gaussian itself
+      is still sampled in floating point, which is open to the attacks of Mironov (2012); a discrete Gaussian would
+      close that gap.
 
     Args (keyword-only):
         epsilon: target epsilon (natural log), finite and > 0.

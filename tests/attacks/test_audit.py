@@ -128,7 +128,7 @@ def test_swapped_direction_gives_the_same_bound_as_the_mirrored_scores():
     assert 1.0 < swapped.epsilon_lower < 4.4  # the true epsilon of mu = 1 at delta = 1e-5 is about 4.4
 
 
-# -- DP-FedPFT (DP-GMM) release, audited through its S1 block -----------------------------------------------------------
+# -- DP-FedPFT (DP-GMM) release, audited through its S1 block ------------------------------------------------------
 
 def test_dp_gmm_worst_case_pair_moves_only_s1_by_its_sensitivity():
     from attacks.audit import dp_gmm_worst_case_pair

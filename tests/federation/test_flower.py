@@ -325,7 +325,8 @@ def _run_config(spec, method, **overrides):
 def _comparable(run_dir):
     run = RunDirectory(run_dir)
     ledger = json.loads(run.path("ledger.json").read_text())
-    records = sorted((entry["client_id"], [(r["purpose"], r["round"], r["event"], r["metadata"]) for r in entry["records"]])
+    records = sorted((entry["client_id"],
+                      [(r["purpose"], r["round"], r["event"], r["metadata"]) for r in entry["records"]])
                      for entry in ledger["ledgers"])
     strategy = torch.load(run.path("checkpoint.pt"), weights_only=True)["runtime"]["strategy"]
     return run.read_metrics(), run.read_clients(), records, strategy

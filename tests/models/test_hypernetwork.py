@@ -16,7 +16,8 @@ def test_generated_weights_match_the_target_names_and_shapes_and_run_it(name, sh
     target = build_model(name, shape, 10)
     hnet = HyperNetwork(target, embed_dim=7)
     weights = hnet(torch.randn(7))
-    assert [(n, tuple(w.shape)) for n, w in weights.items()] == [(n, tuple(p.shape)) for n, p in target.named_parameters()]
+    assert [(n, tuple(w.shape)) for n, w in weights.items()] == [(n, tuple(p.shape))
+                                                                 for n, p in target.named_parameters()]
     logits = functional_forward(target, weights, torch.randn(4, *shape))
     assert logits.shape == (4, 10)
     logits.sum().backward()

@@ -14,7 +14,8 @@ def test_clip_is_joint_over_all_tensors():
     update = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([[4.0]])}
     clipped, norm = clip_update(update, 2.5)
     assert norm == pytest.approx(5.0)
-    assert clipped["a"].tolist() == pytest.approx([1.5, 0.0]) and clipped["b"].reshape(-1).tolist() == pytest.approx([2.0])
+    assert clipped["a"].tolist() == pytest.approx([1.5, 0.0])
+    assert clipped["b"].reshape(-1).tolist() == pytest.approx([2.0])
     assert update_norm(clipped) == pytest.approx(2.5)
     same, _ = clip_update(update, 10.0)  # inside the ball: unchanged
     assert torch.equal(same["a"], update["a"]) and torch.equal(same["b"], update["b"])

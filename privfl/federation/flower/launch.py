@@ -250,7 +250,8 @@ def end_processes(processes: list[subprocess.Popen]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="privfl flower", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("certs", help="CA, SuperLink certificate and SuperNode key pairs (generated here, never committed)")
+    c = sub.add_parser("certs",
+                       help="CA, SuperLink certificate and SuperNode key pairs (generated here, never committed)")
     c.add_argument("directory")
     c.add_argument("--nodes", type=int, default=2)
     c.add_argument("--host", action="append", default=None, help="SuperLink host name or IP (repeatable)")
