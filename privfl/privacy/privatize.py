@@ -140,7 +140,9 @@ class PrivateEncoder(nn.Module):
         if self.relation is NeighboringRelation.REPLACE_ONE:
             return certify_mean_of_clipped(self.bound, n, self.relation, n_public=True, delta=self.delta)
         if n < self.min_samples:
-            raise ConfigError(f"the client has n={n} samples, fewer than the public lower bound min_samples="
+            # n itself stays out of the message: it is private under add/remove-one, and an error's text can reach
+            # the server (Flower reports a ClientApp's exception); that a client too small is refused is public
+            raise ConfigError(f"the client has fewer samples than the public lower bound min_samples="
                               f"{self.min_samples} the add/remove-one guarantee is calibrated for; nothing released")
         return certify_mean_of_clipped(self.bound, self.min_samples, self.relation, n_public=False, delta=self.delta)
 
