@@ -509,11 +509,13 @@ class ReleaseJournal:
         Replayed records are history, as in :meth:`PrivacyLedger.from_state_dict`: not re-checked against a budget.
         """
         seen: Counter[ClientId] = Counter()
+        saved: dict[ClientId, tuple[ReleaseRecord, ...]] = {}    # each client's records as the book held them
         added = 0
         for client_id, record in self.entries():
             ledger = book[client_id]
-            if seen[client_id] < len(ledger):
-                if ledger.records[seen[client_id]] != record:
+            held = saved.setdefault(client_id, ledger.records)
+            if seen[client_id] < len(held):
+                if held[seen[client_id]] != record:
                     raise ValueError(f"release journal {self.path} does not match the ledger of client {client_id!r} "
                                      f"at its record {seen[client_id]}: they come from different runs")
             else:
