@@ -104,13 +104,9 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
                           f"[{int(y.min())}, {int(y.max())}]; nothing was released")
     n = int(x.shape[0])
     certificate = certify_labelled_mean(bound, n, delta=delta)
-    was_training = embedding.training
-    embedding.eval()
-    try:   # row j: embedding(x_j, y_j) on record j alone, clipped to B
-        rows = clipped_rows(embedding, lambda xj, yj: embedding(xj.unsqueeze(0), yj.unsqueeze(0)).reshape(-1),
-                            (x, y), bound, name="embedding")
-    finally:
-        embedding.train(was_training)
+    # row j: embedding(x_j, y_j) on record j alone (eval mode), clipped to B
+    rows = clipped_rows(embedding, lambda xj, yj: embedding(xj.unsqueeze(0), yj.unsqueeze(0)).reshape(-1),
+                        (x, y), bound, name="embedding")
     mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=certificate.value,
                                   relation=NeighboringRelation.REPLACE_ONE, noise=noise, generator=generator)
     if ledger is not None:

@@ -176,7 +176,8 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
     alone, set to 0 if not finite, then projected onto the L2 ball of radius ``bound`` (``v * min(1, bound/||v||)``):
     the ``v_i`` every certificate here bounds.
 
-    Record i alone: ``torch.func.vmap`` (an op vmap cannot batch: one record after another). That v_i depends on
+    Record i alone: ``torch.func.vmap`` (an op vmap cannot batch: one record after another), with ``module`` in
+    eval mode for the call (train-mode BatchNorm would couple the records; its mode is restored). That v_i depends on
     x_i only also needs ``module`` (the code ``one`` runs, called ``name`` in errors) to keep no state from record to
     record, and the clipping to see real tensors. Both are checked, and refused with :class:`ConfigError` before
     anything is released: a parameter or buffer of ``module`` that the call changed (it is restored), and an output
@@ -184,10 +185,14 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
     escape vmap; the code is trusted, its weights need not be.
     """
     before = {k: t.clone() for k, t in module.state_dict().items()}
+    was_training = module.training
+    module.eval()
     try:
         v = torch.func.vmap(one)(*inputs)
     except (RuntimeError, NotImplementedError):
         v = torch.stack([one(*record) for record in zip(*inputs, strict=True)])
+    finally:
+        module.train(was_training)
     after = module.state_dict()
     changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])]
     if changed or after.keys() != before.keys():

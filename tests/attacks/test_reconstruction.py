@@ -40,7 +40,7 @@ from attacks.schemes import (  # noqa: E402
 )
 from attacks.selection import agreement_scores, near_duplicate_filter, nearest, top_count, top_indices  # noqa: E402
 from privfl.errors import ConfigError  # noqa: E402
-from privfl.methods.fedpft import ClassMixture, payload_bytes  # noqa: E402
+from privfl.methods.fedpft import payload_bytes  # noqa: E402
 
 torch.set_num_threads(1)
 
