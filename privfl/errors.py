@@ -16,3 +16,22 @@ class ConfigError(PrivflError, ValueError):
 
 class DataUnavailableError(PrivflError, FileNotFoundError):
     """A data source cannot be read here; the message says where it looked and how to provide the files."""
+
+
+class DataFreeError(Exception):
+    """Mixin for an error whose text depends only on configuration and protocol state, never on a client's data.
+
+    A Flower node forwards the text of such an error to the server; every other error text stays on the node (see
+    :func:`privfl.federation.flower.client_app.handle`), since a message such as "NaN in 3 rows" or a label range
+    describes the client's data outside any ledger.
+    """
+
+
+class PublicConfigError(ConfigError, DataFreeError):
+    """A :class:`ConfigError` whose text names only configuration (node and run config, partitions, the protocol's
+    messages), never a client's data; a Flower node forwards it to the server."""
+
+
+class ProtocolStateError(DataFreeError, RuntimeError):
+    """A node's client state does not match the round the server expects (lost, or of another run); the text names
+    only rounds, client ids and paths, and a Flower node forwards it to the server."""

@@ -25,7 +25,7 @@ from flwr.app import Message as FlowerMessage  # noqa: E402
 
 from accounting import PrivacyLedger  # noqa: E402
 from privfl.data import build_federation  # noqa: E402
-from privfl.errors import ConfigError  # noqa: E402
+from privfl.errors import ConfigError, PublicConfigError  # noqa: E402
 from privfl.experiment import RunConfig, build_runtime, train  # noqa: E402
 from privfl.federation import Message, RunDirectory  # noqa: E402
 from privfl.federation.context import client_context  # noqa: E402
@@ -524,6 +524,36 @@ def test_a_node_that_restarts_keeps_its_client_state_or_refuses_to_go_on(tmp_pat
     with pytest.raises(RuntimeError, match=rf"client {client_id}: the server expects it to hold its state of round 0, "
                                            "but its node has no state file"):
         client_app.handle(_train_message(second.copy(), 1, 1, client_id, 0), _node_context(config, node_dir, 0, count))
+
+
+def test_a_node_keeps_an_error_text_that_may_describe_its_data_and_the_server_hears_only_who_failed(
+        tmp_path, make_spec, task_identity, monkeypatch):
+    config = _run_config(make_spec(), "fedavg", rounds=1, client_fraction=1.0)
+    federation = build_federation(config.federation, seed=config.seed)
+    reference = build_runtime(config, federation)
+    client_id = sorted(reference.clients)[0]
+    message = reference.strategy.configure_train(0, [client_id])[client_id]
+    node_dir = tmp_path / "node-0"
+    context = _node_context(config, node_dir, 0, len(federation.training_clients))
+
+    def refuse(self, data, body, state, ctx):       # a method refusing a value of the client's data, naming it
+        raise ValueError(f"label sum {int(data.y_train.sum())} is out of range")
+
+    secret = f"label sum {int(federation.training_clients[0].y_train.sum())}"
+    _restart_node()
+    monkeypatch.setattr(type(reference.client), "train", refuse)
+    with pytest.raises(client_app.NodeFailure) as failure:
+        client_app.handle(_train_message(message, 0, 0, client_id, -1), context)
+    log = node_dir / client_app.ERROR_LOG
+    # what Flower would send the server (the exception's type and text): who failed and where, not the data
+    reason = f"{type(failure.value)}:<'{failure.value}'>"
+    assert secret not in reason and "label" not in reason
+    assert f"client {client_id} failed in 'train'" in reason and str(log) in reason
+    assert secret in log.read_text() and "ValueError" in log.read_text()
+
+    # Errors whose text is data-free (configuration, protocol state) still reach the server as they are.
+    with pytest.raises(PublicConfigError, match=r"a message for client 999 arrived at the node"):
+        client_app.handle(_train_message(message, 0, 0, 999, -1), context)
 
 
 # -- deployment engine on loopback: SuperLink + two SuperNodes, TLS and node authentication ---------------------------

@@ -24,12 +24,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import tempfile
+import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from flwr.app import Context
@@ -37,7 +40,7 @@ from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
 from accounting import PrivacyLedger
-from privfl.errors import ConfigError
+from privfl.errors import DataFreeError, ProtocolStateError, PublicConfigError
 from privfl.federation.context import client_context
 from privfl.federation.flower import protocol as p
 from privfl.federation.flower.records import pack, unpack
@@ -71,8 +74,8 @@ class NodeClient:
         if self.ledger_path.exists():
             ledger = PrivacyLedger.load(self.ledger_path)
             if ledger.client_id != self.client_id:
-                raise ConfigError(f"{self.ledger_path} holds the ledger of client {ledger.client_id!r}, "
-                                  f"not of client {self.client_id!r}")
+                raise PublicConfigError(f"{self.ledger_path} holds the ledger of client {ledger.client_id!r}, "
+                                        f"not of client {self.client_id!r}")
             return ledger
         return PrivacyLedger(self.client_id)
 
@@ -92,8 +95,8 @@ class NodeClient:
 
     def expect(self, role: str, op: str) -> None:
         if self.role != role:
-            raise ConfigError(f"operation {op!r} sent to partition {self.partition}, which holds {self.role} client "
-                              f"{self.client_id}, not a {role} client")
+            raise PublicConfigError(f"operation {op!r} sent to partition {self.partition}, which holds {self.role} "
+                                    f"client {self.client_id}, not a {role} client")
 
 
 class Node:
@@ -105,7 +108,7 @@ class Node:
 
         text = run_config.get(p.RUN_CONFIG) or ""
         if not text:
-            raise ConfigError(f"run config {p.RUN_CONFIG!r} is empty: the node needs the run's RunConfig as JSON")
+            raise PublicConfigError(f"run config {p.RUN_CONFIG!r} is empty: the node needs the run's RunConfig as JSON")
         self.config = RunConfig.from_dict(json.loads(text))
         self.config_key = hashlib.sha256(text.encode()).hexdigest()[:16]
         self.partitions, self.num_partitions = p.node_partitions(node_config, run_config)
@@ -116,8 +119,8 @@ class Node:
         explicit = node_config.get(p.NODE_DIR) or ""
         root = run_config.get(p.NODES_ROOT) or ""
         if not explicit and not root:
-            raise ConfigError(f"node config {p.NODE_DIR!r} is missing: a node needs a directory for its ledgers "
-                              f"(e.g. --node-config '{p.NODE_DIR}=\"/var/lib/privfl/node-0\" ...')")
+            raise PublicConfigError(f"node config {p.NODE_DIR!r} is missing: a node needs a directory for its ledgers "
+                                    f"(e.g. --node-config '{p.NODE_DIR}=\"/var/lib/privfl/node-0\" ...')")
 
         self.clients: dict[int, NodeClient] = {}
         part = None
@@ -138,8 +141,8 @@ class Node:
 
     def client(self, client_id: int) -> NodeClient:
         if client_id not in self.clients:
-            raise ConfigError(f"a message for client {client_id} arrived at the node holding partitions "
-                              f"{_span(self.partitions)} (clients {sorted(self.clients)})")
+            raise PublicConfigError(f"a message for client {client_id} arrived at the node holding partitions "
+                                    f"{_span(self.partitions)} (clients {sorted(self.clients)})")
         return self.clients[client_id]
 
 
@@ -182,9 +185,9 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
         training, novel = federation.training_clients, federation.novel_clients
         valid = (len(training), len(training) + len(novel))
         if count not in valid:
-            raise ConfigError(f"node config {p.NUM_PARTITIONS}={count!r} is invalid: this federation has "
-                              f"{len(training)} training and {len(novel)} novel clients, so it must be {valid[0]} "
-                              f"(training clients only) or {valid[1]} (training and novel)")
+            raise PublicConfigError(f"node config {p.NUM_PARTITIONS}={count!r} is invalid: this federation has "
+                                    f"{len(training)} training and {len(novel)} novel clients, so it must be "
+                                    f"{valid[0]} (training clients only) or {valid[1]} (training and novel)")
         saved = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes}
         if partition < len(training):
             c = training[partition]
@@ -275,17 +278,17 @@ class ClientStateFile:
         if self.committed_round != expected_round:
             expected = "no state (it has not trained yet)" if expected_round < 0 else \
                 f"its state of round {expected_round}"
-            raise RuntimeError(f"client {client_id}: the server expects it to hold {expected}, but its node has "
-                               f"{self.found} in {self.path}; the client state (control variates, personal models) "
-                               "was lost or belongs to another run, and this run cannot go on with it: start the "
-                               "run again")
+            raise ProtocolStateError(f"client {client_id}: the server expects it to hold {expected}, but its node "
+                                     f"has {self.found} in {self.path}; the client state (control variates, personal "
+                                     "models) was lost or belongs to another run, and this run cannot go on with it: "
+                                     "start the run again")
 
 
 def _check_state(state: Mapping[str, Any], path: Path) -> None:
     for key, value in state.items():
         if not isinstance(value, (torch.Tensor, bool, int, float, str)):
-            raise ConfigError(f"client state value {key}={type(value).__name__} cannot be kept in {path}: a client "
-                              "state holds tensors and int, float, str or bool values only")
+            raise PublicConfigError(f"client state value {key}={type(value).__name__} cannot be kept in {path}: a "
+                                    "client state holds tensors and int, float, str or bool values only")
 
 
 def _replace(path: Path, data: bytes) -> None:
@@ -306,12 +309,37 @@ def _optional_round(value: Any) -> int | None:
     return None if value < 0 else value
 
 
+#: The file, in a node directory, that keeps the texts of the errors a node does not forward to the server.
+ERROR_LOG = "errors.log"
+
+_log = logging.getLogger(__name__)
+
+
+class NodeFailure(DataFreeError, RuntimeError):
+    """What the server hears of a node error whose text may describe a client's data: which clients failed, in
+    which operation, and the node file that keeps the text (see :func:`handle`)."""
+
+
 def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None = None) -> FlowerMessage:
-    """Run one operation of the privfl protocol for each client the message names, and return the packed replies."""
+    """Run one operation of the privfl protocol for each client the message names, and return the packed replies.
+
+    Errors. Flower sends the text of an exception the ClientApp raises to the server, in its error reply, outside any
+    ledger. A text can describe a client's data (a count of NaN rows, a label outside the range, a value a method
+    refused), so only the text of a :class:`~privfl.errors.DataFreeError` (configuration and protocol state) leaves
+    the node. Any other error is logged on the node and appended to ``errors.log`` in the client's node directory
+    (or the node's), and the node raises :class:`NodeFailure` instead, naming the clients, the operation and that
+    file. That the node failed still reaches the server: it is data-dependent, the epsilons do not cover it, and the
+    run stops on it.
+    """
     run_config = dict(defaults or {})
     run_config.update({k: v for k, v in context.run_config.items() if v not in ("", None)})
-    node = _node(run_config, context.node_config)
-    header, items = unpack(message.content)
+    node_dir = context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+    header: dict[str, Any] = {}
+    try:
+        node = _node(run_config, context.node_config)
+        header, items = unpack(message.content)
+    except Exception as error:
+        _withhold(error, str(header.get("op", message.metadata.message_type)), "the node", node_dir)
     op = header.get("op")
     if op == "hello":
         clients = [node.clients[cid] for cid in sorted(node.clients)]
@@ -320,18 +348,41 @@ def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any]
                         "num_partitions": node.num_partitions, "config": json.dumps(node.config.to_dict())}
         return FlowerMessage(pack({}, reply_header), reply_to=message)
     if op not in _OPERATIONS:
-        raise ConfigError(f"unknown privfl operation {op!r}; valid: {', '.join(p.MESSAGE_TYPES)}")
+        raise PublicConfigError(f"unknown privfl operation {op!r}; valid: {', '.join(p.MESSAGE_TYPES)}")
     run = f"{context.run_id}-{node.config_key}"
     replies = {}
     for cid, (body, own_header) in items.items():
         client = node.client(cid)
-        client_header = {**header, **own_header}
-        reply, reply_header = _OPERATIONS[op](node, client, body, client_header, run)
-        if op == "ledger" or client_header.get("send_ledger"):
-            ledger = client.ledger()     # after this message's release, if any: what the node has recorded so far
-            reply_header["ledger"] = json.dumps(ledger.state_dict()) if len(ledger) else ""
+        try:
+            client_header = {**header, **own_header}
+            reply, reply_header = _OPERATIONS[op](node, client, body, client_header, run)
+            if op == "ledger" or client_header.get("send_ledger"):
+                ledger = client.ledger()     # after this message's release, if any: what the node has recorded so far
+                reply_header["ledger"] = json.dumps(ledger.state_dict()) if len(ledger) else ""
+        except Exception as error:
+            _withhold(error, op, f"client {cid}", client.directory)
         replies[cid] = (reply, reply_header)
     return FlowerMessage(pack(replies, {"kind": "replies"}), reply_to=message)
+
+
+def _withhold(error: Exception, op: str, who: str, directory: str | Path | None) -> NoReturn:
+    """Re-raise ``error`` if its text is data-free; otherwise keep its text on the node and raise NodeFailure."""
+    if isinstance(error, DataFreeError):
+        raise error
+    text = "".join(traceback.format_exception(error))
+    _log.error("%s failed in %r; this text stays on the node:\n%s", who, op, text)
+    where = "the node's log (it has no node directory)"
+    if directory is not None:
+        path = Path(directory) / ERROR_LOG
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as log:
+                log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} {who} failed in {op!r}\n{text}")
+            where = str(path)
+        except OSError as write_error:
+            _log.error("could not append to %s: %s", path, write_error)
+    raise NodeFailure(f"{who} failed in {op!r}; the error text stays on the node, since it may describe the "
+                      f"client's data: see {where}") from None
 
 
 def _train(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
@@ -346,9 +397,9 @@ def _train(node: Node, client: NodeClient, body: Message, header: dict[str, Any]
         release = node.procedure.train(client.data, body, working, ctx)
     else:
         if store.pending_round != round or store.pending is None:
-            raise RuntimeError(f"client {client.client_id}: stage {stage} of round {round} arrived, but the node "
-                               f"holds no stage-0 work of that round (pending round {store.pending_round}, "
-                               f"{store.found})")
+            raise ProtocolStateError(f"client {client.client_id}: stage {stage} of round {round} arrived, but the node "
+                                     f"holds no stage-0 work of that round (pending round {store.pending_round}, "
+                                     f"{store.found})")
         working = store.pending
         ctx = client_context(node.config.seed, client.client_id, round, stage)
         release = node.procedure.train_stage(stage, client.data, body, working, ctx)
@@ -371,8 +422,8 @@ def _evaluate(node: Node, client: NodeClient, body: Message, header: dict[str, A
     state_round = int(header.get("state_round", -1))
     if state_round >= 0:
         if state_round not in store.pins:
-            raise RuntimeError(f"client {client.client_id}: asked to evaluate with its state of round {state_round}, "
-                               f"but it pinned only rounds {sorted(store.pins)}")
+            raise ProtocolStateError(f"client {client.client_id}: asked to evaluate with its state of round "
+                                     f"{state_round}, but it pinned only rounds {sorted(store.pins)}")
         state = store.pins[state_round]
     else:
         state = store.committed

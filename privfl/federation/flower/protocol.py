@@ -24,7 +24,8 @@ in-process runtime reads directly without a release) or ``nothing``.
 What reaches the server outside the ledger: the telemetry scores and the ledgers themselves (:data:`OUTSIDE_LEDGER`).
 In-process they stay with the experimenter; on Flower they cross to the server process, and the epsilons do not cover
 them. The run summary counts them (``flower.outside_ledger``), so a reader sees that the server was trusted with them;
-a deployment whose server is an adversary must not send them.
+a deployment whose server is an adversary must not send them. A node error reaches the server as who failed and in
+which operation; its text stays on the node unless it is data-free (:func:`privfl.federation.flower.client_app.handle`).
 
 A node may hold several clients (node config ``partition-range``): the server then sends it one Flower message per
 exchange that packs the messages of all its clients (:func:`~privfl.federation.flower.records.pack`), and the node
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, PublicConfigError
 
 # operations -> Flower message types
 MESSAGE_TYPES = {
@@ -193,25 +194,26 @@ def node_partitions(node_config: Mapping[str, Any],
         total = (run_config or {}).get(NUM_CLIENTS)
         if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1 \
                 or not isinstance(total, int) or isinstance(total, bool) or total < 1:
-            raise ConfigError(f"run config {CLIENTS_PER_NODE}={per_node!r}, {NUM_CLIENTS}={total!r} is invalid: both "
-                              "must be integers >= 1")
+            raise PublicConfigError(f"run config {CLIENTS_PER_NODE}={per_node!r}, {NUM_CLIENTS}={total!r} is "
+                                    "invalid: both must be integers >= 1")
         node, count = node_config.get(PARTITION_ID), node_config.get(NUM_PARTITIONS)
         if count != simulated_nodes(total, per_node) or not isinstance(node, int) or not 0 <= node < count:
-            raise ConfigError(f"node config {PARTITION_ID}={node!r}, {NUM_PARTITIONS}={count!r} does not fit "
-                              f"{CLIENTS_PER_NODE}={per_node} and {NUM_CLIENTS}={total}: there must be "
-                              f"{simulated_nodes(total, per_node)} nodes, numbered from 0")
+            raise PublicConfigError(f"node config {PARTITION_ID}={node!r}, {NUM_PARTITIONS}={count!r} does not fit "
+                                    f"{CLIENTS_PER_NODE}={per_node} and {NUM_CLIENTS}={total}: there must be "
+                                    f"{simulated_nodes(total, per_node)} nodes, numbered from 0")
         return list(range(node * per_node, min(total, (node + 1) * per_node))), total
     single, span = node_config.get(PARTITION_ID), node_config.get(PARTITION_RANGE)
     count = node_config.get(NUM_PARTITIONS)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ConfigError(f"node config {NUM_PARTITIONS}={count!r} is invalid: it must be an integer >= 1")
+        raise PublicConfigError(f"node config {NUM_PARTITIONS}={count!r} is invalid: it must be an integer >= 1")
     if (single is None) == (span is None):
-        raise ConfigError(f"node config needs exactly one of {PARTITION_ID} (one partition) and {PARTITION_RANGE} "
-                          f"(\"FIRST-LAST\", several), got {PARTITION_ID}={single!r}, {PARTITION_RANGE}={span!r}")
+        raise PublicConfigError(f"node config needs exactly one of {PARTITION_ID} (one partition) and "
+                                f"{PARTITION_RANGE} (\"FIRST-LAST\", several), got {PARTITION_ID}={single!r}, "
+                                f"{PARTITION_RANGE}={span!r}")
     if single is not None:
         if not isinstance(single, int) or isinstance(single, bool) or not 0 <= single < count:
-            raise ConfigError(f"node config {PARTITION_ID}={single!r}, {NUM_PARTITIONS}={count!r} is invalid: they "
-                              f"must be integers with 0 <= {PARTITION_ID} < {NUM_PARTITIONS}")
+            raise PublicConfigError(f"node config {PARTITION_ID}={single!r}, {NUM_PARTITIONS}={count!r} is invalid: "
+                                    f"they must be integers with 0 <= {PARTITION_ID} < {NUM_PARTITIONS}")
         return [single], count
     first, _, last = str(span).partition("-")
     try:
@@ -219,6 +221,6 @@ def node_partitions(node_config: Mapping[str, Any],
     except ValueError:
         lo, hi = -1, -1
     if not 0 <= lo <= hi < count:
-        raise ConfigError(f"node config {PARTITION_RANGE}={span!r}, {NUM_PARTITIONS}={count!r} is invalid: it must "
-                          f"be \"FIRST-LAST\" with 0 <= FIRST <= LAST < {NUM_PARTITIONS}, e.g. \"0-49\"")
+        raise PublicConfigError(f"node config {PARTITION_RANGE}={span!r}, {NUM_PARTITIONS}={count!r} is invalid: it "
+                                f"must be \"FIRST-LAST\" with 0 <= FIRST <= LAST < {NUM_PARTITIONS}, e.g. \"0-49\"")
     return list(range(lo, hi + 1)), count

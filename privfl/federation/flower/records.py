@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, PublicConfigError
 from privfl.federation.messages import Message
 
 ARRAYS, METRICS, CONFIG, HEADER = "arrays", "metrics", "config", "privfl"
@@ -120,7 +120,8 @@ def pack(items: Mapping[int, tuple[Message, Mapping[str, Any]]], header: Mapping
             content[f"h{cid}"] = ConfigRecord(_check_config(client_header, "header"))
     common = _check_config(header, "header")
     if CLIENTS in common or MESSAGE_OF in common:
-        raise ConfigError(f"header keys {CLIENTS!r} and {MESSAGE_OF!r} are reserved for the pack, got {sorted(common)}")
+        raise PublicConfigError(f"header keys {CLIENTS!r} and {MESSAGE_OF!r} are reserved for the pack, got "
+                                f"{sorted(common)}")
     if clients:
         common.update({CLIENTS: clients, MESSAGE_OF: message_of})
     content[HEADER] = ConfigRecord(common)
@@ -133,7 +134,7 @@ def unpack(records: RecordDict) -> tuple[dict[str, Any], dict[int, tuple[Message
     header = dict(records[HEADER]) if HEADER in records else {}
     clients, message_of = header.pop(CLIENTS, []), header.pop(MESSAGE_OF, [])
     if len(clients) != len(message_of):
-        raise ConfigError(f"a packed message lists {len(clients)} clients but {len(message_of)} message indices")
+        raise PublicConfigError(f"a packed message lists {len(clients)} clients but {len(message_of)} message indices")
     decoded: dict[int, Message] = {}
     used: set[int] = set()
     items: dict[int, tuple[Message, dict[str, Any]]] = {}
@@ -141,7 +142,7 @@ def unpack(records: RecordDict) -> tuple[dict[str, Any], dict[int, tuple[Message
         if k not in decoded:
             prefix = f"m{k}."
             if prefix + ARRAYS not in records:
-                raise ConfigError(f"a packed message names message {k} for client {cid} but does not carry it")
+                raise PublicConfigError(f"a packed message names message {k} for client {cid} but does not carry it")
             decoded[k] = Message(arrays=record_to_tensors(records[prefix + ARRAYS]),
                                  metrics=dict(records[prefix + METRICS]), config=dict(records[prefix + CONFIG]))
         message = decoded[k].copy() if k in used else decoded[k]     # each client gets its own tensors
