@@ -277,17 +277,31 @@ class PrivacyLedger:
         return not budget.allows(self._projected_epsilon(event, budget.delta))
 
     def record(self, event: PrivacyEvent, *, purpose: str, round: int | None = None,
-               metadata: Mapping[str, Any] | None = None) -> ReleaseRecord:
+               metadata: Mapping[str, Any] | None = None,
+               calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
         """Record a release that is about to be sent; call it before sending.
+
+        ``calibrated_for``: the budget the release's noise was calibrated for, over the client's whole ledger (a
+        mechanism calibrated for k releases over a client's life, such as client-level DP-FedAvg, states the epsilon
+        its k releases compose to). A release that would take the ledger past it is refused like one over the
+        ledger's own budget: a count of releases kept anywhere else (a client's state, rolled back when a run
+        resumes from a checkpoint) could let a (k+1)-th release through.
 
         Raises (and records nothing) when the event is malformed, is under another relation than the ledger's
         releases, cannot be priced by the ledger's accountant (:class:`~accounting.UnsupportedAccountingError`), or
-        would take the ledger over its budget (:class:`BudgetExceededError`).
+        would take the ledger over its budget or over ``calibrated_for`` (:class:`BudgetExceededError`).
         """
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
                                 metadata={} if metadata is None else metadata)
         relation = self._check_event(event)
         check_supported(event, accountant=self._accountant)
+        if calibrated_for is not None:
+            if not isinstance(calibrated_for, PrivacyBudget):
+                raise ValueError(f"calibrated_for must be a PrivacyBudget or None, got {calibrated_for!r}")
+            after = self._projected_epsilon(event, calibrated_for.delta)
+            if not calibrated_for.allows(after):
+                raise BudgetExceededError(self._client_id, purpose, self.spent(calibrated_for.delta).epsilon, after,
+                                          calibrated_for, self._accountant)
         projected = None
         if self._budget is not None:
             projected = self._projected_epsilon(event, self._budget.delta)
@@ -422,6 +436,17 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
                     words = record.metadata.get("relation")
                     found.add(words if isinstance(words, str) and words else record.event.relation.value)
         return sorted(found)
+
+    def private_metadata_counts(self, key: str) -> dict[str, int]:
+        """How many private releases (records with a relation) give each value of ``metadata[key]``, sorted by
+        value; a release without the key counts under ``"unstated"``. For example ``"noise"``: how many releases
+        drew their noise from a secure source and how many from a seeded generator."""
+        counts: Counter[str] = Counter()
+        for ledger in self._ledgers.values():
+            for record in ledger.records:
+                if record.event.relation is not None:
+                    counts[str(record.metadata.get(key, "unstated"))] += 1
+        return dict(sorted(counts.items()))
 
     def state_dict(self) -> dict[str, Any]:
         """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON."""

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from accounting import BudgetExceededError
 from privfl.errors import PrivflError
 
 # (method, settings): the FedTTA paper's Table 4 learning rates for MNIST, with the stabilisers of the authors'
@@ -382,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except PrivflError as error:
         print(f"privfl: error: {error}", file=sys.stderr)
+        return 2
+    except BudgetExceededError as refused:    # a release refused before it was sent: nothing was lost
+        print(f"privfl: refused: {refused}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("privfl: interrupted", file=sys.stderr)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import resource
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from privfl.errors import ConfigError
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
 from privfl.federation.rundir import RunDirectory, dumps
-from privfl.federation.runtime import InProcessRuntime
+from privfl.federation.runtime import InProcessRuntime, sample_clients
 from privfl.federation.wire import Wire
 from privfl.methods import ModelFactory, get_method
 from privfl.provenance import numerics
@@ -55,7 +56,7 @@ class RunConfig:
     delta: float = 1e-5
 
     def __post_init__(self) -> None:
-        get_method(self.method).make_config(**self.method_config)
+        method_config = get_method(self.method).make_config(**self.method_config)
         checks = [
             ("rounds", self.rounds, isinstance(self.rounds, int) and self.rounds >= 1, "an integer >= 1"),
             ("client_fraction", self.client_fraction,
@@ -71,6 +72,11 @@ class RunConfig:
         for name, value, ok, valid in checks:
             if not ok:
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
+        private = getattr(method_config, "training_dp", None)   # what protects training clients' releases, if any
+        if private and self.select == "best_val":
+            raise ConfigError(f"select='best_val' with {private}: choosing the round on validation makes every "
+                              "training client report its validation accuracy, a release no mechanism covers, so "
+                              "its epsilon would be infinite; use select='last'")
         if self.select == "best_val" and self.federation.val_fraction == 0:
             raise ConfigError("select='best_val' picks the round on training clients' validation splits, but "
                               "val_fraction=0 gives them none; use select='last' or a val_fraction > 0")
@@ -106,8 +112,42 @@ def build_runtime(config: RunConfig, federation: FederatedDataset) -> InProcessR
     strategy = spec.strategy(model_factory=factory, config=method_config, seed=config.seed,
                              num_training_clients=len(federation.training_clients))
     client = spec.client(model_factory=factory, config=method_config)
+    check_participations(config, getattr(method_config, "participation_cap", None),
+                         [c.client_id for c in federation.training_clients])
     return InProcessRuntime(strategy=strategy, client=client, training_clients=federation.training_clients,
                             seed=config.seed, client_fraction=config.client_fraction)
+
+
+def check_participations(config: RunConfig, cap: int | None, client_ids: list[int], *, from_round: int = 0,
+                         made: Mapping[int, int] | None = None) -> None:
+    """Refuse a run whose client sampling would have a training client release more than ``cap`` times.
+
+    The schedule is public (seeded by the run seed), so it is checked before anything runs, rather than ending the
+    run at the round where a client's ledger refuses its release over the budget its noise was calibrated for. A
+    resumed run passes ``from_round`` (the rounds its checkpoint holds) and ``made`` (each client's private releases
+    in its ledger, those made after the checkpoint included: re-running their rounds releases again).
+    """
+    if cap is None:
+        return
+    counts = {cid: (made or {}).get(cid, 0) for cid in client_ids}
+    for round_index in range(from_round, config.rounds):
+        for cid in sample_clients(sorted(client_ids), config.client_fraction, seed=config.seed, round=round_index):
+            counts[cid] += 1
+    most = max(counts.values(), default=0)
+    if most <= cap:
+        return
+    over = sorted(cid for cid, n in counts.items() if n > cap)
+    if from_round == 0 and not made:
+        raise ConfigError(f"with rounds={config.rounds}, client_fraction={config.client_fraction} and seed="
+                          f"{config.seed}, training clients {over} take part in up to {most} rounds, more than "
+                          f"dp_participations={cap} (the releases each client's noise is calibrated for); set "
+                          f"dp_participations to {most} or more, or run fewer rounds")
+    raise ConfigError(f"this run cannot be resumed within its privacy budget: its checkpoint holds {from_round} "
+                      f"rounds, but its clients' ledgers (releases.jsonl) also hold the releases of the rounds run "
+                      f"after it, and running those rounds again releases again; training clients {over} would make "
+                      f"up to {most} releases, more than dp_participations={cap}. Releases made cannot be taken "
+                      "back: start the run again, with checkpoint_every=1 (an interruption then costs the round in "
+                      "progress) and a dp_participations that leaves room for the rounds an interruption repeats")
 
 
 
@@ -151,6 +191,11 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
         runtime.wire.journal = ReleaseJournal(run_dir.path(RunDirectory.RELEASES))
         if resume:   # releases made after the checkpoint, by a process that was killed, stay recorded
             runtime.wire.journal.replay_into(runtime.wire.ledgers)
+            ledgers = runtime.wire.ledgers
+            made = {cid: sum(r.event.relation is not None for r in ledgers[cid].records)
+                    for cid in runtime.clients if cid in ledgers}
+            check_participations(config, getattr(runtime.client.config, "participation_cap", None),
+                                 sorted(runtime.clients), from_round=runtime.completed_rounds, made=made)
 
     def checkpoint_now(state: dict[str, Any]) -> None:
         run_dir.save_checkpoint({"format": 1, "runtime": state, "best": best,
@@ -249,6 +294,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRu
             "epsilon_max_novel": max((eps_of[c.client_id] for c in federation.novel_clients), default=0.0),
             "epsilon_per_client": {str(cid): eps for cid, eps in eps_of.items()},
             "relations": ledgers.relations(),   # what the epsilons hold under: the neighbours of each kind of release
+            "noise_sources": (noise := ledgers.private_metadata_counts("noise")),
         },
         "communication": {"bytes_up_total": sum(runtime.wire.bytes_up.values()),
                           "bytes_down_total": sum(runtime.wire.bytes_down.values())},
@@ -256,6 +302,11 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: InProcessRu
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "numerics": numerics(),   # of the process that finished the run (a resumed run may have begun elsewhere)
     }
+    if noise.get("seeded"):
+        summary["privacy"]["seeded_noise"] = (
+            f"{noise['seeded']} private releases drew their noise from generators seeded from the run config, which "
+            "the server holds: whoever knows the config can regenerate and subtract that noise, so their epsilons "
+            "hold only against an observer without it (reproducible research runs; use noise 'secure' otherwise)")
     run_dir.write_json(RunDirectory.SUMMARY, summary)
     plot_run(run_dir.read_metrics(), rows, run_dir.path("plots.png"),
              title=f"{config.method} on {config.federation.source}, seed {config.seed}")

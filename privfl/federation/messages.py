@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from accounting import NonPrivateEvent, PrivacyEvent
+from accounting import NonPrivateEvent, PrivacyBudget, PrivacyEvent
 
 Scalar = int | float | str | bool
 
@@ -58,13 +58,17 @@ class Release:
     ``purpose`` names what is released (``"model_update"``, ``"descriptor"``, ...) and is kept in the ledger.
     ``metadata`` (JSON-able values) says how the release was made where the event alone does not: the noise source
     (``"secure"`` or ``"seeded"``), the clipping bound, whether counts were declared public, the neighbouring
-    relation in words. The wire keeps it in the ledger record beside the byte count.
+    relation in words. The wire keeps it in the ledger record beside the byte count. ``calibrated_for`` is the
+    budget the noise was calibrated for over the client's whole ledger, where the mechanism assumes a number of
+    releases (client-level DP over ``dp_participations`` rounds): the ledger refuses the release that would pass it
+    (:meth:`accounting.PrivacyLedger.record`).
     """
 
     message: Message
     purpose: str
     event: PrivacyEvent = field(default_factory=NonPrivateEvent)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    calibrated_for: PrivacyBudget | None = None
 
     def ledger_metadata(self) -> dict[str, Any]:
         """What the ledger keeps beside the event: ``metadata`` and the payload's byte count."""

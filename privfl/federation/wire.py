@@ -35,10 +35,11 @@ class Wire:
         """Record ``release`` in the client's ledger, then deliver a copy of its message to the server.
 
         Raises :class:`accounting.BudgetExceededError` (from the ledger) before anything is delivered when the
-        release would exceed the client's budget.
+        release would exceed the client's budget or the budget its noise was calibrated for.
         """
         metadata = release.ledger_metadata()
-        record = self.ledgers[client_id].record(release.event, purpose=release.purpose, round=round, metadata=metadata)
+        record = self.ledgers[client_id].record(release.event, purpose=release.purpose, round=round, metadata=metadata,
+                                                calibrated_for=release.calibrated_for)
         if self.journal is not None:
             self.journal.append(client_id, record)
         self.bytes_up[client_id] += metadata["bytes"]

@@ -65,6 +65,11 @@ class FedAvgConfig(ServerStepConfig):
                  "a finite number > 0")
         _require(self.dp_noise in NOISE_SOURCES, "dp_noise", self.dp_noise, "'secure' or 'seeded'")
 
+    @property
+    def training_dp(self) -> str | None:
+        """What protects the training clients' releases (``None``: nothing), for :class:`~privfl.experiment.RunConfig`."""
+        return None if self.dp_noise_multiplier is None else f"DP-SGD (dp_noise_multiplier={self.dp_noise_multiplier})"
+
 
 def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
     """sum_i w_i * update_i / sum_i w_i, tensor by tensor."""

@@ -416,6 +416,11 @@ class FedPFTConfig:
     def private(self) -> bool:
         return self.dp_epsilon is not None
 
+    @property
+    def training_dp(self) -> str | None:
+        """What protects the training clients' releases (``None``: nothing), for :class:`~privfl.experiment.RunConfig`."""
+        return f"DP-FedPFT (dp_epsilon={self.dp_epsilon})" if self.private else None
+
     def head_settings(self) -> dict[str, Any]:
         return {"lr": self.head_lr, "epochs": self.head_epochs, "batch_size": self.head_batch_size,
                 "weight_decay": self.head_weight_decay}

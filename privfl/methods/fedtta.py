@@ -44,7 +44,9 @@ Without ``dp_epsilon`` a round's release is the full (Delta psi, Delta phi), rec
 release is client-level DP: the concatenated update is clipped to ``dp_max_norm`` and noised on the client by
 :class:`privfl.privacy.client_dp.ClientLevelGaussian`, calibrated so that the client is (dp_epsilon, dp_delta)-DP
 over ``dp_participations`` releases (the argument, including why client sampling gives no amplification here, is in
-that module). Novel clients release nothing.
+that module). Each release carries that lifetime budget (``calibrated_for``), so the client's ledger refuses a
+release beyond the cap, also after a resume; a schedule of client sampling that would take a client past it is
+refused before the run starts (:func:`privfl.experiment.build_runtime`). Novel clients release nothing.
 
 Why per-sample DP-SGD does not apply directly: DP-SGD bounds each record's influence by clipping per-sample
 gradients of a loss that is a sum over records. The meta-loss is not: psi~ depends on l_per = ||g(f(X))||_2, a norm
@@ -173,6 +175,16 @@ class FedTTAConfig(LocalTrainingConfig):
             _require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
             _require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool),
                      "dp_noise_seed", self.dp_noise_seed, "an int")
+
+    @property
+    def training_dp(self) -> str | None:
+        """What protects the training clients' releases (``None``: nothing), for :class:`~privfl.experiment.RunConfig`."""
+        return None if self.dp_epsilon is None else f"client-level DP (dp_epsilon={self.dp_epsilon})"
+
+    @property
+    def participation_cap(self) -> int | None:
+        """The most rounds a training client may take part in (``dp_participations``; ``None``: no cap)."""
+        return None if self.dp_epsilon is None else self.dp_participations
 
     def round_config(self, round: int) -> dict:
         decay = self.lr_decay ** (round / 10)
@@ -431,20 +443,21 @@ class FedTTAClient(ClientProcedure):
         if mechanism is None:
             return Release.non_private(Message(arrays=update, metrics={"num_examples": float(data.num_train),
                                                                        "loss": loss}), purpose="model_update")
-        released = int(state.get("dp_releases", torch.tensor(0)))
-        if released >= mechanism.participations:
-            raise RuntimeError(f"client {ctx.client_id} has made its dp_participations={mechanism.participations} "
-                               "releases; another would exceed the calibrated client-level budget")
         noisy, event, _ = mechanism.release(update)
-        state["dp_releases"] = torch.tensor(released + 1)
-        # Only the noised update leaves: sample count and loss are data-dependent and no mechanism covers them.
+        # Only the noised update leaves: sample count and loss are data-dependent and no mechanism covers them. The
+        # cap of dp_participations releases is the ledger's (calibrated_for): a count in the client's state would
+        # roll back with it when a run resumes from a checkpoint, while the releases made since stay recorded.
         return Release(Message(arrays=noisy), purpose="model_update", event=event,
                        metadata={"noise": self.config.dp_noise, "max_norm": self.config.dp_max_norm,
-                                 "relation": "replace one client's whole dataset", "mode": self.config.dp_mode})
+                                 "relation": "replace one client's whole dataset", "mode": self.config.dp_mode,
+                                 "participations": mechanism.participations, "num_shares": mechanism.num_shares},
+                       calibrated_for=mechanism.lifetime_budget)
 
     def adapted_model(self, x: torch.Tensor, message: Message) -> nn.Module:
         """Download (psi, phi), adapt psi on ``x`` (unlabelled), return the prediction model with the chosen psi."""
         f, g = self.model_from(message.subset(PSI)), self.adapter_from(message.subset(PHI))
+        f.eval()   # test time: no dropout noise in the adaptation loss or in FedTTA++'s entropies (meta_train sets
+        g.eval()   # train mode again)
         result = self.adaptation(f, g, x, message)
         f.load_state_dict(result.weights, strict=False)
         return f
@@ -491,9 +504,11 @@ def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, rou
         batch = torch.from_numpy(index)
         xb, yb = x[batch], y[batch]
         teacher_logits = None
-        if teacher is not None:
+        if teacher is not None:   # the frozen server model predicts as a served model does: in eval mode
+            f.eval()
             with torch.no_grad():
                 teacher_logits = functional_call(f, teacher, (xb,))
+            f.train()
         loss, ce = meta_loss(f, g, psi, phi, xb, yb, inner_lr=inner_lr, weight_decay=weight_decay, mu=config.mu,
                              teacher_logits=teacher_logits, kl_direction=config.kl_direction)
         optimizer.zero_grad(set_to_none=True)

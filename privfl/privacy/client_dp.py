@@ -45,7 +45,8 @@ from collections.abc import Mapping
 
 import torch
 
-from accounting import GaussianEvent, NeighboringRelation, SelfComposedEvent
+from accounting import GaussianEvent, NeighboringRelation, PrivacyBudget, SelfComposedEvent
+from accounting import epsilon as accounting_epsilon
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta
@@ -78,9 +79,10 @@ def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[di
 class ClientLevelGaussian:
     """Clip-and-noise release of a client's model update, (epsilon, delta)-DP at the client level over its life.
 
-    Privacy assumption: the client releases at most ``participations`` updates in the whole run (the caller enforces
-    the cap; :meth:`release` counts nothing itself), each through :meth:`release`, and everything else it sends is
-    data-independent. See the module docstring for the argument.
+    Privacy assumption: the client releases at most ``participations`` updates in its life, each through
+    :meth:`release`, and everything else it sends is data-independent. :meth:`release` counts nothing itself: the
+    caller records each release with ``calibrated_for=`` :attr:`lifetime_budget`, and the client's ledger refuses the
+    release that would pass it. See the module docstring for the argument.
 
     Args (keyword-only):
         epsilon, delta: the client-level guarantee after ``participations`` releases (natural log; probability).
@@ -130,6 +132,15 @@ class ClientLevelGaussian:
         """What one release is, as the server sees it: the event recorded in the client's ledger."""
         return GaussianEvent(sigma=self.sigma, sensitivity=self.sensitivity,
                              relation=NeighboringRelation.REPLACE_ONE)
+
+    @property
+    def lifetime_budget(self) -> PrivacyBudget:
+        """What the ledger reaches after ``participations`` releases of :attr:`event` (PLD, at ``delta``): the
+        ``calibrated_for`` of each release, so that the ledger refuses a release beyond the cap. It is ``epsilon``
+        in ``"local"`` mode (step 3 calibrates exactly for it) and more in ``"distributed"`` mode (each share is
+        recorded as the server sees it)."""
+        spent = accounting_epsilon(SelfComposedEvent(self.event, self.participations), self.delta)
+        return PrivacyBudget(epsilon=spent, delta=self.delta)
 
     @property
     def central_event(self) -> SelfComposedEvent:

@@ -438,7 +438,8 @@ def _reply(reply, client_id):
 def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_path, make_spec, task_identity):
     # FedAvg with DP-SGD: every round's update is a DP release, so epsilon is finite and grows round by round.
     config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
-                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5})
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5},
+                       select="last")
     reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
     client_id = sorted(reference.clients)[0]          # partition 0 holds the first training client
     node_dir = tmp_path / "node-0"
@@ -471,7 +472,8 @@ def test_a_client_keeps_its_ledger_when_a_later_run_groups_the_nodes_differently
     # Without an explicit node directory each client has its own NODES_ROOT/partition-<i>, whatever clients-per-node
     # the simulation uses: a run with 3 clients per virtual node, then one with a node per client, add to one ledger.
     config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
-                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5})
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5},
+                       select="last")
     reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
     client_id, count = sorted(reference.clients)[1], len(reference.clients)      # partition 1
     root = tmp_path / "nodes"

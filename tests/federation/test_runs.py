@@ -116,6 +116,64 @@ def test_a_run_killed_between_checkpoints_keeps_the_releases_it_made(tmp_path, c
     assert rounds("cut", "validation_metrics") == rounds("full", "validation_metrics") != []
 
 
+def test_client_level_dp_runs_keep_their_release_cap_through_sampling_model_selection_and_resume(
+        tmp_path, make_spec, monkeypatch):
+    from privfl.errors import ConfigError
+    from privfl.methods.fedtta import FedTTAStrategy
+
+    dp = {"local_steps": 1, "batch_size": 8, "dp_epsilon": 2.0, "dp_max_norm": 1.0}
+    spec = make_spec(num_clients=6, novel_fraction=0.5)
+
+    def fedtta(**overrides):
+        values = dict(federation=spec, method="fedtta", model="mlp2nn", rounds=4, eval_every=100, checkpoint_every=2,
+                      select="last", method_config={**dp, "dp_participations": 4}, seed=0)
+        values.update(overrides)
+        return RunConfig(**values)
+
+    # Choosing the round on validation would have every client report its accuracy outside any mechanism.
+    with pytest.raises(ConfigError, match=r"select='best_val' with client-level DP \(dp_epsilon=2.0\).*"
+                                          r"use select='last'"):
+        fedtta(select="best_val")
+    # A sampling schedule that takes a client past its cap is refused before anything runs (the schedule is public).
+    with pytest.raises(ConfigError, match=r"rounds=8, client_fraction=0.5 and seed=0, training clients \[.*\] take "
+                                          r"part in up to \d rounds, more than dp_participations=3"):
+        train(fedtta(rounds=8, client_fraction=0.5, method_config={**dp, "dp_participations": 3}),
+              str(tmp_path / "sampled"), progress=False)
+    assert not (tmp_path / "sampled" / "releases.jsonl").exists()
+
+    # Killed in round 3, after the releases of rounds 2 and 3 but with a checkpoint of rounds 0-1 only: running
+    # rounds 2 and 3 again would make 6 releases against the 4 each client's noise is calibrated for.
+    aggregate = FedTTAStrategy.aggregate_train
+
+    def dies_in_round_3(self, round, replies):
+        if round == 3:
+            raise RuntimeError("process killed")
+        return aggregate(self, round, replies)
+
+    monkeypatch.setattr(FedTTAStrategy, "aggregate_train", dies_in_round_3)
+    for name, every in (("cut", 2), ("every_round", 1)):
+        with pytest.raises(RuntimeError, match="process killed"):
+            train(fedtta(checkpoint_every=every), str(tmp_path / name), progress=False)
+    monkeypatch.setattr(FedTTAStrategy, "aggregate_train", aggregate)
+    with pytest.raises(ConfigError, match=r"cannot be resumed within its privacy budget: its checkpoint holds 2 "
+                                          r"rounds.* up to 6 releases, more than dp_participations=4"):
+        train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    # With a checkpoint every round only round 3 runs again, but its releases were delivered before the kill:
+    # 4 + 1 = 5 > 4 is refused as well.
+    with pytest.raises(ConfigError, match=r"checkpoint holds 3 rounds.* up to 5 releases"):
+        train(None, str(tmp_path / "every_round"), resume=True, progress=False)
+    # An interruption between rounds (what Ctrl-C gives: a checkpoint of every completed round) resumes and ends at
+    # the calibrated epsilon, 4 releases per client.
+    with pytest.raises(RunInterrupted):
+        train(fedtta(), str(tmp_path / "stopped"), progress=False, stop_after_round=2)
+    summary = train(None, str(tmp_path / "stopped"), resume=True, progress=False)
+    book = LedgerBook.load(tmp_path / "stopped" / "ledger.json")
+    training = [cid for cid in book if len(book[cid])]
+    assert len(training) == 3 and all(len(book[cid]) == 4 for cid in training)
+    assert summary["privacy"]["epsilon_max_training"] == pytest.approx(2.0, rel=1e-9)
+    assert summary["privacy"]["noise_sources"] == {"secure": 12} and "seeded_noise" not in summary["privacy"]
+
+
 def _cli(*args):
     return [sys.executable, "-m", "privfl.cli", "train", "--dataset", "synthetic",
             "--source-option", "num_samples=3000", "--clients", "12", "--partition", "dirichlet", "--alpha", "1",

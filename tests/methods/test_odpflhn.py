@@ -180,6 +180,9 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
     b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
     assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
     assert full["privacy"]["epsilon_max_novel"] == pytest.approx(1.0, rel=1e-3)
+    # the summary says that these epsilons rest on seeds the server holds (3 novel clients, one release each)
+    assert full["privacy"]["noise_sources"] == {"seeded": 3}
+    assert full["privacy"]["seeded_noise"].startswith("3 private releases drew their noise from generators seeded")
 
 
 @pytest.mark.parametrize("values,needle", [

@@ -85,7 +85,8 @@ class NodeClient:
         Raises :class:`accounting.BudgetExceededError` (and sends nothing) when the release would exceed the budget.
         """
         ledger = self.ledger()
-        ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.ledger_metadata())
+        ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.ledger_metadata(),
+                      calibrated_for=release.calibrated_for)
         ledger.save(self.ledger_path)
         return release.message, {"kind": p.RELEASE, "purpose": release.purpose}
 
