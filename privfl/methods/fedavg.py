@@ -67,7 +67,8 @@ class FedAvgConfig(ServerStepConfig):
 
     @property
     def training_dp(self) -> str | None:
-        """What protects the training clients' releases (``None``: nothing), for :class:`~privfl.experiment.RunConfig`."""
+        """What protects the training clients' releases (``None``: nothing), read by
+        :class:`~privfl.experiment.RunConfig`."""
         return None if self.dp_noise_multiplier is None else f"DP-SGD (dp_noise_multiplier={self.dp_noise_multiplier})"
 
 

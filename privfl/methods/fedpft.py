@@ -418,7 +418,8 @@ class FedPFTConfig:
 
     @property
     def training_dp(self) -> str | None:
-        """What protects the training clients' releases (``None``: nothing), for :class:`~privfl.experiment.RunConfig`."""
+        """What protects the training clients' releases (``None``: nothing), read by
+        :class:`~privfl.experiment.RunConfig`."""
         return f"DP-FedPFT (dp_epsilon={self.dp_epsilon})" if self.private else None
 
     def head_settings(self) -> dict[str, Any]:

@@ -178,7 +178,8 @@ class FedTTAConfig(LocalTrainingConfig):
 
     @property
     def training_dp(self) -> str | None:
-        """What protects the training clients' releases (``None``: nothing), for :class:`~privfl.experiment.RunConfig`."""
+        """What protects the training clients' releases (``None``: nothing), read by
+        :class:`~privfl.experiment.RunConfig`."""
         return None if self.dp_epsilon is None else f"client-level DP (dp_epsilon={self.dp_epsilon})"
 
     @property
