@@ -471,8 +471,12 @@ class FedPFTStrategy(Strategy):
                                        floor=self.config.reg_covar)
             x, y = sample_mixtures(mixtures, rng, samples_per_class=self.config.samples_per_class,
                                    floor=self.config.reg_covar)
-            xs.append(x)
-            ys.append(y)
+            if len(y):   # a client may send no class (DP-FedPFT with noisy counts drops those that round to 0)
+                xs.append(x)
+                ys.append(y)
+        if not xs:
+            raise ConfigError(f"round {round}: none of the {len(replies)} clients' messages holds a class to draw "
+                              "synthetic features from, so there is nothing to train the head on")
         return np.concatenate(xs), np.concatenate(ys)
 
     def fit_head(self, round: int, x: np.ndarray, y: np.ndarray, **settings: Any) -> tuple[nn.Module, float]:

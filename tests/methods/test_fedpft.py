@@ -18,7 +18,8 @@ from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import score_model
 from privfl.experiment import RunConfig, build_runtime
-from privfl.methods import get_method
+from privfl.federation.messages import Message
+from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedpft import (
     ClassMixture,
     communication_floats,
@@ -142,6 +143,22 @@ def test_sampler_draws_the_counts():
     np.testing.assert_allclose(x[y == 1], 9.0, atol=0.01)
     x, y = sample_mixtures([m, other], np.random.default_rng(0), samples_per_class=8)
     assert np.bincount(y, minlength=4).tolist() == [0, 8, 0, 8]
+
+
+def test_a_client_that_sends_no_class_does_not_stop_the_head_and_all_empty_is_named():
+    # DP-FedPFT with noisy counts drops the classes whose count rounds to 0: a small client may send nothing at all,
+    # after its budget is spent, and the server must still train the head on the others' mixtures.
+    torch.manual_seed(0)
+    x = torch.nn.functional.normalize(torch.randn(30, 5), dim=1)
+    y = torch.arange(30) % 3
+    full = encode_mixtures(fit_class_mixtures(x, y, num_classes=3, components=2, covariance="diag", seed=0))
+    spec = get_method("fedpft")
+    strategy = spec.strategy(model_factory=ModelFactory("mlp2nn", (5,), 3), config=spec.make_config(components=2),
+                             seed=0, num_training_clients=2)
+    metrics = strategy.aggregate_train(0, {0: Message(arrays=full), 1: Message(arrays={})})
+    assert metrics["synthetic_samples"] == 30.0 and math.isfinite(metrics["train_loss"])
+    with pytest.raises(ConfigError, match="none of the 2 clients' messages holds a class"):
+        strategy.synthetic_features(0, {0: Message(arrays={}), 1: Message(arrays={})})
 
 
 def test_one_shot_accuracy_close_to_centralized(federation):
