@@ -38,8 +38,11 @@ class FedGMAConfig(FedAvgConfig):
 
 
 def sign_agreement(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A = |mean_k sign(Delta_k)| per coordinate (step 2), tensor by tensor."""
-    return {name: torch.stack([torch.sign(u[name]) for u in updates]).mean(dim=0).abs() for name in updates[0]}
+    """A = |mean_k sign(Delta_k)| per coordinate (step 2), tensor by tensor. An integer tensor (a buffer such as
+    batch norm's ``num_batches_tracked``, a counter, not a gradient) gets full agreement: FedAvg's step."""
+    return {name: torch.stack([torch.sign(u[name]) for u in updates]).mean(dim=0).abs()
+            if updates[0][name].is_floating_point() else torch.ones(updates[0][name].shape)
+            for name in updates[0]}
 
 
 def gradient_mask(updates: list[dict[str, torch.Tensor]], threshold: float) -> dict[str, torch.Tensor]:

@@ -143,6 +143,22 @@ def test_fedgma_server_step_is_masked_weighted_mean():
         assert torch.allclose(strategy.weights[k], v + tile(step, v), atol=1e-6), k
 
 
+def test_fedgma_trains_a_model_with_an_integer_buffer_and_steps_it_as_fedavg(make_spec, norm_mlp):
+    # batch norm's num_batches_tracked is an integer counter: no sign to agree on, FedAvg's step
+    spec = make_spec(source_options={"num_samples": 320, "dim": 10, "num_classes": 4}, num_clients=8)
+    federation = build_federation(spec, seed=1)
+    runs = {}
+    for method in ("fedgma", "fedavg"):
+        config = RunConfig(federation=spec, method=method, model=norm_mlp, rounds=1, seed=1,
+                           method_config={"lr": 0.1, "local_steps": 4, "batch_size": 16})
+        runtime = build_runtime(config, federation)
+        runtime.run_round(0)
+        runs[method] = runtime.strategy.weights
+    tracked = "bn.num_batches_tracked"
+    assert float(runs["fedgma"][tracked]) == float(runs["fedavg"][tracked]) == 4.0
+    assert sign_agreement([{tracked: torch.tensor(3)}, {tracked: torch.tensor(-2)}])[tracked] == 1.0
+
+
 # --- AFL --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("v, expected", [
