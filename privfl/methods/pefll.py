@@ -351,6 +351,13 @@ class PeFLLStrategy(Strategy):
             param.grad = mean + 2 * cfg.lambda_v * param.detach()
         params = [*hnet_params.values(), *embed_params.values()]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        if not math.isfinite(float(norm)):
+            # refuse before stepping, so the networks, Adam's moments and the last checkpoint stay finite (a NaN step
+            # would surface a round later, blamed on a client's descriptor)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._round = {}
+            raise ConfigError(f"round {round}: PeFLL training diverged (non-finite gradients from clients {done}); "
+                              f"lower lr (now {cfg.lr!r}) or server_lr (now {cfg.server_lr!r}), or set grad_clip")
         if cfg.server_grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.server_grad_clip)
         self.optimizer.step()

@@ -227,3 +227,24 @@ def test_train_end_to_end_records_every_release_and_resumes_to_the_same_numbers(
     other.load_state_dict(RunDirectory(str(tmp_path / "resumed")).load_checkpoint()["runtime"])
     for (name, a), b in zip(runtime.strategy.hnet.state_dict().items(), other.strategy.hnet.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_diverged_round_is_refused_before_the_server_steps_so_the_networks_stay_finite():
+    def client(cid, seed, n=40):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(n + 4, 4, generator=g) * 50, torch.randint(0, 3, (n + 4,), generator=g)
+        return TrainingClient(cid, x[:n], y[:n], x[n:], y[n:])
+
+    spec = get_method("pefll")
+    cfg = spec.make_config(hidden_dim=8, n_hidden=1, embed_dim=3, lr=50.0, grad_clip=0.0, local_steps=20)
+    factory = ModelFactory("mlp2nn", (4,), 3)
+    strategy = spec.strategy(model_factory=factory, config=cfg, seed=0, num_training_clients=2)
+    runtime = InProcessRuntime(strategy=strategy, client=spec.client(model_factory=factory, config=cfg),
+                               training_clients=[client(0, 1), client(1, 2)], seed=0)
+    before = runtime.strategy.state_dict()
+    with pytest.raises(ConfigError, match=r"round 0: PeFLL training diverged \(non-finite gradients from clients "
+                                          r"\[0, 1\]\); lower lr \(now 50.0\)"):
+        runtime.run_round(0)
+    after = runtime.strategy.state_dict()
+    for part in ("hypernetwork", "embedding"):
+        assert all(torch.equal(before[part][k], after[part][k]) for k in before[part])
