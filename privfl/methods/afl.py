@@ -19,6 +19,7 @@ guarantee is about; they send nothing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from privfl.data import TrainingClient
+from privfl.errors import ConfigError
 from privfl.federation.messages import Message, Release
 from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig, weighted_mean
@@ -84,6 +86,12 @@ class AFLStrategy(FedAvgStrategy):
         if not replies:
             return {}
         ids = sorted(replies)
+        bad = {cid: replies[cid].metrics.get("afl_loss") for cid in ids
+               if not math.isfinite(replies[cid].metrics.get("afl_loss", float("nan")))}
+        if bad:   # before any state changes: lambda's projection has no answer for a NaN or infinite loss
+            raise ConfigError(f"round {round}: AFL needs each client's finite loss at the received weights for its "
+                              f"lambda step, got {bad}; the model diverged: lower lr (now {self.config.lr!r}), "
+                              f"server_lr (now {self.config.server_lr!r}) or lambda_lr (now {self.config.lambda_lr!r})")
         slots = [self.slot(cid) for cid in ids]
         weights = [float(self.lambdas[s]) for s in slots]
         if sum(weights) > 0:      # all sampled clients at lambda = 0: w stays, lambda still moves

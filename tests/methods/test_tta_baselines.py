@@ -190,6 +190,13 @@ def test_afl_lambda_ascends_toward_the_worst_client_and_weights_the_step():
     for k, v in before.items():                               # lambda-weighted: 6 + 30 / 6 = 11
         assert torch.allclose(strategy.weights[k], v + 11.0, atol=1e-5)
     assert max(strategy.mixture_weights(), key=strategy.mixture_weights().get) == 12
+    # a diverged client's loss is refused before the weights or lambda move
+    state = {k: v.clone() for k, v in strategy.weights.items()}, strategy.lambdas.clone()
+    losses[11] = float("nan")
+    with pytest.raises(ConfigError, match=r"round 2: AFL needs each client's finite loss .* got \{11: nan\}"):
+        strategy.aggregate_train(2, replies({10: 1.0, 11: 1.0, 12: 1.0}))
+    assert all(torch.equal(state[0][k], v) for k, v in strategy.weights.items())
+    assert torch.equal(state[1], strategy.lambdas)
 
 
 # --- FedSR ------------------------------------------------------------------------------------------------------
