@@ -55,7 +55,8 @@ class TentConfig(FedAvgConfig):
     FedTTA paper did on its normalisation-free models). ``tta_steps``: entropy-minimisation steps (>= 0; 0 serves the
     FedAvg model unchanged). ``tta_lr``: their learning rate; ``None`` reuses ``lr`` (the paper's choice).
     ``tta_batch_size``: ``None`` for one full-data batch per step (the FedTTA code), else each step uses the next
-    minibatch of a pass over the data. ``entropy_unit``: ``"bits"`` (log base 2, the FedTTA code) or ``"nats"``.
+    minibatch of a pass over the data, the pass's short last minibatch included when it holds 2 samples or more
+    (batch statistics need two). ``entropy_unit``: ``"bits"`` (log base 2, the FedTTA code) or ``"nats"``.
     """
 
     adapt: str = "norm"
@@ -136,6 +137,11 @@ def tent_adapt(model: nn.Module, x: torch.Tensor, *, adapt: str = "norm", steps:
     """
     params = adapted_parameters(model, adapt)
     if adapt == "norm":
+        if len(x) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            raise ConfigError(f"TENT with adapt='norm' normalises with each batch's own statistics, which need at "
+                              f"least 2 samples, but the client has {len(x)}; give clients more data (for training "
+                              "clients' validation: a larger val_fraction) or use adapt='all' on a model without "
+                              "batch norm")
         use_test_batch_statistics(model)
     model.requires_grad_(False)
     for p in params.values():
@@ -145,10 +151,13 @@ def tent_adapt(model: nn.Module, x: torch.Tensor, *, adapt: str = "norm", steps:
     size = len(x) if batch_size is None else min(batch_size, len(x))
     position = 0
     for _ in range(steps):
-        if position + size > len(x):
+        # passes over the data in minibatches; a pass's short last minibatch is used when it has 2 samples or more
+        # (batch statistics need two), and the next step starts a new pass
+        if len(x) - position < min(2, size):
             position = 0
-        loss = prediction_entropy(model(x[position:position + size]), base=entropy_base)
-        position += size
+        batch = x[position:position + size]
+        loss = prediction_entropy(model(batch), base=entropy_base)
+        position += len(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip is not None:

@@ -88,6 +88,25 @@ def test_tent_step_moves_only_norm_affine_parameters_by_the_entropy_gradient(nor
     assert entropy_after < float(entropy_before.detach()) - 1e-3
 
 
+def test_tent_minibatches_pass_over_all_the_data_and_a_single_sample_is_refused_under_batch_statistics(norm_mlp):
+    torch.manual_seed(0)
+    x = torch.randn(100, 5)
+    seen = []
+    model = NormMLP((5,), 3)
+    model.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].clone()))
+    tent_adapt(model, x, adapt="norm", steps=4, lr=0.1, batch_size=64)
+    # 0-63, then the short tail 64-99, then a new pass
+    assert [tuple(b.shape) for b in seen] == [(64, 5), (36, 5), (64, 5), (36, 5)]
+    assert torch.equal(seen[1], x[64:]) and torch.equal(seen[2], x[:64])
+    seen.clear()
+    hooked = NormMLP((5,), 3)                         # a 1-sample tail is skipped: the next step starts a new pass
+    hooked.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[0]))
+    tent_adapt(hooked, x[:65], adapt="norm", steps=2, lr=0.1, batch_size=64)
+    assert seen == [64, 64]
+    with pytest.raises(ConfigError, match="need at least 2 samples, but the client has 1"):
+        tent_adapt(NormMLP((5,), 3), x[:1], adapt="norm", steps=1, lr=0.1)
+
+
 def test_tent_refuses_norm_adaptation_on_a_model_without_normalisation_layers():
     with pytest.raises(ConfigError, match="adapt='all'"):
         make("tent")                                            # mlp2nn has no normalisation layer
