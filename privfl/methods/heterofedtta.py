@@ -352,8 +352,10 @@ class HeteroFedTTAClient(FedTTAClient):
         loss = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng)
         if not (math.isfinite(loss) and (not digest or math.isfinite(distill_loss))):
             return None  # a diverged client sends nothing and keeps its previous models
-        state.update({**prefixed(PSI, weights_of(f)), **prefixed(PHI, weights_of(g))})
         base, per = self.public_logits(f, g, public, message)
+        if not (bool(torch.isfinite(base).all()) and bool(torch.isfinite(per).all())):
+            return None  # finite losses, but the last step overflowed: its logits would poison the consensus
+        state.update({**prefixed(PSI, weights_of(f)), **prefixed(PHI, weights_of(g))})
         metrics = {"num_examples": float(data.num_train), "loss": loss, "distill_loss": distill_loss}
         return Release.non_private(Message(arrays={"base": base, "per": per}, metrics=metrics),
                                    purpose="public_logits")

@@ -174,6 +174,21 @@ def test_clients_keep_models_of_their_own_size_and_release_only_public_logits(ma
     assert runtime.strategy.base.shape == (public.shape[0], federation.num_classes)
 
 
+def test_a_client_whose_logits_overflow_sends_nothing_so_the_consensus_stays_finite(make_spec):
+    # public inputs of std 1 and an inner rate of 50: finite losses, but some clients' last step overflows
+    spec = make_spec(num_clients=6, novel_fraction=0.5)
+    config = RunConfig(federation=spec, method="heterofedtta", model="mlp2nn", rounds=2, select="last",
+                       method_config={"local_steps": 2, "batch_size": 16, "widths": [8, 16, 32], "public_size": 64,
+                                      "public_std": 1.0, "tta_steps": 1, "inner_lr": 50.0})
+    runtime = build_runtime(config, build_federation(spec, seed=0))
+    sent = []
+    for round in range(2):
+        runtime.run_round(round)
+        sent.append(sum(len(runtime.wire.ledgers[c]) for c in runtime.clients if c in runtime.wire.ledgers))
+        assert bool(torch.isfinite(runtime.strategy.base).all()) and bool(torch.isfinite(runtime.strategy.per).all())
+    assert 0 < sent[-1] < 2 * len(runtime.clients)    # some clients were silent, the others still spoke
+
+
 def test_novel_clients_distil_and_adapt_locally_and_send_nothing(make_spec):
     federation, runtime = _runtime(make_spec, novel_size=2)
     for novel in federation.novel_clients:
