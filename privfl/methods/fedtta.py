@@ -21,8 +21,8 @@ the paper; ``weighted=True`` weights by train-split size as the authors' code do
 
 Test time on a novel client (Eqs. 10-12), with phi frozen:
 
-1. l_per(psi) = mean over 64-sample chunks of ||g(f(x_chunk; psi); phi)||_2 over the client's whole unlabelled set
-   (the chunking keeps the loss on the training scale: the norm grows like sqrt(B));
+1. l_per(psi) = mean over batch_size-sample chunks (64 on MNIST) of ||g(f(x_chunk; psi); phi)||_2 over the client's
+   whole unlabelled set (the chunking keeps the loss on the training scale: the norm grows like sqrt(B));
 2. psi <- psi - inner_lr * grad_psi l_per; FedTTA and FedTTA-Prox take ``tta_steps = 1`` step;
 3. FedTTA++ (paper section 3.3.2): up to ``tta_steps = 50`` steps; after each, the mean prediction entropy
    H = mean_x -sum_k p_k log p_k; the iterates compete with iterate 0 (the unadapted model); stop after ``patience``
@@ -104,10 +104,11 @@ class FedTTAConfig(LocalTrainingConfig):
     phi with SGD momentum ``adapt_momentum`` (the authors' code uses 0.9). ``mu`` weighs the proxy KL term (0 for
     FedTTA). ``tta_steps`` test-time steps (0: no adaptation, an ablation), with ``patience`` (``None``: no early
     stopping, the last iterate is used) the entropy early stopping of FedTTA++, ``unadapted_candidate`` whether the
-    unadapted model competes in it (see the module docstring). ``tta_chunk`` is the test-time chunk
-    size of l_per. ``adapt_hidden`` and ``adapt_layers`` shape g. ``weighted`` weights the server mean by train-split
-    size. ``lr_decay`` decays eta_out, eta_in and eta_ad alike. ``weight_decay`` applies to both models and to the
-    inner step; ``grad_clip`` clips psi's and phi's meta-gradients separately and the test-time gradient.
+    unadapted model competes in it (see the module docstring). ``tta_chunk`` is the test-time chunk size of l_per
+    (``None``: ``batch_size``, the size the training loss was computed on). ``adapt_hidden`` and ``adapt_layers``
+    shape g. ``weighted`` weights the server mean by train-split size. ``lr_decay`` decays eta_out, eta_in and eta_ad
+    alike. ``weight_decay`` applies to both models and to the inner step; ``grad_clip`` clips psi's and phi's
+    meta-gradients separately and the test-time gradient.
 
     Client-level DP (see module docstring): ``dp_epsilon`` (None: off), ``dp_delta``, ``dp_max_norm`` (C, joint L2
     norm of (Delta psi, Delta phi)), ``dp_participations`` (the most rounds one client takes part in; required with
@@ -126,7 +127,7 @@ class FedTTAConfig(LocalTrainingConfig):
     tta_steps: int = 1
     patience: int | None = None
     unadapted_candidate: bool = True
-    tta_chunk: int = 64
+    tta_chunk: int | None = None
     adapt_hidden: int = 32
     adapt_layers: int = 3
     weighted: bool = False
@@ -154,8 +155,10 @@ class FedTTAConfig(LocalTrainingConfig):
                  "None (no early stopping) or an integer >= 1")
         _require(self.patience is None or self.tta_steps >= 1, "tta_steps", self.tta_steps,
                  "an integer >= 1 when patience is set")
-        for name in ("tta_chunk", "adapt_hidden", "adapt_layers"):
+        for name in ("adapt_hidden", "adapt_layers"):
             _require(_int_at_least(getattr(self, name), 1), name, getattr(self, name), "an integer >= 1")
+        _require(self.tta_chunk is None or _int_at_least(self.tta_chunk, 1), "tta_chunk", self.tta_chunk,
+                 "None (batch_size) or an integer >= 1")
         _require(isinstance(self.weighted, bool), "weighted", self.weighted, "True or False")
         _require(isinstance(self.unadapted_candidate, bool), "unadapted_candidate", self.unadapted_candidate,
                  "True or False")
@@ -468,7 +471,7 @@ class FedTTAClient(ClientProcedure):
         cfg = self.config
         result = adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x,
                        inner_lr=float(message.config.get("inner_lr", cfg.inner_lr)), steps=cfg.tta_steps,
-                       patience=cfg.patience, chunk=cfg.tta_chunk, weight_decay=cfg.weight_decay,
+                       patience=cfg.patience, chunk=cfg.tta_chunk or cfg.batch_size, weight_decay=cfg.weight_decay,
                        grad_clip=cfg.grad_clip or 0.0, unadapted_candidate=cfg.unadapted_candidate)
         if self.adaptation_log is not None:
             self.adaptation_log.append(result)
