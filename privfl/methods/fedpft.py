@@ -205,6 +205,10 @@ def encode_mixtures(mixtures: list[ClassMixture], *, dtype: torch.dtype = torch.
         arrays[prefix + "means"] = torch.as_tensor(m.means).to(dtype)
         arrays[prefix + "covariances"] = cov.to(dtype)
         arrays[prefix + "count"] = torch.tensor([m.count], dtype=_COUNT_DTYPE)
+        if not all(bool(torch.isfinite(arrays[prefix + part]).all()) for part in ("weights", "means", "covariances")):
+            raise ConfigError(f"class {m.label}'s mixture does not fit in {dtype} (largest finite value "
+                              f"{torch.finfo(dtype).max:g}): its features are too large; use normalize=True (unit-norm "
+                              "features) or scale the features down")
     return arrays
 
 

@@ -123,6 +123,10 @@ def test_fp16_round_trip_and_psd():
         np.testing.assert_allclose(b.covariances, a.covariances, atol=5e-3)
         np.testing.assert_array_equal(b.covariances, np.transpose(b.covariances, (0, 2, 1)))
         assert abs(b.weights.sum() - 1) < 1e-12
+    # features of std 300 give variances near 9e4, past float16's 65504: refused rather than sent as inf
+    large = fit_class_mixtures(x * 300, y, num_classes=3, components=1, covariance="diag", seed=0)
+    with pytest.raises(ConfigError, match=r"class 0's mixture does not fit in torch.float16 .*use normalize=True"):
+        encode_mixtures(large)
 
 
 def test_k_capped_at_class_size_and_single_sample_class():
