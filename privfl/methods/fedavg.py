@@ -24,6 +24,7 @@ from privfl.methods.base import (
     ClientState,
     LocalTrainingConfig,
     Strategy,
+    _finite,
     _require,
     register_method,
 )
@@ -40,7 +41,7 @@ class ServerStepConfig(LocalTrainingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.server_lr > 0 and self.server_lr != float("inf"), "server_lr", self.server_lr,
+        _require(_finite(self.server_lr) and self.server_lr > 0, "server_lr", self.server_lr,
                  "a finite number > 0")
 
 
@@ -59,10 +60,11 @@ class FedAvgConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.dp_noise_multiplier is None or (0 < self.dp_noise_multiplier < float("inf")),
+        _require(self.dp_noise_multiplier is None
+                 or (_finite(self.dp_noise_multiplier) and self.dp_noise_multiplier > 0),
                  "dp_noise_multiplier", self.dp_noise_multiplier, "None or a finite number > 0")
-        _require(0 < self.dp_max_grad_norm < float("inf"), "dp_max_grad_norm", self.dp_max_grad_norm,
-                 "a finite number > 0")
+        _require(_finite(self.dp_max_grad_norm) and self.dp_max_grad_norm > 0, "dp_max_grad_norm",
+                 self.dp_max_grad_norm, "a finite number > 0")
         _require(self.dp_noise in NOISE_SOURCES, "dp_noise", self.dp_noise, "'secure' or 'seeded'")
 
     @property

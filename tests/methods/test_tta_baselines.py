@@ -336,6 +336,14 @@ def test_method_settings_are_validated():
         make("fedsr", l2r="cube")
     with pytest.raises(ConfigError, match="adv_weight must be in \\[0, 1\\)"):
         make("fedadg", adv_weight=1.0)
+    # a bool is no count and a string no rate: each is named, never a bare TypeError
+    for method, values, name in [("fedavg", {"server_lr": "2"}, "server_lr"),
+                                 ("fedavg", {"dp_noise_multiplier": True}, "dp_noise_multiplier"),
+                                 ("fedavg", {"local_steps": True}, "local_steps"),
+                                 ("tent", {"adapt": "all", "tta_steps": True}, "tta_steps"),
+                                 ("fedadg", {"noise_dim": True}, "noise_dim")]:
+        with pytest.raises(ConfigError, match=f"{name} must be"):
+            make(method, **values)
 
 
 def test_fedsr_and_fedadg_clients_are_deterministic_given_the_seeded_context(make_spec):
