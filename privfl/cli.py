@@ -165,8 +165,19 @@ def _engine_settings(args: argparse.Namespace) -> dict:
 def cmd_train(args: argparse.Namespace) -> int:
     from privfl.evaluation import comparison_table
     from privfl.experiment import train
+    from privfl.federation import RunDirectory
 
     if args.resume:
+        # the run continues as its config.json says: an option that would change it is refused, not ignored
+        kept = {"resume", "no_progress", "threads", "func", "defaults_of", "command"}
+        given = sorted(f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                       if name not in kept and value != args.defaults_of(name))
+        if given:
+            raise PrivflError(f"--resume continues {args.resume} as its config.json says; {', '.join(given)} would be "
+                              "ignored: drop them, or start a new run with --out")
+        if RunDirectory(args.resume).path(RunDirectory.SUMMARY).exists():
+            print(f"{args.resume} holds a finished run: nothing to resume (its novel clients are not served again, "
+                  "which would release their data again); its summary:")
         summary = train(None, args.resume, resume=True, progress=not args.no_progress)
         out = args.resume
     else:
@@ -284,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_federation_arguments(p)
     _add_training_arguments(p)
     _add_engine_arguments(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, defaults_of=p.get_default)
 
     p = sub.add_parser("demo", help="FedAvg vs FedProx vs SCAFFOLD on MNIST with novel clients")
     p.add_argument("--out", default="runs/demo")

@@ -159,7 +159,8 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
           runtime_factory=None) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
-    ``stop_after_round`` stops the run as an interruption would, after that many completed rounds (for tests).
+    ``stop_after_round`` stops the run as an interruption would, after that many completed rounds (for tests). Resuming
+    a finished run (its ``summary.json`` written) returns that summary and runs nothing.
     A ``KeyboardInterrupt`` saves a checkpoint of the last completed round and raises :class:`RunInterrupted`.
     ``engine="flower-sim"`` runs the same loop on Flower's simulation engine (``flower_options``: a
     :class:`privfl.federation.flower.FlowerOptions`); ``runtime_factory(config, federation)`` replaces
@@ -167,6 +168,9 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if resume and RunDirectory(out).path(RunDirectory.SUMMARY).exists():
+        # A finished run has nothing to continue; serving its novel clients again would release their data again.
+        return RunDirectory(out).read_json(RunDirectory.SUMMARY)
     if engine == "flower-sim":
         from privfl.federation.flower.simulation import train_simulation
 

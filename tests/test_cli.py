@@ -55,6 +55,16 @@ def test_train_then_report(tmp_path, capsys):
     assert "model_update x2" in listing and "inf" in listing   # 2 rounds, every training client sampled
     assert main(["train", "--out", out] + BASE[1:]) == 2           # refuses to overwrite a run
     assert "already holds a run" in capsys.readouterr().err
+    # --resume continues the run as its config.json says: another setting beside it is refused, not ignored
+    assert main(["train", "--resume", out, "--rounds", "500", "--method", "odpflhn", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--method, --rounds would be ignored" in err and len(err.strip().splitlines()) == 1
+    # resuming the finished run serves nobody again: the ledger and the release journal stay as they were
+    run = tmp_path / "run"
+    ledger, journal = (run / "ledger.json").read_bytes(), (run / "releases.jsonl").read_bytes()
+    assert main(["train", "--resume", out, "--no-progress"]) == 0
+    assert "holds a finished run: nothing to resume" in capsys.readouterr().out
+    assert (run / "ledger.json").read_bytes() == ledger and (run / "releases.jsonl").read_bytes() == journal
 
 
 def test_method_options_reach_the_method_config_and_the_ledger(tmp_path, capsys):
