@@ -52,8 +52,9 @@ from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.experiment import RunConfig, build_runtime, train
+from privfl.experiment import RunConfig, build_runtime, train, train_once
 from privfl.federation import RunDirectory
+from privfl.federation.rundir import to_json_safe
 from privfl.provenance import numerics
 
 #: ODPFL-HN settings of the sweep's training run: the DP-ready encoder phi -> mean -> psi, made so that the served model
@@ -140,13 +141,10 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
     run = config.run_config()
     train_dir = out / "train"
     held_out = held_out_pool(run.federation, seed=run.seed)    # fails fast, before training, if there is none
-    summary_path = train_dir / RunDirectory.SUMMARY
-    reuse = summary_path.exists() and not overwrite and json.loads(
-        (train_dir / RunDirectory.CONFIG).read_text()) == json.loads(json.dumps(run.to_dict()))
-    if reuse:
-        summary = json.loads(summary_path.read_text())
-    else:
+    if overwrite:
         summary = train(run, str(train_dir), overwrite=True, progress=progress)
+    else:   # this very training: read back when finished, continued from its checkpoint when interrupted
+        summary = train_once(run, str(train_dir), progress=progress)
     train_s = time.perf_counter() - started
 
     # 1. the trained server and client, as the run left them (select="last": the final checkpoint)
@@ -334,7 +332,7 @@ def _write(out: Path, config: SweepConfig, rows: list[dict], result: dict) -> No
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (out / "sweep.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "sweep.json").write_text(json.dumps(to_json_safe(result), indent=2, default=str, allow_nan=False) + "\n")
     plot_sweep(result, out / "sweep.png")
 
 

@@ -14,6 +14,7 @@ from privfl.cli import main
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
+from privfl.experiment import RunConfig, RunInterrupted, train
 from privfl.sweep import SweepConfig, _summarise, descriptor_margin, smallest_size_without_loss
 
 TINY = ["sweep", "--clients", "6", "--max-samples", "1200", "--rounds", "2", "--client-fraction", "0.5",
@@ -41,7 +42,7 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     # every served novel client made exactly one release, accounted at the epsilon asked for
     assert result["ledger_epsilon_max"]["0.3"] == pytest.approx(0.3, rel=1e-6)
     assert result["ledger_epsilon_max"]["3"] == pytest.approx(3.0, rel=1e-6)
-    assert result["ledger_epsilon_max"]["inf"] in ("inf", "Infinity") or math.isinf(result["ledger_epsilon_max"]["inf"])
+    assert result["ledger_epsilon_max"]["inf"] == "inf"          # strict JSON: no Infinity
     rows = list(csv.DictReader(open(out / "sweep.csv")))
     served = [r for r in rows if r["descriptor"] in ("clean", "private")]
     controls = [r for r in rows if r["descriptor"].startswith("control_")]
@@ -55,6 +56,18 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
         assert result["descriptor_margin"][n] == pytest.approx(result["table"]["inf"][n]["accuracy"] - best)
     assert result["descriptor_informative"] == all(m >= 2.0 for m in result["descriptor_margin"].values())
     assert "non-private minus best control, per n" in printed
+
+    # A sweep whose training was interrupted continues it when run again, rather than training from scratch: the
+    # releases of round 0, journaled by the interrupted process, are still the journal's first lines.
+    run = RunConfig.from_dict(json.loads((out / "train" / "config.json").read_text()))
+    again = tmp_path / "again"
+    with pytest.raises(RunInterrupted):
+        train(run, str(again / "train"), progress=False, stop_after_round=1)
+    first = (again / "train" / "releases.jsonl").read_text()
+    assert main(TINY + ["--out", str(again)]) == 0
+    assert (again / "train" / "releases.jsonl").read_text().startswith(first)
+    trained = [json.loads((d / "train" / "summary.json").read_text())["novel"] for d in (out, again)]
+    assert trained[0] == trained[1]
 
 
 @pytest.mark.parametrize("extra,needle", [
