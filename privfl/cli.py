@@ -229,6 +229,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from privfl.federation import RunDirectory
 
     run = RunDirectory(args.run_dir)
+    if args.delta is not None and not (math.isfinite(args.delta) and 0 < args.delta < 1):
+        raise PrivflError(f"--delta must be a probability in (0, 1), got {args.delta}")
     delta = args.delta if args.delta is not None else float(run.read_json(RunDirectory.CONFIG)["delta"])
     path = run.path(RunDirectory.LEDGER)
     if not path.exists():

@@ -88,8 +88,13 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        """The inverse of :meth:`to_dict`; missing keys take their defaults, unknown keys raise ConfigError."""
         values = dict(values)
-        values["federation"] = FederationSpec.from_dict(values["federation"])
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown run setting(s) {', '.join(unknown)}; valid settings: {', '.join(names)}")
+        values["federation"] = FederationSpec.from_dict(values.get("federation", {}))
         return cls(**values)
 
 
@@ -186,7 +191,12 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
     if resume:
         checkpoint = run_dir.load_checkpoint()
         if checkpoint is not None:
-            runtime.load_state_dict(checkpoint["runtime"])
+            try:
+                runtime.load_state_dict(checkpoint["runtime"])
+            except KeyError as missing:
+                raise ConfigError(f"{run_dir.path(RunDirectory.CHECKPOINT)} does not hold the state of the run "
+                                  f"{RunDirectory.CONFIG} describes (no {missing}): the checkpoint or the config "
+                                  "was replaced; start the run again") from None
             best, elapsed = checkpoint["best"], float(checkpoint["elapsed_s"])
         run_dir.truncate_metrics(runtime.completed_rounds)
     else:
@@ -194,7 +204,10 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
     if isinstance(runtime.wire, Wire):   # Flower's nodes keep their ledgers on disk themselves
         runtime.wire.journal = ReleaseJournal(run_dir.path(RunDirectory.RELEASES))
         if resume:   # releases made after the checkpoint, by a process that was killed, stay recorded
-            runtime.wire.journal.replay_into(runtime.wire.ledgers)
+            try:
+                runtime.wire.journal.replay_into(runtime.wire.ledgers)
+            except ValueError as error:   # malformed, or of another run
+                raise ConfigError(f"cannot resume: {error}") from None
             ledgers = runtime.wire.ledgers
             made = {cid: sum(r.event.relation is not None for r in ledgers[cid].records)
                     for cid in runtime.clients if cid in ledgers}

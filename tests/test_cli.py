@@ -102,3 +102,47 @@ def test_attack_audit_runs_from_the_privfl_command(capsys):
     assert "VIOLATION" in capsys.readouterr().out
     assert main(["attack", "audit", "--mechanism", "privatize", "--epsilon", "-1"]) == 2
     assert "-1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("checkpoint_cut", "checkpoint.pt is damaged (RuntimeError"),
+    ("config_cut", "config.json is damaged (not JSON"),
+    ("config_key", "unknown run setting(s) colour"),
+    ("journal_line", "cannot resume: malformed release journal"),
+])
+def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys, damage, needle):
+    import json
+
+    from privfl.experiment import RunConfig, RunInterrupted, train
+
+    out = tmp_path / "run"
+    config = RunConfig.from_dict({"federation": {"source": "synthetic", "num_clients": 8, "partition": "iid"},
+                                  "rounds": 3, "checkpoint_every": 1,
+                                  "method_config": {"local_steps": 2, "batch_size": 16}})
+    with pytest.raises(RunInterrupted):
+        train(config, str(out), progress=False, stop_after_round=1)
+    if damage == "checkpoint_cut":
+        data = (out / "checkpoint.pt").read_bytes()
+        (out / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    elif damage == "config_cut":
+        (out / "config.json").write_text((out / "config.json").read_text()[:40])
+    elif damage == "config_key":
+        (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "colour": 1}))
+    else:
+        with open(out / "releases.jsonl", "a") as f:
+            f.write("not json\n")
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_paths_and_values_outside_a_run_exit_2(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(BASE[:1] + ["--out", str(tmp_path / "file" / "run")] + BASE[1:]) == 2
+    assert "cannot create the run directory" in capsys.readouterr().err
+    out = str(tmp_path / "run")
+    assert main(BASE[:1] + ["--out", out] + BASE[1:] + ["--local-steps", "1"]) == 0
+    capsys.readouterr()
+    assert main(["ledger", out, "--delta", "2"]) == 2
+    captured = capsys.readouterr()
+    assert "--delta must be a probability in (0, 1), got 2.0" in captured.err and captured.out == ""

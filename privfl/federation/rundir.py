@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -93,7 +94,11 @@ class RunDirectory:
             raise ConfigError(
                 f"run directory {self.root} already holds a run; resume it with --resume {self.root}, "
                 "choose another --out, or pass --overwrite")
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"cannot create the run directory {self.root}: {error.strerror}; choose another --out") \
+                from None
         for name in (self.METRICS, self.CLIENTS, self.SUMMARY, self.LEDGER, self.CHECKPOINT, self.RELEASES,
                      "plots.png"):
             self.path(name).unlink(missing_ok=True)
@@ -103,7 +108,11 @@ class RunDirectory:
         path = self.path(name)
         if not path.exists():
             raise ConfigError(f"{path} does not exist; is {self.root} a privfl run directory?")
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} is damaged (not JSON: {error.msg} at line {error.lineno}); a run writes it "
+                              "whole, so it was changed or cut afterwards") from None
 
     def write_json(self, name: str, value: Any) -> None:
         atomic_write_bytes(self.path(name), (dumps(value) + "\n").encode())
@@ -152,4 +161,9 @@ class RunDirectory:
         path = self.path(self.CHECKPOINT)
         if not path.exists():
             return None
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+            raise ConfigError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+                              "checkpoints are written whole, so it was changed or cut afterwards: start the run "
+                              "again") from None
