@@ -559,15 +559,22 @@ def _check_format(state: object, expected: str) -> None:
                          f"{_STATE_VERSION}")
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def _atomic_write_json(path: Path, state: Mapping[str, Any]) -> None:
     """Write ``state`` as JSON to ``path`` so that ``path`` always holds either the old or the new content.
 
     1. Write to a temporary file in the same directory (same filesystem, so the rename is atomic).
     2. Flush and fsync it, so the data is on disk before the name points at it.
     3. os.replace it over ``path``, then fsync the directory so the rename itself survives a power loss.
+
+    The file gets the mode any new file gets under the process's umask (``mkstemp`` alone gives 0600).
     """
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1, allow_nan=False)
             f.flush()

@@ -440,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=d.dataset, help="an image source of `privfl datasets` (mnist)")
     p.add_argument("--data-root", default=None)
     p.add_argument("--backbone", default=d.backbone, help="frozen feature extractor (mobilenet_v2)")
-    p.add_argument("--input-size", type=int, default=d.input_size, help="backbone input pixels (224 in ImageNet)")
+    p.add_argument("--input-size", type=int, default=d.input_size,
+                   help="backbone input pixels (the ImageNet models were trained at 224)")
     p.add_argument("--schemes", type=_names, default=d.schemes, help="comma-separated: raw,fedpft,dp-fedpft")
     p.add_argument("--eps", type=_floats, default=d.eps, help="DP-FedPFT epsilons requested, e.g. 1,8")
     p.add_argument("--delta", type=float, default=d.delta, help="DP-FedPFT delta (public)")

@@ -1,4 +1,4 @@
-"""The ``privfl`` command: train, sweep, demo, report, datasets.
+"""The privfl command: train, sweep, demo, report, ledger, datasets, attack (audit, reconstruct) and flower.
 
 A user error (an unknown name, a value out of range, unreadable data) exits with status 2 and one message that
 names the bad value and the valid choices; it never prints a traceback.
@@ -84,8 +84,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, default=None, help="max L2 norm of each local step's gradient (none)")
     g.add_argument("--lr-decay", type=float, default=None, help="round-r lr = lr * decay ** (r / 10) (1.0)")
     g.add_argument("--dp-noise-multiplier", type=float, default=None,
-                   help="fedavg: train clients with DP-SGD at this noise multiplier (use --select last, since "
-                        "validation reports for best_val are non-private releases)")
+                   help="fedavg, fedgma, tent: train clients with DP-SGD at this noise multiplier (needs --select "
+                        "last: validation reports for best_val would be non-private releases)")
     g.add_argument("--dp-max-grad-norm", type=float, default=None, help="DP-SGD per-sample clipping norm (1.0)")
     g.add_argument("--dp-noise", default=None, choices=("secure", "seeded"),
                    help="DP-SGD randomness: secure (default, OS-seeded) or seeded (reproducible, research only)")
@@ -238,7 +238,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     book = LedgerBook.load(path)
     print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
     print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  purposes")
-    for client_id in sorted(book, key=str):
+    for client_id in sorted(book, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
         ledger = book[client_id]
         purposes = Counter(record.purpose for record in ledger.records)
         listed = ", ".join(f"{name} x{count}" for name, count in sorted(purposes.items()))
@@ -357,18 +357,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["flower"]:
-        from privfl.federation.flower.launch import main as flower_main
+    try:
+        if argv[:1] == ["flower"]:
+            from privfl.federation.flower.launch import main as flower_main
 
-        return flower_main(argv[1:])
-    if argv[:2] == ["attack", "audit"]:
-        from attacks.audit import audit_main
+            return flower_main(argv[1:])
+        if argv[:2] == ["attack", "audit"]:
+            from attacks.audit import audit_main
 
-        return audit_main(argv[2:])
-    if argv[:2] == ["attack", "reconstruct"]:
-        from attacks.reconstruct_cli import reconstruct_main
+            return audit_main(argv[2:])
+        if argv[:2] == ["attack", "reconstruct"]:
+            from attacks.reconstruct_cli import reconstruct_main
 
-        return reconstruct_main(argv[2:])
+            return reconstruct_main(argv[2:])
+    except KeyboardInterrupt:   # their own long work saves what it has; no traceback for Ctrl-C
+        print("privfl: interrupted", file=sys.stderr)
+        return 130
     args = build_parser().parse_args(argv)
     for name in ("lr", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay", "alpha", "novel_fraction",
                  "client_fraction", "delta"):

@@ -66,6 +66,10 @@ class FedAvgConfig(ServerStepConfig):
         _require(_finite(self.dp_max_grad_norm) and self.dp_max_grad_norm > 0, "dp_max_grad_norm",
                  self.dp_max_grad_norm, "a finite number > 0")
         _require(self.dp_noise in NOISE_SOURCES, "dp_noise", self.dp_noise, "'secure' or 'seeded'")
+        if self.dp_noise_multiplier is None:   # DP settings that would silently do nothing
+            for name, default in (("dp_max_grad_norm", 1.0), ("dp_noise", "secure")):
+                _require(getattr(self, name) == default, name, getattr(self, name),
+                         f"left at {default!r} without dp_noise_multiplier (without it clients train without DP)")
 
     @property
     def training_dp(self) -> str | None:

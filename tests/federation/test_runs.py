@@ -49,6 +49,10 @@ def test_fedavg_end_to_end_writes_a_complete_run_directory(tmp_path, config):
     assert summary["numerics"]["threads"] == torch.get_num_threads()
     assert summary["numerics"]["torch"] == torch.__version__
     assert RunConfig.from_dict(run.read_json("config.json")) == config(rounds=10)
+    # every file gets the mode the umask gives new files (atomic writes go through mkstemp, which would give 0600)
+    modes = {name: run.path(name).stat().st_mode & 0o777 for name in ("config.json", "summary.json", "ledger.json",
+                                                                        "checkpoint.pt", "metrics.jsonl")}
+    assert len(set(modes.values())) == 1, modes
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedprox", "scaffold", "local"])

@@ -341,7 +341,10 @@ def test_method_settings_are_validated():
                                  ("fedavg", {"dp_noise_multiplier": True}, "dp_noise_multiplier"),
                                  ("fedavg", {"local_steps": True}, "local_steps"),
                                  ("tent", {"adapt": "all", "tta_steps": True}, "tta_steps"),
-                                 ("fedadg", {"noise_dim": True}, "noise_dim")]:
+                                 ("fedadg", {"noise_dim": True}, "noise_dim"),
+                                 # DP settings without dp_noise_multiplier would silently train without DP
+                                 ("fedavg", {"dp_noise": "seeded"}, "dp_noise"),
+                                 ("fedavg", {"dp_max_grad_norm": 2.0}, "dp_max_grad_norm")]:
         with pytest.raises(ConfigError, match=f"{name} must be"):
             make(method, **values)
 
