@@ -9,6 +9,7 @@ served once, at the end, with the selected model, and scored with labels the met
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import resource
 import time
@@ -188,9 +189,14 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
     runtime = (runtime_factory or build_runtime)(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
     elapsed = 0.0
+    digest = hashlib.sha256(dumps(config.to_dict()).encode()).hexdigest()   # ties each checkpoint to its config
     if resume:
         checkpoint = run_dir.load_checkpoint()
         if checkpoint is not None:
+            if checkpoint.get("config_digest", digest) != digest:
+                raise ConfigError(f"{run_dir.path(RunDirectory.CHECKPOINT)} was saved by a run with another "
+                                  f"{RunDirectory.CONFIG} (the file was edited, or the checkpoint comes from another "
+                                  "run): resuming would mix them; start the run again")
             try:
                 runtime.load_state_dict(checkpoint["runtime"])
             except KeyError as missing:
@@ -215,7 +221,7 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
                                  sorted(runtime.clients), from_round=runtime.completed_rounds, made=made)
 
     def checkpoint_now(state: dict[str, Any]) -> None:
-        run_dir.save_checkpoint({"format": 1, "runtime": state, "best": best,
+        run_dir.save_checkpoint({"format": 1, "runtime": state, "best": best, "config_digest": digest,
                                  "elapsed_s": elapsed + time.perf_counter() - started})
 
     started = time.perf_counter()

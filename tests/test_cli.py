@@ -109,6 +109,7 @@ def test_attack_audit_runs_from_the_privfl_command(capsys):
     ("config_cut", "config.json is damaged (not JSON"),
     ("config_key", "unknown run setting(s) colour"),
     ("journal_line", "cannot resume: malformed release journal"),
+    ("config_edited", "checkpoint.pt was saved by a run with another config.json"),
 ])
 def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys, damage, needle):
     import json
@@ -126,6 +127,9 @@ def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys
         (out / "checkpoint.pt").write_bytes(data[: len(data) // 2])
     elif damage == "config_cut":
         (out / "config.json").write_text((out / "config.json").read_text()[:40])
+    elif damage == "config_edited":   # another method, whose checkpoint would load: only the digest tells
+        edited = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**edited, "method": "fedprox"}))
     elif damage == "config_key":
         (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "colour": 1}))
     else:
