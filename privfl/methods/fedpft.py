@@ -214,7 +214,9 @@ def encode_mixtures(mixtures: list[ClassMixture], *, dtype: torch.dtype = torch.
 
 def decode_mixtures(arrays: dict[str, torch.Tensor], *, covariance: str, floor: float = 1e-6) -> list[ClassMixture]:
     """The inverse of :func:`encode_mixtures`, in float64: weights renormalised, full covariances re-symmetrised,
-    variances (eigenvalues for full) floored at ``floor`` so 16-bit rounding cannot break positive definiteness."""
+    diag and spherical variances floored at ``floor``. A full covariance is returned as decoded, and 16-bit rounding
+    can leave it singular or slightly indefinite: :func:`sample_mixtures` then draws through its eigenvalues clipped
+    at ``floor`` (``_sqrt_factor``); a caller using the matrices directly must do the same."""
     labels = sorted({int(name.split(".")[0][1:]) for name in arrays})
     mixtures = []
     for c in labels:
