@@ -186,6 +186,11 @@ class FedTTAConfig(LocalTrainingConfig):
         return None if self.dp_epsilon is None else f"client-level DP (dp_epsilon={self.dp_epsilon})"
 
     @property
+    def shares_per_round(self) -> int | None:
+        """M of ``dp_mode="distributed"``: the clients whose noise shares make up each round's sum (else ``None``)."""
+        return self.dp_shares if self.dp_epsilon is not None and self.dp_mode == "distributed" else None
+
+    @property
     def participation_cap(self) -> int | None:
         """The most rounds a training client may take part in (``dp_participations``; ``None``: no cap)."""
         return None if self.dp_epsilon is None else self.dp_participations

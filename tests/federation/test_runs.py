@@ -144,6 +144,10 @@ def test_client_level_dp_runs_keep_their_release_cap_through_sampling_model_sele
         train(fedtta(rounds=8, client_fraction=0.5, method_config={**dp, "dp_participations": 3}),
               str(tmp_path / "sampled"), progress=False)
     assert not (tmp_path / "sampled" / "releases.jsonl").exists()
+    # Distributed noise shares: more shares than a round's clients would leave their sum short of its noise.
+    with pytest.raises(ConfigError, match=r"dp_shares=4 noise shares .* a round samples 3 training clients"):
+        train(fedtta(method_config={**dp, "dp_participations": 4, "dp_mode": "distributed", "dp_shares": 4}),
+              str(tmp_path / "shares"), progress=False)
 
     # Killed in round 3, after the releases of rounds 2 and 3 but with a checkpoint of rounds 0-1 only: running
     # rounds 2 and 3 again would make 6 releases against the 4 each client's noise is calibrated for.
