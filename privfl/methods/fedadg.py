@@ -2,10 +2,12 @@
 every client aligns its feature distribution to one reference distribution, learned adversarially, so the features
 the federation averages are domain-invariant.
 
-Each client holds four networks, all averaged by the server as in FedAvg: the feature extractor F and classifier C
-(together the target network: F = everything before its last linear layer, C = that layer), a class-conditional
-generator G(xi, y) of reference features from noise xi ~ U[0, 1)^noise_dim, and a class-conditional discriminator
-D(h, y). One local step on a minibatch (x, y), with one-hot labels e_y and lambda_0 = ``adv_weight``:
+Each client holds four networks: the feature extractor F and classifier C (together the target network: F =
+everything before its last linear layer, C = that layer) and a class-conditional generator G(xi, y) of reference
+features from noise xi ~ U[0, 1)^noise_dim, which the server averages as in FedAvg, and a class-conditional
+discriminator D(h, y) that stays on the client for the whole run, as the FedADG code keeps one local discriminator per
+client (``local_d``): it is kept in the client's state, never sent, and starts from an initialisation of its own
+(seeded by the run seed and the client id). One local step on a minibatch (x, y), with one-hot labels e_y and lambda_0 = ``adv_weight``:
 
 1. F and C:  min (1 - lambda_0) * CE(C(F(x)), y) + lambda_0 * E (1 - D(F(x), e_y))^2      (L_err and L_advf);
 2. D:        min E (1 - D(G(xi, e_y), e_y))^2 + E D(F(x), e_y)^2                        (L_advd: reference -> 1,
@@ -34,7 +36,7 @@ from torch import nn
 
 from privfl.data import TrainingClient
 from privfl.federation.messages import Message, Release
-from privfl.federation.seeding import seeded_init
+from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import ClientContext, ClientState, _finite, _integer, _require, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig
 from privfl.methods.fedsr import classifier_layer, forward_with_representation
@@ -113,23 +115,27 @@ def adversarial_step(model: FedADGModel, x: torch.Tensor, y: torch.Tensor, optim
     return {"ce": ce.item(), "adv_f": adv_f.item(), "adv_d": adv_d.item(), "adv_g": adv_g.item()}
 
 
+LOCAL = "discriminator."   # the prefix of the networks a client keeps to itself
+
+
 def _build(factory, config) -> FedADGModel:
     return FedADGModel(factory(), factory.num_classes, noise_dim=config.noise_dim, hidden=config.gan_hidden)
 
 
 class FedADGStrategy(FedAvgStrategy):
-    """FedAvg's server over F, C, G and D; a novel client is sent the target network (F and C) only."""
+    """FedAvg's server over F, C and G (D stays on each client); a novel client is sent F and C only."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.weights = weights_of(seeded_init(lambda: _build(self.model_factory, self.config), self.seed))
+        weights = weights_of(seeded_init(lambda: _build(self.model_factory, self.config), self.seed))
+        self.weights = {k: v for k, v in weights.items() if not k.startswith(LOCAL)}
 
     def novel_request(self, client_id: int) -> Message:
         return Message(arrays={k[len("target."):]: v for k, v in self.weights.items() if k.startswith("target.")})
 
 
 class FedADGClient(FedAvgClient):
-    """Steps 1 to 3 for ``local_steps`` minibatches; sends the change of F, C, G and D."""
+    """Steps 1 to 3 for ``local_steps`` minibatches; sends the change of F, C and G, keeps D in its state."""
 
     def adg_model(self) -> FedADGModel:
         if getattr(self, "_adg_model", None) is None:
@@ -140,7 +146,12 @@ class FedADGClient(FedAvgClient):
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
         start = message.arrays
         model = self.adg_model()
-        model.load_state_dict(start)
+        local = {k: v for k, v in state.items() if k.startswith(LOCAL)}
+        if not local:   # the first round this client trains: its own discriminator
+            seed = derive_seed(ctx.run_seed, "fedadg_discriminator", ctx.client_id)
+            local = {LOCAL + k: v for k, v in weights_of(seeded_init(
+                lambda: _build(self.model_factory, self.config).discriminator, seed)).items()}
+        model.load_state_dict({**start, **local})
         model.train()
         settings = sgd_settings(message.config)
         optimizers = {
@@ -157,7 +168,9 @@ class FedADGClient(FedAvgClient):
                                       adv_weight=self.config.adv_weight, grad_clip=settings["grad_clip"])
             for name, value in losses.items():
                 totals[name] = totals.get(name, 0.0) + value / steps
-        update = Message(arrays=difference(weights_of(model), start),
+        weights = weights_of(model)
+        state.update({k: v for k, v in weights.items() if k.startswith(LOCAL)})
+        update = Message(arrays=difference({k: weights[k] for k in start}, start),
                          metrics={"num_examples": float(data.num_train), "loss": totals.pop("ce"), **totals})
         return Release.non_private(update, purpose="model_update")
 

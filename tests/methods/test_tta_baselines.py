@@ -13,6 +13,7 @@ from privfl.data import NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.experiment import RunConfig, build_runtime
 from privfl.federation import ClientContext, Message
+from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.afl import project_to_simplex
 from privfl.methods.fedadg import FedADGModel, adversarial_step
@@ -265,6 +266,32 @@ def test_fedadg_step_updates_every_network_and_novel_clients_get_the_target_only
         assert any(not torch.equal(model.state_dict()[k], v) for k, v in before.items() if k.startswith(prefix))
     strategy, _ = make("fedadg")
     assert sorted(strategy.novel_request(0).arrays) == sorted(VECTOR().state_dict())
+    assert not any(k.startswith("discriminator.") for k in strategy.weights)       # D stays on the clients
+
+
+def test_fedadg_clients_keep_their_own_discriminator_and_send_only_f_c_and_g(make_spec):
+    spec = make_spec(source_options={"num_samples": 320, "dim": 10, "num_classes": 4}, num_clients=8)
+    federation = build_federation(spec, seed=1)
+    config = RunConfig(federation=spec, method="fedadg", rounds=2, seed=1,
+                       method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16})
+    runtime = build_runtime(config, federation)
+    runtime.run_round(0)
+    held = {cid: {k: v.clone() for k, v in state.items()} for cid, state in runtime.client_states.items()}
+    first, second = sorted(held)[:2]
+    assert sorted(held[first]) == sorted(k for k in _build_keys(runtime) if k.startswith("discriminator."))
+    assert any(not torch.equal(held[first][k], held[second][k]) for k in held[first])   # each its own network
+    runtime.run_round(1)
+    # the round-1 discriminator starts from the client's round-0 one, not from a fresh initialisation
+    assert any(not torch.equal(runtime.client_states[first][k], held[first][k]) for k in held[first])
+    data = {c.client_id: c for c in federation.training_clients}[first]
+    message = runtime.strategy.configure_train(2, [first])[first]
+    release = runtime.client.train(data, message, dict(runtime.client_states[first]), client_context(1, first, 2))
+    assert sorted(release.message.arrays) == sorted(runtime.strategy.weights)      # F, C and G; never D
+    assert not any(k.startswith("discriminator.") for k in release.message.arrays)
+
+
+def _build_keys(runtime):
+    return list(runtime.client.adg_model().state_dict())
 
 
 # --- short runs: every method trains, novel clients send nothing ------------------------------------------------
