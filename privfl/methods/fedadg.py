@@ -7,7 +7,8 @@ everything before its last linear layer, C = that layer) and a class-conditional
 features from noise xi ~ U[0, 1)^noise_dim, which the server averages as in FedAvg, and a class-conditional
 discriminator D(h, y) that stays on the client for the whole run, as the FedADG code keeps one local discriminator per
 client (``local_d``): it is kept in the client's state, never sent, and starts from an initialisation of its own
-(seeded by the run seed and the client id). One local step on a minibatch (x, y), with one-hot labels e_y and lambda_0 = ``adv_weight``:
+(seeded by the run seed and the client id). One local step on a minibatch (x, y), with one-hot labels e_y and
+lambda_0 = ``adv_weight``:
 
 1. F and C:  min (1 - lambda_0) * CE(C(F(x)), y) + lambda_0 * E (1 - D(F(x), e_y))^2      (L_err and L_advf);
 2. D:        min E (1 - D(G(xi, e_y), e_y))^2 + E D(F(x), e_y)^2                        (L_advd: reference -> 1,
@@ -22,8 +23,11 @@ CE for some epochs and then alternates the adversarial phase for others; here th
 one of the ``local_steps`` minibatches. The feature dimension is the target network's penultimate width (200 for the
 MNIST 2NN; the FedTTA paper's FedADG used 128 on MNIST), the noise dimension is the paper's 10, and G and D are
 two-layer MLPs of width ``gan_hidden``. ``adv_weight``, ``gan_lr`` and ``gan_hidden`` are not given in the FedTTA
-digest and could not be checked against the FedADG paper here: their defaults (0.1, 0.05, 64) are chosen, not quoted.
-Novel clients receive the target network only and send nothing.
+digest; their defaults (0.1, 0.05, 64) are chosen for this protocol, not quoted. The FedADG code (its VLCS script)
+uses lambda_0 = 0.15 (``alpha = 0.85`` on the task loss), a G and D learning rate 0.7 times the task's, one-hot labels
+scaled by 0.6, label smoothing 0.2 and a random-projection discriminator; its generator step trains on a detached
+G output (so G gets no gradient there) and its discriminator loss carries the opposite sign to the one above. Those
+two are not reproduced. Novel clients receive the target network only and send nothing.
 """
 
 from __future__ import annotations
