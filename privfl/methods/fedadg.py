@@ -25,9 +25,10 @@ MNIST 2NN; the FedTTA paper's FedADG used 128 on MNIST), the noise dimension is 
 two-layer MLPs of width ``gan_hidden``. ``adv_weight``, ``gan_lr`` and ``gan_hidden`` are not given in the FedTTA
 digest; their defaults (0.1, 0.05, 64) are chosen for this protocol, not quoted. The FedADG code (its VLCS script)
 uses lambda_0 = 0.15 (``alpha = 0.85`` on the task loss), a G and D learning rate 0.7 times the task's, one-hot labels
-scaled by 0.6, label smoothing 0.2 and a random-projection discriminator; its generator step trains on a detached
-G output (so G gets no gradient there) and its discriminator loss carries the opposite sign to the one above. Those
-two are not reproduced. Novel clients receive the target network only and send nothing.
+scaled by 0.6, label smoothing 0.2 and a random-projection discriminator with a sigmoid output that maximises
+D(reference)^2 + (1 - D(F(x)))^2 (the same targets as step 2's least squares); its generator step trains on a
+detached G output, so G gets no gradient there, which is not reproduced. Novel clients receive the target network only
+and send nothing.
 """
 
 from __future__ import annotations
