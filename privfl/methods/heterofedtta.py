@@ -23,9 +23,11 @@ client keeps its own (psi, phi) between rounds, in its client state. One round (
    by train-split size).
 
 Model sizes: client ``cid`` gets size ``cid % len(widths)``: prediction model ``model`` built with
-``hidden=widths[size]`` and g with ``adapt_widths[size]`` hidden units (``adapt_layers`` layers). The paper's three
-CNNs differ in their conv channels (16/32, 32/64, 64/128; FC 512); the project's ``fedtta_cnn`` exposes only its FC
-width ``hidden``, so here the sizes are FC widths (``mlp2nn``: both hidden layers). The paper draws each client's
+``hidden=widths[size]`` (``mlp2nn``: both hidden layers) and, with ``conv``, ``conv=conv[size]`` (the conv
+channels of ``fedtta_cnn``), and g with ``adapt_widths[size]`` hidden units (``adapt_layers`` layers). The paper's
+three CNNs (App. Table 3) differ in their conv channels only: ``model="fedtta_cnn"``, ``widths=(512, 512, 512)``,
+``conv=((16, 32), (32, 64), (64, 128))`` (:data:`PAPER_CNN_SIZES`) builds them, 1,068,266 / 2,156,490 / 4,409,738
+parameters on CIFAR-10. The defaults size the FC widths, which any sizable model has. The paper draws each client's
 architecture at random with p = 1/3; the authors' code uses ``user_id % 3``, which this follows.
 
 The public set. The paper does not say what D_p is; the authors' code holds out 10 % of CIFAR-10 that no client
@@ -100,7 +102,8 @@ class HeteroFedTTAConfig(FedTTAConfig):
 
     Beyond :class:`~privfl.methods.fedtta.FedTTAConfig`: ``widths`` the ``hidden`` width of each prediction-model
     size and ``adapt_widths`` the hidden width of the matching adaptation model (same length; client ``cid`` gets
-    size ``cid % len(widths)``); ``novel_size`` the size index a novel client builds (``None``: by its id, like
+    size ``cid % len(widths)``); ``conv`` the conv channels of each size (``None``: the model's own; the paper's
+    CNNs: :data:`PAPER_CNN_SIZES`); ``novel_size`` the size index a novel client builds (``None``: by its id, like
     training clients); ``public_size`` and ``public_std`` the server-drawn unlabelled public set; ``kd_lambda`` the
     weight of the base-model KL in Eq. 14; ``distill_epochs`` / ``novel_distill_epochs`` passes over the public set
     per digest (training / novel clients) in batches of ``distill_batch``.
@@ -114,6 +117,7 @@ class HeteroFedTTAConfig(FedTTAConfig):
     adapt_lr: float = 0.005
     widths: tuple[int, ...] = (100, 200, 400)
     adapt_widths: tuple[int, ...] = (32, 64, 128)
+    conv: tuple[tuple[int, int], ...] | None = None
     novel_size: int | None = None
     public_size: int = 1000
     public_std: float = 1.0
@@ -139,6 +143,12 @@ class HeteroFedTTAConfig(FedTTAConfig):
             object.__setattr__(self, name, tuple(value))
         _require(len(self.adapt_widths) == len(self.widths), "adapt_widths", self.adapt_widths,
                  f"as long as widths ({len(self.widths)} sizes)")
+        if self.conv is not None:   # lists of lists arrive from config.json
+            _require(isinstance(self.conv, (list, tuple)) and len(self.conv) == len(self.widths)
+                     and all(isinstance(c, (list, tuple)) and len(c) == 2 and all(_int_at_least(v, 1) for v in c)
+                             for c in self.conv), "conv", self.conv,
+                     f"None or one pair of conv channel counts (integers >= 1) per size ({len(self.widths)} sizes)")
+            object.__setattr__(self, "conv", tuple(tuple(c) for c in self.conv))
         _require(self.novel_size is None or (_int_at_least(self.novel_size, 0) and self.novel_size < len(self.widths)),
                  "novel_size", self.novel_size, f"None or an integer in [0, {len(self.widths) - 1}]")
         _require(_int_at_least(self.public_size, 1), "public_size", self.public_size, "an integer >= 1")
@@ -158,6 +168,10 @@ class HeteroFedTTAConfig(FedTTAConfig):
         return self.size_of(client_id) if self.novel_size is None else self.novel_size
 
 
+#: The paper's three prediction CNNs (App. Table 3), with ``model="fedtta_cnn"``.
+PAPER_CNN_SIZES = {"widths": (512, 512, 512), "conv": ((16, 32), (32, 64), (64, 128))}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The functional core.
 
@@ -167,12 +181,19 @@ def sizable_models() -> tuple[str, ...]:
     return tuple(sorted(name for name, cls in MODELS.items() if "hidden" in inspect.signature(cls).parameters))
 
 
-def prediction_model(factory: ModelFactory, width: int) -> nn.Module:
-    """The target ``factory.name`` for the factory's shape and classes, with ``hidden=width``."""
+def prediction_model(factory: ModelFactory, width: int, conv: tuple[int, int] | None = None) -> nn.Module:
+    """The target ``factory.name`` for the factory's shape and classes, with ``hidden=width`` (and ``conv=conv``)."""
     if factory.name not in MODELS or factory.name not in sizable_models():
         raise ConfigError(f"heterofedtta needs a model with a hidden width, got model {factory.name!r}; "
                           f"valid choices: {', '.join(sizable_models())}")
-    return MODELS[factory.name](tuple(factory.input_shape), factory.num_classes, hidden=width)
+    cls = MODELS[factory.name]
+    if conv is None:
+        return cls(tuple(factory.input_shape), factory.num_classes, hidden=width)
+    if "conv" not in inspect.signature(cls).parameters:
+        with_conv = sorted(n for n, c in MODELS.items() if "conv" in inspect.signature(c).parameters)
+        raise ConfigError(f"conv={conv!r} sets conv channels, but model {factory.name!r} has none; models with "
+                          f"them: {', '.join(with_conv)}")
+    return cls(tuple(factory.input_shape), factory.num_classes, hidden=width, conv=conv)
 
 
 def public_inputs(input_shape: tuple[int, ...], size: int, std: float, seed: int) -> torch.Tensor:
@@ -245,7 +266,8 @@ class HeteroFedTTAStrategy(Strategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        prediction_model(self.model_factory, self.config.widths[0])  # refuse an unsizable model now, by name
+        cfg = self.config   # refuse an unsizable model now, by name
+        prediction_model(self.model_factory, cfg.widths[0], None if cfg.conv is None else cfg.conv[0])
         self.public = public_inputs(tuple(self.model_factory.input_shape), self.config.public_size,
                                     self.config.public_std, self.seed)
         self.base: torch.Tensor | None = None
@@ -310,7 +332,7 @@ class HeteroFedTTAClient(FedTTAClient):
     def build(self, size: int) -> tuple[nn.Module, nn.Module]:
         """A fresh (f, g) of size index ``size``."""
         cfg = self.config
-        return (prediction_model(self.model_factory, cfg.widths[size]),
+        return (prediction_model(self.model_factory, cfg.widths[size], None if cfg.conv is None else cfg.conv[size]),
                 AdaptationModel(self.model_factory.num_classes, cfg.adapt_widths[size], cfg.adapt_layers))
 
     def initial(self, size: int, seed: int, purpose: str, client_id: int) -> tuple[nn.Module, nn.Module]:

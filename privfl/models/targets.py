@@ -64,15 +64,18 @@ class LeNet(nn.Module):
 class FedTTACNN(nn.Module):
     """The McMahan et al. CNN as FedTTA's code builds it: conv 5x5 32 and 64 (padding 2, max-pool 2), FC 512.
 
-    No BatchNorm anywhere (which matters for TENT). 1,663,370 parameters on 1x28x28 with 10 classes.
+    No BatchNorm anywhere (which matters for TENT). 1,663,370 parameters on 1x28x28 with 10 classes. ``conv`` sets
+    the two conv layers' channels (HeteroFedTTA's small and big CNNs: 16/32 and 64/128).
     """
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 512) -> None:
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 512,
+                 conv: tuple[int, int] = (32, 64)) -> None:
         super().__init__()
         channels, height, width = _image_shape(input_shape, "fedtta_cnn")
-        self.conv1 = nn.Conv2d(channels, 32, 5, padding=2)
-        self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
-        self.fc1 = nn.Linear(64 * (height // 4) * (width // 4), hidden)
+        first, second = conv
+        self.conv1 = nn.Conv2d(channels, first, 5, padding=2)
+        self.conv2 = nn.Conv2d(first, second, 5, padding=2)
+        self.fc1 = nn.Linear(second * (height // 4) * (width // 4), hidden)
         self.fc2 = nn.Linear(hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedtta import AdaptationModel, inner_step
 from privfl.methods.heterofedtta import (
     BASE,
+    PAPER_CNN_SIZES,
     PER,
     PUBLIC,
     consensus,
@@ -47,6 +48,15 @@ def test_the_three_sizes_have_different_parameter_counts_and_follow_the_client_i
     assert [config.size_of(cid) for cid in range(6)] == [0, 1, 2, 0, 1, 2]
     cnn = ModelFactory("fedtta_cnn", (1, 8, 8), 4)
     assert len({count(prediction_model(cnn, w)) for w in config.widths}) == 3
+    # the paper's three CNNs (App. Table 3: conv 16/32, 32/64, 64/128, FC 512) on CIFAR-10, to the parameter
+    paper = get_method("heterofedtta").make_config(**PAPER_CNN_SIZES)
+    cifar = ModelFactory("fedtta_cnn", (3, 32, 32), 10)
+    assert [count(prediction_model(cifar, w, c)) for w, c in zip(paper.widths, paper.conv)] == \
+        [1_068_266, 2_156_490, 4_409_738]
+    with pytest.raises(ConfigError, match="model 'mlp2nn' has none; models with them: fedtta_cnn"):
+        prediction_model(FACTORY, 8, (16, 32))
+    with pytest.raises(ConfigError, match="conv must be None or one pair of conv channel counts"):
+        get_method("heterofedtta").make_config(conv=[[16, 32]])
 
 
 def test_server_consensus_is_the_mean_of_three_clients_logits():
