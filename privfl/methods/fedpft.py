@@ -64,7 +64,7 @@ from privfl.methods.base import (
     register_method,
 )
 from privfl.methods.local_training import local_sgd, weights_of
-from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES, release_class_gaussians
+from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES, check_data, release_class_gaussians
 
 __all__ = [
     "COVARIANCE_TYPES", "HEADS", "TOPOLOGIES", "ClassMixture", "FeatureHead", "FedPFTClient", "FedPFTConfig",
@@ -146,12 +146,10 @@ def fit_class_mixtures(features: Any, labels: Any, *, num_classes: int, componen
     from sklearn.mixture import GaussianMixture
 
     _require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
-    x = np.asarray(torch.as_tensor(features).detach().cpu(), dtype=np.float64)
-    y = np.asarray(torch.as_tensor(labels).detach().cpu(), dtype=np.int64)
-    if x.ndim != 2 or len(x) != len(y):
-        raise ConfigError(f"features must be [n, d] with one label each, got {x.shape} and {y.shape}")
-    if not np.isfinite(x).all():
-        raise ConfigError("features contain NaN or inf")
+    _require(isinstance(components, int) and not isinstance(components, bool) and components >= 1, "components",
+             components, "an integer >= 1")
+    x_checked, y_checked = check_data(features, labels, num_classes)   # labels: integers in [0, num_classes)
+    x, y = x_checked.numpy(), y_checked.numpy()
     mixtures = []
     for c in range(num_classes):
         xc = x[y == c]

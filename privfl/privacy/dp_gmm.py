@@ -361,7 +361,7 @@ def clipped_class_sums(features: Any, labels: Any, *, num_classes: int, bound: f
     ``S2`` is ``[C, d, d]`` (full), ``[C, d]`` (diag) or ``[C]`` (spherical). Raises :class:`ConfigError` on NaN/inf
     features, labels outside ``[0, num_classes)`` or mismatched shapes.
     """
-    x, y = _check_data(features, labels, num_classes)
+    x, y = check_data(features, labels, num_classes)
     bound = check_bound(bound)
     covariance = _check_choice("covariance", covariance, COVARIANCE_TYPES)
     project = _check_choice("project", project, PROJECTIONS)
@@ -421,7 +421,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     relation = check_relation(relation)
     sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts, project=project)
     bound = float(bound)
-    x, y = _check_data(features, labels, num_classes)
+    x, y = check_data(features, labels, num_classes)
     floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
     if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor) or floor <= 0:
         raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
@@ -528,7 +528,9 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> Any:
     return value
 
 
-def _check_data(features: Any, labels: Any, num_classes: object) -> tuple[torch.Tensor, torch.Tensor]:
+def check_data(features: Any, labels: Any, num_classes: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(features [n, d] float64, labels [n] int64)``, or a ConfigError naming what is wrong: not finite, not
+    integer labels, labels outside [0, num_classes), mismatched shapes."""
     num_classes = _check_positive_int("num_classes", num_classes)
     try:
         x = torch.as_tensor(np.asarray(features.detach().cpu() if isinstance(features, torch.Tensor) else features,

@@ -129,6 +129,16 @@ def test_fp16_round_trip_and_psd():
         encode_mixtures(large)
 
 
+def test_fit_refuses_labels_it_would_drop_or_truncate():
+    x = np.random.default_rng(0).normal(size=(6, 3))
+    for labels, needle in (([0, 1, 2, 0, 1, 5], r"labels must lie in \[0, 3\), got values in \[0, 5\]"),
+                           ([0, 1, 1.5, 0, 1, 2], "labels must be integers")):
+        with pytest.raises(ConfigError, match=needle):
+            fit_class_mixtures(x, np.array(labels), num_classes=3, components=1, covariance="diag", seed=0)
+    with pytest.raises(ConfigError, match="components must be an integer >= 1, got 0"):
+        fit_class_mixtures(x, np.arange(6) % 3, num_classes=3, components=0, covariance="diag", seed=0)
+
+
 def test_k_capped_at_class_size_and_single_sample_class():
     x = np.arange(14, dtype=float).reshape(7, 2)
     y = np.array([0, 0, 0, 1, 1, 1, 2])
