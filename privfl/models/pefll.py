@@ -89,8 +89,9 @@ class EmbeddingNetwork(nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ConfigError(f"x must have shape [n, {', '.join(map(str, self.input_shape))}], got {got}")
         if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0],) or y.dtype not in (torch.int64, torch.int32):
-            raise ConfigError(f"y must be an integer tensor of shape [{x.shape[0]}] aligned with x, got "
-                              f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
+            raise ConfigError(f"y must be an int64 or int32 tensor of shape [{x.shape[0]}] aligned with x, got "
+                              + (f"shape {tuple(y.shape)}, dtype {y.dtype}" if isinstance(y, torch.Tensor)
+                                 else type(y).__name__))
 
     def check_labels(self, y: torch.Tensor) -> None:
         """:class:`ConfigError` unless every label lies in ``0 .. num_classes - 1``."""

@@ -96,9 +96,14 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
                           f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if not bool(torch.isfinite(x).all()):
         raise ConfigError("x contains NaN/inf values; nothing was released")
-    if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0],) or y.is_floating_point():
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ConfigError(f"num_classes must be an integer >= 1 (the public label set), got {num_classes!r}")
+    integer = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0],) or y.dtype not in integer:
         raise ConfigError(f"y must be an integer tensor of shape [{x.shape[0]}] aligned with x, got "
-                          f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
+                          + (f"shape {tuple(y.shape)}, dtype {y.dtype}" if isinstance(y, torch.Tensor)
+                             else type(y).__name__))
+    y = y.long()   # the embedding networks take int64 labels
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise ConfigError(f"labels must lie in the public label set 0..{num_classes - 1}, got range "
                           f"[{int(y.min())}, {int(y.max())}]; nothing was released")

@@ -137,3 +137,14 @@ def test_bad_inputs_release_nothing_and_say_why():
     with pytest.raises(ConfigError, match="bound"):
         release_labelled_mean(net, x, torch.zeros(5, dtype=torch.int64), epsilon=1.0, delta=1e-5, bound=-1.0,
                               num_classes=2)
+    with pytest.raises(ConfigError, match="y must be an integer tensor of shape \\[5\\] aligned with x, got shape "
+                                          "\\(5,\\), dtype torch.bool"):
+        release_labelled_mean(net, x, torch.zeros(5, dtype=torch.bool), epsilon=1.0, delta=1e-5, bound=1.0,
+                              num_classes=2)
+    with pytest.raises(ConfigError, match="num_classes must be an integer >= 1 \\(the public label set\\), got None"):
+        release_labelled_mean(net, x, torch.zeros(5, dtype=torch.int64), epsilon=1.0, delta=1e-5, bound=1.0,
+                              num_classes=None)
+    # uint8 labels are integers too
+    value, _, _ = release_labelled_mean(net, x, torch.zeros(5, dtype=torch.uint8), epsilon=1.0, delta=1e-5, bound=1.0,
+                                        num_classes=2)
+    assert value.shape == (2,)
