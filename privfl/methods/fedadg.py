@@ -1,4 +1,4 @@
-"""FedADG (Zhang, Xie, Bai, Yu, Li and Gao, 2021, "Federated Learning with Domain Generalization", arXiv 2111.10487):
+"""FedADG (Zhang, Lei, Shi, Huang and Chen, 2021, "Federated Learning with Domain Generalization", arXiv 2111.10487):
 every client aligns its feature distribution to one reference distribution, learned adversarially, so the features
 the federation averages are domain-invariant.
 
