@@ -12,6 +12,9 @@ import dataclasses
 import hashlib
 import json
 import resource
+import signal
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -101,6 +104,36 @@ class RunConfig:
 
 class RunInterrupted(Exception):
     """A run stopped before its last round; its checkpoint holds every completed round."""
+
+
+class FinishRoundOnInterrupt:
+    """While installed, a first Ctrl-C (SIGINT) lets the round in progress finish and the run stop after it
+    (:attr:`requested`); a second one stops at once.
+
+    A round stopped in the middle has made some of its releases (journaled, so they stay in the ledgers); a resumed
+    run runs the round again and its clients release again. Finishing the round makes a clean interruption cost no
+    privacy. Installed only in the main thread (the only one that receives signals); the handler before is restored.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nprivfl: finishing the round in progress, then saving; Ctrl-C again stops now (the clients of a round "
+              "stopped midway release again when it is run again)", file=sys.stderr)
 
 
 def model_name_for(config: RunConfig, federation: FederatedDataset) -> str:
@@ -234,7 +267,9 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
     started = time.perf_counter()
     bar = tqdm(total=config.rounds, initial=runtime.completed_rounds, desc=config.method, unit="round",
                disable=not progress, dynamic_ncols=True)
+    interrupt = FinishRoundOnInterrupt()
     try:
+        interrupt.install()
         for round in range(runtime.completed_rounds, config.rounds):
             metrics = runtime.run_round(round)
             done = round + 1
@@ -255,6 +290,8 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
             if done % config.checkpoint_every == 0 or done == config.rounds:
                 checkpoint_now(runtime.committed_state_dict())
             bar.update(1)
+            if interrupt.requested and done < config.rounds:
+                raise KeyboardInterrupt
             if stop_after_round is not None and done >= stop_after_round and done < config.rounds:
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -263,6 +300,7 @@ def train(config: RunConfig, out: str, *, resume: bool = False, overwrite: bool 
             f"run interrupted after {runtime.completed_rounds} of {config.rounds} rounds; "
             f"continue it with: privfl train --resume {run_dir.root}") from None
     finally:
+        interrupt.restore()
         bar.close()
     wall = elapsed + time.perf_counter() - started
     return finish(config, federation, runtime, run_dir, best, wall)

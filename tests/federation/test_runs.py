@@ -120,6 +120,31 @@ def test_a_run_killed_between_checkpoints_keeps_the_releases_it_made(tmp_path, c
     assert rounds("cut", "validation_metrics") == rounds("full", "validation_metrics") != []
 
 
+def test_a_first_ctrl_c_finishes_the_round_in_progress_so_resuming_repeats_no_release(tmp_path, config, monkeypatch):
+    from privfl.methods.fedavg import FedAvgStrategy
+
+    cfg = config(rounds=4, checkpoint_every=10, eval_every=10, select="last")
+    full = train(cfg, str(tmp_path / "full"), progress=False)
+    aggregate = FedAvgStrategy.aggregate_train
+
+    def interrupted_in_round_1(self, round, replies):
+        if round == 1:      # the user presses Ctrl-C while round 1's replies are being aggregated
+            os.kill(os.getpid(), signal.SIGINT)
+        return aggregate(self, round, replies)
+
+    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", interrupted_in_round_1)
+    with pytest.raises(RunInterrupted, match="interrupted after 2 of 4 rounds"):
+        train(cfg, str(tmp_path / "cut"), progress=False)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # the handler was restored
+    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", aggregate)
+    resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    assert resumed["novel"] == full["novel"]
+    # every release made once: the ledgers equal the uninterrupted run's, round by round
+    books = [LedgerBook.load(tmp_path / run / "ledger.json") for run in ("full", "cut")]
+    rounds = [sorted(r.round for cid in book for r in book[cid].records) for book in books]
+    assert rounds[0] == rounds[1] and len(rounds[0]) == 4 * 9
+
+
 def test_client_level_dp_runs_keep_their_release_cap_through_sampling_model_selection_and_resume(
         tmp_path, make_spec, monkeypatch):
     from privfl.errors import ConfigError
