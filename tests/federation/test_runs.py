@@ -90,23 +90,33 @@ def test_train_once_reuses_only_the_same_run_and_resumes_an_interrupted_one(tmp_
     assert resumed["novel"] == whole["novel"] and resumed["rounds_completed"] == 6
 
 
+def _on_aggregate(monkeypatch, strategy, round, action):
+    """Make ``strategy`` call ``action()`` as it aggregates ``round``; returns what undoes it."""
+    aggregate = strategy.aggregate_train
+
+    def patched(self, r, replies):
+        if r == round:
+            action()
+        return aggregate(self, r, replies)
+
+    monkeypatch.setattr(strategy, "aggregate_train", patched)
+    return lambda: monkeypatch.setattr(strategy, "aggregate_train", aggregate)
+
+
+def _killed():
+    raise RuntimeError("process killed")
+
+
 def test_a_run_killed_between_checkpoints_keeps_the_releases_it_made(tmp_path, config, monkeypatch):
     from privfl.methods.fedavg import FedAvgStrategy
 
     cfg = config(rounds=6, client_fraction=0.5, checkpoint_every=2)
     full = train(cfg, str(tmp_path / "full"), progress=False)
-    aggregate = FedAvgStrategy.aggregate_train
-
-    def dies_in_round_3(self, round, replies):
-        # rounds 0-2 done, the last checkpoint after round 1: the releases of rounds 2 and 3 are in no checkpoint
-        if round == 3:
-            raise RuntimeError("process killed")
-        return aggregate(self, round, replies)
-
-    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", dies_in_round_3)
+    # rounds 0-2 done, the last checkpoint after round 1: the releases of rounds 2 and 3 are in no checkpoint
+    undo = _on_aggregate(monkeypatch, FedAvgStrategy, 3, _killed)
     with pytest.raises(RuntimeError, match="process killed"):
         train(cfg, str(tmp_path / "cut"), progress=False)
-    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", aggregate)
+    undo()
     resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
     assert resumed["novel"] == full["novel"]        # the numbers of an uninterrupted run
 
@@ -125,18 +135,12 @@ def test_a_first_ctrl_c_finishes_the_round_in_progress_so_resuming_repeats_no_re
 
     cfg = config(rounds=4, checkpoint_every=10, eval_every=10, select="last")
     full = train(cfg, str(tmp_path / "full"), progress=False)
-    aggregate = FedAvgStrategy.aggregate_train
-
-    def interrupted_in_round_1(self, round, replies):
-        if round == 1:      # the user presses Ctrl-C while round 1's replies are being aggregated
-            os.kill(os.getpid(), signal.SIGINT)
-        return aggregate(self, round, replies)
-
-    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", interrupted_in_round_1)
+    # the user presses Ctrl-C while round 1's replies are being aggregated
+    undo = _on_aggregate(monkeypatch, FedAvgStrategy, 1, lambda: os.kill(os.getpid(), signal.SIGINT))
     with pytest.raises(RunInterrupted, match="interrupted after 2 of 4 rounds"):
         train(cfg, str(tmp_path / "cut"), progress=False)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # the handler was restored
-    monkeypatch.setattr(FedAvgStrategy, "aggregate_train", aggregate)
+    undo()
     resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
     assert resumed["novel"] == full["novel"]
     # every release made once: the ledgers equal the uninterrupted run's, round by round
@@ -176,18 +180,11 @@ def test_client_level_dp_runs_keep_their_release_cap_through_sampling_model_sele
 
     # Killed in round 3, after the releases of rounds 2 and 3 but with a checkpoint of rounds 0-1 only: running
     # rounds 2 and 3 again would make 6 releases against the 4 each client's noise is calibrated for.
-    aggregate = FedTTAStrategy.aggregate_train
-
-    def dies_in_round_3(self, round, replies):
-        if round == 3:
-            raise RuntimeError("process killed")
-        return aggregate(self, round, replies)
-
-    monkeypatch.setattr(FedTTAStrategy, "aggregate_train", dies_in_round_3)
+    undo = _on_aggregate(monkeypatch, FedTTAStrategy, 3, _killed)
     for name, every in (("cut", 2), ("every_round", 1)):
         with pytest.raises(RuntimeError, match="process killed"):
             train(fedtta(checkpoint_every=every), str(tmp_path / name), progress=False)
-    monkeypatch.setattr(FedTTAStrategy, "aggregate_train", aggregate)
+    undo()
     with pytest.raises(ConfigError, match=r"cannot be resumed within its privacy budget: its checkpoint holds 2 "
                                           r"rounds.* up to 6 releases, more than dp_participations=4"):
         train(None, str(tmp_path / "cut"), resume=True, progress=False)
