@@ -151,17 +151,20 @@ def build_runtime(config: RunConfig, federation: FederatedDataset) -> InProcessR
     strategy = spec.strategy(model_factory=factory, config=method_config, seed=config.seed,
                              num_training_clients=len(federation.training_clients))
     client = spec.client(model_factory=factory, config=method_config)
-    check_participations(config, getattr(method_config, "participation_cap", None),
-                         [c.client_id for c in federation.training_clients])
-    shares = getattr(method_config, "shares_per_round", None)
-    per_round = len(sample_clients([c.client_id for c in federation.training_clients], config.client_fraction,
-                                   seed=config.seed, round=0))
+    training_ids = [c.client_id for c in federation.training_clients]
+    check_participations(config, getattr(method_config, "participation_cap", None), training_ids)
+    check_shares(config, getattr(method_config, "shares_per_round", None), training_ids)
+    return InProcessRuntime(strategy=strategy, client=client, training_clients=federation.training_clients,
+                            seed=config.seed, client_fraction=config.client_fraction)
+
+
+def check_shares(config: RunConfig, shares: int | None, client_ids: list[int]) -> None:
+    """Refuse distributed noise with more shares than a round samples clients (their sum would be short of noise)."""
+    per_round = len(sample_clients(sorted(client_ids), config.client_fraction, seed=config.seed, round=0))
     if shares is not None and shares > per_round:
         raise ConfigError(f"dp_shares={shares} noise shares make up each round's sum, but a round samples "
                           f"{per_round} training clients: their sum would carry less noise than its calibration; set "
                           f"dp_shares to at most {per_round}")
-    return InProcessRuntime(strategy=strategy, client=client, training_clients=federation.training_clients,
-                            seed=config.seed, client_fraction=config.client_fraction)
 
 
 def check_participations(config: RunConfig, cap: int | None, client_ids: list[int], *, from_round: int = 0,
