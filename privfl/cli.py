@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train one method and serve its novel clients")
     p.add_argument("--method", default="fedavg", help="a registered method (fedavg, fedprox, scaffold, local, ...)")
     p.add_argument("--out", default=None, help="run directory to create")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run (its config.json sets everything; other run options are refused)")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     _add_federation_arguments(p)
     _add_training_arguments(p)
