@@ -60,9 +60,9 @@ class LocalTrainingConfig:
 
     def __post_init__(self) -> None:
         _require(_finite(self.lr) and self.lr > 0, "lr", self.lr, "a finite number > 0")
-        _require(_integer(self.local_steps) and self.local_steps >= 1, "local_steps", self.local_steps,
+        _require(_int_at_least(self.local_steps, 1), "local_steps", self.local_steps,
                  "an integer >= 1")
-        _require(_integer(self.batch_size) and self.batch_size >= 1, "batch_size", self.batch_size,
+        _require(_int_at_least(self.batch_size, 1), "batch_size", self.batch_size,
                  "an integer >= 1")
         _require(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay,
                  "a finite number >= 0")
@@ -81,9 +81,9 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _integer(value: Any) -> bool:
-    """An int that is not a bool (``True`` is an int in Python, never a step count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+def _int_at_least(value: Any, minimum: int) -> bool:
+    """An int >= ``minimum`` that is not a bool (``True`` is an int in Python, never a step count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def _require(ok: bool, name: str, value: Any, valid: str) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 from privfl.data import TrainingClient
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.base import ClientContext, ClientState, _finite, _integer, _require, register_method
+from privfl.methods.base import ClientContext, ClientState, _finite, _int_at_least, _require, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig
 from privfl.methods.fedsr import classifier_layer, forward_with_representation
 from privfl.methods.local_training import difference, minibatches, sgd_settings, weights_of
@@ -64,7 +64,7 @@ class FedADGConfig(ServerStepConfig):
         _require(_finite(self.gan_lr) and self.gan_lr > 0, "gan_lr", self.gan_lr, "a finite number > 0")
         for name in ("noise_dim", "gan_hidden"):
             value = getattr(self, name)
-            _require(_integer(value) and value >= 1, name, value, "an integer >= 1")
+            _require(_int_at_least(value, 1), name, value, "an integer >= 1")
 
 
 class FedADGModel(nn.Module):

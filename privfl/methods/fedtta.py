@@ -81,6 +81,7 @@ from privfl.methods.base import (
     LocalTrainingConfig,
     Strategy,
     _finite,
+    _int_at_least,
     _require,
     register_method,
 )
@@ -206,10 +207,6 @@ class FedTTAConfig(LocalTrainingConfig):
         return ClientLevelGaussian(epsilon=self.dp_epsilon, delta=self.dp_delta, max_norm=self.dp_max_norm,
                                    participations=self.dp_participations, mode=self.dp_mode,
                                    num_shares=self.dp_shares, generator=generator)
-
-
-def _int_at_least(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ from privfl.errors import ConfigError
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
-from privfl.methods.base import ModelFactory, Strategy, _finite, _require, register_method
+from privfl.methods.base import ModelFactory, Strategy, _finite, _int_at_least, _require, register_method
 from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
 from privfl.methods.fedtta import (
     PHI,
@@ -81,7 +81,6 @@ from privfl.methods.fedtta import (
     AdaptationModel,
     FedTTAClient,
     FedTTAConfig,
-    _int_at_least,
     inner_step,
     meta_train,
     proxy_kl,
@@ -159,6 +158,10 @@ class HeteroFedTTAConfig(FedTTAConfig):
         for name in ("distill_epochs", "novel_distill_epochs"):
             _require(_int_at_least(getattr(self, name), 0), name, getattr(self, name), "an integer >= 0")
         _require(_int_at_least(self.distill_batch, 1), "distill_batch", self.distill_batch, "an integer >= 1")
+
+    def conv_of(self, size: int) -> tuple[int, int] | None:
+        """The conv channels of size index ``size`` (``None``: the model's own)."""
+        return None if self.conv is None else self.conv[size]
 
     def size_of(self, client_id: int) -> int:
         """The size index of training client ``client_id``: ``client_id % len(widths)``."""
@@ -267,7 +270,7 @@ class HeteroFedTTAStrategy(Strategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         cfg = self.config   # refuse an unsizable model now, by name
-        prediction_model(self.model_factory, cfg.widths[0], None if cfg.conv is None else cfg.conv[0])
+        prediction_model(self.model_factory, cfg.widths[0], cfg.conv_of(0))
         self.public = public_inputs(tuple(self.model_factory.input_shape), self.config.public_size,
                                     self.config.public_std, self.seed)
         self.base: torch.Tensor | None = None
@@ -332,7 +335,7 @@ class HeteroFedTTAClient(FedTTAClient):
     def build(self, size: int) -> tuple[nn.Module, nn.Module]:
         """A fresh (f, g) of size index ``size``."""
         cfg = self.config
-        return (prediction_model(self.model_factory, cfg.widths[size], None if cfg.conv is None else cfg.conv[size]),
+        return (prediction_model(self.model_factory, cfg.widths[size], cfg.conv_of(size)),
                 AdaptationModel(self.model_factory.num_classes, cfg.adapt_widths[size], cfg.adapt_layers))
 
     def initial(self, size: int, seed: int, purpose: str, client_id: int) -> tuple[nn.Module, nn.Module]:

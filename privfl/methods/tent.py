@@ -37,7 +37,7 @@ from torch import nn
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError
 from privfl.federation.messages import Message
-from privfl.methods.base import ClientState, _finite, _integer, _require, register_method
+from privfl.methods.base import ClientState, _finite, _int_at_least, _require, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgConfig, FedAvgStrategy
 
 ADAPT_CHOICES = ("norm", "all")
@@ -70,11 +70,11 @@ class TentConfig(FedAvgConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self.adapt in ADAPT_CHOICES, "adapt", self.adapt, f"one of {', '.join(ADAPT_CHOICES)}")
-        _require(_integer(self.tta_steps) and self.tta_steps >= 0, "tta_steps", self.tta_steps,
+        _require(_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps,
                  "an integer >= 0")
         _require(self.tta_lr is None or (_finite(self.tta_lr) and self.tta_lr > 0), "tta_lr", self.tta_lr,
                  "None (reuse lr) or a finite number > 0")
-        _require(self.tta_batch_size is None or (_integer(self.tta_batch_size) and self.tta_batch_size >= 1),
+        _require(self.tta_batch_size is None or _int_at_least(self.tta_batch_size, 1),
                  "tta_batch_size", self.tta_batch_size, "None (all data in one batch) or an integer >= 1")
         _require(_finite(self.tta_weight_decay) and self.tta_weight_decay >= 0, "tta_weight_decay",
                  self.tta_weight_decay, "a finite number >= 0")
