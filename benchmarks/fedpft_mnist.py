@@ -36,7 +36,8 @@ import torch
 
 from privfl.data import FederationSpec, build_federation, load_source
 from privfl.evaluation.metrics import score_model
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.federation.rundir import to_json_safe
 from privfl.methods import get_method
 from privfl.methods.fedpft_baselines import (

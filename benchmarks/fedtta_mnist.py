@@ -47,7 +47,8 @@ import torch
 
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
-from privfl.experiment import RunConfig, build_runtime, train_once
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS

@@ -41,7 +41,8 @@ import torch
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
-from privfl.experiment import RunConfig, build_runtime, train_once
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import RunDirectory, update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS

@@ -65,7 +65,8 @@ def run_minimal(rounds: int) -> float:
 
 def run_privfl(rounds: int) -> float:
     """privfl's runtime: strategy, client procedure, wire with ledger, transactional rounds."""
-    from privfl.experiment import RunConfig, build_runtime
+    from privfl.config import RunConfig
+    from privfl.experiment import build_runtime
 
     fed = federation()
     config = RunConfig(method="fedavg", method_config={"lr": 0.1, "local_steps": 20, "batch_size": 64},

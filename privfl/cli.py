@@ -1,7 +1,9 @@
 """The privfl command: train, sweep, demo, report, ledger, datasets, attack (audit, reconstruct) and flower.
 
 A user error (an unknown name, a value out of range, unreadable data) exits with status 2 and one message that
-names the bad value and the valid choices; it never prints a traceback.
+names the bad value and the valid choices; it never prints a traceback. A fault inside privfl
+(:class:`~privfl.errors.InternalError`) is a bug: it shows its traceback, asks for a report and exits with status 70
+(``EX_SOFTWARE``); any other exception nothing expected keeps Python's traceback and exit status 1.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 from accounting import BudgetExceededError
-from privfl.errors import PrivflError
+from privfl.errors import InternalError, PrivflError
 
 # (method, settings): the FedTTA paper's Table 4 learning rates for MNIST, with the stabilisers of the authors'
 # code (without them FedProx and SCAFFOLD diverge on this protocol; see benchmarks/README.md).
@@ -130,7 +132,7 @@ def _federation_spec(args: argparse.Namespace):
 
 
 def _run_config(args: argparse.Namespace, method: str, settings: dict):
-    from privfl.experiment import RunConfig
+    from privfl.config import RunConfig
 
     return RunConfig(
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
@@ -154,7 +156,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engine_settings(args: argparse.Namespace) -> dict:
     if args.engine == "inprocess":
-        return {}
+        return {"engine": "inprocess"}
     from privfl.federation.flower import FlowerOptions
 
     return {"engine": args.engine, "flower_options": FlowerOptions(
@@ -163,8 +165,8 @@ def _engine_settings(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from privfl.engine import run
     from privfl.evaluation import comparison_table
-    from privfl.experiment import train
     from privfl.federation import RunDirectory
 
     if args.resume:
@@ -178,14 +180,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if RunDirectory(args.resume).path(RunDirectory.SUMMARY).exists():
             print(f"{args.resume} holds a finished run: nothing to resume (its novel clients are not served again, "
                   "which would release their data again); its summary:")
-        summary = train(None, args.resume, resume=True, progress=not args.no_progress)
+        summary = run(None, args.resume, resume=True, progress=not args.no_progress)
         out = args.resume
     else:
         if not args.out:
             raise PrivflError("--out RUN_DIR is required for a new run (or --resume RUN_DIR to continue one)")
         config = _run_config(args, args.method, _method_settings(args))
-        summary = train(config, args.out, overwrite=args.overwrite, progress=not args.no_progress,
-                        **_engine_settings(args))
+        summary = run(config, args.out, overwrite=args.overwrite, progress=not args.no_progress,
+                      **_engine_settings(args))
         out = args.out
     print(comparison_table([summary]))
     print(f"run directory: {out}")
@@ -411,6 +413,23 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into a command that stopped reading (e.g. head)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except InternalError:
+        return report_bug()
+
+
+#: Exit status of a fault inside privfl (``EX_SOFTWARE`` of BSD's sysexits.h).
+EXIT_INTERNAL = 70
+
+
+def report_bug() -> int:
+    """Print the exception being handled with its traceback and a request to report it; return
+    :data:`EXIT_INTERNAL`."""
+    import traceback
+
+    traceback.print_exc()
+    print("privfl: internal error: this is a bug in privfl, not a problem with your input; please report it with "
+          "the traceback above and the command you ran", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.experiment import RunConfig, build_runtime, train, train_once
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train, train_once
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import to_json_safe
 from privfl.provenance import numerics

@@ -114,7 +114,8 @@ def test_attack_audit_runs_from_the_privfl_command(capsys):
 def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys, damage, needle):
     import json
 
-    from privfl.experiment import RunConfig, RunInterrupted, train
+    from privfl.config import RunConfig
+    from privfl.experiment import RunInterrupted, train
 
     out = tmp_path / "run"
     config = RunConfig.from_dict({"federation": {"source": "synthetic", "num_clients": 8, "partition": "iid"},
@@ -150,3 +151,19 @@ def test_bad_paths_and_values_outside_a_run_exit_2(tmp_path, capsys):
     assert main(["ledger", out, "--delta", "2"]) == 2
     captured = capsys.readouterr()
     assert "--delta must be a probability in (0, 1), got 2.0" in captured.err and captured.out == ""
+
+
+def test_an_internal_fault_shows_its_traceback_and_asks_for_a_report(tmp_path, capsys, monkeypatch):
+    # a bug inside privfl is not a user error: it must not be printed as one (exit 2, one line, no traceback)
+    from privfl.errors import InternalError
+    from privfl.federation.runtime import InProcessRuntime
+
+    def broken(self, round):
+        raise InternalError(f"round {round} requested but 7 rounds are completed")
+
+    monkeypatch.setattr(InProcessRuntime, "run_round", broken)
+    code = main(BASE[:1] + ["--out", str(tmp_path / "r")] + BASE[1:] + ["--local-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 70
+    assert "Traceback" in err and "InternalError: round 0 requested but 7 rounds are completed" in err
+    assert "this is a bug in privfl" in err and "please report it" in err

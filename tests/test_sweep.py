@@ -14,7 +14,8 @@ from privfl.cli import main
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
 from privfl.sweep import SweepConfig, _summarise, descriptor_margin, smallest_size_without_loss
 
 TINY = ["sweep", "--clients", "6", "--max-samples", "1200", "--rounds", "2", "--client-fraction", "0.5",

@@ -1,29 +1,45 @@
-"""The in-process runtime: rounds of a method's strategy and client procedures, with every message on the wire.
+"""Runtimes: the one round loop every engine runs, and the in-process engine.
 
-It is the embedded default engine; the Flower runtime drives the same strategy and client objects. The runtime does
-not know which method it runs: it calls the :class:`~privfl.methods.base.Strategy` and
-:class:`~privfl.methods.base.ClientProcedure` interfaces only.
+A runtime drives a method's :class:`~privfl.methods.base.Strategy` (server side) and
+:class:`~privfl.methods.base.ClientProcedure` (client side) through messages only; it does not know which method it
+runs. :class:`Runtime` holds the round loop (:meth:`Runtime.run_round`: sample, configure, one exchange per stage,
+aggregate, commit) and names what an engine must provide: how one stage's messages reach the clients and their
+releases come back (:meth:`Runtime.exchange`), how client states are committed, evaluation, novel-client serving,
+ledgers, and checkpoints. :class:`InProcessRuntime` provides them in this process;
+:class:`privfl.federation.flower.runtime.FlowerRuntime` on Flower nodes. :func:`privfl.experiment.train` runs any
+runtime.
 
 Rounds are transactional. A client procedure works on a copy of its state, and client states are committed only
 after the server has aggregated, so if a round is interrupted the runtime still holds the consistent state of the
-last completed round (:meth:`committed_state_dict`). The ledger is never rolled back: a release that was made stays
-recorded, even if its round is later run again. A process killed between checkpoints takes with it the records of
-the releases made since the last one; :func:`privfl.experiment.train` gives the wire a run directory's release
-journal (``releases.jsonl``, appended before each delivery) and replays it into the checkpoint's ledgers on resume.
+last completed round (:meth:`Runtime.committed_state_dict`). The ledger is never rolled back: a release that was
+made stays recorded, even if its round is later run again. A process killed between checkpoints takes with it the
+records of the releases made since the last one; :func:`privfl.experiment.train` hands the runtime a run
+directory's release journal (``releases.jsonl``, appended before each delivery, :meth:`Runtime.use_journal`) and
+replays it into the checkpoint's ledgers on resume.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from accounting import LedgerBook, ReleaseJournal
 from privfl.data import NovelClient, TrainingClient
-from privfl.federation.context import ClientContext, ClientState, client_context
+from privfl.errors import InternalError
+from privfl.federation.context import ClientState, client_context
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng
 from privfl.federation.wire import Wire
+
+if TYPE_CHECKING:   # the methods sit above this module: only their interfaces are named here
+    from privfl.data import FederatedDataset
+    from privfl.evaluation.metrics import ClientScore
+
+Score = Callable[[nn.Module, torch.Tensor, torch.Tensor], "ClientScore"]
 
 
 def sample_clients(client_ids: list[int], fraction: float, *, seed: int, round: int) -> list[int]:
@@ -39,55 +55,152 @@ def round_half_up(value: float) -> int:
     return int(value + 0.5)
 
 
-class InProcessRuntime:
+def validation_report(score: ClientScore) -> Release:
+    """A training client's validation score as a release (model selection on validation needs it on the server)."""
+    report = Message(metrics={"num_samples": float(score.num_samples), "correct": float(score.correct),
+                              "loss_sum": float(score.loss_sum)})
+    return Release.non_private(report, "validation_metrics")
+
+
+class Runtime(ABC):
+    """The round loop over a method's strategy and client procedure, and what an engine provides to it.
+
+    Attributes every engine keeps: ``strategy``, ``client`` (the procedure, or on Flower its class's flags),
+    ``training_ids`` (sorted), ``seed``, ``client_fraction``, ``completed_rounds``, and the bytes moved per client
+    (``bytes_up``, ``bytes_down``).
+    """
+
+    def __init__(self, *, strategy, client, training_ids: list[int], seed: int, client_fraction: float) -> None:
+        self.strategy = strategy
+        self.client = client
+        self.training_ids = sorted(training_ids)
+        self.seed = seed
+        self.client_fraction = client_fraction
+        self.completed_rounds = 0
+
+    # -- the one round loop ---------------------------------------------------------------------------------------
+
+    def run_round(self, round: int) -> dict[str, float]:
+        """One round: sample, configure, one exchange per stage with the sampled clients, aggregate, commit."""
+        if round != self.completed_rounds:
+            raise InternalError(f"round {round} requested but {self.completed_rounds} rounds are completed")
+        sampled = sample_clients(self.training_ids, self.client_fraction, seed=self.seed, round=round)
+        self.begin_round(round, sampled)
+        replies = self.exchange(round, 0, self.strategy.configure_train(round, sampled))
+        for stage in range(1, self.strategy.train_stages):
+            replies = self.exchange(round, stage, self.strategy.configure_stage(round, stage, replies))
+        metrics = self.strategy.aggregate_train(round, replies)
+        self.commit_round(round, sampled)
+        return {"clients": float(len(sampled)), **metrics}
+
+    def begin_round(self, round: int, sampled: list[int]) -> None:
+        """Before a round's first exchange (the in-process runtime copies the sampled clients' states here)."""
+
+    @abstractmethod
+    def exchange(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
+        """Stage ``stage`` of ``round``: each message down to its client, the client's work on its working state,
+        and the releases that came up (recorded in the clients' ledgers before delivery), by client id."""
+
+    @abstractmethod
+    def commit_round(self, round: int, sampled: list[int]) -> None:
+        """The round completed: commit the sampled clients' working states, count the round."""
+
+    # -- evaluation and novel clients -----------------------------------------------------------------------------
+
+    @property
+    def serves_novel_clients(self) -> bool:
+        return bool(self.client.serves_novel_clients)
+
+    @abstractmethod
+    def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
+                                  round: int | None) -> dict[int, ClientScore]:
+        """Score every training client on its own validation split, on the client, with ``score(model, x, y)``.
+
+        With ``report_to_server`` (model selection on validation needs it) each client sends its score, and that
+        message is a recorded release like any other; otherwise the score stays with the experimenter.
+        """
+
+    @abstractmethod
+    def score_novel_clients(self, federation: FederatedDataset, score: Score) -> dict[int, ClientScore]:
+        """Serve the novel clients through the two-down, one-up protocol (their queries are recorded releases) and
+        score each served model with that client's hidden labels, which no method sees."""
+
+    # -- privacy records, state -------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def ledgers(self) -> LedgerBook:
+        """Every client's ledger as it stands."""
+
+    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
+        """Append each release's ledger record to ``journal`` before it is delivered; with ``replay`` (a resumed
+        run), first put the journal's records that the checkpoint's ledgers lack back into them. An engine whose
+        clients keep their ledgers themselves (Flower nodes) has nothing to add here."""
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's ``summary.json`` records about the engine beyond the common keys (nothing in-process)."""
+        return {}
+
+    @property
+    @abstractmethod
+    def bytes_up(self) -> Mapping[int, int]: ...
+
+    @property
+    @abstractmethod
+    def bytes_down(self) -> Mapping[int, int]: ...
+
+    @abstractmethod
+    def snapshot(self) -> dict[str, Any]:
+        """The server state and client states now (by reference: they are replaced, never mutated in place)."""
+
+    @abstractmethod
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Return server and client states to ``snapshot``; the ledgers are untouched."""
+
+    @abstractmethod
+    def committed_state_dict(self) -> dict[str, Any]:
+        """The state at the end of the last completed round, plus the ledgers (which never roll back)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`committed_state_dict` (a resumed run)."""
+
+
+class InProcessRuntime(Runtime):
     """Runs a method's rounds on the training clients of one federation, all in this process."""
 
     def __init__(self, *, strategy, client, training_clients: list[TrainingClient], seed: int,
                  client_fraction: float = 1.0, wire: Wire | None = None) -> None:
-        self.strategy = strategy
-        self.client = client
+        super().__init__(strategy=strategy, client=client, training_ids=[c.client_id for c in training_clients],
+                         seed=seed, client_fraction=client_fraction)
         self.clients = {c.client_id: c for c in training_clients}
-        self.seed = seed
-        self.client_fraction = client_fraction
         self.wire = wire if wire is not None else Wire()
         self.client_states: dict[int, ClientState] = {cid: {} for cid in self.clients}
-        self.completed_rounds = 0
+        self._working: dict[int, ClientState] = {}
         self._committed = self.snapshot()
         with torch.random.fork_rng(devices=[]):
             client.workspace_model()   # built outside any client's seeded stream, as on a Flower node
 
-    def _context(self, client_id: int, round: int, stage: int = 0) -> ClientContext:
-        return client_context(self.seed, client_id, round, stage)
+    def begin_round(self, round: int, sampled: list[int]) -> None:
+        self._working = {cid: dict(self.client_states[cid]) for cid in sampled}
 
-    def run_round(self, round: int) -> dict[str, float]:
-        """One round: configure, train the sampled clients, deliver their releases, aggregate, commit."""
-        if round != self.completed_rounds:
-            raise RuntimeError(f"round {round} requested but {self.completed_rounds} rounds are completed")
-        sampled = sample_clients(sorted(self.clients), self.client_fraction, seed=self.seed, round=round)
-        new_states = {cid: dict(self.client_states[cid]) for cid in sampled}
-        replies = self._exchange(round, 0, self.strategy.configure_train(round, sampled), new_states)
-        for stage in range(1, self.strategy.train_stages):
-            replies = self._exchange(round, stage, self.strategy.configure_stage(round, stage, replies), new_states)
-        metrics = self.strategy.aggregate_train(round, replies)
-        self.client_states.update(new_states)
-        self.completed_rounds = round + 1
-        self._committed = self.snapshot()
-        return {"clients": float(len(sampled)), **metrics}
-
-    def _exchange(self, round: int, stage: int, messages: dict[int, Message],
-                  states: dict[int, ClientState]) -> dict[int, Message]:
-        """One stage of a round: each message down, the client's work on its working state, its release up."""
+    def exchange(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
         replies = {}
         for cid in sorted(messages):
             delivered = self.wire.server_to_client(cid, messages[cid])
-            ctx = self._context(cid, round, stage)
+            ctx = client_context(self.seed, cid, round, stage)
             if stage == 0:
-                release = self.client.train(self.clients[cid], delivered, states[cid], ctx)
+                release = self.client.train(self.clients[cid], delivered, self._working[cid], ctx)
             else:
-                release = self.client.train_stage(stage, self.clients[cid], delivered, states[cid], ctx)
+                release = self.client.train_stage(stage, self.clients[cid], delivered, self._working[cid], ctx)
             if release is not None:
                 replies[cid] = self.wire.client_to_server(cid, release, round=round)
         return replies
+
+    def commit_round(self, round: int, sampled: list[int]) -> None:
+        self.client_states.update(self._working)
+        self._working = {}
+        self.completed_rounds = round + 1
+        self._committed = self.snapshot()
 
     def training_client_model(self, client_id: int) -> nn.Module:
         """The model training client ``client_id`` is scored with, built on the client from the server's message."""
@@ -103,24 +216,40 @@ class InProcessRuntime:
         reply = self.wire.server_to_client(cid, self.strategy.novel_reply(cid, delivered))
         return self.client.novel_model(novel, reply)
 
-    def evaluate_training_clients(self, score, *, report_to_server: bool, round: int | None) -> dict[int, Any]:
-        """Score every training client on its own validation split, on the client, with ``score(model, x, y)``.
-
-        With ``report_to_server`` (model selection on validation needs it) each client sends its score, and that
-        message is a recorded release like any other; otherwise the score stays with the experimenter.
-        """
+    def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
+                                  round: int | None) -> dict[int, ClientScore]:
         scores = {}
         for cid, data in self.clients.items():
             result = score(self.training_client_model(cid), data.x_val, data.y_val)
             if report_to_server:
-                report = Message(metrics={"num_samples": float(result.num_samples), "correct": float(result.correct),
-                                          "loss_sum": float(result.loss_sum)})
-                self.wire.client_to_server(cid, Release.non_private(report, "validation_metrics"), round=round)
+                self.wire.client_to_server(cid, validation_report(result), round=round)
             scores[cid] = result
         return scores
 
+    def score_novel_clients(self, federation: FederatedDataset, score: Score) -> dict[int, ClientScore]:
+        if not self.serves_novel_clients:
+            return {}
+        return {novel.client_id: score(self.novel_client_model(novel), novel.x,
+                                       federation.novel_labels.labels(novel.client_id))
+                for novel in federation.novel_clients}
+
+    def ledgers(self) -> LedgerBook:
+        return self.wire.ledgers
+
+    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
+        if replay:
+            journal.replay_into(self.wire.ledgers)
+        self.wire.journal = journal
+
+    @property
+    def bytes_up(self) -> Mapping[int, int]:
+        return self.wire.bytes_up
+
+    @property
+    def bytes_down(self) -> Mapping[int, int]:
+        return self.wire.bytes_down
+
     def snapshot(self) -> dict[str, Any]:
-        """The server state and client states now (by reference: they are replaced, never mutated in place)."""
         return {
             "completed_rounds": self.completed_rounds,
             "strategy": self.strategy.state_dict(),
@@ -128,14 +257,12 @@ class InProcessRuntime:
         }
 
     def restore(self, snapshot: dict[str, Any]) -> None:
-        """Return server and client states to ``snapshot``; the wire and its ledgers are untouched."""
         self.strategy.load_state_dict(snapshot["strategy"])
         self.client_states = {int(cid): dict(s) for cid, s in snapshot["client_states"].items()}
         self.completed_rounds = int(snapshot["completed_rounds"])
         self._committed = self.snapshot()
 
     def committed_state_dict(self) -> dict[str, Any]:
-        """The state at the end of the last completed round, plus the wire (whose ledger never rolls back)."""
         return {**self._committed, "wire": self.wire.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

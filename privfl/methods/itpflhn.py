@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, TrainingDivergedError
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
@@ -184,7 +184,7 @@ class ITPFLHNStrategy(PFedHNStrategy):
             counts = [float(replies[cid].metrics["num_examples"]) for cid in ids]
             delta = weighted_mean([replies[cid].arrays for cid in ids], counts)
             if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
-                raise ConfigError(f"round {round}: the encoder regression diverged (non-finite encoder update from "
+                raise TrainingDivergedError(f"round {round}: the encoder regression diverged (non-finite encoder update from "
                                   f"clients {ids}); lower encoder_lr (now {self.config.encoder_lr!r}) or "
                                   "encoder_steps")
             self.encoder_weights = {k: v + delta[k] for k, v in self.encoder_weights.items()}

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError, TrainingDivergedError
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
 from privfl.methods.base import (
@@ -321,7 +321,7 @@ class ODPFLHNStrategy(Strategy):
             return self._send_generated_weights(round, replies)
         if stage == 2:
             return self._backprop_changes(replies)
-        raise ConfigError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
+        raise InternalError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
 
     def _send_generated_weights(self, round: int, replies: dict[int, Message]) -> dict[int, Message]:
         """Stage 1: w_i = f_theta(e_i) to each client that released a descriptor, with the local-training settings."""
@@ -378,7 +378,7 @@ class ODPFLHNStrategy(Strategy):
         if not (math.isfinite(hn_norm) and math.isfinite(encoder_norm)):
             # refuse before stepping, so the hypernetwork, the encoder and the last checkpoint stay finite (a NaN
             # step would only surface a round later, as NaN descriptors)
-            raise ConfigError(f"round {round}: ODPFL-HN training diverged (non-finite gradients from clients {done}: "
+            raise TrainingDivergedError(f"round {round}: ODPFL-HN training diverged (non-finite gradients from clients {done}: "
                               f"hypernetwork norm {hn_norm}, encoder norm {encoder_norm}); lower hn_lr (now "
                               f"{config.hn_lr!r}), encoder_lr (now {config.encoder_lr!r}) or the local lr (now "
                               f"{config.lr!r})")
@@ -508,7 +508,7 @@ class ODPFLHNClient(ClientProcedure):
             return self._client_update(data, message, ctx)
         if stage == 2:
             return self._client_backprop(data, message, ctx)
-        raise ConfigError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
+        raise InternalError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
 
     def _client_update(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
         """Stage 1 (ClientUpdate, digest 3.1 step 4): local SGD from w_i; release w_before - w_after."""

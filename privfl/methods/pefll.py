@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from privfl.data import FederatedDataset, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError, TrainingDivergedError
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
@@ -320,7 +320,7 @@ class PeFLLStrategy(Strategy):
                 self._round["loss"][cid] = float(replies[cid].metrics.get("loss", float("nan")))
                 messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach()})
             return messages
-        raise ConfigError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
+        raise InternalError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
 
     def _checked_descriptor(self, client_id: int, reply: Message | None) -> torch.Tensor:
         if reply is None or DESCRIPTOR not in reply.arrays:
@@ -356,7 +356,7 @@ class PeFLLStrategy(Strategy):
             # would surface a round later, blamed on a client's descriptor)
             self.optimizer.zero_grad(set_to_none=True)
             self._round = {}
-            raise ConfigError(f"round {round}: PeFLL training diverged (non-finite gradients from clients {done}); "
+            raise TrainingDivergedError(f"round {round}: PeFLL training diverged (non-finite gradients from clients {done}); "
                               f"lower lr (now {cfg.lr!r}) or server_lr (now {cfg.server_lr!r}), or set grad_clip")
         if cfg.server_grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.server_grad_clip)
@@ -456,7 +456,7 @@ class PeFLLClient(ClientProcedure):
             return self._local_training(data, message, ctx)
         if stage == 2:
             return self._embedding_gradient(data, message, state)
-        raise ConfigError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
+        raise InternalError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
 
     def _local_training(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
         """Stage 1 (lines 10-11): k SGD steps from theta_i; send theta_i - theta~_i."""

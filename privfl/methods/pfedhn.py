@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from privfl.data import TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, TrainingDivergedError
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
@@ -240,7 +240,7 @@ class PFedHNStrategy(Strategy):
         if not math.isfinite(norm):
             # refuse before stepping: clipping would not help (0 * NaN is NaN), and a NaN hypernetwork would only
             # surface later, as NaN client models, with the last checkpoint already overwritten
-            raise ConfigError(f"the hypernetwork training diverged (non-finite gradient, norm {norm}, from the weight "
+            raise TrainingDivergedError(f"the hypernetwork training diverged (non-finite gradient, norm {norm}, from the weight "
                               f"changes of clients {ids}); lower the hypernetwork lr (now {lr!r}) or the local lr "
                               f"(now {self.config.lr!r})")
         clip = self.config.server_grad_clip

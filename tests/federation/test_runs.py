@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from accounting import LedgerBook
-from privfl.experiment import RunConfig, RunInterrupted, train, train_once
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train, train_once
 from privfl.federation import RunDirectory
 
 

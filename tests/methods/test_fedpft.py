@@ -17,7 +17,8 @@ from accounting import GaussianEvent, epsilon
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import score_model
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedpft import (

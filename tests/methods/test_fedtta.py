@@ -11,7 +11,8 @@ from torch import nn
 from accounting import BudgetExceededError, GaussianEvent, NonPrivateEvent, analytic_gaussian_sigma
 from privfl.data import build_federation
 from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.federation import ClientContext, Message, Wire
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedtta import (

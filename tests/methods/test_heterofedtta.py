@@ -9,7 +9,8 @@ from torch import nn
 
 from privfl.data import build_federation
 from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, RunInterrupted, build_runtime, train
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, build_runtime, train
 from privfl.federation import Message
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedtta import AdaptationModel, inner_step

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime, Message, RunDirectory
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.itpflhn import make_encoder
@@ -74,7 +75,7 @@ def test_a_diverging_encoder_regression_is_refused_naming_encoder_lr():
     clients = [client(i, shift=50.0 * i) for i in range(4)]      # large inputs: lr 1e3 overflows at once
     rt, strategy, _ = runtime(clients, phase1_rounds=50, encoder_lr=1e3, encoder_steps=10)
     before = {k: v.clone() for k, v in strategy.encoder_weights.items()}
-    with pytest.raises(ConfigError, match=r"encoder regression diverged.*encoder_lr \(now 1000.0\)"):
+    with pytest.raises(TrainingDivergedError, match=r"encoder regression diverged.*encoder_lr \(now 1000.0\)"):
         for r in range(3):
             rt.run_round(r)
     assert all(bool(torch.isfinite(v).all()) for v in strategy.encoder_weights.values())

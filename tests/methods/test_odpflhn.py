@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.federation.context import client_context
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.odpflhn import ODPFLHNClient, ODPFLHNConfig, ODPFLHNStrategy, client_descriptor
@@ -59,7 +61,7 @@ def test_one_plain_sgd_step_gives_lr_times_the_true_gradients(encoder, descripto
     hnet, enc = copy.deepcopy(runtime.strategy.hnet), copy.deepcopy(runtime.strategy.encoder)
 
     # the true gradient of L = mean cross-entropy of h(x; f_theta(g_gamma(X))) on the one batch
-    seed = ODPFLHNClient._descriptor_seed(runtime._context(0, 0))
+    seed = ODPFLHNClient._descriptor_seed(client_context(runtime.seed, 0, 0))
     e = client_descriptor(enc, data.x_train, config, seed=seed)
     loss = nn.functional.cross_entropy(functional_forward(FACTORY(), hnet(e), data.x_train), data.y_train)
     hn_params, enc_params = list(hnet.parameters()), list(enc.parameters())
@@ -93,7 +95,7 @@ def test_a_diverging_round_is_refused_naming_the_rates_and_leaves_the_models_fin
     config = ODPFLHNConfig(lr=1e6, local_steps=5, batch_size=8, encoder_hidden=8, embed_dim=4, hn_hidden=16,
                            hn_lr=0.05, encoder_lr=0.05, grad_clip=None)
     runtime = _runtime(config, [_client(i, seed=3) for i in range(3)])
-    with pytest.raises(ConfigError, match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr "
+    with pytest.raises(TrainingDivergedError, match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr "
                                           r"\(now 1000000.0\)"):
         runtime.run_round(0)
     for module in (runtime.strategy.hnet, runtime.strategy.encoder):

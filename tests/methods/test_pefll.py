@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient, build_federation
-from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, build_runtime, train
+from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train
 from privfl.federation import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.pefll import PeFLLConfig, descriptor_of, unseen_clients_with_labels
@@ -242,7 +243,7 @@ def test_a_diverged_round_is_refused_before_the_server_steps_so_the_networks_sta
     runtime = InProcessRuntime(strategy=strategy, client=spec.client(model_factory=factory, config=cfg),
                                training_clients=[client(0, 1), client(1, 2)], seed=0)
     before = runtime.strategy.state_dict()
-    with pytest.raises(ConfigError, match=r"round 0: PeFLL training diverged \(non-finite gradients from clients "
+    with pytest.raises(TrainingDivergedError, match=r"round 0: PeFLL training diverged \(non-finite gradients from clients "
                                           r"\[0, 1\]\); lower lr \(now 50.0\)"):
         runtime.run_round(0)
     after = runtime.strategy.state_dict()

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, TrainingDivergedError
 from privfl.evaluation.metrics import ExpectedModel, score_model
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime, RunDirectory, sample_clients
 from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
@@ -154,7 +155,7 @@ def test_a_non_finite_weight_change_is_refused_before_the_hypernetwork_steps(bad
     change = {k: torch.full_like(v, bad) for k, v in FACTORY().state_dict().items()}
     replies = {0: Message(arrays=change, metrics={"num_examples": 12.0, "loss": 1.0})}
     refusal = r"diverged.*clients \[0\].*hypernetwork lr \(now 0.05\).*local lr \(now 0.2\)"
-    with pytest.raises(ConfigError, match=refusal):
+    with pytest.raises(TrainingDivergedError, match=refusal):
         strategy.aggregate_train(0, replies)
     assert all(torch.equal(v, before[k]) for k, v in strategy.hnet.state_dict().items())
     assert torch.equal(strategy.embedding(0), row)

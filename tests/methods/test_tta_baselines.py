@@ -11,7 +11,8 @@ from torch import nn
 
 from privfl.data import NovelClient, build_federation
 from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.federation import ClientContext, Message
 from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method

@@ -1,7 +1,7 @@
 """The privfl ClientApp: a node holds one client (or several), runs the method's client procedure, owns the ledgers.
 
 A node finds its clients from its node config (``partition-id``, or ``partition-range="FIRST-LAST"`` for several,
-and ``num-partitions``) and the run config (the run's :class:`~privfl.experiment.RunConfig` as JSON: dataset spec,
+and ``num-partitions``) and the run config (the run's :class:`~privfl.config.RunConfig` as JSON: dataset spec,
 seed, method). Every node builds the same :class:`~privfl.data.FederatedDataset` with
 :func:`privfl.data.build_federation` and keeps its own part: partition ``i < T`` is the ``i``-th training client (by
 increasing client id), partition ``T + j`` the ``j``-th novel client, where ``T`` is the number of training clients;
@@ -31,7 +31,6 @@ import time
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
@@ -40,6 +39,7 @@ from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
 from accounting import PrivacyLedger
+from privfl.config import RunConfig, build_client
 from privfl.errors import DataFreeError, ProtocolStateError, PublicConfigError
 from privfl.federation.context import client_context
 from privfl.federation.flower import protocol as p
@@ -86,7 +86,7 @@ class NodeClient:
         """
         ledger = self.ledger()
         ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.ledger_metadata(),
-                      calibrated_for=release.calibrated_for)
+                      calibrated_for=release.calibrated_for, audience=release.audience)
         ledger.save(self.ledger_path)
         return release.message, {"kind": p.RELEASE, "purpose": release.purpose}
 
@@ -105,8 +105,6 @@ class Node:
     clients' ledgers and states."""
 
     def __init__(self, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> None:
-        from privfl.experiment import RunConfig
-
         text = run_config.get(p.RUN_CONFIG) or ""
         if not text:
             raise PublicConfigError(f"run config {p.RUN_CONFIG!r} is empty: the node needs the run's RunConfig as JSON")
@@ -213,15 +211,9 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
     return part
 
 
-def _procedure(config, input_shape: tuple[int, ...], num_classes: int):
-    """The method's client procedure, as :func:`privfl.experiment.build_runtime` builds it."""
-    from privfl.experiment import model_name_for
-    from privfl.methods import ModelFactory, get_method
-
-    spec = get_method(config.method)
-    shape = SimpleNamespace(input_shape=input_shape)
-    factory = ModelFactory(model_name_for(config, shape), tuple(input_shape), num_classes)
-    procedure = spec.client(model_factory=factory, config=spec.make_config(**config.method_config))
+def _procedure(config: RunConfig, input_shape: tuple[int, ...], num_classes: int):
+    """The method's client procedure, as the in-process runtime builds it (:func:`privfl.config.build_client`)."""
+    procedure = build_client(config, input_shape, num_classes)
     with torch.random.fork_rng(devices=[]):
         procedure.workspace_model()   # built outside any client's seeded stream
     return procedure
