@@ -89,7 +89,8 @@ nothing recorded) -> clipped sums (nothing leaves) -> record the composed event 
 Memory: ``"full"`` forms ``S2_c = V_c^T V_c`` class by class (``[C, d, d]``), never the ``[n, d, d]`` outer products.
 
 Units: epsilon natural-log, delta a probability, bound and sensitivities L2 (Frobenius for matrices) in feature units.
-Floating-point noise is open to Mironov (2012)-style attacks; use ``noise="secure"`` outside research runs.
+Use ``noise="secure"`` outside research runs; floating-point noise is open to Mironov (2012)-style attacks, which
+``noise="hardened"`` makes far costlier (:func:`privfl.privacy.mechanisms.standard_normal`).
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
         epsilon: natural-log epsilon of this release (> 0); delta: its delta, in (0, 1).
         bound: per-record L2 clipping radius B (> 0).
         num_classes: C, the public label set is ``0 .. C-1``.
-        noise: ``"secure"`` or ``"seeded"`` (reproducible, research only; needs ``generator``); by default seeded
-            exactly when ``generator`` is given.
+        noise: ``"secure"``, ``"hardened"`` (drawn against floating-point attacks) or ``"seeded"`` (reproducible,
+            research only; needs ``generator``); by default seeded exactly when ``generator`` is given.
         ledger: an :class:`accounting.PrivacyLedger` to record the release in (library use; ``None`` inside a
             federation, where the wire records it).
     """

@@ -106,7 +106,7 @@ class PrivateEncoder(nn.Module):
         epsilon, delta: the per-release target, natural-log epsilon and delta a probability.
         bound: per-sample L2 clipping radius.
         relation: the neighbouring relation of every release.
-        noise: ``"seeded"`` or ``"secure"``.
+        noise: ``"seeded"``, ``"secure"`` or ``"hardened"``.
         ledger: the client's :class:`accounting.PrivacyLedger`, or ``None`` (then the caller must record releases,
             e.g. by sending them as a :class:`~privfl.federation.messages.Release` through the wire).
         last_certificate: the sensitivity certificate of the latest release.
@@ -294,8 +294,9 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
         relation: ``"replace_one"`` (n public; the ODPFL-HN setting) or ``"add_or_remove_one"`` (n private; needs
             ``min_samples``).
         ledger: the client's ledger; every release is recorded before its noisy output is computed.
-        noise: ``"secure"`` (OS-seeded, for deployments) or ``"seeded"`` (reproducible, research only); by default
-            seeded exactly when ``generator`` is given.
+        noise: ``"secure"`` (OS-seeded, for deployments), ``"hardened"`` (OS-seeded and drawn against
+            floating-point attacks, see :class:`~privfl.privacy.mechanisms.GaussianMechanism`) or ``"seeded"``
+            (reproducible, research only); by default seeded exactly when ``generator`` is given.
         generator: the torch.Generator for seeded noise, whose seed only the client may know (required for
             ``"seeded"``: torch's global generator is keyed from the run seed, which the server knows).
         min_samples: public lower bound on n, required for (and only for) add/remove-one.
