@@ -10,10 +10,10 @@ size q * n. For q = 1 (a client with no more records than ``batch_size``) the ex
 which add-or-remove-one keeps private: dividing by it scales the released noise by 1/n, so the update's norm tells n
 from n + 1 whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
 
-Invariant 5 of DESIGN.md: the privacy of a client composes over **all** its rounds. Flower's Opacus example builds a
-new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps the
-cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and is
-checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round Opacus objects
+Invariant 5 of ``docs/invariants.md``: the privacy of a client composes over **all** its rounds. Flower's Opacus example
+builds a new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps
+the cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and
+is checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round Opacus objects
 (``GradSampleModule`` / ``DPOptimizer``) are built around the model each round and removed afterwards, because the
 model's weights are reloaded from the server every round; no Opacus accountant is created per round.
 

@@ -1,8 +1,9 @@
 """Sensitivity certificates: an L2 sensitivity derived from the structure being released, with its written argument.
 
-A certificate is never a constant typed in (design invariant 3): it is computed from the per-sample clipping bound
-``B``, the pooling (a mean), the number of samples, the neighbouring relation and whether the number of samples is
-public, and it carries the proof sketch that justifies the value, so a reader of a ledger or a report can check it.
+A certificate is never a constant typed in (invariant 3 of ``docs/invariants.md``): it is computed from the per-sample
+clipping bound ``B``, the pooling (a mean), the number of samples, the neighbouring relation and whether the number of
+samples is public, and it carries the proof sketch that justifies the value, so a reader of a ledger or a report can
+check it.
 
 Notation: ``v_i = clip_B(phi(x_i))`` with ``||v_i|| <= B`` (L2), and the released value is a mean of the ``v_i``.
 """
@@ -79,11 +80,11 @@ def certify_mean_of_clipped(bound: float, n: int, relation: NeighboringRelation 
                             n_public: bool = True, *, delta: float | None = None) -> SensitivityCertificate:
     """The L2 sensitivity of ``mean(v_1, ..., v_n)`` where every ``v_i`` is clipped to the L2 ball of radius ``bound``.
 
-    **Replace-one, n public** (the ODPFL-HN lemma, digest section 5.3): neighbours ``D``, ``D'`` have the same size n
-    and differ in one record, ``v_j`` against ``v_j'``. All other terms cancel, so
+    **Replace-one, n public** (Lemma 2 of Amosy et al., the ODPFL-HN paper, proved in its App. D): neighbours ``D``,
+    ``D'`` have the same size n and differ in one record, ``v_j`` against ``v_j'``. All other terms cancel, so
     ``mean(D) - mean(D') = (v_j - v_j') / n`` and ``||.|| <= (||v_j|| + ||v_j'||) / n <= 2B/n``. The bound is attained
-    by ``v_j' = -v_j`` with ``||v_j|| = B``. Because ``n`` enters the noise scale, ``n`` must be public: the
-    guarantee protects the records, not how many there are.
+    by ``v_j' = -v_j`` with ``||v_j|| = B``. Because ``n`` enters the noise scale, ``n`` must be public: the guarantee
+    protects the records, not how many there are.
 
     **Add/remove-one, n public**: refused. Add/remove neighbours have sizes n and n-1, so "n is public" contradicts
     the relation; use replace-one (and document that n is public) or treat n as private.
@@ -94,7 +95,7 @@ def certify_mean_of_clipped(bound: float, n: int, relation: NeighboringRelation 
     ball stays in it), so ``||mean(D) - mean(D')|| <= 2B/m``, attained by ``v_x = B e``, every other ``v_i = -B e``.
     This checks the standard bound ``||mean_m - mean_{m-1}|| <= 2B/m`` (m the size of the **larger** neighbour).
     The catch is that m is private: calibrating the noise to the actual m would make the noise scale itself differ
-    between neighbours and leak m (digest section 5.7 item 3), and the bound over *all* sizes is ``2B/2 = B``.
+    between neighbours and leak m (docs/papers.md, ODPFL-HN, E5), and the bound over *all* sizes is ``2B/2 = B``.
     So here ``n`` must be a **public lower bound** on the dataset size: over every neighbouring pair whose larger
     dataset has m >= n records, ``2B/m <= 2B/n``, and ``2B/n`` is the certified value. The guarantee covers only
     datasets of at least n records; a client with fewer must not release (and not releasing is itself observable).
@@ -143,7 +144,7 @@ def certify_mean_of_batch_means(bound: float, batch_sizes: Sequence[int],
                                 delta: float | None = None) -> SensitivityCertificate:
     """The L2 sensitivity of ``(1/k) * sum_j mean(batch_j)`` for k batches of public sizes ``n_1 .. n_k``.
 
-    Replace-one with the partition into batches independent of the data values (digest section 5.7 item 6): the
+    Replace-one with the partition into batches independent of the data values (docs/papers.md, ODPFL-HN, E7): the
     replaced record lives in exactly one batch j, whose mean moves by at most ``2B/n_j``; the other batch means are
     unchanged, so the descriptor moves by at most ``2B/(k n_j)``, and the worst case over j is
     ``2B/(k * min_j n_j)``. This is attained (a record in the smallest batch, replaced by its antipode) and exceeds

@@ -1,4 +1,5 @@
-"""DP-SGD trainer: privacy composes over rounds (invariant 5), checkpoints, calibration, real per-sample clipping."""
+"""DP-SGD trainer: privacy composes over rounds (invariant 5 of docs/invariants.md), checkpoints, calibration, real
+per-sample clipping, hardened noise."""
 
 from __future__ import annotations
 
