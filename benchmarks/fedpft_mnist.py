@@ -58,7 +58,7 @@ HEAD = {"head_lr": 20.0, "head_epochs": 50.0, "head_batch_size": 256}
 def mnist_features(args, input_size: int, num_train: int, num_test: int) -> Path:
     """Extract (or read from the cache) MobileNetV2 features of a seeded MNIST subset; write the features .npz.
 
-    The .npz is named by the subset and by a digest of the backbone's cache key (its weights digest and
+    The .npz is named by the subset and by a sha256 of the backbone's cache key (its weights' sha256 and
     preprocessing), so a changed backbone never reads features another one made.
     """
     source = load_source("mnist")

@@ -1,6 +1,9 @@
 """``privfl sweep``: train ODPFL-HN once, then serve novel clients at several privacy levels and dataset sizes.
 
-The privacy-utility experiment of the ODPFL-HN paper (digest 5.4-5.5 and 7.7, with the corrections of 5.7):
+The privacy-utility experiment of the ODPFL-HN paper (Amosy et al., section 7, Fig. 5 and 6: novel-client accuracy
+against sample-set size at several epsilon, phi on the unit sphere, delta 0.01), with the corrections of
+docs/papers.md, ODPFL-HN, E2-E9 (analytic calibration, mean pooling only, a declared neighbouring relation,
+clipping on the client, delta well below 1/n):
 
 1. **Train** ODPFL-HN on the federation with the DP-ready encoder (``dp_deepset``: phi clipped to the L2 ball of
    radius ``bound`` in training, mean pooling, psi), so the hypernetwork sees descriptors of the kind a private

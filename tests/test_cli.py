@@ -128,7 +128,7 @@ def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys
         (out / "checkpoint.pt").write_bytes(data[: len(data) // 2])
     elif damage == "config_cut":
         (out / "config.json").write_text((out / "config.json").read_text()[:40])
-    elif damage == "config_edited":   # another method, whose checkpoint would load: only the digest tells
+    elif damage == "config_edited":   # another method, whose checkpoint would load: only the config's sha256 tells
         edited = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**edited, "method": "fedprox"}))
     elif damage == "config_key":

@@ -380,9 +380,9 @@ def _load_cifar(name: str, root: Path | None, download: bool, dataset_class: Any
     """Shared CIFAR body: with ``download``, fetch and checksum torchvision's archive; then read the batches with the
     numpy-only unpickler.
 
-    torchvision's own reader would ``pickle.load`` the files, which design invariant 6 rules out; so only its
-    download (archive URL and checksum) is reused. Files already present are read without a checksum, so
-    hand-made files in the same layout work too.
+    torchvision's own reader would ``pickle.load`` the files, which invariant 6 (``docs/invariants.md``) rules out;
+    so only its download (archive URL and checksum) is reused. Files already present are read without a checksum,
+    so hand-made files in the same layout work too.
     """
     from torchvision.datasets.utils import download_and_extract_archive
 

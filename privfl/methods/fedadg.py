@@ -22,8 +22,9 @@ Simplifications of this compact version (documented, not from the paper): the Fe
 CE for some epochs and then alternates the adversarial phase for others; here the three updates alternate on every
 one of the ``local_steps`` minibatches. The feature dimension is the target network's penultimate width (200 for the
 MNIST 2NN; the FedTTA paper's FedADG used 128 on MNIST), the noise dimension is the paper's 10, and G and D are
-two-layer MLPs of width ``gan_hidden``. ``adv_weight``, ``gan_lr`` and ``gan_hidden`` are not given in the FedTTA
-digest; their defaults (0.1, 0.05, 64) are chosen for this protocol, not quoted. The FedADG code (its VLCS script)
+two-layer MLPs of width ``gan_hidden``. ``adv_weight``, ``gan_lr`` and ``gan_hidden`` are not given by the FedTTA
+paper (its App. D and Table 4 give only eta_f and the noise and feature dimensions); their defaults (0.1, 0.05, 64)
+are chosen for this protocol, not quoted. The FedADG code (its VLCS script)
 uses lambda_0 = 0.15 (``alpha = 0.85`` on the task loss), a G and D learning rate 0.7 times the task's, one-hot labels
 scaled by 0.6, label smoothing 0.2 and a random-projection discriminator with a sigmoid output that maximises
 D(reference)^2 + (1 - D(F(x)))^2 (the same targets as step 2's least squares); its generator step trains on a

@@ -50,8 +50,10 @@ class FedAvgConfig(ServerStepConfig):
     """FedAvg's settings. With ``dp_noise_multiplier`` set, clients train with DP-SGD (Opacus, Poisson sampling,
     per-sample clipping at ``dp_max_grad_norm``) and each round's weight change is released with that round's
     DP-SGD event (record-level, add/remove one); the client's ledger composes the rounds for its whole life.
-    ``dp_noise`` is ``"secure"`` (default; OS-seeded sampling and noise) or ``"seeded"`` (from the client's keyed
-    generator: reproducible, for research runs only, since the server knows the run seed).
+    ``dp_noise`` is ``"secure"`` (default; OS-seeded sampling and noise), ``"hardened"`` (as secure, with the noise
+    drawn against floating-point attacks: Opacus' ``secure_mode``, see :class:`~privfl.privacy.dp_sgd.DPSGDConfig`)
+    or ``"seeded"`` (from the client's keyed generator: reproducible, for research runs only, since the server knows
+    the run seed).
     """
 
     dp_noise_multiplier: float | None = None
@@ -65,7 +67,7 @@ class FedAvgConfig(ServerStepConfig):
                  "dp_noise_multiplier", self.dp_noise_multiplier, "None or a finite number > 0")
         _require(_finite(self.dp_max_grad_norm) and self.dp_max_grad_norm > 0, "dp_max_grad_norm",
                  self.dp_max_grad_norm, "a finite number > 0")
-        _require(self.dp_noise in NOISE_SOURCES, "dp_noise", self.dp_noise, "'secure' or 'seeded'")
+        _require(self.dp_noise in NOISE_SOURCES, "dp_noise", self.dp_noise, f"one of {', '.join(NOISE_SOURCES)}")
         if self.dp_noise_multiplier is None:   # DP settings that would silently do nothing
             for name, default in (("dp_max_grad_norm", 1.0), ("dp_noise", "secure")):
                 _require(getattr(self, name) == default, name, getattr(self, name),

@@ -14,7 +14,7 @@ on a minibatch (x, y) (the paper's Sec. 3, Eqs. 4 to 8; numbered as this module 
 5. minimise L_CE + alpha_L2R * L2R + alpha_CMI * CMI by SGD over every parameter above.
 
 The server averages all of them as FedAvg does. Coefficients alpha_L2R = 0.01 and alpha_CMI = 0.0005 are the FedSR
-defaults that the FedTTA paper kept (digest section 6.2); its MNIST learning rate is 0.3 (Table 4).
+defaults that the FedTTA paper kept, not searched (Ye et al., App. D); its MNIST learning rate is 0.3 (Table 4).
 
 Compact design choices (documented simplifications): the FedSR networks emit (mu, sigma) from one layer of width
 2d; here mu is the target network's own penultimate layer and a d x d head adds sigma, so the classifier and the

@@ -397,7 +397,8 @@ class FedTTAStrategy(Strategy):
         return {"train_loss": weighted_mean_scalar(losses, [1.0] * len(losses))} if losses else {}
 
     def novel_request(self, client_id: int) -> Message:
-        # The test-time step uses eta_in decayed to the last trained round (paper 10 #11).
+        # The test-time step uses eta_in decayed to the last trained round (the paper does not say which rate;
+        # docs/papers.md, FedTTA, U8).
         return self._message(max(self.rounds_done - 1, 0))
 
     def state_dict(self) -> dict[str, Any]:

@@ -51,8 +51,9 @@ Training clients are scored with their own (psi, phi) adapted on their unlabelle
 Privacy
 -------
 Each round's release is two |D_p| x K logit matrices computed from models trained on the client's labels, recorded
-as non-private. Client-level DP would clip and noise these (the digest, section 8.3 item 4); it is not implemented,
-so ``dp_epsilon`` is refused. Novel clients release nothing.
+as non-private. Client-level DP would clip each client's contribution (softmax probabilities are bounded, logits are
+not), average, add Gaussian noise and compose over rounds, as PATE and FedMD-style releases do; it is not
+implemented, so ``dp_epsilon`` is refused (docs/papers.md, FedTTA, E7). Novel clients release nothing.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class HeteroFedTTAConfig(FedTTAConfig):
     CNNs: :data:`PAPER_CNN_SIZES`); ``novel_size`` the size index a novel client builds (``None``: by its id, like
     training clients); ``public_size`` and ``public_std`` the server-drawn unlabelled public set; ``kd_lambda`` the
     weight of the base-model KL in Eq. 14; ``distill_epochs`` / ``novel_distill_epochs`` passes over the public set
-    per digest (training / novel clients) in batches of ``distill_batch``.
+    per Digest step (training / novel clients) in batches of ``distill_batch``.
 
     Not applicable here and refused: ``mu`` (FedTTA-Prox's teacher is the server model, and there is none),
     ``adapt_hidden`` (use ``adapt_widths``), ``dp_epsilon`` (no mechanism for the logits release).
@@ -232,8 +233,8 @@ def distillation_loss(f: nn.Module, g: nn.Module, psi: dict[str, torch.Tensor], 
 
 def distill(f: nn.Module, g: nn.Module, x: torch.Tensor, teacher_base: torch.Tensor, teacher_per: torch.Tensor,
             round_config: dict, config: HeteroFedTTAConfig, *, epochs: int, rng: np.random.Generator) -> float:
-    """The digest: ``epochs`` shuffled passes over the public set, one SGD step per batch of ``distill_batch``, with
-    the optimiser settings of :func:`~privfl.methods.fedtta.meta_train` (psi at ``lr``, phi at ``adapt_lr``);
+    """The Digest step: ``epochs`` shuffled passes over the public set, one SGD step per batch of ``distill_batch``,
+    with the optimiser settings of :func:`~privfl.methods.fedtta.meta_train` (psi at ``lr``, phi at ``adapt_lr``);
     updates ``f`` and ``g`` in place and returns the mean KD loss (nan without steps)."""
     lr, inner_lr, adapt_lr = (float(round_config[k]) for k in ("lr", "inner_lr", "adapt_lr"))
     weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
@@ -320,7 +321,7 @@ class HeteroFedTTAStrategy(Strategy):
 
 
 class HeteroFedTTAClient(FedTTAClient):
-    """Keeps its own (psi, phi) of its size in its state; digests the consensus, meta-trains, releases logits."""
+    """Keeps its own (psi, phi) of its size in its state; distils the consensus, meta-trains, releases logits."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

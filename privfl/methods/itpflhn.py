@@ -1,5 +1,6 @@
-"""IT-PFL-HN, the two-phase variant of ODPFL-HN (digest ``papers/odpfl-hn.md`` section 3.2; [000] App. B.2, the main
-method of [001]): pFedHN with an encoder learned beside it, so a novel unlabelled client can be served.
+"""IT-PFL-HN, the two-phase variant of ODPFL-HN (Amosy et al., App. B.2; the main method of the earlier version,
+"Inference-Time Personalized Federated Learning"; docs/papers.md, ODPFL-HN): pFedHN with an encoder learned beside
+it, so a novel unlabelled client can be served.
 
 Three networks: a set encoder ``g_gamma`` (:func:`privfl.models.encoders.build_encoder`; the mean+max DeepSet by
 default, ``"dp_deepset"`` for the DP-ready form), the hypernetwork ``f_theta`` and the clients' embedding table, both
@@ -10,8 +11,9 @@ as in :mod:`privfl.methods.pfedhn`. Every round has two stages (one message down
 1. stage 0: the server sends ``w_i = f_theta(e_i)``; the client trains it locally and releases ``d_i = w_i -
    w_i_new`` (purpose ``"weight_change"``), exactly as pFedHN (steps 1-2 there);
 2. stage 1: the server sends the encoder ``g_gamma`` and the row ``e_i`` the round's model was generated from (the
-   value before this round's update, 10.2 #15); the client runs ``encoder_steps`` full-batch SGD steps (momentum
-   ``encoder_momentum``) on ``L_encoder = ||g_gamma(X_i) - e_i||^2`` (squared L2, 10.2 #16) over its training inputs
+   value before this round's update; the paper does not say, docs/papers.md, ODPFL-HN, U9); the client runs
+   ``encoder_steps`` full-batch SGD steps (momentum ``encoder_momentum``) on ``L_encoder = ||g_gamma(X_i) - e_i||^2``
+   (the paper's "L2", read as the squared Euclidean distance) over its training inputs
    and releases the encoder change ``gamma_new - gamma`` with its sample count (purpose ``"encoder_update"``);
 3. the server updates ``theta`` and the rows of the round's clients from the ``d_i`` (pFedHN's steps 3-4) and sets
    ``gamma <- gamma + sum_i n_i (gamma_i - gamma) / sum_i n_i`` (FedAvg of the encoder changes, data-size
@@ -29,7 +31,8 @@ as in :mod:`privfl.methods.pfedhn`. Every round has two stages (one message down
 
 **Serving.** Training clients are scored with the pre-fine-tune hypernetwork on their embedding row,
 ``f_theta_pre(e_i)``, since fine-tuning "improves novel-client accuracy but reduces accuracy on the labelled training
-clients" (digest 3.2); before phase 2 that is the current ``theta``. A novel client (section 4 of the digest):
+clients" (Amosy et al., App. B.2); before phase 2 that is the current ``theta``. A novel client (the papers'
+inference protocol, docs/papers.md, ODPFL-HN, "Serving a novel client"):
 
 1. the server sends the encoder ``g_gamma``;
 2. the client computes ``e_new = g_gamma(X_new)`` on all its unlabelled inputs and sends it: **one** release,
@@ -73,10 +76,12 @@ class ITPFLHNConfig(PFedHNConfig):
     ``encoder``: a name of :data:`privfl.models.encoders.ENCODERS` (``"deepset"``: mean+max DeepSet, the papers';
     ``"dp_deepset"``: phi -> mean -> psi, the only one DP can certify; ``"dss"``, ``"set_transformer"``);
     ``encoder_options``: its keyword options (e.g. ``{"hidden": 500}``).
-    ``encoder_lr``, ``encoder_momentum``, ``encoder_weight_decay`` (``None``: ``hn_weight_decay``, digest 10.2 #4),
+    ``encoder_lr``, ``encoder_momentum``, ``encoder_weight_decay`` (``None``: ``hn_weight_decay``, as the paper
+    gives no encoder optimiser; docs/papers.md, ODPFL-HN, U4),
     ``encoder_steps``: the clients' local SGD on the regression loss (full-batch steps per round).
     ``phase1_rounds``: rounds of phase 1; later rounds fine-tune (a run of R rounds fine-tunes for the last
-    ``R - phase1_rounds``, none if R <= phase1_rounds; the digest's example split is 400 + 100).
+    ``R - phase1_rounds``, none if R <= phase1_rounds; the paper does not give the split of its 500 rounds, and
+    400 + 100 is an example).
     ``finetune_lr``: the hypernetwork's learning rate in phase 2 (``None``: ``hn_lr``).
 
     ``encoder_lr`` defaults to 1e-3 (the paper gives none): the regression loss is a sum over the descriptor's
@@ -236,7 +241,7 @@ class ITPFLHNClient(PFedHNClient):
 
     @torch.no_grad()
     def descriptor(self, message: Message, x: torch.Tensor) -> torch.Tensor:
-        """``g_gamma(X)`` over the whole sample set (one batch, digest 3.3 default)."""
+        """``g_gamma(X)`` over the whole sample set (one batch, the default of Amosy et al., App. B.1)."""
         encoder = self.encoder_from(message)
         encoder.eval()
         return encoder(x).detach()

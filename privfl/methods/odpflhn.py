@@ -1,12 +1,13 @@
 """ODPFL-HN (Amosy, Eyal and Chechik, "On-Demand Unlabeled Personalized Federated Learning"): a client encoder and a
 hypernetwork trained end to end, so that a novel client with unlabelled data gets a personalised model from one
-descriptor (digest ``papers/odpfl-hn.md``).
+descriptor (docs/papers.md, ODPFL-HN).
 
 The server holds a set encoder g_gamma and a hypernetwork f_theta. A training round is Algorithm 1 of the paper with
-the corrected sign (digest 3.1 and 10.2 #2), as a three-stage dialogue with each sampled client i:
+the sign of pFedHN's code (docs/papers.md, ODPFL-HN, E1), as a three-stage dialogue with each sampled client i:
 
 1. **Stage 0, ClientEncoding.** The server sends gamma; the client computes its descriptor e_i = g_gamma(X_i) over its
-   whole training split (or the mean of descriptors of random batches, digest 3.3) and releases e_i.
+   whole training split (or the mean of descriptors of random batches, the fallback of the paper's App. B.1) and
+   releases e_i.
 2. **Stage 1, ClientUpdate.** The server computes w_i = f_theta(e_i) and sends w_i; the client runs local SGD
    (momentum 0.9, ``local_steps`` steps or ``local_epochs`` epochs) and releases the change d_i = w_before - w_after
    (pFedHN's sign: after one plain SGD step it is exactly lr_local * dL/dw).
@@ -17,14 +18,16 @@ the corrected sign (digest 3.1 and 10.2 #2), as a three-stage dialogue with each
    through the encoder and releases the encoder gradient.
 4. **Aggregation.** The server averages the round's hypernetwork and encoder gradients over the clients that finished
    stage 2, clips each to L2 norm ``grad_clip`` (50, pFedHN's code) and takes one SGD step each (momentum 0.9,
-   weight decay; separate learning rates for the hypernetwork and the encoder, digest 7.3 and 10.2 #4).
+   weight decay; separate learning rates for the hypernetwork and the encoder: the paper's App. C grids, and
+   docs/papers.md, ODPFL-HN, U3-U4 for what it leaves unstated).
 
 Training clients are evaluated with their generated model f_theta(e_i), from the descriptor they last released (the
-server keeps it; no new release is needed). A **novel client** (digest section 4) receives gamma, computes its
+server keeps it; no new release is needed). A **novel client** (the paper's inference protocol) receives gamma,
+computes its
 descriptor locally and releases it -- optionally through :func:`privfl.privacy.privatize` (``novel_epsilon``), whose
 Gaussian event goes with the release into the client's ledger -- and receives f_theta(e); nothing else leaves it.
 Training clients get no privacy here: their descriptors, weight changes and encoder gradients are sent in the clear
-and recorded with epsilon = infinity (digest 5.7 item 10).
+and recorded with epsilon = infinity (the paper's DP covers the novel client only; docs/papers.md, ODPFL-HN, E10).
 
 **Making the descriptor matter.** Trained end to end, the system can settle on one model for everybody: the
 hypernetwork is then as good as FedAvg and a flat privacy-utility curve is vacuous (noise cannot hurt a descriptor
@@ -84,30 +87,34 @@ ENCODER_PREFIX = "encoder."
 
 @dataclass(frozen=True)
 class ODPFLHNConfig:
-    """ODPFL-HN's settings (digest 7.3; defaults from pFedHN's code where the paper gives a grid).
+    """ODPFL-HN's settings (the paper's App. C; defaults from pFedHN's code where the paper gives a grid;
+    docs/papers.md, ODPFL-HN, "Settings").
 
     Local training: ``lr`` (client), ``local_steps`` minibatch steps, or ``local_epochs`` epochs over the training
     split when given (then ``local_steps`` is ignored), ``batch_size``, ``local_momentum`` (0.9 in the paper),
     ``local_weight_decay``.
-    Server: ``hn_lr``, ``hn_weight_decay``, ``encoder_lr``, ``encoder_weight_decay`` (``None``: the hypernetwork's,
-    digest 10.2 #4), ``server_momentum`` (SGD momentum of both), ``grad_clip`` (L2 clip of each averaged gradient,
-    ``None`` for none).
+    Server: ``hn_lr``, ``hn_weight_decay``, ``encoder_lr``, ``encoder_weight_decay`` (``None``: the hypernetwork's; the
+    paper gives no encoder optimiser), ``server_momentum`` (SGD momentum of both), ``grad_clip`` (L2 clip of each
+    averaged gradient, ``None`` for none).
     Architecture: ``encoder`` (a name of :data:`privfl.models.encoders.ENCODERS`), ``encoder_hidden``,
     ``encoder_clip`` (``dp_deepset``, ignored by the others: phi's outputs are projected onto the L2 ball of this
     radius in training, as privatize does on release; ``None`` for none), ``encoder_sphere`` (with a clip: scale phi's
-    outputs onto the sphere of that radius, the paper's normalisation, digest 5.4; it keeps the encoder from
+    outputs onto the sphere of that radius, the paper's normalisation of phi onto the unit sphere in its DP
+    experiment, section 7; it keeps the encoder from
     shrinking phi towards 0, which the ball allows), ``encoder_phi_hidden`` (``dp_deepset`` only: a deeper phi),
     ``encoder_phi_head`` (``dp_deepset`` only: ``"relu"``, or ``"softmax"``: phi softly assigns each sample to
     ``encoder_hidden`` learned prototypes, so the pooled mean is a histogram; set ``encoder_sphere=False`` with it),
     ``encoder_temperature`` (that softmax's temperature), ``encoder_psi`` (``dp_deepset`` only: ``"mlp"``,
     ``"linear"`` or ``"identity"``, the descriptor then being the pooled mean itself, of ``encoder_hidden``
-    coordinates), ``embed_dim`` (``None``: ``floor(N_train / 4)``, at least 2; digest 2.4; ignored with an identity
+    coordinates), ``embed_dim`` (``None``: ``floor(N_train / 4)``, at least 2; the paper's d_e = N/4, App. C;
+    ignored with an identity
     psi), ``hn_hidden``, ``hn_layers``, ``standardize_descriptors`` (a
     :class:`~privfl.models.hypernetwork.DescriptorStandardizer` in front of the hypernetwork, refitted every round to
     the training clients' latest descriptors; see "Making the descriptor matter" in the module docstring).
     Descriptors: ``descriptor`` ``"full"`` (the whole training split as one set, the default) or ``"batch_mean"``
     (mean of the descriptors of random batches of ``descriptor_batch_size``); ``train_mean_noise`` (``dp_deepset``
-    only): std of Gaussian noise added to the pooled mean during training (noise-aware training, digest 5.7 item 12).
+    only): std of Gaussian noise added to the pooled mean during training (noise-aware training, not in the paper;
+    docs/papers.md, ODPFL-HN, U12).
     Novel clients: ``novel_epsilon`` (``None``: the descriptor is released without privacy), ``novel_delta``,
     ``novel_bound`` (per-sample clipping radius), ``novel_noise`` (``"secure"``, the default, OS-seeded; ``"seeded"``
     for reproducible research runs), ``novel_noise_seed`` (the client-side seed of seeded noise).
@@ -206,7 +213,7 @@ class ODPFLHNConfig:
         if self.novel_epsilon is not None and self.encoder not in PRIVATIZABLE:
             raise ConfigError(f"novel_epsilon={self.novel_epsilon!r} needs a privatizable encoder "
                               f"({', '.join(PRIVATIZABLE)}), got encoder={self.encoder!r}: its sensitivity does not "
-                              "shrink with n (digest 5.7 item 2)")
+                              "shrink with n (max pooling, DSS, attention; docs/papers.md, ODPFL-HN, E3)")
 
     def encoder_options(self) -> dict[str, Any]:
         """Keyword options of :func:`~privfl.models.encoders.build_encoder` for this config."""
@@ -226,7 +233,7 @@ class ODPFLHNConfig:
 
 def descriptor_dim(config: ODPFLHNConfig, num_training_clients: int) -> int:
     """The descriptor size: ``encoder_hidden`` with an identity psi (the descriptor is phi's pooled mean), else
-    ``embed_dim`` or ``floor(N_train / 4)`` (at least 2; digest 2.4)."""
+    ``embed_dim`` or ``floor(N_train / 4)`` (at least 2; the paper's d_e = N/4, App. C)."""
     if config.encoder == "dp_deepset" and config.encoder_psi == "identity":
         return config.encoder_hidden
     return config.embed_dim or max(2, embedding_dim(num_training_clients))
@@ -240,10 +247,11 @@ def make_encoder(config: ODPFLHNConfig, input_shape: tuple[int, ...], embed_dim:
 def client_descriptor(encoder: nn.Module, x: torch.Tensor, config: ODPFLHNConfig, *, seed: int) -> torch.Tensor:
     """A training client's descriptor of its inputs ``x`` (graph kept to the encoder).
 
-    Steps: 1. ``"full"``: the encoder on the whole set (digest 3.1 step 2); ``"batch_mean"``: the mean of the
-    encoder's outputs on random batches of ``descriptor_batch_size`` (digest 3.3), the batches drawn from ``seed``;
+    Steps: 1. ``"full"``: the encoder on the whole set (ClientEncoding of Algorithm 1); ``"batch_mean"``: the mean of
+    the encoder's outputs on random batches of ``descriptor_batch_size`` (App. B.1), the batches drawn from ``seed``;
     2. with ``train_mean_noise`` (dp_deepset only) Gaussian noise of that std is added to the pooled mean before
-    psi, drawn from ``seed`` (noise-aware training, digest 5.7 item 12). The same seed gives the same descriptor, so
+    psi, drawn from ``seed`` (noise-aware training, docs/papers.md, ODPFL-HN, U12). The same seed gives the same
+    descriptor, so
     stage 2 recomputes exactly what stage 0 released.
     """
     if config.descriptor == "full":
@@ -344,7 +352,8 @@ class ODPFLHNStrategy(Strategy):
         return messages
 
     def _backprop_changes(self, replies: dict[int, Message]) -> dict[int, Message]:
-        """Stage 2: the chain rule through the hypernetwork (digest 3.1 step 5); de_i and the encoder down."""
+        """Stage 2: the chain rule through the hypernetwork (Algorithm 1, the server's step between ClientUpdate and
+        ClientBackprop); de_i and the encoder down."""
         descriptor_grads = {}
         for cid in sorted(replies):       # ascending: the order the hypernetwork gradients are summed in
             descriptor_grad = self._round["hn_grads"].add(cid, self._round["descriptors"][cid], replies[cid].arrays)
@@ -425,11 +434,11 @@ class ODPFLHNStrategy(Strategy):
         return Message(arrays=self.generated_weights(descriptor))
 
     def novel_request(self, client_id: int) -> Message:
-        """The encoder (digest section 4 step 1)."""
+        """The encoder (the inference protocol's first message: the server sends g_gamma)."""
         return self._encoder_message(stage="novel")
 
     def novel_reply(self, client_id: int, delivered: Message | None) -> Message:
-        """f_theta(e) for the descriptor the novel client released (digest section 4 step 4)."""
+        """f_theta(e) for the descriptor the novel client released (the inference protocol's reply)."""
         if delivered is None or "descriptor" not in delivered.arrays:
             raise ConfigError(f"novel client {client_id} sent no descriptor; ODPFL-HN needs one to build its model")
         return Message(arrays=self.generated_weights(delivered.arrays["descriptor"]))
@@ -496,7 +505,7 @@ class ODPFLHNClient(ClientProcedure):
         return derive_seed(ctx.run_seed, "odpflhn_descriptor", ctx.round, ctx.client_id)
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
-        """Stage 0 (ClientEncoding, digest 3.1 step 2): release e_i = g_gamma(X_i)."""
+        """Stage 0 (ClientEncoding of Algorithm 1): release e_i = g_gamma(X_i)."""
         encoder = self.encoder_from(message)
         with torch.no_grad():
             descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
@@ -511,7 +520,7 @@ class ODPFLHNClient(ClientProcedure):
         raise InternalError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
 
     def _client_update(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
-        """Stage 1 (ClientUpdate, digest 3.1 step 4): local SGD from w_i; release w_before - w_after."""
+        """Stage 1 (ClientUpdate of Algorithm 1): local SGD from w_i; release w_before - w_after."""
         start = message.arrays
         model = self.model_from(start)
         config = message.config
@@ -529,7 +538,7 @@ class ODPFLHNClient(ClientProcedure):
                                    purpose="weight_change")
 
     def _client_backprop(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
-        """Stage 2 (ClientBackprop, digest 3.1 step 6): release (de_i/dgamma)^T de_i."""
+        """Stage 2 (ClientBackprop of Algorithm 1): release (de_i/dgamma)^T de_i."""
         encoder = self.encoder_from(message)
         descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
         names = [n for n, p in encoder.named_parameters() if p.requires_grad]
@@ -546,10 +555,11 @@ class ODPFLHNClient(ClientProcedure):
     def novel_query(self, novel: NovelClient, message: Message) -> Release:
         """The novel client's only release: its descriptor, through privatize when ``novel_epsilon`` is set.
 
-        Steps (digest section 4 and 5): 1. load the encoder; 2. without privacy, e = g_gamma(X) (full set or batch
-        mean), released with epsilon = infinity; 3. with privacy, ``privatize(encoder, eps, delta, bound=...)``
-        clips phi per sample, adds analytic-Gaussian noise to the mean (n public, replace-one) and applies psi;
-        the release carries the mechanism's event, so the wire records exactly that epsilon.
+        Steps (the paper's inference protocol and its DP option, section 7): 1. load the encoder; 2. without
+        privacy, e = g_gamma(X) (full set or batch mean), released with epsilon = infinity; 3. with privacy,
+        ``privatize(encoder, eps, delta, bound=...)`` clips phi per sample, adds analytic-Gaussian noise to the mean
+        (n public, replace-one) and applies psi; the release carries the mechanism's event, so the wire records
+        exactly that epsilon.
         """
         from privfl.privacy import privatize
 

@@ -2,20 +2,22 @@
 learn.
 
 A client describes itself by ``v_i = mean_j phi(x_j, y_j; eta_v)`` (labels are inputs); the server's hypernetwork
-turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (digest ``papers/pefll.md`` eq. 1,
-section 3.1)::
+turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (the paper's eq. 1, with the mean
+over clients, docs/papers.md, PeFLL, U1)::
 
     lambda_h ||eta_h||^2 + lambda_v ||eta_v||^2 + (1/n) sum_i [ L_i(theta_i) + lambda_theta ||theta_i||^2 ]
 
-One training round is the split computation of the paper's Algorithm 2 (digest section 3.2), three stages here, every
-message up a release recorded in the client's ledger by the wire:
+One training round is the split computation of the paper's Algorithm 2 (cited by its line numbers), three stages here,
+every message up a release recorded in the client's ledger by the wire:
 
 1. server -> client: the embedding network eta_v (line 3). Client: draw one batch of ``descriptor_batch`` examples
    (32), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))`` (lines 5-6; the true mean, not the authors' code's division by
-   twice the number of batches, A8), keep the batch (and eta_v) for stage 3. **Up: v_i** (line 7, ``"descriptor"``).
+   twice the number of batches, docs/papers.md, PeFLL, E1), keep the batch (and eta_v) for stage 3.
+   **Up: v_i** (line 7, ``"descriptor"``).
 2. server: ``theta_i = h(v_i)`` (line 8). Down: theta_i (line 9). Client: ``local_steps`` (50) SGD steps with
    momentum 0.9, lr 2e-3, per-step gradient clip 50 and weight decay ``2 lambda_theta`` (the gradient of
-   ``lambda_theta ||theta||^2``, A4) on fresh batches of 32, independent of the descriptor batch (A9) (line 10).
+   ``lambda_theta ||theta||^2``, as the authors' code applies it, docs/papers.md, PeFLL, U5) on fresh batches of
+   32, independent of the descriptor batch (U6) (line 10).
    **Up: Delta theta_i = theta_i - theta~_i** (line 11, ``"weight_change"``).
 3. server: one vector-Jacobian product through h with cotangent Delta theta_i gives
    ``Delta eta_h^i = (d theta_i/d eta_h)^T Delta theta_i`` (kept on the server) and
@@ -30,7 +32,7 @@ message up a release recorded in the client's ledger by the wire:
 After one plain SGD local step at learning rate eta, Delta theta_i = eta dL_i/dtheta, so (with lambdas 0) the chain
 gives exactly eta times the true gradient of L_i(h(v(S_b; eta_v); eta_h)) with respect to both networks.
 
-Unseen clients (Algorithm 1, digest section 4): two down, one up, no fine-tuning: ``novel_request`` sends eta_v;
+Unseen clients (Algorithm 1, PeFLL-predict): two down, one up, no fine-tuning: ``novel_request`` sends eta_v;
 ``novel_query`` releases the descriptor of the client's **labelled** data (all of ``x_train``, or its first
 ``eval_descriptor_samples``); ``novel_reply`` sends h(v); ``novel_model`` loads it. Because PeFLL's descriptor needs
 labels, an unseen client here is a labelled held-out client (any object with ``x_train``/``y_train``, such as a
@@ -88,13 +90,15 @@ SERVER_OPTIMIZERS = ("adam", "sgd")
 
 @dataclass(frozen=True)
 class PeFLLConfig:
-    """PeFLL's settings; defaults from the authors' code (digest section 3.3) unless noted.
+    """PeFLL's settings; defaults from the authors' code (``jonnyascott/PeFLL``; docs/papers.md, PeFLL, "Settings")
+    unless noted.
 
     Local training (client): ``lr`` 2e-3, ``local_steps`` 50, ``batch_size`` 32, ``momentum`` 0.9, ``grad_clip`` 50
     (per-step L2 clip of the local gradient, a stabiliser; 0 = off).
     Objective (eq. 1): ``lambda_theta`` weights ``||theta_i||^2`` (local weight decay ``2 lambda_theta``; 2.5e-5
     reproduces the code's inner weight decay 5e-5); ``lambda_h`` and ``lambda_v`` weight ``||eta_h||^2`` and
-    ``||eta_v||^2`` (1e-3, digest A2; 0 reproduces the code's Adam path, which applies none).
+    ``||eta_v||^2`` (1e-3, pFedHN's weight decay, as the paper's values are not given, docs/papers.md, PeFLL, U2; 0
+    reproduces the code's Adam path, which applies none).
     Server: ``server_optimizer`` ``"adam"`` (lr 2e-4) or ``"sgd"`` (with ``server_momentum``), ``server_lr``,
     ``server_grad_clip`` 50 (joint L2 norm of the averaged gradients; 0 = off).
     Networks: ``embed_dim`` d (``None``: ``int(1 + N/4)`` with N the number of training clients; pass the paper's N =
@@ -194,7 +198,7 @@ def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor,
     """``(1/n) sum_j clip_B(phi(x_j, y_j))`` over all n examples, computed ``chunk`` examples at a time.
 
     1. per chunk, the **sum** of the clipped per-example embeddings (graph kept to eta_v);
-    2. the total divided by n: the true mean (digest section 2.3). The authors' code divides instead by twice the
+    2. the total divided by n: the true mean, the paper's descriptor. The authors' code divides instead by twice the
        number of batches (``len(B)`` of an ``(x, y)`` tuple is 2), 16 times the mean with 32-example batches.
     """
     n = len(y)

@@ -1,12 +1,13 @@
 """pFedHN (Shamsian et al., ICML 2021): a server hypernetwork generates each training client's personal model.
 
 The server holds a learned embedding row ``e_i`` per training client (a pFedHN embedding table) and a hypernetwork
-``f_theta`` (:class:`privfl.models.HyperNetwork`, digest ``papers/odpfl-hn.md`` section 2.2). Round t, for the
-sampled clients S_t (digest sections 3.1 and 10.2 #1, #2, #4; pFedHN's ``trainer.py``):
+``f_theta`` (:class:`privfl.models.HyperNetwork`, pFedHN's ``CNNHyper``). Round t, for the sampled clients S_t
+(pFedHN's ``trainer.py``, with several clients per round, the sign of its weight change and its SGD settings as
+docs/papers.md, ODPFL-HN, U1, E1 and U3 describe):
 
 1. the server generates ``w_i = f_theta(e_i)`` and sends it to client i (with the local-training settings);
-2. client i runs ``local_steps`` minibatch SGD steps from ``w_i`` (momentum ``momentum``, 0.9 as in the papers'
-   grid, section 7.3) and sends the weight change ``d_i = w_i - w_i_new`` ("before minus after", the pFedHN sign:
+2. client i runs ``local_steps`` minibatch SGD steps from ``w_i`` (momentum ``momentum``, 0.9 as in the ODPFL-HN
+   papers' App. C) and sends the weight change ``d_i = w_i - w_i_new`` ("before minus after", the pFedHN sign:
    after one plain SGD step at rate eta it equals ``eta * dL_i/dw``);
 3. the server chain-rules ``d_i`` through the hypernetwork (:func:`privfl.models.backprop_weight_change`):
    ``g_theta_i = (dw_i/dtheta)^T d_i`` and ``g_e_i = (dw_i/de_i)^T d_i``;
@@ -71,7 +72,8 @@ class PFedHNConfig(LocalTrainingConfig):
     ``server_grad_clip``: max L2 norm of the round's averaged server gradient (``None``: no clipping).
     ``embed_dim``: descriptor size d_e; ``None`` applies ``embed_dim_rule`` (``"quarter"``: floor(N/4), or
     ``"pfedhn"``: int(1 + N/4)) to N = the number of *training* clients, which is all the server knows (the paper's
-    N counts novel clients too: CIFAR N = 100 gives 25; set ``embed_dim=25`` to match it, digest 2.4 / 10.2 #5).
+    N counts novel clients too: CIFAR N = 100 gives 25; set ``embed_dim=25`` to match it; docs/papers.md,
+    ODPFL-HN, U5).
     ``hidden_dim``, ``n_hidden``, ``spectral_norm``, ``hn_chunked``: the hypernetwork (:class:`HyperNetwork`).
     """
 

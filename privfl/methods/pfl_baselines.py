@@ -1,12 +1,13 @@
 """PFL-sampled, PFL-nearest and PFL-ensemble: pFedHN's personal models applied to a novel client.
 
-The ODPFL-HN papers' baselines (digest ``papers/odpfl-hn.md`` section 7.4 items 4-6 and 10.2 #21, #22; named
-pFedHN-sampled/-nearest/-ensemble in [001]). All three train exactly as :mod:`privfl.methods.pfedhn` (same
-strategy, same client, same numbers for the same seed) and differ only in how a novel client is served. The pool of
-"training-client models" is ``f_theta(e_j)`` for every training client j that has taken part in at least one round
-(the server knows no other client's id; with the papers' 500 rounds at 10% every client has).
+The ODPFL-HN papers' baselines (Amosy et al., section 6.2; named pFedHN-sampled/-nearest/-ensemble in the earlier
+IT-PFL-HN version; docs/papers.md, ODPFL-HN, "Baselines", U10 and U11). All three train exactly as
+:mod:`privfl.methods.pfedhn` (same strategy, same client, same numbers for the same seed) and differ only in how a novel
+client is served. The pool of "training-client models" is ``f_theta(e_j)`` for every training client j that has taken
+part in at least one round (the server knows no other client's id; with the papers' 500 rounds at 10% every client has).
 
-* **pfl_sampled**: a uniformly random training-client model, scored by its expectation (10.2 #22).
+* **pfl_sampled**: a uniformly random training-client model, scored by its expectation: the papers score it by the
+  mean accuracy of all the personalised models on each novel client (docs/papers.md, ODPFL-HN, U11).
   1. The server sends every pool model to the novel client; 2. the client sends nothing; 3. its model is an
   :class:`privfl.evaluation.metrics.ExpectedModel` of the pool, which ``score_model`` scores as the **mean of the
   members' accuracies** (and losses). It has no single prediction of its own.
@@ -14,7 +15,8 @@ strategy, same client, same numbers for the same seed) and differ only in how a 
   1. The server sends every pool model; 2. the client sends nothing; 3. its model is a :class:`LogitEnsemble`.
 * **pfl_nearest**: the model of the training client closest in proxy A-distance (Ben-David et al. 2007),
   ``d_A = 2 (1 - 2 err)`` with ``err`` the held-out error of a logistic regression separating the two clients'
-  inputs on a balanced 50/50 split (10.2 #21), minimised over the pool (ties: the lower client id).
+  inputs on a balanced 50/50 split (the papers name only the proxy; docs/papers.md, ODPFL-HN, U10), minimised over
+  the pool (ties: the lower client id).
   The distance needs both clients' raw inputs in one place, and this implementation puts them **on the server**,
   in the open:
 
@@ -50,7 +52,8 @@ from privfl.methods.pfedhn import PFedHNClient, PFedHNConfig, PFedHNStrategy
 
 
 class LogitEnsemble(nn.Module):
-    """Predicts the mean of its members' logits (PFL-ensemble, digest 7.4 item 6)."""
+    """Predicts the mean of its members' logits (PFL-ensemble: "average the logits" of all training-client models,
+    Amosy et al., section 6.2)."""
 
     def __init__(self, members: list[nn.Module]) -> None:
         super().__init__()
@@ -67,7 +70,8 @@ MIN_DISTANCE_INPUTS = 4
 
 
 def proxy_a_distance(a: torch.Tensor, b: torch.Tensor, *, rng: np.random.Generator) -> float:
-    """Proxy A-distance ``2 (1 - 2 err)`` between two input samples (Ben-David et al. 2007; digest 10.2 #21).
+    """Proxy A-distance ``2 (1 - 2 err)`` between two input samples (Ben-David et al. 2007; the estimator's details
+    are this project's, docs/papers.md, ODPFL-HN, U10).
 
     1. Flatten both to vectors and draw ``m = min(len(a), len(b))`` rows of each (balanced classes, ``rng``);
     2. split each side 50/50 into a fit half and a held-out half;

@@ -3,8 +3,8 @@
 Names: ``"deepset"`` (:class:`~privfl.models.set_encoders.DeepSetEncoder`, the ODPFL-HN mean/max DeepSet),
 ``"dp_deepset"`` (:class:`~privfl.models.set_encoders.DPDeepSetEncoder`, the only one
 :func:`privfl.privacy.privatize` accepts), ``"dss"`` (:class:`~privfl.models.set_encoders.DSSEncoder`) and
-``"set_transformer"`` (:class:`~privfl.models.set_encoders.SetTransformerEncoder`); digest ``papers/odpfl-hn.md``
-section 2.1 and 10.2 #10.
+``"set_transformer"`` (:class:`~privfl.models.set_encoders.SetTransformerEncoder`): the three encoders the ODPFL-HN
+papers choose among (App. C), with the configurations of docs/papers.md, ODPFL-HN, U7.
 
 >>> import torch
 >>> enc = build_encoder("dp_deepset", (1, 28, 28), 12, hidden=16, clip=1.0)

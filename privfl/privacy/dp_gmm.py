@@ -2,11 +2,11 @@
 
 The client releases, for every class c, a mean, a covariance (``"full"``, ``"diag"`` or ``"spherical"``) and a count;
 the server draws synthetic features from the released Gaussians (:func:`sample_features`) and trains a head on them.
-This module fixes the errors of the paper's DP theorem (digest ``papers/fedpft.md`` 3.6): the sensitivity is written
-from the per-class count n_c (never the client total n), noise is calibrated with the analytic Gaussian mechanism
-(never the classic ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``), delta is a public input (never
-``1/n``), counts are either privatised or declared public, a label change is accounted as touching two classes, and EM
-mixtures (K > 1) are refused.
+This module fixes the errors of the paper's DP theorem (Beitollahi et al., Theorem 4.1 and App. B; docs/papers.md,
+FedPFT, E1-E9): the sensitivity is written from the per-class count n_c (never the client total n), noise is calibrated
+with the analytic Gaussian mechanism (never the classic ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``),
+delta is a public input (never ``1/n``), counts are either privatised or declared public, a label change is accounted as
+touching two classes, and EM mixtures (K > 1) are refused.
 
 The privacy argument
 ====================
@@ -82,14 +82,15 @@ classes is released, empty or not (releasing only the present ones would reveal 
 for an empty class the server sees pure noise and a noisy count near 0, and :func:`sample_features` draws
 ``max(0, round(n~_c))`` samples from it.
 
-**Order of operations** (design invariant 4): validate (NaN/inf features, labels, config: :class:`ConfigError`,
-nothing recorded) -> clipped sums (nothing leaves) -> record the composed event in the ledger, purpose ``"dp_gmm"``
-(a :class:`~accounting.BudgetExceededError` here releases nothing) -> add noise -> post-process.
+**Order of operations** (invariant 4 of ``docs/invariants.md``): validate (NaN/inf features, labels, config:
+:class:`ConfigError`, nothing recorded) -> clipped sums (nothing leaves) -> record the composed event in the ledger,
+purpose ``"dp_gmm"`` (a :class:`~accounting.BudgetExceededError` here releases nothing) -> add noise -> post-process.
 
 Memory: ``"full"`` forms ``S2_c = V_c^T V_c`` class by class (``[C, d, d]``), never the ``[n, d, d]`` outer products.
 
 Units: epsilon natural-log, delta a probability, bound and sensitivities L2 (Frobenius for matrices) in feature units.
-Floating-point noise is open to Mironov (2012)-style attacks; use ``noise="secure"`` outside research runs.
+Use ``noise="secure"`` outside research runs; floating-point noise is open to Mironov (2012)-style attacks, which
+``noise="hardened"`` makes far costlier (:func:`privfl.privacy.mechanisms.standard_normal`).
 """
 
 from __future__ import annotations

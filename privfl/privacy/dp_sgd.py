@@ -10,10 +10,10 @@ size q * n. For q = 1 (a client with no more records than ``batch_size``) the ex
 which add-or-remove-one keeps private: dividing by it scales the released noise by 1/n, so the update's norm tells n
 from n + 1 whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
 
-Invariant 5 of DESIGN.md: the privacy of a client composes over **all** its rounds. Flower's Opacus example builds a
-new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps the
-cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and is
-checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round Opacus objects
+Invariant 5 of ``docs/invariants.md``: the privacy of a client composes over **all** its rounds. Flower's Opacus example
+builds a new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps
+the cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and
+is checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round Opacus objects
 (``GradSampleModule`` / ``DPOptimizer``) are built around the model each round and removed afterwards, because the
 model's weights are reloaded from the server every round; no Opacus accountant is created per round.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import secrets
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from torch import nn
 import accounting
 from accounting import ComposedEvent, SelfComposedEvent, SubsampledGaussianEvent
 from privfl.errors import ConfigError
-from privfl.privacy.mechanisms import NOISE_SOURCES
+from privfl.privacy.mechanisms import NOISE_SOURCES, os_seeded_generator, standard_normal
 
 #: grad_sample_mode values this module accepts. "ghost" (fast gradient clipping, Li et al. 2022 / Bu et al. 2023)
 #: never materialises per-sample gradients of linear layers and is about 9x faster than "hooks" on the MNIST 2NN.
@@ -76,8 +75,11 @@ class DPSGDConfig:
         accountant: "pld" (dp-accounting, tight) or "prv" (Opacus' default); used for calibration and
             :meth:`DPSGDTrainer.epsilon`.
         noise: "secure" (default): batch sampling and gradient noise from generators seeded by the OS CSPRNG, so
-            no one who knows the run seed can tell which records were sampled or subtract the noise; "seeded":
-            both from the client's keyed generator (same seed, same numbers), for research runs only.
+            no one who knows the run seed can tell which records were sampled or subtract the noise; "hardened":
+            as "secure", and the gradient noise drawn as Opacus' ``secure_mode`` draws it against floating-point
+            attacks (each coordinate the sum of four draws halved, :func:`privfl.privacy.mechanisms.standard_normal`;
+            same distribution, so the same accounting); "seeded": both from the client's keyed generator (same seed,
+            same numbers), for research runs only.
 
     >>> DPSGDConfig(noise_multiplier=1.1).grad_sample_mode
     'ghost'
@@ -249,7 +251,7 @@ class DPSGDTrainer:
             batch_size: each record is sampled with probability q = min(1, batch_size / n), and the noisy sum of
                 clipped gradients is divided by ``batch_size`` (the expected batch size when q < 1).
             rng: the client's keyed generator; with ``noise="seeded"`` sampling and noise are drawn from it (same
-                seed, same numbers); with ``"secure"`` from the OS CSPRNG.
+                seed, same numbers); with ``"secure"`` or ``"hardened"`` from generators seeded by the OS CSPRNG.
 
         Returns:
             ``(mean_loss, event)``: the mean batch loss over the non-empty batches (nan if all were empty) and
@@ -327,6 +329,12 @@ def _dp_sgd_steps(
     3. add N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by ``batch_size`` (public; see the
        module docstring);
     4. SGD step. An empty batch still takes steps 3 and 4 (pure noise), as the analysis assumes.
+
+    ``noise="hardened"`` reaches Opacus as ``secure_mode=True`` of its DP optimizer, which accepts it without
+    torchcsprng (only ``PrivacyEngine(secure_mode=True)`` imports that package, and it does not install with torch 2):
+    the optimizer then draws each noise coordinate as four draws summed and halved from ``generator``, here seeded by
+    the OS CSPRNG; the noise-only step of an empty batch draws the same way
+    (:func:`privfl.privacy.mechanisms.standard_normal`).
     """
     from opacus.grad_sample.utils import prepare_module
     from opacus.optimizers import get_optimizer_class
@@ -334,10 +342,12 @@ def _dp_sgd_steps(
 
     n = len(y)
     sampling_seed, noise_seed = int(rng.integers(2**62)), int(rng.integers(2**62))   # drawn either way: same stream
-    if noise == "secure":
-        sampling_seed, noise_seed = secrets.randbits(63), secrets.randbits(63)
-    sampling_gen = torch.Generator().manual_seed(sampling_seed)
-    noise_gen = torch.Generator().manual_seed(noise_seed)
+    if noise == "seeded":
+        sampling_gen = torch.Generator().manual_seed(sampling_seed)
+        noise_gen = torch.Generator().manual_seed(noise_seed)
+    else:
+        sampling_gen, noise_gen = os_seeded_generator(), os_seeded_generator()
+    hardened = noise == "hardened"
     ghost = grad_sample_mode == "ghost"
     params = [p for p in model.parameters() if p.requires_grad]
     base_optimizer = torch.optim.SGD(params, lr=lr)
@@ -349,7 +359,7 @@ def _dp_sgd_steps(
             gsm = prepare_module(model, grad_sample_mode, True, batch_first=True, loss_reduction="mean", **kwargs)
             optimizer = get_optimizer_class("flat", False, grad_sample_mode)(
                 base_optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                expected_batch_size=batch_size, loss_reduction="mean", generator=noise_gen,
+                expected_batch_size=batch_size, loss_reduction="mean", generator=noise_gen, secure_mode=hardened,
             )
     except Exception as exc:  # noqa: BLE001 - any Opacus failure here means this mode cannot wrap this model
         raise _mode_error(grad_sample_mode, model, exc) from exc
@@ -365,7 +375,8 @@ def _dp_sgd_steps(
                 # 1. Poisson sampling.
                 index = torch.nonzero(torch.rand(n, generator=sampling_gen) < q).flatten()
                 if index.numel() == 0:
-                    _noise_only_step(params, base_optimizer, noise_multiplier * max_grad_norm, batch_size, noise_gen)
+                    _noise_only_step(params, base_optimizer, noise_multiplier * max_grad_norm, batch_size, noise_gen,
+                                     hardened=hardened)
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 # 2. clipped per-sample gradients, summed.
@@ -387,10 +398,12 @@ def _dp_sgd_steps(
 
 
 def _noise_only_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, std: float,
-                     batch_size: int, generator: torch.Generator) -> None:
+                     batch_size: int, generator: torch.Generator, *, hardened: bool) -> None:
     """A step on an empty Poisson batch: the clipped sum is 0, the update is noise / batch_size."""
     for p in params:
-        p.grad = torch.normal(0.0, std, p.shape, generator=generator, dtype=p.dtype) / batch_size
+        noise = (std * standard_normal(p.shape, generator=generator, hardened=True, dtype=p.dtype) if hardened
+                 else torch.normal(0.0, std, p.shape, generator=generator, dtype=p.dtype))
+        p.grad = noise / batch_size
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -1,7 +1,7 @@
 """A DP release of the mean of clipped per-example embeddings of **labelled** records (PeFLL's descriptor).
 
 PeFLL's client descriptor is ``v = (1/n) sum_j phi(x_j, y_j)`` with the label an input of the embedding network
-(digest ``papers/pefll.md`` sections 1 and 10.3), unlike ODPFL-HN's label-free ``phi(x_j)`` that
+(Scott, Zakerinia and Lampert, ICLR 2024; docs/papers.md, PeFLL, E4), unlike ODPFL-HN's label-free ``phi(x_j)`` that
 :func:`~privfl.privacy.privatize.privatize` covers. The privacy argument, for a record ``r_j = (x_j, y_j)``:
 
 1. **Unit of privacy.** A record is the pair ``(x, y)``: image **and** label. Neighbouring client datasets ``S`` and
@@ -23,9 +23,9 @@ PeFLL's client descriptor is ``v = (1/n) sum_j phi(x_j, y_j)`` with the label an
    labelled record. Anything computed from the noisy descriptor (the hypernetwork's model) is post-processing.
 
 What the argument does **not** cover: the label histogram is what the descriptor is trained to encode (the "linear"
-embedding is an affine map of it, digest 10.3), so with small n and large epsilon it is revealed nearly exactly; the
-add/remove-one relation (n would be private) is not offered here. Units: epsilon natural-log, delta a probability,
-B and the sensitivity L2 in the units of phi's output.
+embedding is an affine map of it, docs/papers.md, PeFLL, E4), so with small n and large epsilon it is revealed nearly
+exactly; the add/remove-one relation (n would be private) is not offered here. Units: epsilon natural-log, delta a
+probability, B and the sensitivity L2 in the units of phi's output.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
 
     Inside a federation nothing is recorded here: the caller sends the value as a
     :class:`~privfl.federation.messages.Release` carrying ``event``, and the wire records it in the client's ledger
-    before delivery (design invariant 1). Used as a library call, pass ``ledger`` (as for
+    before delivery (invariant 1 of ``docs/invariants.md``). Used as a library call, pass ``ledger`` (as for
     :func:`~privfl.privacy.privatize`): the release is recorded there before any noise is drawn, and one that would
     exceed the ledger's budget raises :class:`accounting.BudgetExceededError` with nothing released.
 
@@ -81,8 +81,8 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
         epsilon: natural-log epsilon of this release (> 0); delta: its delta, in (0, 1).
         bound: per-record L2 clipping radius B (> 0).
         num_classes: C, the public label set is ``0 .. C-1``.
-        noise: ``"secure"`` or ``"seeded"`` (reproducible, research only; needs ``generator``); by default seeded
-            exactly when ``generator`` is given.
+        noise: ``"secure"``, ``"hardened"`` (drawn against floating-point attacks) or ``"seeded"`` (reproducible,
+            research only; needs ``generator``); by default seeded exactly when ``generator`` is given.
         ledger: an :class:`accounting.PrivacyLedger` to record the release in (library use; ``None`` inside a
             federation, where the wire records it).
     """

@@ -1,6 +1,7 @@
 """``privatize``: turn a trained DeepSet encoder into a module whose output on a client's sample set is a DP release.
 
-The privacy argument (ODPFL-HN Lemma 2 with the corrections of the DP review, digest ``papers/odpfl-hn.md`` 5.3, 5.7):
+The privacy argument (Lemma 2 of Amosy et al., the ODPFL-HN paper, with the corrections of docs/papers.md, ODPFL-HN,
+E2-E8):
 
 1. **Structure.** The encoder must be ``psi(mean_i phi(x_i))``: attributes ``phi``, ``pool`` (exactly a
    :class:`~privfl.models.set_encoders.MeanPool`) and ``psi``, and nothing else. Max pooling, attention pooling and
@@ -26,8 +27,8 @@ The privacy argument (ODPFL-HN Lemma 2 with the corrections of the DP review, di
    added to the mean: one (epsilon, delta)-DP release.
 5. **Post-processing.** ``psi`` sees only the noisy mean, never the data, so ``psi(noisy mean)`` is exactly as private
    as the noisy mean; no Lipschitz constant of psi is needed, and psi (and the hypernetwork after it) may be anything.
-6. **Batch-averaged descriptors** (:meth:`PrivateEncoder.release_batched`, digest 5.7 item 6): the mean over k
-   public, data-independent batches of the per-batch clipped means has sensitivity ``2 bound / (k min_j n_j)``
+6. **Batch-averaged descriptors** (:meth:`PrivateEncoder.release_batched`, docs/papers.md, ODPFL-HN, E7): the mean
+   over k public, data-independent batches of the per-batch clipped means has sensitivity ``2 bound / (k min_j n_j)``
    (replace-one only), which equals ``2 bound / n`` for equal batches and exceeds it otherwise; prefer ``release``.
 7. **Composition.** Every forward call is a new release. With a ledger, each is recorded (purpose ``"descriptor"``)
    **before** the noisy output exists, so a budget refusal releases nothing; repeated queries compose in the ledger.
@@ -106,7 +107,7 @@ class PrivateEncoder(nn.Module):
         epsilon, delta: the per-release target, natural-log epsilon and delta a probability.
         bound: per-sample L2 clipping radius.
         relation: the neighbouring relation of every release.
-        noise: ``"seeded"`` or ``"secure"``.
+        noise: ``"seeded"``, ``"secure"`` or ``"hardened"``.
         ledger: the client's :class:`accounting.PrivacyLedger`, or ``None`` (then the caller must record releases,
             e.g. by sending them as a :class:`~privfl.federation.messages.Release` through the wire).
         last_certificate: the sensitivity certificate of the latest release.
@@ -237,8 +238,8 @@ class PrivateEncoder(nn.Module):
 
     @torch.no_grad()
     def release_batched(self, x: torch.Tensor, *, batch_size: int) -> tuple[torch.Tensor, GaussianEvent]:
-        """One DP release of a **batch-averaged** descriptor (ODPFL-HN option for large clients, digest 5.7 item 6):
-        ``(descriptor, event)`` as :meth:`release`.
+        """One DP release of a **batch-averaged** descriptor (ODPFL-HN's option for large clients, App. B.1;
+        docs/papers.md, ODPFL-HN, E7): ``(descriptor, event)`` as :meth:`release`.
 
         ``x`` ``[n, ...]`` is split into ``k = ceil(n / batch_size)`` consecutive batches of sizes ``n_1 .. n_k``
         (``batch_size`` each, the last possibly smaller; the split depends on the public n and batch_size only,
@@ -294,8 +295,9 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
         relation: ``"replace_one"`` (n public; the ODPFL-HN setting) or ``"add_or_remove_one"`` (n private; needs
             ``min_samples``).
         ledger: the client's ledger; every release is recorded before its noisy output is computed.
-        noise: ``"secure"`` (OS-seeded, for deployments) or ``"seeded"`` (reproducible, research only); by default
-            seeded exactly when ``generator`` is given.
+        noise: ``"secure"`` (OS-seeded, for deployments), ``"hardened"`` (OS-seeded and drawn against
+            floating-point attacks, see :class:`~privfl.privacy.mechanisms.GaussianMechanism`) or ``"seeded"``
+            (reproducible, research only); by default seeded exactly when ``generator`` is given.
         generator: the torch.Generator for seeded noise, whose seed only the client may know (required for
             ``"seeded"``: torch's global generator is keyed from the run seed, which the server knows).
         min_samples: public lower bound on n, required for (and only for) add/remove-one.

@@ -67,7 +67,8 @@ def run_fedpft(federation, **method_config):
 
 
 def test_paper_formulas_worked_examples():
-    # digest 2.2: CLIP d=512, C=101, K=10 diag -> 1,035,250 floats; full K=1 -> 13,315,941 floats
+    # the FedPFT paper's eqs. 9-11 (docs/papers.md, FedPFT): CLIP d=512, C=101, K=10 diag -> 1,035,250 floats;
+    # full K=1 -> 13,315,941 floats
     assert communication_floats(512, 10, 101, "diag") == 1_035_250
     assert communication_floats(512, 1, 101, "full") == 13_315_941
     assert communication_floats(512, 1, 101, "spherical") == 514 * 101

@@ -1,5 +1,5 @@
-"""ODPFL-HN: Algorithm 1's gradients (digest 3.1), the dialogue's releases, novel-client ledgers, resume, config
-errors."""
+"""ODPFL-HN: Algorithm 1's gradients (Amosy et al.; docs/papers.md, ODPFL-HN), the dialogue's releases, novel-client
+ledgers, resume, config errors."""
 
 from __future__ import annotations
 

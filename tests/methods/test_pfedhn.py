@@ -56,7 +56,8 @@ def runtime(name, clients, fraction=1.0, **settings):
 
 def test_one_plain_sgd_step_gives_the_server_lr_times_the_true_gradient():
     """d = before - after of one full-batch plain SGD step is eta * dL/dw, so the server's averaged gradient must be
-    eta * the gradient of the clients' mean loss through w = f(e) (digest 3.1 'Unit-test this')."""
+    eta * the gradient of the clients' mean loss through w = f(e) (the sign of pFedHN's code; docs/papers.md,
+    ODPFL-HN, E1)."""
     clients = [client(3), client(7)]
     eta = 0.3
     rt, strategy = runtime("pfedhn", clients, lr=eta, local_steps=1, batch_size=64, momentum=0.0, weight_decay=0.0,

@@ -1,4 +1,5 @@
-"""DP-SGD trainer: privacy composes over rounds (invariant 5), checkpoints, calibration, real per-sample clipping."""
+"""DP-SGD trainer: privacy composes over rounds (invariant 5 of docs/invariants.md), checkpoints, calibration, real
+per-sample clipping, hardened noise."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import accounting
 from accounting import SelfComposedEvent, SubsampledGaussianEvent
 from privfl.errors import ConfigError
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
+from privfl.privacy.mechanisms import standard_normal
 
 DELTA = 1e-5
 
@@ -224,3 +226,49 @@ def test_batchnorm_model_is_refused_with_the_remedy():
 def test_config_validation_names_the_bad_value(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         DPSGDConfig(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_hardened_noise_reaches_opacus_as_secure_mode_with_the_calibrated_std(mode, monkeypatch):
+    # As in the test above, every per-sample gradient is 0, so the update is -lr * noise / batch_size; 1,000,000
+    # coordinates measure the noise's std to 0.07% (SE sigma / sqrt(2 N)), so 2% catches a factor error.
+    import opacus.optimizers.optimizer as opacus_optimizer
+    import opacus.optimizers.optimizer_fast_gradient_clipping as opacus_ghost
+
+    calls = []
+    for module in (opacus_optimizer, opacus_ghost):
+        def spy(*args, _original=module._generate_noise, **kwargs):
+            calls.append(kwargs.get("secure_mode"))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, "_generate_noise", spy)
+    model = nn.Linear(1000, 1000, bias=False)
+    nn.init.zeros_(model.weight)
+    trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=3.0, max_grad_norm=0.5, noise="hardened",
+                                       grad_sample_mode=mode))
+    trainer.train(model, torch.zeros(64, 1000), torch.zeros(64, dtype=torch.long), lr=1.0, steps=1, batch_size=64,
+                  rng=np.random.default_rng(0))
+    assert calls == [True]                                    # one parameter, one noisy step, in secure_mode
+    noise = -model.weight.detach() * 64
+    assert noise.std().item() == pytest.approx(3.0 * 0.5, rel=0.02)
+    assert trainer.history == [(3.0, 1.0, 1)]                # accounted as any DP-SGD step: sigma 3, q = 1
+
+
+def test_hardened_noise_only_steps_draw_the_hardened_way(monkeypatch):
+    import privfl.privacy.dp_sgd as dp_sgd
+
+    flags = []
+    def spy(*args, **kwargs):
+        flags.append(kwargs["hardened"])
+        return standard_normal(*args, **kwargs)
+    monkeypatch.setattr(dp_sgd, "standard_normal", spy)
+    x, y = separable_data(n=200)
+    # q = 1/200: a step's batch is empty with probability 0.995^200 ~ 0.37; 60 steps all non-empty: ~1e-12
+    trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=1.0, noise="hardened"))
+    _, event = trainer.train(small_model(), x, y, lr=0.1, steps=60, batch_size=1, rng=np.random.default_rng(0))
+    assert flags and set(flags) == {True}
+    assert event == SelfComposedEvent(SubsampledGaussianEvent(1.0, 1 / 200), 60)   # the same accounting
+
+
+def test_hardened_noise_is_not_determined_by_the_run_seed():
+    first, second = _weights_after_two_runs("hardened")
+    assert any(not torch.equal(a, b) for a, b in zip(first, second))
