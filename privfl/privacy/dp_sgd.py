@@ -365,6 +365,7 @@ class DPSGDTrainer:
             p.requires_grad_(True)
         model.train()
         opacus = None
+        done = [0]   # steps taken so far, counted by _dp_sgd_steps
         try:
             if mode in OPACUS_MODES:
                 clipped_sum = opacus = _OpacusClippedSum(model, trained, loss, mode, self.config.max_grad_norm)
@@ -374,8 +375,14 @@ class DPSGDTrainer:
                 model, x, y, params=trained, clipped_sum=clipped_sum, lr=lr, steps=steps, q=q,
                 batch_size=batch_size, noise_multiplier=sigma, max_grad_norm=self.config.max_grad_norm, rng=rng,
                 noise=self.config.noise, extra_loss=extra_loss, weight_decay=weight_decay, momentum=momentum,
+                done=done,
             )
         finally:
+            # Every step that changed the model is accounted, also when a later step failed: the model holds it.
+            if done[0] > 0:
+                self._record(sigma, q, done[0])
+            for p in trained.values():
+                p.grad = None
             if opacus is not None:
                 opacus.close()
             for p in frozen:
@@ -384,7 +391,6 @@ class DPSGDTrainer:
                 p.requires_grad_(False)
         self._report_path(mode if opacus is not None else clipped_sum.path,
                           None if opacus is not None else clipped_sum.reason)
-        self._record(sigma, q, steps)
         event = SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps)
         mean_loss = float(np.mean(losses)) if losses else math.nan
         return mean_loss, event
@@ -442,9 +448,9 @@ def _dp_sgd_steps(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: dict[str, nn.Parameter], clipped_sum,
     lr: float, steps: int, q: float, batch_size: int, noise_multiplier: float, max_grad_norm: float,
     rng: np.random.Generator, noise: str = "secure", extra_loss: ExtraLoss | None = None, weight_decay: float = 0.0,
-    momentum: float = 0.0,
+    momentum: float = 0.0, done: list[int] | None = None,
 ) -> list[float]:
-    """The DP-SGD loop; returns the mean loss of each non-empty batch.
+    """The DP-SGD loop; returns the mean loss of each non-empty batch (``done[0]`` counts the steps taken).
 
     Steps (Abadi et al. 2016, Algorithm 1, with Poisson sampling as analysed by the accountants):
     1. sample each record independently with probability q;
@@ -490,6 +496,8 @@ def _dp_sgd_steps(
         for p in tensors:
             p.grad = views[id(p)]
         optimizer.step()
+        if done is not None:
+            done[0] += 1
     for p in tensors:
         p.grad = None
     return losses

@@ -114,6 +114,10 @@ class _Capture(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         kwargs = kwargs or {}
+        if func is nn.functional.batch_norm and (kwargs.get("training") or (len(args) > 5 and args[5])):
+            raise ConfigError("the model or loss normalises with batch statistics (batch_norm with training=True), "
+                              "so each record's loss depends on the other records of the batch and no per-sample "
+                              "sensitivity holds; use GroupNorm or LayerNorm, or batch norm in eval mode")
         if func is nn.functional.linear or func is nn.functional.conv2d:
             layer = self._layer(func, args, kwargs)
             if layer is not None:
@@ -346,8 +350,8 @@ def _check_losses(losses: object, batch: int) -> None:
     if not isinstance(losses, torch.Tensor) or losses.shape != (batch,):
         shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ConfigError(
-            f"per_sample_loss must return one loss per record, a tensor of shape ({batch},) for this batch, got "
-            f"{shape}; use reduction='none' (a mean over the batch would mix records)")
+            f"per_sample_loss must return one loss per record, a tensor of shape ({batch},) for a batch of {batch} "
+            f"record(s), got {shape}; use reduction='none' (a mean over the batch would mix records)")
 
 
 # --- the generic paths ------------------------------------------------------------------------------------------------
@@ -385,11 +389,16 @@ class _VmapPath:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float,
                  views: dict[int, torch.Tensor]) -> torch.Tensor:
         weights = {k: p.detach() for k, p in self.params.items()}
+        # Chunks are summed apart and added to the views only once all succeeded: a chunk that fails after others
+        # were added must leave the views untouched, or the "loop" path taking over would count records twice.
+        sums = {id(p): torch.zeros_like(p) for p in self.params.values()}
         losses = []
         for start in range(0, len(x), self.chunk):
             grads, values = self.per_sample(weights, x[start:start + self.chunk], y[start:start + self.chunk])
-            _add_clipped(grads, self.params, max_grad_norm, views)
+            _add_clipped(grads, self.params, max_grad_norm, sums)
             losses.append(values.detach())
+        for key, total in sums.items():
+            views[key].add_(total)
         return torch.cat(losses)
 
 
