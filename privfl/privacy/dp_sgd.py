@@ -57,6 +57,8 @@ from privfl.privacy.per_sample import (
 
 #: ``(params by name) -> scalar``: a loss term whose gradient does not depend on the client's data.
 ExtraLoss = Callable[[dict[str, nn.Parameter]], torch.Tensor]
+#: ``(x_batch, y_batch, max_grad_norm, views) -> per-sample losses``: adds sum_i clip(g_i) to the views.
+ClippedSum = Callable[[torch.Tensor, torch.Tensor, float, dict[int, torch.Tensor]], torch.Tensor]
 
 #: Opacus' per-sample machinery, kept as the reference: "ghost" (fast gradient clipping, Li et al. 2022 / Bu et al.
 #: 2023, two backward passes), "hooks", "functorch".
@@ -308,13 +310,14 @@ class DPSGDTrainer:
             per_sample_loss: ``(model, x_batch, y_batch) -> losses`` of shape (B,), one per record (default:
                 cross-entropy of ``model(x_batch)``, nats). It may call any method of ``model`` and draw random
                 numbers (FedSR's sampled representation).
-            extra_loss: ``(params by name) -> scalar``, a term whose gradient does not depend on the client's data:
-                FedProx's ``mu/2 ||w - w_global||^2``, SCAFFOLD's ``<c - c_i, w>``. Its gradient is added after the
-                division by ``batch_size``, unclipped and un-noised. That costs no privacy because it is
-                post-processing: the step's new iterate is a function of the previous iterate (itself private), the
-                noisy sum and this gradient, which depends only on the current iterate and on values the client had
-                before the round (sent by the server, or derived from its own earlier private releases). A term that
-                reads the client's records must go into ``per_sample_loss`` instead; this one is not checked.
+            extra_loss: ``(trained params by name) -> scalar``, a term whose gradient does not depend on the
+                client's data: FedProx's ``mu/2 ||w - w_global||^2``, SCAFFOLD's ``<c - c_i, w>``. Its gradient
+                is added after the division by ``batch_size``, unclipped and un-noised. That costs no privacy
+                because it is post-processing: the step's new iterate is a function of the previous iterate
+                (itself private), the noisy sum and this gradient, which depends only on the current iterate and on
+                values the client had before the round (sent by the server, or derived from its own earlier
+                private releases). A term that reads the client's records must go into ``per_sample_loss``
+                instead; this is not checked.
             weight_decay: SGD's L2 coefficient (>= 0), applied by the optimizer to the iterate.
             momentum: SGD's heavy-ball coefficient in [0, 1), a running sum of past noisy gradients.
             params: the parameters to train, as names or the model's own parameters (default: every parameter with
@@ -445,7 +448,7 @@ def _gaussian_noise(out: torch.Tensor, std: float, generator: torch.Generator, *
 
 
 def _dp_sgd_steps(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: dict[str, nn.Parameter], clipped_sum,
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: dict[str, nn.Parameter], clipped_sum: ClippedSum,
     lr: float, steps: int, q: float, batch_size: int, noise_multiplier: float, max_grad_norm: float,
     rng: np.random.Generator, noise: str = "secure", extra_loss: ExtraLoss | None = None, weight_decay: float = 0.0,
     momentum: float = 0.0, done: list[int] | None = None,

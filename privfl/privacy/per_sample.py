@@ -329,7 +329,8 @@ def _conv_per_sample(x: torch.Tensor, grad_output: torch.Tensor, weight_shape: t
 
     With few input channels the records become the groups of a convolution of the inputs (channels as the batch)
     with the output gradients as kernels (stride and dilation swap roles); otherwise the records become the groups
-    of one grouped weight-gradient computation. Both are exact; which is faster depends on the input channels.
+    of one grouped weight-gradient computation (Rochette et al. 2019, "Efficient per-example gradient computations
+    in convolutional neural networks"). Both are exact; which is faster depends on the input channels.
     """
     batch, c_in = x.shape[:2]
     c_out, _, kh, kw = weight_shape
@@ -490,18 +491,16 @@ class ClippedGradientSum:
                     raise ConfigError(f"DP-SGD path 'fast' cannot handle {type(self.model).__name__}: {exc}; "
                                       "use 'auto' to fall back to the generic per-sample paths") from exc
                 self._downgrade("vmap", f"fast path: {exc}")
+            except ConfigError:
+                raise   # a loss or model the paths refuse alike (wrong loss shape, batch statistics)
             except Exception as exc:  # noqa: BLE001 - vmap cannot transform this loss: the loop can
-                if self.path != "vmap" or self.requested != "auto" or _is_privacy_error(exc):
+                if self.path != "vmap" or self.requested != "auto":
                     raise
                 self._downgrade("loop", f"{self.reason}; vmap: {type(exc).__name__}: {exc}")
 
     def _downgrade(self, path: str, reason: str) -> None:
         self.path, self.reason = path, reason
         self._impl = _PATH_CLASSES[path](self.model, self.params, self.per_sample_loss)
-
-
-def _is_privacy_error(exc: BaseException) -> bool:
-    return isinstance(exc, ConfigError)
 
 
 def flat_views(params: dict[str, nn.Parameter], flat: torch.Tensor) -> dict[int, torch.Tensor]:
