@@ -19,7 +19,9 @@ gradient (over every trained parameter jointly) to L2 norm ``C`` with ``c_i = mi
        ``g_i`` was materialised, the convolution's weight gradient of ``c * b`` otherwise. No second backward pass.
 
     It applies when every trained parameter is used only as the weight or bias of one ``F.linear`` / ``F.conv2d``
-    call (``groups=1``) per forward, on batch-first inputs, and no recorded tensor is modified in place. Anything else
+    call (``groups=1``) per forward, on batch-first inputs (dimension 0 of every such input is checked to be the
+    batch size at every step, and once, on a batch one record shorter, to follow it), and no recorded tensor is
+    modified in place. Anything else
     that touches a trained parameter (a parameter used in the loss, a norm layer's affine weights, an embedding,
     weight sharing) is detected during the forward and raises :class:`FastPathUnsupported`, naming it.
 
@@ -189,10 +191,30 @@ class _FastPath:
         self.model = model
         self.loss = loss
         self.trained = {id(p): name for name, p in params.items()}
+        self.probed = False
+
+    def _probe(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Check once that every recorded layer's first dimension follows the batch size.
+
+        The norms treat row i of a layer's input as record i's. A layout where dimension 0 is something else (time
+        first, records folded together) passes the per-step check ``shape[0] == B`` whenever that dimension happens
+        to equal B; on a batch one record shorter it cannot equal both B and B - 1. No gradient is formed.
+        """
+        with torch.no_grad(), _Capture(self.trained, len(x) - 1):
+            try:
+                _check_losses(self.loss(self.model, x[:-1], y[:-1]), len(x) - 1)
+            except (FastPathUnsupported, ConfigError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model does not run on other batch sizes
+                raise FastPathUnsupported(f"the model fails on a batch of {len(x) - 1} records "
+                                          f"({type(exc).__name__}: {exc})") from exc
+        self.probed = True
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float,
                  views: dict[int, torch.Tensor]) -> torch.Tensor:
         batch = len(x)
+        if not self.probed and batch >= 2:
+            self._probe(x, y)
         capture = _Capture(self.trained, batch)
         with capture:
             losses = self.loss(self.model, x, y)

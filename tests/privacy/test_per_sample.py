@@ -235,3 +235,27 @@ def test_batch_statistics_in_the_forward_are_refused():
     with pytest.raises(ConfigError, match="batch statistics"):
         engine_sum(BatchNormalised(), cross_entropy_losses, torch.randn(5, 4), torch.zeros(5, dtype=torch.long),
                    1.0, "auto")
+
+
+def test_a_time_first_layout_whose_length_equals_the_batch_size_is_not_taken_for_records():
+    # (B, T, d) inputs turned time-first for a linear layer, with T == B: every layer input has B rows, but row t
+    # holds time step t of all records. Per-row norms would clip time steps, not records; the one-record-shorter
+    # probe sees the rows not follow the batch size and the generic path clips whole records.
+    class TimeFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step = nn.Linear(3, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.step(x.transpose(0, 1)))   # (T, B, 4)
+            return self.head(h.mean(0))                      # (B, 2)
+
+    torch.manual_seed(6)
+    model = TimeFirst()
+    x, y = torch.randn(5, 5, 3) * 3, torch.randint(0, 2, (5,))
+    expected, norms = brute_force_clipped_sum(model, cross_entropy_losses, x, y, 0.2)
+    assert min(norms) > 0.2
+    actual, engine, _ = engine_sum(model, cross_entropy_losses, x, y, 0.2, "auto")
+    assert engine.path == "vmap" and "batch size 4" in engine.reason
+    assert_close_relative(actual, expected)
