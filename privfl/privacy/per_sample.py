@@ -90,7 +90,7 @@ _SAFE_METHODS = frozenset(getattr(torch._C.TensorBase, name) for name in (
 class _Layer:
     """One recorded ``F.linear`` / ``F.conv2d`` call on a trained weight and/or bias."""
 
-    __slots__ = ("kind", "input", "output", "weight", "bias", "conv", "versions", "grad_output")
+    __slots__ = ("kind", "input", "output", "weight", "bias", "conv", "versions")
 
     def __init__(self, kind: str, input: torch.Tensor, output: torch.Tensor, weight: torch.Tensor | None,
                  bias: torch.Tensor | None, conv: tuple[Any, Any, Any] | None) -> None:
@@ -101,7 +101,6 @@ class _Layer:
         self.bias = bias         # the trained bias parameter, or None
         self.conv = conv         # (stride, padding, dilation) of a convolution
         self.versions = (input._version, output._version)
-        self.grad_output: torch.Tensor | None = None
 
 
 class _Capture(TorchFunctionMode):
@@ -121,9 +120,9 @@ class _Capture(TorchFunctionMode):
                               "so each record's loss depends on the other records of the batch and no per-sample "
                               "sensitivity holds; use GroupNorm or LayerNorm, or batch norm in eval mode")
         if func is nn.functional.linear or func is nn.functional.conv2d:
-            layer = self._layer(func, args, kwargs)
-            if layer is not None:
-                return layer
+            output = self._record(func, args, kwargs)
+            if output is not None:
+                return output
         elif func not in _SAFE_METHODS and getattr(func, "__self__", None) not in _SAFE_DESCRIPTORS:
             self._refuse_trained(func, args, kwargs)
         return func(*args, **kwargs)
@@ -141,7 +140,8 @@ class _Capture(TorchFunctionMode):
                         f"trained parameter {name!r} is used by {getattr(func, '__name__', func)!s}, not only as the "
                         "weight or bias of a linear or conv2d layer")
 
-    def _layer(self, func, args, kwargs):  # noqa: ANN001
+    def _record(self, func, args, kwargs):  # noqa: ANN001
+        """Run and record a linear/conv call on a trained weight or bias; None if it uses no trained parameter."""
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
         call = dict(zip(names, args))
         call.update(kwargs)
