@@ -1,17 +1,18 @@
 """Time per DP-SGD step against a plain SGD step, batch 64, one CPU thread, on the models the project trains.
 
-For each model (the MNIST 2NN, LeNet on 3x32x32, the FedTTA CNN on 1x28x28) three steps run side by side in one
+For each model (the MNIST 2NN, LeNet on 3x32x32, the FedTTA CNN on 1x28x28) four steps run side by side in one
 process, interleaved, on the same 64 random records:
 
 - ``plain``: :func:`privfl.methods.local_training.local_sgd`, the local step every method shares;
 - ``engine``: :meth:`privfl.privacy.dp_sgd.DPSGDTrainer.train` with its default ``grad_sample_mode="auto"`` (per-sample
   clipping, one noise draw, division by batch_size), with n = batch_size = 64 so that q = 1 and every step clips all
   64 records (no Poisson variance in the work);
+- ``engine_hardened``: the same with ``noise="hardened"`` (each noise coordinate four draws summed and halved);
 - ``opacus_ghost``: Opacus' own ghost-clipping step (``GradSampleModuleFastGradientClipping`` + its DPOptimizer),
   the previous engine, as the reference.
 
 Each timing is one call of ``--steps`` steps (the engine's per-round setup included, divided over the steps);
-``--repeats`` rounds of the three calls alternate, and the ratio is the median of the per-round ratios to the plain
+``--repeats`` rounds of the four calls alternate, and the ratio is the median of the per-round ratios to the plain
 step of the same round. The time of the noise draw alone (one ``normal_`` over every parameter) is printed beside
 it, since it is a floor no clipping trick removes.
 
@@ -113,11 +114,15 @@ def bench_model(name: str, repeats: int, steps: int) -> dict:
     shape = MODELS[name]
     torch.manual_seed(0)
     x, y = torch.rand(BATCH, *shape), torch.randint(0, 10, (BATCH,))
-    models = {variant: build_model(name, shape, 10) for variant in ("plain", "engine", "opacus_ghost")}
+    variants = ("plain", "engine", "engine_hardened", "opacus_ghost")
+    models = {variant: build_model(name, shape, 10) for variant in variants}
     trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=1.0))
+    hardened = DPSGDTrainer(DPSGDConfig(noise_multiplier=1.0, noise="hardened"))
     ghost, close = opacus_ghost_call(models["opacus_ghost"], x, y, steps)
     calls = {"plain": plain_call(models["plain"], x, y, steps),
-             "engine": engine_call(models["engine"], x, y, steps, trainer), "opacus_ghost": ghost}
+             "engine": engine_call(models["engine"], x, y, steps, trainer),
+             "engine_hardened": engine_call(models["engine_hardened"], x, y, steps, hardened),
+             "opacus_ghost": ghost}
     for call in calls.values():   # warm-up (imports, allocator, first-call dispatch)
         call()
     times: dict[str, list[float]] = {k: [] for k in calls}
@@ -139,7 +144,7 @@ def bench_model(name: str, repeats: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds of the three calls")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds of the four calls")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed call")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
     args = parser.parse_args()
@@ -147,13 +152,14 @@ def main() -> None:
     rows = {}
     print(f"batch {BATCH}, 1 thread, {args.repeats} interleaved rounds of {args.steps} steps; ratio = median of "
           "per-round ratios to plain")
-    print(f"{'model':<11} {'params':>9} {'plain ms':>9} {'engine ms':>10} {'ratio':>6} {'opacus ghost ms':>16} "
-          f"{'ratio':>6} {'noise ms':>9}  path")
+    print(f"{'model':<11} {'params':>9} {'plain ms':>9} {'engine ms':>10} {'ratio':>6} {'hardened ms':>12} "
+          f"{'ratio':>6} {'opacus ghost ms':>16} {'ratio':>6} {'noise ms':>9}  path")
     for name in args.models.split(","):
         row = rows[name] = bench_model(name, args.repeats, args.steps)
         print(f"{name:<11} {row['parameters']:>9} {row['plain_median_ms']:>9.2f} {row['engine_median_ms']:>10.2f} "
-              f"{row['engine_ratio']:>6.2f} {row['opacus_ghost_median_ms']:>16.2f} {row['opacus_ghost_ratio']:>6.2f} "
-              f"{row['noise_draw_ms']:>9.2f}  {row['engine_path']}", flush=True)
+              f"{row['engine_ratio']:>6.2f} {row['engine_hardened_median_ms']:>12.2f} "
+              f"{row['engine_hardened_ratio']:>6.2f} {row['opacus_ghost_median_ms']:>16.2f} "
+              f"{row['opacus_ghost_ratio']:>6.2f} {row['noise_draw_ms']:>9.2f}  {row['engine_path']}", flush=True)
         if not row["engine_meets_target"]:
             print("\n".join(row["profile_engine_top_tottime"]))
     result = {
