@@ -10,10 +10,12 @@ gradient (over every trained parameter jointly) to L2 norm ``C`` with ``c_i = mi
 
     1. the per-sample gradient norms. A linear layer on 2-D inputs has ``g_i = b_i a_i^T``, so
        ``||g_i||^2 = ||a_i||^2 ||b_i||^2`` (+ ``||b_i||^2`` for the bias) and nothing per-sample is materialised
-       ("ghost norms", Goodfellow 2015; Li et al. 2022). A convolution (or a linear layer on inputs with extra
-       dimensions, T positions) has ``g_i = B_i U_i^T`` over the unfolded patches ``U_i``: the norm comes either from
-       the Gram matrices, ``sum_{t,t'} (U_i^T U_i)_{tt'} (B_i^T B_i)_{tt'}`` (cost T^2 (d_in + d_out)), or from the
-       materialised ``g_i`` (cost T d_in d_out), whichever is cheaper for the layer's shapes;
+       ("ghost norms": Goodfellow 2015, "Efficient per-example gradient computations", arXiv:1510.01799; Li et al.
+       2022, "Large language models can be strong differentially private learners"). A convolution (or a linear
+       layer on inputs with extra dimensions, T positions) has ``g_i = B_i U_i^T`` over the unfolded patches
+       ``U_i``: the norm comes either from the Gram matrices, ``sum_{t,t'} (U_i^T U_i)_{tt'} (B_i^T B_i)_{tt'}``
+       (cost T^2 (d_in + d_out)), or from the materialised ``g_i`` (cost T d_in d_out; for a convolution one grouped
+       convolution over the batch), whichever is cheaper for the layer's shapes;
     2. ``c_i`` from the total norm over all layers;
     3. the clipped sum straight from the same pieces: ``(c * b)^T a`` for a 2-D linear layer, ``sum_i c_i g_i`` where
        ``g_i`` was materialised, the convolution's weight gradient of ``c * b`` otherwise. No second backward pass.
@@ -21,9 +23,9 @@ gradient (over every trained parameter jointly) to L2 norm ``C`` with ``c_i = mi
     It applies when every trained parameter is used only as the weight or bias of one ``F.linear`` / ``F.conv2d``
     call (``groups=1``) per forward, on batch-first inputs (dimension 0 of every such input is checked to be the
     batch size at every step, and once, on a batch one record shorter, to follow it), and no recorded tensor is
-    modified in place. Anything else
-    that touches a trained parameter (a parameter used in the loss, a norm layer's affine weights, an embedding,
-    weight sharing) is detected during the forward and raises :class:`FastPathUnsupported`, naming it.
+    modified in place. Anything else that touches a trained parameter (a parameter used in the loss, a norm layer's
+    affine weights, an embedding, weight sharing) is detected during the forward and raises
+    :class:`FastPathUnsupported`, naming it.
 
 ``"vmap"``
     ``torch.func.vmap(grad(...))`` over single records (``randomness="different"``: a loss that samples noise gets
@@ -40,7 +42,9 @@ the sum by at most ``C`` in L2 norm, which is the sensitivity DP-SGD's noise is 
 takes the per-record loss and the per-record output gradients from one batched forward and backward, so it relies on
 this assumption; ``"vmap"`` and ``"loop"`` compute each record's loss on that record alone, so a loss that mixes
 records cannot leak through them (it just computes something else). BatchNorm in training mode, the common way to
-break it, is refused by :func:`privfl.privacy.dp_sgd.check_dp_compatible` before any of these run.
+break it, is refused by :func:`privfl.privacy.dp_sgd.check_dp_compatible` before any of these run, and a functional
+``batch_norm`` with ``training=True`` met during the fast path's forward is refused too; other ways of mixing
+records cannot be detected cheaply.
 """
 
 from __future__ import annotations
