@@ -16,6 +16,7 @@ self-composition), which gives the same guarantee and keeps long ledgers fast.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections import Counter
@@ -198,9 +199,18 @@ def epsilon(event: PrivacyEvent, delta: float, *, accountant: AccountantName = "
         return math.inf
     if not leaves:
         return 0.0
+    return _epsilon_of_leaves(frozenset(leaves.items()), delta, accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon_of_leaves(leaves: frozenset[tuple[PrivacyEvent, int]], delta: float, accountant: str) -> float:
+    """:func:`epsilon` of a multiset of elementary releases, remembered: the clients of a run often hold identical
+    ledgers (the same mechanisms, as many times), and one PLD composition of subsampled Gaussians takes about a
+    second. Events are frozen, so equal keys mean equal compositions and the cached value is exact."""
+    counts = Counter(dict(leaves))
     if accountant == "prv":
-        return _prv_epsilon(leaves, delta)
-    return float(_dp_accounting_backend(leaves, accountant).get_epsilon(delta))
+        return _prv_epsilon(counts, delta)
+    return float(_dp_accounting_backend(counts, accountant).get_epsilon(delta))
 
 
 def delta_for_epsilon(event: PrivacyEvent, epsilon: float, *, accountant: AccountantName = "pld") -> float:

@@ -25,6 +25,7 @@ from accounting.accountants import AccountantName, PrivacySpent, _check_accounta
 from accounting.events import (
     ComposedEvent,
     NeighboringRelation,
+    NonPrivateEvent,
     PrivacyEvent,
     SelfComposedEvent,
     event_from_dict,
@@ -39,6 +40,13 @@ ClientId = int | str
 #: calibrated epsilon refuses its own release. The excess it admits, 1e-6 * epsilon, moves the bound e^epsilon on the
 #: likelihood ratio by a factor e^(1e-6 epsilon), about 1 + 8e-6 at epsilon = 8.
 BUDGET_RTOL = 1e-6
+
+#: Who sees a release. ``"everyone"``: the server and whoever it passes things to (what every epsilon here is about).
+#: ``"trusted_aggregator"``: only the aggregator of central DP, which is trusted: the release never leaves it except
+#: through the aggregate, whose own event is recorded (in every client's ledger) as a release to everyone. Such a
+#: record does not count in :meth:`PrivacyLedger.spent`; against the aggregator the client has no guarantee, which
+#: :meth:`PrivacyLedger.spent_against_aggregator` says.
+AUDIENCES = ("everyone", "trusted_aggregator")
 
 _LEDGER_FORMAT = "privfl.accounting.ledger"
 _BOOK_FORMAT = "privfl.accounting.ledger_book"
@@ -113,7 +121,7 @@ class ReleaseRecord:
     """One recorded release: what mechanism (``event``), why (``purpose``), when (``round``, unix ``time``).
 
     ``metadata`` is any JSON-able dict (bytes sent, tensor names, ...). It is stored as its JSON round-trip, so a
-    record equals itself after save and load.
+    record equals itself after save and load. ``audience``: who sees the release (:data:`AUDIENCES`).
     """
 
     event: PrivacyEvent
@@ -121,6 +129,7 @@ class ReleaseRecord:
     round: int | None
     time: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    audience: str = "everyone"
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, PrivacyEvent):
@@ -135,6 +144,8 @@ class ReleaseRecord:
             raise ValueError(f"time must be a finite unix timestamp, got {t!r}")
         if not isinstance(self.metadata, Mapping):
             raise ValueError(f"metadata must be a dict, got {self.metadata!r}")
+        if self.audience not in AUDIENCES:
+            raise ValueError(f"audience must be one of {', '.join(map(repr, AUDIENCES))}, got {self.audience!r}")
         try:
             metadata = json.loads(json.dumps(dict(self.metadata), allow_nan=False))
         except (TypeError, ValueError) as exc:
@@ -144,13 +155,16 @@ class ReleaseRecord:
         object.__setattr__(self, "metadata", metadata)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"event": self.event.to_dict(), "purpose": self.purpose, "round": self.round, "time": self.time,
-                "metadata": self.metadata}
+        values = {"event": self.event.to_dict(), "purpose": self.purpose, "round": self.round, "time": self.time,
+                  "metadata": self.metadata}
+        if self.audience != "everyone":
+            values["audience"] = self.audience
+        return values
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReleaseRecord:
         return cls(event=event_from_dict(d["event"]), purpose=d["purpose"], round=d["round"], time=d["time"],
-                   metadata=d["metadata"])
+                   metadata=d["metadata"], audience=d.get("audience", "everyone"))
 
 
 class PrivacyLedger:
@@ -176,7 +190,8 @@ class PrivacyLedger:
         self._budget = budget
         self._accountant = _check_accountant(accountant)
         self._records: list[ReleaseRecord] = []
-        self._leaves: Counter[PrivacyEvent] = Counter()  # the grouped composition of all recorded events
+        self._leaves: Counter[PrivacyEvent] = Counter()  # the grouped composition of the releases to everyone
+        self._trusted = 0                                # releases seen by the trusted aggregator only
         self._relation: NeighboringRelation | None = None
         # Accounting a long composition is slow, so results are kept until the next record:
         # delta -> epsilon of the recorded composition, and the last projection (num records, event, delta, epsilon).
@@ -251,8 +266,18 @@ class PrivacyLedger:
         self._projection = (len(self._records), event, delta, projected)
         return projected
 
+    def spent_against_aggregator(self, delta: float | None = None) -> PrivacySpent:
+        """The guarantee against the trusted aggregator of central DP, which also sees the releases made to it alone:
+        none (epsilon infinite) once there is one, else :meth:`spent`."""
+        spent = self.spent(delta)
+        if not self._trusted:
+            return spent
+        return PrivacySpent(epsilon=math.inf, delta=spent.delta, num_releases=spent.num_releases + self._trusted,
+                            accountant=self._accountant)
+
     def spent(self, delta: float | None = None) -> PrivacySpent:
-        """The (epsilon, delta) guarantee of all recorded releases, at ``delta`` or else at the budget's delta."""
+        """The (epsilon, delta) guarantee of the recorded releases to everyone (every release but those the trusted
+        aggregator alone sees), at ``delta`` or else at the budget's delta."""
         if delta is None:
             if self._budget is None:
                 raise ValueError(f"client {self._client_id!r}: give a delta; the ledger has no budget to take it from")
@@ -278,8 +303,12 @@ class PrivacyLedger:
 
     def record(self, event: PrivacyEvent, *, purpose: str, round: int | None = None,
                metadata: Mapping[str, Any] | None = None,
-               calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+               calibrated_for: PrivacyBudget | None = None, audience: str = "everyone") -> ReleaseRecord:
         """Record a release that is about to be sent; call it before sending.
+
+        ``audience="trusted_aggregator"`` records a message only the trusted aggregator of central DP sees (a
+        client's contribution in the clear): it must carry a :class:`~accounting.events.NonPrivateEvent`, and it
+        does not count in :meth:`spent` (see :data:`AUDIENCES`).
 
         ``calibrated_for``: the budget the release's noise was calibrated for, over the client's whole ledger (a
         mechanism calibrated for k releases over a client's life, such as client-level DP-FedAvg, states the epsilon
@@ -292,7 +321,13 @@ class PrivacyLedger:
         would take the ledger over its budget or over ``calibrated_for`` (:class:`BudgetExceededError`).
         """
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
-                                metadata={} if metadata is None else metadata)
+                                metadata={} if metadata is None else metadata, audience=audience)
+        if audience != "everyone":
+            if not isinstance(event, NonPrivateEvent):
+                raise ValueError(f"client {self._client_id!r}: a release to the trusted aggregator is in the clear "
+                                 f"(NonPrivateEvent); the aggregate's own event is what is private, got {event!r}")
+            self._append(release, self._relation)
+            return release
         relation = self._check_event(event)
         check_supported(event, accountant=self._accountant)
         if calibrated_for is not None:
@@ -313,8 +348,15 @@ class PrivacyLedger:
             self._epsilon_cache[self._budget.delta] = projected
         return release
 
+    def _append_history(self, release: ReleaseRecord) -> None:
+        """Append a record made earlier (loading, replaying a journal): its event is checked, not its budget."""
+        self._append(release, self._relation if release.audience != "everyone" else self._check_event(release.event))
+
     def _append(self, release: ReleaseRecord, relation: NeighboringRelation | None) -> None:
         self._records.append(release)
+        if release.audience != "everyone":
+            self._trusted += 1
+            return
         self._leaves.update(release.event.leaf_counts())
         self._relation = relation
         self._epsilon_cache = {}
@@ -343,7 +385,7 @@ class PrivacyLedger:
             ledger = cls(state["client_id"], budget=budget, accountant=state["accountant"])
             for d in state["records"]:
                 release = ReleaseRecord.from_dict(d)
-                ledger._append(release, ledger._check_event(release.event))
+                ledger._append_history(release)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ledger state: {exc!r}") from None
         return ledger
@@ -423,6 +465,12 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
     def epsilons(self, delta: float) -> dict[ClientId, float]:
         """Each client's epsilon (natural log) at ``delta``; ``inf`` for a client with a non-private release."""
         return {client_id: ledger.spent(delta).epsilon for client_id, ledger in self._ledgers.items()}
+
+    def epsilons_against_aggregator(self, delta: float) -> dict[ClientId, float]:
+        """Each client's epsilon against the trusted aggregator of central DP (``inf`` where it saw a contribution in
+        the clear; see :data:`AUDIENCES`)."""
+        return {client_id: ledger.spent_against_aggregator(delta).epsilon
+                for client_id, ledger in self._ledgers.items()}
 
     def relations(self) -> list[str]:
         """The neighbouring relations the recorded guarantees hold under, each distinct one once, sorted: a record's
@@ -544,7 +592,7 @@ class ReleaseJournal:
                     raise ValueError(f"release journal {self.path} does not match the ledger of client {client_id!r} "
                                      f"at its record {seen[client_id]}: they come from different runs")
             else:
-                ledger._append(record, ledger._check_event(record.event))
+                ledger._append_history(record)
                 added += 1
             seen[client_id] += 1
         return added

@@ -85,12 +85,6 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=None, help="local SGD weight decay (0)")
     g.add_argument("--grad-clip", type=float, default=None, help="max L2 norm of each local step's gradient (none)")
     g.add_argument("--lr-decay", type=float, default=None, help="round-r lr = lr * decay ** (r / 10) (1.0)")
-    g.add_argument("--dp-noise-multiplier", type=float, default=None,
-                   help="fedavg, fedgma, tent: train clients with DP-SGD at this noise multiplier (needs --select "
-                        "last: validation reports for best_val would be non-private releases)")
-    g.add_argument("--dp-max-grad-norm", type=float, default=None, help="DP-SGD per-sample clipping norm (1.0)")
-    g.add_argument("--dp-noise", default=None, choices=("secure", "seeded"),
-                   help="DP-SGD randomness: secure (default, OS-seeded) or seeded (reproducible, research only)")
     g.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="any other field of the method's config (VALUE read as JSON, else as text), e.g. "
                         "--method-option novel_epsilon=1 --method-option encoder=\"dp_deepset\"; repeatable")
@@ -104,9 +98,82 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true")
 
 
+def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "privacy", "one mode protects every training client (any method; needs --select last); the novel-client "
+                   "options protect what a novel client sends (ODPFL-HN's descriptor, PeFLL's)")
+    g.add_argument("--dp-noise-multiplier", type=float, default=None,
+                   help="record level: DP-SGD (and every other record-level mechanism) at this noise multiplier")
+    g.add_argument("--dp-epsilon", type=float, default=None,
+                   help="record level: the noise is calibrated so each training client ends the run at this epsilon")
+    g.add_argument("--dp-max-grad-norm", type=float, default=None, help="record level: per-sample L2 clip (1.0)")
+    g.add_argument("--client-dp", default=None, choices=("central", "distributed", "local"),
+                   help="client-level DP: central (trusted aggregator, Poisson sampling at --client-fraction), "
+                        "distributed (noise shares summed under secure aggregation) or local (each client adds it)")
+    g.add_argument("--client-dp-epsilon", type=float, default=None, help="client level: target epsilon over the run")
+    g.add_argument("--client-dp-noise-multiplier", type=float, default=None,
+                   help="client level: the noise multiplier instead of a target epsilon")
+    g.add_argument("--client-dp-clip", default=None,
+                   help="client level: L2 clip of a client's whole round (1.0), or 'adaptive' (central only: the clip "
+                        "follows the median update norm, Andrew et al. 2021)")
+    g.add_argument("--client-dp-participations", type=int, default=None,
+                   help="local/distributed: the most rounds a client releases in (default: from the schedule)")
+    g.add_argument("--client-dp-shares", type=int, default=None,
+                   help="distributed: noise shares per sum (default: the clients a round samples)")
+    g.add_argument("--dp-noise", default=None, choices=("secure", "seeded", "hardened"),
+                   help="noise source: secure (default, OS-seeded), hardened (Opacus' secure-mode sampler) or seeded "
+                        "(reproducible, research only)")
+    g.add_argument("--novel-epsilon", type=float, default=None,
+                   help="epsilon of a novel client's release (default: none, not private)")
+    g.add_argument("--novel-bound", type=float, default=None,
+                   help="L2 clip of each record's contribution to a novel client's release (1.0)")
+
+
+def _privacy(args: argparse.Namespace):
+    """The run's TrainingPrivacy and NovelPrivacy from the command line."""
+    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
+
+    record = args.dp_noise_multiplier is not None or args.dp_epsilon is not None
+    client = args.client_dp is not None
+    record_only = [name for name in ("dp_max_grad_norm",) if getattr(args, name) is not None]
+    client_only = [name for name in ("client_dp_epsilon", "client_dp_noise_multiplier", "client_dp_clip",
+                                     "client_dp_participations", "client_dp_shares") if getattr(args, name) is not None]
+    if record and client:
+        raise PrivflError("give either record-level DP (--dp-noise-multiplier/--dp-epsilon) or client-level DP "
+                          "(--client-dp), not both: one mode protects the training clients")
+    if client_only and not client:
+        raise PrivflError(f"--{client_only[0].replace('_', '-')} needs --client-dp central|distributed|local")
+    if record_only and not record:
+        raise PrivflError(f"--{record_only[0].replace('_', '-')} needs --dp-noise-multiplier or --dp-epsilon "
+                          "(without them training clients release without DP)")
+    common = {"delta": args.delta}
+    if args.dp_noise is not None:
+        if not (record or client):
+            raise PrivflError("--dp-noise needs a privacy mode (--dp-noise-multiplier, --dp-epsilon or --client-dp)")
+        common["noise"] = args.dp_noise
+    if record:
+        privacy = TrainingPrivacy(mode="record", epsilon=args.dp_epsilon, noise_multiplier=args.dp_noise_multiplier,
+                                  clip=1.0 if args.dp_max_grad_norm is None else args.dp_max_grad_norm, **common)
+    elif client:
+        clip = args.client_dp_clip
+        if clip is not None and clip != "adaptive":
+            try:
+                clip = float(clip)
+            except ValueError:
+                raise PrivflError(f"--client-dp-clip must be a number > 0 or 'adaptive', got {clip!r}") from None
+        privacy = TrainingPrivacy(mode=args.client_dp, epsilon=args.client_dp_epsilon,
+                                  noise_multiplier=args.client_dp_noise_multiplier,
+                                  clip=1.0 if clip is None else clip, participations=args.client_dp_participations,
+                                  shares=args.client_dp_shares, **common)
+    else:
+        privacy = TrainingPrivacy()
+    novel = NovelPrivacy(epsilon=args.novel_epsilon, delta=args.delta,
+                         bound=1.0 if args.novel_bound is None else args.novel_bound)
+    return privacy, novel
+
+
 def _method_settings(args: argparse.Namespace) -> dict:
-    names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay",
-             "dp_noise_multiplier", "dp_max_grad_norm", "dp_noise")
+    names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay")
     settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     for key, value in getattr(args, "method_option", []):
         if key in settings and settings[key] != value:
@@ -134,10 +201,12 @@ def _federation_spec(args: argparse.Namespace):
 def _run_config(args: argparse.Namespace, method: str, settings: dict):
     from privfl.config import RunConfig
 
+    privacy, novel_privacy = _privacy(args)
     return RunConfig(
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
+        privacy=privacy, novel_privacy=novel_privacy,
     )
 
 
@@ -239,12 +308,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         raise PrivflError(f"{path} does not exist; a run writes its ledger when it finishes")
     book = LedgerBook.load(path)
     print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
-    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  purposes")
+    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  {'mode':<11}  {'relation':<32}  purposes")
     for client_id in sorted(book, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
         ledger = book[client_id]
         purposes = Counter(record.purpose for record in ledger.records)
         listed = ", ".join(f"{name} x{count}" for name, count in sorted(purposes.items()))
-        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(delta).epsilon):>8}  {listed}")
+        modes = sorted({str(r.metadata["mode"]) for r in ledger.records if "mode" in r.metadata}) or ["-"]
+        relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in ledger.records
+                            if r.event.relation is not None}) or ["none (not private)"]
+        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(delta).epsilon):>8}  "
+              f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
     return 0
 
 
@@ -299,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     _add_federation_arguments(p)
     _add_training_arguments(p)
+    _add_privacy_arguments(p)
     _add_engine_arguments(p)
     p.set_defaults(func=cmd_train, defaults_of=p.get_default)
 
@@ -306,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     _add_federation_arguments(p)
     _add_training_arguments(p)
+    _add_privacy_arguments(p)
     p.set_defaults(func=cmd_demo, rounds=30, local_steps=20, batch_size=64)
 
     p = sub.add_parser("report", help="print the summary of one or more run directories")

@@ -16,6 +16,8 @@ from privfl.data import FederatedDataset, FederationSpec
 from privfl.errors import ConfigError
 from privfl.federation.runtime import sample_clients
 from privfl.methods import ClientProcedure, ModelFactory, Strategy, get_method
+from privfl.methods.private import planned_participations, protect, support
+from privfl.privacy.training import DISTRIBUTED, LOCAL, NovelPrivacy, TrainingPrivacy
 
 SELECTIONS = ("best_val", "last")
 
@@ -28,7 +30,10 @@ class RunConfig:
     the method does not have are refused. ``model="auto"`` picks LeNet for 3-channel images and the 2NN otherwise.
     ``select="best_val"`` serves novel clients with the server state of the evaluation round with the best mean
     validation accuracy over training clients (each report is a recorded release); ``"last"`` uses the final round.
-    ``delta`` is the delta at which epsilon is reported.
+    ``delta`` is the delta at which epsilon is reported. ``privacy`` protects the training clients (one mode for
+    every method, :class:`~privfl.privacy.training.TrainingPrivacy`); ``novel_privacy`` the novel clients' release,
+    for methods whose novel clients send one (:class:`~privfl.privacy.training.NovelPrivacy`). In central
+    client-level DP, ``client_fraction`` is the Poisson sampling rate q.
     """
 
     federation: FederationSpec = field(default_factory=FederationSpec)
@@ -42,9 +47,18 @@ class RunConfig:
     select: str = "best_val"
     seed: int = 0
     delta: float = 1e-5
+    privacy: TrainingPrivacy = field(default_factory=TrainingPrivacy)
+    novel_privacy: NovelPrivacy = field(default_factory=NovelPrivacy)
 
     def __post_init__(self) -> None:
-        method_config = get_method(self.method).make_config(**self.method_config)
+        spec = get_method(self.method)
+        spec.make_config(**self.method_config)
+        for name, kind in (("privacy", TrainingPrivacy), ("novel_privacy", NovelPrivacy)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, kind.from_dict(value))
+            elif not isinstance(value, kind):
+                raise ConfigError(f"{name} must be a {kind.__name__} (or a dict of its settings), got {value!r}")
         checks = [
             ("rounds", self.rounds, isinstance(self.rounds, int) and self.rounds >= 1, "an integer >= 1"),
             ("client_fraction", self.client_fraction,
@@ -60,11 +74,14 @@ class RunConfig:
         for name, value, ok, valid in checks:
             if not ok:
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
-        private = getattr(method_config, "training_dp", None)   # what protects training clients' releases, if any
-        if private and self.select == "best_val":
-            raise ConfigError(f"select='best_val' with {private}: choosing the round on validation makes every "
-                              "training client report its validation accuracy, a release no mechanism covers, so "
-                              "its epsilon would be infinite; use select='last'")
+        support(spec, self.privacy.mode)
+        if self.novel_privacy.private and spec.novel_privacy is not None:
+            raise ConfigError(f"novel_privacy epsilon={self.novel_privacy.epsilon!r} has nothing to protect in method "
+                              f"{self.method!r}: {spec.novel_privacy}")
+        if self.privacy.private and self.select == "best_val":
+            raise ConfigError(f"select='best_val' with {self.privacy.describe()}: choosing the round on validation "
+                              "makes every training client report its validation accuracy, a release no mechanism "
+                              "covers, so its epsilon would be infinite; use select='last'")
         if self.select == "best_val" and self.federation.val_fraction == 0:
             raise ConfigError("select='best_val' picks the round on training clients' validation splits, but "
                               "val_fraction=0 gives them none; use select='last' or a val_fraction > 0")
@@ -72,6 +89,8 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
         values["federation"] = self.federation.to_dict()
+        values["privacy"] = self.privacy.to_dict()
+        values["novel_privacy"] = self.novel_privacy.to_dict()
         return values
 
     @classmethod
@@ -83,6 +102,8 @@ class RunConfig:
         if unknown:
             raise ConfigError(f"unknown run setting(s) {', '.join(unknown)}; valid settings: {', '.join(names)}")
         values["federation"] = FederationSpec.from_dict(values.get("federation", {}))
+        values["privacy"] = TrainingPrivacy.from_dict(values.get("privacy"))
+        values["novel_privacy"] = NovelPrivacy.from_dict(values.get("novel_privacy"))
         return cls(**values)
 
     def method_settings(self) -> Any:
@@ -102,35 +123,47 @@ def model_factory(config: RunConfig, input_shape: tuple[int, ...], num_classes: 
     return ModelFactory(model_name_for(config, input_shape), tuple(input_shape), num_classes)
 
 
-def build_client(config: RunConfig, input_shape: tuple[int, ...], num_classes: int) -> ClientProcedure:
-    """The method's client procedure (what a Flower node builds; the in-process runtime gets it from
-    :func:`build_method`)."""
-    spec = get_method(config.method)
-    return spec.client(model_factory=model_factory(config, input_shape, num_classes), config=config.method_settings())
+def participations(config: RunConfig, num_training_clients: int) -> int:
+    """The most rounds a training client releases in: the client-level ``participations`` cap where one is set, else
+    the most the run's public sampling schedule gives any client (what record-level noise is calibrated for)."""
+    return config.privacy.participations or planned_participations(num_training_clients, config.client_fraction,
+                                                                   config.seed, config.rounds)
+
+
+def _client(config: RunConfig, factory: ModelFactory, num_training_clients: int) -> ClientProcedure:
+    return get_method(config.method).client(
+        model_factory=factory, config=config.method_settings(), privacy=config.privacy,
+        novel_privacy=config.novel_privacy, participations=participations(config, num_training_clients))
+
+
+def build_client(config: RunConfig, input_shape: tuple[int, ...], num_classes: int,
+                 num_training_clients: int) -> ClientProcedure:
+    """The method's client procedure under the run's privacy layer (what a Flower node builds; the in-process
+    runtime gets it from :func:`build_method`)."""
+    client = _client(config, model_factory(config, input_shape, num_classes), num_training_clients)
+    return _protect(config, None, client, num_training_clients)[1]
 
 
 def build_method(config: RunConfig, federation: FederatedDataset) -> tuple[Strategy, ClientProcedure]:
-    """The method's server strategy and client procedure for ``federation``, after the run-level checks that can
-    refuse it before anything is released (:func:`check_participations`, :func:`check_shares`)."""
+    """The method's server strategy and client procedure for ``federation`` under the run's privacy layer
+    (:func:`privfl.methods.private.protect`), after the run-level checks that can refuse it before anything is
+    released."""
     spec = get_method(config.method)
-    method_config = config.method_settings()
     factory = model_factory(config, federation.input_shape, federation.num_classes)
-    strategy = spec.strategy(model_factory=factory, config=method_config, seed=config.seed,
-                             num_training_clients=len(federation.training_clients))
-    client = spec.client(model_factory=factory, config=method_config)
-    training_ids = [c.client_id for c in federation.training_clients]
-    check_participations(config, getattr(method_config, "participation_cap", None), training_ids)
-    check_shares(config, getattr(method_config, "shares_per_round", None), training_ids)
-    return strategy, client
+    num_training = len(federation.training_clients)
+    strategy = spec.strategy(model_factory=factory, config=config.method_settings(), seed=config.seed,
+                             num_training_clients=num_training)
+    client = _client(config, factory, num_training)
+    if config.privacy.mode in (LOCAL, DISTRIBUTED) and config.privacy.participations is not None:
+        check_participations(config, config.privacy.participations, [c.client_id for c in federation.training_clients])
+    return _protect(config, strategy, client, num_training)
 
 
-def check_shares(config: RunConfig, shares: int | None, client_ids: list[int]) -> None:
-    """Refuse distributed noise with more shares than a round samples clients (their sum would be short of noise)."""
-    per_round = len(sample_clients(sorted(client_ids), config.client_fraction, seed=config.seed, round=0))
-    if shares is not None and shares > per_round:
-        raise ConfigError(f"dp_shares={shares} noise shares make up each round's sum, but a round samples "
-                          f"{per_round} training clients: their sum would carry less noise than its calibration; set "
-                          f"dp_shares to at most {per_round}")
+def _protect(config: RunConfig, strategy: Strategy | None, client: ClientProcedure,
+             num_training_clients: int) -> tuple[Strategy | None, ClientProcedure]:
+    return protect(get_method(config.method), strategy, client, config.privacy, rounds=config.rounds,
+                   client_fraction=config.client_fraction, seed=config.seed,
+                   num_training_clients=num_training_clients)
 
 
 def check_participations(config: RunConfig, cap: int | None, client_ids: list[int], *, from_round: int = 0,
@@ -155,11 +188,12 @@ def check_participations(config: RunConfig, cap: int | None, client_ids: list[in
     if from_round == 0 and not made:
         raise ConfigError(f"with rounds={config.rounds}, client_fraction={config.client_fraction} and seed="
                           f"{config.seed}, training clients {over} take part in up to {most} rounds, more than "
-                          f"dp_participations={cap} (the releases each client's noise is calibrated for); set "
-                          f"dp_participations to {most} or more, or run fewer rounds")
+                          f"privacy participations={cap} (the releases each client's noise is calibrated for); set "
+                          f"participations to {most} or more (or leave it unset), or run fewer rounds")
     raise ConfigError(f"this run cannot be resumed within its privacy budget: its checkpoint holds {from_round} "
                       f"rounds, but its clients' ledgers (releases.jsonl) also hold the releases of the rounds run "
                       f"after it, and running those rounds again releases again; training clients {over} would make "
-                      f"up to {most} releases, more than dp_participations={cap}. Releases made cannot be taken "
-                      "back: start the run again, with checkpoint_every=1 (an interruption then costs the round in "
-                      "progress) and a dp_participations that leaves room for the rounds an interruption repeats")
+                      f"up to {most} rounds of releases, more than the {cap} its noise is calibrated for. Releases "
+                      "made cannot be taken back: start the run again, with checkpoint_every=1 (an interruption then "
+                      "costs the round in progress) and a privacy participations that leaves room for the rounds an "
+                      "interruption repeats")

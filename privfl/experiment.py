@@ -23,13 +23,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from accounting import ReleaseJournal
-from privfl.config import RunConfig, build_method, check_participations, model_name_for
+from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations
 from privfl.data import FederatedDataset, build_federation, label_shift_kl
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
 from privfl.federation.rundir import RunDirectory, dumps
 from privfl.federation.runtime import InProcessRuntime, Runtime
+from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RELATIONS
 from privfl.provenance import numerics
 
 RuntimeFactory = Callable[[RunConfig, FederatedDataset], Runtime]
@@ -122,11 +123,12 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
         runtime.use_journal(ReleaseJournal(run_dir.path(RunDirectory.RELEASES)), replay=resume)
     except ValueError as error:   # malformed, or of another run
         raise ConfigError(f"cannot resume: {error}") from None
-    if resume:
+    if resume and config.privacy.mode in (LOCAL, DISTRIBUTED):
+        # each release's noise is calibrated for a number of rounds: rounds run again after the checkpoint count too
         ledgers = runtime.ledgers()
-        made = {cid: sum(r.event.relation is not None for r in ledgers[cid].records)
+        made = {cid: len({r.round for r in ledgers[cid].records if r.event.relation is not None})
                 for cid in runtime.training_ids if cid in ledgers}
-        check_participations(config, getattr(config.method_settings(), "participation_cap", None), runtime.training_ids,
+        check_participations(config, participations(config, len(runtime.training_ids)), runtime.training_ids,
                              from_round=runtime.completed_rounds, made=made)
 
     def checkpoint_now(state: dict[str, Any]) -> None:
@@ -224,6 +226,8 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
             "epsilon_per_client": {str(cid): eps for cid, eps in eps_of.items()},
             "relations": ledgers.relations(),   # what the epsilons hold under: the neighbours of each kind of release
             "noise_sources": (noise := ledgers.private_metadata_counts("noise")),
+            "training_mode": config.privacy.mode,
+            "training_guarantee": RELATIONS.get(config.privacy.mode, "none: training clients release without DP"),
         },
         "communication": {"bytes_up_total": sum(runtime.bytes_up.values()),
                           "bytes_down_total": sum(runtime.bytes_down.values())},
@@ -231,6 +235,14 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "numerics": numerics(),   # of the process that finished the run (a resumed run may have begun elsewhere)
     }
+    if config.privacy.mode == CENTRAL:
+        against = ledgers.epsilons_against_aggregator(config.delta)
+        summary["privacy"]["epsilon_max_training_against_aggregator"] = max(
+            (against.get(c.client_id, 0.0) for c in federation.training_clients), default=0.0)
+    if config.privacy.mode == DISTRIBUTED:
+        summary["privacy"]["secure_aggregation"] = (
+            "simulated in this process: the server adds the clients' noise shares itself, so the epsilons hold for "
+            "an observer of each round's sum only; on Flower the shares are summed under SecAgg+")
     if noise.get("seeded"):
         summary["privacy"]["seeded_noise"] = (
             f"{noise['seeded']} private releases drew their noise from generators seeded from the run config, which "

@@ -6,7 +6,7 @@ neighbouring relations it holds under, wall time, peak memory), ``plots.png`` (l
 shift), ``checkpoint.pt`` (to resume) and ``releases.jsonl`` (each release's ledger record as it is made, so that a
 run resumed after a kill keeps the releases made since its last checkpoint). The journal is appended a line at a time
 (a line a kill cut short is ignored); every other file is written atomically: a crash mid-write leaves the previous
-version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6).
+version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6 of docs/invariants.md).
 """
 
 from __future__ import annotations

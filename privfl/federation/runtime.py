@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from accounting import LedgerBook, ReleaseJournal
+from accounting import LedgerBook, PrivacyBudget, PrivacyEvent, ReleaseJournal
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import InternalError
 from privfl.federation.context import ClientState, client_context
@@ -53,6 +54,18 @@ def sample_clients(client_ids: list[int], fraction: float, *, seed: int, round: 
 
 def round_half_up(value: float) -> int:
     return int(value + 0.5)
+
+
+@dataclass(frozen=True)
+class RoundRelease:
+    """A release the server makes once a round on behalf of every training client (central DP's noisy aggregate): the
+    runtime records it in every training client's ledger, sampled that round or not, before the round's messages are
+    used (:meth:`privfl.methods.base.Strategy.round_releases`)."""
+
+    event: PrivacyEvent
+    purpose: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    calibrated_for: PrivacyBudget | None = None
 
 
 def validation_report(score: ClientScore) -> Release:
@@ -84,11 +97,13 @@ class Runtime(ABC):
         """One round: sample, configure, one exchange per stage with the sampled clients, aggregate, commit."""
         if round != self.completed_rounds:
             raise InternalError(f"round {round} requested but {self.completed_rounds} rounds are completed")
-        sampled = sample_clients(self.training_ids, self.client_fraction, seed=self.seed, round=round)
+        sampled = self.strategy.sample_clients(round, self.training_ids, self.client_fraction, self.seed)
         self.begin_round(round, sampled)
         replies = self.exchange(round, 0, self.strategy.configure_train(round, sampled))
         for stage in range(1, self.strategy.train_stages):
             replies = self.exchange(round, stage, self.strategy.configure_stage(round, stage, replies))
+        for release in self.strategy.round_releases(round):
+            self.record_for_everyone(release, round)
         metrics = self.strategy.aggregate_train(round, replies)
         self.commit_round(round, sampled)
         return {"clients": float(len(sampled)), **metrics}
@@ -104,6 +119,10 @@ class Runtime(ABC):
     @abstractmethod
     def commit_round(self, round: int, sampled: list[int]) -> None:
         """The round completed: commit the sampled clients' working states, count the round."""
+
+    @abstractmethod
+    def record_for_everyone(self, release: RoundRelease, round: int) -> None:
+        """Record ``release`` in every training client's ledger (raising, before anything is used, if one refuses)."""
 
     # -- evaluation and novel clients -----------------------------------------------------------------------------
 
@@ -195,6 +214,9 @@ class InProcessRuntime(Runtime):
             if release is not None:
                 replies[cid] = self.wire.client_to_server(cid, release, round=round)
         return replies
+
+    def record_for_everyone(self, release: RoundRelease, round: int) -> None:
+        self.wire.record_for(self.training_ids, release, round=round)
 
     def commit_round(self, round: int, sampled: list[int]) -> None:
         self.client_states.update(self._working)

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
-from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
+from privfl.methods.base import ClientContext, ClientState, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig, weighted_mean
 from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
 
@@ -42,7 +43,7 @@ class AFLConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.lambda_lr) and self.lambda_lr >= 0, "lambda_lr", self.lambda_lr, "a finite number >= 0")
+        check.require(is_finite(self.lambda_lr) and self.lambda_lr >= 0, "lambda_lr", self.lambda_lr, "a finite number >= 0")
 
 
 def project_to_simplex(v: torch.Tensor) -> torch.Tensor:

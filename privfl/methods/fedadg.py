@@ -40,10 +40,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting.validation import is_finite, is_int_at_least
+from privfl.errors import check
 from privfl.data import TrainingClient
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.base import ClientContext, ClientState, _finite, _int_at_least, _require, register_method
+from privfl.methods.base import ClientContext, ClientState, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig
 from privfl.methods.fedsr import classifier_layer, forward_with_representation
 from privfl.methods.local_training import difference, minibatches, sgd_settings, weights_of
@@ -61,11 +63,11 @@ class FedADGConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.adv_weight) and 0 <= self.adv_weight < 1, "adv_weight", self.adv_weight, "in [0, 1)")
-        _require(_finite(self.gan_lr) and self.gan_lr > 0, "gan_lr", self.gan_lr, "a finite number > 0")
+        check.require(is_finite(self.adv_weight) and 0 <= self.adv_weight < 1, "adv_weight", self.adv_weight, "in [0, 1)")
+        check.require(is_finite(self.gan_lr) and self.gan_lr > 0, "gan_lr", self.gan_lr, "a finite number > 0")
         for name in ("noise_dim", "gan_hidden"):
             value = getattr(self, name)
-            _require(_int_at_least(value, 1), name, value, "an integer >= 1")
+            check.require(is_int_at_least(value, 1), name, value, "an integer >= 1")
 
 
 class FedADGModel(nn.Module):

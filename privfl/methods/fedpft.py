@@ -49,8 +49,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import (
@@ -59,8 +60,6 @@ from privfl.methods.base import (
     ClientState,
     ModelFactory,
     Strategy,
-    _finite,
-    _require,
     register_method,
 )
 from privfl.methods.local_training import local_sgd, weights_of
@@ -86,7 +85,7 @@ _COUNT_DTYPE = torch.int32
 
 def gmm_floats(dim: int, components: int, covariance: str) -> int:
     """Floats of one class's mixture: per component a weight, a mean (d) and a covariance (d(d+1)/2, d or 1)."""
-    _require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
+    check.require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
     per_component = {"full": 2 * dim + (dim * dim - dim) // 2 + 1, "diag": 2 * dim + 1, "spherical": dim + 2}
     return per_component[covariance] * components
 
@@ -145,9 +144,9 @@ def fit_class_mixtures(features: Any, labels: Any, *, num_classes: int, componen
     """
     from sklearn.mixture import GaussianMixture
 
-    _require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
-    _require(isinstance(components, int) and not isinstance(components, bool) and components >= 1, "components",
-             components, "an integer >= 1")
+    check.require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
+    check.require(isinstance(components, int) and not isinstance(components, bool) and components >= 1, "components",
+                  components, "an integer >= 1")
     x_checked, y_checked = check_data(features, labels, num_classes)   # labels: integers in [0, num_classes)
     x, y = x_checked.numpy(), y_checked.numpy()
     mixtures = []
@@ -378,43 +377,43 @@ class FedPFTConfig:
     dp_noise_seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.components, int) and not isinstance(self.components, bool)
-                 and self.components >= 1, "components", self.components, "an integer >= 1")
-        _require(self.covariance in COVARIANCE_TYPES, "covariance", self.covariance,
-                 f"one of {', '.join(COVARIANCE_TYPES)}")
-        _require(isinstance(self.normalize, bool), "normalize", self.normalize, "true or false")
-        _require(self.samples_per_class is None or (isinstance(self.samples_per_class, int)
+        check.require(isinstance(self.components, int) and not isinstance(self.components, bool)
+                      and self.components >= 1, "components", self.components, "an integer >= 1")
+        check.require(self.covariance in COVARIANCE_TYPES, "covariance", self.covariance,
+                      f"one of {', '.join(COVARIANCE_TYPES)}")
+        check.require(isinstance(self.normalize, bool), "normalize", self.normalize, "true or false")
+        check.require(self.samples_per_class is None or (isinstance(self.samples_per_class, int)
                                                     and self.samples_per_class >= 1),
-                 "samples_per_class", self.samples_per_class, "None or an integer >= 1")
-        _require(self.topology in TOPOLOGIES, "topology", self.topology, f"one of {', '.join(TOPOLOGIES)}")
-        _require(self.head in HEADS, "head", self.head, f"one of {', '.join(HEADS)}")
-        _require(_finite(self.head_lr) and self.head_lr > 0, "head_lr", self.head_lr, "a finite number > 0")
-        _require(_finite(self.head_epochs) and self.head_epochs > 0, "head_epochs", self.head_epochs,
-                 "a finite number > 0")
-        _require(isinstance(self.head_batch_size, int) and self.head_batch_size >= 1, "head_batch_size",
-                 self.head_batch_size, "an integer >= 1")
-        _require(_finite(self.head_weight_decay) and self.head_weight_decay >= 0, "head_weight_decay",
-                 self.head_weight_decay, "a finite number >= 0")
-        _require(_finite(self.reg_covar) and self.reg_covar > 0, "reg_covar", self.reg_covar, "a finite number > 0")
-        _require(isinstance(self.max_iter, int) and self.max_iter >= 1, "max_iter", self.max_iter, "an integer >= 1")
+                      "samples_per_class", self.samples_per_class, "None or an integer >= 1")
+        check.require(self.topology in TOPOLOGIES, "topology", self.topology, f"one of {', '.join(TOPOLOGIES)}")
+        check.require(self.head in HEADS, "head", self.head, f"one of {', '.join(HEADS)}")
+        check.require(is_finite(self.head_lr) and self.head_lr > 0, "head_lr", self.head_lr, "a finite number > 0")
+        check.require(is_finite(self.head_epochs) and self.head_epochs > 0, "head_epochs", self.head_epochs,
+                      "a finite number > 0")
+        check.require(isinstance(self.head_batch_size, int) and self.head_batch_size >= 1, "head_batch_size",
+                      self.head_batch_size, "an integer >= 1")
+        check.require(is_finite(self.head_weight_decay) and self.head_weight_decay >= 0, "head_weight_decay",
+                      self.head_weight_decay, "a finite number >= 0")
+        check.require(is_finite(self.reg_covar) and self.reg_covar > 0, "reg_covar", self.reg_covar, "a finite number > 0")
+        check.require(isinstance(self.max_iter, int) and self.max_iter >= 1, "max_iter", self.max_iter, "an integer >= 1")
         if self.dp_epsilon is None:
             return
-        _require(_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
-                 "None (FedPFT) or a finite number > 0 (DP-FedPFT)")
-        _require(_finite(self.dp_delta) and 0 < self.dp_delta < 1, "dp_delta", self.dp_delta, "a probability in (0, 1)")
-        _require(self.components == 1, "components", self.components,
-                 "1 with DP (EM-fitted mixtures, K > 1, are not differentially private)")
-        _require(self.normalize, "normalize", self.normalize,
-                 "true with DP (features must lie in the unit ball for the sensitivities to hold)")
-        _require(self.topology == "centralized", "topology", self.topology, "'centralized' with DP")
-        _require(self.dp_counts in COUNTS_MODES, "dp_counts", self.dp_counts, f"one of {', '.join(COUNTS_MODES)}")
-        _require(self.dp_relation in ("replace_one", "add_or_remove_one"), "dp_relation", self.dp_relation,
-                 "'replace_one' or 'add_or_remove_one'")
-        _require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
-        _require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool), "dp_noise_seed",
-                 self.dp_noise_seed, "an int")
-        _require(not (self.dp_counts == "public" and self.dp_relation == "add_or_remove_one"), "dp_counts",
-                 self.dp_counts, "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
+        check.require(is_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
+                      "None (FedPFT) or a finite number > 0 (DP-FedPFT)")
+        check.require(is_finite(self.dp_delta) and 0 < self.dp_delta < 1, "dp_delta", self.dp_delta, "a probability in (0, 1)")
+        check.require(self.components == 1, "components", self.components,
+                      "1 with DP (EM-fitted mixtures, K > 1, are not differentially private)")
+        check.require(self.normalize, "normalize", self.normalize,
+                      "true with DP (features must lie in the unit ball for the sensitivities to hold)")
+        check.require(self.topology == "centralized", "topology", self.topology, "'centralized' with DP")
+        check.require(self.dp_counts in COUNTS_MODES, "dp_counts", self.dp_counts, f"one of {', '.join(COUNTS_MODES)}")
+        check.require(self.dp_relation in ("replace_one", "add_or_remove_one"), "dp_relation", self.dp_relation,
+                      "'replace_one' or 'add_or_remove_one'")
+        check.require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
+        check.require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool), "dp_noise_seed",
+                      self.dp_noise_seed, "an int")
+        check.require(not (self.dp_counts == "public" and self.dp_relation == "add_or_remove_one"), "dp_counts",
+                      self.dp_counts, "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
 
     @property
     def private(self) -> bool:

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import seeded_init
-from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
+from privfl.methods.base import ClientContext, ClientState, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig
 from privfl.methods.local_training import difference, minibatches, sgd_settings, weights_of
 
@@ -54,9 +55,9 @@ class FedSRConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.l2r_coeff) and self.l2r_coeff >= 0, "l2r_coeff", self.l2r_coeff, "a finite number >= 0")
-        _require(_finite(self.cmi_coeff) and self.cmi_coeff >= 0, "cmi_coeff", self.cmi_coeff, "a finite number >= 0")
-        _require(self.l2r in L2R_FORMS, "l2r", self.l2r, f"one of {', '.join(L2R_FORMS)}")
+        check.require(is_finite(self.l2r_coeff) and self.l2r_coeff >= 0, "l2r_coeff", self.l2r_coeff, "a finite number >= 0")
+        check.require(is_finite(self.cmi_coeff) and self.cmi_coeff >= 0, "cmi_coeff", self.cmi_coeff, "a finite number >= 0")
+        check.require(self.l2r in L2R_FORMS, "l2r", self.l2r, f"one of {', '.join(L2R_FORMS)}")
 
 
 def classifier_layer(model: nn.Module) -> nn.Linear:

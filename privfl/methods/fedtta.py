@@ -71,6 +71,8 @@ from torch import nn
 from torch.func import functional_call
 
 
+from accounting.validation import is_finite, is_int_at_least
+from privfl.errors import check
 from privfl.data import NovelClient, TrainingClient
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
@@ -80,9 +82,6 @@ from privfl.methods.base import (
     ClientState,
     LocalTrainingConfig,
     Strategy,
-    _finite,
-    _int_at_least,
-    _require,
     register_method,
 )
 from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
@@ -144,41 +143,41 @@ class FedTTAConfig(LocalTrainingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("inner_lr", "adapt_lr"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
-                     "a finite number > 0")
-        _require(_finite(self.adapt_momentum) and 0 <= self.adapt_momentum < 1, "adapt_momentum",
-                 self.adapt_momentum, "in [0, 1)")
-        _require(_finite(self.mu) and self.mu >= 0, "mu", self.mu, "a finite number >= 0")
-        _require(self.kl_direction in KL_DIRECTIONS, "kl_direction", self.kl_direction,
-                 f"one of {', '.join(KL_DIRECTIONS)}")
-        _require(_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps, "an integer >= 0")
-        _require(self.patience is None or _int_at_least(self.patience, 1), "patience", self.patience,
-                 "None (no early stopping) or an integer >= 1")
-        _require(self.patience is None or self.tta_steps >= 1, "tta_steps", self.tta_steps,
-                 "an integer >= 1 when patience is set")
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                          "a finite number > 0")
+        check.require(is_finite(self.adapt_momentum) and 0 <= self.adapt_momentum < 1, "adapt_momentum",
+                      self.adapt_momentum, "in [0, 1)")
+        check.require(is_finite(self.mu) and self.mu >= 0, "mu", self.mu, "a finite number >= 0")
+        check.require(self.kl_direction in KL_DIRECTIONS, "kl_direction", self.kl_direction,
+                      f"one of {', '.join(KL_DIRECTIONS)}")
+        check.require(is_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps, "an integer >= 0")
+        check.require(self.patience is None or is_int_at_least(self.patience, 1), "patience", self.patience,
+                      "None (no early stopping) or an integer >= 1")
+        check.require(self.patience is None or self.tta_steps >= 1, "tta_steps", self.tta_steps,
+                      "an integer >= 1 when patience is set")
         for name in ("adapt_hidden", "adapt_layers"):
-            _require(_int_at_least(getattr(self, name), 1), name, getattr(self, name), "an integer >= 1")
-        _require(self.tta_chunk is None or _int_at_least(self.tta_chunk, 1), "tta_chunk", self.tta_chunk,
-                 "None (batch_size) or an integer >= 1")
-        _require(isinstance(self.weighted, bool), "weighted", self.weighted, "True or False")
-        _require(isinstance(self.unadapted_candidate, bool), "unadapted_candidate", self.unadapted_candidate,
-                 "True or False")
-        _require(self.dp_mode in MODES, "dp_mode", self.dp_mode, f"one of {', '.join(MODES)}")
+            check.require(is_int_at_least(getattr(self, name), 1), name, getattr(self, name), "an integer >= 1")
+        check.require(self.tta_chunk is None or is_int_at_least(self.tta_chunk, 1), "tta_chunk", self.tta_chunk,
+                      "None (batch_size) or an integer >= 1")
+        check.require(isinstance(self.weighted, bool), "weighted", self.weighted, "True or False")
+        check.require(isinstance(self.unadapted_candidate, bool), "unadapted_candidate", self.unadapted_candidate,
+                      "True or False")
+        check.require(self.dp_mode in MODES, "dp_mode", self.dp_mode, f"one of {', '.join(MODES)}")
         if self.dp_epsilon is not None:
-            _require(_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
-                     "None or a finite number > 0")
-            _require(_finite(self.dp_delta) and 0 < self.dp_delta < 1, "dp_delta", self.dp_delta, "in (0, 1)")
-            _require(_finite(self.dp_max_norm) and self.dp_max_norm > 0, "dp_max_norm", self.dp_max_norm,
-                     "a finite number > 0")
-            _require(_int_at_least(self.dp_participations, 1), "dp_participations", self.dp_participations,
-                     "an integer >= 1 with dp_epsilon (the most rounds one client takes part in)")
-            _require(not self.weighted, "weighted", self.weighted,
-                     "False with dp_epsilon (the sample count is data-dependent and not released)")
-            _require(_int_at_least(self.dp_shares, 1) and (self.dp_mode == "distributed" or self.dp_shares == 1),
-                     "dp_shares", self.dp_shares, "an integer >= 1, and 1 unless dp_mode='distributed'")
-            _require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
-            _require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool),
-                     "dp_noise_seed", self.dp_noise_seed, "an int")
+            check.require(is_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
+                          "None or a finite number > 0")
+            check.require(is_finite(self.dp_delta) and 0 < self.dp_delta < 1, "dp_delta", self.dp_delta, "in (0, 1)")
+            check.require(is_finite(self.dp_max_norm) and self.dp_max_norm > 0, "dp_max_norm", self.dp_max_norm,
+                          "a finite number > 0")
+            check.require(is_int_at_least(self.dp_participations, 1), "dp_participations", self.dp_participations,
+                          "an integer >= 1 with dp_epsilon (the most rounds one client takes part in)")
+            check.require(not self.weighted, "weighted", self.weighted,
+                          "False with dp_epsilon (the sample count is data-dependent and not released)")
+            check.require(is_int_at_least(self.dp_shares, 1) and (self.dp_mode == "distributed" or self.dp_shares == 1),
+                          "dp_shares", self.dp_shares, "an integer >= 1, and 1 unless dp_mode='distributed'")
+            check.require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
+            check.require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool),
+                          "dp_noise_seed", self.dp_noise_seed, "an int")
 
     @property
     def training_dp(self) -> str | None:

@@ -69,12 +69,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
-from privfl.methods.base import ModelFactory, Strategy, _finite, _int_at_least, _require, register_method
+from privfl.methods.base import ModelFactory, Strategy, register_method
 from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
 from privfl.methods.fedtta import (
     PHI,
@@ -127,38 +128,38 @@ class HeteroFedTTAConfig(FedTTAConfig):
     distill_batch: int = 100
 
     def __post_init__(self) -> None:
-        _require(self.dp_epsilon is None, "dp_epsilon", self.dp_epsilon,
-                 "None for heterofedtta (no DP mechanism for its public-set logits; the release is non-private)")
-        _require(self.mu == 0, "mu", self.mu, "0 for heterofedtta (FedTTA-Prox's teacher is a server model; "
-                 "HeteroFedTTA has none)")
+        check.require(self.dp_epsilon is None, "dp_epsilon", self.dp_epsilon,
+                      "None for heterofedtta (no DP mechanism for its public-set logits; the release is non-private)")
+        check.require(self.mu == 0, "mu", self.mu, "0 for heterofedtta (FedTTA-Prox's teacher is a server model; "
+                      "HeteroFedTTA has none)")
         default_hidden = next(f.default for f in dataclasses.fields(FedTTAConfig) if f.name == "adapt_hidden")
-        _require(self.adapt_hidden == default_hidden, "adapt_hidden", self.adapt_hidden,
-                 f"left at {default_hidden} for heterofedtta (set adapt_widths, one width per size)")
+        check.require(self.adapt_hidden == default_hidden, "adapt_hidden", self.adapt_hidden,
+                      f"left at {default_hidden} for heterofedtta (set adapt_widths, one width per size)")
         super().__post_init__()
         for name in ("widths", "adapt_widths"):  # lists arrive from config.json; keep the dataclass hashable
             value = getattr(self, name)
-            _require(isinstance(value, (list, tuple)) and len(value) >= 1
-                     and all(_int_at_least(w, 1) for w in value), name, value,
-                     "a non-empty sequence of integers >= 1")
+            check.require(isinstance(value, (list, tuple)) and len(value) >= 1
+                          and all(is_int_at_least(w, 1) for w in value), name, value,
+                          "a non-empty sequence of integers >= 1")
             object.__setattr__(self, name, tuple(value))
-        _require(len(self.adapt_widths) == len(self.widths), "adapt_widths", self.adapt_widths,
-                 f"as long as widths ({len(self.widths)} sizes)")
+        check.require(len(self.adapt_widths) == len(self.widths), "adapt_widths", self.adapt_widths,
+                      f"as long as widths ({len(self.widths)} sizes)")
         if self.conv is not None:   # lists of lists arrive from config.json
-            _require(isinstance(self.conv, (list, tuple)) and len(self.conv) == len(self.widths)
-                     and all(isinstance(c, (list, tuple)) and len(c) == 2 and all(_int_at_least(v, 1) for v in c)
+            check.require(isinstance(self.conv, (list, tuple)) and len(self.conv) == len(self.widths)
+                          and all(isinstance(c, (list, tuple)) and len(c) == 2 and all(is_int_at_least(v, 1) for v in c)
                              for c in self.conv), "conv", self.conv,
-                     f"None or one pair of conv channel counts (integers >= 1) per size ({len(self.widths)} sizes)")
+                          f"None or one pair of conv channel counts (integers >= 1) per size ({len(self.widths)} sizes)")
             object.__setattr__(self, "conv", tuple(tuple(c) for c in self.conv))
-        _require(self.novel_size is None or (_int_at_least(self.novel_size, 0) and self.novel_size < len(self.widths)),
-                 "novel_size", self.novel_size, f"None or an integer in [0, {len(self.widths) - 1}]")
-        _require(_int_at_least(self.public_size, 1), "public_size", self.public_size, "an integer >= 1")
-        _require(_finite(self.public_std) and self.public_std > 0, "public_std", self.public_std,
-                 "a finite number > 0")
-        _require(_finite(self.kd_lambda) and self.kd_lambda >= 0, "kd_lambda", self.kd_lambda,
-                 "a finite number >= 0")
+        check.require(self.novel_size is None or (is_int_at_least(self.novel_size, 0) and self.novel_size < len(self.widths)),
+                      "novel_size", self.novel_size, f"None or an integer in [0, {len(self.widths) - 1}]")
+        check.require(is_int_at_least(self.public_size, 1), "public_size", self.public_size, "an integer >= 1")
+        check.require(is_finite(self.public_std) and self.public_std > 0, "public_std", self.public_std,
+                      "a finite number > 0")
+        check.require(is_finite(self.kd_lambda) and self.kd_lambda >= 0, "kd_lambda", self.kd_lambda,
+                      "a finite number >= 0")
         for name in ("distill_epochs", "novel_distill_epochs"):
-            _require(_int_at_least(getattr(self, name), 0), name, getattr(self, name), "an integer >= 0")
-        _require(_int_at_least(self.distill_batch, 1), "distill_batch", self.distill_batch, "an integer >= 1")
+            check.require(is_int_at_least(getattr(self, name), 0), name, getattr(self, name), "an integer >= 0")
+        check.require(is_int_at_least(self.distill_batch, 1), "distill_batch", self.distill_batch, "an integer >= 1")
 
     def conv_of(self, size: int) -> tuple[int, int] | None:
         """The conv channels of size index ``size`` (``None``: the model's own)."""

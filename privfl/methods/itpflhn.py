@@ -57,11 +57,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.errors import ConfigError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
+from privfl.methods.base import ClientContext, ClientState, register_method
 from privfl.methods.fedavg import weighted_mean
 from privfl.methods.pfedhn import PFedHNClient, PFedHNConfig, PFedHNStrategy
 from privfl.models.encoders import build_encoder, encoder_options
@@ -102,21 +103,21 @@ class ITPFLHNConfig(PFedHNConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         valid = encoder_options(self.encoder)          # raises ConfigError naming the valid encoders
-        _require(isinstance(self.encoder_options, dict) and set(self.encoder_options) <= set(valid),
-                 "encoder_options", self.encoder_options, f"a dict of options of {self.encoder!r}: {', '.join(valid)}")
-        _require(_finite(self.encoder_lr) and self.encoder_lr > 0, "encoder_lr", self.encoder_lr,
-                 "a finite number > 0")
-        _require(_finite(self.encoder_momentum) and 0 <= self.encoder_momentum < 1, "encoder_momentum",
-                 self.encoder_momentum, "in [0, 1)")
-        _require(self.encoder_weight_decay is None or (_finite(self.encoder_weight_decay)
+        check.require(isinstance(self.encoder_options, dict) and set(self.encoder_options) <= set(valid),
+                      "encoder_options", self.encoder_options, f"a dict of options of {self.encoder!r}: {', '.join(valid)}")
+        check.require(is_finite(self.encoder_lr) and self.encoder_lr > 0, "encoder_lr", self.encoder_lr,
+                      "a finite number > 0")
+        check.require(is_finite(self.encoder_momentum) and 0 <= self.encoder_momentum < 1, "encoder_momentum",
+                      self.encoder_momentum, "in [0, 1)")
+        check.require(self.encoder_weight_decay is None or (is_finite(self.encoder_weight_decay)
                                                        and self.encoder_weight_decay >= 0),
-                 "encoder_weight_decay", self.encoder_weight_decay, "None (hn_weight_decay) or a finite number >= 0")
-        _require(isinstance(self.encoder_steps, int) and not isinstance(self.encoder_steps, bool)
-                 and self.encoder_steps >= 1, "encoder_steps", self.encoder_steps, "an integer >= 1")
-        _require(isinstance(self.phase1_rounds, int) and not isinstance(self.phase1_rounds, bool)
-                 and self.phase1_rounds >= 0, "phase1_rounds", self.phase1_rounds, "an integer >= 0")
-        _require(self.finetune_lr is None or (_finite(self.finetune_lr) and self.finetune_lr > 0), "finetune_lr",
-                 self.finetune_lr, "None (hn_lr) or a finite number > 0")
+                      "encoder_weight_decay", self.encoder_weight_decay, "None (hn_weight_decay) or a finite number >= 0")
+        check.require(isinstance(self.encoder_steps, int) and not isinstance(self.encoder_steps, bool)
+                      and self.encoder_steps >= 1, "encoder_steps", self.encoder_steps, "an integer >= 1")
+        check.require(isinstance(self.phase1_rounds, int) and not isinstance(self.phase1_rounds, bool)
+                      and self.phase1_rounds >= 0, "phase1_rounds", self.phase1_rounds, "an integer >= 0")
+        check.require(self.finetune_lr is None or (is_finite(self.finetune_lr) and self.finetune_lr > 0), "finetune_lr",
+                      self.finetune_lr, "None (hn_lr) or a finite number > 0")
 
     def encoder_config(self) -> dict:
         """The clients' encoder-regression settings, as sent in phase 1 stage 1."""

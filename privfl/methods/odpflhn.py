@@ -63,8 +63,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError, InternalError, TrainingDivergedError
+from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
 from privfl.methods.base import (
@@ -72,8 +73,6 @@ from privfl.methods.base import (
     ClientProcedure,
     ClientState,
     Strategy,
-    _finite,
-    _require,
     register_method,
 )
 from privfl.methods.local_training import minibatches, weights_of
@@ -155,39 +154,39 @@ class ODPFLHNConfig:
 
     def __post_init__(self) -> None:
         for name in ("lr", "hn_lr", "encoder_lr", "encoder_temperature"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
-                     "a finite number > 0")
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                          "a finite number > 0")
         for name in ("local_weight_decay", "hn_weight_decay", "train_mean_noise"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
-                     "a finite number >= 0")
-        _require(self.encoder_weight_decay is None or (_finite(self.encoder_weight_decay)
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
+                          "a finite number >= 0")
+        check.require(self.encoder_weight_decay is None or (is_finite(self.encoder_weight_decay)
                                                        and self.encoder_weight_decay >= 0),
-                 "encoder_weight_decay", self.encoder_weight_decay, "None or a finite number >= 0")
+                      "encoder_weight_decay", self.encoder_weight_decay, "None or a finite number >= 0")
         for name in ("local_momentum", "server_momentum"):
-            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
-                     "in [0, 1)")
+            check.require(is_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
+                          "in [0, 1)")
         for name in ("local_steps", "batch_size", "encoder_hidden", "hn_hidden", "descriptor_batch_size"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
-                     "an integer >= 1")
+            check.require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
+                          "an integer >= 1")
         for name in ("local_epochs", "embed_dim", "encoder_phi_hidden"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-                     name, value, "None or an integer >= 1")
-        _require(isinstance(self.hn_layers, int) and self.hn_layers >= 0, "hn_layers", self.hn_layers,
-                 "an integer >= 0")
-        _require(self.grad_clip is None or (_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
-                 self.grad_clip, "None or a finite number > 0")
-        _require(self.encoder in ENCODERS, "encoder", self.encoder, f"one of {', '.join(sorted(ENCODERS))}")
-        _require(self.descriptor in DESCRIPTOR_MODES, "descriptor", self.descriptor,
-                 f"one of {', '.join(DESCRIPTOR_MODES)}")
-        _require(self.encoder_clip is None or (_finite(self.encoder_clip) and self.encoder_clip > 0),
-                 "encoder_clip", self.encoder_clip, "None or a finite L2 radius > 0")
-        _require(self.encoder_phi_head in PHI_HEADS, "encoder_phi_head", self.encoder_phi_head,
-                 f"one of {', '.join(PHI_HEADS)}")
-        _require(self.encoder_psi in PSI_KINDS, "encoder_psi", self.encoder_psi, f"one of {', '.join(PSI_KINDS)}")
-        _require(isinstance(self.standardize_descriptors, bool), "standardize_descriptors",
-                 self.standardize_descriptors, "True or False")
+            check.require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                          name, value, "None or an integer >= 1")
+        check.require(isinstance(self.hn_layers, int) and self.hn_layers >= 0, "hn_layers", self.hn_layers,
+                      "an integer >= 0")
+        check.require(self.grad_clip is None or (is_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
+                      self.grad_clip, "None or a finite number > 0")
+        check.require(self.encoder in ENCODERS, "encoder", self.encoder, f"one of {', '.join(sorted(ENCODERS))}")
+        check.require(self.descriptor in DESCRIPTOR_MODES, "descriptor", self.descriptor,
+                      f"one of {', '.join(DESCRIPTOR_MODES)}")
+        check.require(self.encoder_clip is None or (is_finite(self.encoder_clip) and self.encoder_clip > 0),
+                      "encoder_clip", self.encoder_clip, "None or a finite L2 radius > 0")
+        check.require(self.encoder_phi_head in PHI_HEADS, "encoder_phi_head", self.encoder_phi_head,
+                      f"one of {', '.join(PHI_HEADS)}")
+        check.require(self.encoder_psi in PSI_KINDS, "encoder_psi", self.encoder_psi, f"one of {', '.join(PSI_KINDS)}")
+        check.require(isinstance(self.standardize_descriptors, bool), "standardize_descriptors",
+                      self.standardize_descriptors, "True or False")
         if self.encoder_psi == "identity" and self.embed_dim is not None and self.embed_dim != self.encoder_hidden:
             raise ConfigError(f"encoder_psi='identity' releases phi's pooled mean, so the descriptor has "
                               f"encoder_hidden={self.encoder_hidden} coordinates; embed_dim={self.embed_dim} differs "
@@ -203,13 +202,13 @@ class ODPFLHNConfig:
             if value is not None and self.encoder != "dp_deepset":
                 raise ConfigError(f"{name}={value!r} applies only to encoder='dp_deepset', got "
                                   f"encoder={self.encoder!r} (set {name} to None / 0)")
-        _require(self.novel_epsilon is None or (_finite(self.novel_epsilon) and self.novel_epsilon > 0),
-                 "novel_epsilon", self.novel_epsilon, "None (no privacy) or a finite epsilon > 0")
-        _require(_finite(self.novel_delta) and 0 < self.novel_delta < 1, "novel_delta", self.novel_delta,
-                 "a probability in (0, 1)")
-        _require(_finite(self.novel_bound) and self.novel_bound > 0, "novel_bound", self.novel_bound,
-                 "a finite L2 radius > 0")
-        _require(self.novel_noise in ("seeded", "secure"), "novel_noise", self.novel_noise, "'seeded' or 'secure'")
+        check.require(self.novel_epsilon is None or (is_finite(self.novel_epsilon) and self.novel_epsilon > 0),
+                      "novel_epsilon", self.novel_epsilon, "None (no privacy) or a finite epsilon > 0")
+        check.require(is_finite(self.novel_delta) and 0 < self.novel_delta < 1, "novel_delta", self.novel_delta,
+                      "a probability in (0, 1)")
+        check.require(is_finite(self.novel_bound) and self.novel_bound > 0, "novel_bound", self.novel_bound,
+                      "a finite L2 radius > 0")
+        check.require(self.novel_noise in ("seeded", "secure"), "novel_noise", self.novel_noise, "'seeded' or 'secure'")
         if self.novel_epsilon is not None and self.encoder not in PRIVATIZABLE:
             raise ConfigError(f"novel_epsilon={self.novel_epsilon!r} needs a privatizable encoder "
                               f"({', '.join(PRIVATIZABLE)}), got encoder={self.encoder!r}: its sensitivity does not "

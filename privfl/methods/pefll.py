@@ -63,8 +63,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import FederatedDataset, TrainingClient
-from privfl.errors import ConfigError, InternalError, TrainingDivergedError
+from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
@@ -72,8 +73,6 @@ from privfl.methods.base import (
     ClientProcedure,
     ClientState,
     Strategy,
-    _finite,
-    _require,
     register_method,
 )
 from privfl.methods.local_training import minibatches
@@ -140,38 +139,38 @@ class PeFLLConfig:
     def __post_init__(self) -> None:
         positive = ("lr", "server_lr")
         for name in positive:
-            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
-                     "a finite number > 0")
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                          "a finite number > 0")
         for name in ("grad_clip", "lambda_theta", "lambda_h", "lambda_v", "server_grad_clip"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
-                     "a finite number >= 0")
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
+                          "a finite number >= 0")
         for name in ("momentum", "server_momentum"):
-            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
-                     "in [0, 1)")
+            check.require(is_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
+                          "in [0, 1)")
         for name in ("local_steps", "batch_size", "hidden_dim", "descriptor_batch"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
-                     "an integer >= 1")
-        _require(isinstance(self.n_hidden, int) and not isinstance(self.n_hidden, bool) and self.n_hidden >= 0,
-                 "n_hidden", self.n_hidden, "an integer >= 0")
+            check.require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
+                          "an integer >= 1")
+        check.require(isinstance(self.n_hidden, int) and not isinstance(self.n_hidden, bool) and self.n_hidden >= 0,
+                      "n_hidden", self.n_hidden, "an integer >= 0")
         for name in ("embed_dim", "eval_descriptor_samples"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-                     name, value, "None or an integer >= 1")
-        _require(self.server_optimizer in SERVER_OPTIMIZERS, "server_optimizer", self.server_optimizer,
-                 f"one of {', '.join(SERVER_OPTIMIZERS)}")
-        _require(self.embed_kind in EMBEDDING_KINDS, "embed_kind", self.embed_kind,
-                 f"one of {', '.join(EMBEDDING_KINDS)}")
-        _require(self.embed_bound is None or (_finite(self.embed_bound) and self.embed_bound > 0), "embed_bound",
-                 self.embed_bound, "None or a finite number > 0 (per-example L2 clipping radius)")
-        _require(self.descriptor_epsilon is None or (_finite(self.descriptor_epsilon) and self.descriptor_epsilon > 0),
-                 "descriptor_epsilon", self.descriptor_epsilon, "None or a finite number > 0 (natural log)")
-        _require(_finite(self.descriptor_delta) and 0 < self.descriptor_delta < 1, "descriptor_delta",
-                 self.descriptor_delta, "a probability in (0, 1)")
-        _require(self.descriptor_noise in ("seeded", "secure"), "descriptor_noise", self.descriptor_noise,
-                 "'seeded' or 'secure'")
-        _require(isinstance(self.descriptor_noise_seed, int) and not isinstance(self.descriptor_noise_seed, bool),
-                 "descriptor_noise_seed", self.descriptor_noise_seed, "an int")
+            check.require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                          name, value, "None or an integer >= 1")
+        check.require(self.server_optimizer in SERVER_OPTIMIZERS, "server_optimizer", self.server_optimizer,
+                      f"one of {', '.join(SERVER_OPTIMIZERS)}")
+        check.require(self.embed_kind in EMBEDDING_KINDS, "embed_kind", self.embed_kind,
+                      f"one of {', '.join(EMBEDDING_KINDS)}")
+        check.require(self.embed_bound is None or (is_finite(self.embed_bound) and self.embed_bound > 0), "embed_bound",
+                      self.embed_bound, "None or a finite number > 0 (per-example L2 clipping radius)")
+        check.require(self.descriptor_epsilon is None or (is_finite(self.descriptor_epsilon) and self.descriptor_epsilon > 0),
+                      "descriptor_epsilon", self.descriptor_epsilon, "None or a finite number > 0 (natural log)")
+        check.require(is_finite(self.descriptor_delta) and 0 < self.descriptor_delta < 1, "descriptor_delta",
+                      self.descriptor_delta, "a probability in (0, 1)")
+        check.require(self.descriptor_noise in ("seeded", "secure"), "descriptor_noise", self.descriptor_noise,
+                      "'seeded' or 'secure'")
+        check.require(isinstance(self.descriptor_noise_seed, int) and not isinstance(self.descriptor_noise_seed, bool),
+                      "descriptor_noise_seed", self.descriptor_noise_seed, "an int")
         if self.descriptor_epsilon is not None and self.embed_bound is None:
             raise ConfigError(f"descriptor_epsilon={self.descriptor_epsilon!r} needs embed_bound (the per-example "
                               "clipping radius B that sets the sensitivity 2B/n); got embed_bound=None")
@@ -238,8 +237,8 @@ def unseen_clients_with_labels(federation: FederatedDataset, *, score_fraction: 
     Score other methods on the same ``x_val``/``y_val`` for a like-for-like comparison. Novel clients with fewer
     than ``min_samples`` samples (at least 2: one to describe itself, one to score) are left out, with a warning.
     """
-    _require(_finite(score_fraction) and 0 < score_fraction < 1, "score_fraction", score_fraction, "in (0, 1)")
-    _require(isinstance(min_samples, int) and min_samples >= 2, "min_samples", min_samples, "an integer >= 2")
+    check.require(is_finite(score_fraction) and 0 < score_fraction < 1, "score_fraction", score_fraction, "in (0, 1)")
+    check.require(isinstance(min_samples, int) and min_samples >= 2, "min_samples", min_samples, "an integer >= 2")
     clients, skipped = [], []
     for novel in federation.novel_clients:
         x, y = novel.x, federation.novel_labels.labels(novel.client_id)

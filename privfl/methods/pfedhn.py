@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import TrainingClient
-from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.errors import ConfigError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
@@ -49,8 +50,6 @@ from privfl.methods.base import (
     ClientState,
     LocalTrainingConfig,
     Strategy,
-    _finite,
-    _require,
     register_method,
 )
 from privfl.methods.local_training import local_sgd, sgd_settings
@@ -97,30 +96,30 @@ class PFedHNConfig(LocalTrainingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.momentum) and 0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
-        _require(_finite(self.hn_momentum) and 0 <= self.hn_momentum < 1, "hn_momentum", self.hn_momentum,
-                 "in [0, 1)")
+        check.require(is_finite(self.momentum) and 0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
+        check.require(is_finite(self.hn_momentum) and 0 <= self.hn_momentum < 1, "hn_momentum", self.hn_momentum,
+                      "in [0, 1)")
         for name in ("hn_lr", "embed_lr"):
             value = getattr(self, name)
             if name == "hn_lr" or value is not None:
-                _require(_finite(value) and value > 0, name, value, "a finite number > 0" +
-                         (" or None (the hypernetwork's)" if name != "hn_lr" else ""))
+                check.require(is_finite(value) and value > 0, name, value, "a finite number > 0" +
+                              (" or None (the hypernetwork's)" if name != "hn_lr" else ""))
         for name in ("hn_weight_decay", "embed_weight_decay"):
             value = getattr(self, name)
             if name == "hn_weight_decay" or value is not None:
-                _require(_finite(value) and value >= 0, name, value, "a finite number >= 0" +
-                         (" or None (the hypernetwork's)" if name != "hn_weight_decay" else ""))
-        _require(self.server_grad_clip is None or (_finite(self.server_grad_clip) and self.server_grad_clip > 0),
-                 "server_grad_clip", self.server_grad_clip, "None or a finite number > 0")
-        _require(self.embed_dim is None or (_int(self.embed_dim) and self.embed_dim >= 1), "embed_dim",
-                 self.embed_dim, "None (by embed_dim_rule) or an integer >= 1")
-        _require(self.embed_dim_rule in EMBED_DIM_RULES, "embed_dim_rule", self.embed_dim_rule,
-                 f"one of {', '.join(EMBED_DIM_RULES)}")
-        _require(_int(self.hidden_dim) and self.hidden_dim >= 1, "hidden_dim", self.hidden_dim, "an integer >= 1")
-        _require(_int(self.n_hidden) and self.n_hidden >= 0, "n_hidden", self.n_hidden, "an integer >= 0")
-        _require(isinstance(self.spectral_norm, bool), "spectral_norm", self.spectral_norm, "True or False")
-        _require(self.hn_chunked in (None, True, False), "hn_chunked", self.hn_chunked,
-                 "None (by target size), True or False")
+                check.require(is_finite(value) and value >= 0, name, value, "a finite number >= 0" +
+                              (" or None (the hypernetwork's)" if name != "hn_weight_decay" else ""))
+        check.require(self.server_grad_clip is None or (is_finite(self.server_grad_clip) and self.server_grad_clip > 0),
+                      "server_grad_clip", self.server_grad_clip, "None or a finite number > 0")
+        check.require(self.embed_dim is None or (_int(self.embed_dim) and self.embed_dim >= 1), "embed_dim",
+                      self.embed_dim, "None (by embed_dim_rule) or an integer >= 1")
+        check.require(self.embed_dim_rule in EMBED_DIM_RULES, "embed_dim_rule", self.embed_dim_rule,
+                      f"one of {', '.join(EMBED_DIM_RULES)}")
+        check.require(_int(self.hidden_dim) and self.hidden_dim >= 1, "hidden_dim", self.hidden_dim, "an integer >= 1")
+        check.require(_int(self.n_hidden) and self.n_hidden >= 0, "n_hidden", self.n_hidden, "an integer >= 0")
+        check.require(isinstance(self.spectral_norm, bool), "spectral_norm", self.spectral_norm, "True or False")
+        check.require(self.hn_chunked in (None, True, False), "hn_chunked", self.hn_chunked,
+                      "None (by target size), True or False")
 
     @property
     def embedding_lr(self) -> float:

@@ -43,11 +43,11 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.evaluation.metrics import ExpectedModel
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed
-from privfl.methods.base import ClientContext, ClientState, _require, register_method
+from privfl.methods.base import ClientContext, ClientState, register_method
 from privfl.methods.pfedhn import PFedHNClient, PFedHNConfig, PFedHNStrategy
 
 
@@ -163,9 +163,9 @@ class PFLNearestConfig(PFedHNConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(isinstance(self.nearest_max_inputs, int) and not isinstance(self.nearest_max_inputs, bool)
-                 and self.nearest_max_inputs >= 4, "nearest_max_inputs", self.nearest_max_inputs,
-                 "an integer >= 4")
+        check.require(isinstance(self.nearest_max_inputs, int) and not isinstance(self.nearest_max_inputs, bool)
+                      and self.nearest_max_inputs >= 4, "nearest_max_inputs", self.nearest_max_inputs,
+                      "an integer >= 4")
 
 
 class PFLNearestStrategy(PFedHNStrategy):

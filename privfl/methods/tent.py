@@ -36,11 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message
-from privfl.methods.base import ClientState, _finite, _int_at_least, _require, register_method
-from privfl.methods.fedavg import FedAvgClient, FedAvgConfig, FedAvgStrategy
+from privfl.methods.base import ClientState, register_method
+from privfl.methods.fedavg import FEDAVG_PRIVACY, FedAvgClient, FedAvgConfig, FedAvgStrategy
 
 ADAPT_CHOICES = ("norm", "all")
 ENTROPY_UNITS = {"bits": 2.0, "nats": math.e}
@@ -71,19 +72,19 @@ class TentConfig(FedAvgConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.adapt in ADAPT_CHOICES, "adapt", self.adapt, f"one of {', '.join(ADAPT_CHOICES)}")
-        _require(_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps,
-                 "an integer >= 0")
-        _require(self.tta_lr is None or (_finite(self.tta_lr) and self.tta_lr > 0), "tta_lr", self.tta_lr,
-                 "None (reuse lr) or a finite number > 0")
-        _require(self.tta_batch_size is None or _int_at_least(self.tta_batch_size, 1),
-                 "tta_batch_size", self.tta_batch_size, "None (all data in one batch) or an integer >= 1")
-        _require(_finite(self.tta_weight_decay) and self.tta_weight_decay >= 0, "tta_weight_decay",
-                 self.tta_weight_decay, "a finite number >= 0")
-        _require(self.tta_grad_clip is None or (_finite(self.tta_grad_clip) and self.tta_grad_clip > 0),
-                 "tta_grad_clip", self.tta_grad_clip, "None or a finite number > 0")
-        _require(self.entropy_unit in ENTROPY_UNITS, "entropy_unit", self.entropy_unit,
-                 f"one of {', '.join(ENTROPY_UNITS)}")
+        check.require(self.adapt in ADAPT_CHOICES, "adapt", self.adapt, f"one of {', '.join(ADAPT_CHOICES)}")
+        check.require(is_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps,
+                      "an integer >= 0")
+        check.require(self.tta_lr is None or (is_finite(self.tta_lr) and self.tta_lr > 0), "tta_lr", self.tta_lr,
+                      "None (reuse lr) or a finite number > 0")
+        check.require(self.tta_batch_size is None or is_int_at_least(self.tta_batch_size, 1),
+                      "tta_batch_size", self.tta_batch_size, "None (all data in one batch) or an integer >= 1")
+        check.require(is_finite(self.tta_weight_decay) and self.tta_weight_decay >= 0, "tta_weight_decay",
+                      self.tta_weight_decay, "a finite number >= 0")
+        check.require(self.tta_grad_clip is None or (is_finite(self.tta_grad_clip) and self.tta_grad_clip > 0),
+                      "tta_grad_clip", self.tta_grad_clip, "None or a finite number > 0")
+        check.require(self.entropy_unit in ENTROPY_UNITS, "entropy_unit", self.entropy_unit,
+                      f"one of {', '.join(ENTROPY_UNITS)}")
 
 
 def prediction_entropy(logits: torch.Tensor, *, base: float = 2.0) -> torch.Tensor:
@@ -202,4 +203,5 @@ register_method(
     "tent", strategy=TentStrategy, client=TentClient, config=TentConfig,
     description="TENT: FedAvg training; a new client minimises its prediction entropy on its unlabelled data "
                 "(normalisation affine parameters, or all parameters with adapt='all'); it sends nothing",
+    privacy=FEDAVG_PRIVACY, smoke_settings={"adapt": "all"},
 )

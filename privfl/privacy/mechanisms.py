@@ -134,6 +134,9 @@ class GaussianMechanism:
     Args (keyword-only):
         epsilon: target epsilon (natural log), finite and > 0.
         delta: target delta, in (0, 1).
+        noise_multiplier: instead of ``epsilon`` and ``delta``: sigma = noise_multiplier * sensitivity, for a release
+            that is one of a schedule calibrated as a whole (a training client's every release over a run, whose
+            epsilon its ledger composes); ``epsilon`` and ``delta`` are then ``None``.
         sensitivity: L2 sensitivity of the released value, > 0.
         relation: the neighbouring relation ``sensitivity`` holds under (recorded in :attr:`event`).
         noise: ``"secure"``, ``"hardened"`` or ``"seeded"``; by default seeded exactly when ``generator`` is given.
@@ -144,10 +147,10 @@ class GaussianMechanism:
     3.731
     """
 
-    def __init__(self, *, epsilon: float, delta: float, sensitivity: float,
+    def __init__(self, *, epsilon: float | None = None, delta: float | None = None, sensitivity: float,
                  relation: NeighboringRelation | str = NeighboringRelation.REPLACE_ONE,
-                 noise: NoiseSource | None = None, generator: torch.Generator | None = None) -> None:
-        self.epsilon, self.delta = check_epsilon_delta(epsilon, delta)
+                 noise: NoiseSource | None = None, generator: torch.Generator | None = None,
+                 noise_multiplier: float | None = None) -> None:
         if isinstance(sensitivity, bool) or not isinstance(sensitivity, numbers.Real) \
                 or not math.isfinite(sensitivity) or sensitivity <= 0:
             raise ConfigError(f"sensitivity must be a finite number > 0 (L2), got {sensitivity!r}")
@@ -155,7 +158,18 @@ class GaussianMechanism:
         self.relation = check_relation(relation)
         self.noise = check_noise(noise, generator)
         self.generator = generator
-        self.sigma = analytic_gaussian_sigma(self.epsilon, self.delta, self.sensitivity)
+        if noise_multiplier is None:
+            self.epsilon, self.delta = check_epsilon_delta(epsilon, delta)
+            self.sigma = analytic_gaussian_sigma(self.epsilon, self.delta, self.sensitivity)
+        else:
+            if epsilon is not None or delta is not None:
+                raise ConfigError(f"give either epsilon and delta or noise_multiplier, got epsilon={epsilon!r}, "
+                                  f"delta={delta!r}, noise_multiplier={noise_multiplier!r}")
+            if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real) \
+                    or not math.isfinite(noise_multiplier) or noise_multiplier <= 0:
+                raise ConfigError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
+            self.epsilon = self.delta = None
+            self.sigma = float(noise_multiplier) * self.sensitivity
 
     @property
     def event(self) -> GaussianEvent:

@@ -113,12 +113,14 @@ class PrivateEncoder(nn.Module):
         last_certificate: the sensitivity certificate of the latest release.
     """
 
-    def __init__(self, encoder: nn.Module, *, epsilon: float, delta: float, bound: float,
+    def __init__(self, encoder: nn.Module, *, epsilon: float | None, delta: float | None, bound: float,
                  relation: NeighboringRelation, ledger: PrivacyLedger | None, noise: NoiseSource,
-                 generator: torch.Generator | None, min_samples: int | None) -> None:
+                 generator: torch.Generator | None, min_samples: int | None,
+                 noise_multiplier: float | None = None) -> None:
         super().__init__()
         self.encoder = encoder
         self.epsilon, self.delta = epsilon, delta
+        self.noise_multiplier = noise_multiplier
         self.bound = bound
         self.relation = relation
         self.ledger = ledger
@@ -149,8 +151,12 @@ class PrivateEncoder(nn.Module):
 
     def mechanism(self, n: int) -> GaussianMechanism:
         """The Gaussian mechanism of a release on ``n`` samples."""
-        return GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=self.certificate(n).value,
-                                 relation=self.relation, noise=self.noise, generator=self.generator)
+        return self._mechanism(self.certificate(n).value)
+
+    def _mechanism(self, sensitivity: float) -> GaussianMechanism:
+        return GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=sensitivity,
+                                 relation=self.relation, noise=self.noise, generator=self.generator,
+                                 noise_multiplier=self.noise_multiplier)
 
     def _check_samples(self, x: object) -> int:
         if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] < 1:
@@ -225,8 +231,7 @@ class PrivateEncoder(nn.Module):
     def _record_noise_psi(self, certificate: SensitivityCertificate, mean: torch.Tensor,
                           metadata: dict[str, Any]) -> tuple[torch.Tensor, GaussianEvent]:
         """Steps 4-6 of a release: record (before any noise exists), add noise, psi."""
-        mechanism = GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=certificate.value,
-                                      relation=self.relation, noise=self.noise, generator=self.generator)
+        mechanism = self._mechanism(certificate.value)
         event = mechanism.event
         if self.ledger is not None:
             self.ledger.record(event, purpose=PURPOSE, metadata=metadata)
@@ -279,10 +284,10 @@ class PrivateEncoder(nn.Module):
                 f"noise={self.noise!r}")
 
 
-def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.0,
+def privatize(encoder: nn.Module, eps: float | None, delta: float | None, *, bound: float = 1.0,
               relation: NeighboringRelation | str = "replace_one", ledger: PrivacyLedger | None = None,
               noise: NoiseSource | None = None, generator: torch.Generator | None = None,
-              min_samples: int | None = None) -> PrivateEncoder:
+              min_samples: int | None = None, noise_multiplier: float | None = None) -> PrivateEncoder:
     """Wrap a mean-pooled DeepSet ``encoder`` so that each forward call is one (eps, delta)-DP descriptor release.
 
     Args:
@@ -301,6 +306,9 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
         generator: the torch.Generator for seeded noise, whose seed only the client may know (required for
             ``"seeded"``: torch's global generator is keyed from the run seed, which the server knows).
         min_samples: public lower bound on n, required for (and only for) add/remove-one.
+        noise_multiplier: instead of ``eps`` and ``delta`` (both ``None`` then): each release has noise
+            ``noise_multiplier`` times its certified sensitivity, for a release that is one of a schedule calibrated
+            as a whole (a record-level training client's descriptors over a run; its ledger composes them).
 
     Returns:
         a :class:`PrivateEncoder` sharing ``encoder``'s parameters (and putting it in eval mode).
@@ -311,7 +319,11 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
     torch.Size([2])
     """
     _refuse_if_not_mean_deepset(encoder)
-    epsilon, delta = check_epsilon_delta(eps, delta)
+    if noise_multiplier is None:
+        epsilon, delta = check_epsilon_delta(eps, delta)
+    else:
+        GaussianMechanism(sensitivity=1.0, noise_multiplier=noise_multiplier, epsilon=eps, delta=delta)  # validates
+        epsilon, delta = None, None
     bound = check_bound(bound)
     relation = check_relation(relation)
     noise = check_noise(noise, generator)
@@ -326,7 +338,8 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
         raise ConfigError(f"min_samples is used only with relation='add_or_remove_one' (under replace_one n is public "
                           f"and sets the noise), got min_samples={min_samples!r}")
     return PrivateEncoder(encoder, epsilon=epsilon, delta=delta, bound=float(bound), relation=relation, ledger=ledger,
-                          noise=noise, generator=generator, min_samples=min_samples)
+                          noise=noise, generator=generator, min_samples=min_samples,
+                          noise_multiplier=noise_multiplier)
 
 
 __all__ = ["PURPOSE", "PrivateEncoder", "privatize"]

@@ -39,6 +39,7 @@ from privfl.engine import run as run_on_engine  # noqa: E402
 from privfl.federation.flower.transport import FlowerClientError  # noqa: E402
 from privfl.federation.flower.simulation import num_clients  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
+from privfl.privacy.training import TrainingPrivacy  # noqa: E402
 
 # -- records ---------------------------------------------------------------------------------------------------------
 
@@ -441,8 +442,8 @@ def _reply(reply, client_id):
 def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_path, make_spec, task_identity):
     # FedAvg with DP-SGD: every round's update is a DP release, so epsilon is finite and grows round by round.
     config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
-                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5},
-                       select="last")
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16}, select="last",
+                       privacy=TrainingPrivacy(mode="record", noise_multiplier=1.5))
     reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
     client_id = sorted(reference.clients)[0]          # partition 0 holds the first training client
     node_dir = tmp_path / "node-0"
@@ -475,8 +476,8 @@ def test_a_client_keeps_its_ledger_when_a_later_run_groups_the_nodes_differently
     # Without an explicit node directory each client has its own NODES_ROOT/partition-<i>, whatever clients-per-node
     # the simulation uses: a run with 3 clients per virtual node, then one with a node per client, add to one ledger.
     config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
-                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5},
-                       select="last")
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16}, select="last",
+                       privacy=TrainingPrivacy(mode="record", noise_multiplier=1.5))
     reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
     client_id, count = sorted(reference.clients)[1], len(reference.clients)      # partition 1
     root = tmp_path / "nodes"

@@ -366,13 +366,9 @@ def test_method_settings_are_validated():
         make("fedadg", adv_weight=1.0)
     # a bool is no count and a string no rate: each is named, never a bare TypeError
     for method, values, name in [("fedavg", {"server_lr": "2"}, "server_lr"),
-                                 ("fedavg", {"dp_noise_multiplier": True}, "dp_noise_multiplier"),
                                  ("fedavg", {"local_steps": True}, "local_steps"),
                                  ("tent", {"adapt": "all", "tta_steps": True}, "tta_steps"),
-                                 ("fedadg", {"noise_dim": True}, "noise_dim"),
-                                 # DP settings without dp_noise_multiplier would silently train without DP
-                                 ("fedavg", {"dp_noise": "seeded"}, "dp_noise"),
-                                 ("fedavg", {"dp_max_grad_norm": 2.0}, "dp_max_grad_norm")]:
+                                 ("fedadg", {"noise_dim": True}, "noise_dim")]:
         with pytest.raises(ConfigError, match=f"{name} must be"):
             make(method, **values)
 

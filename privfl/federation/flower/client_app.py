@@ -130,7 +130,8 @@ class Node:
             client = NodeClient(partition, part, directory)
             self.clients[client.client_id] = client
         if text not in _PROCEDURES:
-            _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"])
+            _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"],
+                                           part["num_training"])
         self.procedure = _PROCEDURES[text]
 
         threads = int(run_config.get(p.THREADS) or 0)
@@ -187,7 +188,8 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
             raise PublicConfigError(f"node config {p.NUM_PARTITIONS}={count!r} is invalid: this federation has "
                                     f"{len(training)} training and {len(novel)} novel clients, so it must be "
                                     f"{valid[0]} (training clients only) or {valid[1]} (training and novel)")
-        saved = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes}
+        saved = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes,
+                 "num_training": len(training)}
         if partition < len(training):
             c = training[partition]
             saved.update(role="training", client_id=c.client_id, x_train=c.x_train, y_train=c.y_train,
@@ -206,14 +208,15 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
     else:
         data, labels = NovelClient(int(saved["client_id"]), saved["x"]), saved["labels"]   # labels: scoring only
     part = {"role": saved["role"], "data": data, "labels": labels, "input_shape": tuple(saved["input_shape"]),
-            "num_classes": int(saved["num_classes"])}
+            "num_classes": int(saved["num_classes"]), "num_training": int(saved["num_training"])}
     _PARTS[digest] = part
     return part
 
 
-def _procedure(config: RunConfig, input_shape: tuple[int, ...], num_classes: int):
-    """The method's client procedure, as the in-process runtime builds it (:func:`privfl.config.build_client`)."""
-    procedure = build_client(config, input_shape, num_classes)
+def _procedure(config: RunConfig, input_shape: tuple[int, ...], num_classes: int, num_training: int):
+    """The method's client procedure under the run's privacy layer, as the in-process runtime builds it
+    (:func:`privfl.config.build_client`)."""
+    procedure = build_client(config, input_shape, num_classes, num_training)
     with torch.random.fork_rng(devices=[]):
         procedure.workspace_model()   # built outside any client's seeded stream
     return procedure

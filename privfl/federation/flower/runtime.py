@@ -30,7 +30,7 @@ from privfl.federation.flower import protocol as p
 from privfl.federation.flower.nodes import connect
 from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
-from privfl.federation.runtime import Runtime, Score
+from privfl.federation.runtime import RoundRelease, Runtime, Score
 
 #: The summary section a Flower run adds (``summary.json``): nodes, timings, and clients left out.
 SUMMARY_KEY = "flower"
@@ -55,6 +55,7 @@ class FlowerRuntime(Runtime):
         self._bytes_down: dict[int, int] = defaultdict(int)
         self._bytes_up: dict[int, int] = defaultdict(int)
         self._ledgers: dict[int, str] = {}        # client id -> its ledger (JSON) as its node last reported it
+        self._server_book = LedgerBook()           # releases the server makes for every client (central DP)
         self._rounds_done = 0                      # rounds ever completed (restore() may go back to an earlier one)
         self._snapshot_round: int | None = None    # the round of the last snapshot handed out (nodes keep its state)
         self._state_round = -1                     # evaluate with the client states of this round (-1: latest)
@@ -111,6 +112,17 @@ class FlowerRuntime(Runtime):
         outgoing = {cid: (m, {"state_of": self._state_of.get(cid, -1)}) for cid, m in messages.items()}
         return self._delivered(self._send(outgoing, op, header, group=str(round)))
 
+    def record_for_everyone(self, release: RoundRelease, round: int) -> None:
+        """Central DP: the server is the trusted aggregator, so it keeps the ledger of its aggregates itself (every
+        training client's); :meth:`ledgers` adds them to what the nodes report."""
+        for cid in self.training_ids:
+            ledger = self._server_book[cid]
+            if release.calibrated_for is not None:
+                ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.metadata,
+                              calibrated_for=release.calibrated_for)
+            else:
+                ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.metadata)
+
     def commit_round(self, round: int, sampled: list[int]) -> None:
         self.completed_rounds = self._rounds_done = round + 1
         self._state_of.update({cid: round for cid in sampled})   # the nodes commit these clients' states of this round
@@ -163,11 +175,17 @@ class FlowerRuntime(Runtime):
         self._send({cid: (Message(), {}) for cid in stale}, "ledger", {}, count=False)
         book = LedgerBook()
         for cid in ids:
+            ledger = None
             if self._ledgers.get(cid):
                 ledger = PrivacyLedger.from_state_dict(json.loads(self._ledgers[cid]))
                 if ledger.client_id != cid:
                     raise FlowerClientError(f"the node of client {cid} reported the ledger of client "
                                             f"{ledger.client_id!r}")
+            if cid in self._server_book:
+                ledger = ledger or PrivacyLedger(cid)
+                for record in self._server_book[cid].records:
+                    ledger._append_history(record)
+            if ledger is not None:
                 book.add(ledger)
         return book
 
@@ -196,7 +214,7 @@ class FlowerRuntime(Runtime):
         self._committed = self._state(self.completed_rounds)
 
     def committed_state_dict(self) -> dict[str, Any]:
-        return {**self._committed, "wire": {"ledgers_on_nodes": True,
+        return {**self._committed, "wire": {"ledgers_on_nodes": True, "server_book": self._server_book.state_dict(),
                                             "bytes_down": [[k, v] for k, v in self._bytes_down.items()],
                                             "bytes_up": [[k, v] for k, v in self._bytes_up.items()]}}
 
