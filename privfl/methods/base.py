@@ -50,7 +50,7 @@ from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release
 from privfl.federation.runtime import RoundRelease, sample_clients
-from privfl.federation.seeding import seeded_init
+from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.local_training import ExtraLoss, local_sgd
 from privfl.models import build_model
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer, sampling_probability
@@ -232,6 +232,16 @@ class ClientProcedure(ABC):
         DP-SGD fit of ``local_steps`` steps at q = batch_size / n (the conformance tests check that it matches what
         a round records)."""
         return dp_sgd_round_event(noise_multiplier, data.num_train, self.config.batch_size, self.config.local_steps)
+
+    def noise_source(self, ctx: ClientContext, purpose: str) -> dict[str, Any]:
+        """Keyword arguments ``noise`` and ``generator`` for a mechanism of :mod:`privfl.privacy` that a training
+        client runs under record-level DP: OS-seeded noise (``"secure"``, ``"hardened"``), or a generator keyed by
+        the privacy seed, the round, the client and ``purpose`` (``"seeded"``; never the run seed, which the server
+        knows)."""
+        if self.privacy.noise != "seeded":
+            return {"noise": self.privacy.noise, "generator": None}
+        seed = derive_seed(self.privacy.noise_seed, purpose, ctx.round, ctx.client_id)
+        return {"noise": "seeded", "generator": torch.Generator().manual_seed(seed)}
 
     def noise_multiplier(self, data: TrainingClient) -> float:
         """Record level: z for this client (calibrated per training-split size for a target epsilon)."""
