@@ -322,7 +322,13 @@ class PrivacyLedger:
         """
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
                                 metadata={} if metadata is None else metadata, audience=audience)
-        if audience != "everyone":
+        return self.record_made(release, calibrated_for=calibrated_for)
+
+    def record_made(self, release: ReleaseRecord, *, calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+        """:meth:`record` of a :class:`ReleaseRecord` made already: one release made on behalf of many clients (central
+        DP's aggregate) is one record object held by all their ledgers. Checked as :meth:`record` checks."""
+        event, purpose = release.event, release.purpose
+        if release.audience != "everyone":
             if not isinstance(event, NonPrivateEvent):
                 raise ValueError(f"client {self._client_id!r}: a release to the trusted aggregator is in the clear "
                                  f"(NonPrivateEvent); the aggregate's own event is what is private, got {event!r}")
@@ -496,15 +502,64 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
                     counts[str(record.metadata.get(key, "unstated"))] += 1
         return dict(sorted(counts.items()))
 
+    def record_for(self, client_ids: list[ClientId], event: PrivacyEvent, *, purpose: str, round: int | None = None,
+                   metadata: Mapping[str, Any] | None = None,
+                   calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+        """Record one release made on behalf of every client of ``client_ids`` (central DP's noisy aggregate, which
+        every training client's guarantee composes each round) in each of their ledgers, as one record object.
+        Every ledger is checked before any records it, so a refusal records nothing for anyone."""
+        release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
+                                metadata={} if metadata is None else metadata)
+        checked: set[tuple] = set()
+        for client_id in client_ids:   # clients with the same public releases and budget have one answer: ask once
+            ledger = self[client_id]
+            key = (tuple(sorted(ledger._leaves.items(), key=repr)), ledger._relation, ledger.budget)
+            if key in checked:
+                continue
+            budgets = [b for b in (calibrated_for, ledger.budget) if b is not None]
+            ledger._check_event(event)
+            for budget in budgets:
+                after = ledger._projected_epsilon(event, budget.delta)
+                if not budget.allows(after):
+                    raise BudgetExceededError(client_id, purpose, ledger.spent(budget.delta).epsilon, after, budget,
+                                              ledger.accountant)
+            checked.add(key)
+        for client_id in client_ids:
+            self[client_id]._append(release, self[client_id]._check_event(event))
+        return release
+
     def state_dict(self) -> dict[str, Any]:
-        """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON."""
-        return {
+        """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON.
+
+        A record several ledgers hold (one release made on behalf of many clients, :meth:`record_for`) is written
+        once, under ``"shared"``, and each ledger refers to it by index: ten thousand clients' ledgers over hundreds
+        of rounds of central DP stay one record a round."""
+        shared: dict[int, int] = {}
+        holders: Counter[int] = Counter(id(r) for ledger in self._ledgers.values() for r in ledger._records)
+        table: list[dict[str, Any]] = []
+        ledgers = []
+        for ledger in self._ledgers.values():
+            state = ledger.state_dict()
+            records = []
+            for record, saved in zip(ledger._records, state["records"], strict=True):
+                if holders[id(record)] > 1:
+                    if id(record) not in shared:
+                        shared[id(record)] = len(table)
+                        table.append(saved)
+                    records.append({"shared": shared[id(record)]})
+                else:
+                    records.append(saved)
+            ledgers.append({**state, "records": records})
+        values = {
             "format": _BOOK_FORMAT,
             "version": _STATE_VERSION,
             "default_budget": None if self._default_budget is None else self._default_budget.to_dict(),
             "accountant": self._accountant,
-            "ledgers": [ledger.state_dict() for ledger in self._ledgers.values()],
+            "ledgers": ledgers,
         }
+        if table:
+            values["shared"] = table
+        return values
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> LedgerBook:
@@ -514,9 +569,16 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
             budget = state["default_budget"]
             book = cls(default_budget=None if budget is None else PrivacyBudget.from_dict(budget),
                        accountant=state["accountant"])
+            table = [ReleaseRecord.from_dict(d) for d in state.get("shared", [])]
             for ledger_state in state["ledgers"]:
-                book.add(PrivacyLedger.from_state_dict(ledger_state))
-        except (KeyError, TypeError) as exc:
+                records = ledger_state["records"]
+                own = [d for d in records if "shared" not in d]
+                ledger = PrivacyLedger.from_state_dict({**ledger_state, "records": []})
+                owned = iter(own)
+                for d in records:
+                    ledger._append_history(table[d["shared"]] if "shared" in d else ReleaseRecord.from_dict(next(owned)))
+                book.add(ledger)
+        except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed ledger book state: {exc!r}") from None
         return book
 
@@ -558,22 +620,35 @@ class ReleaseJournal:
 
     def append(self, client_id: ClientId, record: ReleaseRecord) -> None:
         """Append one recorded release of ``client_id``; call it before the release is delivered."""
-        line = json.dumps({"client_id": _check_client_id(client_id), "record": record.to_dict()}, allow_nan=False)
+        self._write({"client_id": _check_client_id(client_id), "record": record.to_dict()})
+
+    def append_for(self, client_ids: list[ClientId], record: ReleaseRecord) -> None:
+        """Append one release recorded for every client of ``client_ids`` (:meth:`LedgerBook.record_for`), as one
+        line."""
+        self._write({"client_ids": [_check_client_id(c) for c in client_ids], "record": record.to_dict()})
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry, allow_nan=False)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()
 
     def entries(self) -> list[tuple[ClientId, ReleaseRecord]]:
-        """The journal's ``(client id, record)`` pairs in the order they were recorded (none if there is no file)."""
+        """The journal's ``(client id, record)`` pairs in the order they were recorded (none if there is no file);
+        a line recorded for many clients gives one pair per client, all with one record object."""
         if not self.path.exists():
             return []
         lines = self.path.read_text(encoding="utf-8").split("\n")
         complete = lines[:-1]             # the text after the last newline is empty, or a line the kill cut short
+        pairs: list[tuple[ClientId, ReleaseRecord]] = []
         try:
-            return [(entry["client_id"], ReleaseRecord.from_dict(entry["record"]))
-                    for entry in map(json.loads, complete)]
+            for entry in map(json.loads, complete):
+                record = ReleaseRecord.from_dict(entry["record"])
+                ids = entry["client_ids"] if "client_ids" in entry else [entry["client_id"]]
+                pairs += [(client_id, record) for client_id in ids]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed release journal {self.path}: {exc!r}") from None
+        return pairs
 
     def replay_into(self, book: LedgerBook) -> int:
         """Add to ``book`` the journal's records beyond those it holds for each client (releases made after the book

@@ -331,23 +331,38 @@ def _parse_numbers(kind):
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Train ODPFL-HN once, serve novel clients at several (epsilon, n); print the privacy-utility table."""
-    from privfl.sweep import DEFAULT_METHOD, SweepConfig, format_table, run_sweep
+    """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
+    from privfl.sweep import SweepConfig, format_table, run_sweep
 
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, clients=args.clients,
                          max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
-                         method_config=dict(DEFAULT_METHOD), epsilons=args.epsilons, delta=args.delta,
-                         bound=args.bound, sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
+                         method=args.method, method_config=dict(args.method_option) or None,
+                         train_epsilons=args.train_epsilons, train_clip=args.train_clip,
+                         min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
+                         sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
                          repeats=args.repeats, seed=args.seed)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
-    t = result["training"]
-    print(f"\nODPFL-HN on {args.dataset}: {t['rounds']} rounds, training-client validation accuracy "
-          f"{t['training_val_accuracy']:.2f}%; novel clients with a private descriptor (delta={args.delta:g}, "
-          f"bound={args.bound:g}, replace-one, n public), accuracy (%) +- SEM over label mixes and noise draws:\n")
+    print(f"\n{args.method} on {args.dataset}, {args.rounds} rounds per training; novel clients' accuracy (%) +- SEM "
+          f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
+          f"replace-one, n public):\n")
     print(format_table(result))
     print(f"\nwall time {result['wall_s']:.0f} s; results: {args.out}/sweep.csv, sweep.json, sweep.png; "
-          f"training run: {args.out}/train")
+          f"training runs: {', '.join(t['training']['directory'] for t in result['trainings'].values())}")
     return 0
+
+
+def _parse_epsilons(text: str) -> tuple[float | None, ...]:
+    """Comma-separated epsilons, ``inf`` (or ``none``) for a training without DP."""
+    values = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part.lower() in ("inf", "none"):
+            values.append(None)
+            continue
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated epsilons or inf, got {text!r}") from None
+    return tuple(values)
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:
@@ -403,8 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     # `privfl flower ...` is handed to privfl.federation.flower.launch in main(); listed here for --help.
     sub.add_parser("flower", help="Flower deployment engine: certs, superlink, register, supernode, run")
 
-    p = sub.add_parser("sweep", help="privacy-utility sweep: train ODPFL-HN once, serve novel clients at several "
-                                     "epsilons and sizes")
+    p = sub.add_parser("sweep", help="privacy-utility sweep: train a method (ODPFL-HN) at several training-client "
+                                     "epsilons, serve novel clients at several epsilons and sizes")
     p.add_argument("--out", default="runs/sweep", help="folder for the training run, sweep.csv/json and sweep.png")
     p.add_argument("--dataset", default="mnist")
     p.add_argument("--data-root", default=None)
@@ -413,7 +428,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training images; the rest of the train split is the novel clients' held-out pool")
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--client-fraction", type=float, default=0.2)
-    p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0), help="e.g. 0.1,0.3,1,3")
+    p.add_argument("--method", default="odpflhn", help="any registered method (odpflhn)")
+    p.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a setting of the method (replaces the sweep's ODPFL-HN defaults when given)")
+    p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
+                   help="training clients' record-level epsilons, one training each; inf = without DP "
+                        "(1,4,8,inf)")
+    p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip (1.0)")
+    p.add_argument("--min-samples", type=int, default=200,
+                   help="public lower bound on a training client's training split (200)")
+    p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0),
+                   help="novel clients' epsilons, e.g. 0.1,0.3,1,3")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--bound", type=float, default=1.0, help="per-sample L2 clipping radius of phi")
     p.add_argument("--sizes", type=_parse_numbers(int), default=(50, 150, 500, 1500, 5000),

@@ -15,7 +15,7 @@ from typing import Any
 from privfl.data import FederatedDataset, FederationSpec
 from privfl.errors import ConfigError
 from privfl.federation.runtime import sample_clients
-from privfl.methods import ClientProcedure, ModelFactory, Strategy, get_method
+from privfl.methods import ClientProcedure, MethodConfig, ModelFactory, Strategy, get_method
 from privfl.methods.private import planned_participations, protect, support
 from privfl.privacy.training import DISTRIBUTED, LOCAL, NovelPrivacy, TrainingPrivacy
 
@@ -52,7 +52,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         spec = get_method(self.method)
-        spec.make_config(**self.method_config)
+        method_config = spec.make_config(**self.method_config)
         for name, kind in (("privacy", TrainingPrivacy), ("novel_privacy", NovelPrivacy)):
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -75,6 +75,8 @@ class RunConfig:
             if not ok:
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
         support(spec, self.privacy.mode)
+        if isinstance(method_config, MethodConfig):
+            method_config.check_privacy(self.privacy, self.novel_privacy)
         if self.novel_privacy.private and spec.novel_privacy is not None:
             raise ConfigError(f"novel_privacy epsilon={self.novel_privacy.epsilon!r} has nothing to protect in method "
                               f"{self.method!r}: {spec.novel_privacy}")

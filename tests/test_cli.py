@@ -73,15 +73,15 @@ def test_method_options_reach_the_method_config_and_the_ledger(tmp_path, capsys)
     out = tmp_path / "odpfl"
     args = ["train", "--out", str(out), "--dataset", "synthetic", "--clients", "8", "--partition", "iid",
             "--rounds", "1", "--no-progress", "--method", "odpflhn", "--local-steps", "2",
-            "--method-option", "novel_epsilon=0.5", "--method-option", 'encoder="dp_deepset"',
+            "--novel-epsilon", "0.5", "--method-option", 'encoder="dp_deepset"',
             "--method-option", "encoder_hidden=8"]
     assert main(args) == 0
     capsys.readouterr()
     config = json.loads((out / "config.json").read_text())
-    assert config["method_config"]["novel_epsilon"] == 0.5 and config["method_config"]["encoder_hidden"] == 8
+    assert config["novel_privacy"]["epsilon"] == 0.5 and config["method_config"]["encoder_hidden"] == 8
     assert config["method_config"]["local_steps"] == 2
     privacy = json.loads((out / "summary.json").read_text())["privacy"]
-    # the 4 novel clients each released one descriptor through privatize at the epsilon given as a method option
+    # the 4 novel clients each released one descriptor through privatize at the epsilon given
     assert privacy["epsilon_max_novel"] == pytest.approx(0.5, rel=1e-6)
     novel = {k: v for k, v in privacy["epsilon_per_client"].items() if v != "inf"}
     assert len(novel) == 4 and all(v == pytest.approx(0.5, rel=1e-6) for v in novel.values())

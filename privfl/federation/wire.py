@@ -47,18 +47,12 @@ class Wire:
 
     def record_for(self, client_ids: list[int], release, *, round: int | None) -> None:
         """Record a release the server makes on behalf of each of ``client_ids`` (a
-        :class:`~privfl.federation.runtime.RoundRelease`: central DP's noisy aggregate) in their ledgers and the
-        journal. Every ledger is checked first, so a refusal records nothing for anyone."""
-        for client_id in client_ids:
-            ledger = self.ledgers[client_id]
-            if release.calibrated_for is not None and ledger.would_exceed(release.event, release.calibrated_for):
-                ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.metadata,
-                              calibrated_for=release.calibrated_for)      # raises BudgetExceededError, naming it
-        for client_id in client_ids:
-            record = self.ledgers[client_id].record(release.event, purpose=release.purpose, round=round,
-                                                    metadata=release.metadata, calibrated_for=release.calibrated_for)
-            if self.journal is not None:
-                self.journal.append(client_id, record)
+        :class:`~privfl.federation.runtime.RoundRelease`: central DP's noisy aggregate) in their ledgers, as one
+        record, and in the journal, as one line. A refusal records nothing for anyone."""
+        record = self.ledgers.record_for(client_ids, release.event, purpose=release.purpose, round=round,
+                                         metadata=release.metadata, calibrated_for=release.calibrated_for)
+        if self.journal is not None:
+            self.journal.append_for(client_ids, record)
 
     def state_dict(self) -> dict:
         return {

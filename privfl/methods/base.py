@@ -68,6 +68,11 @@ class MethodConfig:
     def replace(self, **changes: Any) -> MethodConfig:
         return dataclasses.replace(self, **changes)
 
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run starts, settings under which the run's privacy cannot hold. The registration
+        refuses whole modes (``MethodSpec.privacy``); this refuses combinations of a mode and settings (ODPFL-HN's
+        random descriptor batches under add/remove-one, say). Nothing by default."""
+
 
 @dataclass(frozen=True)
 class LocalTrainingConfig(MethodConfig):

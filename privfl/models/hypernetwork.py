@@ -292,6 +292,11 @@ class RoundGradientMean:
             for k, total in self._sum.items():
                 total.add_(grads[k])
 
+    def inputs(self, client_id: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The (descriptor, weight change) kept for ``client_id``: its own gradient is
+        ``backprop_weight_change(hnet, *inputs(client_id))`` (central DP clips each client's gradient)."""
+        return self._inputs[client_id]
+
     def mean(self, client_ids: list[int]) -> dict[str, torch.Tensor]:
         """The mean gradient over ``client_ids`` (each added before); the round's sum is consumed."""
         ids = sorted(client_ids)

@@ -39,7 +39,7 @@ from privfl.engine import run as run_on_engine  # noqa: E402
 from privfl.federation.flower.transport import FlowerClientError  # noqa: E402
 from privfl.federation.flower.simulation import num_clients  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
-from privfl.privacy.training import TrainingPrivacy  # noqa: E402
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy  # noqa: E402
 
 # -- records ---------------------------------------------------------------------------------------------------------
 
@@ -309,8 +309,9 @@ _SETTINGS = {
     "scaffold": {"lr": 0.1, "local_steps": 3, "batch_size": 16},
     # three stages per round; the novel clients release a DP descriptor (finite epsilon on both engines)
     "odpflhn": {"lr": 0.05, "local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8,
-                "hn_layers": 1, "novel_epsilon": 2.0, "novel_noise": "seeded"},
+                "hn_layers": 1},
 }
+_NOVEL = {"odpflhn": NovelPrivacy(epsilon=2.0, noise="seeded")}
 
 
 def _method(name):
@@ -321,7 +322,7 @@ def _method(name):
 
 def _run_config(spec, method, **overrides):
     values = dict(federation=spec, method=method, method_config=_SETTINGS[method], rounds=3, eval_every=1,
-                  checkpoint_every=2, client_fraction=0.5, seed=3)
+                  checkpoint_every=2, client_fraction=0.5, seed=3, novel_privacy=_NOVEL.get(method, NovelPrivacy()))
     values.update(overrides)
     return RunConfig(**values)
 

@@ -115,13 +115,8 @@ class FlowerRuntime(Runtime):
     def record_for_everyone(self, release: RoundRelease, round: int) -> None:
         """Central DP: the server is the trusted aggregator, so it keeps the ledger of its aggregates itself (every
         training client's); :meth:`ledgers` adds them to what the nodes report."""
-        for cid in self.training_ids:
-            ledger = self._server_book[cid]
-            if release.calibrated_for is not None:
-                ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.metadata,
-                              calibrated_for=release.calibrated_for)
-            else:
-                ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.metadata)
+        self._server_book.record_for(self.training_ids, release.event, purpose=release.purpose, round=round,
+                                     metadata=release.metadata, calibrated_for=release.calibrated_for)
 
     def commit_round(self, round: int, sampled: list[int]) -> None:
         self.completed_rounds = self._rounds_done = round + 1
