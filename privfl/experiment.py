@@ -156,8 +156,9 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
                     best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.snapshot()}
                 record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}}
                 run_dir.append_metrics(record)
+                accuracy = val["accuracy_mean"]      # None without validation samples (val_fraction=0)
                 bar.set_postfix(loss=f"{metrics.get('train_loss', float('nan')):.3f}",
-                                val_acc=f"{val['accuracy_mean']:.2f}")
+                                val_acc="-" if accuracy is None else f"{accuracy:.2f}")
             if done % config.checkpoint_every == 0 or done == config.rounds:
                 checkpoint_now(runtime.committed_state_dict())
             bar.update(1)
