@@ -8,12 +8,10 @@ same directory, fsync, rename), so a crash mid-save leaves the previous ledger i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import numbers
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from accounting.accountants import AccountantName, PrivacySpent, _check_accountant, check_supported, epsilon
+from accounting.files import atomic_write
 from accounting.events import (
     ComposedEvent,
     NeighboringRelation,
@@ -682,38 +681,9 @@ def _check_format(state: object, expected: str) -> None:
                          f"{_STATE_VERSION}")
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
 def _atomic_write_json(path: Path, state: Mapping[str, Any]) -> None:
-    """Write ``state`` as JSON to ``path`` so that ``path`` always holds either the old or the new content.
-
-    1. Write to a temporary file in the same directory (same filesystem, so the rename is atomic).
-    2. Flush and fsync it, so the data is on disk before the name points at it.
-    3. os.replace it over ``path``, then fsync the directory so the rename itself survives a power loss.
-
-    The file gets the mode any new file gets under the process's umask (``mkstemp`` alone gives 0600).
-    """
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    # Best effort: some filesystems and platforms cannot fsync a directory.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    """``state`` as JSON in ``path``, written atomically and durably (:func:`accounting.files.atomic_write`)."""
+    atomic_write(path, json.dumps(state, indent=1, allow_nan=False).encode("utf-8"))
 
 
 def _read_json(path: Path) -> Any:

@@ -54,6 +54,7 @@ from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.local_training import ExtraLoss, local_sgd
 from privfl.models import build_model
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer, sampling_probability
+from privfl.registry import Registry
 from privfl.privacy.training import MODES, RECORD, NovelPrivacy, TrainingPrivacy, record_noise_multiplier
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ class MethodSpec:
         return self.config(**values)
 
 
-METHODS: dict[str, MethodSpec] = {}
+METHODS: Registry[MethodSpec] = Registry("method")
 
 
 def register_method(name: str, *, strategy: type[Strategy], client: type[ClientProcedure], config: type,
@@ -358,8 +359,6 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
     """Add a method to the registry under ``name`` (one call per method module). ``privacy``: each mode of
     :data:`~privfl.privacy.training.MODES` -> ``None`` (supported) or why it is refused; a mode left out is refused
     with :data:`UNDECLARED`."""
-    if name in METHODS:
-        raise ValueError(f"method {name!r} is already registered")
     declared = dict(privacy or {})
     unknown = sorted(set(declared) - set(MODES))
     if unknown:
@@ -370,15 +369,12 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
                       privacy={mode: declared.get(mode, UNDECLARED) for mode in MODES},
                       releases_per_round=releases_per_round, novel_privacy=novel_privacy,
                       smoke_settings=dict(smoke_settings or {}))
-    METHODS[name] = spec
-    return spec
+    return METHODS.register(name, spec)
 
 
 def get_method(name: str) -> MethodSpec:
     """The registered method ``name``; an unknown name raises :class:`ConfigError` listing the valid ones."""
-    if name not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; valid choices: {', '.join(sorted(METHODS))}")
-    return METHODS[name]
+    return METHODS.lookup(name)
 
 
 def dp_sgd_round_event(noise_multiplier: float, num_samples: int, batch_size: int, steps: int) -> SelfComposedEvent:

@@ -53,6 +53,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from privfl.errors import ConfigError, DataUnavailableError
+from privfl.registry import Registry
 
 __all__ = [
     "BACKBONES", "IMAGENET_MEAN", "IMAGENET_STD", "MOBILENET_V2_FILE", "MOBILENET_V2_PACKAGE", "MOBILENET_V2_SHA256",
@@ -416,7 +417,8 @@ def sentence_encoder(*, normalize: bool = True) -> SentenceEncoderBackbone:
 # Registry and cached extraction.
 
 
-BACKBONES: dict[str, Callable[..., Backbone]] = {"mobilenet_v2": mobilenet_v2, "minilm": sentence_encoder}
+BACKBONES: Registry[Callable[..., Backbone]] = Registry("backbone", {"mobilenet_v2": mobilenet_v2,
+                                                                     "minilm": sentence_encoder})
 
 
 def load_backbone(name: str, **options: Any) -> Backbone:

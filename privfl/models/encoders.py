@@ -21,14 +21,15 @@ from typing import Any
 from torch import nn
 
 from privfl.errors import ConfigError
+from privfl.registry import Registry
 from privfl.models.set_encoders import DeepSetEncoder, DPDeepSetEncoder, DSSEncoder, SetTransformerEncoder
 
-ENCODERS: dict[str, type[nn.Module]] = {
+ENCODERS: Registry[type[nn.Module]] = Registry("encoder", {
     "deepset": DeepSetEncoder,
     "dp_deepset": DPDeepSetEncoder,
     "dss": DSSEncoder,
     "set_transformer": SetTransformerEncoder,
-}
+})
 
 #: Encoders whose structure (phi -> mean -> psi) :func:`privfl.privacy.privatize` can certify.
 PRIVATIZABLE = ("dp_deepset",)
@@ -56,9 +57,7 @@ def build_encoder(name: str, input_shape: int | Sequence[int], output_dim: int, 
 
 
 def _lookup(name: str) -> type[nn.Module]:
-    if name not in ENCODERS:
-        raise ConfigError(f"unknown encoder {name!r}; valid choices: {', '.join(sorted(ENCODERS))}")
-    return ENCODERS[name]
+    return ENCODERS.lookup(name)
 
 
 __all__ = ["ENCODERS", "PRIVATIZABLE", "build_encoder", "encoder_options"]

@@ -217,8 +217,8 @@ def test_save_and_load(tmp_path):
     assert os.listdir(tmp_path) == ["ledger.json"]
 
 
-def _crash_in_json_dump(obj, f, **kwargs):
-    f.write(json.dumps(obj)[:20])  # half a file reaches the disk, then the process "dies"
+def _crash_after_writing(fd):
+    # the new content is in the temporary file (not yet synced or renamed) when the process "dies"
     raise KeyboardInterrupt("crash mid-write")
 
 
@@ -226,9 +226,9 @@ def _crash_in_json_dump(obj, f, **kwargs):
     ("target", "crash"),
     [
         ("os.replace", lambda *args: (_ for _ in ()).throw(OSError("crash before rename"))),
-        ("json.dump", _crash_in_json_dump),
+        ("os.fsync", _crash_after_writing),
     ],
-    ids=["replace", "dump"],
+    ids=["replace", "write"],
 )
 def test_a_crash_mid_save_leaves_the_previous_file_intact(tmp_path, monkeypatch, target, crash):
     path = tmp_path / "ledger.json"
@@ -315,7 +315,7 @@ def test_ledger_book_save_is_atomic(tmp_path, monkeypatch):
     book[0].record(DESCRIPTOR, purpose="descriptor")
     book.save(path)
     book[1].record(DESCRIPTOR, purpose="descriptor")
-    monkeypatch.setattr("json.dump", _crash_in_json_dump)
+    monkeypatch.setattr("os.fsync", _crash_after_writing)
     with pytest.raises(KeyboardInterrupt):
         book.save(path)
     monkeypatch.undo()

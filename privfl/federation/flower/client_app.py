@@ -25,8 +25,6 @@ import hashlib
 import io
 import json
 import logging
-import os
-import tempfile
 import time
 import traceback
 from collections.abc import Mapping
@@ -39,6 +37,7 @@ from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
 from accounting import PrivacyLedger
+from accounting.files import atomic_write
 from privfl.config import RunConfig, build_client
 from privfl.errors import DataFreeError, ProtocolStateError, PublicConfigError
 from privfl.federation.context import client_context
@@ -288,16 +287,9 @@ def _check_state(state: Mapping[str, Any], path: Path) -> None:
 
 
 def _replace(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same directory, renamed over ``path``. (No
-    fsync: after a power loss the previous state may come back, which :meth:`ClientStateFile.check` refuses.)"""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` atomically, without fsync: after a power loss the previous state may come back,
+    which :meth:`ClientStateFile.check` refuses (:func:`accounting.files.atomic_write`)."""
+    atomic_write(path, data, durable=False)
 
 
 def _optional_round(value: Any) -> int | None:
