@@ -209,7 +209,9 @@ class Aggregator(Strategy):
         self.event = central_round_event(self.noise_multiplier, self.q)
         self.budget = None if privacy.epsilon is None else PrivacyBudget(privacy.epsilon, privacy.delta)
         if privacy.clip == ADAPTIVE:
-            self.count_noise = privacy.clip_count_noise or self.expected / 20.0
+            # Andrew et al. take sigma_b = expected clients / 20; the count may take at most a quarter of the round's
+            # budget here (sigma_b >= z), so a small epsilon's large z does not leave the update no budget at all
+            self.count_noise = privacy.clip_count_noise or max(self.expected / 20.0, self.noise_multiplier)
             self.update_multiplier = update_noise_multiplier(self.noise_multiplier, self.count_noise)
         else:
             self.count_noise = None
