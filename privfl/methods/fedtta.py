@@ -53,7 +53,8 @@ unit, but that unit's clipped gradient can move by 2 C (from one clipped vector 
 calibrated for sensitivity 2 C, and units of 64 keep the paper's statistic but leave one clipped unit per step. The
 other is s = 1, which this module implements: the **per-record meta-loss** (:func:`record_meta_losses`)
 
-    L_i = CE(f(x_i; psi~_i), y_i) + mu KL(teacher(x_i) || f(x_i; psi)),   psi~_i = psi - eta_in grad_psi |g(f(x_i; psi); phi)|,
+    L_i = CE(f(x_i; psi~_i), y_i) + mu KL(teacher(x_i) || f(x_i; psi)),
+    psi~_i = psi - eta_in grad_psi |g(f(x_i; psi); phi)|,
 
 a function of record i alone (and of the parameters and the frozen server model), trained by DP-SGD
 (:meth:`~privfl.methods.base.ClientProcedure.fit`; the inner step differentiates through the model, so the
@@ -136,10 +137,10 @@ class FedTTAConfig(LocalTrainingConfig):
     FedTTA). ``tta_steps`` test-time steps (0: no adaptation, an ablation), with ``patience`` (``None``: no early
     stopping, the last iterate is used) the entropy early stopping of FedTTA++, ``unadapted_candidate`` whether the
     unadapted model competes in it (see the module docstring). ``tta_chunk`` is the test-time chunk size of l_per
-    (``None``: the size the training loss was computed on, ``batch_size``, or 1 under record-level DP). ``adapt_hidden`` and ``adapt_layers``
-    shape g. ``weighted`` weights the server mean by train-split size. ``lr_decay`` decays eta_out, eta_in and eta_ad
-    alike. ``weight_decay`` applies to both models and to the inner step; ``grad_clip`` clips psi's and phi's
-    meta-gradients separately and the test-time gradient.
+    (``None``: the size the training loss was computed on, ``batch_size``, or 1 under record-level DP).
+    ``adapt_hidden`` and ``adapt_layers`` shape g. ``weighted`` weights the server mean by train-split size.
+    ``lr_decay`` decays eta_out, eta_in and eta_ad alike. ``weight_decay`` applies to both models and to the inner
+    step; ``grad_clip`` clips psi's and phi's meta-gradients separately and the test-time gradient.
 
     Training clients are protected by the run's privacy layer (``RunConfig.privacy``; see the module docstring):
     ``weighted`` must then be False, and at record level ``adapt_momentum`` 0 and ``grad_clip`` None.

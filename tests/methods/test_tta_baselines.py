@@ -517,7 +517,8 @@ def test_fedadg_per_record_loss_gives_f_and_c_step_one_s_gradient_and_d_step_two
     step1 = 0.7 * nn.functional.cross_entropy(logits, y) + 0.3 * (1 - model.discriminate(features, onehot)) ** 2
     torch.manual_seed(1)
     reference = model.reference(onehot)
-    step2 = (1 - model.discriminate(reference.detach(), onehot)) ** 2 + model.discriminate(features.detach(), onehot) ** 2
+    step2 = ((1 - model.discriminate(reference.detach(), onehot)) ** 2
+             + model.discriminate(features.detach(), onehot) ** 2)
     want_target = torch.autograd.grad(step1.sum(), target)
     want_disc = torch.autograd.grad(step2.sum(), disc)
     for got, want in zip(grads[:len(target)], want_target):
