@@ -60,6 +60,7 @@ from privfl.methods.fedsr import update_release
 from privfl.methods.local_training import difference, sgd_settings, weights_of
 from privfl.privacy.mechanisms import GaussianMechanism
 from privfl.privacy.sensitivity import certify_mean_of_clipped
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 #: The name of the loss L_k(w_t) in a client's release (a 0-d tensor beside the weight change).
 LOSS = "afl.loss"
@@ -79,6 +80,14 @@ class AFLConfig(ServerStepConfig):
         check.require(is_finite(self.lambda_lr) and self.lambda_lr >= 0, "lambda_lr", self.lambda_lr, "a finite number >= 0")
         check.require(is_finite(self.loss_bound) and self.loss_bound > 0, "loss_bound", self.loss_bound,
                       "a finite number > 0 (nats)")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, a record-level loss release without a sound size bound: the mean's smaller
+        neighbour must be non-empty, so ``privacy.min_samples`` >= 2 (module docstring)."""
+        if privacy.mode == RECORD and privacy.min_samples < 2:
+            raise ConfigError(f"AFL's record-level loss release is a mean over a client's records with n private, "
+                              f"calibrated for the public lower bound privacy min_samples, which must be >= 2 (the "
+                              f"smaller neighbour's mean must exist), got min_samples={privacy.min_samples}")
 
 
 def project_to_simplex(v: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,7 @@ from privfl.methods.base import (
 from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
 from privfl.methods.local_training import difference, minibatches, weights_of
 from privfl.privacy.dp_sgd import GenericPathWarning
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 KL_DIRECTIONS = ("teacher_student", "student_teacher")
 PSI, PHI = "psi.", "phi."
@@ -143,7 +144,8 @@ class FedTTAConfig(LocalTrainingConfig):
     step; ``grad_clip`` clips psi's and phi's meta-gradients separately and the test-time gradient.
 
     Training clients are protected by the run's privacy layer (``RunConfig.privacy``; see the module docstring):
-    ``weighted`` must then be False, and at record level ``adapt_momentum`` 0 and ``grad_clip`` None.
+    ``weighted`` must then be False, and at record level ``adapt_momentum`` 0 and ``grad_clip`` None
+    (:meth:`check_privacy`).
     """
 
     lr: float = 0.3
@@ -182,6 +184,25 @@ class FedTTAConfig(LocalTrainingConfig):
         check.require(isinstance(self.weighted, bool), "weighted", self.weighted, "True or False")
         check.require(isinstance(self.unadapted_candidate, bool), "unadapted_candidate", self.unadapted_candidate,
                       "True or False")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, the settings a privacy mode cannot honour (module docstring): ``weighted`` with
+        any mode (the sample counts are not sent), and at record level ``adapt_momentum`` (momentum on phi alone) and
+        ``grad_clip`` (DP-SGD's per-record clip replaces it)."""
+        if privacy.private and self.weighted:
+            raise ConfigError(f"weighted=True weights the server mean by each client's sample count, which a private "
+                              f"client does not send (no mechanism covers it); set weighted=False with privacy mode "
+                              f"{privacy.mode!r}")
+        if privacy.mode != RECORD:
+            return
+        if self.adapt_momentum:
+            raise ConfigError(f"adapt_momentum={self.adapt_momentum!r} puts momentum on phi only; record-level DP-SGD "
+                              "takes one step rule for psi and phi together; set adapt_momentum=0 with privacy mode "
+                              "'record'")
+        if self.grad_clip:
+            raise ConfigError(f"grad_clip={self.grad_clip!r} clips each step's batch gradient, a stabiliser DP-SGD "
+                              "replaces with its per-record clip (privacy clip); leave grad_clip unset with privacy "
+                              "mode 'record'")
 
     def round_config(self, round: int) -> dict:
         decay = self.lr_decay ** (round / 10)
@@ -464,10 +485,7 @@ class FedTTAClient(ClientProcedure):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if self.privacy.private and self.config.weighted:
-            raise ConfigError(f"weighted=True weights the server mean by each client's sample count, which a private "
-                              f"client does not send (no mechanism covers it); set weighted=False with privacy mode "
-                              f"{self.privacy.mode!r}")
+        self.config.check_privacy(self.privacy, self.novel_privacy)   # also when built without a RunConfig
         self._adapter: nn.Module | None = None
         # Set to a list to keep each test-time adaptation's outcome (chosen iterate, steps, entropies): a diagnostic
         # for the experimenter running the clients; nothing in it is sent anywhere.
@@ -519,10 +537,6 @@ class FedTTAClient(ClientProcedure):
         (weight_decay / 2)(||psi||^2 + ||phi||^2), so that each model moves at its own rate (module docstring).
         """
         cfg = self.config
-        if cfg.adapt_momentum:
-            raise ConfigError(f"adapt_momentum={cfg.adapt_momentum!r} puts momentum on phi only; record-level DP-SGD "
-                              "takes one step rule for psi and phi together; set adapt_momentum=0 with privacy mode "
-                              "'record'")
         lr, inner_lr, adapt_lr = (float(round_config[k]) for k in ("lr", "inner_lr", "adapt_lr"))
         weight_decay = float(round_config.get("weight_decay", 0.0))
         scale = math.sqrt(adapt_lr / lr)

@@ -496,11 +496,20 @@ def test_a_record_level_round_records_the_event_its_round_event_declares(make_sp
     assert plain.client.tta_chunk == 8   # batch_size
 
 
-def test_record_level_refuses_momentum_on_phi_alone_and_a_record_level_diverged_client_releases_zeros(make_spec):
+@pytest.mark.parametrize("settings, refusal", [
+    ({"adapt_momentum": 0.9}, "adapt_momentum=0.9 puts momentum on phi only"),
+    ({"grad_clip": 10.0}, "grad_clip=10.0 clips each step's batch gradient"),
+])
+def test_record_level_refuses_before_the_run_what_dp_sgd_cannot_honour(make_spec, settings, refusal):
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match=refusal):
+        _private_run(make_spec, privacy, **settings)
+    # the same settings are the authors' code's stabilisers, and run under client-level DP
+    _private_run(make_spec, TrainingPrivacy(mode="local", noise_multiplier=1.0), **settings)
+
+
+def test_a_record_level_diverged_client_releases_zeros_with_its_spent_event(make_spec):
     privacy = TrainingPrivacy(mode="record", noise_multiplier=1.0, noise="seeded")
-    federation, runtime = _private_run(make_spec, privacy, adapt_momentum=0.9)
-    with pytest.raises(ConfigError, match="adapt_momentum=0.9 puts momentum on phi only"):
-        runtime.run_round(0)
     federation, runtime = _private_run(make_spec, privacy)
     data = federation.training_clients[0]
     message = runtime.strategy.configure_train(0, [data.client_id])[data.client_id]

@@ -447,6 +447,12 @@ def test_afl_record_level_releases_its_loss_by_a_gaussian_of_sensitivity_b_over_
     assert float(release.message.arrays[LOSS]) == pytest.approx(float(losses.clamp(max=1.4).mean()), abs=1e-6)
 
 
+def test_afl_record_level_needs_a_lower_bound_of_two_records_for_its_mean(make_spec):
+    with pytest.raises(ConfigError, match="privacy min_samples, which must be >= 2 .*got min_samples=1"):
+        RunConfig(federation=make_spec(), method="afl", select="last",
+                  privacy=TrainingPrivacy(mode="record", noise_multiplier=1.0, min_samples=1))
+
+
 def test_afl_refuses_a_client_below_the_public_lower_bound_without_naming_its_size(make_spec):
     data = build_federation(make_spec(), seed=0).training_clients[0]
     _, client = _private_client("afl", TrainingPrivacy(mode="record", noise_multiplier=1.0,
