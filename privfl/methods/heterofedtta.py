@@ -50,10 +50,31 @@ Training clients are scored with their own (psi, phi) adapted on their unlabelle
 
 Privacy
 -------
-Each round's release is two |D_p| x K logit matrices computed from models trained on the client's labels, recorded
-as non-private. Client-level DP would clip each client's contribution (softmax probabilities are bounded, logits are
-not), average, add Gaussian noise and compose over rounds, as PATE and FedMD-style releases do; it is not
-implemented, so ``dp_epsilon`` is refused (docs/papers.md, FedTTA, E7). Novel clients release nothing.
+A round's release is two |D_p| x K logit matrices computed from the client's own models, which it has trained on its
+labels in every round it took part in. Training clients are protected by the run's privacy layer
+(``RunConfig.privacy``, :mod:`privfl.privacy.training`); every mode runs. Novel clients release nothing.
+
+``record`` (add or remove one record). The client's models see its records in the Revisit step only: Digest reads
+the public set and the consensus (a function of the clients' earlier private releases, this client's own included),
+and the released logits are the models' outputs on the public set, adapted on the public set. So the Revisit step runs
+FedTTA's record-level DP-SGD on the per-record meta-loss (:meth:`~privfl.methods.fedtta.FedTTAClient.meta_fit`, with
+FedTTA's argument and what it changes, :mod:`privfl.methods.fedtta`), and everything else the client computes, its
+models kept in its state included, is post-processing of the noisy steps of all its rounds. Each release carries the
+round's DP-SGD event (one fit of ``local_steps`` steps at q = batch_size / n, the default
+:meth:`~privfl.methods.base.ClientProcedure.round_event`); the ledger composes the rounds, which covers models that
+carry every earlier round's training (adaptive composition). Sample count and losses are not sent.
+
+``local`` and ``distributed`` (replace one client's whole dataset): the layer clips the pair of logit matrices jointly
+to C and adds the noise; logits are unbounded, so C sets how much of them survives (for clipping to bite little it is
+of the order of sqrt(2 |D_p| K) times a typical logit). ``central``: the consensus is the mean of the clients' logit
+matrices (:meth:`HeteroFedTTAStrategy.apply_mean`), so the trusted aggregator forms it from their clipped sum noised
+once; what leaves the aggregator (the consensus sent to every client, novel ones included) is then client-level DP.
+``weighted=True`` needs the sample counts, which private clients do not send: refused with every privacy mode.
+
+Silence. Without DP a client whose training diverged sends nothing and keeps its previous models. Under every privacy
+mode it keeps its previous models and releases their logits instead (whether it speaks would otherwise depend on its
+data); at record level the decision looks only at what the noisy steps produced (the models' logits and the public
+distillation loss), never at the training loss.
 """
 
 from __future__ import annotations
@@ -75,7 +96,7 @@ from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
-from privfl.methods.base import ModelFactory, Strategy, register_method
+from privfl.methods.base import ModelFactory, Strategy, private_release, register_method
 from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
 from privfl.methods.fedtta import (
     PHI,
@@ -109,8 +130,8 @@ class HeteroFedTTAConfig(FedTTAConfig):
     weight of the base-model KL in Eq. 14; ``distill_epochs`` / ``novel_distill_epochs`` passes over the public set
     per Digest step (training / novel clients) in batches of ``distill_batch``.
 
-    Not applicable here and refused: ``mu`` (FedTTA-Prox's teacher is the server model, and there is none),
-    ``adapt_hidden`` (use ``adapt_widths``), ``dp_epsilon`` (no mechanism for the logits release).
+    Not applicable here and refused: ``mu`` (FedTTA-Prox's teacher is the server model, and there is none) and
+    ``adapt_hidden`` (use ``adapt_widths``).
     """
 
     lr: float = 0.1
@@ -128,8 +149,6 @@ class HeteroFedTTAConfig(FedTTAConfig):
     distill_batch: int = 100
 
     def __post_init__(self) -> None:
-        check.require(self.dp_epsilon is None, "dp_epsilon", self.dp_epsilon,
-                      "None for heterofedtta (no DP mechanism for its public-set logits; the release is non-private)")
         check.require(self.mu == 0, "mu", self.mu, "0 for heterofedtta (FedTTA-Prox's teacher is a server model; "
                       "HeteroFedTTA has none)")
         default_hidden = next(f.default for f in dataclasses.fields(FedTTAConfig) if f.name == "adapt_hidden")
@@ -305,6 +324,18 @@ class HeteroFedTTAStrategy(Strategy):
                 metrics["train_loss" if key == "loss" else key] = weighted_mean_scalar(values, [1.0] * len(values))
         return metrics
 
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        """A client's contribution is its release: base and personalised logits on the public set."""
+        zeros = torch.zeros(self.config.public_size, self.model_factory.num_classes, dtype=self.public.dtype)
+        return {"base": zeros, "per": zeros.clone()}
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """Step 5 from the noisy mean of the clients' logits: F_base and F_per are that mean (uniform: the sample
+        counts are private)."""
+        self.rounds_done = round + 1
+        self.base, self.per = mean["base"].clone(), mean["per"].clone()
+        return {}
+
     def novel_request(self, client_id: int) -> Message:
         return self._message(max(self.rounds_done - 1, 0))
 
@@ -369,6 +400,8 @@ class HeteroFedTTAClient(FedTTAClient):
             return f(x).detach(), functional_call(f, adapted.weights, (x,)).detach()
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
+        """Steps 2-4 (record level: the Revisit step is DP-SGD on the per-record meta-loss); the release is the
+        public-set logits of the client's models (see the module docstring for each privacy mode)."""
         f, g = self.own_models(ctx.client_id, message, state)
         public = message.arrays[PUBLIC]
         distill_loss = math.nan
@@ -376,16 +409,23 @@ class HeteroFedTTAClient(FedTTAClient):
         if digest:
             distill_loss = distill(f, g, public, message.arrays[BASE], message.arrays[PER], message.config,
                                    self.config, epochs=self.config.distill_epochs, rng=ctx.rng)
-        loss = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng)
-        if not (math.isfinite(loss) and (not digest or math.isfinite(distill_loss))):
-            return None  # a diverged client sends nothing and keeps its previous models
+        if self.record_level:
+            loss, event = self.meta_fit(f, g, data, message.config, ctx.rng)
+        else:
+            loss, event = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng), None
         base, per = self.public_logits(f, g, public, message)
-        if not (bool(torch.isfinite(base).all()) and bool(torch.isfinite(per).all())):
-            return None  # finite losses, but the last step overflowed: its logits would poison the consensus
-        state.update({**prefixed(PSI, weights_of(f)), **prefixed(PHI, weights_of(g))})
-        metrics = {"num_examples": float(data.num_train), "loss": loss, "distill_loss": distill_loss}
-        return Release.non_private(Message(arrays={"base": base, "per": per}, metrics=metrics),
-                                   purpose="public_logits")
+        # finite losses, but the last step overflowed: its logits would poison the consensus
+        if self.diverged(loss, (base, per)) or (digest and not math.isfinite(distill_loss)):
+            if not self.privacy.private:
+                return None  # a diverged client sends nothing and keeps its previous models
+            # Under DP it keeps its previous models and releases their logits: its silence would reveal its data.
+            base, per = self.public_logits(*self.own_models(ctx.client_id, message, state), public, message)
+        else:
+            state.update({**prefixed(PSI, weights_of(f)), **prefixed(PHI, weights_of(g))})
+        metrics = {} if self.privacy.private else {"num_examples": float(data.num_train), "loss": loss,
+                                                   "distill_loss": distill_loss}
+        return private_release(Message(arrays={"base": base, "per": per}, metrics=metrics), "public_logits", event,
+                               metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         f, g = self.own_models(data.client_id, message, state)
@@ -418,4 +458,10 @@ register_method(
     description="HeteroFedTTA: FedTTA with three client model sizes; clients exchange logits on a server-drawn "
                 "unlabelled public set (FedMD) and distil the consensus; novel clients distil and adapt locally, "
                 "sending nothing",
+    # every mode (module docstring): record level trains the Revisit step with DP-SGD and the rest is
+    # post-processing; the consensus is the mean of the clients' logits, so central and distributed DP form it from
+    # their noisy mean; local DP is the layer's
+    privacy={"record": None, "central": None, "distributed": None, "local": None},
+    smoke_settings={"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
+                    "distill_batch": 8},
 )

@@ -6,7 +6,8 @@
 - :mod:`privfl.privacy.labelled`: :func:`release_labelled_mean`, the same release for embeddings of labelled records
   (PeFLL's descriptor).
 - :mod:`privfl.privacy.dp_gmm`: the DP-GMM release of DP-FedPFT; :mod:`privfl.privacy.dp_sgd`: DP-SGD through Opacus;
-  :mod:`privfl.privacy.client_dp`: client-level clip-and-noise of whole model updates.
+  :mod:`privfl.privacy.client_dp`: the joint clip of a client's whole release (client-level DP, whose modes are
+  :mod:`privfl.privacy.training`'s).
 """
 
 from privfl.privacy.mechanisms import GaussianMechanism
