@@ -240,6 +240,15 @@ class _FastPath:
         for layer, grad_output in zip(layers, grads, strict=True):
             if grad_output is not None:
                 pending.append(_layer_norms(layer, grad_output, squared))
+        # A record whose gradient is not finite contributes nothing (a clipped contribution of norm 0 <= C): it is
+        # left out and the step is taken again on the others; c_i * inf would make the whole sum NaN, an outcome
+        # of one record's data that no noise covers.
+        bad = ~torch.isfinite(squared)
+        if bool(bad.any()):
+            if bool(bad.all()):
+                return losses.detach()
+            self(x[~bad], y[~bad], max_grad_norm, views)
+            return losses.detach()
         # 2. clip factors c_i = min(1, C / ||g_i||); a zero gradient gets c_i = 1 (C / 0 = inf).
         factors = (max_grad_norm / squared.sqrt()).clamp(max=1.0)
         # 3. sum_i c_i g_i into the flat gradient's views.
@@ -460,8 +469,11 @@ def _add_clipped(per_sample: dict[str, torch.Tensor], params: dict[str, nn.Param
     """Clip each record's gradient (all parameters jointly) to ``max_grad_norm`` and add the sum to the views."""
     flat = {name: g.reshape(len(g), -1) for name, g in per_sample.items()}
     squared = sum(g.pow(2).sum(1) for g in flat.values())
-    factors = (max_grad_norm / squared.sqrt()).clamp(max=1.0)
+    # a record whose gradient is not finite contributes nothing (norm 0 <= C), rather than NaN to everyone's sum
+    bad = ~torch.isfinite(squared)
+    factors = torch.where(bad, 0.0, (max_grad_norm / squared.sqrt()).clamp(max=1.0))
     for name, g in flat.items():
+        g = torch.where(bad.unsqueeze(1), 0.0, g) if bool(bad.any()) else g
         views[id(params[name])].view(-1).addmv_(g.t(), factors)
 
 

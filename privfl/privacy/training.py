@@ -15,7 +15,7 @@
     Gaussian releases of a round compose to exactly one Gaussian release of sensitivity 2 C (their privacy-loss
     variables are Gaussian; means and variances add). Over k participations that is one Gaussian of sensitivity
     2 C sqrt(k), so sigma is the analytic Gaussian sigma (Balle and Wang 2018) for that sensitivity
-    (:class:`~privfl.privacy.client_dp.ClientLevelGaussian`).
+    (:func:`client_level_noise`, :class:`ClientLevelNoise`).
 
 ``distributed`` (client-level DP against an observer of the sum only)
     As ``local``, but each of the M clients of a round adds a share N(0, sigma^2 / M): the sum of the M releases

@@ -259,3 +259,24 @@ def test_a_time_first_layout_whose_length_equals_the_batch_size_is_not_taken_for
     actual, engine, _ = engine_sum(model, cross_entropy_losses, x, y, 0.2, "auto")
     assert engine.path == "vmap" and "batch size 4" in engine.reason
     assert_close_relative(actual, expected)
+
+
+@pytest.mark.parametrize("path", ["fast", "vmap", "loop"])
+def test_a_record_with_a_non_finite_gradient_contributes_nothing_rather_than_nan(path):
+    # one record's overflow must not turn everyone's clipped sum into NaN (an outcome of that record's data that no
+    # noise covers): it contributes 0, a contribution within the clip, and the others' sum is unchanged
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    params = dict(model.named_parameters())
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 0])
+    poisoned = x.clone()
+    poisoned[2] = float("inf")
+    engine = ClippedGradientSum(model, params, cross_entropy_losses, path=path)
+    total = torch.zeros(sum(p.numel() for p in params.values()))
+    engine(poisoned, y, 1.0, flat_views(params, total))
+    clean = torch.zeros_like(total)
+    keep = torch.tensor([0, 1, 3, 4])
+    ClippedGradientSum(model, params, cross_entropy_losses, path=path)(x[keep], y[keep], 1.0,
+                                                                        flat_views(params, clean))
+    assert bool(torch.isfinite(total).all())
+    torch.testing.assert_close(total, clean)
