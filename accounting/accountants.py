@@ -21,7 +21,7 @@ import math
 import numbers
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import dp_accounting
 import numpy as np
@@ -69,10 +69,10 @@ class PrivacySpent:
     accountant: str
 
 
-def _check_accountant(accountant: object) -> str:
+def _check_accountant(accountant: object) -> AccountantName:
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {', '.join(map(repr, ACCOUNTANTS))}, got {accountant!r}")
-    return accountant
+    return accountant  # type: ignore[return-value]  # one of ACCOUNTANTS, checked above
 
 
 def _check_event(event: object) -> PrivacyEvent:
@@ -82,7 +82,7 @@ def _check_event(event: object) -> PrivacyEvent:
 
 
 def _check_delta(delta: object) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < float(delta) < 1:
         raise ValueError(f"delta must be a probability in (0, 1), got {delta!r}")
     return float(delta)
 
@@ -217,7 +217,7 @@ def _epsilon_of_leaves(leaves: frozenset[tuple[PrivacyEvent, int]], delta: float
     return float(_dp_accounting_backend(counts, accountant).get_epsilon(delta))
 
 
-def _pld_of(leaves: Counter[PrivacyEvent]):
+def _pld_of(leaves: Counter[PrivacyEvent]) -> Any:
     """The privacy-loss distribution of ``leaves`` as dp-accounting's ``PLDAccountant`` composes it (the same
     constructions, in the same order, from the identity), with each Poisson-subsampled Gaussian's single-step PLD
     built once and remembered (:func:`_subsampled_gaussian_pld`): a run prices the same step at a new count every
@@ -246,7 +246,7 @@ def _pld_of(leaves: Counter[PrivacyEvent]):
 
 
 @functools.lru_cache(maxsize=256)
-def _subsampled_gaussian_pld(noise_multiplier: float, sampling_probability: float):
+def _subsampled_gaussian_pld(noise_multiplier: float, sampling_probability: float) -> Any:
     """One Poisson-subsampled Gaussian step's PLD (add or remove one), as ``PLDAccountant`` builds it."""
     from dp_accounting.pld import privacy_loss_distribution as PLD
 

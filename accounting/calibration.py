@@ -27,14 +27,14 @@ from accounting.events import PrivacyEvent, SelfComposedEvent, SubsampledGaussia
 
 def _check_epsilon(value: object, *, allow_zero: bool = False) -> float:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
+    if not ok or float(value) < 0 or (float(value) == 0 and not allow_zero):  # type: ignore[arg-type]  # numbers.Real, checked first
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"epsilon must be a finite number {bound}, got {value!r}")
-    return float(value)
+    return float(value)  # type: ignore[arg-type]  # a finite numbers.Real, checked above
 
 
 def _check_delta(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < 1:
         raise ValueError(f"delta must be a probability in (0, 1), got {value!r}")
     return float(value)
 

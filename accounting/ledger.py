@@ -320,7 +320,7 @@ class PrivacyLedger:
         would take the ledger over its budget or over ``calibrated_for`` (:class:`BudgetExceededError`).
         """
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
-                                metadata={} if metadata is None else metadata, audience=audience)
+                                metadata={} if metadata is None else dict(metadata), audience=audience)
         return self.record_made(release, calibrated_for=calibrated_for)
 
     def record_made(self, release: ReleaseRecord, *, calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
@@ -349,7 +349,7 @@ class PrivacyLedger:
                 raise BudgetExceededError(self._client_id, purpose, self.spent().epsilon, projected, self._budget,
                                           self._accountant)
         self._append(release, relation)
-        if projected is not None:
+        if projected is not None and self._budget is not None:
             self._epsilon_cache[self._budget.delta] = projected
         return release
 
@@ -508,8 +508,8 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         every training client's guarantee composes each round) in each of their ledgers, as one record object.
         Every ledger is checked before any records it, so a refusal records nothing for anyone."""
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
-                                metadata={} if metadata is None else metadata)
-        checked: set[tuple] = set()
+                                metadata={} if metadata is None else dict(metadata))
+        checked: set[tuple[Any, ...]] = set()
         for client_id in client_ids:   # clients with the same public releases and budget have one answer: ask once
             ledger = self[client_id]
             key = (tuple(sorted(ledger._leaves.items(), key=repr)), ledger._relation, ledger.budget)

@@ -38,7 +38,7 @@ def is_finite(value: Any) -> bool:
 
 def is_int_at_least(value: Any, minimum: int) -> bool:
     """An integer >= ``minimum`` that is not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= minimum
 
 
 class Checks:
