@@ -104,7 +104,12 @@ def release_gradient_mean(model: nn.Module, per_sample_loss: PerSampleLoss, x: t
     certificate = certify_gradient_mean(float(clip), int(min_samples))
     mechanism = GaussianMechanism(sensitivity=certificate.value, noise_multiplier=noise_multiplier,
                                   relation=NeighboringRelation.ADD_OR_REMOVE_ONE, noise=noise, generator=generator)
-    check_dp_compatible(model)
+    was_training = model.training
+    model.train()    # the validator inspects the layers as they train; the gradients run in the caller's mode
+    try:
+        check_dp_compatible(model)
+    finally:
+        model.train(was_training)
     trained = trained_parameters(model, params)
     dtype = next(iter(trained.values())).dtype if trained else torch.get_default_dtype()
     flat = torch.zeros(sum(p.numel() for p in trained.values()), dtype=dtype)
