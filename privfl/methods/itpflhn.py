@@ -121,7 +121,8 @@ class ITPFLHNConfig(PFedHNConfig):
     """pFedHN's settings plus the encoder and the phases.
 
     ``encoder``: a name of :data:`privfl.models.encoders.ENCODERS` (``"deepset"``: mean+max DeepSet, the papers';
-    ``"dp_deepset"``: phi -> mean -> psi, the only one DP can certify; ``"dss"``, ``"set_transformer"``);
+    ``"dp_deepset"``: phi -> mean -> psi, the only one DP can certify, and so the one record-level DP and a private
+    ``novel_privacy`` accept; ``"dss"``, ``"set_transformer"``);
     ``encoder_options``: its keyword options (e.g. ``{"hidden": 500}``).
     ``encoder_lr``, ``encoder_momentum``, ``encoder_weight_decay`` (``None``: ``hn_weight_decay``, as the paper
     gives no encoder optimiser; docs/papers.md, ODPFL-HN, U4),

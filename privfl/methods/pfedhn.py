@@ -92,7 +92,8 @@ HN = "hn."
 @dataclass(frozen=True)
 class PFedHNConfig(LocalTrainingConfig):
     """pFedHN's settings. Local-training defaults are pFedHN's code (inner lr 5e-3, 50 inner steps, batch 64,
-    inner weight decay 5e-5, each step's gradient clipped to norm 50) with the papers' local momentum 0.9; server
+    inner weight decay 5e-5, each step's gradient clipped to norm 50; with record-level DP set ``grad_clip=None``, as
+    DP-SGD clips each record's gradient instead) with the papers' local momentum 0.9; server
     defaults are pFedHN's code (SGD, lr 1e-2, momentum 0.9, weight decay 1e-3, the embedding group at the
     hypernetwork's lr, gradient-norm clip 50).
 
