@@ -61,12 +61,12 @@ change (phase 1), or the descriptor and the weight change (phase 2).
   of ``phi(x_j)``), so each of its ``encoder_steps`` steps is made private in two releases, both at the client's noise
   multiplier z and under add/remove with n private (calibrated to the public lower bound ``min_samples``):
 
-  a. ``m~ = (1/n) sum_j clip_C(phi(x_j)) + N(0, (z 2C/min_samples)^2 I)`` (:func:`~privfl.privacy.privatize` with
-     the noise multiplier: each clipped ``phi(x_j)`` depends on record j alone, so the mean moves by at most
-     ``2C/min_samples``);
+  a. ``m~ = (1/n) sum_j clip_B(phi(x_j)) + N(0, (z 2B/min_samples)^2 I)`` (:func:`~privfl.privacy.privatize` with
+     the noise multiplier; B is the novel bound, so training sees the function novel clients release): each clipped
+     ``phi(x_j)`` depends on record j alone, so the mean moves by at most ``2B/min_samples``;
   b. psi's gradient and the cotangent ``u = dL/dm`` at ``m = m~`` (post-processing of a.);
-  c. phi's gradient ``(1/n) sum_j J_j^T u``, ``J_j`` the Jacobian of ``clip_C(phi(x_j))``: a gradient of a mean over
-     records, each record's term clipped to C, averaged and noised for ``2C/min_samples``
+  c. phi's gradient ``(1/n) sum_j J_j^T u``, ``J_j`` the Jacobian of ``clip_B(phi(x_j))``: a gradient of a mean over
+     records, each record's term clipped to the privacy clip C, averaged and noised for ``2C/min_samples``
      (:func:`~privfl.privacy.gradient_mean.release_gradient_mean`);
   d. the SGD step (momentum, weight decay) and the released change ``gamma_new - gamma``: post-processing.
 
@@ -110,10 +110,19 @@ from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
 from privfl.models.pefll import clipped_rows
 from privfl.privacy import privatize
 from privfl.privacy.gradient_mean import certify_gradient_mean, release_gradient_mean
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 _ENCODER = "encoder/"
 #: The prefix of a central-DP contribution's encoder change.
 ENC = "enc."
+
+
+#: Why an encoder other than the DP-ready DeepSet cannot be made private (refused by name).
+_NOT_PRIVATIZABLE = {
+    "deepset": "its max-pooled half moves by O(1) when one sample changes, whatever n",
+    "dss": "its layers mix every sample with the set's sum before pooling",
+    "set_transformer": "its attention lets one sample dominate the pooled output",
+}
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,21 @@ class ITPFLHNConfig(PFedHNConfig):
                       and self.phase1_rounds >= 0, "phase1_rounds", self.phase1_rounds, "an integer >= 0")
         check.require(self.finetune_lr is None or (is_finite(self.finetune_lr) and self.finetune_lr > 0), "finetune_lr",
                       self.finetune_lr, "None (hn_lr) or a finite number > 0")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, an encoder the run's privacy cannot hold with (and pFedHN's batch clip under
+        record-level DP): record-level DP and a private novel descriptor need phi -> mean -> psi."""
+        super().check_privacy(privacy, novel_privacy)
+        if self.encoder in PRIVATIZABLE:
+            return
+        why = _NOT_PRIVATIZABLE.get(self.encoder, "it is not phi -> mean -> psi")
+        for needed, what in ((privacy.mode == RECORD, "privacy mode 'record' (every descriptor and encoder update of "
+                                                      "a training client is a DP release)"),
+                             (novel_privacy.private, "novel_privacy (the novel client's descriptor)")):
+            if needed:
+                raise ConfigError(f"itpflhn with {what} needs an encoder whose output is a mean over samples that "
+                                  f"can be clipped and noised ({', '.join(PRIVATIZABLE)}); encoder={self.encoder!r} "
+                                  f"cannot be made private: {why}")
 
     def encoder_config(self) -> dict:
         """The clients' encoder-regression settings, as sent in phase 1 stage 1."""
@@ -313,31 +337,10 @@ class ITPFLHNStrategy(PFedHNStrategy):
         self._weight_changes, self._descriptors = {}, {}
 
 
-#: Why an encoder other than the DP-ready DeepSet cannot be made private (refused by name).
-_NOT_PRIVATIZABLE = {
-    "deepset": "its max-pooled half moves by O(1) when one sample changes, whatever n",
-    "dss": "its layers mix every sample with the set's sum before pooling",
-    "set_transformer": "its attention lets one sample dominate the pooled output",
-}
-
-
 class ITPFLHNClient(PFedHNClient):
     """pFedHN's client plus the encoder: regression in phase 1, descriptors in phase 2 and for novel clients."""
 
     serves_novel_clients = True
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        encoder = self.config.encoder
-        if encoder not in PRIVATIZABLE:
-            why = _NOT_PRIVATIZABLE.get(encoder, "it is not phi -> mean -> psi")
-            for needed, what in ((self.record_level, "privacy mode 'record' (every descriptor and encoder update "
-                                                     "of a training client is a DP release)"),
-                                 (self.novel_privacy.private, "novel_privacy (the novel client's descriptor)")):
-                if needed:
-                    raise ConfigError(f"itpflhn with {what} needs an encoder whose output is a mean over samples "
-                                      f"that can be clipped and noised ({', '.join(PRIVATIZABLE)}); encoder="
-                                      f"{encoder!r} cannot be made private: {why}")
 
     def encoder_from(self, message: Message) -> nn.Module:
         """The encoder built on the client from the configured architecture and the weights in ``message``."""
@@ -356,15 +359,17 @@ class ITPFLHNClient(PFedHNClient):
 
     def _record_encoder(self, encoder: nn.Module, data: TrainingClient, ctx: ClientContext, purpose: str):
         """``privatize`` at record level: add/remove-one, n private (``min_samples``), the client's noise
-        multiplier, per-sample clip C, the privacy layer's noise source."""
-        return privatize(encoder, None, None, bound=float(self.privacy.clip), relation="add_or_remove_one",
+        multiplier, per-sample clip B (the novel bound: training sees the function novel clients release), the
+        privacy layer's noise source."""
+        return privatize(encoder, None, None, bound=float(self.novel_privacy.bound), relation="add_or_remove_one",
                          min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(data),
                          **self.noise_source(ctx, purpose))
 
-    def _mean_event(self, noise_multiplier: float) -> GaussianEvent:
-        """The event of one release of a mean over records clipped to C (a descriptor's mean or a phi gradient's)
-        at ``noise_multiplier``: sensitivity ``2C / min_samples`` under add/remove-one, n private."""
-        sensitivity = certify_gradient_mean(float(self.privacy.clip), self.privacy.min_samples).value
+    def _mean_event(self, noise_multiplier: float, bound: float) -> GaussianEvent:
+        """The event of one release of a mean over records each clipped to ``bound`` (phi's outputs to B, phi's
+        per-record gradients to C) at ``noise_multiplier``: sensitivity ``2 bound / min_samples`` under
+        add/remove-one, n private."""
+        sensitivity = certify_gradient_mean(float(bound), self.privacy.min_samples).value
         return GaussianEvent(sigma=float(noise_multiplier) * sensitivity, sensitivity=sensitivity,
                              relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
 
@@ -373,14 +378,15 @@ class ITPFLHNClient(PFedHNClient):
         docstring). It dominates a phase-2 round (one fit and one mean release at the same noise multiplier), so it
         is what every round is calibrated for."""
         cfg = self.config
-        mean = self._mean_event(noise_multiplier)
+        step = ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
+                              self._mean_event(noise_multiplier, self.privacy.clip)))
         return ComposedEvent((dp_sgd_round_event(noise_multiplier, data.num_train, cfg.batch_size, cfg.local_steps),
-                              SelfComposedEvent(ComposedEvent((mean, mean)), cfg.encoder_steps)))
+                              SelfComposedEvent(step, cfg.encoder_steps)))
 
     def phase2_round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
         """Record level: what a phase-2 round releases (its descriptor, then its weight change)."""
         cfg = self.config
-        return ComposedEvent((self._mean_event(noise_multiplier),
+        return ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
                               dp_sgd_round_event(noise_multiplier, data.num_train, cfg.batch_size, cfg.local_steps)))
 
     # -- rounds ---------------------------------------------------------------------------------------------------
@@ -405,7 +411,7 @@ class ITPFLHNClient(PFedHNClient):
         return self.encoder_regression(data, message)
 
     def _metadata(self) -> dict[str, Any]:
-        return {"noise": self.privacy.noise, "clip": float(self.privacy.clip),
+        return {"noise": self.privacy.noise, "bound": float(self.novel_privacy.bound), "clip": float(self.privacy.clip),
                 "min_samples": self.privacy.min_samples, "relation": "add or remove one record; n private"}
 
     def _regression_optimizer(self, encoder: nn.Module, cfg: dict) -> torch.optim.Optimizer:
@@ -446,7 +452,7 @@ class ITPFLHNClient(PFedHNClient):
         optimizer = self._regression_optimizer(encoder, cfg)
         x, n = data.x_train, data.num_train
         unlabelled = torch.zeros(n, dtype=torch.int64)
-        clip, z = float(self.privacy.clip), private.noise_multiplier
+        bound, clip, z = private.bound, float(self.privacy.clip), private.noise_multiplier
         events = []
         for _ in range(int(cfg["encoder_steps"])):
             mechanism = private.mechanism(n)                          # refuses a client below min_samples
@@ -459,7 +465,7 @@ class ITPFLHNClient(PFedHNClient):
             cotangent = grads[0].detach()
 
             def per_record(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, u=cotangent) -> torch.Tensor:
-                return (clipped_rows(model(xb), clip) * u).sum(dim=1)
+                return (clipped_rows(model(xb), bound) * u).sum(dim=1)
 
             phi_grads, gradient_event, _ = release_gradient_mean(phi, per_record, x, unlabelled, clip=clip,   # c.
                                                                  min_samples=self.privacy.min_samples,

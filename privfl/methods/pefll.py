@@ -53,7 +53,7 @@ training client makes three releases a round: ``v_i``, ``Delta theta_i`` and ``D
      ``descriptor_batch``: a fixed-size batch holds ``min(b, n)`` records, which depends on the private n, and the
      same batch must serve stage 3), released by :func:`~privfl.privacy.labelled.release_labelled_mean` under
      add/remove: each clipped ``phi(x_j, y_j)`` depends on record j alone, so the mean moves by at most
-     ``2B/min_samples`` with B the privacy clip;
+     ``2B/min_samples`` with B the novel bound (training then sees the function novel clients release);
   2. local training is DP-SGD (:meth:`ClientProcedure.fit`: per-record clip, momentum 0.9, weight decay
      ``2 lambda_theta``; the per-step clip ``grad_clip`` must be 0), and ``Delta theta_i`` is post-processing of it
      and of ``theta_i``, which the server sent;
@@ -78,9 +78,8 @@ training client makes three releases a round: ``v_i``, ``Delta theta_i`` and ``D
 Novel (unseen) clients: with :class:`~privfl.privacy.training.NovelPrivacy` (``RunConfig.novel_privacy``) the
 descriptor is an (epsilon, delta)-DP release under replace-one of a labelled record, n public
 (:func:`~privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with B the novel bound); without it,
-the descriptor is sent in the clear. The per-example clip B in training is the privacy clip under record-level DP,
-else the novel bound when novel clients are private (so the networks train on the function novel clients release),
-else none. A seen client queried this way after record-level training would add a replace-one release to its
+the descriptor is sent in the clear. The per-example clip B in training is the novel bound under record-level DP or
+when novel clients are private (so the networks train on the function novel clients release), else none. A seen client queried this way after record-level training would add a replace-one release to its
 add/remove ledger, which the ledger refuses before anything is sent (a guarantee holds under one relation): serve
 seen clients that way only without record-level DP.
 
@@ -111,6 +110,7 @@ from privfl.methods.base import (
     ClientContext,
     ClientProcedure,
     ClientState,
+    MethodConfig,
     Strategy,
     dp_sgd_round_event,
     private_release,
@@ -121,6 +121,7 @@ from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, backprop
 from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, clipped_rows, resolve_kind
 from privfl.privacy.gradient_mean import certify_gradient_mean, release_gradient_mean
 from privfl.privacy.labelled import certify_labelled_mean, release_labelled_mean
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 EMBED = "embed."
 #: The prefix of a central-DP contribution's hypernetwork gradient.
@@ -132,7 +133,7 @@ SERVER_OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclass(frozen=True)
-class PeFLLConfig:
+class PeFLLConfig(MethodConfig):
     """PeFLL's settings; defaults from the authors' code (``jonnyascott/PeFLL``; docs/papers.md, PeFLL, "Settings")
     unless noted.
 
@@ -198,6 +199,10 @@ class PeFLLConfig:
                       f"one of {', '.join(SERVER_OPTIMIZERS)}")
         check.require(self.embed_kind in EMBEDDING_KINDS, "embed_kind", self.embed_kind,
                       f"one of {', '.join(EMBEDDING_KINDS)}")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, the per-step batch clip under record-level DP (DP-SGD clips each record)."""
+        refuse_batch_clip(self.grad_clip, privacy)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -327,7 +332,7 @@ class PeFLLStrategy(Strategy):
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         """Stage 0 (line 3): the embedding network to each sampled client."""
-        self._round = {"descriptor": {}, "hnet_grads": RoundGradientMean(self.hnet), "loss": {}, "change": {}}
+        self._round = {"descriptor": {}, "hnet_grads": RoundGradientMean(self.hnet), "loss": {}}
         return {cid: self._embedding_message(cid) for cid in client_ids}
 
     def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
@@ -346,7 +351,6 @@ class PeFLLStrategy(Strategy):
             messages = {}
             for cid in sorted(replies):   # ascending: the order the hypernetwork gradients are summed in
                 dv = self._round["hnet_grads"].add(cid, self._round["descriptor"][cid], replies[cid].arrays)
-                self._round["change"][cid] = replies[cid].arrays
                 self._round["loss"][cid] = float(replies[cid].metrics.get("loss", float("nan")))
                 messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach()})
             return messages
@@ -416,9 +420,9 @@ class PeFLLStrategy(Strategy):
         """Client i's contribution (module docstring): ``Delta eta_h^i``, chain-ruled here from its weight change at
         its descriptor (line 12), and its ``Delta eta_v^i`` (line 15), for the clients that completed the round."""
         self.descriptors_confidential = True
-        changes = self._round.get("change", {})
-        for cid in sorted(cid for cid in replies if cid in changes):
-            grads, _ = backprop_weight_change(self.hnet, self._round["descriptor"][cid], changes[cid])
+        kept = self._round.get("hnet_grads", ())
+        for cid in sorted(cid for cid in replies if cid in kept):
+            grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
             yield cid, {**prefixed(HNET, grads),
                         **{EMBED + name: replies[cid].arrays[EMBED + name] for name, _ in
                            self.embedding.named_parameters()}}
@@ -483,7 +487,7 @@ class PeFLLClient(ClientProcedure):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        refuse_batch_clip(self, self.config.grad_clip)
+        self.config.check_privacy(self.privacy, self.novel_privacy)   # also where no RunConfig checked it
         self._embeddings: dict[tuple[str, int], EmbeddingNetwork] = {}
 
     def embedding_from(self, message_config: dict, weights: dict[str, torch.Tensor]) -> EmbeddingNetwork:
@@ -500,22 +504,21 @@ class PeFLLClient(ClientProcedure):
     @property
     def embedding_bound(self) -> float | None:
         """B, the L2 radius each per-example embedding is clipped to in training and in a non-private descriptor:
-        the privacy clip under record-level DP (it sets the sensitivities), else the novel bound when novel clients
-        release privately (the networks then train on the function they release), else none. The client's own
+        the novel bound under record-level DP (it sets the descriptor's sensitivity) or when novel clients release
+        privately (the networks then train on the function novel clients release), else none. The client's own
         setting: nothing the server sends can change it."""
-        if self.record_level:
-            return float(self.privacy.clip)
-        return float(self.novel_privacy.bound) if self.novel_privacy.private else None
+        return float(self.novel_privacy.bound) if self.record_level or self.novel_privacy.private else None
 
     # -- record level -------------------------------------------------------------------------------------------------
 
     def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
-        """Record level: the three releases of a round (module docstring): the descriptor mean and the embedding
-        gradient mean (each ``2C / min_samples`` under add/remove-one) around one DP-SGD fit."""
+        """Record level: the three releases of a round (module docstring): the descriptor mean (``2B / min_samples``
+        under add/remove-one) and the embedding gradient mean (``2C / min_samples``) around one DP-SGD fit."""
         cfg: PeFLLConfig = self.config
-        clip, floor = float(self.privacy.clip), self.privacy.min_samples
-        descriptor = certify_labelled_mean(clip, floor, relation=NeighboringRelation.ADD_OR_REMOVE_ONE).value
-        gradient = certify_gradient_mean(clip, floor).value
+        floor = self.privacy.min_samples
+        descriptor = certify_labelled_mean(float(self.novel_privacy.bound), floor,
+                                           relation=NeighboringRelation.ADD_OR_REMOVE_ONE).value
+        gradient = certify_gradient_mean(float(self.privacy.clip), floor).value
         z = float(noise_multiplier)
         return ComposedEvent((
             GaussianEvent(sigma=z * descriptor, sensitivity=descriptor, relation=NeighboringRelation.ADD_OR_REMOVE_ONE),
@@ -523,7 +526,7 @@ class PeFLLClient(ClientProcedure):
             GaussianEvent(sigma=z * gradient, sensitivity=gradient, relation=NeighboringRelation.ADD_OR_REMOVE_ONE)))
 
     def _metadata(self) -> dict[str, Any]:
-        return {"noise": self.privacy.noise, "clip": float(self.privacy.clip),
+        return {"noise": self.privacy.noise, "bound": float(self.novel_privacy.bound), "clip": float(self.privacy.clip),
                 "min_samples": self.privacy.min_samples, "relation": "add or remove one labelled record; n private"}
 
     # -- rounds -------------------------------------------------------------------------------------------------------

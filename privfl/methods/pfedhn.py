@@ -83,6 +83,7 @@ from privfl.methods.base import (
 )
 from privfl.methods.local_training import sgd_settings
 from privfl.models import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 EMBED_DIM_RULES = ("quarter", "pfedhn")
 #: The prefix of a central-DP contribution's hypernetwork gradient.
@@ -153,6 +154,10 @@ class PFedHNConfig(LocalTrainingConfig):
         check.require(self.hn_chunked in (None, True, False), "hn_chunked", self.hn_chunked,
                       "None (by target size), True or False")
 
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, the per-step batch clip under record-level DP (:func:`refuse_batch_clip`)."""
+        refuse_batch_clip(self.grad_clip, privacy)
+
     @property
     def embedding_lr(self) -> float:
         return self.hn_lr if self.embed_lr is None else self.embed_lr
@@ -163,6 +168,15 @@ class PFedHNConfig(LocalTrainingConfig):
 
     def round_config(self, round: int) -> dict:
         return {**super().round_config(round), "momentum": self.momentum}
+
+
+def refuse_batch_clip(grad_clip: float | None, privacy: TrainingPrivacy) -> None:
+    """Refuse a per-step batch-gradient clip under record-level DP: DP-SGD clips each record's gradient instead (the
+    privacy clip), and :meth:`ClientProcedure.fit` would refuse it at the first round."""
+    if privacy.mode == RECORD and grad_clip:
+        raise ConfigError(f"grad_clip={grad_clip!r} clips each local step's batch gradient, a stabiliser that "
+                          f"record-level DP-SGD replaces with its per-record clip (privacy clip={privacy.clip!r}); "
+                          "set grad_clip to None (0 where 0 means off) with privacy mode 'record'")
 
 
 def _int(value: Any) -> bool:
@@ -382,16 +396,6 @@ class PFedHNStrategy(Strategy):
         self._sent, self._row_gradients = {}, {}
 
 
-def refuse_batch_clip(procedure: ClientProcedure, grad_clip: float | None) -> None:
-    """Refuse, before any round, a per-step batch-gradient clip under record-level DP: DP-SGD clips each record's
-    gradient instead (the privacy clip), and :meth:`ClientProcedure.fit` would refuse it at the first round."""
-    if procedure.record_level and grad_clip:
-        raise ConfigError(f"grad_clip={grad_clip!r} clips each local step's batch gradient, a stabiliser that "
-                          f"record-level DP-SGD replaces with its per-record clip (privacy clip="
-                          f"{procedure.privacy.clip!r}); set grad_clip to None (0 where 0 means off) with privacy "
-                          "mode 'record'")
-
-
 class PFedHNClient(ClientProcedure):
     """Trains the generated weights locally (DP-SGD under record-level DP) and sends the weight change
     ``before - after``."""
@@ -400,7 +404,7 @@ class PFedHNClient(ClientProcedure):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        refuse_batch_clip(self, self.config.grad_clip)
+        self.config.check_privacy(self.privacy, self.novel_privacy)   # also where no RunConfig checked it
 
     def load_generated(self, weights: dict[str, torch.Tensor], model: nn.Module | None = None) -> nn.Module:
         """``model`` (by default the workspace model) with its parameters set to ``weights``.

@@ -199,7 +199,7 @@ def test_bad_settings_raise_naming_the_value(bad, match):
 DP = {"encoder": "dp_deepset", "grad_clip": None}
 
 
-def private_runtime(clients, privacy, rounds=2, novel_privacy=None, **settings):
+def private_runtime(clients, privacy, rounds=2, novel_privacy=NovelPrivacy(bound=0.5), **settings):
     """IT-PFL-HN under ``privacy`` as :func:`privfl.config.build_method` builds it (every client every round)."""
     spec = get_method("itpflhn")
     config = spec.make_config(**{**SMALL, **DP, **settings})
@@ -224,9 +224,10 @@ def test_record_level_rounds_record_the_declared_events_phase_one_exactly_and_ph
         assert [r.purpose for r in records] == ["weight_change", "encoder_update", "descriptor", "weight_change"]
         declared = proc.round_event(c, 1.2)
         assert ComposedEvent(tuple(r.event for r in records[:2])) == declared
-        # the mean releases: 2C / min_samples under add/remove, noise multiplier 1.2, two per regression step
-        mean = records[1].event.event.events[0]
-        assert (mean.sensitivity, mean.sigma, records[1].event.count) == pytest.approx((2 * 0.7 / 6, 1.2 * 1.4 / 6, 3))
+        # each regression step: phi's mean (2B / min_samples) and phi's gradient (2C / min_samples), both at z = 1.2
+        mean, gradient = records[1].event.event.events
+        assert (mean.sensitivity, mean.sigma, records[1].event.count) == pytest.approx((2 * 0.5 / 6, 1.2 / 6, 3))
+        assert (gradient.sensitivity, gradient.sigma) == pytest.approx((2 * 0.7 / 6, 1.2 * 1.4 / 6))
         phase2 = ComposedEvent(tuple(r.event for r in records[2:]))
         assert phase2 == proc.phase2_round_event(c, 1.2)
         assert accounting_epsilon(phase2, 1e-5) < accounting_epsilon(declared, 1e-5)
@@ -254,7 +255,7 @@ def test_the_private_regression_step_is_the_regression_gradient_when_noise_and_c
         if privacy is None:
             rt, strategy, proc = runtime(clients, **DP, encoder_steps=2)
         else:
-            rt, proc = private_runtime(clients, privacy, encoder_steps=2)
+            rt, proc = private_runtime(clients, privacy, novel_privacy=NovelPrivacy(bound=1e3), encoder_steps=2)
             strategy = rt.strategy
         message = strategy.configure_train(0, [0])
         stage = strategy.configure_stage(0, 1, {0: Message(arrays={k: torch.zeros_like(v) for k, v in
@@ -268,12 +269,16 @@ def test_the_private_regression_step_is_the_regression_gradient_when_noise_and_c
     assert any(float(v.abs().max()) > 1e-3 for v in changes[1].values())
 
 
-def test_record_level_and_private_novel_clients_refuse_an_encoder_that_is_not_a_clipped_mean():
+def test_record_level_and_private_novel_clients_refuse_an_encoder_that_is_not_a_clipped_mean(make_spec):
     spec = get_method("itpflhn")
+    record = TrainingPrivacy(mode="record", noise_multiplier=1.0)
+    refusal = "itpflhn with privacy mode 'record' .* encoder='deepset' cannot be made private: its max-pooled half"
+    with pytest.raises(ConfigError, match=refusal):      # before the run: the run's config refuses it
+        RunConfig(federation=make_spec(), method="itpflhn", method_config={"grad_clip": None}, privacy=record,
+                  select="last")
     config = spec.make_config(**SMALL, grad_clip=None)      # the mean+max DeepSet
-    with pytest.raises(ConfigError, match="itpflhn with privacy mode 'record' .* encoder='deepset' cannot be made "
-                                          "private: its max-pooled half moves by O\\(1\\)"):
-        spec.client(model_factory=FACTORY, config=config, privacy=TrainingPrivacy(mode="record", noise_multiplier=1.0))
+    with pytest.raises(ConfigError, match=refusal):      # and so does a client built without one
+        spec.client(model_factory=FACTORY, config=config, privacy=record)
     with pytest.raises(ConfigError, match="itpflhn with novel_privacy .* encoder='set_transformer'"):
         spec.client(model_factory=FACTORY, config=spec.make_config(**{**SMALL, "encoder": "set_transformer",
                                                                       "encoder_options": {}}),

@@ -44,12 +44,14 @@ def _runtime(clients, novel_privacy=None, **settings):
     return InProcessRuntime(strategy=strategy, client=client, training_clients=clients, seed=0)
 
 
-def _private_runtime(clients, privacy, rounds=2, **settings):
-    """PeFLL under ``privacy`` as :func:`privfl.config.build_method` builds it (every client every round)."""
+def _private_runtime(clients, privacy, rounds=2, bound=0.5, **settings):
+    """PeFLL under ``privacy`` as :func:`privfl.config.build_method` builds it (every client every round), the
+    embeddings clipped to the novel bound ``bound``."""
     spec = get_method("pefll")
     config = spec.make_config(**{**SMALL, "grad_clip": 0.0, **settings})
     strategy = spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=len(clients))
-    client = spec.client(model_factory=FACTORY, config=config, privacy=privacy, participations=rounds)
+    client = spec.client(model_factory=FACTORY, config=config, privacy=privacy, participations=rounds,
+                         novel_privacy=NovelPrivacy(bound=bound))
     strategy, wrapped = protect(spec, strategy, client, privacy, rounds=rounds, client_fraction=1.0, seed=0,
                                 num_training_clients=len(clients))
     return InProcessRuntime(strategy=strategy, client=wrapped, training_clients=clients, seed=0), client
@@ -232,9 +234,10 @@ def test_a_record_level_round_records_exactly_the_declared_three_releases_over_t
         assert [r.purpose for r in records] == ["descriptor", "weight_change", "embedding_gradient"]
         assert ComposedEvent(tuple(r.event for r in records)) == client.round_event(c, 1.1)
         descriptor, fit, gradient = (r.event for r in records)
-        # add/remove-one, n private: 2C / min_samples for both means, whatever n; DP-SGD at q = 4/n
-        assert descriptor.sensitivity == gradient.sensitivity == pytest.approx(2 * 0.6 / 6)
-        assert descriptor.sigma == pytest.approx(1.1 * 0.2) and descriptor.relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+        # add/remove-one, n private: 2B / min_samples and 2C / min_samples, whatever n; DP-SGD at q = 4/n
+        assert (descriptor.sensitivity, gradient.sensitivity) == pytest.approx((2 * 0.5 / 6, 2 * 0.6 / 6))
+        assert descriptor.sigma == pytest.approx(1.1 * 2 * 0.5 / 6)
+        assert descriptor.relation is gradient.relation is NeighboringRelation.ADD_OR_REMOVE_ONE
         assert fit.event.sampling_probability == pytest.approx(4 / c.num_train) and fit.count == 3
         assert all(r.metadata["min_samples"] == 6 and "n" not in r.metadata for r in records)
 
@@ -246,7 +249,7 @@ def test_the_record_level_descriptor_is_the_clipped_mean_of_the_whole_split_plus
     runtime.begin_round(0, [0])
     replies = runtime.exchange(0, 0, runtime.strategy.configure_train(0, [0]))
     with torch.no_grad():
-        expected = runtime.strategy.embedding.descriptor(clients[0].x_train, clients[0].y_train, bound=0.6)
+        expected = runtime.strategy.embedding.descriptor(clients[0].x_train, clients[0].y_train, bound=0.5)
     assert torch.allclose(replies[0].arrays["descriptor"], expected, atol=1e-6)
 
 
@@ -259,7 +262,7 @@ def test_the_record_level_embedding_gradient_is_the_true_one_when_noise_and_clip
         if privacy is None:
             runtime = _runtime(clients, grad_clip=0.0, descriptor_batch=12)
         else:
-            runtime, _ = _private_runtime(clients, privacy, descriptor_batch=12)
+            runtime, _ = _private_runtime(clients, privacy, bound=1e3, descriptor_batch=12)
         runtime.begin_round(0, [0])
         replies = runtime.exchange(0, 0, runtime.strategy.configure_train(0, [0]))
         replies = runtime.exchange(0, 1, runtime.strategy.configure_stage(0, 1, replies))
@@ -281,7 +284,9 @@ def test_a_target_epsilon_is_spent_exactly_over_the_planned_rounds():
         assert runtime.wire.ledgers[c.client_id].spent(1e-5).epsilon == pytest.approx(4.0, rel=1e-2)
 
 
-def test_record_level_refuses_the_batch_clip_and_a_client_below_min_samples_without_its_size():
+def test_record_level_refuses_the_batch_clip_and_a_client_below_min_samples_without_its_size(make_spec):
+    with pytest.raises(ConfigError, match="grad_clip=50.0 clips each local step's batch gradient"):
+        RunConfig(federation=make_spec(), method="pefll", privacy=RECORD, select="last")
     with pytest.raises(ConfigError, match="grad_clip=50.0 clips each local step's batch gradient"):
         get_method("pefll").client(model_factory=FACTORY, config=get_method("pefll").make_config(**SMALL),
                                    privacy=RECORD)
@@ -301,7 +306,7 @@ def test_central_dp_steps_both_networks_from_the_noisy_mean_and_never_serves_ano
     contributions = dict(strategy.contributions(0, replies))
     assert set(contributions[0]) == set(strategy.contribution_shapes())
     for cid in (0, 1):
-        expected, _ = backprop_weight_change(strategy.hnet, strategy.descriptors[cid], strategy._round["change"][cid])
+        expected, _ = backprop_weight_change(strategy.hnet, *strategy._round["hnet_grads"].inputs(cid))
         assert all(torch.equal(contributions[cid]["hnet." + k], v) for k, v in expected.items())
         assert all(torch.equal(contributions[cid]["embed." + k], replies[cid].arrays["embed." + k])
                    for k, _ in strategy.embedding.named_parameters())

@@ -360,11 +360,14 @@ def test_a_target_epsilon_is_spent_exactly_over_the_planned_rounds():
             == pytest.approx(3.0, rel=1e-2)
 
 
-def test_record_level_refuses_the_batch_clip_before_any_round():
-    with pytest.raises(ConfigError, match="grad_clip=50.0 clips each local step's batch gradient.*set grad_clip to "
-                                          "None .* with privacy mode 'record'"):
-        get_method("pfedhn").client(model_factory=FACTORY, config=get_method("pfedhn").make_config(),
-                                    privacy=TrainingPrivacy(mode="record", noise_multiplier=1.0))
+@pytest.mark.parametrize("name", ["pfedhn", "pfl_sampled", "pfl_ensemble"])
+def test_record_level_refuses_the_batch_clip_before_the_run(name, make_spec):
+    record = TrainingPrivacy(mode="record", noise_multiplier=1.0)
+    refusal = "grad_clip=50.0 clips each local step's batch gradient.*set grad_clip to None .* with privacy mode 'record'"
+    with pytest.raises(ConfigError, match=refusal):
+        RunConfig(federation=make_spec(), method=name, privacy=record, select="last")
+    with pytest.raises(ConfigError, match=refusal):
+        get_method(name).client(model_factory=FACTORY, config=get_method(name).make_config(), privacy=record)
 
 
 def test_central_dp_moves_the_hypernetwork_from_the_noisy_mean_alone_and_each_row_from_its_own_gradient():
