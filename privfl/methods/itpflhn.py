@@ -109,7 +109,8 @@ from privfl.methods.pfedhn import SMOKE_SETTINGS, PFedHNClient, PFedHNConfig, PF
 from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
 from privfl.models.pefll import clipped_rows
 from privfl.privacy import privatize
-from privfl.privacy.gradient_mean import certify_gradient_mean, release_gradient_mean
+from privfl.privacy.gradient_mean import release_gradient_mean
+from privfl.privacy.sensitivity import certify_mean_of_clipped
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 _ENCODER = "encoder/"
@@ -369,7 +370,8 @@ class ITPFLHNClient(PFedHNClient):
         """The event of one release of a mean over records each clipped to ``bound`` (phi's outputs to B, phi's
         per-record gradients to C) at ``noise_multiplier``: sensitivity ``2 bound / min_samples`` under
         add/remove-one, n private."""
-        sensitivity = certify_gradient_mean(float(bound), self.privacy.min_samples).value
+        sensitivity = certify_mean_of_clipped(float(bound), self.privacy.min_samples,
+                                              NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False).value
         return GaussianEvent(sigma=float(noise_multiplier) * sensitivity, sensitivity=sensitivity,
                              relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
 
