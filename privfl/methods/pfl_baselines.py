@@ -31,6 +31,18 @@ part in at least one round (the server knows no other client's id; with the pape
   epsilon = infinity, in their ledgers). The papers note it "can be computed in FL" by training the linear model
   with gradients from each side, which needs the training clients online at inference time; that changes what the
   server sees (gradients of a linear model instead of inputs) but is still not private, and is not implemented.
+
+**Privacy** (:mod:`privfl.privacy.training`; the argument of each mode is pFedHN's, :mod:`privfl.methods.pfedhn`).
+
+* pfl_sampled and pfl_ensemble train exactly as pFedHN and run ``record`` (DP-SGD; the weight change carries its
+  event) and ``local`` (the layer noises each weight change on the client). Their novel clients send nothing; what
+  they receive, every pool model ``f_theta(e_j)``, is post-processing of the training clients' DP releases in both
+  modes. ``central`` is refused: a novel client receives every training client's generated model, and each row
+  ``e_j`` is per-client server state moved by client j's own weight changes in the clear, which central DP's noisy
+  sum (covering the shared hypernetwork only) does not protect. ``distributed`` is refused as for pFedHN.
+* pfl_nearest refuses every mode: its training clients send a sample of their raw inputs, which no mechanism makes
+  private at any level (record or client), and the A-distance needs them as they are. Its novel clients send raw
+  inputs too, so it honours no :class:`~privfl.privacy.training.NovelPrivacy`.
 """
 
 from __future__ import annotations
@@ -48,7 +60,13 @@ from privfl.evaluation.metrics import ExpectedModel
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import ClientContext, ClientState, register_method
-from privfl.methods.pfedhn import PFedHNClient, PFedHNConfig, PFedHNStrategy
+from privfl.methods.pfedhn import (
+    DISTRIBUTED_REFUSAL,
+    SMOKE_SETTINGS,
+    PFedHNClient,
+    PFedHNConfig,
+    PFedHNStrategy,
+)
 
 
 class LogitEnsemble(nn.Module):
@@ -255,16 +273,33 @@ class PFLNearestClient(PFedHNClient):
         return self.load_generated(message.arrays)
 
 
+#: Why central DP is refused where novel clients receive every training client's model.
+POOL_CENTRAL_REFUSAL = ("a novel client receives every training client's generated model f_theta(e_j), and each "
+                        "embedding row e_j is per-client server state moved by client j's own weight changes in the "
+                        "clear; central DP's noisy sum protects the shared hypernetwork only")
+POOL_PRIVACY = {"record": None, "local": None, "central": POOL_CENTRAL_REFUSAL, "distributed": DISTRIBUTED_REFUSAL}
+#: Why pfl_nearest runs no privacy mode.
+RAW_INPUTS = ("its training clients send a sample of their raw inputs to the server for the proxy A-distance to "
+              "novel clients, which no mechanism can make private (the distance needs the inputs as they are)")
+
 register_method(
     "pfl_sampled", strategy=PFLPoolStrategy, client=PFLSampledClient, config=PFedHNConfig,
     description="PFL-sampled: pFedHN; a novel client is scored by the mean accuracy of all training-client models",
+    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
 )
 register_method(
     "pfl_ensemble", strategy=PFLPoolStrategy, client=PFLEnsembleClient, config=PFedHNConfig,
     description="PFL-ensemble: pFedHN; a novel client averages the logits of all training-client models",
+    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
 )
 register_method(
     "pfl_nearest", strategy=PFLNearestStrategy, client=PFLNearestClient, config=PFLNearestConfig,
     description="PFL-nearest: pFedHN; a novel client gets the model of the training client nearest in proxy "
                 "A-distance (both sides' raw inputs reach the server, non-private)",
+    privacy=dict.fromkeys(("record", "central", "distributed", "local"), RAW_INPUTS),
+    # the weight change every round, and the raw inputs in the round a client first takes part in
+    releases_per_round=2,
+    novel_privacy="its novel clients send a sample of their raw inputs for the proxy A-distance, which no mechanism "
+                  "can make private",
+    smoke_settings={**SMOKE_SETTINGS, "nearest_max_inputs": 16},
 )
