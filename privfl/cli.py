@@ -87,7 +87,7 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay", type=float, default=None, help="round-r lr = lr * decay ** (r / 10) (1.0)")
     g.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="any other field of the method's config (VALUE read as JSON, else as text), e.g. "
-                        "--method-option novel_epsilon=1 --method-option encoder=\"dp_deepset\"; repeatable")
+                        "--method-option encoder=\"dp_deepset\" --method-option adapt=\"all\"; repeatable")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
     g.add_argument("--select", default="best_val", help="best_val or last")
@@ -101,12 +101,15 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "privacy", "one mode protects every training client (any method; needs --select last); the novel-client "
-                   "options protect what a novel client sends (ODPFL-HN's descriptor, PeFLL's)")
+                   "options protect what a novel client sends (the descriptor of ODPFL-HN, IT-PFL-HN and PeFLL)")
     g.add_argument("--dp-noise-multiplier", type=float, default=None,
                    help="record level: DP-SGD (and every other record-level mechanism) at this noise multiplier")
     g.add_argument("--dp-epsilon", type=float, default=None,
                    help="record level: the noise is calibrated so each training client ends the run at this epsilon")
     g.add_argument("--dp-max-grad-norm", type=float, default=None, help="record level: per-sample L2 clip (1.0)")
+    g.add_argument("--dp-min-samples", type=int, default=None,
+                   help="record level: the public lower bound on a training client's record count that bounds the "
+                        "sensitivity of its means (8); a client with fewer records is refused")
     g.add_argument("--client-dp", default=None, choices=("central", "distributed", "local"),
                    help="client-level DP: central (trusted aggregator, Poisson sampling at --client-fraction), "
                         "distributed (noise shares summed under secure aggregation) or local (each client adds it)")
@@ -135,7 +138,7 @@ def _privacy(args: argparse.Namespace):
 
     record = args.dp_noise_multiplier is not None or args.dp_epsilon is not None
     client = args.client_dp is not None
-    record_only = [name for name in ("dp_max_grad_norm",) if getattr(args, name) is not None]
+    record_only = [name for name in ("dp_max_grad_norm", "dp_min_samples") if getattr(args, name) is not None]
     client_only = [name for name in ("client_dp_epsilon", "client_dp_noise_multiplier", "client_dp_clip",
                                      "client_dp_participations", "client_dp_shares") if getattr(args, name) is not None]
     if record and client:
@@ -153,7 +156,9 @@ def _privacy(args: argparse.Namespace):
         common["noise"] = args.dp_noise
     if record:
         privacy = TrainingPrivacy(mode="record", epsilon=args.dp_epsilon, noise_multiplier=args.dp_noise_multiplier,
-                                  clip=1.0 if args.dp_max_grad_norm is None else args.dp_max_grad_norm, **common)
+                                  clip=1.0 if args.dp_max_grad_norm is None else args.dp_max_grad_norm,
+                                  **({} if args.dp_min_samples is None else {"min_samples": args.dp_min_samples}),
+                                  **common)
     elif client:
         clip = args.client_dp_clip
         if clip is not None and clip != "adaptive":

@@ -167,3 +167,26 @@ def test_an_internal_fault_shows_its_traceback_and_asks_for_a_report(tmp_path, c
     assert code == 70
     assert "Traceback" in err and "InternalError: round 0 requested but 7 rounds are completed" in err
     assert "this is a bug in privfl" in err and "please report it" in err
+
+
+def test_privacy_options_build_the_run_privacy_and_refuse_mixes():
+    from privfl.cli import _privacy, build_parser
+    from privfl.errors import PrivflError
+
+    def privacy(*flags):
+        return _privacy(build_parser().parse_args(["train", "--out", "x", *flags]))
+
+    record, novel = privacy("--dp-epsilon", "8", "--dp-max-grad-norm", "0.5", "--dp-min-samples", "32",
+                            "--novel-epsilon", "1", "--delta", "1e-6")
+    assert (record.mode, record.epsilon, record.clip, record.min_samples, record.delta) == ("record", 8.0, 0.5, 32,
+                                                                                            1e-6)
+    assert (novel.epsilon, novel.delta, novel.bound) == (1.0, 1e-6, 1.0)
+    central, _ = privacy("--client-dp", "central", "--client-dp-epsilon", "2", "--client-dp-clip", "adaptive")
+    assert (central.mode, central.epsilon, central.clip) == ("central", 2.0, "adaptive")
+    assert privacy()[0].mode is None
+    with pytest.raises(PrivflError, match="--dp-min-samples needs --dp-noise-multiplier or --dp-epsilon"):
+        privacy("--dp-min-samples", "32")
+    with pytest.raises(PrivflError, match="not both"):
+        privacy("--dp-epsilon", "8", "--client-dp", "local")
+    with pytest.raises(PrivflError, match="--client-dp-clip must be a number > 0 or 'adaptive', got 'auto'"):
+        privacy("--client-dp", "central", "--client-dp-clip", "auto")
