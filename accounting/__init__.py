@@ -8,6 +8,7 @@ torch nor privfl (Opacus, and with it torch, is imported only when the "prv" acc
 - :mod:`accounting.calibration`: the analytic Gaussian mechanism (Balle and Wang 2018) and DP-SGD noise calibration.
 - :mod:`accounting.accountants`: epsilon / delta of a composition by dp-accounting's PLD and RDP or Opacus' PRV.
 - :mod:`accounting.ledger`: per-client ledgers with budgets that refuse a release before it happens, saved atomically.
+- :mod:`accounting.journal`: the release journal, each release appended as it is recorded, lines hash-chained.
 """
 
 from accounting.accountants import (
@@ -41,9 +42,9 @@ from accounting.ledger import (
     LedgerBook,
     PrivacyBudget,
     PrivacyLedger,
-    ReleaseJournal,
     ReleaseRecord,
 )
+from accounting.journal import JournalDamaged, JournalMismatch, JournalPosition, ReleaseJournal
 
 __all__ = [
     "ACCOUNTANTS",
@@ -54,6 +55,9 @@ __all__ = [
     "ClientId",
     "ComposedEvent",
     "GaussianEvent",
+    "JournalDamaged",
+    "JournalMismatch",
+    "JournalPosition",
     "LaplaceEvent",
     "LedgerBook",
     "NeighboringRelation",

@@ -13,6 +13,12 @@ import os
 import secrets
 from pathlib import Path
 
+from accounting import faults
+
+#: The name every temporary file of :func:`atomic_write` has: ``.<target name>.<12 hex digits>.tmp``, beside its
+#: target. A process killed mid-write leaves one behind; :func:`remove_leftovers` removes them.
+TEMPORARY = ".{name}.{token}.tmp"
+
 
 def atomic_write(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` atomically.
@@ -30,10 +36,14 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, durable: bool = T
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    tmp = path.parent / TEMPORARY.format(name=path.name, token=secrets.token_hex(6))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
+            if faults.reached(f"write:{path.name}"):      # a test's kill point (accounting.faults), inert otherwise
+                f.write(data[: len(data) // 2])
+                f.flush()
+                faults.die()
             f.write(data)
             f.flush()
             if durable:
@@ -51,4 +61,16 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, durable: bool = T
             os.close(directory)
 
 
-__all__ = ["atomic_write"]
+def remove_leftovers(directory: str | os.PathLike[str], names: list[str]) -> list[Path]:
+    """Remove the temporary files :func:`atomic_write` left in ``directory`` for targets named ``names`` (a process
+    killed mid-write leaves one); return what was removed. Call it only while no other process writes there."""
+    removed = []
+    for name in names:
+        for leftover in Path(directory).glob(TEMPORARY.format(name=name, token="*")):
+            if len(leftover.name) == len(TEMPORARY.format(name=name, token="0" * 12)):
+                leftover.unlink(missing_ok=True)
+                removed.append(leftover)
+    return removed
+
+
+__all__ = ["TEMPORARY", "atomic_write", "remove_leftovers"]

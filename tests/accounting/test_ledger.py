@@ -325,7 +325,7 @@ def test_ledger_book_save_is_atomic(tmp_path, monkeypatch):
 
 def test_release_journal_replays_what_a_saved_book_lacks_and_ignores_a_line_cut_short(tmp_path):
     path = tmp_path / "releases.jsonl"
-    journal, book = accounting.ledger.ReleaseJournal(path), LedgerBook()
+    journal, book = accounting.ReleaseJournal(path), LedgerBook()
     assert journal.entries() == [] and journal.replay_into(LedgerBook()) == 0        # no file yet: nothing
     journal.append(1, book[1].record(DESCRIPTOR, purpose="descriptor", round=0, metadata={"bytes": 8}))
     saved = LedgerBook.from_state_dict(book.state_dict())                            # the checkpoint's book
