@@ -288,31 +288,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """The summaries of run directories side by side, finished or not (an unfinished run's epsilons recomputed from
+    its recorded releases), each with its directory and noise source."""
     from privfl.evaluation import comparison_table
-    from privfl.federation import RunDirectory
+    from privfl.federation.spend import run_summary
 
-    summaries = [RunDirectory(d).read_json(RunDirectory.SUMMARY) for d in args.run_dirs]
+    summaries = [run_summary(d) for d in args.run_dirs]
     print(comparison_table(summaries))
+    for summary in summaries:
+        for warning in summary.get("warnings", []):
+            print(f"privfl: warning: {summary['run_dir']}: {warning}", file=sys.stderr)
     return 0
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
-    """Epsilon per client from the releases recorded in a run's ledger.json (recomputed by the accountant)."""
+    """Epsilon per client recomputed by the accountant from the releases a run recorded (releases.jsonl, beside
+    ledger.json and the last checkpoint's ledgers), finished or not."""
     from collections import Counter
 
-    from accounting import LedgerBook
     from privfl.evaluation.report import format_epsilon
-    from privfl.federation import RunDirectory
+    from privfl.federation.spend import read_spend
 
-    run = RunDirectory(args.run_dir)
     if args.delta is not None and not (math.isfinite(args.delta) and 0 < args.delta < 1):
         raise PrivflError(f"--delta must be a probability in (0, 1), got {args.delta}")
-    delta = args.delta if args.delta is not None else float(run.read_json(RunDirectory.CONFIG)["delta"])
-    path = run.path(RunDirectory.LEDGER)
-    if not path.exists():
-        raise PrivflError(f"{path} does not exist; a run writes its ledger when it finishes")
-    book = LedgerBook.load(path)
-    print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
+    spend = read_spend(args.run_dir, args.delta)
+    book = spend.book
+    for warning in spend.warnings:
+        print(f"privfl: warning: {warning}", file=sys.stderr)
+    print(f"run {spend.root}: {spend.status}; recomputed from {', '.join(spend.sources) or 'no file (no release)'}")
+    print(f"epsilon at delta={spend.delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
     print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  {'mode':<11}  {'relation':<32}  purposes")
     for client_id in sorted(book, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
         ledger = book[client_id]
@@ -321,7 +325,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         modes = sorted({str(r.metadata["mode"]) for r in ledger.records if "mode" in r.metadata}) or ["-"]
         relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in ledger.records
                             if r.event.relation is not None}) or ["none (not private)"]
-        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(delta).epsilon):>8}  "
+        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(spend.delta).epsilon):>8}  "
               f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
     return 0
 

@@ -26,6 +26,30 @@ def make_spec():
     return synthetic_spec
 
 
+def tiny_dp_config(method: str = "fedavg", val_fraction: float = 0.2, **overrides):
+    """A run of a second or so: 4 training and 2 novel clients on 400 synthetic samples, 4 rounds, seeded
+    record-level DP in which every client's batch is its whole split (q = 1: one PLD for every client)."""
+    from privfl.config import RunConfig
+    from privfl.privacy.training import TrainingPrivacy
+
+    spec = synthetic_spec(source_options={"num_samples": 400, "dim": 6, "num_classes": 3}, num_clients=6,
+                          partition="iid", novel_fraction=0.34, val_fraction=val_fraction)
+    settings = {"local_steps": 2, "batch_size": 256}
+    if method == "odpflhn":
+        settings.update(encoder_hidden=4, hn_hidden=8, embed_dim=2)
+    values = dict(federation=spec, method=method, method_config=settings, rounds=4, eval_every=2,
+                  checkpoint_every=2, seed=3, select="last",
+                  privacy=TrainingPrivacy(mode="record", noise_multiplier=1.0, clip=1.0, noise="seeded", noise_seed=1))
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+@pytest.fixture
+def tiny_config():
+    """:func:`tiny_dp_config`: ``tiny_config(method="fedavg", **overrides)``."""
+    return tiny_dp_config
+
+
 def _balle_wang_sigma(eps: float, delta: float, sensitivity: float) -> float:
     """Independent of the package: the sigma at which Balle and Wang's (2018, Thm 8) exact delta equals ``delta``."""
     def excess(log_sigma):

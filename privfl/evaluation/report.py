@@ -25,23 +25,50 @@ def format_epsilon(value: Any) -> str:
     return "inf" if eps == float("inf") else ("n/a" if math.isnan(eps) else f"{eps:.3g}")
 
 
+def noise_label(privacy: dict[str, Any]) -> str:
+    """The noise sources of a run's private releases (``secure``, ``seeded*``, ``hardened``, joined by ``+``), or
+    ``-`` when it made none; ``*`` marks seeded noise, whose epsilon holds only against whoever lacks the config."""
+    sources = privacy.get("noise_sources") or {}
+    names = [f"{name}*" if name == "seeded" else name for name in sorted(sources) if sources[name]]
+    return "+".join(names) or "-"
+
+
+#: The caveat printed under a table with a seeded-noise run (see ``privacy.seeded_noise`` in a run's summary).
+SEEDED_CAVEAT = ("* seeded noise: drawn from generators seeded from the run config, which the server holds; whoever "
+                 "knows the config can regenerate and subtract it, so those epsilons hold only against an observer "
+                 "without it (research runs; use noise 'secure' otherwise)")
+
+
 def comparison_table(summaries: list[dict[str, Any]]) -> str:
     """A fixed-width table: method, novel-client accuracy (mean +- SEM over clients, %), pooled accuracy,
-    training-client validation accuracy, max epsilon per role, rounds and wall time."""
+    training-client validation accuracy, max epsilon per role, the noise source, rounds, wall time, and (for
+    summaries that carry them, as ``privfl report`` gives) the run's status and directory. Seeded noise gets its
+    caveat under the table."""
     header = ["method", "novel acc (mean +- SEM)", "novel pooled", "train val acc", "eps train", "eps novel",
-              "round", "wall s"]
+              "noise", "round", "wall s"]
+    located = any("run_dir" in s for s in summaries)
+    if located:
+        header += ["status", "run"]
     rows = [header]
     for s in summaries:
         novel, val, privacy = s.get("novel", {}), s.get("training_val", {}), s.get("privacy", {})
         pooled = _num(novel.get("accuracy_pooled"))
-        rows.append([
+        wall = _num(s.get("wall_time_s"))
+        rounds = (f"{s.get('selected_round')}/{s.get('rounds_completed')}" if s.get("selected_round") is not None
+                  else f"{s.get('rounds_completed')}/{s.get('rounds_planned', '?')}")
+        row = [
             str(s.get("method")), format_mean_sem(novel),
             "n/a" if math.isnan(pooled) else f"{pooled:.2f}",
             format_mean_sem(val), format_epsilon(privacy.get("epsilon_max_training")),
-            format_epsilon(privacy.get("epsilon_max_novel")),
-            f"{s.get('selected_round')}/{s.get('rounds_completed')}", f"{_num(s.get('wall_time_s')):.1f}",
-        ])
+            format_epsilon(privacy.get("epsilon_max_novel")), noise_label(privacy), rounds,
+            "n/a" if math.isnan(wall) else f"{wall:.1f}",
+        ]
+        if located:
+            row += [str(s.get("status", "finished")).split(":")[0], str(s.get("run_dir", "-"))]
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if any("*" in row[6] for row in rows[1:]):
+        lines.append(SEEDED_CAVEAT)
     return "\n".join(lines)

@@ -1,0 +1,261 @@
+"""What a run directory's files say a run spent and achieved, finished or not: the source of ``privfl ledger`` and
+``privfl report``.
+
+A run records every release in ``releases.jsonl`` before it is delivered (:mod:`accounting.journal`), keeps its
+ledgers in each checkpoint, and writes ``ledger.json`` and ``summary.json`` when it finishes. :func:`read_spend`
+rebuilds every client's ledger from the journal and sets it beside the other records present (``ledger.json``, and
+for an unfinished run the last checkpoint's ledgers and journal position): where they disagree it says so, and each
+client's epsilon is taken from the longest record, so that a damaged or cut file never lowers a reported epsilon.
+A file that cannot be read is named in one line (:class:`~privfl.errors.ConfigError`), never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accounting import JournalDamaged, LedgerBook, PrivacyLedger, ReleaseJournal
+from privfl.errors import ConfigError
+from privfl.federation.rundir import RunDirectory
+
+#: The journal mark of a run whose novel clients were served (written by :func:`privfl.experiment.finish`, with their
+#: scores, so a run stopped after it finishes without serving them again).
+NOVEL_SERVED = "novel_clients_served"
+
+
+@dataclass
+class RunSpend:
+    """The releases a run directory records, per client, and how the files agree.
+
+    ``book``: for each client the longest consistent record among the files read; ``status``: ``"finished"`` or a
+    phrase starting with ``"unfinished"``; ``sources``: the files read; ``warnings``: each disagreement in one line.
+    """
+
+    root: Path
+    delta: float
+    book: LedgerBook
+    status: str
+    sources: list[str]
+    warnings: list[str] = field(default_factory=list)
+    rounds: tuple[int | None, int | None] = (None, None)     # rounds the last checkpoint holds, rounds planned
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+    def epsilons(self) -> dict[Any, float]:
+        """Each client's epsilon at :attr:`delta`, recomputed by the accountant from the records."""
+        return self.book.epsilons(self.delta)
+
+    def roles(self) -> dict[Any, str]:
+        """``"training"`` for a client with a release in a round, ``"novel"`` for one whose releases have none."""
+        return {cid: "training" if any(r.round is not None for r in ledger.records) else "novel"
+                for cid, ledger in self.book.items()}
+
+
+def read_spend(root: str | Path, delta: float | None = None) -> RunSpend:
+    """The spend of the run in ``root`` (see the module docstring); ``delta`` defaults to the run's."""
+    run = RunDirectory(root)
+    config = run.read_json(RunDirectory.CONFIG)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{run.path(RunDirectory.CONFIG)} is damaged: it holds a JSON {type(config).__name__}, "
+                          "not a run config")
+    if delta is None:
+        delta = config.get("delta", 1e-5)
+        if isinstance(delta, bool) or not isinstance(delta, float) or not 0 < delta < 1:
+            raise ConfigError(f"{run.path(RunDirectory.CONFIG)} is damaged: its delta {delta!r} is not a "
+                              "probability in (0, 1); pass --delta")
+    finished = run.path(RunDirectory.SUMMARY).exists()
+    sources, warnings = [], []
+    books: dict[str, LedgerBook] = {}
+    journal = ReleaseJournal(run.path(RunDirectory.RELEASES))
+    marks: list[dict[str, Any]] = []
+    if journal.path.exists():
+        books[RunDirectory.RELEASES] = _journal_book(journal)
+        marks = journal.marks()
+        sources.append(RunDirectory.RELEASES)
+    if run.path(RunDirectory.LEDGER).exists():
+        books[RunDirectory.LEDGER] = _ledger_book(run.path(RunDirectory.LEDGER))
+        sources.append(RunDirectory.LEDGER)
+    rounds: tuple[int | None, int | None] = (None, config.get("rounds"))
+    if not finished:
+        checkpoint = _checkpoint(run)
+        if checkpoint is not None:
+            wire = checkpoint.get("runtime", {}).get("wire", {})
+            rounds = (checkpoint.get("runtime", {}).get("completed_rounds"), config.get("rounds"))
+            if wire.get("ledgers_on_nodes") and RunDirectory.LEDGER not in books:
+                raise ConfigError(f"the run in {run.root} ran on Flower and has not finished: its clients' ledgers "
+                                  f"are on its nodes (under {run.root / 'nodes'}), not in the run directory; read a "
+                                  "node's ledger file there")
+            if "ledgers" in wire:
+                try:
+                    books[RunDirectory.CHECKPOINT] = LedgerBook.from_state_dict(wire["ledgers"])
+                except (ValueError, KeyError, TypeError) as error:
+                    raise ConfigError(f"{run.path(RunDirectory.CHECKPOINT)} is damaged: its ledgers cannot be read "
+                                      f"({error})") from None
+                sources.append(RunDirectory.CHECKPOINT)
+            seen = checkpoint.get("journal")
+            if isinstance(seen, dict) and journal.position().lines < seen.get("lines", 0):
+                warnings.append(f"{RunDirectory.RELEASES} holds {journal.position().lines} lines but the checkpoint "
+                                f"was saved when it held {seen['lines']}: the journal was cut or emptied, so releases "
+                                "made after the checkpoint may be missing from every file")
+    if not books:
+        if finished:
+            raise ConfigError(f"{run.root} holds a finished run without {RunDirectory.LEDGER} or "
+                              f"{RunDirectory.RELEASES}: its releases cannot be recomputed")
+        books["none"] = LedgerBook()
+    book = _merge(books, warnings, finished, float(delta))
+    if finished:
+        status = "finished"
+    elif any(m.get("mark") == NOVEL_SERVED for m in marks):
+        status = f"unfinished: its novel clients were served, but {RunDirectory.SUMMARY} is missing"
+    else:
+        done, planned = rounds
+        status = "unfinished" + ("" if done is None else f": {done} of {planned} rounds in its last checkpoint")
+    return RunSpend(root=run.root, delta=float(delta), book=book, status=status, sources=sources, warnings=warnings,
+                    rounds=rounds)
+
+
+def _journal_book(journal: ReleaseJournal) -> LedgerBook:
+    book = LedgerBook()
+    try:
+        journal.replay_into(book)
+    except JournalDamaged as error:
+        raise ConfigError(f"{error}; the releases it records cannot be recounted: restore it from a copy, and "
+                          "until then count the epsilons of ledger.json or the summary as a lower bound") from None
+    except ValueError as error:     # a record the ledger refuses (two relations for one client)
+        raise ConfigError(f"release journal {journal.path} is damaged: {error}") from None
+    return book
+
+
+def _ledger_book(path: Path) -> LedgerBook:
+    try:
+        return LedgerBook.load(path)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is damaged (not JSON: {error.msg} at line {error.lineno}); the run writes it "
+                          "whole, so it was changed or cut afterwards: the journal releases.jsonl holds the same "
+                          "records") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(f"{path} is damaged (not a ledger book: {str(error)[:200]}); the journal releases.jsonl "
+                          "holds the same records") from None
+
+
+def _checkpoint(run: RunDirectory) -> dict[str, Any] | None:
+    path = run.path(RunDirectory.CHECKPOINT)
+    if not path.exists():
+        return None
+    try:   # mapped, not read: only the ledgers and the position are used
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
+        raise ConfigError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+                          "checkpoints are written whole, so it was changed or cut afterwards") from None
+
+
+def _merge(books: dict[str, LedgerBook], warnings: list[str], finished: bool, delta: float) -> LedgerBook:
+    """One ledger per client: the longest record among ``books`` when every other is a prefix of it (a journal
+    ahead of the last checkpoint); when two disagree, the one with the larger epsilon, and a warning either way
+    where a file lost records another holds."""
+    merged = LedgerBook()
+    for cid in sorted({cid for book in books.values() for cid in book}, key=_order):
+        held = {name: book[cid] for name, book in books.items() if cid in book}
+        longest = max(held, key=lambda name: (len(held[name]), name == RunDirectory.RELEASES))
+        chosen = held[longest]
+        for name, ledger in held.items():
+            if ledger.records != held[longest].records[:len(ledger)]:
+                warnings.append(f"client {cid}: {name} and {longest} disagree from record "
+                                f"{_first_difference(ledger.records, held[longest].records)}; the larger of their "
+                                "epsilons is reported")
+                chosen = max(chosen, ledger, key=lambda kept: kept.spent(delta).epsilon)
+            elif len(ledger) < len(held[longest]) and (name == RunDirectory.RELEASES or
+                                                        (finished and name == RunDirectory.LEDGER)):
+                warnings.append(f"client {cid}: {name} holds {len(ledger)} releases, {longest} {len(held[longest])}: "
+                                f"{name} lost records (or releases were made after it was written); the longer is "
+                                "counted")
+        merged.add(_copy(chosen))
+    return merged
+
+
+def _copy(ledger: PrivacyLedger) -> PrivacyLedger:
+    return PrivacyLedger.from_state_dict(ledger.state_dict())
+
+
+def _first_difference(a: tuple, b: tuple) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _order(cid: Any) -> tuple:
+    return (isinstance(cid, str), cid if isinstance(cid, int) else 0, str(cid))
+
+
+def run_summary(root: str | Path) -> dict[str, Any]:
+    """The run's ``summary.json`` with ``"status": "finished"`` and ``"run_dir"``; for an unfinished run, what its
+    files say: its method, the last validation scores in ``metrics.jsonl``, epsilons recomputed by
+    :func:`read_spend` (no novel-client results: none were written), ``"status"`` saying how far it got and
+    ``"warnings"``. A finished run whose journal records more releases than its ledger (resumed after its summary
+    was removed) gets its epsilons recomputed, and a warning."""
+    run = RunDirectory(root)
+    if run.path(RunDirectory.SUMMARY).exists():
+        summary = run.read_json(RunDirectory.SUMMARY)
+        if not isinstance(summary, dict):
+            raise ConfigError(f"{run.path(RunDirectory.SUMMARY)} is damaged: not a run summary")
+        summary = {**summary, "status": "finished", "run_dir": str(run.root), "warnings": []}
+        if _journal_counts(run) != _ledger_counts(run):
+            spend = read_spend(root)
+            summary["privacy"] = {**summary.get("privacy", {}), **_privacy(spend)}
+            summary["warnings"] = [f"{RunDirectory.RELEASES} and {RunDirectory.LEDGER} record different releases; "
+                                   "the epsilons are recomputed from the longer", *spend.warnings]
+        return summary
+    config = run.read_json(RunDirectory.CONFIG)
+    spend = read_spend(root)
+    metrics = run.read_metrics()
+    last = metrics[-1] if metrics else {}
+    done, planned = spend.rounds
+    return {
+        "method": config.get("method") if isinstance(config, dict) else None,
+        "status": spend.status, "run_dir": str(run.root), "warnings": spend.warnings,
+        "novel": {}, "training_val": {"accuracy_mean": last.get("val_accuracy_mean"),
+                                      "accuracy_sem": last.get("val_accuracy_sem")},
+        "privacy": _privacy(spend),
+        "selected_round": None, "rounds_completed": done if done is not None else last.get("round", 0),
+        "rounds_planned": planned, "wall_time_s": None,
+    }
+
+
+def _privacy(spend: RunSpend) -> dict[str, Any]:
+    epsilons, roles = spend.epsilons(), spend.roles()
+    return {
+        "delta": spend.delta,
+        "epsilon_max_training": max((e for c, e in epsilons.items() if roles[c] == "training"), default=0.0),
+        "epsilon_max_novel": max((e for c, e in epsilons.items() if roles[c] == "novel"), default=0.0),
+        "epsilon_per_client": {str(c): e for c, e in epsilons.items()},
+        "noise_sources": spend.book.private_metadata_counts("noise"),
+    }
+
+
+def _journal_counts(run: RunDirectory) -> dict[str, int] | None:
+    journal = ReleaseJournal(run.path(RunDirectory.RELEASES))
+    if not journal.path.exists():
+        return None
+    try:
+        entries = journal.entries()
+    except JournalDamaged as error:
+        raise ConfigError(str(error)) from None
+    counts: dict[str, int] = {}
+    for cid, _ in entries:
+        counts[str(cid)] = counts.get(str(cid), 0) + 1
+    return counts
+
+
+def _ledger_counts(run: RunDirectory) -> dict[str, int] | None:
+    if not run.path(RunDirectory.LEDGER).exists():
+        return _journal_counts(run)     # nothing to compare with
+    book = _ledger_book(run.path(RunDirectory.LEDGER))
+    return {str(cid): len(book[cid]) for cid in book if len(book[cid])}
+
+
+__all__ = ["NOVEL_SERVED", "RunSpend", "read_spend", "run_summary"]

@@ -1,0 +1,104 @@
+"""`privfl ledger` and `privfl report` on unfinished and damaged runs: epsilons recomputed from the recorded releases,
+disagreements named, damaged files named in one line."""
+
+import json
+
+import pytest
+
+from accounting import LedgerBook, ReleaseJournal
+from privfl.cli import main
+from privfl.experiment import RunInterrupted, train
+from privfl.federation.spend import read_spend, run_summary
+
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, request):
+    """One finished and one unfinished run (stopped after round 3 of 4) of the same config."""
+    from conftest import tiny_dp_config
+
+    root = tmp_path_factory.mktemp("runs")
+    train(tiny_dp_config(), str(root / "finished"), progress=False)
+    with pytest.raises(RunInterrupted):
+        train(tiny_dp_config(), str(root / "unfinished"), progress=False, stop_after_round=3)
+    return root
+
+
+def _journal_epsilons(path, delta=1e-5):
+    book = LedgerBook()
+    ReleaseJournal(path).replay_into(book)
+    return book.epsilons(delta)
+
+
+def test_ledger_and_report_read_an_unfinished_run_from_its_journal(runs, capsys):
+    run = runs / "unfinished"
+    assert not (run / "ledger.json").exists() and not (run / "summary.json").exists()
+    assert main(["ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "unfinished: 3 of 4 rounds in its last checkpoint" in out and "releases.jsonl" in out
+    assert "model_update x3" in out
+    spend = read_spend(run)
+    assert spend.epsilons() == _journal_epsilons(run / "releases.jsonl") and len(spend.epsilons()) == 4
+    assert main(["report", str(run), str(runs / "finished")]) == 0
+    table = capsys.readouterr().out
+    unfinished_row = next(line for line in table.splitlines() if str(run) in line)
+    assert "unfinished" in unfinished_row and "3/4" in unfinished_row and "seeded*" in unfinished_row
+    assert "finished" in next(line for line in table.splitlines() if str(runs / "finished") in line)
+    assert "* seeded noise" in table                       # the caveat the summary carries, under the table
+    epsilon = max(_journal_epsilons(run / "releases.jsonl").values())
+    assert run_summary(run)["privacy"]["epsilon_max_training"] == pytest.approx(epsilon)
+
+
+def test_a_cut_journal_is_counted_from_the_longer_record_with_a_warning(runs, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "finished"
+    shutil.copytree(runs / "finished", run)
+    full = read_spend(run).epsilons()
+    lines = (run / "releases.jsonl").read_text().splitlines()
+    (run / "releases.jsonl").write_text("\n".join(lines[:5]) + "\n")     # cut: the chain holds, the count does not
+    assert main(["ledger", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "releases.jsonl holds 1 releases, ledger.json 4" in captured.err
+    assert read_spend(run).epsilons() == full                             # never below what ledger.json records
+    assert main(["report", str(run)]) == 0
+    assert "record different releases" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("ledger_cut", "ledger.json is damaged (not JSON"),
+    ("ledger_list", "ledger.json is damaged (not a ledger book: expected a state with format"),
+    ("ledger_negative", "ledger.json is damaged (not a ledger book: noise_multiplier must be"),
+    ("journal_edited", "releases.jsonl is damaged: line 4 does not follow line 3"),
+    ("journal_not_json", "releases.jsonl is damaged: line 2 is not JSON"),
+])
+@pytest.mark.parametrize("command", ["ledger", "report"])
+def test_a_damaged_ledger_or_journal_is_named_in_one_line(runs, tmp_path, capsys, damage, needle, command):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "finished", run)
+    ledger, journal = run / "ledger.json", run / "releases.jsonl"
+    if damage == "ledger_cut":
+        ledger.write_text(ledger.read_text()[:300])
+    elif damage == "ledger_list":
+        ledger.write_text("[]")
+    elif damage == "ledger_negative":
+        ledger.write_text(ledger.read_text().replace('"noise_multiplier": 1.0', '"noise_multiplier": -1.0'))
+    else:
+        lines = journal.read_text().splitlines()
+        lines[1 if damage == "journal_not_json" else 2] = ("{not json" if damage == "journal_not_json"
+                                                           else lines[2].replace('"round": 0', '"round": 2'))
+        journal.write_text("\n".join(lines) + "\n")
+    assert main([command, str(run)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_run_without_any_file_of_releases_has_spent_nothing_and_says_so(tmp_path, tiny_config, capsys):
+    from privfl.federation import RunDirectory
+
+    RunDirectory(tmp_path / "run").create(json.loads(json.dumps(tiny_config().to_dict())))
+    assert main(["ledger", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "unfinished" in out and "0 clients with releases" in out
