@@ -5,6 +5,8 @@ status 2 instead of showing a traceback. Each subclass also derives from the bui
 naturally catch (``ValueError``, ``FileNotFoundError``), so library users need not know these names.
 """
 
+import errno
+
 from accounting.validation import Checks
 
 
@@ -18,6 +20,27 @@ class ConfigError(PrivflError, ValueError):
 
 class DataUnavailableError(PrivflError, FileNotFoundError):
     """A data source cannot be read here; the message says where it looked and how to provide the files."""
+
+
+class StorageError(PrivflError, OSError):
+    """A file cannot be written (or read) where the user pointed: the disk is full, the folder read-only or not
+    theirs. The message names the path and the fix (free space, then resume)."""
+
+
+#: The ``errno`` values of an environment fault rather than a bug: the disk or the permissions.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+                            errno.EIO})
+
+
+def is_storage_fault(error: BaseException) -> bool:
+    """Whether ``error`` is an :class:`OSError` of the disk or the permissions (:data:`STORAGE_ERRNOS`)."""
+    return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
+
+
+def storage_message(error: OSError) -> str:
+    """``error`` in words: what happened and, where the error names one, to which file."""
+    where = f" ({error.filename})" if error.filename else ""
+    return f"{error.strerror or error}{where}"
 
 
 class TrainingDivergedError(PrivflError, ArithmeticError):

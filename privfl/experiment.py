@@ -10,9 +10,11 @@ served once, at the end, with the selected model, and scored with labels the met
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import resource
+import shutil
 import signal
 import sys
 import threading
@@ -20,17 +22,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
-from accounting import ReleaseJournal
+from accounting import JournalDamaged, JournalMismatch, JournalPosition, ReleaseJournal
 from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations
 from privfl.data import FederatedDataset, build_federation, label_shift_kl
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
-from privfl.federation.rundir import RunDirectory, dumps
+from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime
-from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RELATIONS
+from privfl.federation.spend import NOVEL_SERVED
+from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS
 from privfl.provenance import numerics
 
 RuntimeFactory = Callable[[RunConfig, FederatedDataset], Runtime]
@@ -77,6 +81,11 @@ def build_runtime(config: RunConfig, federation: FederatedDataset) -> InProcessR
                             seed=config.seed, client_fraction=config.client_fraction)
 
 
+#: The checkpoint format :func:`train` writes and resumes: 2 records the journal position it saw.
+CHECKPOINT_FORMAT = 2
+
+
+
 def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite: bool = False,
           progress: bool = True, stop_after_round: int | None = None,
           runtime_factory: RuntimeFactory = build_runtime) -> dict[str, Any]:
@@ -88,27 +97,88 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     completed rounds (for tests). Resuming a finished run (its ``summary.json`` written) returns that summary and runs
     nothing. A ``KeyboardInterrupt`` saves a checkpoint of the last completed round and raises
     :class:`RunInterrupted`.
+
+    Everything that can refuse a run does so before its first release: the directory (another run or a sweep in it,
+    unless ``overwrite``), the config, the data (validation samples for ``select="best_val"``), the method and its
+    privacy settings, and the disk, which must take a first checkpoint (written at round 0) and have room for the
+    next. A resumed run first checks that its release journal is the one its checkpoint saw (never shorter, never
+    different), so no release it made can go unreported. A disk that fills mid-run stops it with
+    :class:`~privfl.errors.StorageError`; it resumes from its last checkpoint.
     """
     run_dir = RunDirectory(out)
-    if resume and run_dir.path(RunDirectory.SUMMARY).exists():
-        # A finished run has nothing to continue; serving its novel clients again would release their data again.
-        return run_dir.read_json(RunDirectory.SUMMARY)
+    journal = ReleaseJournal(run_dir.path(RunDirectory.RELEASES))
     if resume:
-        config = RunConfig.from_dict(run_dir.read_json(RunDirectory.CONFIG))
-    if config is None:
+        if not run_dir.path(RunDirectory.CONFIG).exists():
+            raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)} does not exist; is {run_dir.root} a privfl run "
+                              "directory?")
+        if run_dir.path(RunDirectory.SUMMARY).exists():
+            # A finished run has nothing to continue; serving its novel clients again would release their data again.
+            return run_dir.read_json(RunDirectory.SUMMARY)
+        config = read_config(run_dir)
+    elif config is None:
         raise ConfigError("train needs a RunConfig for a new run (config=None is for resume=True only)")
+    else:
+        run_dir.check_free(overwrite=overwrite)
+    try:
+        return _train(config, run_dir, journal, resume=resume, overwrite=overwrite, progress=progress,
+                      stop_after_round=stop_after_round, runtime_factory=runtime_factory)
+    except OSError as error:
+        if not is_storage_fault(error):
+            raise
+        released = journal.path.exists() and journal.path.stat().st_size > 0
+        fix = (f"free space (or make it writable), then continue the run with: privfl train --resume {run_dir.root}"
+               if released else "free space (or make it writable, or choose another --out), then run it again: "
+               "nothing was released")
+        raise StorageError(f"cannot write the run directory {run_dir.root}: {storage_message(error)}; {fix}") \
+            from None
+
+
+def read_config(run_dir: RunDirectory) -> RunConfig:
+    """The run's ``config.json`` as a :class:`RunConfig`; a file that is not one is named in one line."""
+    values = run_dir.read_json(RunDirectory.CONFIG)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)} is damaged: it holds a JSON "
+                          f"{type(values).__name__}, not a run config")
+    try:
+        return RunConfig.from_dict(values)
+    except ConfigError as error:
+        raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)}: {error}") from None
+    except (TypeError, ValueError, AttributeError, KeyError) as error:
+        raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)} is damaged: a value has the wrong type "
+                          f"({type(error).__name__}: {error})") from None
+
+
+def preflight(config: RunConfig, federation: FederatedDataset) -> None:
+    """The checks of ``config`` against the data that would otherwise refuse the run after releases were made."""
+    if config.select == "best_val" and not any(len(c.y_val) for c in federation.training_clients):
+        raise ConfigError(f"select='best_val' needs validation samples, but no training client has any at "
+                          f"val_fraction={config.federation.val_fraction} (each keeps floor(val_fraction * n)); use "
+                          "select='last' or a larger val_fraction")
+    if config.privacy.mode == RECORD:
+        small = sorted(c.client_id for c in federation.training_clients if c.num_train < config.privacy.min_samples)
+        if small:
+            raise ConfigError(f"record-level privacy min_samples={config.privacy.min_samples} is the public lower "
+                              f"bound on every training client's records, but training clients {small[:10]} hold "
+                              f"fewer (down to {min(c.num_train for c in federation.training_clients)}); lower "
+                              "min_samples, or give the clients more data (fewer clients, a larger source)")
+
+
+def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *, resume: bool, overwrite: bool,
+           progress: bool, stop_after_round: int | None, runtime_factory: RuntimeFactory) -> dict[str, Any]:
     federation = build_federation(config.federation, seed=config.seed)
+    preflight(config, federation)
     runtime = runtime_factory(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
     elapsed = 0.0
     digest = hashlib.sha256(dumps(config.to_dict()).encode()).hexdigest()   # ties each checkpoint to its config
+    served, checkpoint = None, None
     if resume:
+        run_dir.remove_leftovers()
         checkpoint = run_dir.load_checkpoint()
+        check_journal(run_dir, journal, checkpoint, digest)
+        served = novel_service(run_dir, journal)
+        journal.repair()                     # a line a kill cut short: its release was never delivered
         if checkpoint is not None:
-            if checkpoint.get("config_digest", digest) != digest:
-                raise ConfigError(f"{run_dir.path(RunDirectory.CHECKPOINT)} was saved by a run with another "
-                                  f"{RunDirectory.CONFIG} (the file was edited, or the checkpoint comes from another "
-                                  "run): resuming would mix them; start the run again")
             try:
                 runtime.load_state_dict(checkpoint["runtime"])
             except KeyError as missing:
@@ -120,7 +190,7 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     else:
         run_dir.create(config.to_dict(), overwrite=overwrite)
     try:   # on resume, releases made after the checkpoint, by a process that was killed, stay recorded
-        runtime.use_journal(ReleaseJournal(run_dir.path(RunDirectory.RELEASES)), replay=resume)
+        runtime.use_journal(journal, replay=resume)
     except ValueError as error:   # malformed, or of another run
         raise ConfigError(f"cannot resume: {error}") from None
     if resume and config.privacy.mode in (LOCAL, DISTRIBUTED):
@@ -131,13 +201,19 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
         check_participations(config, participations(config, len(runtime.training_ids)), runtime.training_ids,
                              from_round=runtime.completed_rounds, made=made)
 
-    def checkpoint_now(state: dict[str, Any]) -> None:
-        run_dir.save_checkpoint({"format": 1, "runtime": state, "best": best, "config_digest": digest,
-                                 "elapsed_s": elapsed + time.perf_counter() - started})
+    def checkpoint_now(state: dict[str, Any]) -> int:
+        journal.sync()                       # the lines the checkpoint names are on disk before it is
+        return run_dir.save_checkpoint({
+            "format": CHECKPOINT_FORMAT, "runtime": state, "best": share_equal_tensors(best, state),
+            "config_digest": digest, "elapsed_s": elapsed + time.perf_counter() - started,
+            "journal": journal.position().to_dict()})
 
     started = time.perf_counter()
+    if not resume or checkpoint is None:
+        # before the first release: a disk that cannot hold a checkpoint refuses the run while nothing is released
+        check_room(run_dir, checkpoint_now(runtime.committed_state_dict()))
     bar = tqdm(total=config.rounds, initial=runtime.completed_rounds, desc=config.method, unit="round",
-               disable=not progress, dynamic_ncols=True)
+               disable=not progress or served is not None, dynamic_ncols=True)
     interrupt = FinishRoundOnInterrupt()
     try:
         interrupt.install()
@@ -149,9 +225,7 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
                                                            round=round)
                 val = summarize_scores(list(scores.values()))
                 if config.select == "best_val" and val["accuracy_mean"] is None:
-                    raise ConfigError(f"select='best_val' needs validation samples, but no training client has any "
-                                      f"at val_fraction={config.federation.val_fraction} (each keeps "
-                                      "floor(val_fraction * n)); use select='last' or a larger val_fraction")
+                    raise InternalError("no validation score although preflight found validation samples")
                 if config.select == "best_val" and val["accuracy_mean"] > best["score"]:
                     best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.snapshot()}
                 record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}}
@@ -175,27 +249,114 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
         interrupt.restore()
         bar.close()
     wall = elapsed + time.perf_counter() - started
-    return finish(config, federation, runtime, run_dir, best, wall)
+    return finish(config, federation, runtime, run_dir, best, wall, journal=journal, served=served)
 
 
-def train_once(config: RunConfig, out: str, **kwargs: Any) -> dict[str, Any]:
+def check_journal(run_dir: RunDirectory, journal: ReleaseJournal, checkpoint: dict[str, Any] | None,
+                  digest: str) -> None:
+    """Refuse to resume from ``checkpoint`` unless the run's release journal is the one it saw (never shorter, never
+    different) and the checkpoint is of this config and format: otherwise releases made would go unreported."""
+    fix = (f"restore {journal.path.name} from a copy if there is one; otherwise this run cannot be continued with "
+           f"a complete account: start a new run in another directory and count this one's releases (privfl ledger "
+           f"{run_dir.root}) toward its clients' privacy")
+    try:
+        position = journal.position()
+    except JournalDamaged as error:
+        raise ConfigError(f"cannot resume: {error}; {fix}") from None
+    path = run_dir.path(RunDirectory.CHECKPOINT)
+    if checkpoint is None:
+        if position.lines:
+            raise ConfigError(f"cannot resume: {path} is missing but {journal.path.name} records {position.lines} "
+                              f"lines of releases: without the checkpoint the journal cannot be checked; restore "
+                              f"{path.name}, or start a new run in another directory")
+        return
+    if checkpoint.get("format") != CHECKPOINT_FORMAT or "journal" not in checkpoint:
+        raise ConfigError(f"cannot resume: {path} has checkpoint format {checkpoint.get('format')!r}, not "
+                          f"{CHECKPOINT_FORMAT} (it was written by an earlier privfl, without the release journal's "
+                          "position); continue it with that version, or start the run again")
+    if checkpoint.get("config_digest") != digest:
+        raise ConfigError(f"{path} was saved by a run with another {RunDirectory.CONFIG} (the file was edited, or the "
+                          "checkpoint comes from another run): resuming would mix them; start the run again")
+    try:
+        journal.verify(JournalPosition.from_dict(checkpoint["journal"]))
+    except (JournalMismatch, JournalDamaged) as error:
+        raise ConfigError(f"cannot resume: {error}; {fix}") from None
+    except ValueError as error:
+        raise ConfigError(f"{path} is damaged: {error}; start the run again") from None
+
+
+def novel_service(run_dir: RunDirectory, journal: ReleaseJournal) -> dict[str, Any] | None:
+    """What the journal says of the run's novel clients: the scores of the :data:`NOVEL_SERVED` mark when they were
+    served (the run then finishes without serving them again), ``None`` when they were not; refuses a run whose
+    novel clients released something that no mark closes (killed while they were served: serving them again would
+    release their data again)."""
+    marks = [m for m in journal.marks() if m.get("mark") == NOVEL_SERVED]
+    if marks:
+        return marks[-1]
+    novel = sorted({str(cid) for cid, record in journal.entries() if record.round is None})
+    if novel:
+        raise ConfigError(f"cannot resume: {journal.path} records releases of novel clients {novel[:10]} but not the "
+                          f"end of their service (the run stopped while they were being served): serving them again "
+                          f"would release their data again. Their spend is recorded (privfl ledger {run_dir.root}); "
+                          "to serve novel clients, start a new run in another directory")
+    return None
+
+
+def share_equal_tensors(best: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """``best`` with each tensor of its snapshot that equals the tensor at the same place in ``state`` replaced by
+    that tensor: ``torch.save`` writes a storage once, so a best-validation snapshot of the round being saved (or the
+    parts of it that have not changed since) costs no space in the checkpoint."""
+    if best.get("snapshot") is None:
+        return best
+
+    def share(kept: Any, current: Any) -> Any:
+        if isinstance(kept, dict) and isinstance(current, dict):
+            return {k: share(v, current[k]) if k in current else v for k, v in kept.items()}
+        if (isinstance(kept, torch.Tensor) and isinstance(current, torch.Tensor) and kept.dtype == current.dtype
+                and kept.shape == current.shape and torch.equal(kept, current)):
+            return current
+        return kept
+
+    return {**best, "snapshot": share(best["snapshot"], state)}
+
+
+def check_room(run_dir: RunDirectory, checkpoint_bytes: int) -> None:
+    """Refuse a run whose disk has not room for one more checkpoint beside the first (each is written whole beside
+    the one it replaces) while nothing is released yet."""
+    free = shutil.disk_usage(run_dir.root).free
+    if free < checkpoint_bytes:
+        raise StorageError(f"the disk holding {run_dir.root} has {free / 2**20:.1f} MiB free, but each checkpoint of "
+                           f"this run ({checkpoint_bytes / 2**20:.1f} MiB) is written beside the one it replaces; "
+                           "free space or choose another --out, then run it again: nothing was released")
+
+
+def train_once(config: RunConfig, out: str, *, overwrite: bool = False, **kwargs: Any) -> dict[str, Any]:
     """The summary of ``config`` run in ``out``, computed at most once: read back when ``out`` holds this very run
-    finished, continued from its checkpoint when it holds this run interrupted, trained afresh otherwise (replacing
-    whatever ``out`` held). "This very run" means the stored ``config.json`` equals ``config``: a directory left by
-    another configuration (other rounds, settings or seed) is retrained, never mistaken for this one. For scripts
-    that rerun many settings and must lose nothing on interruption; ``kwargs`` go to :func:`train`."""
+    finished, continued from its checkpoint when it holds this run interrupted, trained afresh when it holds nothing.
+    "This very run" means the stored ``config.json`` equals ``config``: a directory that holds another configuration
+    (other rounds, settings or seed) is refused, never mistaken for this one, unless ``overwrite`` (it is then
+    retrained). For scripts that rerun many settings and must lose nothing on interruption; ``kwargs`` go to
+    :func:`train`."""
     run_dir = RunDirectory(out)
     stored = run_dir.path(RunDirectory.CONFIG)
     same = stored.exists() and run_dir.read_json(RunDirectory.CONFIG) == json.loads(dumps(config.to_dict()))
     if same and run_dir.path(RunDirectory.SUMMARY).exists():
         return run_dir.read_json(RunDirectory.SUMMARY)
-    resume = same and run_dir.path(RunDirectory.CHECKPOINT).exists()
-    return train(config, out, resume=resume, overwrite=not resume, **kwargs)
+    if same and run_dir.path(RunDirectory.CHECKPOINT).exists():
+        return train(config, out, resume=True, **kwargs)
+    if stored.exists() and not same and not overwrite and run_dir.occupant() is not None:
+        raise ConfigError(f"{run_dir.root} holds a run of another configuration ({stored} differs from this one): "
+                          "choose another directory, remove it, or overwrite it (--overwrite)")
+    return train(config, out, overwrite=overwrite, **kwargs)
 
 
 def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory,
-           best: dict[str, Any], wall_time_s: float) -> dict[str, Any]:
-    """Serve novel clients with the selected model, score everyone, write clients.csv, ledger.json, summary.json."""
+           best: dict[str, Any], wall_time_s: float, *, journal: ReleaseJournal | None = None,
+           served: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Serve novel clients with the selected model, score everyone, write clients.csv, ledger.json, summary.json.
+
+    Once the novel clients are served, ``journal`` gets the :data:`NOVEL_SERVED` mark with their scores, so a run
+    stopped after that finishes from the mark (``served``) without serving them again."""
     rounds_completed = runtime.completed_rounds
     if config.select == "best_val" and best["snapshot"] is not None:
         runtime.restore(best["snapshot"])
@@ -203,7 +364,15 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
     else:
         selected_round = rounds_completed
     training_scores = runtime.evaluate_training_clients(score_model, report_to_server=False, round=None)
-    novel_scores = runtime.score_novel_clients(federation, score_model)
+    if served is None:
+        novel_scores = runtime.score_novel_clients(federation, score_model)
+        if journal is not None:
+            journal.mark(NOVEL_SERVED, scores={str(cid): to_json_safe(dataclasses.asdict(score))
+                                               for cid, score in novel_scores.items()})
+    else:
+        novel_scores = {int(cid): ClientScore(num_samples=int(score["num_samples"]), correct=score["correct"],
+                                              loss_sum=float(score["loss_sum"]))
+                        for cid, score in served["scores"].items()}
     ledgers = runtime.ledgers()
     epsilons = ledgers.epsilons(config.delta)
     rows = client_rows(federation, training_scores, novel_scores, epsilons, runtime)

@@ -108,7 +108,7 @@ def test_attack_audit_runs_from_the_privfl_command(capsys):
     ("checkpoint_cut", "checkpoint.pt is damaged (RuntimeError"),
     ("config_cut", "config.json is damaged (not JSON"),
     ("config_key", "unknown run setting(s) colour"),
-    ("journal_line", "cannot resume: malformed release journal"),
+    ("journal_line", "releases.jsonl is damaged: line 5 is not JSON"),
     ("config_edited", "checkpoint.pt was saved by a run with another config.json"),
 ])
 def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys, damage, needle):

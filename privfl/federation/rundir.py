@@ -4,9 +4,15 @@
 client), ``ledger.json`` (every release of every client), ``summary.json`` (means, SEMs, epsilon and the
 neighbouring relations it holds under, wall time, peak memory), ``plots.png`` (learning curve, accuracy against label
 shift), ``checkpoint.pt`` (to resume) and ``releases.jsonl`` (each release's ledger record as it is made, so that a
-run resumed after a kill keeps the releases made since its last checkpoint). The journal is appended a line at a time
-(a line a kill cut short is ignored); every other file is written atomically: a crash mid-write leaves the previous
-version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6 of docs/invariants.md).
+run resumed after a kill keeps the releases made since its last checkpoint; :mod:`accounting.journal`). The journal is
+appended a line at a time (a line a kill cut short is ignored, and removed on resume); every other file is written
+atomically: a crash mid-write leaves the previous version, never a torn file, and the temporary file a kill leaves
+behind is removed when a run starts or resumes. Checkpoints load with ``weights_only=True`` (invariant 6 of
+docs/invariants.md).
+
+A directory is claimed by one run: :meth:`RunDirectory.occupant` says what else a directory holds (a run that made
+releases, a sweep, runs in subdirectories), and every command that writes a run refuses such a directory unless told
+to overwrite it. A run directory whose run failed before its first release holds nothing a retry could lose.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ from typing import Any, Callable
 
 import torch
 
-from accounting.files import atomic_write
+from accounting.files import atomic_write, remove_leftovers
 
 from privfl.errors import ConfigError
+
+#: A file that marks a sweep's output folder (:mod:`privfl.sweep` writes it before it trains anything).
+SWEEP_MARK = "sweep-config.json"
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -80,25 +89,62 @@ class RunDirectory:
     def path(self, name: str) -> Path:
         return self.root / name
 
+    #: Every file a run writes (``plots.png`` included).
+    FILES = (CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES, "plots.png")
+
+    def occupant(self) -> str | None:
+        """What this directory holds that a new run here would mix with or replace: ``"a run"`` (one that recorded
+        a release, a metric or a result), ``"a sweep"``, ``"runs in its subdirectories a, b"``; ``None`` for nothing
+        (absent, empty, unrelated files, or a run that failed before its first release: only its config and
+        round-0 checkpoint)."""
+        if not self.root.is_dir():
+            return None
+        if self.path(SWEEP_MARK).exists() or self.path("sweep.json").exists():
+            return "a sweep"
+        recorded = [name for name in (self.SUMMARY, self.LEDGER, self.METRICS, self.RELEASES, self.CLIENTS)
+                    if self.path(name).exists() and self.path(name).stat().st_size > 0]
+        if recorded or (self.root / "nodes").is_dir():   # nodes/: the ledgers of a Flower run's nodes
+            return "a run"
+        inner = sorted(child.name for child in self.root.iterdir()
+                       if child.is_dir() and (child / self.CONFIG).exists())
+        if inner:
+            return f"runs in its subdirectories {', '.join(inner[:5])}{', ...' if len(inner) > 5 else ''}"
+        return None
+
+    def check_free(self, *, overwrite: bool, flag: str = "--overwrite", resume: bool = True) -> None:
+        """Refuse (before anything is built) a directory that holds something a run here would replace or mix with,
+        unless ``overwrite``; the message says how to resume (``resume``), pick another folder, or overwrite."""
+        occupant = self.occupant()
+        if occupant is None or overwrite:
+            return
+        hint = f"resume it with --resume {self.root}, " if resume and occupant == "a run" else ""
+        raise ConfigError(f"{self.root} already holds {occupant}; {hint}choose another --out, or pass {flag} to "
+                          "replace it")
+
     def create(self, config: dict[str, Any], *, overwrite: bool = False) -> None:
-        """Start a new run here; refuses to mix two runs in one directory unless ``overwrite``."""
-        if self.path(self.CONFIG).exists() and not overwrite:
-            raise ConfigError(
-                f"run directory {self.root} already holds a run; resume it with --resume {self.root}, "
-                "choose another --out, or pass --overwrite")
+        """Start a new run here; refuses a directory that holds another run or a sweep unless ``overwrite``
+        (:meth:`occupant`). A run that failed before its first release is replaced without it."""
+        self.check_free(overwrite=overwrite)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"cannot create the run directory {self.root}: {error.strerror}; choose another --out") \
                 from None
-        for name in (self.METRICS, self.CLIENTS, self.SUMMARY, self.LEDGER, self.CHECKPOINT, self.RELEASES,
-                     "plots.png"):
+        for name in self.FILES:
             self.path(name).unlink(missing_ok=True)
+        self.remove_leftovers()
         self.write_json(self.CONFIG, config)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Remove the temporary files a process killed mid-write left here (only while no run writes here)."""
+        return remove_leftovers(self.root, list(self.FILES))
 
     def read_json(self, name: str) -> Any:
         path = self.path(name)
         if not path.exists():
+            if name != self.CONFIG and self.path(self.CONFIG).exists():
+                raise ConfigError(f"{path} does not exist: the run in {self.root} has not finished (or the file was "
+                                  "removed)")
             raise ConfigError(f"{path} does not exist; is {self.root} a privfl run directory?")
         try:
             return json.loads(path.read_text())
@@ -144,10 +190,12 @@ class RunDirectory:
         with open(self.path(self.CLIENTS), newline="") as f:
             return list(csv.DictReader(f))
 
-    def save_checkpoint(self, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, state: dict[str, Any]) -> int:
+        """Write ``state`` to ``checkpoint.pt`` atomically; return its size in bytes."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
         atomic_write_bytes(self.path(self.CHECKPOINT), buffer.getvalue())
+        return buffer.tell()
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         path = self.path(self.CHECKPOINT)

@@ -13,6 +13,7 @@ import torch
 
 from accounting import LedgerBook
 from privfl.config import RunConfig
+from privfl.errors import ConfigError
 from privfl.experiment import RunInterrupted, train, train_once
 from privfl.federation import RunDirectory
 
@@ -78,8 +79,11 @@ def test_train_once_reuses_only_the_same_run_and_resumes_an_interrupted_one(tmp_
     assert first["rounds_completed"] == 4
     # the same config: read back, not trained again (the wall time would differ)
     assert train_once(config(rounds=4), out, progress=False)["wall_time_s"] == first["wall_time_s"]
-    # another number of rounds in the same directory: trained afresh, not the 4-round model under a 6-round label
-    longer = train_once(config(rounds=6), out, progress=False)
+    # another number of rounds in the same directory: refused, never the 4-round model under a 6-round label, nor
+    # silently replaced; with overwrite it is trained afresh
+    with pytest.raises(ConfigError, match="holds a run of another configuration"):
+        train_once(config(rounds=6), out, progress=False)
+    longer = train_once(config(rounds=6), out, progress=False, overwrite=True)
     assert longer["rounds_completed"] == 6 and RunConfig.from_dict(RunDirectory(out).read_json("config.json")) \
         == config(rounds=6)
     assert [r["round"] for r in RunDirectory(out).read_metrics()] == [2, 4, 6]
