@@ -105,6 +105,7 @@ import numpy as np
 import torch
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
+from accounting.validation import is_finite
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
@@ -263,7 +264,7 @@ def calibrate_blocks(*, epsilon: float, delta: float, sensitivities: Mapping[str
     if not sensitivities:
         raise ConfigError("calibrate_blocks needs at least one block")
     for name, value in sensitivities.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        if not is_finite(value) or value <= 0:
             raise ConfigError(f"sensitivity of block {name!r} must be a finite number > 0, got {value!r}")
     mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=math.sqrt(len(sensitivities)),
                                   relation=relation, noise=noise, generator=generator)
@@ -410,8 +411,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     ([0, 1], torch.Size([3, 3]))
     """
     # 1. Validate everything; nothing is recorded on failure.
-    if isinstance(components, bool) or not isinstance(components, numbers.Integral) or components < 1:
-        raise ConfigError(f"components must be an int >= 1, got {components!r}")
+    components = _check_positive_int("components", components)
     if components != 1:
         raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
                           "private (EM iterations, k-means initialisation and component assignment all use the data; "
@@ -424,7 +424,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     bound = float(bound)
     x, y = check_data(features, labels, num_classes)
     floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
-    if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor) or floor <= 0:
+    if not is_finite(floor) or floor <= 0:
         raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")

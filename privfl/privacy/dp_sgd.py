@@ -43,6 +43,7 @@ from torch import nn
 
 import accounting
 from accounting import ComposedEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting.validation import is_int_at_least
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import NOISE_SOURCES, os_seeded_generator, standard_normal
 from privfl.privacy.per_sample import (
@@ -143,10 +144,7 @@ class DPSGDConfig:
             raise _config_error("max_grad_norm", self.max_grad_norm, "a finite number > 0")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise _config_error("grad_sample_mode", self.grad_sample_mode, f"one of {', '.join(GRAD_SAMPLE_MODES)}")
-        if self.total_steps is not None and (
-            not isinstance(self.total_steps, numbers.Integral) or isinstance(self.total_steps, bool)
-            or self.total_steps < 1
-        ):
+        if self.total_steps is not None and not is_int_at_least(self.total_steps, 1):
             raise _config_error("total_steps", self.total_steps, "an integer >= 1 or None")
         if self.target_epsilon is not None and self.total_steps is None:
             raise ConfigError(
@@ -332,7 +330,7 @@ class DPSGDTrainer:
             ConfigError: a bad argument (named), the model has layers DP-SGD cannot train, the chosen
                 grad_sample_mode cannot handle the model, or the round would go beyond ``config.total_steps``.
         """
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        if not is_int_at_least(steps, 1):
             raise ConfigError(f"steps must be an integer >= 1, got {steps!r}")
         for name, value, low, high in (("lr", lr, 0.0, math.inf), ("weight_decay", weight_decay, 0.0, math.inf),
                                        ("momentum", momentum, 0.0, 1.0)):
@@ -428,9 +426,9 @@ class DPSGDTrainer:
 
 def sampling_probability(num_samples: int, batch_size: int) -> float:
     """q = min(1, batch_size / num_samples), validated."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
+    if not is_int_at_least(num_samples, 1):
         raise ConfigError(f"DP-SGD needs at least one training sample, got n={num_samples!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+    if not is_int_at_least(batch_size, 1):
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     return min(1.0, batch_size / num_samples)
 

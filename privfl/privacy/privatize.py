@@ -39,13 +39,13 @@ Units: epsilon natural-log, delta a probability, bound and sensitivity L2 in the
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
+from accounting.validation import is_int_at_least
 
 from privfl.errors import ConfigError
 from privfl.models.set_encoders import MaxPool, MeanMaxPool, MeanPool
@@ -206,7 +206,7 @@ class PrivateEncoder(nn.Module):
     def batch_sizes(n: int, batch_size: int) -> list[int]:
         """The sizes of the ``k = ceil(n / batch_size)`` consecutive batches of ``n`` samples: ``batch_size`` each,
         the last one ``n - (k-1) batch_size`` (possibly smaller). Depends on the public n and batch_size only."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        if not is_int_at_least(batch_size, 1):
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         batch_size = int(batch_size)
         k = -(-n // batch_size)
@@ -330,7 +330,7 @@ def privatize(encoder: nn.Module, eps: float | None, delta: float | None, *, bou
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
     if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
-        if isinstance(min_samples, bool) or not isinstance(min_samples, numbers.Integral) or min_samples < 2:
+        if min_samples is None or not is_int_at_least(min_samples, 2):
             raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
                               f"lower bound on n: give min_samples as an int >= 2, got min_samples={min_samples!r}")
         min_samples = int(min_samples)
