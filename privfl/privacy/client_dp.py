@@ -22,7 +22,10 @@ from privfl.errors import ConfigError
 
 def update_norm(update: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of all tensors of ``update`` taken together (as one flattened vector)."""
-    return float(torch.sqrt(sum((t.detach().double() ** 2).sum() for t in update.values())))
+    squared = sum((t.detach().double() ** 2).sum() for t in update.values())
+    if not isinstance(squared, torch.Tensor):   # sum() over no tensors is the int 0
+        raise ConfigError("the update must hold at least one tensor, got an empty mapping")
+    return float(torch.sqrt(squared))
 
 
 def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[dict[str, torch.Tensor], float]:
