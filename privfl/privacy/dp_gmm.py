@@ -488,7 +488,10 @@ def sample_features(release: DPGaussianRelease, num_per_class: int | Sequence[in
     num_classes = len(release.classes)
     if num_per_class is None:
         wanted = [max(0, int(round(float(c.count)))) for c in release.classes]
-    elif isinstance(num_per_class, numbers.Integral) and not isinstance(num_per_class, bool):
+    elif isinstance(num_per_class, bool):
+        raise ConfigError(f"num_per_class must be an int, a sequence or mapping of ints per class, or None, got "
+                          f"{num_per_class!r}")
+    elif isinstance(num_per_class, (int, numbers.Integral)):   # int too: typeshed does not make int an Integral
         wanted = [int(num_per_class)] * num_classes
     elif isinstance(num_per_class, Mapping):
         wanted = [int(num_per_class.get(c, 0)) for c in range(num_classes)]
@@ -590,7 +593,7 @@ def _class_sums(v: torch.Tensor, y: torch.Tensor, num_classes: int,
 def _covariance_from_moments(second: torch.Tensor, mean: torch.Tensor, covariance: str, d: int,
                              floor: float) -> torch.Tensor:
     if covariance == "full":
-        cov = second - torch.outer(mean, mean)
+        cov: torch.Tensor = second - torch.outer(mean, mean)   # declared: torch.linalg.eigh's results are untyped
         cov = (cov + cov.T) / 2
         eigenvalues, eigenvectors = torch.linalg.eigh(cov)
         cov = (eigenvectors * eigenvalues.clamp_min(floor)) @ eigenvectors.T
