@@ -21,7 +21,8 @@
     As ``local``, but each of the M clients of a round adds a share N(0, sigma^2 / M): the sum of the M releases
     carries N(0, sigma^2), as in ``local`` mode. That holds only for an observer who sees the sum and not the shares
     (secure aggregation), and only if all M clients add their share. A share alone buys what
-    ``GaussianEvent(sigma / sqrt(M), 2 C)`` buys; :func:`share_epsilon` says how much.
+    ``GaussianEvent(sigma / sqrt(M), 2 C)`` buys; :func:`share_epsilon` says how much. The sum is taken under
+    Flower's SecAgg+ on the Flower engines and simulated in process (:mod:`privfl.methods.private`).
 
 ``central`` (client-level DP-FedAvg, McMahan et al. 2018; add or remove one client; the aggregator is trusted)
     Each round, every training client is sampled independently with probability q (Poisson sampling, from randomness
