@@ -23,14 +23,14 @@ from scipy.special import log_ndtr
 
 from accounting.accountants import AccountantName, epsilon as accountant_epsilon
 from accounting.events import PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting.validation import is_finite, is_int_at_least
 
 
 def _check_epsilon(value: object, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or float(value) < 0 or (float(value) == 0 and not allow_zero):  # type: ignore[arg-type]  # numbers.Real, checked first
+    if not is_finite(value) or float(value) < 0 or (float(value) == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"epsilon must be a finite number {bound}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]  # a finite numbers.Real, checked above
+    return float(value)
 
 
 def _check_delta(value: object) -> float:
@@ -154,7 +154,7 @@ def noise_multiplier_for_epsilon(
     >>> round(noise_multiplier_for_epsilon(2.0, 1e-5, sampling_probability=0.01, steps=1000, accountant="rdp"), 2)
     1.02
     """
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+    if not is_int_at_least(steps, 1):
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     return calibrate_noise_multiplier(
         lambda z: SelfComposedEvent(SubsampledGaussianEvent(z, sampling_probability), steps), target_epsilon, delta,
@@ -196,14 +196,6 @@ def calibrate_noise_multiplier(event_at: Callable[[float], PrivacyEvent], target
             lo, hi = lo / 2.0, lo
             if lo < 1e-4:  # below this the noise is negligible and accountants lose precision
                 return hi
-    # 2. Bisection in log space, keeping the invariant.
-    while hi / lo - 1.0 > rtol:
-        mid = math.sqrt(lo * hi)
-        if eps_at(mid) > target_epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return hi
     # 2. Bisection in log space, keeping the invariant.
     while hi / lo - 1.0 > rtol:
         mid = math.sqrt(lo * hi)

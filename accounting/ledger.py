@@ -21,6 +21,7 @@ from typing import Any
 
 from accounting.accountants import AccountantName, PrivacySpent, _check_accountant, check_supported, epsilon
 from accounting.files import atomic_write
+from accounting.validation import is_finite, is_int_at_least, is_real
 from accounting.events import (
     ComposedEvent,
     NeighboringRelation,
@@ -55,7 +56,7 @@ _STATE_VERSION = 1
 def _check_client_id(client_id: object) -> ClientId:
     if isinstance(client_id, str):
         return client_id
-    if isinstance(client_id, numbers.Integral) and not isinstance(client_id, bool):
+    if not isinstance(client_id, bool) and isinstance(client_id, numbers.Integral):
         return int(client_id)
     raise ValueError(f"client_id must be an int or a str, got {client_id!r}")
 
@@ -72,10 +73,10 @@ class PrivacyBudget:
 
     def __post_init__(self) -> None:
         e = self.epsilon
-        if isinstance(e, bool) or not isinstance(e, numbers.Real) or not math.isfinite(e) or e <= 0:
+        if not is_finite(e) or e <= 0:
             raise ValueError(f"budget epsilon must be a finite number > 0, got {e!r}")
         d = self.delta
-        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 < d < 1:
+        if not is_real(d) or not 0 < d < 1:
             raise ValueError(f"budget delta must be a probability in (0, 1), got {d!r}")
         object.__setattr__(self, "epsilon", float(e))
         object.__setattr__(self, "delta", float(d))
@@ -136,10 +137,10 @@ class ReleaseRecord:
         if not isinstance(self.purpose, str) or not self.purpose:
             raise ValueError(f"purpose must be a non-empty str, got {self.purpose!r}")
         r = self.round
-        if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0):
+        if r is not None and not is_int_at_least(r, 0):
             raise ValueError(f"round must be None or an integer >= 0, got {r!r}")
         t = self.time
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+        if not is_finite(t):
             raise ValueError(f"time must be a finite unix timestamp, got {t!r}")
         if not isinstance(self.metadata, Mapping):
             raise ValueError(f"metadata must be a dict, got {self.metadata!r}")
@@ -281,7 +282,7 @@ class PrivacyLedger:
             if self._budget is None:
                 raise ValueError(f"client {self._client_id!r}: give a delta; the ledger has no budget to take it from")
             delta = self._budget.delta
-        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+        if not is_real(delta) or not 0 < delta < 1:
             raise ValueError(f"delta must be a probability in (0, 1), got {delta!r}")
         delta = float(delta)
         if delta not in self._epsilon_cache:

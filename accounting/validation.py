@@ -23,22 +23,23 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def is_real(value: Any) -> bool:
-    """A real number that is not a bool (``True`` is an int in Python, never a rate or a count)."""
+def is_real(value: Any) -> TypeGuard[float]:
+    """A real number that is not a bool (``True`` is an int in Python, never a rate or a count). For the type checker
+    it is then a float: every ``numbers.Real`` converts with ``float()`` and compares as one."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def is_finite(value: Any) -> bool:
+def is_finite(value: Any) -> TypeGuard[float]:
     """A finite real number that is not a bool."""
     return is_real(value) and math.isfinite(value)
 
 
-def is_int_at_least(value: Any, minimum: int) -> bool:
+def is_int_at_least(value: Any, minimum: int) -> TypeGuard[int]:
     """An integer >= ``minimum`` that is not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= minimum
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and int(value) >= minimum
 
 
 class Checks:

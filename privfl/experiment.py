@@ -410,9 +410,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
         summary["privacy"]["epsilon_max_training_against_aggregator"] = max(
             (against.get(c.client_id, 0.0) for c in federation.training_clients), default=0.0)
     if config.privacy.mode == DISTRIBUTED:
-        summary["privacy"]["secure_aggregation"] = (
-            "simulated in this process: the server adds the clients' noise shares itself, so the epsilons hold for "
-            "an observer of each round's sum only; on Flower the shares are summed under SecAgg+")
+        summary["privacy"]["secure_aggregation"] = runtime.secure_aggregation()
     if noise.get("seeded"):
         summary["privacy"]["seeded_noise"] = (
             f"{noise['seeded']} private releases drew their noise from generators seeded from the run config, which "

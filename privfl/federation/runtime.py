@@ -5,7 +5,8 @@ A runtime drives a method's :class:`~privfl.methods.base.Strategy` (server side)
 runs. :class:`Runtime` holds the round loop (:meth:`Runtime.run_round`: sample, configure, one exchange per stage,
 aggregate, commit) and names what an engine must provide: how one stage's messages reach the clients and their
 releases come back (:meth:`Runtime.exchange`), how client states are committed, evaluation, novel-client serving,
-ledgers, and checkpoints. :class:`InProcessRuntime` provides them in this process;
+ledgers, checkpoints, and the secure sum of a round's releases (:meth:`Runtime.secure_sum`) when the strategy may
+see only their sum. :class:`InProcessRuntime` provides them in this process;
 :class:`privfl.federation.flower.runtime.FlowerRuntime` on Flower nodes. :func:`privfl.experiment.train` runs any
 runtime.
 
@@ -68,6 +69,53 @@ class RoundRelease:
     calibrated_for: PrivacyBudget | None = None
 
 
+@dataclass(frozen=True)
+class SecureSum:
+    """A strategy's request that the server see the releases of a round's last stage only as their sum (distributed
+    client-level DP, :meth:`privfl.methods.base.Strategy.secure_sum`): the runtime has them summed by secure
+    aggregation (:meth:`Runtime.secure_sum`) and hands the strategy the sum alone
+    (:meth:`privfl.methods.base.Strategy.aggregate_sum`).
+
+    ``like``: zeros shaped like one release, by name: every release must be exactly these arrays. ``bound``: every
+    coordinate of a release lies in [-bound, bound] before its noise (an L2 clip C bounds each coordinate by C).
+    ``noise_std``: the standard deviation of the Gaussian noise each release carries in every coordinate (its
+    share). ``calibrated_for``: what each release's noise is calibrated for over its client's ledger. An engine that
+    quantizes sizes its range from these (:mod:`privfl.federation.flower.secagg`).
+    """
+
+    like: dict[str, torch.Tensor]
+    bound: float
+    noise_std: float
+    calibrated_for: PrivacyBudget
+
+
+@dataclass(frozen=True)
+class ReleaseSum:
+    """What secure aggregation hands the server: the sum of a round's releases (float64, named as
+    :attr:`SecureSum.like`), how many releases it sums, and what the aggregation reports about itself (on Flower,
+    how many values quantization clipped)."""
+
+    arrays: dict[str, torch.Tensor]
+    count: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def add_releases(releases: Mapping[int, Message], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float64 sum of ``releases`` (in increasing client id), each of which must hold exactly the arrays of
+    ``like``, by name and shape."""
+    total = {name: torch.zeros(tuple(t.shape), dtype=torch.float64) for name, t in like.items()}
+    for cid in sorted(releases):
+        arrays = releases[cid].arrays
+        shapes = {name: tuple(t.shape) for name, t in arrays.items()}
+        expected = {name: tuple(t.shape) for name, t in like.items()}
+        if shapes != expected:
+            raise InternalError(f"client {cid}'s release holds arrays {shapes}, but the secure sum is over "
+                                f"{expected}: distributed DP sums releases of one declared shape")
+        for name in total:
+            total[name] += arrays[name].detach().double()
+    return total
+
+
 def validation_report(score: ClientScore) -> Release:
     """A training client's validation score as a release (model selection on validation needs it on the server)."""
     report = Message(metrics={"num_samples": float(score.num_samples), "correct": float(score.correct),
@@ -94,17 +142,30 @@ class Runtime(ABC):
     # -- the one round loop ---------------------------------------------------------------------------------------
 
     def run_round(self, round: int) -> dict[str, float]:
-        """One round: sample, configure, one exchange per stage with the sampled clients, aggregate, commit."""
+        """One round: sample, configure, one exchange per stage with the sampled clients, aggregate, commit.
+
+        When the strategy asks for a secure sum (:meth:`privfl.methods.base.Strategy.secure_sum`), the last stage's
+        releases reach it only as their sum (:meth:`secure_sum`, :meth:`~privfl.methods.base.Strategy.aggregate_sum`).
+        """
         if round != self.completed_rounds:
             raise InternalError(f"round {round} requested but {self.completed_rounds} rounds are completed")
         sampled = self.strategy.sample_clients(round, self.training_ids, self.client_fraction, self.seed)
         self.begin_round(round, sampled)
-        replies = self.exchange(round, 0, self.strategy.configure_train(round, sampled))
-        for stage in range(1, self.strategy.train_stages):
-            replies = self.exchange(round, stage, self.strategy.configure_stage(round, stage, replies))
+        secure = self.strategy.secure_sum()
+        last = self.strategy.train_stages - 1
+        replies: dict[int, Message] = {}
+        total = None
+        for stage in range(last + 1):
+            messages = self.strategy.configure_train(round, sampled) if stage == 0 else \
+                self.strategy.configure_stage(round, stage, replies)
+            if secure is not None and stage == last:
+                total = self.secure_sum(round, stage, messages, secure)
+            else:
+                replies = self.exchange(round, stage, messages)
         for release in self.strategy.round_releases(round):
             self.record_for_everyone(release, round)
-        metrics = self.strategy.aggregate_train(round, replies)
+        metrics = self.strategy.aggregate_train(round, replies) if total is None else \
+            self.strategy.aggregate_sum(round, total)
         self.commit_round(round, sampled)
         return {"clients": float(len(sampled)), **metrics}
 
@@ -115,6 +176,19 @@ class Runtime(ABC):
     def exchange(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
         """Stage ``stage`` of ``round``: each message down to its client, the client's work on its working state,
         and the releases that came up (recorded in the clients' ledgers before delivery), by client id."""
+
+    @abstractmethod
+    def secure_sum(self, round: int, stage: int, messages: dict[int, Message], secure: SecureSum) -> ReleaseSum:
+        """Stage ``stage`` of ``round`` as :meth:`exchange` runs it, except that the server gets only the sum of the
+        releases, each of them recorded in its client's ledger first; every client sent a message must release,
+        or nothing is summed (a sum short of a share carries less noise than its calibration)."""
+
+    def secure_aggregation(self) -> dict[str, Any]:
+        """How :meth:`secure_sum` sums, for the run summary (``privacy.secure_aggregation``)."""
+        return {"protocol": "simulated",
+                "description": "simulated in this process: the server adds the clients' releases itself, so it "
+                               "sees each of them; the epsilons hold for an observer of each round's sum only (on "
+                               "Flower the releases are summed under SecAgg+)"}
 
     @abstractmethod
     def commit_round(self, round: int, sampled: list[int]) -> None:
@@ -214,6 +288,15 @@ class InProcessRuntime(Runtime):
             if release is not None:
                 replies[cid] = self.wire.client_to_server(cid, release, round=round)
         return replies
+
+    def secure_sum(self, round: int, stage: int, messages: dict[int, Message], secure: SecureSum) -> ReleaseSum:
+        """Simulated: the releases come to this process, recorded by the wire, and are added here."""
+        replies = self.exchange(round, stage, messages)
+        silent = sorted(set(messages) - set(replies))
+        if silent:
+            raise InternalError(f"clients {silent} released nothing at stage {stage} of round {round}: the secure sum "
+                                "needs every sampled client's release")
+        return ReleaseSum(arrays=add_releases(replies, secure.like), count=len(replies))
 
     def record_for_everyone(self, release: RoundRelease, round: int) -> None:
         self.wire.record_for(self.training_ids, release, round=round)

@@ -49,7 +49,7 @@ from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release
-from privfl.federation.runtime import RoundRelease, sample_clients
+from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sample_clients
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.local_training import ExtraLoss, local_sgd
 from privfl.models import build_model
@@ -190,18 +190,30 @@ class Strategy(ABC):
         client's ledger before the round's messages are used (central DP's noisy aggregate); none by default."""
         return []
 
+    def secure_sum(self) -> SecureSum | None:
+        """What the runtime must sum securely: the releases of each round's last stage, which the server then sees
+        only as their sum (:meth:`aggregate_sum` in place of :meth:`aggregate_train`); ``None`` (the default): the
+        server receives each release. Only the privacy layer's distributed mode asks for one."""
+        return None
+
+    def aggregate_sum(self, round: int, total: ReleaseSum) -> dict[str, float]:
+        """Update the server state from the secure sum of the last stage's releases (when :meth:`secure_sum` asks
+        for one); return round metrics."""
+        raise NotImplementedError(f"{type(self).__name__} asks for no secure sum")
+
     def contributions(self, round: int, replies: dict[int, Message]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Central DP: what each client's round contributes to the shared state, as named tensors, in increasing
         client id; the layer clips each to C, sums and noises them, and :meth:`apply_mean` moves the shared state
-        from the noisy mean. By default a client's contribution is its last-stage message's arrays (which is what
-        distributed DP sums: there the contribution must be the client's release itself)."""
+        from the noisy mean. By default a client's contribution is its last-stage message's arrays. Distributed DP
+        sums the releases themselves under secure aggregation, so a method that overrides this cannot run it (the
+        layer refuses it, :func:`privfl.methods.private.protect`)."""
         for cid in sorted(replies):
             yield cid, replies[cid].arrays
 
     def contribution_shapes(self) -> dict[str, torch.Tensor]:
-        """Central DP: zeros shaped like one contribution (a round that samples nobody still releases noise of that
-        shape)."""
-        raise NotImplementedError(f"{type(self).__name__} declares no contribution shapes for central DP")
+        """Central and distributed DP: zeros shaped like one contribution (central: a round that samples nobody still
+        releases noise of that shape; distributed: the arrays every release must be, summed by name)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no contribution shapes for client-level DP")
 
     def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
         """Central and distributed DP: move the shared state from the noisy sum of the round's contributions divided

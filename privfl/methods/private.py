@@ -10,10 +10,29 @@ only what it must (its record-level releases) and every engine runs the wrapped 
   refuses one that does not, naming the method and what it tried to send; metrics, which no event covers, are not
   sent. Local and distributed: it clips the release to its stage's share of C and adds the noise (the whole noise, or
   a share). Central: it marks the release as a contribution to the trusted aggregator.
-* :class:`Aggregator` wraps a strategy in central (and distributed) mode: Poisson client sampling, each contribution clipped,
-  the sum noised once and divided by the expected count, the round's event recorded in every training client's
-  ledger before the server uses the sum, the clip adapted to a quantile of the norms when asked. In distributed mode
-  it sums the clients' noised releases, so the server's step depends on the sum alone, as under secure aggregation.
+* :class:`Aggregator` wraps a strategy in central and distributed mode. Central: Poisson client sampling, each
+  contribution clipped, the sum noised once and divided by the expected count, the round's event recorded in every
+  training client's ledger before the server uses the sum, the clip adapted to a quantile of the norms when asked.
+  Distributed: it asks the runtime for the secure sum of the round's releases
+  (:meth:`~privfl.methods.base.Strategy.secure_sum`) and steps from that sum over the round's count; it is never
+  handed a release.
+
+Distributed mode on each engine. Each of the M clients of a round adds N(0, sigma^2 / M) to its clipped release, so
+the sum carries N(0, sigma^2), the event every client's ledger records; that guarantee holds for an observer of the
+sum only. A share alone buys :func:`~privfl.privacy.training.share_epsilon` against whoever sees the release.
+
+* In process (:class:`~privfl.federation.runtime.InProcessRuntime`) the secure aggregation is simulated: the server
+  process receives each release (recorded by the wire first) and adds them itself, so the epsilons hold for an
+  observer of the sums, not for this process; the run summary says so (``privacy.secure_aggregation``).
+* On Flower (:class:`~privfl.federation.flower.runtime.FlowerRuntime`) the releases are summed under Flower's
+  SecAgg+ (:mod:`privfl.federation.flower.secagg`): each node records its clients' releases, masks their sum, and
+  the server unmasks the round's total only, never a single release. A node that drops or fails stops the run
+  before its round's sum is used (the sum would lack a share of the noise). Values are quantized in a clipping range
+  wide enough that clipping adds at most a thousandth of delta; the summary gives the protocol's parameters.
+
+What the method's code sees is the same on both: the mean of the round's releases (``apply_mean``). Its
+contributions must be its releases (``Strategy.contributions`` not overridden): :func:`protect` refuses a method
+that derives them from its clients' messages, which secure aggregation never shows the server.
 
 :func:`protect` wraps a method's two halves as its registration allows (``MethodSpec.privacy``), refusing by name a
 mode the method cannot run.
@@ -31,7 +50,7 @@ from accounting import NonPrivateEvent, PrivacyBudget
 from privfl.errors import ConfigError, InternalError
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release
-from privfl.federation.runtime import RoundRelease, sample_clients
+from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sample_clients
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import ClientProcedure, MethodSpec, Strategy
 from privfl.privacy.client_dp import clip_update
@@ -170,8 +189,7 @@ class PrivateClient(ClientProcedure):
                     "participations": noise.participations}
         if self.privacy.mode == DISTRIBUTED:
             metadata.update(shares=noise.shares, share_sigma=noise.share_sigma,
-                            secure_aggregation="simulated: the in-process server adds the shares itself; the "
-                                               "guarantee holds for an observer of the sums only")
+                            observer="the round's sum of releases only (secure aggregation): the event is the sum's")
         return Release(Message(arrays=_unflatten(names, noisy, arrays)), purpose=release.purpose,
                        event=noise.stage_event(index), metadata=metadata,
                        calibrated_for=PrivacyBudget(noise.lifetime_epsilon, noise.delta))
@@ -185,17 +203,20 @@ class Aggregator(Strategy):
     Central mode (see the module docstring, and :mod:`privfl.privacy.training` for the accounting): Poisson client
     sampling at q, each contribution clipped to C, one noise draw on the sum, the sum divided by the expected count
     q N, the round's event recorded in every training client's ledger (:meth:`round_releases`), an adaptive clip if
-    asked. Distributed mode: the clients' releases carry their noise shares and their events; the server sees their
-    sum only (secure aggregation, simulated in this process: the sum is taken here) and divides it by the round's
-    number of clients, which the server knows.
+    asked. Distributed mode: the clients' releases carry their noise shares and their events; the runtime hands the
+    aggregator their secure sum only (:meth:`secure_sum`, :meth:`aggregate_sum`: simulated in process, SecAgg+ on
+    Flower; see the module docstring), which it divides by the round's number of clients, known to the server.
     """
 
     def __init__(self, inner: Strategy, privacy: TrainingPrivacy, *, rounds: int, sampling_probability: float,
-                 method: str) -> None:
+                 method: str, noise: ClientLevelNoise | None = None) -> None:
         # deliberately not Strategy.__init__: the server state is the inner strategy's
         self.inner = inner
         self.privacy = privacy
         self.method = method
+        self.noise = noise                  # distributed: the clients' calibrated noise (their shares, their clip)
+        if privacy.mode == DISTRIBUTED and noise is None:
+            raise InternalError("the aggregator of distributed DP needs the clients' ClientLevelNoise")
         self.model_factory, self.config, self.seed = inner.model_factory, inner.config, inner.seed
         self.num_training_clients = inner.num_training_clients
         self.train_stages = inner.train_stages
@@ -244,11 +265,35 @@ class Aggregator(Strategy):
     def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
         return self.inner.configure_stage(round, stage, replies)
 
+    def secure_sum(self) -> SecureSum | None:
+        """Distributed: the releases of the round's last stage, summed securely; each is clipped to C_s before its
+        share of noise, of standard deviation ``share_sigma``, is added."""
+        if self.central:
+            return None
+        return SecureSum(like=self.inner.contribution_shapes(), bound=self.noise.clips[-1],
+                         noise_std=self.noise.share_sigma,
+                         calibrated_for=PrivacyBudget(self.noise.lifetime_epsilon, self.noise.delta))
+
+    def aggregate_sum(self, round: int, total: ReleaseSum) -> dict[str, float]:
+        """Distributed: the inner strategy steps from the sum of the round's releases (their shares of noise
+        included) over the round's count, which the server knows; the aggregation's own metrics are kept."""
+        if self.central:
+            raise InternalError("central DP aggregates the clipped contributions, not a secure sum")
+        like = self.inner.contribution_shapes()
+        if total.count < 1:
+            raise InternalError(f"a secure sum of {total.count} releases in round {round}")
+        mean = {k: (total.arrays[k] / total.count).to(like[k].dtype) for k in like}
+        return {**self.inner.apply_mean(round, mean, float(total.count)), **total.metrics}
+
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         """Central, in steps: 1. clip each contribution to C (jointly); 2. sum, add N(0, (z_update C)^2) once;
         3. divide by the expected count q N; 4. with an adaptive clip, the noisy count of contributions within C
         moves C toward the target quantile (Andrew et al. 2021, Algorithm 1); 5. the inner strategy steps from the
-        noisy mean. Distributed: the sum of the releases (their shares of noise included) over the round's count."""
+        noisy mean. Distributed mode never comes here: the server gets the releases' secure sum only
+        (:meth:`aggregate_sum`)."""
+        if not self.central:
+            raise InternalError("distributed DP aggregates the secure sum of the releases (aggregate_sum), never the "
+                                "releases themselves")
         like = self.inner.contribution_shapes()
         total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in like.items()}
         within = 0
@@ -256,15 +301,9 @@ class Aggregator(Strategy):
             if set(contribution) != set(like):
                 raise InternalError(f"{self.method}'s contribution has tensors {sorted(contribution)}, its "
                                     f"contribution_shapes {sorted(like)}")
-            if self.central:
-                contribution, norm = clip_update(contribution, self.clip)
-                within += int(norm <= self.clip)
+            contribution, norm = clip_update(contribution, self.clip)
+            within += int(norm <= self.clip)
             total = {k: total[k] + contribution[k].double() for k in total}
-        if not self.central:
-            if not replies:
-                return {}
-            return self.inner.apply_mean(round, {k: (v / len(replies)).to(like[k].dtype) for k, v in total.items()},
-                                         float(len(replies)))
         names = list(total)
         flat = torch.cat([total[k].reshape(-1) for k in names])
         draws = _gaussian(self.privacy, (flat.numel() + 1,), "central_noise", round)   # the last one: the count's
@@ -323,9 +362,9 @@ def protect(spec: MethodSpec, strategy: Strategy | None, client: ClientProcedure
     support(spec, privacy.mode)
     if privacy.mode is None:
         return strategy, client
-    aggregator = None if strategy is None else Aggregator(
-        strategy, privacy, rounds=rounds, sampling_probability=client_fraction, method=spec.name)
     if privacy.mode == CENTRAL:
+        aggregator = None if strategy is None else Aggregator(
+            strategy, privacy, rounds=rounds, sampling_probability=client_fraction, method=spec.name)
         return aggregator, PrivateClient(client, privacy, method=spec.name)
     if privacy.mode == RECORD or spec.releases_per_round == 0:
         return strategy, PrivateClient(client, privacy, method=spec.name)
@@ -338,11 +377,18 @@ def protect(spec: MethodSpec, strategy: Strategy | None, client: ClientProcedure
                           f"{per_round} training clients: their sum would carry less noise than its calibration; set "
                           f"shares to at most {per_round}")
     noise = client_level_noise(privacy, stages=spec.releases_per_round, participations=participations, shares=shares)
-    if privacy.mode == DISTRIBUTED and spec.releases_per_round != 1:
+    if privacy.mode == LOCAL:
+        return strategy, PrivateClient(client, privacy, method=spec.name, noise=noise)
+    if spec.releases_per_round != 1:
         raise ConfigError(f"method {spec.name!r} releases {spec.releases_per_round} times a round: distributed DP sums "
                           "one release per client; its registration must refuse mode 'distributed'")
-    return (aggregator if privacy.mode == DISTRIBUTED else strategy), PrivateClient(client, privacy, method=spec.name,
-                                                                                     noise=noise)
+    if spec.strategy.contributions is not Strategy.contributions:
+        raise ConfigError(f"method {spec.name!r} derives its contributions from its clients' messages, but "
+                          "distributed DP sums the releases themselves under secure aggregation (the server never "
+                          "sees one to derive anything from); its registration must refuse mode 'distributed'")
+    aggregator = None if strategy is None else Aggregator(
+        strategy, privacy, rounds=rounds, sampling_probability=client_fraction, method=spec.name, noise=noise)
+    return aggregator, PrivateClient(client, privacy, method=spec.name, noise=noise)
 
 
 __all__ = ["Aggregator", "PrivateClient", "planned_participations", "protect", "share_epsilon", "support"]

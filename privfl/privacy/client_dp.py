@@ -12,17 +12,20 @@ Units: L2 norms in the units of the update.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 
 import torch
 
+from accounting.validation import is_finite
 from privfl.errors import ConfigError
 
 
 def update_norm(update: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of all tensors of ``update`` taken together (as one flattened vector)."""
-    return float(torch.sqrt(sum((t.detach().double() ** 2).sum() for t in update.values())))
+    squared = sum((t.detach().double() ** 2).sum() for t in update.values())
+    if not isinstance(squared, torch.Tensor):   # sum() over no tensors is the int 0
+        raise ConfigError("the update must hold at least one tensor, got an empty mapping")
+    return float(torch.sqrt(squared))
 
 
 def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[dict[str, torch.Tensor], float]:
@@ -32,8 +35,7 @@ def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[di
     >>> norm, [round(float(v), 3) for v in (clipped["a"], clipped["b"])]
     (5.0, [0.6, 0.8])
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not math.isfinite(max_norm) \
-            or max_norm <= 0:
+    if not is_finite(max_norm) or max_norm <= 0:
         raise ConfigError(f"max_norm must be a finite number > 0 (L2), got {max_norm!r}")
     norm = update_norm(update)
     if not math.isfinite(norm):

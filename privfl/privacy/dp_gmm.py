@@ -105,6 +105,7 @@ import numpy as np
 import torch
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
+from accounting.validation import is_finite
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
@@ -263,7 +264,7 @@ def calibrate_blocks(*, epsilon: float, delta: float, sensitivities: Mapping[str
     if not sensitivities:
         raise ConfigError("calibrate_blocks needs at least one block")
     for name, value in sensitivities.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        if not is_finite(value) or value <= 0:
             raise ConfigError(f"sensitivity of block {name!r} must be a finite number > 0, got {value!r}")
     mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=math.sqrt(len(sensitivities)),
                                   relation=relation, noise=noise, generator=generator)
@@ -410,8 +411,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     ([0, 1], torch.Size([3, 3]))
     """
     # 1. Validate everything; nothing is recorded on failure.
-    if isinstance(components, bool) or not isinstance(components, numbers.Integral) or components < 1:
-        raise ConfigError(f"components must be an int >= 1, got {components!r}")
+    components = _check_positive_int("components", components)
     if components != 1:
         raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
                           "private (EM iterations, k-means initialisation and component assignment all use the data; "
@@ -424,7 +424,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     bound = float(bound)
     x, y = check_data(features, labels, num_classes)
     floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
-    if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor) or floor <= 0:
+    if not is_finite(floor) or floor <= 0:
         raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
@@ -488,7 +488,10 @@ def sample_features(release: DPGaussianRelease, num_per_class: int | Sequence[in
     num_classes = len(release.classes)
     if num_per_class is None:
         wanted = [max(0, int(round(float(c.count)))) for c in release.classes]
-    elif isinstance(num_per_class, numbers.Integral) and not isinstance(num_per_class, bool):
+    elif isinstance(num_per_class, bool):
+        raise ConfigError(f"num_per_class must be an int, a sequence or mapping of ints per class, or None, got "
+                          f"{num_per_class!r}")
+    elif isinstance(num_per_class, (int, numbers.Integral)):   # int too: typeshed does not make int an Integral
         wanted = [int(num_per_class)] * num_classes
     elif isinstance(num_per_class, Mapping):
         wanted = [int(num_per_class.get(c, 0)) for c in range(num_classes)]
@@ -590,7 +593,7 @@ def _class_sums(v: torch.Tensor, y: torch.Tensor, num_classes: int,
 def _covariance_from_moments(second: torch.Tensor, mean: torch.Tensor, covariance: str, d: int,
                              floor: float) -> torch.Tensor:
     if covariance == "full":
-        cov = second - torch.outer(mean, mean)
+        cov: torch.Tensor = second - torch.outer(mean, mean)   # declared: torch.linalg.eigh's results are untyped
         cov = (cov + cov.T) / 2
         eigenvalues, eigenvectors = torch.linalg.eigh(cov)
         cov = (eigenvectors * eigenvalues.clamp_min(floor)) @ eigenvectors.T

@@ -35,7 +35,7 @@ import numbers
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from torch import nn
 
 import accounting
 from accounting import ComposedEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting.validation import is_int_at_least
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import NOISE_SOURCES, os_seeded_generator, standard_normal
 from privfl.privacy.per_sample import (
@@ -67,7 +68,8 @@ OPACUS_MODES: tuple[str, ...] = ("ghost", "hooks", "functorch")
 #: :mod:`privfl.privacy.per_sample` that handles the model and loss), one of its paths by name, or an Opacus mode.
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("auto", *PATHS, *OPACUS_MODES)
 #: Accountants that price DP-SGD here (see :mod:`accounting.accountants`).
-DP_SGD_ACCOUNTANTS: tuple[str, ...] = ("pld", "prv")
+DPSGDAccountant = Literal["pld", "prv"]
+DP_SGD_ACCOUNTANTS: tuple[str, ...] = get_args(DPSGDAccountant)
 
 
 class GenericPathWarning(UserWarning):
@@ -124,7 +126,7 @@ class DPSGDConfig:
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "auto"
     total_steps: int | None = None
-    accountant: str = "pld"
+    accountant: DPSGDAccountant = "pld"
     noise: str = "secure"
 
     def __post_init__(self) -> None:
@@ -143,10 +145,7 @@ class DPSGDConfig:
             raise _config_error("max_grad_norm", self.max_grad_norm, "a finite number > 0")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise _config_error("grad_sample_mode", self.grad_sample_mode, f"one of {', '.join(GRAD_SAMPLE_MODES)}")
-        if self.total_steps is not None and (
-            not isinstance(self.total_steps, numbers.Integral) or isinstance(self.total_steps, bool)
-            or self.total_steps < 1
-        ):
+        if self.total_steps is not None and not is_int_at_least(self.total_steps, 1):
             raise _config_error("total_steps", self.total_steps, "an integer >= 1 or None")
         if self.target_epsilon is not None and self.total_steps is None:
             raise ConfigError(
@@ -224,7 +223,7 @@ class DPSGDTrainer:
             SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps) for sigma, q, steps in self._history
         ))
 
-    def epsilon(self, delta: float | None = None, *, accountant: str | None = None) -> float:
+    def epsilon(self, delta: float | None = None, *, accountant: DPSGDAccountant | None = None) -> float:
         """Epsilon (natural log) spent so far at ``delta`` (default: the config's) over all rounds; 0.0 before any.
 
         ``accountant`` is "pld" or "prv" (default: the config's); it never decreases as rounds are added.
@@ -251,6 +250,11 @@ class DPSGDTrainer:
         if config.noise_multiplier is not None:
             return float(config.noise_multiplier)
         if self._calibrated is None:
+            if config.target_epsilon is None or config.total_steps is None:   # refused by DPSGDConfig already
+                raise ConfigError(
+                    "calibrating the noise multiplier needs DPSGDConfig.target_epsilon and total_steps, got "
+                    f"target_epsilon={config.target_epsilon!r}, total_steps={config.total_steps!r}"
+                )
             sigma = accounting.noise_multiplier_for_epsilon(
                 config.target_epsilon, config.delta, sampling_probability=q, steps=config.total_steps,
                 accountant=config.accountant,
@@ -332,16 +336,16 @@ class DPSGDTrainer:
             ConfigError: a bad argument (named), the model has layers DP-SGD cannot train, the chosen
                 grad_sample_mode cannot handle the model, or the round would go beyond ``config.total_steps``.
         """
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        if not is_int_at_least(steps, 1):
             raise ConfigError(f"steps must be an integer >= 1, got {steps!r}")
         for name, value, low, high in (("lr", lr, 0.0, math.inf), ("weight_decay", weight_decay, 0.0, math.inf),
                                        ("momentum", momentum, 0.0, 1.0)):
             if not (_is_real(value) and math.isfinite(value) and low <= value and (value < high)):
                 valid = "a number in [0, 1)" if name == "momentum" else "a finite number >= 0"
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
-        for name, value in (("per_sample_loss", per_sample_loss), ("extra_loss", extra_loss)):
-            if value is not None and not callable(value):
-                raise ConfigError(f"{name} must be a callable or None, got {value!r:.80}")
+        for name, function in (("per_sample_loss", per_sample_loss), ("extra_loss", extra_loss)):
+            if function is not None and not callable(function):
+                raise ConfigError(f"{name} must be a callable or None, got {function!r:.80}")
         n = len(y)
         q = sampling_probability(n, batch_size)
         if len(x) != n:
@@ -368,6 +372,7 @@ class DPSGDTrainer:
             p.requires_grad_(True)
         model.train()
         opacus = None
+        clipped_sum: _OpacusClippedSum | ClippedGradientSum
         done = [0]   # steps taken so far, counted by _dp_sgd_steps
         try:
             if mode in OPACUS_MODES:
@@ -392,8 +397,10 @@ class DPSGDTrainer:
                 p.requires_grad_(True)
             for p in untrained:
                 p.requires_grad_(False)
-        self._report_path(mode if opacus is not None else clipped_sum.path,
-                          None if opacus is not None else clipped_sum.reason)
+        if isinstance(clipped_sum, ClippedGradientSum):
+            self._report_path(clipped_sum.path, clipped_sum.reason)
+        else:
+            self._report_path(mode, None)
         event = SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps)
         mean_loss = float(np.mean(losses)) if losses else math.nan
         return mean_loss, event
@@ -428,9 +435,9 @@ class DPSGDTrainer:
 
 def sampling_probability(num_samples: int, batch_size: int) -> float:
     """q = min(1, batch_size / num_samples), validated."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
+    if not is_int_at_least(num_samples, 1):
         raise ConfigError(f"DP-SGD needs at least one training sample, got n={num_samples!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+    if not is_int_at_least(batch_size, 1):
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     return min(1.0, batch_size / num_samples)
 
@@ -550,9 +557,9 @@ class _OpacusClippedSum:
                     DPTensorFastGradientClipping(self.gsm, self.optimizer, losses, "mean").backward()
                     sums = [p.grad for p in self.params.values()]
                 else:
-                    losses.mean().backward()
+                    losses.mean().backward()  # type: ignore[no-untyped-call]  # Tensor.backward is not annotated
                     self.optimizer.clip_and_accumulate()
-                    sums = [p.summed_grad for p in self.params.values()]
+                    sums = [p.summed_grad for p in self.params.values()]  # type: ignore[attr-defined]  # Opacus sets it
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001

@@ -31,14 +31,13 @@ gradient; the noise multiplier is sigma / sensitivity.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation
+from accounting.validation import is_finite, is_int_at_least
 from privfl.errors import ConfigError
 from privfl.privacy.dp_sgd import check_dp_compatible
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_noise
@@ -83,9 +82,9 @@ def release_gradient_mean(model: nn.Module, per_sample_loss: PerSampleLoss, x: t
         params: the parameters (names or the model's own), by default every parameter with ``requires_grad``.
         noise, generator: the noise source, as :class:`GaussianMechanism` takes them.
     """
-    if isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not math.isfinite(clip) or clip <= 0:
+    if not is_finite(clip) or clip <= 0:
         raise ConfigError(f"clip (the per-record L2 clip of the gradient) must be a finite number > 0, got {clip!r}")
-    if isinstance(min_samples, bool) or not isinstance(min_samples, numbers.Integral) or min_samples < 2:
+    if not is_int_at_least(min_samples, 2):
         raise ConfigError("the add/remove-one gradient mean keeps n private and is calibrated to a public lower bound "
                           f"on it: min_samples must be an int >= 2, got {min_samples!r}")
     noise = check_noise(noise, generator)

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from accounting import GaussianEvent, NeighboringRelation, analytic_gaussian_sigma
+from accounting.validation import is_finite
 
 from privfl.errors import ConfigError
 from privfl.privacy.sensitivity import check_relation
@@ -38,7 +39,7 @@ def check_epsilon_delta(epsilon: object, delta: object) -> tuple[float, float]:
     if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not math.isfinite(epsilon) \
             or epsilon <= 0:
         raise ConfigError(f"epsilon must be a finite number > 0 (natural log), got {epsilon!r}")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or delta <= 0 or not delta < 1:  # NaN too
         raise ConfigError(f"delta must be a probability in the open interval (0, 1), got {delta!r}")
     return float(epsilon), float(delta)
 
@@ -151,13 +152,14 @@ class GaussianMechanism:
                  relation: NeighboringRelation | str = NeighboringRelation.REPLACE_ONE,
                  noise: NoiseSource | None = None, generator: torch.Generator | None = None,
                  noise_multiplier: float | None = None) -> None:
-        if isinstance(sensitivity, bool) or not isinstance(sensitivity, numbers.Real) \
-                or not math.isfinite(sensitivity) or sensitivity <= 0:
+        if not is_finite(sensitivity) or sensitivity <= 0:
             raise ConfigError(f"sensitivity must be a finite number > 0 (L2), got {sensitivity!r}")
         self.sensitivity = float(sensitivity)
         self.relation = check_relation(relation)
         self.noise = check_noise(noise, generator)
         self.generator = generator
+        self.epsilon: float | None   # both None when noise_multiplier sets sigma
+        self.delta: float | None
         if noise_multiplier is None:
             self.epsilon, self.delta = check_epsilon_delta(epsilon, delta)
             self.sigma = analytic_gaussian_sigma(self.epsilon, self.delta, self.sensitivity)
@@ -165,8 +167,7 @@ class GaussianMechanism:
             if epsilon is not None or delta is not None:
                 raise ConfigError(f"give either epsilon and delta or noise_multiplier, got epsilon={epsilon!r}, "
                                   f"delta={delta!r}, noise_multiplier={noise_multiplier!r}")
-            if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real) \
-                    or not math.isfinite(noise_multiplier) or noise_multiplier <= 0:
+            if not is_finite(noise_multiplier) or noise_multiplier <= 0:
                 raise ConfigError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
             self.epsilon = self.delta = None
             self.sigma = float(noise_multiplier) * self.sensitivity
@@ -177,7 +178,13 @@ class GaussianMechanism:
         return GaussianEvent(sigma=self.sigma, sensitivity=self.sensitivity, relation=self.relation)
 
     def _standard_normal(self, like: torch.Tensor) -> torch.Tensor:
-        generator = self.generator if self.noise == "seeded" else os_seeded_generator(like.device)
+        if self.noise != "seeded":
+            generator = os_seeded_generator(like.device)
+        elif self.generator is not None:
+            generator = self.generator
+        else:   # refused by check_noise at construction: reached only if generator was set to None since
+            raise ConfigError("noise='seeded' needs an explicit torch.Generator whose seed only the client knows, got "
+                              "generator=None; pass generator=, or use noise='secure'")
         return standard_normal(like.shape, generator=generator, hardened=self.noise == "hardened",
                                dtype=like.dtype).to(like.device)
 

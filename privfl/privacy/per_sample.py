@@ -49,15 +49,16 @@ records cannot be detected cheaply.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.grad import conv2d_weight
 from torch.overrides import TorchFunctionMode
 
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError
 
 #: ``(model, x_batch, y_batch) -> losses of shape (B,)``: the loss of each record of the batch.
 PerSampleLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -117,7 +118,8 @@ class _Capture(TorchFunctionMode):
         self.layers: list[_Layer] = []
         self.used: set[int] = set()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type], args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func is nn.functional.batch_norm and (kwargs.get("training") or (len(args) > 5 and args[5])):
             raise ConfigError("the model or loss normalises with batch statistics (batch_norm with training=True), "
@@ -134,7 +136,7 @@ class _Capture(TorchFunctionMode):
     def _name(self, value: object) -> str | None:
         return self.trained.get(id(value)) if isinstance(value, torch.Tensor) else None
 
-    def _refuse_trained(self, func, args, kwargs) -> None:  # noqa: ANN001
+    def _refuse_trained(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for value in (*args, *kwargs.values()):
             values = value if isinstance(value, (list, tuple)) else (value,)
             for item in values:
@@ -144,7 +146,8 @@ class _Capture(TorchFunctionMode):
                         f"trained parameter {name!r} is used by {getattr(func, '__name__', func)!s}, not only as the "
                         "weight or bias of a linear or conv2d layer")
 
-    def _record(self, func, args, kwargs):  # noqa: ANN001
+    def _record(self, func: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> torch.Tensor | None:
         """Run and record a linear/conv call on a trained weight or bias; None if it uses no trained parameter."""
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
         call = dict(zip(names, args))
@@ -179,7 +182,7 @@ class _Capture(TorchFunctionMode):
                 raise FastPathUnsupported(f"the conv2d layer of {weight_name or bias_name!r} has padding="
                                           f"{padding!r}; give the padding as numbers")
             conv = (call.get("stride", 1), padding, call.get("dilation", 1))
-        output = func(*args, **kwargs)
+        output: torch.Tensor = func(*args, **kwargs)
         self.layers.append(_Layer(op, x, output, weight if weight_name else None, bias if bias_name else None, conv))
         return output
 
@@ -230,13 +233,14 @@ class _FastPath:
                     f"the output or input of the {layer.kind} layer of "
                     f"{self.trained[id(layer.weight if layer.weight is not None else layer.bias)]!r} is modified in "
                     "place after the layer (for example ReLU(inplace=True))")
+        grads: Sequence[torch.Tensor | None]
         if layers and losses.requires_grad:
             grads = torch.autograd.grad(losses.sum(), [layer.output for layer in layers], allow_unused=True)
         else:
             grads = [None] * len(layers)
         # 1. per-sample squared norms, layer by layer.
         squared = torch.zeros(batch, dtype=losses.dtype, device=losses.device)
-        pending = []
+        pending: list[_Finish] = []
         for layer, grad_output in zip(layers, grads, strict=True):
             if grad_output is not None:
                 pending.append(_layer_norms(layer, grad_output, squared))
@@ -257,7 +261,11 @@ class _FastPath:
         return losses.detach()
 
 
-def _layer_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor):
+#: ``(clip factors [B], views) -> None``: adds one layer's clipped sum ``sum_i c_i g_i`` to the flat gradient's views.
+_Finish = Callable[[torch.Tensor, dict[int, torch.Tensor]], None]
+
+
+def _layer_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor) -> _Finish:
     """Add this layer's per-sample squared gradient norms to ``squared``; return the function that adds its clipped
     sum, given the clip factors, to the flat gradient's views."""
     if layer.kind == "conv2d":
@@ -269,7 +277,8 @@ def _layer_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor
 
 def _squared_norms(per_sample: torch.Tensor) -> torch.Tensor:
     """Row-wise squared L2 norms of a (B, ...) tensor."""
-    return torch.linalg.vector_norm(per_sample.reshape(len(per_sample), -1), dim=1).square()
+    norms: torch.Tensor = torch.linalg.vector_norm(per_sample.reshape(len(per_sample), -1), dim=1)  # untyped in torch
+    return norms.square()
 
 
 def _gram_is_cheaper(positions: int, d_in: int, d_out: int) -> bool:
@@ -277,7 +286,8 @@ def _gram_is_cheaper(positions: int, d_in: int, d_out: int) -> bool:
     return positions * (d_in + d_out) < d_in * d_out
 
 
-def _linear_2d_norms(a: torch.Tensor, b: torch.Tensor, weight, bias, squared: torch.Tensor):  # noqa: ANN001
+def _linear_2d_norms(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                     squared: torch.Tensor) -> _Finish:
     """A linear layer on (B, d_in) inputs: g_i = b_i a_i^T, so ||g_i||^2 = ||a_i||^2 ||b_i||^2."""
     b_squared = _squared_norms(b)
     if weight is not None:
@@ -294,7 +304,8 @@ def _linear_2d_norms(a: torch.Tensor, b: torch.Tensor, weight, bias, squared: to
     return finish
 
 
-def _linear_nd_norms(x: torch.Tensor, grad_output: torch.Tensor, weight, bias, squared: torch.Tensor):  # noqa: ANN001
+def _linear_nd_norms(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, squared: torch.Tensor) -> _Finish:
     """A linear layer on (B, T..., d_in) inputs: g_i = sum_t b_it a_it^T."""
     batch, d_in, d_out = len(x), x.shape[-1], grad_output.shape[-1]
     a = x.reshape(batch, -1, d_in)                  # (B, T, d_in)
@@ -324,9 +335,11 @@ def _linear_nd_norms(x: torch.Tensor, grad_output: torch.Tensor, weight, bias, s
     return finish
 
 
-def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor):
+def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor) -> _Finish:
     """A conv2d layer: g_i = B_i U_i^T over the unfolded patches U_i of record i."""
     weight, bias, x = layer.weight, layer.bias, layer.input
+    if layer.conv is None:
+        raise InternalError("a conv2d layer was recorded without its (stride, padding, dilation): conv=None")
     stride, padding, dilation = (_pair(v) for v in layer.conv)
     batch, d_out = grad_output.shape[:2]
     bias_sum = grad_output.sum((2, 3)) if bias is not None else None                        # (B, d_out)
@@ -352,8 +365,8 @@ def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor)
             views[id(weight)].view(-1).addmv_(per_sample.t(), factors)
         else:
             scaled = grad_output * factors.view(-1, 1, 1, 1)
-            views[id(weight)].add_(torch.nn.grad.conv2d_weight(x, weight.shape, scaled, stride=stride,
-                                                               padding=padding, dilation=dilation))
+            views[id(weight)].add_(conv2d_weight(  # type: ignore[no-untyped-call]  # torch.nn.grad is not annotated
+                x, weight.shape, scaled, stride=stride, padding=padding, dilation=dilation))
 
     return finish
 
@@ -376,6 +389,7 @@ def _conv_per_sample(x: torch.Tensor, grad_output: torch.Tensor, weight_shape: t
         return out.reshape(c_in, batch, c_out, kh * kw).permute(1, 2, 0, 3).reshape(batch, -1)
     grouped = x.reshape(1, batch * c_in, *x.shape[2:])
     shape_only = x.new_empty((batch * c_out, c_in, kh, kw))
+    weight_grad: torch.Tensor   # torch.ops is untyped
     _, weight_grad, _ = torch.ops.aten.convolution_backward(
         grad_output.reshape(1, batch * c_out, *grad_output.shape[2:]), grouped, shape_only, None, list(stride),
         list(padding), list(dilation), False, [0, 0], batch, [False, True, False])
@@ -416,7 +430,7 @@ class _VmapPath:
 
         def one_record(weights: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             named = {f"model.{k}": v for k, v in weights.items()}
-            losses = functional_call(self.module, named, (xi.unsqueeze(0), yi.unsqueeze(0)))
+            losses: torch.Tensor = functional_call(self.module, named, (xi.unsqueeze(0), yi.unsqueeze(0)))
             _check_losses(losses, 1)
             return losses[0]
 
@@ -453,6 +467,7 @@ class _LoopPath:
         for i in range(len(x)):
             loss = self.loss(self.model, x[i:i + 1], y[i:i + 1])
             _check_losses(loss, 1)
+            grads: Sequence[torch.Tensor | None]
             if loss.requires_grad:
                 grads = torch.autograd.grad(loss[0], tensors, allow_unused=True)
             else:
@@ -469,6 +484,9 @@ def _add_clipped(per_sample: dict[str, torch.Tensor], params: dict[str, nn.Param
     """Clip each record's gradient (all parameters jointly) to ``max_grad_norm`` and add the sum to the views."""
     flat = {name: g.reshape(len(g), -1) for name, g in per_sample.items()}
     squared = sum(g.pow(2).sum(1) for g in flat.values())
+    if not isinstance(squared, torch.Tensor):   # sum() of no gradients at all is the int 0
+        raise ConfigError("the per-sample gradients to clip must cover at least one trained parameter, got none "
+                          "(params is empty)")
     # a record whose gradient is not finite contributes nothing (norm 0 <= C), rather than NaN to everyone's sum
     bad = ~torch.isfinite(squared)
     factors = torch.where(bad, 0.0, (max_grad_norm / squared.sqrt()).clamp(max=1.0))
@@ -479,7 +497,11 @@ def _add_clipped(per_sample: dict[str, torch.Tensor], params: dict[str, nn.Param
 
 # --- the public object ------------------------------------------------------------------------------------------------
 
-_PATH_CLASSES = {"fast": _FastPath, "vmap": _VmapPath, "loop": _LoopPath}
+#: ``(x_batch, y_batch, max_grad_norm, views) -> per-sample losses``: one path's way to add sum_i clip(g_i, C).
+_Path = Callable[[torch.Tensor, torch.Tensor, float, dict[int, torch.Tensor]], torch.Tensor]
+
+_PATH_CLASSES: dict[str, Callable[[nn.Module, dict[str, nn.Parameter], PerSampleLoss], _Path]] = {
+    "fast": _FastPath, "vmap": _VmapPath, "loop": _LoopPath}
 
 
 class ClippedGradientSum:
@@ -515,7 +537,7 @@ class ClippedGradientSum:
         self.requested = path
         self.path = PATHS[0] if path == "auto" else path
         self.reason: str | None = None
-        self._impl = _PATH_CLASSES[self.path](model, params, per_sample_loss)
+        self._impl: _Path = _PATH_CLASSES[self.path](model, params, per_sample_loss)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float,
                  views: dict[int, torch.Tensor]) -> torch.Tensor:

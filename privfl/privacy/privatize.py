@@ -39,13 +39,13 @@ Units: epsilon natural-log, delta a probability, bound and sensitivity L2 in the
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
+from accounting.validation import is_int_at_least
 
 from privfl.errors import ConfigError
 from privfl.models.set_encoders import MaxPool, MeanMaxPool, MeanPool
@@ -75,20 +75,23 @@ def _refuse_if_not_mean_deepset(encoder: object) -> None:
         if isinstance(module, nn.MultiheadAttention):
             raise ConfigError(f"{name} is {kind}: attention lets one sample dominate, so its sensitivity does not "
                               "shrink with n; privatize needs phi -> MeanPool -> psi, e.g. DPDeepSetEncoder")
+    stages: dict[str, nn.Module] = {}
     for stage in _STAGES:
-        if not isinstance(getattr(encoder, stage, None), nn.Module):
+        stage_module = getattr(encoder, stage, None)
+        if not isinstance(stage_module, nn.Module):
             raise ConfigError(f"encoder ({type(encoder).__name__}) has no module encoder.{stage}: privatize needs the "
                               "structure phi -> pool (MeanPool) -> psi, e.g. DPDeepSetEncoder")
+        stages[stage] = stage_module
     for name, child in encoder.named_children():
         if name not in _STAGES:
             raise ConfigError(f"encoder.{name} is {type(child).__name__}: it is not reached only through "
                               "phi -> pool -> psi, so privatize cannot bound what it contributes")
-    phi_modules = {id(m) for m in encoder.phi.modules()}
-    shared = [name for name, m in encoder.psi.named_modules(prefix="encoder.psi") if id(m) in phi_modules]
+    phi_modules = {id(m) for m in stages["phi"].modules()}
+    shared = [name for name, m in stages["psi"].named_modules(prefix="encoder.psi") if id(m) in phi_modules]
     if shared:
         raise ConfigError(f"{shared[0]} is also a module of encoder.phi: psi must see only the noisy mean, and a "
                           "module both use can carry what phi saw of the data past the noise")
-    pool = encoder.pool
+    pool = stages["pool"]
     if type(pool) is not MeanPool:  # a subclass could override forward; the mean is recomputed here anyway
         extra = " (its max half does not shrink with n)" if isinstance(pool, MeanMaxPool) else ""
         raise ConfigError(f"encoder.pool is {type(pool).__name__}{extra}: only MeanPool (the mean over samples) has "
@@ -142,6 +145,9 @@ class PrivateEncoder(nn.Module):
         """The sensitivity certificate for a release on ``n`` samples (depends on public quantities only)."""
         if self.relation is NeighboringRelation.REPLACE_ONE:
             return certify_mean_of_clipped(self.bound, n, self.relation, n_public=True, delta=self.delta)
+        if self.min_samples is None:
+            raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
+                              "lower bound on n: min_samples must be an int >= 2, got min_samples=None")
         if n < self.min_samples:
             # n itself stays out of the message: it is private under add/remove-one, and an error's text can reach
             # the server (Flower reports a ClientApp's exception); that a client too small is refused is public
@@ -157,6 +163,15 @@ class PrivateEncoder(nn.Module):
         return GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=sensitivity,
                                  relation=self.relation, noise=self.noise, generator=self.generator,
                                  noise_multiplier=self.noise_multiplier)
+
+    def _stage(self, name: str) -> nn.Module:
+        """``encoder.phi`` or ``encoder.psi``: :func:`privatize` checked that they are modules; an encoder built or
+        changed otherwise is refused here."""
+        module = getattr(self.encoder, name, None)
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"encoder ({type(self.encoder).__name__}) has no module encoder.{name}: a PrivateEncoder "
+                              "needs the structure phi -> pool (MeanPool) -> psi; build it with privatize")
+        return module
 
     def _check_samples(self, x: object) -> int:
         if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] < 1:
@@ -177,7 +192,7 @@ class PrivateEncoder(nn.Module):
         """
         self._check_samples(x)
         self.encoder.eval()          # a caller holding the encoder may have switched it back to train mode
-        phi = self.encoder.phi
+        phi = self._stage("phi")
         # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
         return clipped_rows(phi, lambda s: phi(s.unsqueeze(0)).reshape(-1), (x,), self.bound,
                             name="encoder.phi").mean(dim=0)
@@ -206,7 +221,7 @@ class PrivateEncoder(nn.Module):
     def batch_sizes(n: int, batch_size: int) -> list[int]:
         """The sizes of the ``k = ceil(n / batch_size)`` consecutive batches of ``n`` samples: ``batch_size`` each,
         the last one ``n - (k-1) batch_size`` (possibly smaller). Depends on the public n and batch_size only."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        if not is_int_at_least(batch_size, 1):
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         batch_size = int(batch_size)
         k = -(-n // batch_size)
@@ -236,8 +251,9 @@ class PrivateEncoder(nn.Module):
         if self.ledger is not None:
             self.ledger.record(event, purpose=PURPOSE, metadata=metadata)
         noisy_mean = mechanism.add_noise(mean)
-        psi_dtype = next((p.dtype for p in self.encoder.psi.parameters()), torch.get_default_dtype())
-        descriptor = self.encoder.psi(noisy_mean.to(psi_dtype))
+        psi = self._stage("psi")
+        psi_dtype = next((p.dtype for p in psi.parameters()), torch.get_default_dtype())
+        descriptor = psi(noisy_mean.to(psi_dtype))
         self.last_certificate = certificate
         return descriptor, event
 
@@ -330,7 +346,7 @@ def privatize(encoder: nn.Module, eps: float | None, delta: float | None, *, bou
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
     if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
-        if isinstance(min_samples, bool) or not isinstance(min_samples, numbers.Integral) or min_samples < 2:
+        if min_samples is None or not is_int_at_least(min_samples, 2):
             raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
                               f"lower bound on n: give min_samples as an int >= 2, got min_samples={min_samples!r}")
         min_samples = int(min_samples)

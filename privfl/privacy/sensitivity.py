@@ -15,6 +15,7 @@ import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -174,7 +175,8 @@ def _tensor_state(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     """Every parameter and every buffer of ``module`` by qualified name, persistent or not, shared ones under each
     of their names: ``{name: ("parameter" | "buffer", tensor)}``. ``state_dict()`` would miss non-persistent
     buffers, where a layer can keep a running statistic just as well."""
-    state = {name: ("parameter", t) for name, t in module.named_parameters(remove_duplicate=False)}
+    state: dict[str, tuple[str, torch.Tensor]] = {name: ("parameter", t)
+                                                  for name, t in module.named_parameters(remove_duplicate=False)}
     state.update((name, ("buffer", t)) for name, t in module.named_buffers(remove_duplicate=False))
     return state
 
@@ -192,7 +194,10 @@ def _restore(module: nn.Module, kinds: dict[str, tuple[str, torch.Tensor]], valu
             holder = module.get_submodule(owner)
         except AttributeError:   # the submodule itself is gone: nothing to put back into
             continue
-        (holder._parameters if kind == "parameter" else holder._buffers)[leaf] = tensor
+        if kind == "parameter":   # recorded from named_parameters(): an nn.Parameter
+            holder._parameters[leaf] = cast(nn.Parameter, tensor)
+        else:
+            holder._buffers[leaf] = tensor
         if tensor.shape == values[name].shape:
             tensor.copy_(values[name])
 

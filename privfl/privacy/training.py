@@ -21,7 +21,8 @@
     As ``local``, but each of the M clients of a round adds a share N(0, sigma^2 / M): the sum of the M releases
     carries N(0, sigma^2), as in ``local`` mode. That holds only for an observer who sees the sum and not the shares
     (secure aggregation), and only if all M clients add their share. A share alone buys what
-    ``GaussianEvent(sigma / sqrt(M), 2 C)`` buys; :func:`share_epsilon` says how much.
+    ``GaussianEvent(sigma / sqrt(M), 2 C)`` buys; :func:`share_epsilon` says how much. The sum is taken under
+    Flower's SecAgg+ on the Flower engines and simulated in process (:mod:`privfl.methods.private`).
 
 ``central`` (client-level DP-FedAvg, McMahan et al. 2018; add or remove one client; the aggregator is trusted)
     Each round, every training client is sampled independently with probability q (Poisson sampling, from randomness
@@ -56,7 +57,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from accounting import (
     ComposedEvent,
@@ -230,7 +231,10 @@ class NovelPrivacy:
         return _from_dict(cls, values or {}, "novel_privacy")
 
 
-def _from_dict(cls, values: dict[str, Any], what: str):
+_Settings = TypeVar("_Settings", TrainingPrivacy, NovelPrivacy)
+
+
+def _from_dict(cls: type[_Settings], values: object, what: str) -> _Settings:
     if not isinstance(values, dict):
         raise ConfigError(f"{what} must be a mapping of its settings, got {values!r}")
     names = [f.name for f in dataclasses.fields(cls)]
@@ -241,6 +245,11 @@ def _from_dict(cls, values: dict[str, Any], what: str):
 
 
 # -- calibration ------------------------------------------------------------------------------------------------------
+
+
+def _no_noise_error(privacy: TrainingPrivacy) -> ConfigError:
+    return ConfigError(f"privacy mode {privacy.mode!r} with neither epsilon nor noise_multiplier has no noise to "
+                       "calibrate; set exactly one of them")
 
 
 def record_noise_multiplier(privacy: TrainingPrivacy, round_event: Callable[[float], PrivacyEvent],
@@ -254,6 +263,8 @@ def record_noise_multiplier(privacy: TrainingPrivacy, round_event: Callable[[flo
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     check.integer(participations, "participations", 1)
+    if privacy.epsilon is None:
+        raise _no_noise_error(privacy)
     return calibrate_noise_multiplier(lambda z: SelfComposedEvent(round_event(z), participations),
                                       privacy.epsilon, privacy.delta,
                                       what=f"{participations} rounds of a training client's releases")
@@ -313,8 +324,10 @@ def client_level_noise(privacy: TrainingPrivacy, *, stages: int, participations:
     clip = float(privacy.clip)
     if privacy.epsilon is not None:
         sigma = analytic_gaussian_sigma(privacy.epsilon, privacy.delta, 2.0 * clip * math.sqrt(participations))
-    else:
+    elif privacy.noise_multiplier is not None:
         sigma = float(privacy.noise_multiplier) * 2.0 * clip
+    else:
+        raise _no_noise_error(privacy)
     return ClientLevelNoise(sigma=sigma, clips=stage_clips(clip, stages, stage_shares),
                             participations=participations, shares=shares, delta=privacy.delta)
 
@@ -339,6 +352,8 @@ def central_noise_multiplier(privacy: TrainingPrivacy, *, sampling_probability: 
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     check.integer(rounds, "rounds", 1)
+    if privacy.epsilon is None:
+        raise _no_noise_error(privacy)
     return calibrate_noise_multiplier(
         lambda z: SelfComposedEvent(central_round_event(z, sampling_probability), rounds), privacy.epsilon,
         privacy.delta, what=f"{rounds} rounds at client sampling rate {sampling_probability!r}")
@@ -355,12 +370,12 @@ def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> floa
         raise ConfigError(f"adaptive clipping with clip_count_noise={count_noise:g} spends the whole round's budget "
                           f"on the clip count (it needs clip_count_noise > noise_multiplier / 2 = "
                           f"{noise_multiplier / 2:g}); raise clip_count_noise or use a fixed clip")
-    return rest ** -0.5
+    return cast(float, rest ** -0.5)   # float ** float is typed Any (a complex for a base < 0); here rest > 0
 
 
 def joint_noise_multiplier(update: float, count_noise: float) -> float:
     """The inverse of :func:`update_noise_multiplier`: the round's z from z_update and sigma_b."""
-    return (update ** -2 + (2.0 * count_noise) ** -2) ** -0.5
+    return cast(float, (update ** -2 + (2.0 * count_noise) ** -2) ** -0.5)   # base: a sum of inverse squares, > 0
 
 
 __all__ = [

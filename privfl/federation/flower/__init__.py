@@ -6,6 +6,7 @@
 * :mod:`.nodes`: which node holds which client, found by saying hello as nodes connect;
 * :mod:`.runtime`: :class:`~.runtime.FlowerRuntime`, the round loop of :class:`privfl.federation.runtime.Runtime`
   with each exchange on the nodes;
+* :mod:`.secagg`: distributed DP's round sum under Flower's SecAgg+ (workflow on the server, mod on the nodes);
 * :mod:`.server_app`: the ServerApp wrapper, and serving novel clients of a finished run;
 * :mod:`.simulation`: Flower's simulation engine (``privfl train --engine flower-sim``);
 * :mod:`.launch`: certificates, keys, SuperLink, SuperNodes and ``flwr run`` for the deployment engine

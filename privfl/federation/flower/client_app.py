@@ -42,6 +42,7 @@ from privfl.config import RunConfig, build_client
 from privfl.errors import DataFreeError, ProtocolStateError, PublicConfigError
 from privfl.federation.context import client_context
 from privfl.federation.flower import protocol as p
+from privfl.federation.flower import secagg
 from privfl.federation.flower.records import pack, unpack
 from privfl.federation.messages import Message, Release
 from privfl.federation.rundir import atomic_write_bytes
@@ -309,7 +310,9 @@ class NodeFailure(DataFreeError, RuntimeError):
 
 
 def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None = None) -> FlowerMessage:
-    """Run one operation of the privfl protocol for each client the message names, and return the packed replies.
+    """Run one operation of the privfl protocol for each client the message names, and return the packed replies;
+    a stage of SecAgg+ (distributed DP's secure train exchange) goes through Flower's ``secaggplus_mod``, whose
+    masked-vector stage runs the train operation here (:func:`privfl.federation.flower.secagg.node_stage`).
 
     Errors. Flower sends the text of an exception the ClientApp raises to the server, in its error reply, outside any
     ledger. A text can describe a client's data (a count of NaN rows, a label outside the range, a value a method
@@ -319,9 +322,28 @@ def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any]
     file. That the node failed still reaches the server: it is data-dependent, the epsilons do not cover it, and the
     run stops on it.
     """
+    if secagg.carries_secagg(message):
+        try:
+            return secagg.node_stage(message, context, lambda m, c: _protocol(m, c, defaults))
+        except Exception as error:
+            _withhold(error, "train (SecAgg+)", "the node", _node_dir(context, _run_config(context, defaults)))
+    return _protocol(message, context, defaults)
+
+
+def _run_config(context: Context, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
     run_config = dict(defaults or {})
     run_config.update({k: v for k, v in context.run_config.items() if v not in ("", None)})
-    node_dir = context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+    return run_config
+
+
+def _node_dir(context: Context, run_config: Mapping[str, Any]) -> str | None:
+    return context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+
+
+def _protocol(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None) -> FlowerMessage:
+    """:func:`handle` of one privfl operation."""
+    run_config = _run_config(context, defaults)
+    node_dir = _node_dir(context, run_config)
     header: dict[str, Any] = {}
     try:
         node = _node(run_config, context.node_config)

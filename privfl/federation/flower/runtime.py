@@ -10,6 +10,12 @@ each node computes with the same per-client context and torch seed
 
 The server never sees a ledger entry being made: the nodes record their releases. The summary's epsilons come from
 the ledgers the nodes report (``query.ledger``); the originals stay on the nodes.
+
+Distributed DP (:mod:`privfl.privacy.training`): the strategy asks for the round's releases as a secure sum
+(:meth:`~privfl.methods.base.Strategy.secure_sum`), and the last stage of each round runs under Flower's SecAgg+
+(:mod:`privfl.federation.flower.secagg`): each node masks the sum of its clients' releases, the server unmasks only
+the total and never sees a single release; a node that fails or is silent stops the run before the round's sum is
+used. The summary's ``privacy.secure_aggregation`` gives the protocol's parameters, per round too.
 """
 
 from __future__ import annotations
@@ -24,13 +30,13 @@ from flwr.serverapp import Grid
 
 from accounting import LedgerBook, PrivacyLedger
 from privfl.config import RunConfig
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError
 from privfl.evaluation.metrics import ClientScore
 from privfl.federation.flower import protocol as p
 from privfl.federation.flower.nodes import connect
 from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
-from privfl.federation.runtime import RoundRelease, Runtime, Score
+from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum
 
 #: The summary section a Flower run adds (``summary.json``): nodes, timings, and clients left out.
 SUMMARY_KEY = "flower"
@@ -66,6 +72,14 @@ class FlowerRuntime(Runtime):
         self.outside_ledger: Counter[str] = Counter()   # replies that reached the server without a ledger record
         self.directory = connect(self.transport, config, training_ids=self.training_ids, novel_ids=self.novel_ids,
                                  serves_novel_clients=self.serves_novel_clients, serve=serve)
+        self.secagg = None                         # SecAgg+, when the strategy asks for a secure sum
+        secure = strategy.secure_sum() if serve is None else None
+        if secure is not None:
+            from privfl.federation.flower.secagg import SecAggPlus
+
+            # at most every training client's every value in every round
+            values = config.rounds * len(self.training_ids) * sum(t.numel() for t in secure.like.values())
+            self.secagg = SecAggPlus(self.transport, self.options, secure, values=values)
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -111,6 +125,29 @@ class FlowerRuntime(Runtime):
         header = {"round": round, "stage": stage, "completed_rounds": self._rounds_done}
         outgoing = {cid: (m, {"state_of": self._state_of.get(cid, -1)}) for cid, m in messages.items()}
         return self._delivered(self._send(outgoing, op, header, group=str(round)))
+
+    def secure_sum(self, round: int, stage: int, messages: dict[int, Message], secure: SecureSum) -> ReleaseSum:
+        """The exchange of :meth:`exchange`, under SecAgg+ (see the module docstring): the nodes record their
+        clients' releases and send their sum masked; the server unmasks the round's total only. Bytes up count each
+        release's payload as the ledger does (the node sends it masked, 8 bytes a value, with the protocol's keys)."""
+        if self.secagg is None:
+            raise InternalError("a secure sum was asked of a runtime built without one")
+        op = "train" if stage == 0 else "train_stage"
+        header = {"round": round, "stage": stage, "completed_rounds": self._rounds_done}
+        outgoing = {cid: (m, {"state_of": self._state_of.get(cid, -1)}) for cid, m in messages.items()}
+        for cid, (message, _) in outgoing.items():
+            self._bytes_down[cid] += message.num_bytes()
+        total = self.secagg.sum(outgoing, op, header, secure, round)
+        release_bytes = sum(t.numel() * t.element_size() for t in secure.like.values())
+        for cid in outgoing:
+            self._ledgers.pop(cid, None)                            # a release since the last report
+            self._bytes_up[cid] += release_bytes
+        return total
+
+    def secure_aggregation(self) -> dict[str, Any]:
+        if self.secagg is None:
+            return super().secure_aggregation()
+        return self.secagg.describe()
 
     def record_for_everyone(self, release: RoundRelease, round: int) -> None:
         """Central DP: the server is the trusted aggregator, so it keeps the ledger of its aggregates itself (every

@@ -60,6 +60,12 @@ class GridTransport:
         that failed, or that did not answer within ``timeout_s``."""
         messages = [FlowerMessage(content, nid, p.MESSAGE_TYPES[op], group_id=group)
                     for nid, content in sorted(contents.items())]
+        return {nid: reply.content for nid, reply in self.deliver(messages, op).items()}
+
+    def deliver(self, messages: list[FlowerMessage], op: str) -> dict[int, FlowerMessage]:
+        """Push ``messages`` (one per node), pull every reply as :meth:`exchange` does, and give the replies by node
+        id; ``op`` names the exchange in errors. Any node that fails or does not answer in time stops the exchange
+        with :class:`FlowerClientError`: nothing that came back is used."""
         if not messages:
             return {}
         pushed = {str(i) for i in self.grid.push_messages(messages) if i}
@@ -68,7 +74,7 @@ class GridTransport:
         if refused:
             raise FlowerClientError(f"the SuperLink did not accept the {op!r} messages for {self.who(refused)}")
         pending = set(node_of)
-        replies: dict[int, RecordDict] = {}
+        replies: dict[int, FlowerMessage] = {}
         timeout = self.options.timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = self.options.poll_min_s
@@ -81,7 +87,7 @@ class GridTransport:
                 arrived = True
                 if reply.has_error():
                     raise FlowerClientError(f"{self.who([nid])} failed in {op!r}: {reply.error.reason}")
-                replies[nid] = reply.content
+                replies[nid] = reply
             if pending:
                 if deadline is not None and time.monotonic() > deadline:
                     silent = sorted(node_of[mid] for mid in pending)
@@ -92,21 +98,33 @@ class GridTransport:
                 time.sleep(delay)
         return replies
 
+    def pack(self, outgoing: Mapping[int, tuple[Message, dict[str, Any]]], op: str,
+             header: dict[str, Any]) -> dict[int, RecordDict]:
+        """Each node's Flower content for ``outgoing`` (client id -> its message and its own header): the messages
+        of the clients it holds, packed with the common ``header``. A message object several clients get is
+        converted once."""
+        converted: dict[int, dict[str, Any]] = {}
+        return {nid: pack(items, {"op": op, **header}, converted=converted)
+                for nid, items in self.by_node(outgoing).items()}
+
+    def by_node(self, outgoing: Mapping[int, Any]) -> dict[int, dict[int, Any]]:
+        """``outgoing`` (by client id) grouped by the node that holds each client, in increasing client id."""
+        grouped: dict[int, dict[int, Any]] = defaultdict(dict)
+        for cid in sorted(outgoing):
+            grouped[self.node_of[cid]][cid] = outgoing[cid]
+        return dict(grouped)
+
     def send(self, outgoing: Mapping[int, tuple[Message, dict[str, Any]]], op: str, header: dict[str, Any], *,
              group: str = "") -> dict[int, tuple[Message, dict[str, Any]]]:
         """Send each client its message (with its own header beside the common ``header``), packed per node; return
         each client's reply and reply header, in increasing client id. A message object several clients get is
         converted once."""
-        by_node: dict[int, dict[int, tuple[Message, dict[str, Any]]]] = defaultdict(dict)
-        for cid in sorted(outgoing):
-            by_node[self.node_of[cid]][cid] = outgoing[cid]
-        converted: dict[int, dict[str, Any]] = {}
-        contents = {nid: pack(items, {"op": op, **header}, converted=converted) for nid, items in by_node.items()}
+        asked = self.by_node(outgoing)
         replies: dict[int, tuple[Message, dict[str, Any]]] = {}
-        for nid, content in self.exchange(contents, op, group).items():
+        for nid, content in self.exchange(self.pack(outgoing, op, header), op, group).items():
             _, items = unpack(content)
-            if set(items) != set(by_node[nid]):
+            if set(items) != set(asked[nid]):
                 raise FlowerClientError(f"node {nid} answered {op!r} for clients {ids_text(sorted(items))}, but was "
-                                        f"asked for clients {ids_text(sorted(by_node[nid]))}")
+                                        f"asked for clients {ids_text(sorted(asked[nid]))}")
             replies.update(items)
         return {cid: replies[cid] for cid in sorted(replies)}
