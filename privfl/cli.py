@@ -270,16 +270,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from privfl.evaluation import comparison_table
-    from privfl.experiment import train
+    from privfl.experiment import check_reusable, train_once
+    from privfl.federation import RunDirectory
 
-    summaries = []
-    for method, settings in DEMO_METHODS:
-        config = _run_config(args, method, settings)
-        summaries.append(train(config, str(Path(args.out) / method), overwrite=True,
-                               progress=not args.no_progress))
+    out = Path(args.out)
+    configs = [(method, _run_config(args, method, settings)) for method, settings in DEMO_METHODS]
+    # every refusal before the first training: a run or a sweep in --out itself, or a method's directory holding
+    # another run (the same settings are read back, an interrupted run continued)
+    folder = RunDirectory(out)
+    if not args.overwrite and (folder.path(RunDirectory.CONFIG).exists() or folder.occupant() == "a sweep"):
+        raise PrivflError(f"{out} already holds {folder.occupant() or 'a run'}; choose another --out, or pass "
+                          "--overwrite to replace it")
+    for method, config in configs:
+        check_reusable(config, RunDirectory(out / method), overwrite=args.overwrite)
+    summaries = [train_once(config, str(out / method), overwrite=args.overwrite, progress=not args.no_progress)
+                 for method, config in configs]
     table = comparison_table(summaries)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "comparison.txt").write_text(table + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comparison.txt").write_text(table + "\n")
     print(f"\nNovel-client accuracy (%), {args.dataset}, {args.clients} clients, novel fraction {args.novel_fraction}, "
           f"{args.rounds} rounds, seed {args.seed}:\n")
     print(table)
@@ -343,7 +351,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
     from privfl.sweep import SweepConfig, format_table, run_sweep
 
-    config = SweepConfig(dataset=args.dataset, data_root=args.data_root, clients=args.clients,
+    config = SweepConfig(dataset=args.dataset, data_root=args.data_root, source_options=dict(args.source_option),
+                         clients=args.clients,
                          max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
                          method=args.method, method_config=dict(args.method_option) or None,
                          train_epsilons=args.train_epsilons, train_clip=args.train_clip,
@@ -402,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="FedAvg vs FedProx vs SCAFFOLD on MNIST with novel clients")
     p.add_argument("--out", default="runs/demo")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace runs of other settings in OUT/<method> (the same settings are read back)")
     _add_federation_arguments(p)
     _add_training_arguments(p)
     _add_privacy_arguments(p)
@@ -432,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/sweep", help="folder for the training run, sweep.csv/json and sweep.png")
     p.add_argument("--dataset", default="mnist")
     p.add_argument("--data-root", default=None)
+    p.add_argument("--source-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a source setting, e.g. path=feats.npz for 'features'; repeatable")
     p.add_argument("--clients", type=int, default=50, help="training clients (pathological, 2 shards each)")
     p.add_argument("--max-samples", type=int, default=20000,
                    help="training images; the rest of the train split is the novel clients' held-out pool")
@@ -457,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
-    p.add_argument("--overwrite", action="store_true", help="retrain even if OUT/train holds the same run")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an OUT that holds another sweep's results, retraining trainings of other settings")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_sweep)
 

@@ -338,16 +338,27 @@ def train_once(config: RunConfig, out: str, *, overwrite: bool = False, **kwargs
     retrained). For scripts that rerun many settings and must lose nothing on interruption; ``kwargs`` go to
     :func:`train`."""
     run_dir = RunDirectory(out)
-    stored = run_dir.path(RunDirectory.CONFIG)
-    same = stored.exists() and run_dir.read_json(RunDirectory.CONFIG) == json.loads(dumps(config.to_dict()))
+    same = check_reusable(config, run_dir, overwrite=overwrite)
     if same and run_dir.path(RunDirectory.SUMMARY).exists():
         return run_dir.read_json(RunDirectory.SUMMARY)
     if same and run_dir.path(RunDirectory.CHECKPOINT).exists():
         return train(config, out, resume=True, **kwargs)
-    if stored.exists() and not same and not overwrite and run_dir.occupant() is not None:
-        raise ConfigError(f"{run_dir.root} holds a run of another configuration ({stored} differs from this one): "
-                          "choose another directory, remove it, or overwrite it (--overwrite)")
     return train(config, out, overwrite=overwrite, **kwargs)
+
+
+def check_reusable(config: RunConfig, run_dir: RunDirectory, *, overwrite: bool = False) -> bool:
+    """Whether ``run_dir`` holds this very run (its ``config.json`` equals ``config``), finished or not; refuses a
+    directory holding another run or a sweep (:meth:`RunDirectory.occupant`) unless ``overwrite``. What
+    :func:`train_once` checks, for commands that run several trainings to check every one before the first."""
+    stored = run_dir.path(RunDirectory.CONFIG)
+    if stored.exists() and run_dir.read_json(RunDirectory.CONFIG) == json.loads(dumps(config.to_dict())):
+        return True
+    occupant = run_dir.occupant()
+    if occupant is not None and not overwrite:
+        what = "a run of another configuration" if stored.exists() else occupant
+        raise ConfigError(f"{run_dir.root} holds {what}: choose another directory, remove it, or overwrite it "
+                          "(--overwrite)")
+    return False
 
 
 def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory,

@@ -62,11 +62,11 @@ from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
 from privfl.config import RunConfig, build_client
-from privfl.experiment import build_runtime, train, train_once
+from privfl.experiment import build_runtime, check_reusable, train_once
 from privfl.methods import get_method
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.federation import RunDirectory
-from privfl.federation.rundir import to_json_safe
+from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
 from privfl.provenance import numerics
 
 #: ODPFL-HN settings of the sweep's training run: the DP-ready encoder phi -> mean -> psi, made so that the served model
@@ -104,6 +104,7 @@ class SweepConfig:
 
     dataset: str = "mnist"
     data_root: str | None = None
+    source_options: dict[str, Any] = field(default_factory=dict)
     clients: int = 50
     shards_per_client: int = 2
     max_samples: int = 20000
@@ -165,7 +166,8 @@ class SweepConfig:
 
     def federation(self) -> FederationSpec:
         """Training clients from the train split (capped at ``max_samples``), 5 novel clients from the test split."""
-        return FederationSpec(source=self.dataset, data_root=self.data_root, num_clients=self.clients,
+        return FederationSpec(source=self.dataset, source_options=dict(self.source_options),
+                              data_root=self.data_root, num_clients=self.clients,
                               partition="pathological", shards_per_client=self.shards_per_client, split="train_test",
                               novel_clients=5, max_samples=self.max_samples)
 
@@ -189,9 +191,37 @@ def train_directory(out: Path, epsilon: float | None) -> Path:
     return out / ("train" if epsilon is None else f"train-eps{epsilon:g}")
 
 
+def claim(config: SweepConfig, out: Path, *, overwrite: bool) -> None:
+    """Refuse, before anything is trained, an ``out`` that holds something this sweep would write over (a run, runs
+    in subdirectories other than this sweep's trainings, a sweep of other settings, a training directory of this
+    sweep holding another training: :func:`~privfl.experiment.check_reusable`), unless ``overwrite``; then mark
+    ``out`` as this sweep's (:data:`~privfl.federation.rundir.SWEEP_MARK`)."""
+    folder = RunDirectory(out)
+    settings = json.loads(dumps(dataclasses.asdict(config)))
+    ours = {train_directory(out, e).name: e for e in config.train_epsilons}
+    if not overwrite:
+        if folder.path(RunDirectory.CONFIG).exists():
+            raise ConfigError(f"{out} holds a training run, not a sweep: choose another --out, or pass --overwrite")
+        stored = folder.read_json(SWEEP_MARK) if folder.path(SWEEP_MARK).exists() else settings
+        if stored != settings:
+            changed = sorted(k for k in set(stored) | set(settings) if stored.get(k) != settings.get(k))
+            raise ConfigError(f"{out} holds a sweep of other settings ({', '.join(changed)} differ): choose another "
+                              "--out, or pass --overwrite to replace its results")
+        others = sorted(child.name for child in (out.iterdir() if out.is_dir() else ())
+                        if child.name not in ours and (child / RunDirectory.CONFIG).exists())
+        if others:
+            raise ConfigError(f"{out} holds runs in {', '.join(others)}, which are not this sweep's trainings "
+                              f"({', '.join(ours)}): choose another --out, or pass --overwrite")
+    for name, epsilon in ours.items():
+        check_reusable(config.run_config(epsilon), RunDirectory(out / name), overwrite=overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    folder.write_json(SWEEP_MARK, settings)
+
+
 def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, overwrite: bool = False
               ) -> dict[str, Any]:
-    """Train, serve and report (see the module docstring); returns the JSON written to ``OUT/sweep.json``."""
+    """Train, serve and report (see the module docstring); returns the JSON written to ``OUT/sweep.json``.
+    ``out`` is claimed first (:func:`claim`): nothing is written over without ``overwrite``."""
     out = Path(out)
     started = time.perf_counter()
     held_out = held_out_pool(config.federation(), seed=config.seed)   # fails fast, before training, if there is none
@@ -208,14 +238,14 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
         # nested descriptor sets: the first n of one draw of the largest size (labels are never used)
         x_all, _ = pool.draw(proportions, max(config.sizes), rng)
         sets.append((x_eval, y_eval, x_all))
+    claim(config, out, overwrite=overwrite)         # after every check of the settings and the pool, before training
     for epsilon in config.train_epsilons:
         run = config.run_config(epsilon)
         train_dir = train_directory(out, epsilon)
         began = time.perf_counter()
-        if overwrite:
-            summary = train(run, str(train_dir), overwrite=True, progress=progress)
-        else:   # this very training: read back when finished, continued from its checkpoint when interrupted
-            summary = train_once(run, str(train_dir), progress=progress)
+        # this very training: read back when finished, continued from its checkpoint when interrupted; another
+        # training's directory only with overwrite (claim refused it otherwise)
+        summary = train_once(run, str(train_dir), progress=progress, overwrite=overwrite)
         trained = _serve(config, run, federation, train_dir, mixes, sets, progress=progress)
         for row in trained:
             row["train_epsilon"] = train_key(epsilon)

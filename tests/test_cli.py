@@ -190,3 +190,40 @@ def test_privacy_options_build_the_run_privacy_and_refuse_mixes():
         privacy("--dp-epsilon", "8", "--client-dp", "local")
     with pytest.raises(PrivflError, match="--client-dp-clip must be a number > 0 or 'adaptive', got 'auto'"):
         privacy("--client-dp", "central", "--client-dp-clip", "auto")
+
+
+DEMO = ["demo", "--dataset", "synthetic", "--clients", "8", "--partition", "iid", "--rounds", "1", "--local-steps",
+        "2", "--no-progress"]
+
+
+def test_demo_writes_over_nothing_without_overwrite(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "demo"
+    assert main(DEMO + ["--out", str(out)]) == 0
+    capsys.readouterr()
+    journals = {m: (out / m / "releases.jsonl").read_bytes() for m in ("fedavg", "fedprox", "scaffold")}
+    walls = {m: json.loads((out / m / "summary.json").read_text())["wall_time_s"] for m in journals}
+    # the same settings again: every run read back, nothing trained or released again
+    assert main(DEMO + ["--out", str(out)]) == 0
+    capsys.readouterr()
+    assert {m: (out / m / "releases.jsonl").read_bytes() for m in journals} == journals
+    assert {m: json.loads((out / m / "summary.json").read_text())["wall_time_s"] for m in journals} == walls
+    # other settings: refused before any training (scaffold, the last method, is untouched too), one line
+    assert main(DEMO + ["--out", str(out), "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'fedavg'} holds a run of another configuration" in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1
+    assert {m: (out / m / "releases.jsonl").read_bytes() for m in journals} == journals
+    # --out naming a run directory, or a sweep's folder: refused
+    assert main(DEMO + ["--out", str(out / "fedavg")]) == 2
+    assert f"{out / 'fedavg'} already holds a run" in capsys.readouterr().err
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep-config.json").write_text("{}")
+    assert main(DEMO + ["--out", str(sweep)]) == 2
+    assert f"{sweep} already holds a sweep" in capsys.readouterr().err
+    assert sorted(p.name for p in sweep.iterdir()) == ["sweep-config.json"]
+    # with --overwrite the runs of other settings are replaced
+    assert main(DEMO + ["--out", str(out), "--seed", "3", "--overwrite"]) == 0
+    assert json.loads((out / "scaffold" / "config.json").read_text())["seed"] == 3

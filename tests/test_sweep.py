@@ -150,3 +150,36 @@ def test_the_sem_is_over_mixes_with_repeats_averaged_first():
                                  ("control_other_mix", (50.0, 40.0))) for m, a in enumerate(accs)]
     table = summarise_training(config, rows)["table"]
     assert table["0.3"]["20"] == {"accuracy": 86.0, "sem": pytest.approx(5.0, rel=1e-12), "count": 2, "rows": 4}
+
+
+def test_a_sweep_writes_over_nothing_without_overwrite(tmp_path, capsys):
+    from privfl.sweep import claim
+
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), "--dataset", "synthetic", "--clients", "8", "--partition", "iid",
+                 "--rounds", "1", "--local-steps", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in run.iterdir())
+    # into a run directory: refused before anything is trained or written
+    assert main(TINY + ["--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} holds a training run, not a sweep" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in run.iterdir()) == before
+    # beside runs that are not its trainings: refused
+    assert main(TINY + ["--out", str(tmp_path)]) == 2
+    assert "holds runs in run, which are not this sweep's trainings (train-eps8, train)" in capsys.readouterr().err
+    # into the folder of a sweep of other settings: refused, naming what differs
+    out = tmp_path / "sweep"
+    settings = dict(clients=6, max_samples=1200, rounds=2, client_fraction=0.5, sizes=(20, 60),
+                       epsilons=(0.3, 3.0), novel_mixes=2, eval_size=40, repeats=1, train_epsilons=(8.0, None),
+                       min_samples=50)
+    claim(SweepConfig(**settings), out, overwrite=False)
+    claim(SweepConfig(**settings), out, overwrite=False)        # the same sweep again: its own folder
+    assert main(TINY + ["--out", str(out), "--repeats", "2"]) == 2
+    assert "holds a sweep of other settings (repeats differ)" in capsys.readouterr().err
+    # one of its training directories holding another training: refused, never retrained over
+    run.rename(out / "train")
+    with pytest.raises(ConfigError, match="train holds a run of another configuration"):
+        claim(SweepConfig(**settings), out, overwrite=False)
+    claim(SweepConfig(**{**settings, "repeats": 2}), out, overwrite=True)
+    assert json.loads((out / "sweep-config.json").read_text())["repeats"] == 2
