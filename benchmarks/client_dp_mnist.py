@@ -23,7 +23,6 @@ directory under ``--out`` resumes if interrupted) and ``benchmarks/results/clien
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -46,15 +45,17 @@ SETTINGS = {1000: {"partition": "dirichlet", "alpha": 0.5, "rounds": 300, "clien
 TARGETS = {1000: (8.0, 90.0), 10000: (2.0, 95.0)}     # (epsilon, accuracy %) the issue sets
 
 
-def run_config(clients: int, epsilon: float | None, rounds: int, fraction: float, seed: int) -> RunConfig:
+def run_config(clients: int, epsilon: float | None, rounds: int, fraction: float, seed: int,
+               momentum: float = 0.0, count_noise: float | None = None) -> RunConfig:
     s = SETTINGS[clients]
     federation = FederationSpec(source="mnist", num_clients=clients, partition=s["partition"], alpha=s["alpha"],
                                 novel_fraction=0.1, split="merged", val_fraction=0.0)
     privacy = TrainingPrivacy() if epsilon is None else TrainingPrivacy(
         mode="central", epsilon=epsilon, delta=DELTA, clip="adaptive", clip_initial=0.1, clip_quantile=0.5,
-        clip_lr=0.2)
+        clip_lr=0.2, clip_count_noise=count_noise)
     return RunConfig(federation=federation, method="fedavg", model="mlp2nn",
-                     method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16, "server_lr": 1.0},
+                     method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16, "server_lr": 1.0,
+                                    "server_momentum": momentum},
                      rounds=rounds, client_fraction=fraction, eval_every=rounds, checkpoint_every=max(1, rounds // 4),
                      select="last", seed=seed, delta=DELTA, privacy=privacy)
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--client-fraction", type=float, default=None, help="Poisson sampling rate q")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-momentum", type=float, default=0.0, help="FedAvgM's server momentum (0: plain)")
+    p.add_argument("--clip-count-noise", type=float, default=None,
+                   help="std of the noised clip count (default: expected clients per round / 20, Andrew et al.)")
+    p.add_argument("--tag", default="", help="suffix of the results file and run directories (a variant)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/client_dp_mnist")
     p.add_argument("--plot", action="store_true", help="only draw the figure from the stored results")
@@ -77,16 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or SETTINGS[args.clients]["rounds"]
     fraction = args.client_fraction or SETTINGS[args.clients]["client_fraction"]
     epsilons = [None if e.strip() == "inf" else float(e) for e in args.epsilons.split(",")]
-    path = RESULTS / f"client_dp_mnist_{args.clients}.json"
+    path = RESULTS / f"client_dp_mnist_{args.clients}{args.tag}.json"
     for epsilon in epsilons:
         key = "inf" if epsilon is None else f"{epsilon:g}"
-        config = run_config(args.clients, epsilon, rounds, fraction, args.seed)
+        config = run_config(args.clients, epsilon, rounds, fraction, args.seed, args.server_momentum,
+                            args.clip_count_noise)
         started = time.perf_counter()
-        summary = train_once(config, str(Path(args.out) / f"clients{args.clients}-eps{key}"), progress=True)
+        summary = train_once(config, str(Path(args.out) / f"clients{args.clients}{args.tag}-eps{key}"), progress=True)
         row = {"epsilon": key, "accuracy": summary["novel"]["accuracy_mean"], "sem": summary["novel"]["accuracy_sem"],
                "novel_clients": summary["novel"]["num_clients"],
                "epsilon_max_training": summary["privacy"]["epsilon_max_training"],
                "rounds": rounds, "client_fraction": fraction, "delta": DELTA, "seed": args.seed,
+               "server_momentum": args.server_momentum, "clip_count_noise": config.privacy.clip_count_noise,
                "wall_s": time.perf_counter() - started, "numerics": numerics()}
         update_json(path, lambda stored, row=row: {**stored, "rows": {**stored.get("rows", {}), row["epsilon"]: row},
                                                    "target": dict(zip(("epsilon", "accuracy"),

@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
+from privfl.config import RunConfig
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, TrainingDivergedError
-from privfl.federation.context import client_context
-from privfl.config import RunConfig
 from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime
+from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.odpflhn import ODPFLHNClient, ODPFLHNConfig, ODPFLHNStrategy, client_descriptor
-from privfl.models import backprop_weight_change, functional_forward
 from privfl.methods.private import PrivateClient
+from privfl.models import backprop_weight_change, functional_forward
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 FACTORY = ModelFactory("mlp2nn", (6,), 3)
@@ -99,8 +99,8 @@ def test_a_diverging_round_is_refused_naming_the_rates_and_leaves_the_models_fin
     config = ODPFLHNConfig(lr=1e6, local_steps=5, batch_size=8, encoder_hidden=8, embed_dim=4, hn_hidden=16,
                            hn_lr=0.05, encoder_lr=0.05, grad_clip=None)
     runtime = _runtime(config, [_client(i, seed=3) for i in range(3)])
-    with pytest.raises(TrainingDivergedError, match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr "
-                                          r"\(now 1000000.0\)"):
+    with pytest.raises(TrainingDivergedError,
+                       match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr \(now 1000000.0\)"):
         runtime.run_round(0)
     for module in (runtime.strategy.hnet, runtime.strategy.encoder):
         assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
