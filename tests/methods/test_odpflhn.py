@@ -52,8 +52,9 @@ def _runtime(config: ODPFLHNConfig, clients: list[TrainingClient], *, novel_priv
 @pytest.mark.parametrize("encoder,descriptor", [("dp_deepset", "full"), ("dp_deepset", "batch_mean"),
                                                 ("dss", "full")])
 def test_one_plain_sgd_step_gives_lr_times_the_true_gradients(encoder, descriptor):
-    """Digest 3.1: with one local plain-SGD step on one batch, no momentum and no weight decay, the hypernetwork and
-    encoder updates equal lr_local x the gradients of L(theta, gamma) back-propagated straight through w and e."""
+    """Algorithm 1 (docs/papers.md, "Training: Algorithm 1"): with one local plain-SGD step on one batch, no momentum
+    and no weight decay, the hypernetwork and encoder updates equal lr_local x the gradients of L(theta, gamma)
+    back-propagated straight through w and e."""
     lr_local, hn_lr, encoder_lr = 0.1, 0.5, 0.3
     config = ODPFLHNConfig(lr=lr_local, local_steps=1, batch_size=64, local_momentum=0.0, local_weight_decay=0.0,
                            hn_lr=hn_lr, hn_weight_decay=0.0, encoder_lr=encoder_lr, encoder_weight_decay=0.0,
