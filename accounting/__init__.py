@@ -36,6 +36,7 @@ from accounting.events import (
     SubsampledGaussianEvent,
     event_from_dict,
 )
+from accounting.journal import JournalDamaged, JournalMismatch, JournalPosition, ReleaseJournal
 from accounting.ledger import (
     BudgetExceededError,
     ClientId,
@@ -44,7 +45,6 @@ from accounting.ledger import (
     PrivacyLedger,
     ReleaseRecord,
 )
-from accounting.journal import JournalDamaged, JournalMismatch, JournalPosition, ReleaseJournal
 
 __all__ = [
     "ACCOUNTANTS",

@@ -507,7 +507,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"privfl: error: --{name.replace('_', '-')} must be a finite number, got {value}", file=sys.stderr)
             return 2
     from privfl.experiment import RunInterrupted
-
     from privfl.memory import reuse_freed_memory
 
     reuse_freed_memory()   # large per-round tensors from the heap, not fresh page-faulted mmaps (privfl.memory)

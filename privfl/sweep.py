@@ -57,16 +57,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from privfl.config import RunConfig, build_client
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.config import RunConfig, build_client
 from privfl.experiment import build_runtime, check_reusable, train_once
-from privfl.methods import get_method
-from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
+from privfl.methods import get_method
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.provenance import numerics
 
 #: ODPFL-HN settings of the sweep's training run: the DP-ready encoder phi -> mean -> psi, made so that the served model

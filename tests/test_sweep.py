@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from privfl.cli import main
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.config import RunConfig
 from privfl.experiment import RunInterrupted, train
 from privfl.sweep import SweepConfig, descriptor_margin, smallest_size_without_loss, summarise_training
 

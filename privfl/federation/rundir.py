@@ -23,13 +23,13 @@ import json
 import math
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from accounting.files import atomic_write, remove_leftovers
-
 from privfl.errors import ConfigError
 
 #: A file that marks a sweep's output folder (:mod:`privfl.sweep` writes it before it trains anything).
@@ -65,7 +65,7 @@ def update_json(path: Path, mutate: Callable[[Any], Any]) -> Any:
     another's rows, and a reader never sees half a file. The lock file stays: removing it would race with a process
     waiting on it.
     """
-    import fcntl   # POSIX only, and only needed here
+    import fcntl  # POSIX only, and only needed here
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

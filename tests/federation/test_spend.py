@@ -11,7 +11,6 @@ from privfl.experiment import RunInterrupted, train
 from privfl.federation.spend import read_spend, run_summary
 
 
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, request):
     """One finished and one unfinished run (stopped after round 3 of 4) of the same config."""
