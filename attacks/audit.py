@@ -691,7 +691,10 @@ def format_table(results: Sequence[tuple[str, AuditResult]]) -> str:
 
 
 def audit_main(argv: Sequence[str] | None = None) -> int:
-    """``privfl attack audit``: audit one mechanism; print a table; exit 0 (2 with one line on bad input)."""
+    """``privfl attack audit``: audit one mechanism; print a table; exit 0 (2 with one line on bad input, or an
+    output path that cannot be written: checked before the audit runs)."""
+    from privfl.errors import PrivflError, check_writable, storage_message
+
     parser = argparse.ArgumentParser(prog="privfl attack audit",
                                      description="Empirical lower bound on epsilon for a mechanism, beside its claim.")
     parser.add_argument("--mechanism", default="privatize",
@@ -714,17 +717,22 @@ def audit_main(argv: Sequence[str] | None = None) -> int:
             raise _err(f"--mechanism must be one of {', '.join(MECHANISMS)}, got {args.mechanism!r}")
         if not (isinstance(args.delta, float) and 0 < args.delta < 1):
             raise _err(f"--delta must be a probability in (0, 1), got {args.delta!r}")
+        if args.json_out:
+            check_writable(args.json_out, "--json")     # before the work, not after it
         result = run_audit(args.mechanism, args.epsilon, args.delta, trials=args.trials, n=args.n, seed=args.seed,
                            confidence=args.confidence)
-    except ValueError as exc:
+    except (ValueError, PrivflError) as exc:
         print(f"privfl attack audit: error: {exc}", file=sys.stderr)
         return 2
     print(format_table([(args.mechanism, result)]))
     if args.json_out:
-        path = Path(args.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"mechanism": args.mechanism, "n": args.n, "seed": args.seed, **result.to_dict()}
-        path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+        try:
+            Path(args.json_out).write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+        except OSError as error:            # the disk filled during the work
+            print(f"privfl attack audit: error: --json {args.json_out} cannot be written "
+                  f"({storage_message(error)}); the table above is the result", file=sys.stderr)
+            return 2
     return 0
 
 

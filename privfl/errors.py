@@ -6,6 +6,8 @@ naturally catch (``ValueError``, ``FileNotFoundError``), so library users need n
 """
 
 import errno
+import os
+from pathlib import Path
 
 from accounting.validation import Checks
 
@@ -41,6 +43,28 @@ def storage_message(error: OSError) -> str:
     """``error`` in words: what happened and, where the error names one, to which file."""
     where = f" ({error.filename})" if error.filename else ""
     return f"{error.strerror or error}{where}"
+
+
+def check_writable(path: "str | os.PathLike[str]", option: str) -> None:
+    """Refuse, with :class:`StorageError`, an output file ``path`` (given as ``option``) that cannot be written:
+    called before the work whose result goes there, so that nothing is computed (or released) for nothing. Creates
+    the missing folders; leaves no file behind."""
+    target = Path(path)
+    existed = target.exists()
+    try:
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a folder", str(target))
+        above = next(parent for parent in target.parents if parent.exists())
+        if not above.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(above))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "ab"):
+            pass
+    except OSError as error:
+        raise StorageError(f"{option} {target} cannot be written ({storage_message(error)}); choose another path"
+                           ) from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 class TrainingDivergedError(PrivflError, ArithmeticError):

@@ -21,6 +21,12 @@ BASE = ["train", "--dataset", "synthetic", "--clients", "8", "--partition", "iid
     (["--method", "fedavg", "--mu", "0.1"], "no setting mu"),
     (["--method", "fedavg", "--method-option", "novel_epsilon=1"], "no setting novel_epsilon"),
     (["--lr", "0.1", "--method-option", "lr=0.2"], "contradicts --lr"),
+    # a --method-option VALUE of the wrong JSON type: named with the type due, never a TypeError's traceback
+    (["--method", "odpflhn", "--method-option", 'encoder={"a": 1}'],
+     "method 'odpflhn' setting encoder must be a string, got {'a': 1}, a JSON object"),
+    (["--method-option", 'lr="fast"'], "method 'fedavg' setting lr must be a number, got 'fast', a string"),
+    (["--method-option", "local_steps=true"],
+     "setting local_steps must be an integer, got True, a boolean (true or false)"),
 ])
 def test_user_errors_exit_2_with_a_message(tmp_path, capsys, extra, needle):
     args = BASE[:1] + ["--out", str(tmp_path / "r")] + BASE[1:] + extra
@@ -227,3 +233,54 @@ def test_demo_writes_over_nothing_without_overwrite(tmp_path, capsys):
     # with --overwrite the runs of other settings are replaced
     assert main(DEMO + ["--out", str(out), "--seed", "3", "--overwrite"]) == 0
     assert json.loads((out / "scaffold" / "config.json").read_text())["seed"] == 3
+
+
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_run_resumes_from_its_last_checkpoint(tmp_path, capsys,
+                                                                                            monkeypatch):
+    import errno
+    import os
+
+    from accounting import LedgerBook
+    from privfl.federation import rundir
+
+    out = tmp_path / "run"
+    writes = []
+    real = rundir.atomic_write_bytes
+
+    def filling(path, data):     # the third checkpoint (after round 1) meets a full disk
+        writes.append(path.name)
+        if writes.count("checkpoint.pt") == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(rundir, "atomic_write_bytes", filling)
+    args = BASE[:1] + ["--out", str(out)] + BASE[1:] + ["--rounds", "3", "--checkpoint-every", "1", "--local-steps",
+                                                        "1", "--select", "last"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"cannot write the run directory {out}: No space left on device ({out / 'checkpoint.pt'})" in err
+    assert f"then continue the run with: privfl train --resume {out}" in err
+    assert not list(out.glob(".checkpoint.pt.*.tmp"))
+    monkeypatch.setattr(rundir, "atomic_write_bytes", real)
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    # continued from the checkpoint of round 0's end: round 0 released once, round 1 twice (before the fault and
+    # again after it; both counted), round 2 once, by each of the 4 training clients
+    book = LedgerBook.load(out / "ledger.json")
+    rounds = sorted(r.round for cid in book for r in book[cid].records if r.round is not None)
+    assert rounds == [0] * 4 + [1] * 8 + [2] * 4
+
+
+def test_attack_audit_refuses_an_output_it_cannot_write_before_the_audit(tmp_path, capsys, monkeypatch):
+    import attacks.audit
+
+    def never(*args, **kwargs):
+        raise AssertionError("the audit ran although its output cannot be written")
+
+    monkeypatch.setattr(attacks.audit, "run_audit", never)
+    (tmp_path / "file").write_text("")
+    for path, why in [(tmp_path / "file" / "audit.json", "Not a directory"), (tmp_path, "it is a folder")]:
+        assert main(["attack", "audit", "--mechanism", "maxpool", "--trials", "4000", "--json", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--json {path} cannot be written ({why}" in err and "choose another path" in err
+        assert len(err.strip().splitlines()) == 1

@@ -34,6 +34,9 @@ from their noisy mean (:meth:`Strategy.apply_mean`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import types
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -359,7 +362,44 @@ class MethodSpec:
             raise ConfigError(
                 f"method {self.name!r} has no setting {', '.join(unknown)}; valid settings: {', '.join(sorted(fields))}"
             )
+        hints = typing.get_type_hints(self.config)
+        for name, value in values.items():
+            kinds = _value_kinds(hints[name])
+            if kinds is not None and not _is_kind(value, kinds):
+                raise ConfigError(f"method {self.name!r} setting {name} must be {' or '.join(kinds.values())}, got "
+                                  f"{value!r}, {_KIND_NAMES.get(type(value), 'a ' + type(value).__name__)}")
         return self.config(**values)
+
+
+#: How a value of each type a method config declares is written (``--method-option`` reads its VALUE as JSON).
+_KIND_NAMES: dict[type, str] = {str: "a string", bool: "a boolean (true or false)", int: "an integer",
+                                float: "a number", dict: "a JSON object", tuple: "a list", list: "a list",
+                                type(None): "null"}
+
+
+def _value_kinds(hint: Any) -> dict[type, str] | None:
+    """The Python types a setting annotated ``hint`` accepts, each with how it is written; ``None`` for an annotation
+    this check leaves to the config's own (``Any``)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    kinds: dict[type, str] = {}
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if origin not in _KIND_NAMES:
+            return None
+        kinds[origin] = _KIND_NAMES[origin]
+    return kinds
+
+
+def _is_kind(value: Any, kinds: dict[type, str]) -> bool:
+    if isinstance(value, bool):                 # a bool is an int to Python, never a number to a config
+        return bool in kinds
+    if isinstance(value, numbers.Integral) and (int in kinds or float in kinds):
+        return True
+    if isinstance(value, numbers.Real) and float in kinds:
+        return True
+    if isinstance(value, list) and tuple in kinds:
+        return True
+    return isinstance(value, tuple(kinds))
 
 
 METHODS: Registry[MethodSpec] = Registry("method")
