@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from privfl.config import RunConfig, build_method
 from privfl.errors import ConfigError
 from privfl.experiment import train
+from privfl.federation.rundir import RunDirectory
 
 if TYPE_CHECKING:
     from flwr.serverapp import Grid
@@ -82,6 +83,9 @@ def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOpt
         raise ConfigError(f"run config needs {p.RUN_CONFIG!r} (the RunConfig as JSON) and {p.OUT!r} (the run "
                           f"directory on the SuperLink's machine); got {sorted(k for k, v in run_config.items() if v)}")
     config = RunConfig.from_dict(json.loads(text))
+    if RunDirectory(out).path(RunDirectory.CONFIG).exists() and not run_config.get(p.OVERWRITE):
+        # before waiting for any node: an operator hears of it at once
+        raise ConfigError(f"run directory {out} already holds a run; choose another --out, or pass --overwrite")
     return train(config, out, overwrite=bool(run_config.get(p.OVERWRITE)), progress=progress,
                  stop_after_round=stop_after_round, runtime_factory=flower_runtime_factory(grid, options))
 
