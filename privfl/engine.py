@@ -17,6 +17,7 @@ Flower is imported only when a Flower engine is used (``pip install 'privfl[flow
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -55,15 +56,20 @@ def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume
                             options=flower_options)
 
 
-def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None):
+def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None, *, run_id: str = "",
+                           made: list | None = None):
     """A ``runtime_factory`` for :func:`privfl.experiment.train` whose runtime runs each exchange on the nodes
-    behind ``grid`` (the same strategy and procedure objects as in-process)."""
+    behind ``grid`` (the same strategy and procedure objects as in-process). ``run_id`` names the run in every
+    message (the nodes tag their ledger records with it); each runtime built is appended to ``made``."""
     from privfl.federation.flower.runtime import FlowerRuntime
 
     def factory(config: RunConfig, federation) -> FlowerRuntime:
         strategy, client = build_method(config, federation)
-        return FlowerRuntime(grid, strategy=strategy, client=client, federation=federation, config=config,
-                             options=options)
+        runtime = FlowerRuntime(grid, strategy=strategy, client=client, federation=federation, config=config,
+                                options=options, run_id=run_id)
+        if made is not None:
+            made.append(runtime)
+        return runtime
 
     return factory
 
@@ -86,8 +92,23 @@ def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOpt
     if RunDirectory(out).path(RunDirectory.CONFIG).exists() and not run_config.get(p.OVERWRITE):
         # before waiting for any node: an operator hears of it at once
         raise ConfigError(f"run directory {out} already holds a run; choose another --out, or pass --overwrite")
-    return train(config, out, overwrite=bool(run_config.get(p.OVERWRITE)), progress=progress,
-                 stop_after_round=stop_after_round, runtime_factory=flower_runtime_factory(grid, options))
+    made: list = []
+    factory = flower_runtime_factory(grid, options, run_id=uuid.uuid4().hex[:12], made=made)
+    try:
+        return train(config, out, overwrite=bool(run_config.get(p.OVERWRITE)), progress=progress,
+                     stop_after_round=stop_after_round, runtime_factory=factory)
+    except BaseException:
+        if made:
+            _keep_ledger(made[-1], RunDirectory(out))
+        raise
+
+
+def _keep_ledger(runtime, run_dir: RunDirectory) -> None:
+    """A run that stopped early still leaves its ``ledger.json``: this run's releases whose replies reached the
+    server (its release journal), with the server's records; the nodes' ledgers hold the rest."""
+    if not run_dir.path(RunDirectory.CONFIG).exists() or run_dir.path(RunDirectory.SUMMARY).exists():
+        return          # the run directory was never created, or the run finished
+    runtime.received_ledgers().save(run_dir.path(RunDirectory.LEDGER))
 
 
 def train_simulation(config: RunConfig, out: str, *, overwrite: bool = False, progress: bool = True,

@@ -55,6 +55,11 @@ MESSAGE_TYPES = {
     "ledger": "query.ledger",
 }
 
+#: The header key (and node ledger record metadata key) of the privfl run a message belongs to: the server names
+#: its run in every message, and the node writes it into every record it makes, so a client's ledger (its lifetime,
+#: across runs) tells each run's releases apart. A resumed run keeps its run id.
+RUN_KEY = "run"
+
 # reply kinds
 RELEASE, NOTHING, TELEMETRY = "release", "nothing", "telemetry"
 
