@@ -312,6 +312,34 @@ def test_a_run_that_stops_early_leaves_its_release_journal_and_ledger(tmp_path, 
         assert [r.to_dict() for r in on_node.records] == [e["record"] for e in journal if e["client_id"] == cid]
 
 
+def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path, make_spec, task_identity,
+                                                                         monkeypatch):
+    # Node 100's clients fail in train; node 101's replies come back in the same pull, after node 100's error. The
+    # exchange stops, naming node 100 and its clients, but node 101's releases (made, recorded on its node) are
+    # journaled first.
+    config = _run_config(make_spec(), "fedavg", rounds=1, client_fraction=1.0)
+    grid, federation = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+    doomed = {c.client_id for c in federation.training_clients[:5]}
+    survivors = sorted(c.client_id for c in federation.training_clients[5:])
+    procedure = type(build_runtime(config, federation).client)
+    train_client = procedure.train
+
+    def refuse(self, data, body, state, ctx):
+        if data.client_id in doomed:
+            raise PublicConfigError(f"client {data.client_id} refuses")
+        return train_client(self, data, body, state, ctx)
+
+    monkeypatch.setattr(procedure, "train", refuse)
+    _restart_node()
+    with pytest.raises(FlowerClientError, match=rf"node 100 \(clients \[{', '.join(map(str, sorted(doomed)))}\]\) "
+                                                r"failed in 'train'"):
+        flower_main(grid, _serve_config(config, tmp_path / "run"), options=FlowerOptions(timeout_s=60, node_wait_s=5))
+    journal = [json.loads(line) for line in (tmp_path / "run" / "releases.jsonl").read_text().splitlines()]
+    assert sorted(e["client_id"] for e in journal) == survivors
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == survivors
+
+
 def test_a_run_on_nodes_that_served_an_earlier_run_reports_its_spend_and_the_lifetime_apart(
         tmp_path, make_spec, task_identity, capsys):
     # The same node directories serve a non-private run, then a DP-SGD run. The node ledgers keep each client's
@@ -785,6 +813,7 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
     assert code == 0, output[-3000:]
     assert "registered node 0" in output and "registered node 1" in output
     assert "completed; results in runs/deployed" in output
+    assert "privfl: round 1 of 1 done in" in output           # --stream shows the rounds
     got = RunDirectory(tmp_path / "runs" / "deployed").read_json("summary.json")
     expected = RunDirectory(tmp_path / "runs" / "template").read_json("summary.json")
     for key in ("novel", "training_val", "selected_round", "privacy", "communication"):
@@ -794,3 +823,85 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
     ledger = PrivacyLedger.load(next((tmp_path / "nodes" / "0").glob("ledger-client-*.json")))
     assert [r.purpose for r in ledger.records] == ["model_update"]
     assert not any((tmp_path / "nodes" / "1").glob("ledger-client-*.json"))   # FedAvg's novel client sends nothing
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process clean-up reads /proc")
+def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_uninterrupted_numbers(tmp_path, make_spec):
+    # Two training clients on two SuperNodes, three rounds, a checkpoint every round. SuperNode 1 is killed (-9, its
+    # whole process tree) once its client has released; the run fails naming that node's client. The node is
+    # started again on its key and directory, `privfl flower run --resume` continues from the last checkpoint, and
+    # the run ends with the numbers of an uninterrupted in-process run.
+    import signal
+
+    config = RunConfig(federation=make_spec(num_clients=3, novel_fraction=0.34), method="fedavg", rounds=3,
+                       checkpoint_every=1, method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16},
+                       select="last", seed=3)
+    federation = build_federation(config.federation, seed=config.seed)
+    first, second = (c.client_id for c in federation.training_clients)       # partitions 0 and 1
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    certs = launch.generate_certificates(tmp_path / "certs", nodes=2)
+    env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
+    address = f"127.0.0.1:{launch.free_port()}"
+    log = open(tmp_path / "flower.log", "w")
+    processes: list[subprocess.Popen] = []
+    out = tmp_path / "run"
+
+    def supernode(node):
+        processes.append(subprocess.Popen(
+            LAUNCH + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
+                      "--partition-id", str(node), "--num-partitions", "2", "--node-dir", str(tmp_path / f"node-{node}"),
+                      "--port", str(launch.free_port())], env=env, stdout=log, stderr=subprocess.STDOUT))
+        return processes[-1]
+
+    def flower_run(*how):
+        processes.append(subprocess.Popen(
+            LAUNCH + ["run", "--certs", str(certs), "--superlink", address, "--timeout-s", "300", *how],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return processes[-1]
+
+    try:
+        processes.append(subprocess.Popen(LAUNCH + ["superlink", "--certs", str(certs), "--address", address],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+        assert subprocess.run(LAUNCH + ["register", "--certs", str(certs), "--superlink", address, "0", "1"],
+                              env=env, capture_output=True, timeout=180).returncode == 0
+        supernode(0)
+        doomed = supernode(1)
+        failing = flower_run("--config", str(tmp_path / "config.json"), "--out", str(out))
+        ledger = tmp_path / "node-1" / f"ledger-client-{second}.json"
+        deadline = time.monotonic() + 600
+        while not ledger.exists():
+            assert time.monotonic() < deadline and failing.poll() is None, _flower_log(tmp_path)
+            time.sleep(0.2)
+        for pid in [doomed.pid] + launch.descendants(doomed.pid):
+            os.kill(pid, signal.SIGKILL)
+        stdout, stderr = failing.communicate(timeout=600)
+        assert failing.returncode == 1, stdout + stderr + _flower_log(tmp_path)
+        assert "did not complete (finished:failed)" in stderr
+        assert f"(clients [{second}])" in stderr and f"(clients [{first}])" not in stderr, stderr
+        assert (out / "ledger.json").exists() and (out / "releases.jsonl").exists()
+        supernode(1)                                        # the same key and node directory
+        resumed = flower_run("--resume", str(out))
+        stdout, stderr = resumed.communicate(timeout=900)
+        assert resumed.returncode == 0, stdout + stderr + _flower_log(tmp_path)
+    finally:
+        launch.end_processes(processes)
+        log.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = train(config, str(tmp_path / "inprocess"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    got = RunDirectory(out).read_json("summary.json")
+    for key in ("training_val", "selected_round", "rounds_completed"):     # the novel client is not in this run
+        assert got[key] == expected[key], key
+    assert got["flower"]["novel_not_served"] == [c.client_id for c in federation.novel_clients]
+    assert RunDirectory(out).read_metrics() == RunDirectory(tmp_path / "inprocess").read_metrics()
+    # one run id across both attempts; the repeated round's release stays recorded (as an in-process resume keeps it)
+    run_id = got["flower"]["lifetime"]["run_id"]
+    assert _run_ids(out) == {run_id} and got["flower"]["lifetime"]["earlier_runs"] == []
+    on_node = PrivacyLedger.load(tmp_path / "node-1" / f"ledger-client-{second}.json")
+    assert {r.metadata["run"] for r in on_node.records} == {run_id}
+    updates = [r.round for r in on_node.records if r.purpose == "model_update"]
+    assert sorted(set(updates)) == [0, 1, 2] and len(updates) >= 3

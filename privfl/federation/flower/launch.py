@@ -8,11 +8,16 @@
   not installed at run time (they are installed already: privfl itself);
 * ``register``: ``flwr supernode register`` of nodes' public keys (only registered nodes may connect);
 * ``supernode``: ``flower-supernode`` with TLS, its private key, and a node config naming its partition (or range of
-  partitions) and the directory that keeps its clients' ledgers and states;
+  partitions) and the directory that keeps its clients' ledgers and states, started again while the SuperLink
+  refuses it (a node restarted after it died);
 * ``run``: ``flwr run`` of the privfl app (``app/`` beside this file) with a RunConfig JSON (e.g. the ``config.json``
-  of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves.
+  of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves, or with
+  ``--resume`` a failed run, continued from its last checkpoint; it waits for the run's end, and its exit status
+  says whether the run completed.
 
-The daemons are started with ``exec``: the process id you start is the daemon's, so you can end it by that id.
+``register`` and ``supernode`` wait for the SuperLink to listen. The SuperLink is started with ``exec``: the process
+id you start is the daemon's. ``supernode`` stays as the SuperNode's parent and passes SIGTERM and SIGINT on to it,
+so ``kill PID`` ends it too.
 Commands use ``$FLWR_HOME`` when set, else ``CERTS/flwr-home``; they set ``FLWR_DISABLE_UPDATE_CHECK=1`` and
 ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``. See ``README.md`` for a full session.
 """
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from privfl.errors import ConfigError
 from privfl.federation.flower import protocol as p
@@ -256,16 +262,22 @@ def _parse_node_config(text: str) -> dict:
 
 def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
                 timeout_s: float = p.DEFAULT_TIMEOUT_S, node_wait_s: float = 120,
-                serve_from: str | None = None, serve_clients: str = "") -> list[str]:
+                serve_from: str | None = None, serve_clients: str = "", resume: bool = False) -> list[str]:
     """``flwr run`` of the privfl app: train the RunConfig in ``config_path``, or, with ``serve_from`` (a finished
     training run directory on the SuperLink's machine), serve its novel clients (``serve_clients``: ids, "" = all;
-    the RunConfig defaults to ``serve_from/config.json``)."""
+    the RunConfig defaults to ``serve_from/config.json``), or, with ``resume``, continue the run in ``out`` from its
+    last checkpoint (the RunConfig defaults to ``out/config.json``)."""
     from privfl.config import RunConfig
 
+    if resume and (serve_from is not None or overwrite):
+        raise ConfigError("--resume continues a training run: it takes neither --serve-from nor --overwrite")
     if config_path is None:
-        if serve_from is None:
+        if resume:
+            config_path = str(Path(out) / "config.json")
+        elif serve_from is None:
             raise ConfigError("give --config (a RunConfig JSON), or --serve-from a finished training run")
-        config_path = str(Path(serve_from) / "config.json")
+        else:
+            config_path = str(Path(serve_from) / "config.json")
     if not timeout_s > 0:
         raise ConfigError(f"--timeout-s must be > 0 seconds (a limit for one exchange's replies), got {timeout_s!r}")
     try:
@@ -280,7 +292,7 @@ def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
     text = json.dumps(config).replace("'", "\\u0027")    # one TOML literal string
     settings = [f"{p.RUN_CONFIG}='{text}'", f'{p.OUT}="{Path(out).resolve()}"',
                 f"{p.OVERWRITE}={'true' if overwrite else 'false'}", f"{p.TIMEOUT}={float(timeout_s)}",
-                f"{p.NODE_WAIT}={float(node_wait_s)}"]
+                f"{p.NODE_WAIT}={float(node_wait_s)}", f"{p.RESUME}={'true' if resume else 'false'}"]
     if serve_from is not None:
         settings += [f'{p.SERVE_FROM}="{Path(serve_from).resolve()}"', f'{p.SERVE_CLIENTS}="{serve_clients}"']
     command = [_tool("flwr"), "run", str(APP_DIR), CONNECTION]
@@ -449,6 +461,43 @@ def run_and_wait(command: list[str], env: dict[str, str], *, out: str, stream: b
     return 1
 
 
+def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: float, retry_s: float = 5.0) -> int:
+    """Run the SuperNode ``command`` and start it again when it exits with an error within ``rejoin_s`` seconds of
+    the first start: a node restarted after it died is refused while the SuperLink still counts its previous
+    connection as online (until about two missed 30 s heartbeats), and Flower's SuperNode then exits. SIGTERM and
+    SIGINT are passed on to the SuperNode, which ends this process too. Returns the SuperNode's exit status."""
+    import signal
+
+    started = time.monotonic()
+    state: dict[str, Any] = {"child": None, "stopping": False}
+
+    def forward(signum: int, frame: Any) -> None:
+        state["stopping"] = True
+        child = state["child"]
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    attempt = 0
+    while True:
+        attempt += 1
+        state["child"] = child = subprocess.Popen(command, env=env)
+        code = child.wait()
+        if state["stopping"] or code == 0:
+            return code
+        if time.monotonic() - started > rejoin_s:
+            print(f"privfl flower: error: the SuperNode exited with status {code} (attempt {attempt}); stopped "
+                  f"retrying after {rejoin_s:g} s (--rejoin-s)", file=sys.stderr, flush=True)
+            return code
+        print(f"privfl flower: the SuperNode exited with status {code}; the SuperLink may still count this node's "
+              f"previous connection as online (it lets go about 60 s after the node died): starting it again in "
+              f"{retry_s:g} s", file=sys.stderr, flush=True)
+        time.sleep(retry_s)
+        if state["stopping"]:
+            return code
+
+
 # -- local sessions: what a test or benchmark needs to start a deployment on one machine and end it ------------------
 
 
@@ -537,10 +586,14 @@ def _main(argv: list[str] | None = None) -> int:
     r.add_argument("--superlink", default="127.0.0.1:9093")
     r.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
     r.add_argument("nodes", type=int, nargs="+", help="node indices (keys CERTS/node-<i>.pub)")
-    n = sub.add_parser("supernode", help="start a SuperNode holding one partition or a range; exec, so PID = daemon")
+    n = sub.add_parser("supernode", help="start a SuperNode holding one partition or a range, and start it again "
+                                         "if the SuperLink refuses it at first (kill PID ends it)")
     n.add_argument("--certs", required=True)
     n.add_argument("--superlink", default="127.0.0.1:9093")
     n.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
+    n.add_argument("--rejoin-s", type=float, default=120.0,
+                   help="start the SuperNode again while it exits with an error within this many seconds (a node "
+                        "restarted after it died is refused until the SuperLink lets its previous connection go)")
     n.add_argument("--node", type=int, required=True, help="index of its key pair in CERTS")
     held = n.add_mutually_exclusive_group(required=True)
     held.add_argument("--partition-id", type=int, help="the one partition this node holds")
@@ -553,7 +606,10 @@ def _main(argv: list[str] | None = None) -> int:
     f.add_argument("--certs", required=True)
     f.add_argument("--superlink", default="127.0.0.1:9093")
     f.add_argument("--config", default=None, help="RunConfig JSON (e.g. a run directory's config.json)")
-    f.add_argument("--out", required=True, help="run (or serving) directory, on the SuperLink's machine")
+    f.add_argument("--out", default=None, help="run (or serving) directory, on the SuperLink's machine")
+    f.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (on the SuperLink's machine) from its last checkpoint, after a "
+                        "failure: restart the nodes that died first (same key and node directory)")
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--timeout-s", type=float, default=p.DEFAULT_TIMEOUT_S,
                    help=f"limit for one exchange's replies, > 0 ({p.DEFAULT_TIMEOUT_S:g} s)")
@@ -588,16 +644,21 @@ def _main(argv: list[str] | None = None) -> int:
                                     node_dir=str(Path(args.node_dir).resolve()),
                                     port=args.port if args.port is not None else 9100 + args.node)
         wait_for_superlink(args.superlink, args.wait_s)
+        return supervise_supernode(command, env, rejoin_s=args.rejoin_s)
     elif args.command == "register":
         register_nodes(env, certs, args.superlink, args.nodes, wait_s=args.wait_s)
         return 0
     else:
+        if (args.out is None) == (args.resume is None):
+            raise ConfigError(f"give --out (a new run's directory) or --resume RUN_DIR (a failed run's), got --out "
+                              f"{args.out!r} and --resume {args.resume!r}")
         require_files(certs / CA_CERT)
         write_connection(env, args.superlink, certs)
-        command = run_command(args.config, args.out, overwrite=args.overwrite, timeout_s=args.timeout_s,
+        out = args.out or args.resume
+        command = run_command(args.config, out, overwrite=args.overwrite, timeout_s=args.timeout_s,
                               node_wait_s=args.node_wait_s, serve_from=args.serve_from,
-                              serve_clients=args.serve_clients)
-        return run_and_wait(command, env, out=args.out, stream=args.stream)
+                              serve_clients=args.serve_clients, resume=args.resume is not None)
+        return run_and_wait(command, env, out=out, stream=args.stream)
     os.execve(command[0], command, env)      # the daemon takes this process id
 
 

@@ -21,6 +21,7 @@ used. The summary's ``privacy.secure_aggregation`` gives the protocol's paramete
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ from privfl.federation.flower.nodes import connect
 from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
 from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum
+
+logger = logging.getLogger(__name__)
 
 #: The summary section a Flower run adds (``summary.json``): nodes, timings, and clients left out.
 SUMMARY_KEY = "flower"
@@ -60,7 +63,6 @@ class FlowerRuntime(Runtime):
         self.transport = GridTransport(grid, self.options)
         self.run_id = self.transport.run_id = run_id     # named in every message; the nodes tag their records
         self._journal: ReleaseJournal | None = None
-        self._received: dict[int, list[ReleaseRecord]] = defaultdict(list)   # this run's releases, as replies came
         self._lifetime = LedgerBook()              # the node ledgers as reported at the end: every run's releases
         self.transport.on_reply = self._arrived
         self._bytes_down: dict[int, int] = defaultdict(int)
@@ -119,15 +121,9 @@ class FlowerRuntime(Runtime):
                 continue
             header = content[key]
             if header.get("kind") == p.RELEASE and header.get("record"):
-                cid, record = int(key[1:]), ReleaseRecord.from_dict(json.loads(str(header["record"])))
-                self._received[cid].append(record)
                 if self._journal is not None:
-                    self._journal.append(cid, record)
+                    self._journal.append(int(key[1:]), ReleaseRecord.from_dict(json.loads(str(header["record"]))))
 
-    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
-        """Append each release's record to ``journal`` (the run directory's ``releases.jsonl``) as its reply arrives;
-        the nodes keep the ledgers themselves, so there is nothing to replay into."""
-        self._journal = journal
 
     def _delivered(self, replies: dict[int, tuple[Message, dict[str, Any]]]) -> dict[int, Message]:
         """The releases among ``replies`` (what the server may use), counted as bytes up."""
@@ -187,6 +183,8 @@ class FlowerRuntime(Runtime):
         self._state_round = -1
         self._committed = self._state(self.completed_rounds)
         self.round_seconds.append(time.perf_counter() - self._round_started)
+        logger.info("round %d of %d done in %.1f s (%d clients)", round + 1, self.config.rounds,
+                    self.round_seconds[-1], len(sampled))
 
     def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
                                   round: int | None) -> dict[int, ClientScore]:
@@ -255,18 +253,6 @@ class FlowerRuntime(Runtime):
         self._lifetime = lifetime
         return book
 
-    def received_ledgers(self) -> LedgerBook:
-        """This run's releases as their replies reached the server (the release journal's records), with the
-        server's own: what a run that stopped early can account for without asking its nodes (a node may be
-        dead). A release a node recorded but whose reply never arrived is in that node's ledger only."""
-        book = LedgerBook()
-        for cid in sorted(set(self._received) | set(self._server_book)):
-            ledger = PrivacyLedger(cid)
-            for record in self._received.get(cid, []):
-                ledger._append_history(record)
-            book.add(self._with_server_records(cid, ledger))
-        return book
-
     def _with_server_records(self, cid: int, ledger: PrivacyLedger | None) -> PrivacyLedger | None:
         if cid in self._server_book:
             ledger = ledger or PrivacyLedger(cid)
@@ -288,8 +274,10 @@ class FlowerRuntime(Runtime):
             others = {str(r.metadata.get(p.RUN_KEY) or "untagged") for r in reported} - {self.run_id}
             if others and self.run_id:
                 runs[cid] = sorted(others)
+        epsilons = book.epsilons(delta)
+        everyone = sorted(set(self.nodes) | set(epsilons))
         return {"run_id": self.run_id, "delta": delta,
-                "epsilon_per_client": {str(cid): eps for cid, eps in sorted(book.epsilons(delta).items())},
+                "epsilon_per_client": {str(cid): float(epsilons.get(cid, 0.0)) for cid in everyone},
                 "earlier_runs": sorted({run for found in runs.values() for run in found}),
                 "earlier_runs_per_client": {str(cid): found for cid, found in sorted(runs.items())}}
 
@@ -320,11 +308,48 @@ class FlowerRuntime(Runtime):
     def committed_state_dict(self) -> dict[str, Any]:
         return {**self._committed, "wire": {"ledgers_on_nodes": True, "server_book": self._server_book.state_dict(),
                                             "bytes_down": [[k, v] for k, v in self._bytes_down.items()],
-                                            "bytes_up": [[k, v] for k, v in self._bytes_up.items()]}}
+                                            "bytes_up": [[k, v] for k, v in self._bytes_up.items()],
+                                            "run_id": self.run_id,
+                                            "state_of": [[k, v] for k, v in sorted(self._state_of.items())]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise ConfigError("resuming a run on Flower is not supported yet: resume it with --engine inprocess, "
-                          "or start it again")
+        """Continue from a checkpoint of a run on Flower (``privfl flower run --resume``): the server state, the
+        round each client's node holds its state of, the server's own records and the byte counts. The nodes keep
+        their ledgers (a round run again releases again, recorded under the same run id) and their client states
+        (each refuses to go on unless it holds the state of the round the server expects)."""
+        wire = state.get("wire") or {}
+        if not wire.get("ledgers_on_nodes") or "state_of" not in wire:
+            raise ConfigError("the checkpoint is not one of a run on Flower nodes that can be resumed there (it was "
+                              "run in-process, or by a privfl without resume on Flower): resume it with privfl train "
+                              "--resume, or start it again")
+        if wire.get("run_id") != self.run_id:
+            raise InternalError(f"resuming run {wire.get('run_id')!r} with the run id {self.run_id!r}")
+        self.strategy.load_state_dict(state["strategy"])
+        self.completed_rounds = self._rounds_done = int(state["completed_rounds"])
+        self._server_book = LedgerBook.from_state_dict(wire["server_book"])
+        self._bytes_down = defaultdict(int, {int(k): int(v) for k, v in wire["bytes_down"]})
+        self._bytes_up = defaultdict(int, {int(k): int(v) for k, v in wire["bytes_up"]})
+        self._state_of = {int(k): int(v) for k, v in wire["state_of"]}
+        self._state_round = -1
+        self._committed = self._state(self.completed_rounds)
+
+    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
+        """Append each release's record to ``journal`` (the run directory's ``releases.jsonl``) as its reply arrives
+        (:meth:`_arrived`), and the server's own records as it makes them. The nodes keep their ledgers, so a
+        resumed run (``replay``) puts back only the server's records made after the checkpoint (the journal's lines
+        for several clients)."""
+        self._journal = journal
+        if replay and journal.path.exists():
+            lines = journal.path.read_text(encoding="utf-8").split("\n")[:-1]   # the last: empty, or cut short
+            shared = [json.loads(line) for line in lines if '"client_ids"' in line]
+            held = {cid: len(self._server_book[cid]) for cid in self._server_book}
+            seen: Counter[int] = Counter()
+            for entry in (e for e in shared if "client_ids" in e):
+                record = ReleaseRecord.from_dict(entry["record"])
+                for cid in entry["client_ids"]:
+                    seen[cid] += 1
+                    if seen[cid] > held.get(cid, 0):
+                        self._server_book[cid]._append_history(record)
 
     def summary(self) -> dict[str, Any]:
         """What the run's ``summary.json`` records about Flower: nodes, timings, and novel clients left out."""

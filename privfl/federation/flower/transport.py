@@ -82,16 +82,27 @@ class GridTransport:
         delay = self.options.poll_min_s
         while pending:
             arrived = False
+            failed: list[str] = []
             for reply in self.grid.pull_messages(pending):
                 message_id = reply.metadata.reply_to_message_id
-                pending.discard(message_id)
-                nid = node_of.get(message_id, reply.metadata.src_node_id)
                 arrived = True
+                if message_id not in node_of:
+                    # an error the SuperLink made without naming the message it answers: the node is one of those
+                    # still silent (the reply's source is the SuperLink itself, never the node)
+                    silent = sorted(node_of[mid] for mid in pending)
+                    failed.append(f"one of {self.who(silent)} failed in {op!r}: "
+                                  f"{reply.error.reason if reply.has_error() else 'an unexpected reply'}")
+                    continue
+                pending.discard(message_id)
+                nid = node_of[message_id]
                 if reply.has_error():
-                    raise FlowerClientError(f"{self.who([nid])} failed in {op!r}: {reply.error.reason}")
+                    failed.append(f"{self.who([nid])} failed in {op!r}: {reply.error.reason}")
+                    continue
                 replies[nid] = reply
-                if self.on_reply is not None:          # before another node's failure can stop the exchange
+                if self.on_reply is not None:          # even when another node's failure stops the exchange
                     self.on_reply(nid, reply.content)
+            if failed:
+                raise FlowerClientError("; ".join(failed))
             if pending:
                 if deadline is not None and time.monotonic() > deadline:
                     silent = sorted(node_of[mid] for mid in pending)
