@@ -340,6 +340,39 @@ def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path
     assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == survivors
 
 
+def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity):
+    # SCAFFOLD keeps control variates on the nodes and best_val pins the selected round's states there: the resumed
+    # run (a new Flower run, the same privfl run id) must find them and end with the in-process numbers.
+    from privfl.experiment import RunInterrupted
+
+    config = _run_config(make_spec(), "scaffold")
+    options = FlowerOptions(timeout_s=60, node_wait_s=5)
+    out = tmp_path / "flower"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = train(config, str(tmp_path / "inprocess"), progress=False)
+        grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+        with pytest.raises(RunInterrupted):
+            flower_main(grid, _serve_config(config, out), options=options, stop_after_round=1)
+        # the in-process engine cannot continue it (the nodes hold its states and ledgers), and says so
+        with pytest.raises(ConfigError, match="ran on Flower nodes.*privfl flower run --resume"):
+            train(None, str(out), resume=True, progress=False)
+        # nor does a new run replace it by mistake
+        with pytest.raises(ConfigError, match="already holds a run; continue it with privfl flower run --resume"):
+            flower_main(grid, _serve_config(config, out), options=options)
+        _restart_node()
+        grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+        got = flower_main(grid, {**_serve_config(config, out), "resume": True}, options=options)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("novel", "training_val", "selected_round", "rounds_completed", "privacy", "communication"):
+        assert json.dumps(got[key], sort_keys=True) == json.dumps(expected[key], sort_keys=True), key
+    assert _comparable(out)[:2] == _comparable(tmp_path / "inprocess")[:2]
+    assert _equal_states(_comparable(out)[3], _comparable(tmp_path / "inprocess")[3])
+    assert _run_ids(out) == {got["flower"]["lifetime"]["run_id"]}
+
+
 def test_a_run_on_nodes_that_served_an_earlier_run_reports_its_spend_and_the_lifetime_apart(
         tmp_path, make_spec, task_identity, capsys):
     # The same node directories serve a non-private run, then a DP-SGD run. The node ledgers keep each client's
