@@ -760,6 +760,21 @@ def test_waiting_for_a_superlink_that_does_not_listen_ends_with_a_clear_message(
         launch.wait_for_superlink(address, 0.3, poll_s=0.1)
 
 
+def test_a_refused_supernode_is_started_again_until_it_joins_or_rejoin_s_passes(tmp_path, capsys):
+    # A stand-in for flower-supernode that the SuperLink refuses twice (exit 1), then runs and ends (exit 0).
+    marker = tmp_path / "attempts"
+    script = (f"import pathlib, sys; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) if p.exists() else 0; "
+              "p.write_text('x' * (n + 1)); sys.exit(0 if n >= 2 else 1)")
+    assert launch.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60,
+                                      retry_s=0.05) == 0
+    assert marker.read_text() == "xxx"
+    assert capsys.readouterr().err.count("starting it again") == 2
+    # one that keeps being refused: given up after rejoin_s, with its exit status
+    refused = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    assert launch.supervise_supernode(refused, dict(os.environ), rejoin_s=0.0, retry_s=0.05) == 3
+    assert "stopped retrying after 0 s (--rejoin-s)" in capsys.readouterr().err
+
+
 LAUNCH = [sys.executable, "-m", "privfl.federation.flower.launch"]
 
 
@@ -861,14 +876,14 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process clean-up reads /proc")
 def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_uninterrupted_numbers(tmp_path, make_spec):
-    # Two training clients on two SuperNodes, three rounds, a checkpoint every round. SuperNode 1 is killed (-9, its
+    # Two training clients on two SuperNodes, two rounds, a checkpoint every round. SuperNode 1 is killed (-9, its
     # whole process tree) once its client has released; the run fails naming that node's client. The node is
     # started again on its key and directory, `privfl flower run --resume` continues from the last checkpoint, and
     # the run ends with the numbers of an uninterrupted in-process run.
     import signal
 
-    config = RunConfig(federation=make_spec(num_clients=3, novel_fraction=0.34), method="fedavg", rounds=3,
-                       checkpoint_every=1, method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16},
+    config = RunConfig(federation=make_spec(num_clients=3, novel_fraction=0.34), method="fedavg", rounds=2,
+                       checkpoint_every=1, eval_every=2, method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16},
                        select="last", seed=3)
     federation = build_federation(config.federation, seed=config.seed)
     first, second = (c.client_id for c in federation.training_clients)       # partitions 0 and 1
@@ -937,4 +952,4 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
     on_node = PrivacyLedger.load(tmp_path / "node-1" / f"ledger-client-{second}.json")
     assert {r.metadata["run"] for r in on_node.records} == {run_id}
     updates = [r.round for r in on_node.records if r.purpose == "model_update"]
-    assert sorted(set(updates)) == [0, 1, 2] and len(updates) >= 3
+    assert sorted(set(updates)) == [0, 1] and len(updates) >= 2

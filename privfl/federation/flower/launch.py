@@ -477,8 +477,16 @@ def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: fl
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _supervise(command, env, state, started=started, rejoin_s=rejoin_s, retry_s=retry_s)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _supervise(command: list[str], env: dict[str, str], state: dict[str, Any], *, started: float, rejoin_s: float,
+               retry_s: float) -> int:
     attempt = 0
     while True:
         attempt += 1
