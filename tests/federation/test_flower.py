@@ -867,9 +867,12 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
     for key in ("novel", "training_val", "selected_round", "privacy", "communication"):
         assert got[key] == expected[key], key
     assert got["novel"]["num_clients"] == 1 and got["flower"]["nodes"] == 2
-    # the training client's node recorded its release (model update) in its own directory
+    # the training client's node recorded its releases (model update; its validation score, which select=best_val,
+    # the CLI's default, reports to the server) in its own directory, under the run's id
     ledger = PrivacyLedger.load(next((tmp_path / "nodes" / "0").glob("ledger-client-*.json")))
-    assert [r.purpose for r in ledger.records] == ["model_update"]
+    assert [r.purpose for r in ledger.records] == ["model_update", "validation_metrics"]
+    assert {r.metadata["run"] for r in ledger.records} == {got["flower"]["lifetime"]["run_id"]}
+    assert (tmp_path / "runs" / "deployed" / "releases.jsonl").read_text().count("\n") == 2
     assert not any((tmp_path / "nodes" / "1").glob("ledger-client-*.json"))   # FedAvg's novel client sends nothing
 
 

@@ -124,7 +124,6 @@ class FlowerRuntime(Runtime):
                 if self._journal is not None:
                     self._journal.append(int(key[1:]), ReleaseRecord.from_dict(json.loads(str(header["record"]))))
 
-
     def _delivered(self, replies: dict[int, tuple[Message, dict[str, Any]]]) -> dict[int, Message]:
         """The releases among ``replies`` (what the server may use), counted as bytes up."""
         delivered = {}
