@@ -274,8 +274,13 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes."""
     from attacks.metrics import LPIPS
     from attacks.reconstructor import ReconstructorConfig, select_guidance_scale, train_or_resume
-    from attacks.schemes import (AttackerPrior, evaluate_release, feature_diagnostics, feature_retrieval,
-                                 nearest_image_baseline)
+    from attacks.schemes import (
+        AttackerPrior,
+        evaluate_release,
+        feature_diagnostics,
+        feature_retrieval,
+        nearest_image_baseline,
+    )
     from attacks.selection import near_duplicate_filter
 
     settings.validate()

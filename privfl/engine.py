@@ -108,7 +108,6 @@ def _resumed_run_id(run_dir: RunDirectory, config: RunConfig) -> str:
     """The run id of the run in ``run_dir`` that a resumed run continues (from its checkpoint, else from its release
     journal; a run that made no release and saved no checkpoint gets a new one)."""
     from accounting import ReleaseJournal
-
     from privfl.federation.flower import protocol as p
 
     if not run_dir.path(RunDirectory.CONFIG).exists():

@@ -10,8 +10,16 @@ import pytest
 from scipy import stats
 
 from accounting import analytic_gaussian_sigma
-from attacks.audit import (AuditResult, audit_main, audit_mechanism, audit_privatize, audit_samples, clopper_pearson,
-                           run_audit, worst_case_pair)
+from attacks.audit import (
+    AuditResult,
+    audit_main,
+    audit_mechanism,
+    audit_privatize,
+    audit_samples,
+    clopper_pearson,
+    run_audit,
+    worst_case_pair,
+)
 
 
 @pytest.mark.parametrize(("k", "n"), [(0, 50), (3, 50), (17, 200), (200, 200), (1, 100000)])

@@ -112,7 +112,7 @@ def generate_certificates(directory: str | os.PathLike, *, hosts: tuple[str, ...
         for index in node_indices(out):
             node_key(out, index).unlink()
             node_key(out, index).with_suffix(".pub").unlink(missing_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days))
 
     ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -255,7 +255,7 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
 
 
 def _parse_node_config(text: str) -> dict:
-    from flwr.common.config import parse_config_args       # as flower-supernode reads --node-config
+    from flwr.common.config import parse_config_args  # as flower-supernode reads --node-config
 
     return parse_config_args([text])
 

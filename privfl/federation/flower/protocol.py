@@ -78,7 +78,7 @@ OUTSIDE_LEDGER = {
 RUN_CONFIG = "privfl-config"        # the RunConfig as JSON
 OUT = "out"                          # the run directory (server side)
 OVERWRITE = "overwrite"
-RESUME = "resume"                    # continue the run in ``out`` from its checkpoint (a new Flower run, same privfl run)
+RESUME = "resume"                    # continue the run in ``out`` from its checkpoint (same privfl run id)
 NODES_ROOT = "nodes-root"            # default parent of node directories ("" = each node names its own)
 THREADS = "threads"                  # torch threads per ClientApp process (0 = leave torch's choice)
 TIMEOUT = "timeout-s"                # seconds to wait for the replies of one exchange (> 0)
