@@ -627,6 +627,7 @@ def _main(argv: list[str] | None = None) -> int:
                         "in a run of their own instead of training")
     f.add_argument("--serve-clients", default="", help="with --serve-from: novel client ids, e.g. 9,10 (all)")
     f.add_argument("--stream", action="store_true", help="show the run's log (one line per round) until it ends")
+    f.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
     args = parser.parse_args(argv)
 
     if args.command == "certs":
@@ -662,6 +663,7 @@ def _main(argv: list[str] | None = None) -> int:
                               f"{args.out!r} and --resume {args.resume!r}")
         require_files(certs / CA_CERT)
         write_connection(env, args.superlink, certs)
+        wait_for_superlink(args.superlink, args.wait_s)
         out = args.out or args.resume
         command = run_command(args.config, out, overwrite=args.overwrite, timeout_s=args.timeout_s,
                               node_wait_s=args.node_wait_s, serve_from=args.serve_from,
