@@ -96,7 +96,7 @@ def nearest(targets: Any, candidates: Any, *, data_range: float = 1.0) -> tuple[
 
 
 def near_duplicate_filter(defender: Any, attacker: Any, *, fraction: float = 0.1, threshold: float | None = 0.95,
-                          data_range: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+                          data_range: float = 1.0, max_ssim: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Drop defender images too similar to an attacker image (the paper drops the top 10 % by maximum SSIM).
 
     Args:
@@ -105,6 +105,8 @@ def near_duplicate_filter(defender: Any, attacker: Any, *, fraction: float = 0.1
             (0 drops none by rank).
         threshold: also drop every defender image whose maximum SSIM reaches it (``None``: rank only). An exact
             copy (SSIM 1) is always dropped.
+        max_ssim: every defender image's maximum SSIM to the attacker set when already computed (the second output
+            of :func:`nearest`); ``None`` computes it.
 
     Returns:
         ``(kept, max_ssim)``: the kept defender indices (ascending) and every defender image's maximum SSIM.
@@ -112,7 +114,8 @@ def near_duplicate_filter(defender: Any, attacker: Any, *, fraction: float = 0.1
     fraction = _fraction("fraction", fraction, allow_zero=True)
     if threshold is not None:
         threshold = _fraction("threshold", threshold)
-    _, best = nearest(defender, attacker, data_range=data_range)
+    best = nearest(defender, attacker, data_range=data_range)[1] if max_ssim is None else \
+        np.asarray(max_ssim, dtype=np.float64)
     n = len(best)
     dropped = np.zeros(n, dtype=bool)
     if fraction > 0 and n:
