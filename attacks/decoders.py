@@ -233,9 +233,26 @@ class KNNDecoder:
         self.details = {"k": self.k, "held_out_mse": {str(k): v for k, v in scores.items()}}
         return self
 
-    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
-        neighbours = feature_similarity(features, self.features).topk(self.k, dim=1).indices
-        return self.images[neighbours].mean(1)
+    def decode(self, features: Any, labels: Any = None, *, exclude: Any = None, chunk: int = 1024) -> torch.Tensor:
+        """The mean of the k nearest attacker images of each feature.
+
+        ``exclude``: ``[n]`` for each feature, one of the decoder's own pairs to leave out (``-1``: none); decoding
+        the decoder's own training features with ``exclude=arange(n)`` is the leave-one-out estimate, what a feature
+        of an image outside the attacker's data gets.
+        """
+        f = _tensor(features)
+        skip = None if exclude is None else torch.as_tensor(np.asarray(exclude), dtype=torch.long)
+        if skip is not None and skip.shape != (len(f),):
+            raise ConfigError(f"exclude must hold one index (or -1) per feature, got shape {tuple(skip.shape)}")
+        out = []
+        for start in range(0, len(f), chunk):
+            similarity = feature_similarity(f[start:start + chunk], self.features)
+            if skip is not None:
+                rows = skip[start:start + chunk]
+                mine = rows >= 0
+                similarity[torch.arange(len(rows))[mine], rows[mine]] = -math.inf
+            out.append(self.images[similarity.topk(self.k, dim=1).indices].mean(1))
+        return torch.cat(out) if out else self.images[:0]
 
 
 class ClassMeanDecoder:

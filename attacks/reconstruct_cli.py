@@ -12,7 +12,9 @@ Protocol (FedPFT paper, App. E):
 3. The attacker holds ``--validation-images`` of its own pairs out. The reconstructor (:mod:`attacks.reconstructor`)
    trains on the rest at ``--image-size`` (MNIST's native 28 px by default), checkpointed to
    ``OUT/reconstructor.pt`` (``--checkpoint``) every ``--checkpoint-every`` steps and resumed from there when it
-   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training.
+   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. By default it
+   also reads, beside x_t, the mean of the attacker images with the nearest features (``--guide-decoder knn``; for
+   a training pair computed without the pair itself).
 4. Decoder baselines (:mod:`attacks.decoders`): ridge, MLP, kNN average and nearest attacker image by feature, and
    the class-mean image, fitted on the same training pairs; their hyperparameters are chosen on the held-out pairs.
 5. Sampling settings: guidance scale w, guidance interval and rescale, then decoder-guided initialisation, are chosen
@@ -109,6 +111,7 @@ class AttackSettings:
     samples_per_feature: int = 8
     set_samples_per_feature: int = 4
     baselines: tuple[str, ...] = BASELINES
+    guide_decoder: str | None = "knn"
     mlp_hidden: int = 1024
     mlp_epochs: int = 30
     top_fractions: tuple[float, ...] = (0.05,)
@@ -180,6 +183,9 @@ class AttackSettings:
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise ConfigError(f"--baselines: unknown baseline(s) {bad}; valid: {', '.join(BASELINES)}")
+        if self.guide_decoder not in (None, "knn", "nn"):
+            raise ConfigError(f"--guide-decoder must be knn, nn or none (decoders with a leave-one-out estimate for "
+                              f"the training pairs), got {self.guide_decoder!r}")
         if self.bootstrap < 100:
             raise ConfigError(f"--bootstrap must be >= 100 resamples, got {self.bootstrap}")
         if self.dp_noise not in ("seeded", "secure"):
@@ -192,7 +198,8 @@ class AttackSettings:
                             block_channels=self.block_channels, layers_per_block=self.layers_per_block,
                             batch_size=self.batch_size, learning_rate=self.learning_rate,
                             cond_dropout=self.cond_dropout, mid_attention=self.mid_attention,
-                            condition_dims=self.condition_dims, prediction_type=self.prediction_type)
+                            condition_dims=self.condition_dims, prediction_type=self.prediction_type,
+                            guide_image=self.guide_decoder is not None)
         # (its errors name the setting, before any work)
 
 
@@ -313,7 +320,8 @@ def reconstructor_config(settings: AttackSettings, feature_dim: int, channels: i
                                block_channels=settings.block_channels, layers_per_block=settings.layers_per_block,
                                mid_attention=settings.mid_attention, condition_dims=settings.condition_dims,
                                prediction_type=settings.prediction_type, batch_size=settings.batch_size,
-                               learning_rate=settings.learning_rate, cond_dropout=settings.cond_dropout)
+                               learning_rate=settings.learning_rate, cond_dropout=settings.cond_dropout,
+                               guide_image=settings.guide_decoder is not None)
 
 
 # -- output ---------------------------------------------------------------------------------------------------------
@@ -517,7 +525,7 @@ def _write_csv(path: Path, columns: Sequence[str], records: Sequence[dict[str, A
 
 def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes."""
-    from attacks.decoders import fit_decoders
+    from attacks.decoders import fit_decoders, make_decoder
     from attacks.metrics import LPIPS
     from attacks.reconstructor import resolve_device, select_sampling, train_or_resume
     from attacks.schemes import (AttackerPrior, evaluate_decoder, evaluate_release, feature_diagnostics,
@@ -538,11 +546,22 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     train, held = data.train, data.held_out
     timings["data_and_features_s"] = time.perf_counter() - started
 
+    options = dict(seed=settings.seed, device=device, mlp_hidden=settings.mlp_hidden, mlp_epochs=settings.mlp_epochs,
+                   progress=settings.progress)
+    guide_decoder, guides = None, None
+    if settings.guide_decoder is not None:
+        # The reconstructor reads this decoder's estimate of each image; a training pair's estimate leaves the pair
+        # out, as a defender's feature never finds its own image among the attacker's.
+        started = time.perf_counter()
+        guide_decoder = make_decoder(settings.guide_decoder, **options).fit(fa[train], xa[train], ya[train], fa[held],
+                                                                           xa[held], ya[held])
+        guides = guide_decoder.decode(fa[train], exclude=np.arange(len(train)))
+        timings["guide_decoder_s"] = time.perf_counter() - started
     config = reconstructor_config(settings, fa.shape[1], xa.shape[1])
     checkpoint = Path(settings.checkpoint) if settings.checkpoint else out / "reconstructor.pt"
     started = time.perf_counter()
     reconstructor = train_or_resume(config, fa[train], xa[train], steps=settings.steps, checkpoint=checkpoint,
-                                    device=device, precision=settings.precision, seed=settings.seed,
+                                    guides=guides, device=device, precision=settings.precision, seed=settings.seed,
                                     checkpoint_every=settings.checkpoint_every, progress=settings.progress)
     timings["reconstructor_call_s"] = time.perf_counter() - started
     losses = reconstructor.losses
@@ -564,23 +583,26 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
         return summary
 
     started = time.perf_counter()
-    decoders = fit_decoders(settings.baselines, fa[train], xa[train], ya[train], fa[held], xa[held], ya[held],
-                            seed=settings.seed, device=device, mlp_hidden=settings.mlp_hidden,
-                            mlp_epochs=settings.mlp_epochs, progress=settings.progress)
+    decoders = fit_decoders([b for b in settings.baselines if b != settings.guide_decoder], fa[train], xa[train],
+                            ya[train], fa[held], xa[held], ya[held], **options)
+    if guide_decoder is not None and settings.guide_decoder in settings.baselines:
+        decoders = {name: guide_decoder if name == settings.guide_decoder else decoders[name]
+                    for name in settings.baselines}
     timings["decoders_s"] = time.perf_counter() - started
-    init_decoder = decoders.get("mlp", decoders.get("ridge"))
+    init_decoder = guide_decoder or decoders.get("mlp", decoders.get("ridge"))
 
     # Sampling settings from the attacker's held-out pairs: guidance first, then decoder-guided initialisation.
     started = time.perf_counter()
     chosen = held[:settings.selection_images]
+    held_guides = {} if guide_decoder is None else {"guide": guide_decoder.decode(fa[chosen], ya[chosen])}
     best, guidance_scores = select_sampling(reconstructor, fa[chosen], xa[chosen], _sampling_candidates(settings),
-                                            seed=settings.seed, progress=settings.progress)
+                                            seed=settings.seed, progress=settings.progress, **held_guides)
     init_scores: list[dict[str, Any]] = []
     if init_decoder is not None and settings.init_strengths:
         candidates = [best] + [replace(best, init_strength=s) for s in settings.init_strengths]
         best, init_scores = select_sampling(reconstructor, fa[chosen], xa[chosen], candidates,
                                             init=init_decoder.decode(fa[chosen], ya[chosen]), seed=settings.seed,
-                                            progress=settings.progress)
+                                            progress=settings.progress, **held_guides)
     timings["sampling_selection_s"] = time.perf_counter() - started
 
     prior = AttackerPrior.fit(fa, ya, num_classes=data.num_classes,
@@ -610,7 +632,8 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
             k = settings.set_samples_per_feature if release.set_level else settings.samples_per_feature
             diffusion = evaluate_release(release, reconstructor, targets, lpips=lpips, seed=seed,
                                          samples_per_feature=k, sampling=best, init_decoder=init_decoder,
-                                         target_index=index, progress=settings.progress)
+                                         guide_decoder=guide_decoder, target_index=index,
+                                         progress=settings.progress)
             scored += diffusion.scored
             baselines = {name: evaluate_decoder(release, decoder, targets, lpips=lpips, attacker_features=fa[train],
                                                 seed=seed, target_index=index)
@@ -668,6 +691,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
             "attacker_features": feature_diagnostics(fa, prior),
         },
         "decoders": {name: decoder.details for name, decoder in decoders.items()},
+        "guide_decoder": None if guide_decoder is None else {"name": guide_decoder.name, **guide_decoder.details},
         "sampling": {"chosen": best.to_dict(), "label": best.label, "held_out_pairs": int(len(chosen)),
                      "guidance_candidates": guidance_scores, "init_candidates": init_scores,
                      "init_decoder": None if init_decoder is None else init_decoder.name},
@@ -734,6 +758,10 @@ def _dims(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _optional(text: str) -> str | None:
+    return None if text.strip().lower() == "none" else text.strip()
 
 
 def _count(text: str) -> int | None:
@@ -846,6 +874,8 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
                    help="samples per feature of a set-level (mixture) release")
     p.add_argument("--baselines", type=_names, default=default("baselines"),
                    help="decoder baselines: ridge,mlp,knn,nn,class-mean")
+    p.add_argument("--guide-decoder", type=_optional, default=default("guide_decoder"),
+                   help="the decoder whose estimate the reconstructor reads beside x_t: knn, nn or none")
     p.add_argument("--mlp-hidden", type=int, default=default("mlp_hidden"), help="MLP decoder width")
     p.add_argument("--mlp-epochs", type=int, default=default("mlp_epochs"), help="MLP decoder epochs (at most)")
     p.add_argument("--top-fractions", type=_floats, default=default("top_fractions"),

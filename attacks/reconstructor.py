@@ -30,7 +30,15 @@ Model (what the paper states, App. E.3, and the unstated choices):
 5. Decoder-guided initialisation (SDEdit, Meng et al. 2022, sec. 3): ``sample(..., init=images, strength=s)`` starts
    DDIM at t = s T from ``sqrt(abar_t) x_init + sqrt(1 - abar_t) eps`` instead of pure noise (e.g. ``x_init`` a
    regression decoder's estimate; :mod:`attacks.decoders`).
-6. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
+6. Decoder-estimate input (``guide_image=True``): the UNet also reads an image the attacker computed from the same
+   feature, e.g. the mean of the attacker images with the nearest features (:class:`attacks.decoders.KNNDecoder`),
+   as extra input channels beside x_t: the conditioning on a coarse estimate of SR3 (Saharia et al. 2022, sec. 2)
+   and of retrieval-augmented diffusion (Blattmann et al. 2022). The network then learns the residual detail the
+   feature implies. The estimate is a function of the feature and the attacker's own data only; for training pairs
+   it must be computed without the pair itself (leave-one-out), as it will be for a defender's feature. Condition
+   dropout drops it together with the feature (the null input is zero), so the unconditional model stays
+   unconditional.
+7. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
 
 Device and precision: ``device`` is ``"cpu"``, ``"cuda"``/``"cuda:N"`` or ``"auto"`` (:func:`resolve_device`: CUDA
 when visible, else the CPU; asking for CUDA where there is none is an error, never a silent CPU run). ``precision``
@@ -165,6 +173,8 @@ class ReconstructorConfig:
         ema_decay: decay of the weight average used for sampling, in [0, 1).
         condition_dims: principal components the feature is whitened to before the conditioning MLP (at most
             ``feature_dim``, and fewer than the training pairs); ``None``: per-dimension standardisation.
+        guide_image: the UNet also reads a decoder's estimate of the image (``channels`` more input channels; module
+            docstring, 6); training and sampling then need those estimates.
     """
 
     feature_dim: int
@@ -183,6 +193,7 @@ class ReconstructorConfig:
     batch_size: int = 64
     ema_decay: float = 0.999
     condition_dims: int | None = None
+    guide_image: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("feature_dim", self.feature_dim)
@@ -208,7 +219,7 @@ class ReconstructorConfig:
         _real("learning_rate", self.learning_rate, 0.0, 1.0, low_open=True)
         _positive_int("batch_size", self.batch_size)
         _real("ema_decay", self.ema_decay, 0.0, 0.999999)
-        for name in ("mid_attention", "attention"):
+        for name in ("mid_attention", "attention", "guide_image"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.condition_dims is not None:
@@ -242,8 +253,9 @@ class FeatureConditionedUNet(nn.Module):
     The whitening is ``(f - feature_mean) @ feature_projection`` (buffers, saved with the weights; set by
     :meth:`Reconstructor.set_feature_statistics`).
 
-    ``forward(x_t, t, features, keep)``: ``keep`` is a boolean ``[B]`` mask; where it is False the condition
-    embedding is the null embedding (zero), i.e. the unconditional model.
+    ``forward(x_t, t, features, keep, guide)``: ``keep`` is a boolean ``[B]`` mask; where it is False the condition
+    embedding is the null embedding (zero), i.e. the unconditional model; ``guide`` the decoder's estimates on [0, 1]
+    (``guide_image`` only), zeroed with the condition.
     """
 
     def __init__(self, config: ReconstructorConfig) -> None:
@@ -255,8 +267,10 @@ class FeatureConditionedUNet(nn.Module):
         up = ["UpBlock2D"] * levels
         if config.attention:
             down[-1], up[0] = "AttnDownBlock2D", "AttnUpBlock2D"
+        self.guide_image = config.guide_image
         self.unet = UNet2DModel(
-            sample_size=config.image_size, in_channels=config.channels, out_channels=config.channels,
+            sample_size=config.image_size, in_channels=config.channels * (2 if config.guide_image else 1),
+            out_channels=config.channels,
             block_out_channels=config.block_channels, layers_per_block=config.layers_per_block,
             down_block_types=tuple(down), up_block_types=tuple(up), norm_num_groups=config.norm_groups,
             resnet_time_scale_shift="scale_shift", class_embed_type="identity", add_attention=config.mid_attention)
@@ -279,14 +293,23 @@ class FeatureConditionedUNet(nn.Module):
         return embedding
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, features: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, guide: torch.Tensor | None = None) -> torch.Tensor:
+        if self.guide_image:
+            if guide is None:
+                raise ConfigError("this reconstructor reads a decoder's estimate beside x_t (guide_image=True); "
+                                  "pass the guide images")
+            g = guide * 2.0 - 1.0   # on x_0's scale; the null input (condition dropped) is zero
+            if keep is not None:
+                g = g * keep.to(g.dtype)[:, None, None, None]
+            x = torch.cat([x, g.to(x.dtype)], dim=1)
         return self.unet(x, t, class_labels=self.condition_embedding(features, keep)).sample
 
 
-def data_fingerprint(features: Any, images: Any) -> str:
-    """sha256 of the training pairs (shapes, dtypes and bytes): a checkpoint is reused only on the same data."""
+def data_fingerprint(features: Any, images: Any, *more: Any) -> str:
+    """sha256 of the training pairs (shapes, dtypes and bytes; and of any further arrays, e.g. the decoder's
+    estimates): a checkpoint is reused only on the same data."""
     digest = hashlib.sha256()
-    for array in (features, images):
+    for array in (features, images) + tuple(a for a in more if a is not None):
         a = np.ascontiguousarray(array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else array)
         digest.update(f"{a.dtype}{a.shape}".encode())
         digest.update(a.tobytes())
@@ -415,6 +438,22 @@ class Reconstructor:
             raise ConfigError("features and images must be finite")
         return f, x
 
+    def _check_guides(self, guides: Any, n: int) -> torch.Tensor | None:
+        c = self.config
+        if not c.guide_image:
+            if guides is not None:
+                raise ConfigError("guide images were given to a reconstructor without guide_image")
+            return None
+        if guides is None:
+            raise ConfigError("this reconstructor reads a decoder's estimate of each image (guide_image=True); pass "
+                              "guides")
+        g = torch.as_tensor(np.asarray(guides) if not isinstance(guides, torch.Tensor) else guides,
+                            dtype=torch.float32)
+        if tuple(g.shape) != (n, c.channels, c.image_size, c.image_size) or not torch.isfinite(g).all():
+            raise ConfigError(f"guides must be finite images of shape {[n, c.channels, c.image_size, c.image_size]}, "
+                              f"got {list(g.shape)}")
+        return g
+
     def set_feature_statistics(self, features: torch.Tensor) -> None:
         """Fit the whitening on the attacker's own training features.
 
@@ -441,7 +480,8 @@ class Reconstructor:
 
     # -- training ---------------------------------------------------------------------------------------------------
 
-    def training_loss(self, images: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def training_loss(self, images: torch.Tensor, features: torch.Tensor,
+                      guides: torch.Tensor | None = None) -> torch.Tensor:
         """The diffusion loss ``|| target - net(x_t, t, c) ||^2`` on one batch, with condition dropout.
 
         ``target`` is the noise eps (``"epsilon"``) or ``v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0``
@@ -460,7 +500,8 @@ class Reconstructor:
         xt = self.noise_scheduler.add_noise(x0, noise, t)
         target = noise if c.prediction_type == "epsilon" else self.noise_scheduler.get_velocity(x0, noise, t)
         with self._autocast():
-            predicted = self.model(xt, t, features.to(self.device), keep)
+            extra = {} if guides is None else {"guide": guides.to(self.device)}
+            predicted = self.model(xt, t, features.to(self.device), keep, **extra)
         return nn.functional.mse_loss(predicted.float(), target)
 
     def _ema_update(self) -> None:
@@ -469,14 +510,17 @@ class Reconstructor:
             for average, current in zip(self.ema.parameters(), self.model.parameters()):
                 average.lerp_(current, 1.0 - decay)
 
-    def fit(self, features: Any, images: Any, *, steps: int, checkpoint: str | os.PathLike | None = None,
-            checkpoint_every: int = 500, progress: bool = True) -> list[float]:
+    def fit(self, features: Any, images: Any, *, steps: int, guides: Any = None,
+            checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 500,
+            progress: bool = True) -> list[float]:
         """Train until :attr:`step` reaches ``steps`` (a resumed model continues where it stopped).
 
         Args:
             features: ``[n, feature_dim]`` attacker features ``E(x)``.
             images: ``[n, channels, image_size, image_size]`` the matching attacker images on [0, 1].
             steps: total optimisation steps (not additional ones).
+            guides: ``[n, channels, image_size, image_size]`` the decoder's estimate of each training image, made
+                without that pair (``guide_image`` only).
             checkpoint: a file to save to every ``checkpoint_every`` steps and at the end (atomically).
             progress: show a tqdm bar.
 
@@ -490,7 +534,8 @@ class Reconstructor:
         steps = _positive_int("steps", steps, 0)
         checkpoint_every = _positive_int("checkpoint_every", checkpoint_every)
         f, x = self._check_pairs(features, images)
-        fingerprint = data_fingerprint(f, x)
+        g = self._check_guides(guides, len(x))
+        fingerprint = data_fingerprint(f, x, g)
         if self.step == 0:
             self.set_feature_statistics(f)
             self.fingerprint = fingerprint
@@ -501,6 +546,7 @@ class Reconstructor:
         if self.step >= steps:
             return losses
         f, x = f.to(self.device), x.to(self.device)   # the whole training set once, not one batch at a time
+        g = None if g is None else g.to(self.device)
         self.model.train()
         bar = tqdm(total=steps, initial=min(self.step, steps), desc="reconstructor", unit="step", disable=not progress,
                    dynamic_ncols=True)
@@ -508,7 +554,7 @@ class Reconstructor:
         try:
             while self.step < steps:
                 index = torch.randint(0, len(f), (self.config.batch_size,), generator=self.generator).to(self.device)
-                loss = self.training_loss(x[index], f[index])
+                loss = self.training_loss(x[index], f[index], None if g is None else g[index])
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scaler.scale(loss).backward()
                 self.scaler.step(self.optimizer)
@@ -536,19 +582,22 @@ class Reconstructor:
 
     @torch.no_grad()
     def guided_output(self, x: torch.Tensor, t: torch.Tensor, features: torch.Tensor, guidance_scale: float,
-                      guidance_rescale: float = 0.0) -> torch.Tensor:
+                      guidance_rescale: float = 0.0, guide: torch.Tensor | None = None) -> torch.Tensor:
         """``out_u + w (out_c - out_u)`` with the EMA model (one network pass when ``w`` is 0 or 1), optionally
         rescaled towards the conditional output's standard deviation (Lin et al. 2024, eqs. 15-16)."""
         n = len(x)
         steps = t.expand(n) if t.ndim == 0 else t
         with self._autocast():
+            extra = {} if guide is None else {"guide": guide}
             if guidance_scale == 1.0:
-                return self.ema(x, steps, features, torch.ones(n, dtype=torch.bool, device=x.device)).float()
+                return self.ema(x, steps, features, torch.ones(n, dtype=torch.bool, device=x.device), **extra).float()
             if guidance_scale == 0.0:
-                return self.ema(x, steps, features, torch.zeros(n, dtype=torch.bool, device=x.device)).float()
+                return self.ema(x, steps, features, torch.zeros(n, dtype=torch.bool, device=x.device), **extra).float()
             keep = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)]).to(x.device)
+            if guide is not None:
+                extra = {"guide": torch.cat([guide, guide])}
             both = self.ema(torch.cat([x, x]), torch.cat([steps, steps]), torch.cat([features, features]),
-                            keep).float()
+                            keep, **extra).float()
         conditional, unconditional = both.chunk(2)
         guided = unconditional + guidance_scale * (conditional - unconditional)
         if guidance_rescale > 0:
@@ -565,7 +614,7 @@ class Reconstructor:
     def sample(self, features: Any, *, guidance_scale: float = 1.0, num_inference_steps: int = 20,
                generator: torch.Generator | None = None, batch_size: int = 256, progress: bool = False,
                guidance_interval: tuple[float, float] = (0.0, 1.0), guidance_rescale: float = 0.0,
-               init: Any = None, init_strength: float | None = None,
+               init: Any = None, init_strength: float | None = None, guide: Any = None,
                settings: SamplingSettings | None = None) -> torch.Tensor:
         """One image per feature by DDIM (eta = 0) with classifier-free guidance; ``[n, C, H, W]`` on [0, 1] (CPU).
 
@@ -577,6 +626,7 @@ class Reconstructor:
             batch_size: features per network batch.
             init: ``[n, C, H, W]`` images on [0, 1] to start from (decoder-guided initialisation); needs
                 ``init_strength``.
+            guide: ``[n, C, H, W]`` the decoder's estimates the network reads (``guide_image`` only).
         """
         from diffusers import DDIMScheduler
         from tqdm.auto import tqdm
@@ -605,6 +655,7 @@ class Reconstructor:
             if tuple(start_images.shape) != (len(f), c.channels, c.image_size, c.image_size):
                 raise ConfigError(f"init must have shape {[len(f), c.channels, c.image_size, c.image_size]}, got "
                                   f"{list(start_images.shape)}")
+        guides = self._check_guides(guide, len(f))
         generator = torch.Generator().manual_seed(0) if generator is None else generator
         scheduler = DDIMScheduler(num_train_timesteps=c.train_timesteps, beta_schedule=c.beta_schedule,
                                   prediction_type=c.prediction_type, clip_sample=True, timestep_spacing="trailing")
@@ -619,6 +670,7 @@ class Reconstructor:
         for start in tqdm(range(0, len(f), batch_size), desc="sampling", unit="batch", disable=not progress,
                           dynamic_ncols=True):
             cond = f[start:start + batch_size].to(self.device)
+            guide_batch = None if guides is None else guides[start:start + batch_size].to(self.device)
             x = torch.randn((len(cond), c.channels, c.image_size, c.image_size), generator=generator)
             if start_images is not None:
                 x0 = start_images[start:start + batch_size] * 2.0 - 1.0
@@ -627,7 +679,7 @@ class Reconstructor:
             for t in timesteps:
                 fraction = float(t) / (c.train_timesteps - 1)
                 w = settings.guidance_scale if low <= fraction <= high else 1.0
-                out_t = self.guided_output(x, t.to(self.device), cond, w, settings.guidance_rescale)
+                out_t = self.guided_output(x, t.to(self.device), cond, w, settings.guidance_rescale, guide_batch)
                 x = scheduler.step(out_t, t, x, eta=0.0).prev_sample  # DDIM eq. 12, sigma_t = 0
             out.append(((x.clamp(-1, 1) + 1) / 2).float().cpu())
         if not out:
@@ -683,8 +735,9 @@ class Reconstructor:
 
 
 def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, steps: int,
-                    checkpoint: str | os.PathLike | None, device: str | torch.device = "cpu", precision: str = "auto",
-                    seed: int = 0, checkpoint_every: int = 500, progress: bool = True) -> Reconstructor:
+                    checkpoint: str | os.PathLike | None, guides: Any = None, device: str | torch.device = "cpu",
+                    precision: str = "auto", seed: int = 0, checkpoint_every: int = 500,
+                    progress: bool = True) -> Reconstructor:
     """Load ``checkpoint`` if it exists (same settings and data) and train it on to ``steps``; else train anew.
 
     An interrupted run (killed, Ctrl-C) resumes from its last checkpoint: run the same call again.
@@ -696,13 +749,14 @@ def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, 
                               "use another checkpoint path or delete it")
     else:
         reconstructor = Reconstructor(config, device=device, precision=precision, seed=seed)
-    reconstructor.fit(features, images, steps=steps, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                      progress=progress)
+    reconstructor.fit(features, images, steps=steps, guides=guides, checkpoint=checkpoint,
+                      checkpoint_every=checkpoint_every, progress=progress)
     return reconstructor
 
 
 def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: Any, *, init: Any = None,
-                    seed: int = 0, progress: bool = False) -> tuple[SamplingSettings, list[dict[str, Any]]]:
+                    guide: Any = None, seed: int = 0,
+                    progress: bool = False) -> tuple[SamplingSettings, list[dict[str, Any]]]:
     """The sampling settings whose reconstructions of held-out attacker pairs have the highest mean SSIM.
 
     The attacker holds these pairs out of training, so the choice uses no defender data. Every candidate starts from
@@ -714,6 +768,7 @@ def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: 
         features, images: ``[n, d]`` held-out attacker features and their images ``[n, C, H, W]`` on [0, 1].
         candidates: :class:`SamplingSettings` to compare.
         init: ``[n, C, H, W]`` decoder estimates for the candidates with ``init_strength`` (required if any has).
+        guide: ``[n, C, H, W]`` the estimates a ``guide_image`` reconstructor reads.
 
     Returns:
         ``(best settings, [{"settings": ..., "label": ..., "ssim": ..., "psnr": ...} per candidate])``.
@@ -733,8 +788,9 @@ def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: 
     scores = []
     for candidate in candidates:
         generator = torch.Generator().manual_seed(seed)
+        extra = {} if guide is None else {"guide": guide}
         recon = reconstructor.sample(f, settings=candidate, generator=generator, progress=progress,
-                                     init=init if candidate.init_strength is not None else None)
+                                     init=init if candidate.init_strength is not None else None, **extra)
         p = psnr_pairs(x, recon)
         scores.append({"settings": candidate.to_dict(), "label": candidate.label,
                        "ssim": float(ssim_pairs(x, recon).mean()),

@@ -620,7 +620,7 @@ class ReleaseEvaluation:
 
 def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpips: LPIPS, seed: int = 0,
                      samples_per_feature: int = 8, sampling: Any = None, init_decoder: Any = None,
-                     target_index: Any = None, progress: bool = False) -> ReleaseEvaluation:
+                     guide_decoder: Any = None, target_index: Any = None, progress: bool = False) -> ReleaseEvaluation:
     """Reconstruct from ``release`` with the diffusion reconstructor and score against ``targets``.
 
     Every released feature is sampled ``samples_per_feature`` times (DDIM from independent starting noise). Two
@@ -637,6 +637,7 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
             target i is feature i).
         sampling: :class:`~attacks.reconstructor.SamplingSettings` (default: w = 1, 20 DDIM steps).
         init_decoder: the decoder whose estimates start the draws when ``sampling.init_strength`` is set.
+        guide_decoder: the decoder whose estimates a ``guide_image`` reconstructor reads.
     """
     from attacks.reconstructor import SamplingSettings
 
@@ -652,11 +653,14 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
         if init_decoder is None:
             raise ConfigError("sampling with init_strength needs the init_decoder whose estimates start the draws")
         init = init_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
+    extra = {}
+    if guide_decoder is not None:
+        extra["guide"] = guide_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
     m = len(release.features)
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     samples = reconstructor.sample(release.features.repeat_interleave(int(k), dim=0), settings=sampling,
-                                   generator=generator, progress=progress, init=init)
+                                   generator=generator, progress=progress, init=init, **extra)
     samples = samples.reshape(m, int(k), *samples.shape[1:])
     agreement, medoid = agreement_scores(samples.numpy())
     estimates = {f"medoid of {k}": samples[torch.arange(m), torch.as_tensor(medoid)],

@@ -84,6 +84,21 @@ def test_knn_averages_more_neighbours_when_that_lowers_held_out_error():
     assert nn.name == "nn" and nn.k == 1 and torch.equal(nn.decode(f[5:6]), x[5:6])
 
 
+def test_knn_leave_one_out_never_returns_the_pair_itself():
+    f, x, y = clustered_pairs(10, 0)
+    nn = KNNDecoder(ks=(1,), name="nn").fit(f, x, y, f, x, y)
+    assert torch.equal(nn.decode(f), x)   # each training feature finds its own image
+    own = torch.arange(len(f))
+    loo = nn.decode(f, exclude=own)
+    similarity = feature_similarity(f, f)
+    similarity[own, own] = -float("inf")
+    assert torch.equal(loo, x[similarity.argmax(1)]) and not torch.equal(loo, x)
+    partly = nn.decode(f[:2], exclude=[-1, 1], chunk=1)   # -1: nothing left out
+    assert torch.equal(partly[0], x[0]) and torch.equal(partly[1], loo[1])
+    with pytest.raises(ConfigError, match="one index"):
+        nn.decode(f[:2], exclude=[0])
+
+
 def test_class_mean_decodes_the_label():
     f, x, y = clustered_pairs(10, 0)
     decoder = ClassMeanDecoder().fit(f, x, y, f, x, y)

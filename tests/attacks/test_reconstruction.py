@@ -185,6 +185,35 @@ def test_condition_dropout_one_ignores_the_condition():
     assert float(loss_a.detach()) != float(r0.training_loss(images[:8], torch.randn(8, 4)).detach())
 
 
+def test_the_decoder_estimate_is_read_and_dropped_with_the_condition(tmp_path):
+    features, images = tiny_data()
+    guides = images.flip(-1)   # any stand-in for a decoder's estimates
+    r = Reconstructor(tiny_config(guide_image=True), seed=0)
+    assert r.model.unet.conv_in.in_channels == 2
+    x, t = torch.randn(4, 1, 16, 16), torch.tensor([3, 50, 7, 90])
+    keep, drop = torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool)
+    with torch.no_grad():
+        assert not torch.allclose(r.model(x, t, features[:4], keep, guide=guides[:4]),
+                                  r.model(x, t, features[:4], keep, guide=images[:4]))
+        # without the condition the estimate is not seen either: the unconditional model stays unconditional
+        assert torch.equal(r.model(x, t, features[:4], drop, guide=guides[:4]),
+                           r.model(x, t, features[:4], drop, guide=images[:4]))
+    with pytest.raises(ConfigError, match="pass guides"):
+        r.fit(features, images, steps=1, progress=False)
+    with pytest.raises(ConfigError, match=r"guides must be finite images of shape \[32, 1, 16, 16\]"):
+        r.fit(features, images, guides=guides[:5], steps=1, progress=False)
+    with pytest.raises(ConfigError, match="without guide_image"):
+        Reconstructor(tiny_config(), seed=0).fit(features, images, guides=guides, steps=1, progress=False)
+    path = tmp_path / "guided.pt"
+    r.fit(features, images, guides=guides, steps=2, checkpoint=path, progress=False)
+    out = r.sample(features[:3], guide=guides[:3], num_inference_steps=2)
+    assert out.shape == (3, 1, 16, 16) and torch.equal(out, r.sample(features[:3], guide=guides[:3],
+                                                                     num_inference_steps=2))
+    with pytest.raises(ConfigError, match="other"):   # the estimates are part of the training data's fingerprint
+        train_or_resume(tiny_config(guide_image=True), features, images, guides=images, steps=3, checkpoint=path,
+                        progress=False)
+
+
 def test_config_errors_name_the_value():
     with pytest.raises(ConfigError, match="norm_groups=3"):
         tiny_config(norm_groups=3)
@@ -787,7 +816,8 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     assert names[0] == "defender image" and any(n.startswith("raw: diffusion, medoid") for n in names)
     assert all(n.endswith("oracle-matched") for n in names if n.startswith(("fedpft", "dp-fedpft", "prior",
                                                                             "no release")))
-    assert summary["sampling"]["guidance_candidates"] and summary["sampling"]["init_decoder"] == "mlp"
+    assert summary["sampling"]["guidance_candidates"] and summary["sampling"]["init_decoder"] == "knn"
+    assert summary["guide_decoder"]["name"] == "knn" and summary["reconstructor"]["config"]["guide_image"]
     # A second call finds the checkpoint at the requested steps and trains nothing.
     monkeypatch.setattr(Reconstructor, "training_loss", lambda *a, **k: pytest.fail("trained again"))
     assert reconstruct_main(argv + ["--train-only"]) == 0
