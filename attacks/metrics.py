@@ -125,21 +125,33 @@ def _as_batch(x: Any, name: str) -> torch.Tensor:
     return t
 
 
-def _blur(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-    """Separable 'valid' Gaussian filter over the last two axes of ``[..., H, W]``."""
+def _band(size: int, window: torch.Tensor) -> torch.Tensor:
+    """The ``[size - k + 1, size]`` matrix whose product with a signal is its 'valid' correlation with ``window``."""
     k = len(window)
-    x = x.unfold(-1, k, 1) @ window  # [..., H, W-k+1]
-    return (x.unfold(-2, k, 1) @ window)  # [..., H-k+1, W-k+1]
+    band = torch.zeros(size - k + 1, size, dtype=window.dtype)
+    for i in range(size - k + 1):
+        band[i, i:i + k] = window
+    return band
 
 
-def ssim_matrix(references: Any, candidates: Any, *, data_range: float = 1.0, chunk: int = 2_000_000) -> np.ndarray:
+def _blur(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """Separable 'valid' Gaussian filter over the last two axes of ``[..., H, W]``: ``G_H x G_W^T`` with banded
+    matrices, two matrix products (the same sums as sliding the window, as fast as a GEMM)."""
+    window = window.to(x.dtype)
+    return _band(x.shape[-2], window) @ x @ _band(x.shape[-1], window).T  # [..., H-k+1, W-k+1]
+
+
+def ssim_matrix(references: Any, candidates: Any, *, data_range: float = 1.0, chunk: int = 2_000_000,
+                dtype: torch.dtype = torch.float64) -> np.ndarray:
     """SSIM of every pair: ``out[i, j] = ssim(references[i], candidates[j])`` as a ``[n, m]`` float64 array.
 
     The same quantity as :func:`ssim` (Gaussian window, population covariances, 'valid' region, mean over channels),
-    vectorised in float64; ``chunk`` bounds the pair-pixels held in memory at once.
+    vectorised; ``chunk`` bounds the pair-pixels held in memory at once (blocks of rows and columns, so a block stays
+    in cache however many candidates there are). ``dtype=torch.float32`` is about three times faster and agrees to
+    about 1e-5: enough to search a large candidate set for the most similar image (rescore the winners in float64).
     """
     data_range = _check_range(data_range)
-    a, b = _as_batch(references, "references"), _as_batch(candidates, "candidates")
+    a, b = _as_batch(references, "references").to(dtype), _as_batch(candidates, "candidates").to(dtype)
     if a.shape[1:] != b.shape[1:]:
         raise ConfigError(f"references and candidates differ in image shape: {tuple(a.shape[1:])} vs "
                           f"{tuple(b.shape[1:])}")
@@ -156,14 +168,17 @@ def ssim_matrix(references: Any, candidates: Any, *, data_range: float = 1.0, ch
     if n == 0 or m == 0:
         return out
     per_pair = a[0].numel()
-    rows = max(1, chunk // max(1, m * per_pair))
+    cols = max(1, min(m, chunk // per_pair))
+    rows = max(1, chunk // (cols * per_pair))
     for start in range(0, n, rows):
         sl = slice(start, start + rows)
-        cross = _blur(a[sl, None] * b[None], window) - mu_a[sl, None] * mu_b[None]  # [r, m, C, h, w]
-        mab = mu_a[sl, None] * mu_b[None]
-        num = (2 * mab + c1) * (2 * cross + c2)
-        den = (mu_a[sl, None] ** 2 + mu_b[None] ** 2 + c1) * (var_a[sl, None] + var_b[None] + c2)
-        out[sl] = (num / den).mean(dim=(-1, -2, -3)).numpy()
+        for first in range(0, m, cols):
+            cl = slice(first, first + cols)
+            mab = mu_a[sl, None] * mu_b[None, cl]
+            cross = _blur(a[sl, None] * b[None, cl], window) - mab  # [r, c, C, h, w]
+            num = (2 * mab + c1) * (2 * cross + c2)
+            den = (mu_a[sl, None] ** 2 + mu_b[None, cl] ** 2 + c1) * (var_a[sl, None] + var_b[None, cl] + c2)
+            out[sl, cl] = (num / den).mean(dim=(-1, -2, -3)).double().numpy()
     return out
 
 

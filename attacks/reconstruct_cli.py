@@ -613,7 +613,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     for seed in settings.seeds:
         started = time.perf_counter()
         xd, fd, yd = data.defender_images[seed], data.defender_features[seed], data.defender_labels[seed]
-        nearest_index, max_ssim = nearest(xd, xa)
+        nearest_index, max_ssim = nearest(xd, xa, fast=True)
         kept, _ = near_duplicate_filter(xd, xa, fraction=settings.near_duplicate_fraction, max_ssim=max_ssim)
         timings[f"seed{seed}_near_duplicate_filter_s"] = time.perf_counter() - started
         targets = xd[torch.as_tensor(kept)]

@@ -86,12 +86,26 @@ def agreement_scores(samples: Any, *, data_range: float = 1.0) -> tuple[np.ndarr
     return agreement, medoid
 
 
-def nearest(targets: Any, candidates: Any, *, data_range: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """For each target, the candidate with the highest SSIM: ``(index [n], ssim [n])``."""
-    s = ssim_matrix(targets, candidates, data_range=data_range)
+def nearest(targets: Any, candidates: Any, *, data_range: float = 1.0,
+            fast: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """For each target, the candidate with the highest SSIM: ``(index [n], ssim [n])``.
+
+    ``fast``: search in float32 (:func:`~attacks.metrics.ssim_matrix`), then rescore each winner in float64; for
+    large candidate sets (a defender image against every attacker image).
+    """
+    import torch
+
+    s = ssim_matrix(targets, candidates, data_range=data_range, dtype=torch.float32 if fast else torch.float64)
     if s.shape[1] == 0:
         raise ConfigError("nearest needs at least one candidate image")
     index = np.argmax(s, axis=1)
+    if fast:
+        from attacks.metrics import ssim_pairs
+
+        t = torch.as_tensor(np.asarray(targets.detach().cpu() if isinstance(targets, torch.Tensor) else targets))
+        c = torch.as_tensor(np.asarray(candidates.detach().cpu() if isinstance(candidates, torch.Tensor)
+                                       else candidates))
+        return index, ssim_pairs(t, c[torch.as_tensor(index)], data_range=data_range)
     return index, s[np.arange(len(s)), index]
 
 

@@ -10,8 +10,9 @@ The FedPFT paper's Tables 3, 6 and 7 (PSNR up, LPIPS down, SSIM up) at CPU scale
   decoders' hyperparameters); defender: for each of the seeds 0, 1, 2 a disjoint set of 500 test images, of which
   the 10 % most similar (SSIM) to an attacker image are not scored (450 per seed);
 - reconstructor: diffusers UNet2DModel at 28 x 28 (32-64-128 channels, two residual blocks per level, scale-shift
-  norm, mid-block attention, 3.97 M parameters), v-prediction, 8,000 steps at batch 32 in bfloat16 autocast on one
-  CPU thread; DDIM 10 steps; guidance (scale, interval, rescale) and decoder-guided initialisation chosen on 256
+  norm, mid-block attention, 3.97 M parameters), v-prediction, reading beside x_t the kNN-average decoder's estimate
+  (leave-one-out for its training pairs), 8,000 steps at batch 32 in bfloat16 autocast on one CPU thread; DDIM 10
+  steps; guidance (scale, interval, rescale) and decoder-guided initialisation chosen on 256
   held-out attacker pairs; 8 samples per raw feature and 4 per mixture feature (medoid for LPIPS and SSIM, mean as
   the posterior-mean estimate for PSNR);
 - baselines on the same pairs: ridge, MLP (1280-1024-1024-784), kNN average, nearest attacker image by feature,

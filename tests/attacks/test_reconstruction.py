@@ -411,6 +411,10 @@ def test_nearest_and_near_duplicate_filter_remove_an_exact_copy():
     attacker = np.concatenate([q, rng.random((6, 1, 16, 16))])
     index, best = nearest(q[[2, 0]], attacker)
     assert index.tolist() == [2, 0] and np.allclose(best, 1.0)
+    noisy = np.clip(attacker + 0.2 * rng.random(attacker.shape), 0, 1)
+    exact, exact_best = nearest(noisy, attacker)
+    fast, fast_best = nearest(noisy, attacker, fast=True)   # float32 search, float64 rescore of the winners
+    assert fast.tolist() == exact.tolist() and np.array_equal(fast_best, exact_best)
     defender = np.concatenate([rng.random((3, 1, 16, 16)), attacker[7:8], rng.random((2, 1, 16, 16))])
     kept, max_ssim = near_duplicate_filter(defender, attacker, fraction=0.0, threshold=None)
     assert kept.tolist() == [0, 1, 2, 4, 5] and max_ssim[3] == pytest.approx(1.0)
