@@ -15,25 +15,26 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 import numpy as np
 from scipy.optimize import brentq
 from scipy.special import log_ndtr
 
 from accounting.accountants import AccountantName, epsilon as accountant_epsilon
-from accounting.events import SelfComposedEvent, SubsampledGaussianEvent
+from accounting.events import PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting.validation import is_finite, is_int_at_least
 
 
 def _check_epsilon(value: object, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
+    if not is_finite(value) or float(value) < 0 or (float(value) == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"epsilon must be a finite number {bound}, got {value!r}")
     return float(value)
 
 
 def _check_delta(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < 1:
         raise ValueError(f"delta must be a probability in (0, 1), got {value!r}")
     return float(value)
 
@@ -139,9 +140,8 @@ def noise_multiplier_for_epsilon(
     """The noise multiplier (sigma / clipping norm) that makes a DP-SGD schedule (target_epsilon, delta)-DP.
 
     The schedule is ``steps`` Poisson-sampled Gaussian steps with sampling probability ``sampling_probability``
-    under add-or-remove-one (DP-SGD as in Opacus), priced by ``accountant``. Found by bisection on ln(noise
-    multiplier); the returned value always meets the target under that accountant and is within a factor
-    ``1 + rtol`` of the smallest one that does (or is 1e-4 if even that little noise meets the target).
+    under add-or-remove-one (DP-SGD as in Opacus), priced by ``accountant``; :func:`calibrate_noise_multiplier`
+    finds it.
 
     Args:
         target_epsilon: epsilon (natural log), finite and > 0.
@@ -154,25 +154,43 @@ def noise_multiplier_for_epsilon(
     >>> round(noise_multiplier_for_epsilon(2.0, 1e-5, sampling_probability=0.01, steps=1000, accountant="rdp"), 2)
     1.02
     """
+    if not is_int_at_least(steps, 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    return calibrate_noise_multiplier(
+        lambda z: SelfComposedEvent(SubsampledGaussianEvent(z, sampling_probability), steps), target_epsilon, delta,
+        accountant=accountant, rtol=rtol,
+        what=f"{steps} steps at sampling_probability={sampling_probability!r}")
+
+
+def calibrate_noise_multiplier(event_at: Callable[[float], PrivacyEvent], target_epsilon: float, delta: float, *,
+                               accountant: AccountantName = "pld", rtol: float = 1e-3, what: str = "the schedule",
+                               ) -> float:
+    """The smallest noise multiplier z (to a factor ``1 + rtol``) for which ``event_at(z)`` is
+    (target_epsilon, delta)-DP by ``accountant``.
+
+    ``event_at`` describes a whole schedule of releases whose noise is z times their sensitivity (DP-SGD steps, a
+    training client's every release over a run), so its epsilon falls as z grows. Found by bisection on ln z; the
+    returned value always meets the target under that accountant (or is 1e-4 if even that little noise meets it).
+
+    >>> from accounting.events import GaussianEvent
+    >>> z = calibrate_noise_multiplier(lambda z: SelfComposedEvent(GaussianEvent(z), 4), 1.0, 1e-5)
+    >>> round(z, 2), accountant_epsilon(SelfComposedEvent(GaussianEvent(z), 4), 1e-5) <= 1.0
+    (7.47, True)
+    """
     target_epsilon = _check_epsilon(target_epsilon)
     delta = _check_delta(delta)
     rtol = _check_positive("rtol", rtol)
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
 
     def eps_at(noise_multiplier: float) -> float:
-        step = SubsampledGaussianEvent(noise_multiplier, sampling_probability)
-        return accountant_epsilon(SelfComposedEvent(step, steps), delta, accountant=accountant)
+        return accountant_epsilon(event_at(noise_multiplier), delta, accountant=accountant)
 
     # 1. Bracket: eps_at(hi) <= target < eps_at(lo). The search stops where noise stops being a sane answer.
     lo, hi = 0.5, 1.0
     while eps_at(hi) > target_epsilon:
         lo, hi = hi, 2.0 * hi
         if hi > 1e6:
-            raise ValueError(
-                f"no noise multiplier up to 1e6 reaches epsilon={target_epsilon!r} at delta={delta!r} "
-                f"for {steps} steps at sampling_probability={sampling_probability!r}"
-            )
+            raise ValueError(f"no noise multiplier up to 1e6 reaches epsilon={target_epsilon!r} at delta={delta!r} "
+                             f"for {what}")
     if hi == 1.0:
         while eps_at(lo) <= target_epsilon:
             lo, hi = lo / 2.0, lo

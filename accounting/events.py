@@ -59,7 +59,10 @@ class PrivacyEvent(abc.ABC):
     Events are frozen and hashable, so equal mechanisms can be grouped before accounting.
     """
 
-    relation: NeighboringRelation | None
+    @property
+    def relation(self) -> NeighboringRelation | None:
+        """The neighbouring relation the event's guarantee holds under (``None``: every relation)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def to_dp_event(self) -> dp_accounting.DpEvent:
@@ -97,13 +100,13 @@ def _positive_finite(name: str, value: object) -> float:
 
 
 def _probability_in_unit_interval(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) <= 1:
         raise ValueError(f"{name} must be a probability in (0, 1], got {value!r}")
     return float(value)
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
 
@@ -120,7 +123,7 @@ def _common_relation(events: Iterable[PrivacyEvent]) -> NeighboringRelation | No
     """The one relation shared by ``events`` (``None`` if none has one); raises if they mix relations."""
     relations = {e.relation for e in events} - {None}
     if len(relations) > 1:
-        found = ", ".join(sorted(repr(r.value) for r in relations))
+        found = ", ".join(sorted(repr(r.value) for r in relations if r is not None))
         raise ValueError(
             f"cannot compose events under different neighbouring relations ({found}): a composed guarantee "
             "holds under one relation; describe every release under the same relation"

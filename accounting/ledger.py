@@ -8,12 +8,10 @@ same directory, fsync, rename), so a crash mid-save leaves the previous ledger i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import numbers
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -22,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from accounting.accountants import AccountantName, PrivacySpent, _check_accountant, check_supported, epsilon
+from accounting.files import atomic_write
+from accounting.validation import is_finite, is_int_at_least, is_real
 from accounting.events import (
     ComposedEvent,
     NeighboringRelation,
+    NonPrivateEvent,
     PrivacyEvent,
     SelfComposedEvent,
     event_from_dict,
@@ -40,6 +41,13 @@ ClientId = int | str
 #: likelihood ratio by a factor e^(1e-6 epsilon), about 1 + 8e-6 at epsilon = 8.
 BUDGET_RTOL = 1e-6
 
+#: Who sees a release. ``"everyone"``: the server and whoever it passes things to (what every epsilon here is about).
+#: ``"trusted_aggregator"``: only the aggregator of central DP, which is trusted: the release never leaves it except
+#: through the aggregate, whose own event is recorded (in every client's ledger) as a release to everyone. Such a
+#: record does not count in :meth:`PrivacyLedger.spent`; against the aggregator the client has no guarantee, which
+#: :meth:`PrivacyLedger.spent_against_aggregator` says.
+AUDIENCES = ("everyone", "trusted_aggregator")
+
 _LEDGER_FORMAT = "privfl.accounting.ledger"
 _BOOK_FORMAT = "privfl.accounting.ledger_book"
 _STATE_VERSION = 1
@@ -48,7 +56,7 @@ _STATE_VERSION = 1
 def _check_client_id(client_id: object) -> ClientId:
     if isinstance(client_id, str):
         return client_id
-    if isinstance(client_id, numbers.Integral) and not isinstance(client_id, bool):
+    if not isinstance(client_id, bool) and isinstance(client_id, numbers.Integral):
         return int(client_id)
     raise ValueError(f"client_id must be an int or a str, got {client_id!r}")
 
@@ -65,10 +73,10 @@ class PrivacyBudget:
 
     def __post_init__(self) -> None:
         e = self.epsilon
-        if isinstance(e, bool) or not isinstance(e, numbers.Real) or not math.isfinite(e) or e <= 0:
+        if not is_finite(e) or e <= 0:
             raise ValueError(f"budget epsilon must be a finite number > 0, got {e!r}")
         d = self.delta
-        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 < d < 1:
+        if not is_real(d) or not 0 < d < 1:
             raise ValueError(f"budget delta must be a probability in (0, 1), got {d!r}")
         object.__setattr__(self, "epsilon", float(e))
         object.__setattr__(self, "delta", float(d))
@@ -113,7 +121,7 @@ class ReleaseRecord:
     """One recorded release: what mechanism (``event``), why (``purpose``), when (``round``, unix ``time``).
 
     ``metadata`` is any JSON-able dict (bytes sent, tensor names, ...). It is stored as its JSON round-trip, so a
-    record equals itself after save and load.
+    record equals itself after save and load. ``audience``: who sees the release (:data:`AUDIENCES`).
     """
 
     event: PrivacyEvent
@@ -121,6 +129,7 @@ class ReleaseRecord:
     round: int | None
     time: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    audience: str = "everyone"
 
     def __post_init__(self) -> None:
         if not isinstance(self.event, PrivacyEvent):
@@ -128,13 +137,15 @@ class ReleaseRecord:
         if not isinstance(self.purpose, str) or not self.purpose:
             raise ValueError(f"purpose must be a non-empty str, got {self.purpose!r}")
         r = self.round
-        if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0):
+        if r is not None and not is_int_at_least(r, 0):
             raise ValueError(f"round must be None or an integer >= 0, got {r!r}")
         t = self.time
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+        if not is_finite(t):
             raise ValueError(f"time must be a finite unix timestamp, got {t!r}")
         if not isinstance(self.metadata, Mapping):
             raise ValueError(f"metadata must be a dict, got {self.metadata!r}")
+        if self.audience not in AUDIENCES:
+            raise ValueError(f"audience must be one of {', '.join(map(repr, AUDIENCES))}, got {self.audience!r}")
         try:
             metadata = json.loads(json.dumps(dict(self.metadata), allow_nan=False))
         except (TypeError, ValueError) as exc:
@@ -144,13 +155,16 @@ class ReleaseRecord:
         object.__setattr__(self, "metadata", metadata)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"event": self.event.to_dict(), "purpose": self.purpose, "round": self.round, "time": self.time,
-                "metadata": self.metadata}
+        values = {"event": self.event.to_dict(), "purpose": self.purpose, "round": self.round, "time": self.time,
+                  "metadata": self.metadata}
+        if self.audience != "everyone":
+            values["audience"] = self.audience
+        return values
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReleaseRecord:
         return cls(event=event_from_dict(d["event"]), purpose=d["purpose"], round=d["round"], time=d["time"],
-                   metadata=d["metadata"])
+                   metadata=d["metadata"], audience=d.get("audience", "everyone"))
 
 
 class PrivacyLedger:
@@ -176,7 +190,8 @@ class PrivacyLedger:
         self._budget = budget
         self._accountant = _check_accountant(accountant)
         self._records: list[ReleaseRecord] = []
-        self._leaves: Counter[PrivacyEvent] = Counter()  # the grouped composition of all recorded events
+        self._leaves: Counter[PrivacyEvent] = Counter()  # the grouped composition of the releases to everyone
+        self._trusted = 0                                # releases seen by the trusted aggregator only
         self._relation: NeighboringRelation | None = None
         # Accounting a long composition is slow, so results are kept until the next record:
         # delta -> epsilon of the recorded composition, and the last projection (num records, event, delta, epsilon).
@@ -251,13 +266,23 @@ class PrivacyLedger:
         self._projection = (len(self._records), event, delta, projected)
         return projected
 
+    def spent_against_aggregator(self, delta: float | None = None) -> PrivacySpent:
+        """The guarantee against the trusted aggregator of central DP, which also sees the releases made to it alone:
+        none (epsilon infinite) once there is one, else :meth:`spent`."""
+        spent = self.spent(delta)
+        if not self._trusted:
+            return spent
+        return PrivacySpent(epsilon=math.inf, delta=spent.delta, num_releases=spent.num_releases + self._trusted,
+                            accountant=self._accountant)
+
     def spent(self, delta: float | None = None) -> PrivacySpent:
-        """The (epsilon, delta) guarantee of all recorded releases, at ``delta`` or else at the budget's delta."""
+        """The (epsilon, delta) guarantee of the recorded releases to everyone (every release but those the trusted
+        aggregator alone sees), at ``delta`` or else at the budget's delta."""
         if delta is None:
             if self._budget is None:
                 raise ValueError(f"client {self._client_id!r}: give a delta; the ledger has no budget to take it from")
             delta = self._budget.delta
-        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+        if not is_real(delta) or not 0 < delta < 1:
             raise ValueError(f"delta must be a probability in (0, 1), got {delta!r}")
         delta = float(delta)
         if delta not in self._epsilon_cache:
@@ -278,8 +303,12 @@ class PrivacyLedger:
 
     def record(self, event: PrivacyEvent, *, purpose: str, round: int | None = None,
                metadata: Mapping[str, Any] | None = None,
-               calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+               calibrated_for: PrivacyBudget | None = None, audience: str = "everyone") -> ReleaseRecord:
         """Record a release that is about to be sent; call it before sending.
+
+        ``audience="trusted_aggregator"`` records a message only the trusted aggregator of central DP sees (a
+        client's contribution in the clear): it must carry a :class:`~accounting.events.NonPrivateEvent`, and it
+        does not count in :meth:`spent` (see :data:`AUDIENCES`).
 
         ``calibrated_for``: the budget the release's noise was calibrated for, over the client's whole ledger (a
         mechanism calibrated for k releases over a client's life, such as client-level DP-FedAvg, states the epsilon
@@ -292,7 +321,19 @@ class PrivacyLedger:
         would take the ledger over its budget or over ``calibrated_for`` (:class:`BudgetExceededError`).
         """
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
-                                metadata={} if metadata is None else metadata)
+                                metadata={} if metadata is None else dict(metadata), audience=audience)
+        return self.record_made(release, calibrated_for=calibrated_for)
+
+    def record_made(self, release: ReleaseRecord, *, calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+        """:meth:`record` of a :class:`ReleaseRecord` made already: one release made on behalf of many clients (central
+        DP's aggregate) is one record object held by all their ledgers. Checked as :meth:`record` checks."""
+        event, purpose = release.event, release.purpose
+        if release.audience != "everyone":
+            if not isinstance(event, NonPrivateEvent):
+                raise ValueError(f"client {self._client_id!r}: a release to the trusted aggregator is in the clear "
+                                 f"(NonPrivateEvent); the aggregate's own event is what is private, got {event!r}")
+            self._append(release, self._relation)
+            return release
         relation = self._check_event(event)
         check_supported(event, accountant=self._accountant)
         if calibrated_for is not None:
@@ -309,12 +350,19 @@ class PrivacyLedger:
                 raise BudgetExceededError(self._client_id, purpose, self.spent().epsilon, projected, self._budget,
                                           self._accountant)
         self._append(release, relation)
-        if projected is not None:
+        if projected is not None and self._budget is not None:
             self._epsilon_cache[self._budget.delta] = projected
         return release
 
+    def _append_history(self, release: ReleaseRecord) -> None:
+        """Append a record made earlier (loading, replaying a journal): its event is checked, not its budget."""
+        self._append(release, self._relation if release.audience != "everyone" else self._check_event(release.event))
+
     def _append(self, release: ReleaseRecord, relation: NeighboringRelation | None) -> None:
         self._records.append(release)
+        if release.audience != "everyone":
+            self._trusted += 1
+            return
         self._leaves.update(release.event.leaf_counts())
         self._relation = relation
         self._epsilon_cache = {}
@@ -343,7 +391,7 @@ class PrivacyLedger:
             ledger = cls(state["client_id"], budget=budget, accountant=state["accountant"])
             for d in state["records"]:
                 release = ReleaseRecord.from_dict(d)
-                ledger._append(release, ledger._check_event(release.event))
+                ledger._append_history(release)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed ledger state: {exc!r}") from None
         return ledger
@@ -424,6 +472,12 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         """Each client's epsilon (natural log) at ``delta``; ``inf`` for a client with a non-private release."""
         return {client_id: ledger.spent(delta).epsilon for client_id, ledger in self._ledgers.items()}
 
+    def epsilons_against_aggregator(self, delta: float) -> dict[ClientId, float]:
+        """Each client's epsilon against the trusted aggregator of central DP (``inf`` where it saw a contribution in
+        the clear; see :data:`AUDIENCES`)."""
+        return {client_id: ledger.spent_against_aggregator(delta).epsilon
+                for client_id, ledger in self._ledgers.items()}
+
     def relations(self) -> list[str]:
         """The neighbouring relations the recorded guarantees hold under, each distinct one once, sorted: a record's
         ``metadata["relation"]`` where the release described its neighbours in words (for example "replace one
@@ -448,15 +502,64 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
                     counts[str(record.metadata.get(key, "unstated"))] += 1
         return dict(sorted(counts.items()))
 
+    def record_for(self, client_ids: list[ClientId], event: PrivacyEvent, *, purpose: str, round: int | None = None,
+                   metadata: Mapping[str, Any] | None = None,
+                   calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+        """Record one release made on behalf of every client of ``client_ids`` (central DP's noisy aggregate, which
+        every training client's guarantee composes each round) in each of their ledgers, as one record object.
+        Every ledger is checked before any records it, so a refusal records nothing for anyone."""
+        release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
+                                metadata={} if metadata is None else dict(metadata))
+        checked: set[tuple[Any, ...]] = set()
+        for client_id in client_ids:   # clients with the same public releases and budget have one answer: ask once
+            ledger = self[client_id]
+            key = (tuple(sorted(ledger._leaves.items(), key=repr)), ledger._relation, ledger.budget)
+            if key in checked:
+                continue
+            budgets = [b for b in (calibrated_for, ledger.budget) if b is not None]
+            ledger._check_event(event)
+            for budget in budgets:
+                after = ledger._projected_epsilon(event, budget.delta)
+                if not budget.allows(after):
+                    raise BudgetExceededError(client_id, purpose, ledger.spent(budget.delta).epsilon, after, budget,
+                                              ledger.accountant)
+            checked.add(key)
+        for client_id in client_ids:
+            self[client_id]._append(release, self[client_id]._check_event(event))
+        return release
+
     def state_dict(self) -> dict[str, Any]:
-        """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON."""
-        return {
+        """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON.
+
+        A record several ledgers hold (one release made on behalf of many clients, :meth:`record_for`) is written
+        once, under ``"shared"``, and each ledger refers to it by index: ten thousand clients' ledgers over hundreds
+        of rounds of central DP stay one record a round."""
+        shared: dict[int, int] = {}
+        holders: Counter[int] = Counter(id(r) for ledger in self._ledgers.values() for r in ledger._records)
+        table: list[dict[str, Any]] = []
+        ledgers = []
+        for ledger in self._ledgers.values():
+            state = ledger.state_dict()
+            records = []
+            for record, saved in zip(ledger._records, state["records"], strict=True):
+                if holders[id(record)] > 1:
+                    if id(record) not in shared:
+                        shared[id(record)] = len(table)
+                        table.append(saved)
+                    records.append({"shared": shared[id(record)]})
+                else:
+                    records.append(saved)
+            ledgers.append({**state, "records": records})
+        values = {
             "format": _BOOK_FORMAT,
             "version": _STATE_VERSION,
             "default_budget": None if self._default_budget is None else self._default_budget.to_dict(),
             "accountant": self._accountant,
-            "ledgers": [ledger.state_dict() for ledger in self._ledgers.values()],
+            "ledgers": ledgers,
         }
+        if table:
+            values["shared"] = table
+        return values
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> LedgerBook:
@@ -466,9 +569,16 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
             budget = state["default_budget"]
             book = cls(default_budget=None if budget is None else PrivacyBudget.from_dict(budget),
                        accountant=state["accountant"])
+            table = [ReleaseRecord.from_dict(d) for d in state.get("shared", [])]
             for ledger_state in state["ledgers"]:
-                book.add(PrivacyLedger.from_state_dict(ledger_state))
-        except (KeyError, TypeError) as exc:
+                records = ledger_state["records"]
+                own = [d for d in records if "shared" not in d]
+                ledger = PrivacyLedger.from_state_dict({**ledger_state, "records": []})
+                owned = iter(own)
+                for d in records:
+                    ledger._append_history(table[d["shared"]] if "shared" in d else ReleaseRecord.from_dict(next(owned)))
+                book.add(ledger)
+        except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed ledger book state: {exc!r}") from None
         return book
 
@@ -510,22 +620,35 @@ class ReleaseJournal:
 
     def append(self, client_id: ClientId, record: ReleaseRecord) -> None:
         """Append one recorded release of ``client_id``; call it before the release is delivered."""
-        line = json.dumps({"client_id": _check_client_id(client_id), "record": record.to_dict()}, allow_nan=False)
+        self._write({"client_id": _check_client_id(client_id), "record": record.to_dict()})
+
+    def append_for(self, client_ids: list[ClientId], record: ReleaseRecord) -> None:
+        """Append one release recorded for every client of ``client_ids`` (:meth:`LedgerBook.record_for`), as one
+        line."""
+        self._write({"client_ids": [_check_client_id(c) for c in client_ids], "record": record.to_dict()})
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry, allow_nan=False)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()
 
     def entries(self) -> list[tuple[ClientId, ReleaseRecord]]:
-        """The journal's ``(client id, record)`` pairs in the order they were recorded (none if there is no file)."""
+        """The journal's ``(client id, record)`` pairs in the order they were recorded (none if there is no file);
+        a line recorded for many clients gives one pair per client, all with one record object."""
         if not self.path.exists():
             return []
         lines = self.path.read_text(encoding="utf-8").split("\n")
         complete = lines[:-1]             # the text after the last newline is empty, or a line the kill cut short
+        pairs: list[tuple[ClientId, ReleaseRecord]] = []
         try:
-            return [(entry["client_id"], ReleaseRecord.from_dict(entry["record"]))
-                    for entry in map(json.loads, complete)]
+            for entry in map(json.loads, complete):
+                record = ReleaseRecord.from_dict(entry["record"])
+                ids = entry["client_ids"] if "client_ids" in entry else [entry["client_id"]]
+                pairs += [(client_id, record) for client_id in ids]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed release journal {self.path}: {exc!r}") from None
+        return pairs
 
     def replay_into(self, book: LedgerBook) -> int:
         """Add to ``book`` the journal's records beyond those it holds for each client (releases made after the book
@@ -544,7 +667,7 @@ class ReleaseJournal:
                     raise ValueError(f"release journal {self.path} does not match the ledger of client {client_id!r} "
                                      f"at its record {seen[client_id]}: they come from different runs")
             else:
-                ledger._append(record, ledger._check_event(record.event))
+                ledger._append_history(record)
                 added += 1
             seen[client_id] += 1
         return added
@@ -559,38 +682,9 @@ def _check_format(state: object, expected: str) -> None:
                          f"{_STATE_VERSION}")
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
 def _atomic_write_json(path: Path, state: Mapping[str, Any]) -> None:
-    """Write ``state`` as JSON to ``path`` so that ``path`` always holds either the old or the new content.
-
-    1. Write to a temporary file in the same directory (same filesystem, so the rename is atomic).
-    2. Flush and fsync it, so the data is on disk before the name points at it.
-    3. os.replace it over ``path``, then fsync the directory so the rename itself survives a power loss.
-
-    The file gets the mode any new file gets under the process's umask (``mkstemp`` alone gives 0600).
-    """
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    # Best effort: some filesystems and platforms cannot fsync a directory.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    """``state`` as JSON in ``path``, written atomically and durably (:func:`accounting.files.atomic_write`)."""
+    atomic_write(path, json.dumps(state, indent=1, allow_nan=False).encode("utf-8"))
 
 
 def _read_json(path: Path) -> Any:

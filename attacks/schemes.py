@@ -6,9 +6,10 @@ the method's own client procedure and crosses a :class:`privfl.federation.Wire`,
 ledger before delivering it; the attacker gets the delivered message, exactly what the server would see:
 
 - ``"raw"``: the features themselves, one per image, recorded as a non-private release (epsilon = infinity);
-- ``"fedpft"``: :meth:`privfl.methods.fedpft.FedPFTClient.train` with ``dp_epsilon=None``: per-class Gaussian
+- ``"fedpft"``: :meth:`privfl.methods.fedpft.FedPFTClient.train` without privacy: per-class Gaussian
   mixtures (K components, EM), float16 on the wire; not private;
-- ``"dp-fedpft"``: the same client with ``dp_epsilon`` set: one Gaussian per class from the DP-GMM release (unit
+- ``"dp-fedpft"``: the same client under record-level privacy at ``epsilon``: one Gaussian per class from the
+  DP-GMM release (unit
   ball, analytic Gaussian mechanism, public counts). Its epsilon is what the ledger's accountant says the recorded
   event costs, which can differ from the requested one; both are kept.
 
@@ -157,6 +158,7 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
     from privfl.federation.context import client_context
     from privfl.methods.base import ModelFactory
     from privfl.methods.fedpft import FedPFTClient, FedPFTConfig, decode_mixtures, sample_mixtures
+    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown release scheme {scheme!r}; valid schemes: {', '.join(SCHEMES)}")
@@ -168,6 +170,8 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
         raise ConfigError(f"components must be an integer >= 1, got {components!r}")
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
         raise ConfigError(f"delta must be a probability in (0, 1), got {delta!r}")
+    if dp_noise not in ("seeded", "secure", "hardened"):
+        raise ConfigError(f"dp_noise must be 'seeded', 'secure' or 'hardened', got {dp_noise!r}")
     client_id = 0
     wire = Wire()
     mixtures: list[Any] = []
@@ -179,10 +183,12 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
         details: dict[str, Any] = {}
     else:
         private = scheme == "dp-fedpft"
-        config = FedPFTConfig(components=1 if private else int(components), covariance=covariance,
-                              dp_epsilon=float(epsilon) if private else None, dp_delta=float(delta),
-                              dp_noise=dp_noise, dp_noise_seed=int(seed))
-        client = FedPFTClient(model_factory=ModelFactory("feature_mlp", (x.shape[1],), num_classes), config=config)
+        config = FedPFTConfig(components=1 if private else int(components), covariance=covariance)
+        privacy = TrainingPrivacy(mode="record", epsilon=float(epsilon), delta=float(delta), noise=dp_noise,
+                                  noise_seed=int(seed)) if private else TrainingPrivacy()
+        config.check_privacy(privacy, NovelPrivacy())
+        client = FedPFTClient(model_factory=ModelFactory("feature_mlp", (x.shape[1],), num_classes), config=config,
+                              privacy=privacy)
         data = TrainingClient(client_id=client_id, x_train=x, y_train=y, x_val=x[:0], y_val=y[:0])
         with torch.random.fork_rng(devices=[]):  # client_context seeds torch's generator for the client
             ctx = client_context(seed, client_id, round=0)

@@ -36,7 +36,8 @@ import torch
 
 from privfl.data import FederationSpec, build_federation, load_source
 from privfl.evaluation.metrics import score_model
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.federation.rundir import to_json_safe
 from privfl.methods import get_method
 from privfl.methods.fedpft_baselines import (
@@ -49,6 +50,7 @@ from privfl.methods.fedpft_baselines import (
     mean_local_accuracy,
 )
 from privfl.models.backbones import cache_key_sha256, default_cache_dir, extract_features, mobilenet_v2
+from privfl.privacy.training import TrainingPrivacy
 
 RESULTS = Path(__file__).parent / "results"
 HEAD = {"head_lr": 20.0, "head_epochs": 50.0, "head_batch_size": 256}
@@ -57,7 +59,7 @@ HEAD = {"head_lr": 20.0, "head_epochs": 50.0, "head_batch_size": 256}
 def mnist_features(args, input_size: int, num_train: int, num_test: int) -> Path:
     """Extract (or read from the cache) MobileNetV2 features of a seeded MNIST subset; write the features .npz.
 
-    The .npz is named by the subset and by a digest of the backbone's cache key (its weights digest and
+    The .npz is named by the subset and by a sha256 of the backbone's cache key (its weights' sha256 and
     preprocessing), so a changed backbone never reads features another one made.
     """
     source = load_source("mnist")
@@ -89,17 +91,22 @@ def test_set(federation):
     return novel.x, federation.novel_labels.labels(novel.client_id)
 
 
-def run_fedpft(federation, seed: int, **method_config) -> dict:
+def run_fedpft(federation, seed: int, dp_epsilon: float | None = None, dp_delta: float = 1e-5,
+               **method_config) -> dict:
+    """One FedPFT run; with ``dp_epsilon``, DP-FedPFT (record-level privacy at (dp_epsilon, dp_delta))."""
     started = time.perf_counter()
+    privacy = TrainingPrivacy() if dp_epsilon is None else TrainingPrivacy(mode="record", epsilon=dp_epsilon,
+                                                                         delta=dp_delta)
     config = RunConfig(federation=federation.spec, method="fedpft", method_config={**HEAD, **method_config},
-                       rounds=1, select="last", seed=seed)
+                       rounds=1, select="last", seed=seed, privacy=privacy)
     runtime = build_runtime(config, federation)
     runtime.run_round(0)
     x, y = test_set(federation)
     acc = 100 * score_model(runtime.novel_client_model(federation.novel_clients[0]), x, y).accuracy
     epsilons = [e for cid, e in runtime.wire.ledgers.epsilons(1e-5).items()
                 if cid in {c.client_id for c in federation.training_clients}]
-    return {"method": "fedpft", **method_config, "accuracy": acc,
+    dp = {} if dp_epsilon is None else {"dp_epsilon": dp_epsilon, "dp_delta": dp_delta}
+    return {"method": "fedpft", **method_config, **dp, "accuracy": acc,
             "bytes_up_total": int(sum(runtime.wire.bytes_up.values())),
             "epsilon_max": max(epsilons), "seconds": time.perf_counter() - started}
 

@@ -1,10 +1,10 @@
 """Reproduce the FedTTA paper's MNIST protocol for FedAvg, FedProx and SCAFFOLD (its Table 1, "Test" column).
 
-Protocol (FedTTA paper section 4.1; digest section 6): MNIST train and test merged (70,000 images), 100 clients with
-pathological 2-shard partitions (at most 2 labels each), 50% of clients novel, training clients split 85/15
-train/validation, MNIST 2NN, 200 rounds, all 50 training clients every round, 20 local SGD steps, batch 64, the
-paper's Table 4 learning rates, the reported number from the best validation round. Novel-client accuracy is the
-mean over novel clients (every client has 700 images, so it equals the pooled accuracy).
+Protocol (FedTTA paper section 4.1, App. B and D; docs/papers.md, FedTTA): MNIST train and test merged (70,000 images),
+100 clients with pathological 2-shard partitions (at most 2 labels each), 50% of clients novel, training clients split
+85/15 train/validation, MNIST 2NN, 200 rounds, all 50 training clients every round, 20 local SGD steps, batch 64, the
+paper's Table 4 learning rates, the reported number from the best validation round. Novel-client accuracy is the mean
+over novel clients (every client has 700 images, so it equals the pooled accuracy).
 
     python benchmarks/fedtta_mnist.py [--seeds 0] [--rounds 200] [--out runs/fedtta_mnist] [--code-stabilisers]
 
@@ -22,9 +22,11 @@ The FedTTA family (``--part``; every part writes ``benchmarks/results/fedtta_<pa
 * ``rotated``: concept shift (paper Fig. 4): 1,000 MNIST images IID over 50 clients of 20 images, 25 training
   clients rotated by an angle from {0, 30, 60} degrees, 25 novel clients from {15, 45}; FedTTA, FedTTA-Prox/++,
   FedAvg (and TENT, ODPFL-HN with ``--methods ... tent odpflhn``).
-* ``dp``: FedTTA with client-level DP (clip the joint update, Gaussian noise on the client, see
-  ``privfl/privacy/client_dp.py``) at ``--epsilons`` with delta 1e-5, beside non-private FedTTA of the same rounds;
-  the reported model is the last round's (selection on validation would spend private data).
+* ``dp``: FedTTA under the privacy layer's client-level DP (``RunConfig(privacy=TrainingPrivacy(mode="local" or
+  "distributed", epsilon=..., clip=..., participations=...))``: the joint update clipped to C, Gaussian noise added by
+  the client, or in shares under secure aggregation; see ``privfl/privacy/training.py``) at ``--epsilons`` with
+  delta 1e-5, beside non-private FedTTA of the same rounds; the reported model is the last round's (selection on
+  validation would spend private data).
 * ``timing``: median time of one FedTTA meta-step (MNIST 2NN, batch 64) beside one plain SGD step.
 
 The family and rotated parts store each (method, seed) as soon as it ends and skip those already stored, so an
@@ -47,10 +49,12 @@ import torch
 
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
-from privfl.experiment import RunConfig, build_runtime, train_once
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
+from privfl.privacy.training import TrainingPrivacy, client_level_noise
 from privfl.provenance import numerics
 from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
 
@@ -116,7 +120,7 @@ def score_novel(runtime, federation) -> list:
 def run_family(spec: FederationSpec, training: str, settings: dict, variants: dict[str, dict], *, rounds: int,
                seed: int, eval_every: int, select: str, size_fractions=(), log_prefix: str = "",
                client_fraction: float = 1.0, partition_seed: int | None = None, track_test: bool = False,
-               eval_from: int = 0) -> dict:
+               eval_from: int = 0, privacy: TrainingPrivacy | None = None) -> dict:
     """Train once; score every test-time variant on validation each ``eval_every`` rounds; serve novel clients.
 
     Each variant keeps its own selected round (best mean validation accuracy, or the last round). Validation scores
@@ -129,11 +133,13 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
     on the test clients themselves. It is an oracle that selects on test data, reported only to show what that
     selection adds; the headline stays the novel accuracy at the best-validation round. ``eval_from`` skips the
     evaluations before that round (the released code's ``--start-evaluation``); the last round is always evaluated.
+    ``privacy`` protects the training clients (the run's privacy layer; ``None``: no DP).
     """
     partition = seed if partition_seed is None else partition_seed
     federation = build_federation(spec, seed=partition)
     config = RunConfig(federation=spec, method=training, method_config=settings, model="mlp2nn", rounds=rounds,
-                       select=select, seed=seed, client_fraction=client_fraction)
+                       select=select, seed=seed, client_fraction=client_fraction,
+                       privacy=privacy or TrainingPrivacy())
     runtime = build_runtime(config, federation)
     base = runtime.client.config
     best = {name: {"score": float("-inf"), "round": None, "snapshot": None} for name in variants}
@@ -272,18 +278,17 @@ def part_dp(args, extras: dict, suffix: str) -> None:
             if key in done:            # a level already measured with the same settings is not run again
                 print(f"{key}: already in fedtta_dp{suffix}.json; skipped", flush=True)
                 continue
-            dp = {} if eps is None else {"dp_epsilon": float(eps), "dp_delta": 1e-5, "dp_max_norm": args.dp_max_norm,
-                                         "dp_noise": "seeded",   # a research measurement: same seed, same numbers
-                                         "dp_participations": args.rounds, "dp_mode": args.dp_mode,
-                                         "dp_shares": shares_per_round(args) if args.dp_mode == "distributed" else 1}
-            result = run_family(MNIST_SPEC, method, {**settings, **dp}, FAMILY_VARIANTS["fedtta"], rounds=args.rounds,
+            privacy = None if eps is None else TrainingPrivacy(
+                mode=args.dp_mode, epsilon=float(eps), delta=1e-5, clip=args.dp_max_norm,
+                participations=args.rounds, noise="seeded")   # seeded: a research measurement, same seed same numbers
+            result = run_family(MNIST_SPEC, method, settings, FAMILY_VARIANTS["fedtta"], rounds=args.rounds,
                                 seed=seed, eval_every=args.eval_every, select="last", log_prefix=f"eps={eps}",
-                                client_fraction=args.client_fraction)
-            if eps is not None:
-                from privfl.methods.fedtta import FedTTAConfig
-
-                mechanism = FedTTAConfig(**{**settings, **dp}).privacy()
-                result["sigma_per_release"] = mechanism.sigma
+                                client_fraction=args.client_fraction, privacy=privacy)
+            if privacy is not None:
+                shares = shares_per_round(args) if args.dp_mode == "distributed" else 1
+                noise = client_level_noise(privacy, stages=1, participations=args.rounds, shares=shares)
+                result["sigma_of_the_sum"] = noise.sigma            # local mode: each client's own noise
+                result["sigma_per_client"] = noise.share_sigma if args.dp_mode == "distributed" else noise.sigma
                 result["claimed_epsilon"] = eps
             store(f"fedtta_dp{suffix}", result, key)
             v = result["variants"]["fedtta"]
@@ -334,7 +339,8 @@ def part_timing(args) -> None:
               "meta_step_ms_median": statistics.median(meta), "sgd_step_ms_median": statistics.median(plain),
               "ratio": statistics.median(meta) / statistics.median(plain),
               "meta_step_wall_ms_median": statistics.median(meta_wall), "load_average_1min": os.getloadavg()[0],
-              "digest_meta_step_ms": 3.4, "digest_note": "digest: 2 threads, wall time, less loaded machine"}
+              "earlier_meta_step_ms": 3.4, "earlier_sgd_step_ms": 0.5,
+              "earlier_note": "an earlier measurement: torch 2.13, 2 threads, wall time, a less loaded machine"}
     store("fedtta_timing", result, "mlp2nn_batch64")
     print(json.dumps(result, indent=2))
 

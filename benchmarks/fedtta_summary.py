@@ -105,9 +105,9 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict:
 def summarise(table: dict, variants: tuple, *, references: tuple[str, ...], reference_first: bool) -> dict:
     """Per variant: accuracies per seed, their description, the oracle's, and paired differences to ``references``.
 
-    ``reference_first`` gives ``reference - variant`` under ``<reference>_minus_it`` (TENT minus each, as the issue's
-    ordering reads), otherwise ``variant - reference`` under ``minus_<reference>`` (each minus a baseline, as the
-    paper's concept-shift gaps read).
+    ``reference_first`` gives ``reference - variant`` under ``<reference>_minus_it`` (TENT minus each, the order the
+    FedTTA-family benchmark reads), otherwise ``variant - reference`` under ``minus_<reference>`` (each minus a
+    baseline, as the paper's concept-shift gaps read).
     """
     out = {}
     for variant in variants:

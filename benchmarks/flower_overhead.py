@@ -57,7 +57,7 @@ def spec(num_clients: int = 2 * TRAINING_CLIENTS):
 
 
 def run_config(per_round: int, rounds: int):
-    from privfl.experiment import RunConfig
+    from privfl.config import RunConfig
 
     return RunConfig(federation=spec(), method="fedavg", model="mlp2nn", rounds=rounds + 1, seed=0,
                      method_config={"lr": 0.1, "local_steps": 20, "batch_size": 64},
@@ -155,7 +155,7 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, 
     from privfl.data import build_federation
     from privfl.federation.flower import FlowerOptions
     from privfl.federation.flower import protocol as p
-    from privfl.federation.flower.server_app import flower_runtime_factory
+    from privfl.engine import flower_runtime_factory
     from privfl.federation.flower.simulation import grouping, num_clients, num_nodes
 
     config = run_config(per_round, rounds)
@@ -168,7 +168,7 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, 
     def main(grid: Grid, context: Context) -> None:
         try:
             runtime = flower_runtime_factory(grid, options)(config, federation)
-            out["connect_s"] = runtime.connect_seconds
+            out["connect_s"] = runtime.directory.connect_seconds
             out["seconds"], out["server_profile"] = time_rounds(runtime, rounds, profile)
         except BaseException as error:
             out["error"] = repr(error)

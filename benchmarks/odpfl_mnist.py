@@ -1,16 +1,17 @@
-"""ODPFL-HN on MNIST: the issue's six benchmarks, each a ``--part`` (results in benchmarks/results/odpfl_<part>.json,
+"""ODPFL-HN on MNIST: six benchmarks, each a ``--part`` (results in benchmarks/results/odpfl_<part>.json,
 plots beside them as PNG).
 
 1. ``fedtta``: the FedTTA paper's MNIST protocol (as benchmarks/fedtta_mnist.py: merged MNIST, 100 clients, 2 shards,
    50% novel, MNIST 2NN, best validation round): ODPFL-HN and PFL-sampled / PFL-ensemble beside the FedTTA paper's
    ODPFL-HN 95.67, PFL-sampled 9.43, PFL-ensemble 44.82 and FedAvg 94.69.
-2. ``splits``: the ODPFL-HN paper's protocol on MNIST (digest 7.1): 100 clients, 10% novel, 10% of training clients
-   per round, pathological K=2 and Dirichlet alpha in {0.1, 1, 10}; FedAvg, FedProx, PFL-sampled/nearest/ensemble,
-   ODPFL-HN per encoder, two-phase IT-PFL-HN; mean +- SEM over novel clients. The paper's 500 rounds write
-   odpfl_splits.json, other round counts odpfl_splits_rounds<R>.json (part 1 likewise, at 200 rounds with every
-   training client per round); each finished row is written at once.
-3. ``shift``: covariate shift (digest 7.5): the models of part 2's pathological split serve novel clients blurred and
-   rotated at several strengths (no retraining: the training clients are the same, only novel inputs change).
+2. ``splits``: the ODPFL-HN paper's protocol on MNIST (Amosy et al., section 6.1 and App. C): 100 clients, 10% novel,
+   10% of training clients per round, pathological K=2 and Dirichlet alpha in {0.1, 1, 10}; FedAvg, FedProx,
+   PFL-sampled/nearest/ensemble, ODPFL-HN per encoder, two-phase IT-PFL-HN; mean +- SEM over novel clients. The paper's
+   500 rounds write odpfl_splits.json, other round counts odpfl_splits_rounds<R>.json (part 1 likewise, at 200 rounds
+   with every training client per round); each finished row is written at once.
+3. ``shift``: covariate shift (Amosy et al., section 6.8 and Fig. 4, with blur and rotation levels of our choice, since
+   the paper lists none): the models of part 2's pathological split serve novel clients blurred and rotated at several
+   strengths (no retraining: the training clients are the same, only novel inputs change).
 4. ``kl``: novel-client accuracy against the KL divergence of its labels to the nearest training client, per method,
    from part 2's runs (a plot).
 5. ``privacy``: descriptor DP through privatize at delta 1e-5, eps in {0.1, 0.3, 1, 3}, novel clients of 50 to 5000
@@ -47,7 +48,8 @@ from fedtta_mnist import PAPER as FEDTTA_PAPER_BASELINES  # noqa: E402
 
 from privfl.data import FederationSpec, build_federation  # noqa: E402
 from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E402
-from privfl.experiment import RunConfig, build_runtime, train_once  # noqa: E402
+from privfl.config import RunConfig  # noqa: E402
+from privfl.experiment import build_runtime, train_once  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
 from privfl.federation.rundir import update_json  # noqa: E402
 from privfl.memory import reuse_freed_memory  # noqa: E402
@@ -99,7 +101,8 @@ def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str |
         return {"status": "not run", "reason": f"method {method!r} is not registered"}
     settings = dict(SETTINGS[tag])
     if method == "itpflhn":
-        # the digest's 400 + 100 split of a 500-round run, scaled to the rounds run (phase 2 = the last fifth)
+        # the paper does not give its split of the 500 rounds; 400 + 100, scaled to the rounds run (phase 2 = the last
+        # fifth; docs/papers.md, ODPFL-HN, U9)
         settings.setdefault("phase1_rounds", max(1, (4 * args.rounds) // 5))
     config = RunConfig(federation=spec, method=method, method_config=settings, model="mlp2nn",
                        rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,

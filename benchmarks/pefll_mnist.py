@@ -1,10 +1,10 @@
 """PeFLL against pFedHN, FedAvg and ODPFL-HN on MNIST, for clients seen in training and unseen clients.
 
-Protocol (digest ``papers/pefll.md`` section 7, moved to MNIST because CIFAR and FEMNIST are not available offline):
-MNIST train + test merged (70,000 images), N clients (100: about 700 images each; 1000: about 70), 90% seen /
-10% unseen (``novel_fraction=0.1``), partition pathological (2 shards per client) or Dirichlet(alpha=0.1); seen
-clients split 85/15 train/validation; MNIST 2NN client model for every method; the final round's model
-(``select="last"``: no selection at all).
+Protocol (the PeFLL paper's and its released code's; docs/papers.md, PeFLL, "Protocol"), moved to MNIST because CIFAR
+and FEMNIST are not available offline: MNIST train + test merged (70,000 images), N clients (100: about 700 images each;
+1000: about 70), 90% seen / 10% unseen (``novel_fraction=0.1``), partition pathological (2 shards per client) or
+Dirichlet(alpha=0.1); seen clients split 85/15 train/validation; MNIST 2NN client model for every method; the final
+round's model (``select="last"``: no selection at all).
 
 Scoring, the same data for every method:
 
@@ -41,20 +41,21 @@ import torch
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
-from privfl.experiment import RunConfig, build_runtime, train_once
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import RunDirectory, update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.methods.pefll import unseen_clients_with_labels
 from privfl.models.hypernetwork import embedding_dim
 
-CLIENTS_PER_ROUND = 5  # the PeFLL code's default (digest section 3.3, A6), for every method
+CLIENTS_PER_ROUND = 5  # the PeFLL code's default (``--clients-per-step``; docs/papers.md, PeFLL, U3), for every method
 
 
 #: Tags that run a registered method under other settings: ``pefll_l2`` is PeFLL with the paper's objective, the L2
 #: terms lambda_h ||eta_h||^2 + lambda_v ||eta_v||^2 on the hypernetwork and embedding network at the method's
-#: registered 1e-3 (digest A2), which the authors' default Adam path leaves out; the paper reports that moderate
-#: lambda_h reduces overfitting to the training clients (its Table 6).
+#: registered 1e-3 (pFedHN's weight decay; docs/papers.md, PeFLL, U2), which the authors' default Adam path leaves
+#: out; the paper reports that moderate lambda_h reduces overfitting to the training clients (its Table 6).
 TAGS = {"pefll_l2": "pefll"}
 
 
@@ -65,7 +66,7 @@ def registered(tag: str) -> str:
 
 def method_settings(method: str, num_clients: int) -> dict:
     """Each method's settings: its authors' defaults where they exist, 50 local steps of batch 32 throughout."""
-    d = embedding_dim(num_clients, rule="pfedhn")  # N = all clients, seen and unseen (digest section 2.4)
+    d = embedding_dim(num_clients, rule="pfedhn")  # N = all clients, seen and unseen (the PeFLL code's rule)
     if method == "pefll_l2":
         return {**method_settings("pefll", num_clients), "lambda_h": 1e-3, "lambda_v": 1e-3}
     if method == "pefll":

@@ -1,6 +1,6 @@
 """Runtime overhead: privfl's in-process runtime against a minimal hand-written FedAvg loop doing the same work.
 
-Setting (the issue's): FedAvg, MNIST 2NN, 50 training clients x 20 local SGD steps x batch 64 per round, 20 rounds,
+Setting: FedAvg, MNIST 2NN, 50 training clients x 20 local SGD steps x batch 64 per round, 20 rounds,
 all clients every round, on the real MNIST (100 clients, pathological 2 shards, half of them novel). Both variants
 draw the same minibatches and do the same arithmetic; evaluation is excluded from both. Each variant runs in its own
 child process of this script (so each has its own peak memory), alternating, and the ratio is of medians.
@@ -65,7 +65,8 @@ def run_minimal(rounds: int) -> float:
 
 def run_privfl(rounds: int) -> float:
     """privfl's runtime: strategy, client procedure, wire with ledger, transactional rounds."""
-    from privfl.experiment import RunConfig, build_runtime
+    from privfl.config import RunConfig
+    from privfl.experiment import build_runtime
 
     fed = federation()
     config = RunConfig(method="fedavg", method_config={"lr": 0.1, "local_steps": 20, "batch_size": 64},

@@ -1,7 +1,8 @@
 """The FedTTA paper's MNIST protocol for its test-time and domain-generalisation baselines: TENT, AFL, FedGMA, FedADG,
 FedSR (its Table 1, "Test" column: accuracy on novel clients).
 
-Protocol and settings as ``benchmarks/fedtta_mnist.py`` (FedTTA paper section 4.1; digest section 6): MNIST merged,
+Protocol and settings as ``benchmarks/fedtta_mnist.py`` (FedTTA paper section 4.1, App. B and D; docs/papers.md,
+FedTTA): MNIST merged,
 100 clients, pathological 2 shards each, 50% novel, training clients split 85/15, MNIST 2NN, all 50 training clients
 per round, 20 local steps, batch 64, Table 4 learning rates, the reported number from the best validation round.
 By default with the stabilisers of the authors' code (weight decay 1e-4, gradient-norm clip 10, lr decay
@@ -26,14 +27,15 @@ import torch
 from fedtta_mnist import SETTINGS as FEDAVG_FAMILY_SETTINGS
 from privfl.data import FederationSpec, build_federation
 from privfl.evaluation.metrics import score_model
-from privfl.experiment import RunConfig, build_runtime, train_once
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 
 #: FedTTA paper, Table 1, MNIST "Test" column (new clients), mean over 3 seeds.
 PAPER = {"tent": 98.51, "afl": 96.01, "fedgma": 95.35, "fedadg": 95.93, "fedsr": 93.08}
 #: FedTTA paper, Table 4, MNIST (TENT reuses FedAvg's lr; the 2NN has no normalisation layer, so it adapts all
-#: parameters, as the paper did: digest section 5).
+#: parameters, as the authors' code does; docs/papers.md, FedTTA, U9).
 SETTINGS = {
     "tent": {"lr": FEDAVG_FAMILY_SETTINGS["fedavg"]["lr"], "adapt": "all", "tta_steps": 1},
     "afl": {"lr": 0.3, "lambda_lr": 0.001},

@@ -1,7 +1,9 @@
 """The privfl command: train, sweep, demo, report, ledger, datasets, attack (audit, reconstruct) and flower.
 
 A user error (an unknown name, a value out of range, unreadable data) exits with status 2 and one message that
-names the bad value and the valid choices; it never prints a traceback.
+names the bad value and the valid choices; it never prints a traceback. A fault inside privfl
+(:class:`~privfl.errors.InternalError`) is a bug: it shows its traceback, asks for a report and exits with status 70
+(``EX_SOFTWARE``); any other exception nothing expected keeps Python's traceback and exit status 1.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 from accounting import BudgetExceededError
-from privfl.errors import PrivflError
+from privfl.errors import InternalError, PrivflError
 
 # (method, settings): the FedTTA paper's Table 4 learning rates for MNIST, with the stabilisers of the authors'
 # code (without them FedProx and SCAFFOLD diverge on this protocol; see benchmarks/README.md).
@@ -83,15 +85,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=None, help="local SGD weight decay (0)")
     g.add_argument("--grad-clip", type=float, default=None, help="max L2 norm of each local step's gradient (none)")
     g.add_argument("--lr-decay", type=float, default=None, help="round-r lr = lr * decay ** (r / 10) (1.0)")
-    g.add_argument("--dp-noise-multiplier", type=float, default=None,
-                   help="fedavg, fedgma, tent: train clients with DP-SGD at this noise multiplier (needs --select "
-                        "last: validation reports for best_val would be non-private releases)")
-    g.add_argument("--dp-max-grad-norm", type=float, default=None, help="DP-SGD per-sample clipping norm (1.0)")
-    g.add_argument("--dp-noise", default=None, choices=("secure", "seeded"),
-                   help="DP-SGD randomness: secure (default, OS-seeded) or seeded (reproducible, research only)")
     g.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="any other field of the method's config (VALUE read as JSON, else as text), e.g. "
-                        "--method-option novel_epsilon=1 --method-option encoder=\"dp_deepset\"; repeatable")
+                        "--method-option encoder=\"dp_deepset\" --method-option adapt=\"all\"; repeatable")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
     g.add_argument("--select", default="best_val", help="best_val or last")
@@ -102,9 +98,87 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true")
 
 
+def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "privacy", "one mode protects every training client (any method; needs --select last); the novel-client "
+                   "options protect what a novel client sends (the descriptor of ODPFL-HN, IT-PFL-HN and PeFLL)")
+    g.add_argument("--dp-noise-multiplier", type=float, default=None,
+                   help="record level: DP-SGD (and every other record-level mechanism) at this noise multiplier")
+    g.add_argument("--dp-epsilon", type=float, default=None,
+                   help="record level: the noise is calibrated so each training client ends the run at this epsilon")
+    g.add_argument("--dp-max-grad-norm", type=float, default=None, help="record level: per-sample L2 clip (1.0)")
+    g.add_argument("--dp-min-samples", type=int, default=None,
+                   help="record level: the public lower bound on a training client's record count that bounds the "
+                        "sensitivity of its means (8); a client with fewer records is refused")
+    g.add_argument("--client-dp", default=None, choices=("central", "distributed", "local"),
+                   help="client-level DP: central (trusted aggregator, Poisson sampling at --client-fraction), "
+                        "distributed (noise shares summed under secure aggregation) or local (each client adds it)")
+    g.add_argument("--client-dp-epsilon", type=float, default=None, help="client level: target epsilon over the run")
+    g.add_argument("--client-dp-noise-multiplier", type=float, default=None,
+                   help="client level: the noise multiplier instead of a target epsilon")
+    g.add_argument("--client-dp-clip", default=None,
+                   help="client level: L2 clip of a client's whole round (1.0), or 'adaptive' (central only: the clip "
+                        "follows the median update norm, Andrew et al. 2021)")
+    g.add_argument("--client-dp-participations", type=int, default=None,
+                   help="local/distributed: the most rounds a client releases in (default: from the schedule)")
+    g.add_argument("--client-dp-shares", type=int, default=None,
+                   help="distributed: noise shares per sum (default: the clients a round samples)")
+    g.add_argument("--dp-noise", default=None, choices=("secure", "seeded", "hardened"),
+                   help="noise source: secure (default, OS-seeded), hardened (Opacus' secure-mode sampler) or seeded "
+                        "(reproducible, research only)")
+    g.add_argument("--novel-epsilon", type=float, default=None,
+                   help="epsilon of a novel client's release (default: none, not private)")
+    g.add_argument("--novel-bound", type=float, default=None,
+                   help="L2 clip of each record's contribution to a novel client's release (1.0)")
+
+
+def _privacy(args: argparse.Namespace):
+    """The run's TrainingPrivacy and NovelPrivacy from the command line."""
+    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
+
+    record = args.dp_noise_multiplier is not None or args.dp_epsilon is not None
+    client = args.client_dp is not None
+    record_only = [name for name in ("dp_max_grad_norm", "dp_min_samples") if getattr(args, name) is not None]
+    client_only = [name for name in ("client_dp_epsilon", "client_dp_noise_multiplier", "client_dp_clip",
+                                     "client_dp_participations", "client_dp_shares") if getattr(args, name) is not None]
+    if record and client:
+        raise PrivflError("give either record-level DP (--dp-noise-multiplier/--dp-epsilon) or client-level DP "
+                          "(--client-dp), not both: one mode protects the training clients")
+    if client_only and not client:
+        raise PrivflError(f"--{client_only[0].replace('_', '-')} needs --client-dp central|distributed|local")
+    if record_only and not record:
+        raise PrivflError(f"--{record_only[0].replace('_', '-')} needs --dp-noise-multiplier or --dp-epsilon "
+                          "(without them training clients release without DP)")
+    common = {"delta": args.delta}
+    if args.dp_noise is not None:
+        if not (record or client):
+            raise PrivflError("--dp-noise needs a privacy mode (--dp-noise-multiplier, --dp-epsilon or --client-dp)")
+        common["noise"] = args.dp_noise
+    if record:
+        privacy = TrainingPrivacy(mode="record", epsilon=args.dp_epsilon, noise_multiplier=args.dp_noise_multiplier,
+                                  clip=1.0 if args.dp_max_grad_norm is None else args.dp_max_grad_norm,
+                                  **({} if args.dp_min_samples is None else {"min_samples": args.dp_min_samples}),
+                                  **common)
+    elif client:
+        clip = args.client_dp_clip
+        if clip is not None and clip != "adaptive":
+            try:
+                clip = float(clip)
+            except ValueError:
+                raise PrivflError(f"--client-dp-clip must be a number > 0 or 'adaptive', got {clip!r}") from None
+        privacy = TrainingPrivacy(mode=args.client_dp, epsilon=args.client_dp_epsilon,
+                                  noise_multiplier=args.client_dp_noise_multiplier,
+                                  clip=1.0 if clip is None else clip, participations=args.client_dp_participations,
+                                  shares=args.client_dp_shares, **common)
+    else:
+        privacy = TrainingPrivacy()
+    novel = NovelPrivacy(epsilon=args.novel_epsilon, delta=args.delta,
+                         bound=1.0 if args.novel_bound is None else args.novel_bound)
+    return privacy, novel
+
+
 def _method_settings(args: argparse.Namespace) -> dict:
-    names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay",
-             "dp_noise_multiplier", "dp_max_grad_norm", "dp_noise")
+    names = ("lr", "local_steps", "batch_size", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay")
     settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     for key, value in getattr(args, "method_option", []):
         if key in settings and settings[key] != value:
@@ -130,12 +204,14 @@ def _federation_spec(args: argparse.Namespace):
 
 
 def _run_config(args: argparse.Namespace, method: str, settings: dict):
-    from privfl.experiment import RunConfig
+    from privfl.config import RunConfig
 
+    privacy, novel_privacy = _privacy(args)
     return RunConfig(
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
+        privacy=privacy, novel_privacy=novel_privacy,
     )
 
 
@@ -154,7 +230,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engine_settings(args: argparse.Namespace) -> dict:
     if args.engine == "inprocess":
-        return {}
+        return {"engine": "inprocess"}
     from privfl.federation.flower import FlowerOptions
 
     return {"engine": args.engine, "flower_options": FlowerOptions(
@@ -163,8 +239,8 @@ def _engine_settings(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from privfl.engine import run
     from privfl.evaluation import comparison_table
-    from privfl.experiment import train
     from privfl.federation import RunDirectory
 
     if args.resume:
@@ -178,14 +254,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if RunDirectory(args.resume).path(RunDirectory.SUMMARY).exists():
             print(f"{args.resume} holds a finished run: nothing to resume (its novel clients are not served again, "
                   "which would release their data again); its summary:")
-        summary = train(None, args.resume, resume=True, progress=not args.no_progress)
+        summary = run(None, args.resume, resume=True, progress=not args.no_progress)
         out = args.resume
     else:
         if not args.out:
             raise PrivflError("--out RUN_DIR is required for a new run (or --resume RUN_DIR to continue one)")
         config = _run_config(args, args.method, _method_settings(args))
-        summary = train(config, args.out, overwrite=args.overwrite, progress=not args.no_progress,
-                        **_engine_settings(args))
+        summary = run(config, args.out, overwrite=args.overwrite, progress=not args.no_progress,
+                      **_engine_settings(args))
         out = args.out
     print(comparison_table([summary]))
     print(f"run directory: {out}")
@@ -237,12 +313,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         raise PrivflError(f"{path} does not exist; a run writes its ledger when it finishes")
     book = LedgerBook.load(path)
     print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
-    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  purposes")
+    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  {'mode':<11}  {'relation':<32}  purposes")
     for client_id in sorted(book, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
         ledger = book[client_id]
         purposes = Counter(record.purpose for record in ledger.records)
         listed = ", ".join(f"{name} x{count}" for name, count in sorted(purposes.items()))
-        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(delta).epsilon):>8}  {listed}")
+        modes = sorted({str(r.metadata["mode"]) for r in ledger.records if "mode" in r.metadata}) or ["-"]
+        relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in ledger.records
+                            if r.event.relation is not None}) or ["none (not private)"]
+        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(delta).epsilon):>8}  "
+              f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
     return 0
 
 
@@ -256,23 +336,38 @@ def _parse_numbers(kind):
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Train ODPFL-HN once, serve novel clients at several (epsilon, n); print the privacy-utility table."""
-    from privfl.sweep import DEFAULT_METHOD, SweepConfig, format_table, run_sweep
+    """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
+    from privfl.sweep import SweepConfig, format_table, run_sweep
 
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, clients=args.clients,
                          max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
-                         method_config=dict(DEFAULT_METHOD), epsilons=args.epsilons, delta=args.delta,
-                         bound=args.bound, sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
+                         method=args.method, method_config=dict(args.method_option) or None,
+                         train_epsilons=args.train_epsilons, train_clip=args.train_clip,
+                         min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
+                         sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
                          repeats=args.repeats, seed=args.seed)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
-    t = result["training"]
-    print(f"\nODPFL-HN on {args.dataset}: {t['rounds']} rounds, training-client validation accuracy "
-          f"{t['training_val_accuracy']:.2f}%; novel clients with a private descriptor (delta={args.delta:g}, "
-          f"bound={args.bound:g}, replace-one, n public), accuracy (%) +- SEM over label mixes and noise draws:\n")
+    print(f"\n{args.method} on {args.dataset}, {args.rounds} rounds per training; novel clients' accuracy (%) +- SEM "
+          f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
+          f"replace-one, n public):\n")
     print(format_table(result))
     print(f"\nwall time {result['wall_s']:.0f} s; results: {args.out}/sweep.csv, sweep.json, sweep.png; "
-          f"training run: {args.out}/train")
+          f"training runs: {', '.join(t['training']['directory'] for t in result['trainings'].values())}")
     return 0
+
+
+def _parse_epsilons(text: str) -> tuple[float | None, ...]:
+    """Comma-separated epsilons, ``inf`` (or ``none``) for a training without DP."""
+    values = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part.lower() in ("inf", "none"):
+            values.append(None)
+            continue
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated epsilons or inf, got {text!r}") from None
+    return tuple(values)
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:
@@ -297,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     _add_federation_arguments(p)
     _add_training_arguments(p)
+    _add_privacy_arguments(p)
     _add_engine_arguments(p)
     p.set_defaults(func=cmd_train, defaults_of=p.get_default)
 
@@ -304,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     _add_federation_arguments(p)
     _add_training_arguments(p)
+    _add_privacy_arguments(p)
     p.set_defaults(func=cmd_demo, rounds=30, local_steps=20, batch_size=64)
 
     p = sub.add_parser("report", help="print the summary of one or more run directories")
@@ -326,8 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     # `privfl flower ...` is handed to privfl.federation.flower.launch in main(); listed here for --help.
     sub.add_parser("flower", help="Flower deployment engine: certs, superlink, register, supernode, run")
 
-    p = sub.add_parser("sweep", help="privacy-utility sweep: train ODPFL-HN once, serve novel clients at several "
-                                     "epsilons and sizes")
+    p = sub.add_parser("sweep", help="privacy-utility sweep: train a method (ODPFL-HN) at several training-client "
+                                     "epsilons, serve novel clients at several epsilons and sizes")
     p.add_argument("--out", default="runs/sweep", help="folder for the training run, sweep.csv/json and sweep.png")
     p.add_argument("--dataset", default="mnist")
     p.add_argument("--data-root", default=None)
@@ -336,7 +433,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training images; the rest of the train split is the novel clients' held-out pool")
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--client-fraction", type=float, default=0.2)
-    p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0), help="e.g. 0.1,0.3,1,3")
+    p.add_argument("--method", default="odpflhn", help="any registered method (odpflhn)")
+    p.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a setting of the method (replaces the sweep's ODPFL-HN defaults when given)")
+    p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
+                   help="training clients' record-level epsilons, one training each; inf = without DP "
+                        "(1,4,8,inf)")
+    p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip (1.0)")
+    p.add_argument("--min-samples", type=int, default=200,
+                   help="public lower bound on a training client's training split (200)")
+    p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0),
+                   help="novel clients' epsilons, e.g. 0.1,0.3,1,3")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--bound", type=float, default=1.0, help="per-sample L2 clipping radius of phi")
     p.add_argument("--sizes", type=_parse_numbers(int), default=(50, 150, 500, 1500, 5000),
@@ -411,6 +518,23 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into a command that stopped reading (e.g. head)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except InternalError:
+        return report_bug()
+
+
+#: Exit status of a fault inside privfl (``EX_SOFTWARE`` of BSD's sysexits.h).
+EXIT_INTERNAL = 70
+
+
+def report_bug() -> int:
+    """Print the exception being handled with its traceback and a request to report it; return
+    :data:`EXIT_INTERNAL`."""
+    import traceback
+
+    traceback.print_exc()
+    print("privfl: internal error: this is a bug in privfl, not a problem with your input; please report it with "
+          "the traceback above and the command you ran", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

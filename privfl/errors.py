@@ -5,6 +5,8 @@ status 2 instead of showing a traceback. Each subclass also derives from the bui
 naturally catch (``ValueError``, ``FileNotFoundError``), so library users need not know these names.
 """
 
+from accounting.validation import Checks
+
 
 class PrivflError(Exception):
     """A user error: bad input or a missing resource. The CLI prints its message and exits with status 2."""
@@ -16,6 +18,11 @@ class ConfigError(PrivflError, ValueError):
 
 class DataUnavailableError(PrivflError, FileNotFoundError):
     """A data source cannot be read here; the message says where it looked and how to provide the files."""
+
+
+class TrainingDivergedError(PrivflError, ArithmeticError):
+    """Training produced non-finite values with these settings (learning rates too high, say): the message names the
+    round and the settings to lower. Raised before the server steps, so the last checkpoint stays finite."""
 
 
 class DataFreeError(Exception):
@@ -35,3 +42,15 @@ class PublicConfigError(ConfigError, DataFreeError):
 class ProtocolStateError(DataFreeError, RuntimeError):
     """A node's client state does not match the round the server expects (lost, or of another run); the text names
     only rounds, client ids and paths, and a Flower node forwards it to the server."""
+
+
+class InternalError(RuntimeError):
+    """A fault inside privfl (a broken protocol state, an impossible round number): a bug, not a user error.
+
+    Deliberately not a :class:`PrivflError`: the command line shows its traceback and asks for a report, where a
+    user error gets one line and exit status 2.
+    """
+
+
+#: The shared value checks (:mod:`accounting.validation`), raising :class:`ConfigError`.
+check = Checks(ConfigError)

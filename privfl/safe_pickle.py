@@ -1,9 +1,9 @@
 """Read pickled numpy data without letting the file run code.
 
 A pickle names the functions that rebuild its objects, and the unpickler calls them: a hostile file can name
-``os.system``. Data files that arrive as pickles (the MNIST bundle, CIFAR batches, packaged weights) are therefore
-read with an unpickler that resolves only the handful of globals numpy needs to rebuild arrays, dtypes and
-scalars (design invariant 6). Lists, tuples, dicts, strings, bytes and numbers need no globals at all.
+``os.system``. Data files that arrive as pickles (the MNIST bundle, CIFAR batches, packaged weights) are therefore read
+with an unpickler that resolves only the handful of globals numpy needs to rebuild arrays, dtypes and scalars (invariant
+6 of ``docs/invariants.md``). Lists, tuples, dicts, strings, bytes and numbers need no globals at all.
 
 Example:
     >>> import io, pickle, numpy as np

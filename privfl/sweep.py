@@ -1,36 +1,45 @@
-"""``privfl sweep``: train ODPFL-HN once, then serve novel clients at several privacy levels and dataset sizes.
+"""``privfl sweep``: train a method at several training-client privacy levels, then serve novel clients at several
+novel-client privacy levels and dataset sizes: privacy against utility on both sides of the federation.
 
-The privacy-utility experiment of the ODPFL-HN paper (digest 5.4-5.5 and 7.7, with the corrections of 5.7):
+The privacy-utility experiment of the ODPFL-HN paper (Amosy et al., section 7, Fig. 5 and 6: novel-client accuracy
+against sample-set size at several epsilon, phi on the unit sphere, delta 0.01), with the corrections of
+docs/papers.md, ODPFL-HN, E2-E9 (analytic calibration, mean pooling only, a declared neighbouring relation,
+clipping on the client, delta well below 1/n), and with the training clients private too:
 
-1. **Train** ODPFL-HN on the federation with the DP-ready encoder (``dp_deepset``: phi clipped to the L2 ball of
-   radius ``bound`` in training, mean pooling, psi), so the hypernetwork sees descriptors of the kind a private
-   release produces. The run directory is ``OUT/train`` (a normal run: config, metrics, ledger, summary).
+1. **Train** the method once per training epsilon of ``train_epsilons`` (ODPFL-HN by default, with the DP-ready
+   encoder ``dp_deepset``: phi clipped to the L2 ball of radius ``bound`` in training, mean pooling, psi, so the
+   hypernetwork sees descriptors of the kind a private release produces). A finite training epsilon runs every
+   training client under record-level DP (add or remove one record: DP-SGD for its weight change, privatize for its
+   descriptor, a clipped noisy mean for its encoder gradient; :class:`~privfl.privacy.training.TrainingPrivacy`),
+   the noise calibrated so that each client ends the run at that epsilon; ``None`` trains without DP. Each training
+   is an ordinary run directory (config, metrics, ledger, summary): ``OUT/train`` without DP,
+   ``OUT/train-eps<epsilon>`` with it; a directory that holds this very run is reused, an interrupted one continued.
 2. **Novel clients of chosen sizes.** ``novel_mixes`` label mixes are drawn (``classes_per_client`` random classes,
    equal weights, like the pathological training clients). For each mix an evaluation set of ``eval_size`` images and
    a descriptor set of the largest size are drawn, disjointly, from images no training client holds; the client of
    size n holds the first n images of the latter (nested sets)
-   (:mod:`privfl.evaluation.novel_pool`; the federation caps its training pool at ``max_samples``).
-3. **Serve.** For every (mix, n, epsilon, repeat) a fresh novel client runs the real protocol: encoder down, one
-   descriptor release up (through :func:`privfl.privacy.privatize` at (epsilon, delta), replace-one, n public; or
-   without privacy), generated model down. Each release is recorded in the client's ledger, and the epsilon the
-   ledger reports is written beside the one asked for. Each (epsilon, repeat) is a separate hypothetical client
-   with the same images, so each ledger holds one release: the table measures what one release at each epsilon
-   buys. The same images released at every level and repeat would compose; no deployment does that, and no ledger
-   here sums them.
-4. **Controls: does the descriptor matter?** A flat privacy-utility curve is also what a system that ignores its
-   descriptor produces (one model for everybody is equally good at every epsilon and every n). So every mix is also
-   served, at every n, two models built *without* its own descriptor: ``control_mean_training``, the model the
-   hypernetwork generates from the mean of the training clients' last released descriptors (a model for the average
-   client; the server needs nothing from the novel client), and ``control_other_mix``, the model served
+   (:mod:`privfl.evaluation.novel_pool`; the federation caps its training pool at ``max_samples``). The same mixes
+   and sets serve every training.
+3. **Serve.** For every training, (mix, n, novel epsilon, repeat) a fresh novel client runs the real protocol:
+   request down, one release up (ODPFL-HN: its descriptor, through :func:`privfl.privacy.privatize` at (epsilon,
+   delta), replace-one, n public; or without privacy), model down. Each release is recorded in the client's ledger,
+   and the epsilon the ledger reports is written beside the one asked for. Each (epsilon, repeat) is a separate
+   hypothetical client with the same images, so each ledger holds one release: the table measures what one release
+   at each epsilon buys. A method whose novel clients send nothing is served once per (mix, n).
+4. **Controls: does the descriptor matter?** (ODPFL-HN) A flat privacy-utility curve is also what a system that
+   ignores its descriptor produces (one model for everybody is equally good at every epsilon and every n). So every
+   mix is also served, at every n, two models built *without* its own descriptor: ``control_mean_training``, the
+   model the hypernetwork generates from the mean of the training clients' last released descriptors (a model for the
+   average client; the server needs nothing from the novel client), and ``control_other_mix``, the model served
    non-privately to the next mix at the same n (a descriptor of the wrong client). No extra release is made for
    either. ``descriptor_margin`` is, per n, the clean (non-private) accuracy minus the better control's;
    ``descriptor_informative`` says whether it is at least ``min_margin`` points at every n. When it is not, the
    privacy-utility table says nothing about privacy: the noise had nothing to destroy.
-5. **Report.** Mean accuracy (+- SEM over mixes: a mix's repeats share its evaluation and descriptor sets and differ
-   only in the noise, so they are averaged first) per (epsilon, n) and per control, the smallest n from
-   which every larger size is within ``tolerance`` points of the non-private accuracy at the same size, a printed
-   table, ``sweep.csv`` (one row per served model; ``descriptor`` says clean, private or which control),
-   ``sweep.json`` and ``sweep.png`` in ``OUT``.
+5. **Report.** Per training: mean accuracy (+- SEM over mixes: a mix's repeats share its evaluation and descriptor
+   sets and differ only in the noise, so they are averaged first) per (novel epsilon, n) and per control, the
+   smallest n from which every larger size is within ``tolerance`` points of the non-private accuracy at the same
+   size, and the largest epsilon any training client spent; a printed table per training and one across trainings,
+   ``sweep.csv`` (one row per served model, with its training epsilon), ``sweep.json`` and ``sweep.png`` in ``OUT``.
 """
 
 from __future__ import annotations
@@ -52,7 +61,10 @@ from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.experiment import RunConfig, build_runtime, train, train_once
+from privfl.config import RunConfig, build_client
+from privfl.experiment import build_runtime, train, train_once
+from privfl.methods import get_method
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import to_json_safe
 from privfl.provenance import numerics
@@ -75,9 +87,20 @@ DEFAULT_METHOD = {"encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hi
                   "encoder_lr": 1.0, "train_mean_noise": 0.03}
 
 
+#: The training-client epsilons of the main job (``None``: without DP), the issue's grid: 1, 4 and 8 at delta 1e-5.
+TRAIN_EPSILONS: tuple[float | None, ...] = (1.0, 4.0, 8.0, None)
+
+
 @dataclass(frozen=True)
 class SweepConfig:
-    """What a sweep trains and serves (defaults: MNIST, about 2.5 minutes of training and 1 of serving on one core)."""
+    """What a sweep trains and serves (defaults: ODPFL-HN on MNIST).
+
+    ``method``: any registered method; ``method_config`` its settings (ODPFL-HN's default is
+    :data:`DEFAULT_METHOD`). ``train_epsilons``: the training clients' record-level epsilon per training (``None``:
+    without DP), with ``train_clip`` (per-record L2 clip) and ``min_samples`` (a public lower bound on each training
+    client's size). ``epsilons``: the novel clients' epsilons (the method's novel release; a method whose novel
+    clients send nothing is served without one). ``delta`` is the delta of both sides.
+    """
 
     dataset: str = "mnist"
     data_root: str | None = None
@@ -86,7 +109,11 @@ class SweepConfig:
     max_samples: int = 20000
     rounds: int = 200
     client_fraction: float = 0.2
-    method_config: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_METHOD))
+    method: str = "odpflhn"
+    method_config: dict[str, Any] | None = None
+    train_epsilons: tuple[float | None, ...] = TRAIN_EPSILONS
+    train_clip: float = 1.0
+    min_samples: int = 200
     epsilons: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0)
     delta: float = 1e-5
     bound: float = 1.0
@@ -100,12 +127,21 @@ class SweepConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.method_config is None:
+            object.__setattr__(self, "method_config", dict(DEFAULT_METHOD) if self.method == "odpflhn" else {})
+        get_method(self.method)                       # an unknown method is named with the valid ones
         if not self.epsilons or any(not (isinstance(e, (int, float)) and math.isfinite(e) and e > 0)
                                     for e in self.epsilons):
             raise ConfigError(f"epsilons must be finite numbers > 0, got {list(self.epsilons)}")
+        if not self.train_epsilons or any(e is not None and not (isinstance(e, (int, float)) and math.isfinite(e)
+                                                                 and e > 0) for e in self.train_epsilons):
+            raise ConfigError(f"train_epsilons must be finite numbers > 0 or None (no DP), got "
+                              f"{list(self.train_epsilons)}")
+        if len(set(self.train_epsilons)) != len(self.train_epsilons):
+            raise ConfigError(f"train_epsilons lists a level twice: {list(self.train_epsilons)}")
         if not self.sizes or any(not isinstance(n, int) or n < 2 for n in self.sizes):
             raise ConfigError(f"sizes must be integers >= 2, got {list(self.sizes)}")
-        for name in ("novel_mixes", "eval_size", "repeats", "classes_per_client", "clients", "rounds"):
+        for name in ("novel_mixes", "eval_size", "repeats", "classes_per_client", "clients", "rounds", "min_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -116,9 +152,16 @@ class SweepConfig:
             raise ConfigError(f"min_margin must be a finite number of accuracy points, got {self.min_margin!r}")
         if not (0 < self.delta < 1):
             raise ConfigError(f"delta must be a probability in (0, 1), got {self.delta!r}")
-        if self.method_config.get("encoder", "dp_deepset") != "dp_deepset":
+        if self.method == "odpflhn" and self.method_config.get("encoder", "dp_deepset") != "dp_deepset":
             raise ConfigError(f"a privacy sweep needs encoder='dp_deepset' (the only privatizable one), got "
                               f"{self.method_config['encoder']!r}")
+        for epsilon in self.train_epsilons:
+            self.run_config(epsilon)                  # every training's settings are checked before any runs
+
+    @property
+    def novel_release(self) -> bool:
+        """Whether the method's novel clients release something the novel epsilons protect."""
+        return get_method(self.method).novel_privacy is None
 
     def federation(self) -> FederationSpec:
         """Training clients from the train split (capped at ``max_samples``), 5 novel clients from the test split."""
@@ -126,11 +169,24 @@ class SweepConfig:
                               partition="pathological", shards_per_client=self.shards_per_client, split="train_test",
                               novel_clients=5, max_samples=self.max_samples)
 
-    def run_config(self) -> RunConfig:
-        method_config = {**self.method_config, "novel_bound": self.bound, "novel_delta": self.delta}
-        return RunConfig(federation=self.federation(), method="odpflhn", method_config=method_config,
+    def run_config(self, train_epsilon: float | None = None) -> RunConfig:
+        """The training run at ``train_epsilon`` (record-level DP for every training client; ``None``: without)."""
+        privacy = TrainingPrivacy() if train_epsilon is None else TrainingPrivacy(
+            mode="record", epsilon=float(train_epsilon), delta=self.delta, clip=self.train_clip,
+            min_samples=self.min_samples)
+        return RunConfig(federation=self.federation(), method=self.method, method_config=dict(self.method_config),
                          rounds=self.rounds, client_fraction=self.client_fraction, eval_every=max(1, self.rounds // 5),
-                         checkpoint_every=max(1, self.rounds // 2), select="last", seed=self.seed, delta=self.delta)
+                         checkpoint_every=max(1, self.rounds // 2), select="last", seed=self.seed, delta=self.delta,
+                         privacy=privacy, novel_privacy=NovelPrivacy(delta=self.delta, bound=self.bound))
+
+
+def train_key(epsilon: float | None) -> str:
+    """The key of a training in tables and file names: ``"inf"`` without DP, else the epsilon (``"8"``)."""
+    return "inf" if epsilon is None else f"{epsilon:g}"
+
+
+def train_directory(out: Path, epsilon: float | None) -> Path:
+    return out / ("train" if epsilon is None else f"train-eps{epsilon:g}")
 
 
 def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, overwrite: bool = False
@@ -138,73 +194,99 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
     """Train, serve and report (see the module docstring); returns the JSON written to ``OUT/sweep.json``."""
     out = Path(out)
     started = time.perf_counter()
-    run = config.run_config()
-    train_dir = out / "train"
-    held_out = held_out_pool(run.federation, seed=run.seed)    # fails fast, before training, if there is none
-    if overwrite:
-        summary = train(run, str(train_dir), overwrite=True, progress=progress)
-    else:   # this very training: read back when finished, continued from its checkpoint when interrupted
-        summary = train_once(run, str(train_dir), progress=progress)
-    train_s = time.perf_counter() - started
-
-    # 1. the trained server and client, as the run left them (select="last": the final checkpoint)
-    federation = build_federation(run.federation, seed=run.seed)
-    runtime = build_runtime(run, federation)
-    runtime.load_state_dict(RunDirectory(train_dir).load_checkpoint()["runtime"])
-    base_client = runtime.client
-
-    # 2. novel clients from images no training client holds
+    held_out = held_out_pool(config.federation(), seed=config.seed)   # fails fast, before training, if there is none
+    trainings, rows = {}, []
+    # the novel clients of every training: the same mixes, evaluation and descriptor sets
     pool = NovelPool(*held_out)
     rng = np.random.default_rng([config.seed, 2024])
+    federation = build_federation(config.federation(), seed=config.seed)
     mixes = _label_mixes(federation.num_classes, config.classes_per_client, config.novel_mixes, rng)
-    levels: list[float | None] = [None, *sorted(config.epsilons)]
+    sets = []
+    for mix in mixes:
+        proportions = {c: 1.0 for c in mix}
+        x_eval, y_eval = pool.draw(proportions, config.eval_size, rng)
+        # nested descriptor sets: the first n of one draw of the largest size (labels are never used)
+        x_all, _ = pool.draw(proportions, max(config.sizes), rng)
+        sets.append((x_eval, y_eval, x_all))
+    for epsilon in config.train_epsilons:
+        run = config.run_config(epsilon)
+        train_dir = train_directory(out, epsilon)
+        began = time.perf_counter()
+        if overwrite:
+            summary = train(run, str(train_dir), overwrite=True, progress=progress)
+        else:   # this very training: read back when finished, continued from its checkpoint when interrupted
+            summary = train_once(run, str(train_dir), progress=progress)
+        trained = _serve(config, run, federation, train_dir, mixes, sets, progress=progress)
+        for row in trained:
+            row["train_epsilon"] = train_key(epsilon)
+        rows += trained
+        trainings[train_key(epsilon)] = {
+            "directory": str(train_dir), "train_wall_s": time.perf_counter() - began,
+            "epsilon_max_training": summary["privacy"]["epsilon_max_training"],
+            "training_mode": summary["privacy"].get("training_mode"),
+            "training_val_accuracy": summary["training_val"]["accuracy_mean"],
+            "novel_accuracy": summary["novel"]["accuracy_mean"], "rounds": summary["rounds_completed"],
+            "numerics": summary.get("numerics")}   # of the training process (it may be an earlier one)
+    result = _summarise(config, rows, trainings, time.perf_counter() - started)
+    _write(out, config, rows, result)
+    return result
+
+
+def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mixes: list[list[int]],
+           sets: list[tuple], *, progress: bool) -> list[dict]:
+    """Serve every (mix, n, novel epsilon, repeat) with the trained server of ``train_dir``, and the controls."""
+    # 1. the trained server, as the run left it (select="last": the final checkpoint)
+    runtime = build_runtime(run, federation)
+    runtime.load_state_dict(RunDirectory(train_dir).load_checkpoint()["runtime"])
+    if not runtime.serves_novel_clients:
+        return []                             # its novel clients need labels or training: the run reports training
+    base_client = runtime.client
+    levels: list[float | None] = [None, *sorted(config.epsilons)] if config.novel_release else [None]
     rows = []
     client_id = 10_000
     spent: dict[tuple, float] = {}
     clean_models: dict[tuple[int, int], Any] = {}
-    evaluation: list[tuple[Any, Any]] = []
-    bar = tqdm(total=len(mixes) * len(config.sizes) * len(levels) * config.repeats, desc="serving novel clients",
+    bar = tqdm(total=len(mixes) * len(config.sizes) * (1 + (len(levels) - 1) * config.repeats),
+               desc=f"serving novel clients (training {train_key(run.privacy.epsilon)})",
                disable=not progress, dynamic_ncols=True)
     for mix_index, mix in enumerate(mixes):
-        proportions = {c: 1.0 for c in mix}
-        x_eval, y_eval = pool.draw(proportions, config.eval_size, rng)
-        evaluation.append((x_eval, y_eval))
-        # the descriptor sets are nested: the first n of one draw of the largest size, with the mix's proportions
-        # (the draw is stratified, so its prefixes follow them up to sampling noise); labels are never used
-        x_all, _ = pool.draw(proportions, max(config.sizes), rng)
+        x_eval, y_eval, x_all = sets[mix_index]
         for n in config.sizes:
             x = x_all[:n]
             for eps in levels:
                 for repeat in range(config.repeats):
-                    # 3. one novel client, the real protocol; its ledger records the single release
-                    runtime.client = type(base_client)(model_factory=base_client.model_factory,
-                                                       config=dataclasses.replace(base_client.config,
-                                                                                  novel_epsilon=eps,
-                                                                                  novel_noise="seeded",
-                                                                                  novel_noise_seed=repeat))
+                    # 2. one novel client, the real protocol; its ledger records its release (if it makes one)
+                    novel = NovelPrivacy(epsilon=eps, delta=config.delta, bound=config.bound, noise="seeded",
+                                         noise_seed=repeat)
+                    runtime.client = build_client(dataclasses.replace(run, novel_privacy=novel),
+                                                  federation.input_shape, federation.num_classes,
+                                                  len(federation.training_clients))
                     client_id += 1
                     model = runtime.novel_client_model(NovelClient(client_id, x))
                     score = score_model(model, x_eval, y_eval)
-                    ledger = runtime.wire.ledgers[client_id]
-                    if ledger.events not in spent:   # the same events give the same epsilon (PLD takes ~1 s)
-                        spent[ledger.events] = ledger.spent(config.delta).epsilon
+                    ledger = runtime.wire.ledgers.get(client_id)
+                    events = () if ledger is None else ledger.events
+                    if events not in spent:   # the same events give the same epsilon (PLD takes ~1 s)
+                        spent[events] = 0.0 if ledger is None else ledger.spent(config.delta).epsilon
                     rows.append({"mix": mix_index, "classes": json.dumps(mix), "n": n,
                                  "epsilon": "inf" if eps is None else eps, "repeat": repeat,
                                  "descriptor": "clean" if eps is None else "private",
-                                 "accuracy": 100.0 * score.accuracy,
-                                 "ledger_epsilon": spent[ledger.events],
-                                 "releases": len(ledger.records)})
+                                 "accuracy": 100.0 * score.accuracy, "ledger_epsilon": spent[events],
+                                 "releases": 0 if ledger is None else len(ledger.records)})
                     bar.update(1)
                     if eps is None:
                         clean_models[mix_index, n] = model
                         break                        # no noise: repeats would be identical
     bar.close()
     runtime.client = base_client
-    rows += _control_rows(runtime, mixes, config.sizes, evaluation, clean_models)
-    result = _summarise(config, rows, summary, train_s, time.perf_counter() - started)
-    _write(out, config, rows, result)
-    return result
+    if run.method == "odpflhn":
+        rows += _control_rows(runtime, mixes, config.sizes, [(x, y) for x, y, _ in sets], clean_models)
+    return rows
 
+
+#: The columns of ``sweep.csv``: one row per served model.
+ROW_FIELDS = ["train_epsilon", "mix", "classes", "n", "epsilon", "repeat", "descriptor", "accuracy", "ledger_epsilon",
+              "releases"]
 
 #: The uninformative descriptors every mix is also served with (module docstring, step 4).
 CONTROLS = ("control_mean_training", "control_other_mix")
@@ -245,14 +327,30 @@ def _label_mixes(num_classes: int, per_client: int, count: int, rng: np.random.G
     return mixes
 
 
-def _summarise(config: SweepConfig, rows: list[dict], summary: dict, train_s: float, wall_s: float) -> dict:
-    """Mean +- SEM per (epsilon, n) and the smallest n within ``tolerance`` of the non-private accuracy.
+def _summarise(config: SweepConfig, rows: list[dict], trainings: dict[str, dict], wall_s: float) -> dict:
+    """Per training: mean +- SEM per (novel epsilon, n), the smallest n within ``tolerance`` of the non-private
+    accuracy, the descriptor margin (ODPFL-HN) and the ledgers' largest epsilons (see :func:`summarise_training`)."""
+    per_training = {key: summarise_training(config, [r for r in rows if r.get("train_epsilon", "inf") == key])
+                    for key in trainings}
+    for key, summary in per_training.items():
+        summary["training"] = trainings[key]
+    return {"config": {**dataclasses.asdict(config), "epsilons": list(config.epsilons),
+                       "train_epsilons": [train_key(e) for e in config.train_epsilons],
+                       "sizes": list(config.sizes)},
+            "trainings": per_training, "tolerance_points": config.tolerance, "min_margin_points": config.min_margin,
+            "wall_s": wall_s, "numerics": numerics()}   # of the serving process
+
+
+def summarise_training(config: SweepConfig, rows: list[dict]) -> dict:
+    """One training's novel-client table: mean +- SEM per (novel epsilon, n) and per control.
 
     The mixes are the independent units: a mix's repeats are averaged first, and the SEM is over the mix means
     (``count`` mixes; ``rows`` served models). Treating repeats as independent would shrink the SEM with noise draws
     that add no new evaluation or descriptor data."""
+    levels = ["inf", *sorted(config.epsilons)] if config.novel_release else ["inf"]
+    controls = [c for c in CONTROLS if any(r["epsilon"] == c for r in rows)]
     table: dict[str, dict[str, dict[str, float]]] = {}
-    for level in ["inf", *sorted(config.epsilons), *CONTROLS]:     # a row's "epsilon" is one of these
+    for level in [*levels, *controls]:     # a row's "epsilon" is one of these
         table[_key(level)] = {}
         for n in config.sizes:
             by_mix: dict[int, list[float]] = {}
@@ -262,24 +360,16 @@ def _summarise(config: SweepConfig, rows: list[dict], summary: dict, train_s: fl
             mean, sem = mean_sem([float(np.mean(accs)) for accs in by_mix.values()])
             table[_key(level)][str(n)] = {"accuracy": mean, "sem": sem, "count": len(by_mix),
                                           "rows": sum(len(accs) for accs in by_mix.values())}
-    smallest = {}
-    for key, cells in table.items():
-        if key == "inf" or key in CONTROLS:
-            continue
-        smallest[key] = smallest_size_without_loss(cells, table["inf"], config.tolerance)
-    margin = descriptor_margin(table, CONTROLS)
-    informative = all(m >= config.min_margin for m in margin.values())
-    return {"config": {**dataclasses.asdict(config), "epsilons": list(config.epsilons), "sizes": list(config.sizes)},
-            "training": {"novel_accuracy": summary["novel"]["accuracy_mean"],
-                         "training_val_accuracy": summary["training_val"]["accuracy_mean"],
-                         "rounds": summary["rounds_completed"], "train_wall_s": train_s,
-                         "numerics": summary.get("numerics")},   # of the training process (it may be an earlier one)
-            "table": table, "smallest_n_without_loss": smallest, "tolerance_points": config.tolerance,
-            "descriptor_margin": margin, "min_margin_points": config.min_margin,
-            "descriptor_informative": informative,
-            "ledger_epsilon_max": {key: max((r["ledger_epsilon"] for r in rows if _key(r["epsilon"]) == key),
-                                            default=float("nan")) for key in table if key not in CONTROLS},
-            "wall_s": wall_s, "numerics": numerics()}   # of the serving process
+    smallest = {key: smallest_size_without_loss(cells, table["inf"], config.tolerance)
+                for key, cells in table.items() if key != "inf" and key not in CONTROLS}
+    summary = {"table": table, "smallest_n_without_loss": smallest,
+               "ledger_epsilon_max": {key: max((r["ledger_epsilon"] for r in rows if _key(r["epsilon"]) == key),
+                                               default=float("nan")) for key in table if key not in CONTROLS}}
+    if controls:
+        margin = descriptor_margin(table, tuple(controls))
+        summary.update(descriptor_margin=margin,
+                       descriptor_informative=all(m >= config.min_margin for m in margin.values()))
+    return summary
 
 
 def descriptor_margin(table: dict[str, dict[str, dict]], controls: tuple[str, ...] = CONTROLS) -> dict[str, float]:
@@ -304,32 +394,72 @@ def _key(epsilon: float | str) -> str:
 
 
 def format_table(result: dict) -> str:
-    """The privacy-utility table as Markdown: rows epsilon, columns n, cells mean +- SEM accuracy (%)."""
-    sizes = list(next(iter(result["table"].values())))
-    lines = ["| epsilon \\ n | " + " | ".join(sizes) + " | smallest n within "
-             f"{result['tolerance_points']:g} pt |", "|---" * (len(sizes) + 2) + "|"]
+    """The privacy-utility tables as Markdown: one per training (rows novel epsilon, columns n, cells mean +- SEM
+    accuracy %), then novel-client accuracy at the largest n across trainings."""
     labels = {"inf": "non-private", "control_mean_training": "control: mean training descriptor",
               "control_other_mix": "control: another mix's descriptor"}
-    for key, cells in result["table"].items():
-        label = labels.get(key, key)
-        smallest = "-" if key in labels else (result["smallest_n_without_loss"][key] or "none")
-        lines.append(f"| {label} | " + " | ".join(f"{c['accuracy']:.2f} +- {c['sem']:.2f}"
-                                                  if math.isfinite(c["sem"]) else f"{c['accuracy']:.2f}"
-                                                  for c in cells.values()) + f" | {smallest} |")
-    if "descriptor_margin" in result:
-        margins = ", ".join(f"{m:+.2f}" for m in result["descriptor_margin"].values())
-        verdict = ("the descriptor matters" if result["descriptor_informative"] else
-                   "VACUOUS: the served model barely depends on the descriptor, so this table says nothing about "
-                   "the cost of privacy")
-        lines.append(f"\nnon-private minus best control, per n: {margins} points (needed: >= "
-                     f"{result['min_margin_points']:g} at every n): {verdict}")
+    delta = result["config"]["delta"]
+    blocks = []
+    for key, training in result["trainings"].items():
+        info = training["training"]
+        spent = info["epsilon_max_training"]
+        side = ("training clients without DP" if key == "inf" else
+                f"training clients record-level DP, epsilon {key} (delta {delta:g}; largest spent "
+                f"{_number(spent)})")
+        head = (f"### {side}: validation accuracy {info['training_val_accuracy']:.2f}%, "
+                f"{info['rounds']} rounds")
+        cells_of = training["table"]
+        if not cells_of.get("inf", {}) or all(math.isnan(c["accuracy"]) for c in cells_of["inf"].values()):
+            blocks.append(head + "\n(no novel clients served: the method serves none)")
+            continue
+        sizes = list(next(iter(cells_of.values())))
+        lines = [head, "", "| novel epsilon \\ n | " + " | ".join(sizes) + " | smallest n within "
+                 f"{result['tolerance_points']:g} pt |", "|---" * (len(sizes) + 2) + "|"]
+        for level, cells in cells_of.items():
+            label = labels.get(level, level)
+            smallest = "-" if level in labels else (training["smallest_n_without_loss"][level] or "none")
+            lines.append(f"| {label} | " + " | ".join(_cell(c) for c in cells.values()) + f" | {smallest} |")
+        if "descriptor_margin" in training:
+            margins = ", ".join(f"{m:+.2f}" for m in training["descriptor_margin"].values())
+            verdict = ("the descriptor matters" if training["descriptor_informative"] else
+                       "VACUOUS: the served model barely depends on the descriptor, so this table says nothing "
+                       "about the cost of privacy")
+            lines.append(f"\nnon-private minus best control, per n: {margins} points (needed: >= "
+                         f"{result['min_margin_points']:g} at every n): {verdict}")
+        blocks.append("\n".join(lines))
+    blocks.append(cross_table(result))
+    return "\n\n".join(blocks)
+
+
+def cross_table(result: dict) -> str:
+    """Novel-client accuracy at the largest n: rows training epsilon, columns novel epsilon."""
+    trainings = result["trainings"]
+    largest = str(max(result["config"]["sizes"]))
+    levels = [k for k in next(iter(trainings.values()))["table"] if k not in CONTROLS]
+    lines = [f"### novel-client accuracy (%) at n = {largest}: training epsilon (rows) against novel epsilon",
+             "", "| training \\ novel | " + " | ".join("non-private" if k == "inf" else k for k in levels) + " |",
+             "|---" * (len(levels) + 1) + "|"]
+    for key, training in trainings.items():
+        cells = [training["table"].get(level, {}).get(largest) for level in levels]
+        lines.append(f"| {'non-private' if key == 'inf' else key} | "
+                     + " | ".join(_cell(c) if c else "-" for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(c: dict) -> str:
+    if math.isnan(c["accuracy"]):
+        return "-"
+    return f"{c['accuracy']:.2f} +- {c['sem']:.2f}" if math.isfinite(c["sem"]) else f"{c['accuracy']:.2f}"
+
+
+def _number(value: Any) -> str:
+    return "inf" if value in ("inf", math.inf) else f"{float(value):.3g}"
 
 
 def _write(out: Path, config: SweepConfig, rows: list[dict], result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     (out / "sweep.json").write_text(json.dumps(to_json_safe(result), indent=2, default=str, allow_nan=False) + "\n")
@@ -337,32 +467,38 @@ def _write(out: Path, config: SweepConfig, rows: list[dict], result: dict) -> No
 
 
 def plot_sweep(result: dict, path: Path) -> Path:
-    """Accuracy (+- SEM) against the novel client's size, one line per epsilon (log x axis)."""
+    """Novel-client accuracy (+- SEM) against its size, one panel per training epsilon, one line per novel epsilon
+    (log x axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    trainings = result["trainings"]
+    fig, axes = plt.subplots(1, len(trainings), figsize=(4.5 * len(trainings), 4), sharey=True, squeeze=False)
     styles = {"inf": ("no privacy", "--", "black"),
               "control_mean_training": ("control: mean training descriptor", ":", "grey"),
               "control_other_mix": ("control: another mix's descriptor", "-.", "silver")}
-    for key, cells in result["table"].items():
-        sizes = [int(n) for n in cells]
-        mean = np.array([c["accuracy"] for c in cells.values()])
-        sem = np.nan_to_num(np.array([c["sem"] for c in cells.values()]))
-        label, linestyle, color = styles.get(key, (f"epsilon = {key}", "-", None))
-        ax.errorbar(sizes, mean, yerr=sem, marker="o", capsize=3, label=label, linestyle=linestyle, color=color)
-    delta = result["config"]["delta"]
-    ax.set(xscale="log", xlabel="novel client's samples n", ylabel="accuracy (%)",
-           title=f"ODPFL-HN novel clients, private descriptor (delta = {delta:g})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, (key, training) in zip(axes[0], trainings.items(), strict=True):
+        for level, cells in training["table"].items():
+            sizes = [int(n) for n in cells]
+            mean = np.array([c["accuracy"] for c in cells.values()])
+            sem = np.nan_to_num(np.array([c["sem"] for c in cells.values()]))
+            label, linestyle, color = styles.get(level, (f"novel epsilon = {level}", "-", None))
+            ax.errorbar(sizes, mean, yerr=sem, marker="o", capsize=3, label=label, linestyle=linestyle, color=color)
+        spent = training["training"]["epsilon_max_training"]
+        ax.set(xscale="log", xlabel="novel client's samples n",
+               title="training without DP" if key == "inf" else f"training epsilon {key} (spent {_number(spent)})")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("novel-client accuracy (%)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"{result['config']['method']}: privacy of training and novel clients "
+                 f"(delta = {result['config']['delta']:g})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-__all__ = ["CONTROLS", "DEFAULT_METHOD", "SweepConfig", "descriptor_margin", "format_table", "plot_sweep", "run_sweep",
-           "smallest_size_without_loss"]
+__all__ = ["CONTROLS", "DEFAULT_METHOD", "TRAIN_EPSILONS", "SweepConfig", "cross_table", "descriptor_margin",
+           "format_table", "plot_sweep", "run_sweep", "smallest_size_without_loss", "summarise_training"]

@@ -73,15 +73,15 @@ def test_method_options_reach_the_method_config_and_the_ledger(tmp_path, capsys)
     out = tmp_path / "odpfl"
     args = ["train", "--out", str(out), "--dataset", "synthetic", "--clients", "8", "--partition", "iid",
             "--rounds", "1", "--no-progress", "--method", "odpflhn", "--local-steps", "2",
-            "--method-option", "novel_epsilon=0.5", "--method-option", 'encoder="dp_deepset"',
+            "--novel-epsilon", "0.5", "--method-option", 'encoder="dp_deepset"',
             "--method-option", "encoder_hidden=8"]
     assert main(args) == 0
     capsys.readouterr()
     config = json.loads((out / "config.json").read_text())
-    assert config["method_config"]["novel_epsilon"] == 0.5 and config["method_config"]["encoder_hidden"] == 8
+    assert config["novel_privacy"]["epsilon"] == 0.5 and config["method_config"]["encoder_hidden"] == 8
     assert config["method_config"]["local_steps"] == 2
     privacy = json.loads((out / "summary.json").read_text())["privacy"]
-    # the 4 novel clients each released one descriptor through privatize at the epsilon given as a method option
+    # the 4 novel clients each released one descriptor through privatize at the epsilon given
     assert privacy["epsilon_max_novel"] == pytest.approx(0.5, rel=1e-6)
     novel = {k: v for k, v in privacy["epsilon_per_client"].items() if v != "inf"}
     assert len(novel) == 4 and all(v == pytest.approx(0.5, rel=1e-6) for v in novel.values())
@@ -114,7 +114,8 @@ def test_attack_audit_runs_from_the_privfl_command(capsys):
 def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys, damage, needle):
     import json
 
-    from privfl.experiment import RunConfig, RunInterrupted, train
+    from privfl.config import RunConfig
+    from privfl.experiment import RunInterrupted, train
 
     out = tmp_path / "run"
     config = RunConfig.from_dict({"federation": {"source": "synthetic", "num_clients": 8, "partition": "iid"},
@@ -127,7 +128,7 @@ def test_a_damaged_run_directory_is_named_in_one_line_on_resume(tmp_path, capsys
         (out / "checkpoint.pt").write_bytes(data[: len(data) // 2])
     elif damage == "config_cut":
         (out / "config.json").write_text((out / "config.json").read_text()[:40])
-    elif damage == "config_edited":   # another method, whose checkpoint would load: only the digest tells
+    elif damage == "config_edited":   # another method, whose checkpoint would load: only the config's sha256 tells
         edited = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**edited, "method": "fedprox"}))
     elif damage == "config_key":
@@ -150,3 +151,42 @@ def test_bad_paths_and_values_outside_a_run_exit_2(tmp_path, capsys):
     assert main(["ledger", out, "--delta", "2"]) == 2
     captured = capsys.readouterr()
     assert "--delta must be a probability in (0, 1), got 2.0" in captured.err and captured.out == ""
+
+
+def test_an_internal_fault_shows_its_traceback_and_asks_for_a_report(tmp_path, capsys, monkeypatch):
+    # a bug inside privfl is not a user error: it must not be printed as one (exit 2, one line, no traceback)
+    from privfl.errors import InternalError
+    from privfl.federation.runtime import InProcessRuntime
+
+    def broken(self, round):
+        raise InternalError(f"round {round} requested but 7 rounds are completed")
+
+    monkeypatch.setattr(InProcessRuntime, "run_round", broken)
+    code = main(BASE[:1] + ["--out", str(tmp_path / "r")] + BASE[1:] + ["--local-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 70
+    assert "Traceback" in err and "InternalError: round 0 requested but 7 rounds are completed" in err
+    assert "this is a bug in privfl" in err and "please report it" in err
+
+
+def test_privacy_options_build_the_run_privacy_and_refuse_mixes():
+    from privfl.cli import _privacy, build_parser
+    from privfl.errors import PrivflError
+
+    def privacy(*flags):
+        return _privacy(build_parser().parse_args(["train", "--out", "x", *flags]))
+
+    record, novel = privacy("--dp-epsilon", "8", "--dp-max-grad-norm", "0.5", "--dp-min-samples", "32",
+                            "--novel-epsilon", "1", "--delta", "1e-6")
+    assert (record.mode, record.epsilon, record.clip, record.min_samples, record.delta) == ("record", 8.0, 0.5, 32,
+                                                                                            1e-6)
+    assert (novel.epsilon, novel.delta, novel.bound) == (1.0, 1e-6, 1.0)
+    central, _ = privacy("--client-dp", "central", "--client-dp-epsilon", "2", "--client-dp-clip", "adaptive")
+    assert (central.mode, central.epsilon, central.clip) == ("central", 2.0, "adaptive")
+    assert privacy()[0].mode is None
+    with pytest.raises(PrivflError, match="--dp-min-samples needs --dp-noise-multiplier or --dp-epsilon"):
+        privacy("--dp-min-samples", "32")
+    with pytest.raises(PrivflError, match="not both"):
+        privacy("--dp-epsilon", "8", "--client-dp", "local")
+    with pytest.raises(PrivflError, match="--client-dp-clip must be a number > 0 or 'adaptive', got 'auto'"):
+        privacy("--client-dp", "central", "--client-dp-clip", "auto")

@@ -14,12 +14,13 @@ from privfl.cli import main
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.experiment import RunConfig, RunInterrupted, train
-from privfl.sweep import SweepConfig, _summarise, descriptor_margin, smallest_size_without_loss
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
+from privfl.sweep import SweepConfig, descriptor_margin, smallest_size_without_loss, summarise_training
 
 TINY = ["sweep", "--clients", "6", "--max-samples", "1200", "--rounds", "2", "--client-fraction", "0.5",
         "--sizes", "20,60", "--epsilons", "0.3,3", "--novel-mixes", "2", "--eval-size", "40", "--repeats", "1",
-        "--threads", "1", "--no-progress"]
+        "--train-epsilons", "8,inf", "--min-samples", "50", "--threads", "1", "--no-progress"]
 
 
 @pytest.fixture(autouse=True)
@@ -33,28 +34,42 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     out = tmp_path / "sweep"
     assert main(TINY + ["--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| epsilon \\ n | 20 | 60 |" in printed and "| non-private |" in printed and "| 0.3 |" in printed
-    for name in ("sweep.csv", "sweep.json", "sweep.png", "train/summary.json", "train/ledger.json"):
+    assert "| novel epsilon \\ n | 20 | 60 |" in printed and "| non-private |" in printed and "| 0.3 |" in printed
+    assert "training clients record-level DP, epsilon 8 (delta 1e-05; largest spent 8)" in printed
+    assert "training epsilon (rows) against novel epsilon" in printed
+    for name in ("sweep.csv", "sweep.json", "sweep.png", "train/summary.json", "train/ledger.json",
+                 "train-eps8/summary.json", "train-eps8/ledger.json"):
         assert (out / name).exists(), name
     result = json.loads((out / "sweep.json").read_text())
-    assert list(result["table"]) == ["inf", "0.3", "3", "control_mean_training", "control_other_mix"]
-    assert list(result["table"]["0.3"]) == ["20", "60"]
-    # every served novel client made exactly one release, accounted at the epsilon asked for
-    assert result["ledger_epsilon_max"]["0.3"] == pytest.approx(0.3, rel=1e-6)
-    assert result["ledger_epsilon_max"]["3"] == pytest.approx(3.0, rel=1e-6)
-    assert result["ledger_epsilon_max"]["inf"] == "inf"          # strict JSON: no Infinity
+    assert list(result["trainings"]) == ["8", "inf"]
+    # the private training's clients each spent exactly the epsilon their noise was calibrated for; without DP, inf
+    private, clean = result["trainings"]["8"], result["trainings"]["inf"]
+    assert private["training"]["epsilon_max_training"] == pytest.approx(8.0, rel=1e-3)
+    assert private["training"]["training_mode"] == "record" and clean["training"]["epsilon_max_training"] == "inf"
+    ledger = json.loads((out / "train-eps8" / "ledger.json").read_text())
+    purposes = {r["purpose"] for entry in ledger["ledgers"] for r in entry["records"]}
+    assert purposes == {"descriptor", "weight_change", "encoder_gradient"}
+    for training in (private, clean):
+        assert list(training["table"]) == ["inf", "0.3", "3", "control_mean_training", "control_other_mix"]
+        assert list(training["table"]["0.3"]) == ["20", "60"]
+        # every served novel client made exactly one release, accounted at the epsilon asked for
+        assert training["ledger_epsilon_max"]["0.3"] == pytest.approx(0.3, rel=1e-6)
+        assert training["ledger_epsilon_max"]["3"] == pytest.approx(3.0, rel=1e-6)
+        assert training["ledger_epsilon_max"]["inf"] == "inf"          # strict JSON: no Infinity
+        assert training["table"]["0.3"]["20"]["count"] == 2 and training["table"]["inf"]["20"]["count"] == 2
+        # the margin is the non-private accuracy minus the better control's, per n, and the verdict follows from it
+        for n in ("20", "60"):
+            best = max(training["table"][c][n]["accuracy"] for c in ("control_mean_training", "control_other_mix"))
+            assert training["descriptor_margin"][n] == pytest.approx(training["table"]["inf"][n]["accuracy"] - best)
+        assert training["descriptor_informative"] == all(m >= 2.0 for m in training["descriptor_margin"].values())
     rows = list(csv.DictReader(open(out / "sweep.csv")))
-    served = [r for r in rows if r["descriptor"] in ("clean", "private")]
-    controls = [r for r in rows if r["descriptor"].startswith("control_")]
-    # 2 mixes x 2 sizes x (1 non-private + 2 epsilons x 1 repeat), one release each; the controls release nothing
-    assert len(served) == 2 * 2 * 3 and {r["releases"] for r in served} == {"1"}
-    assert len(controls) == 2 * 2 * 2 and {r["releases"] for r in controls} == {"0"} and len(rows) == 20
-    assert result["table"]["0.3"]["20"]["count"] == 2 and result["table"]["inf"]["20"]["count"] == 2
-    # the margin is the non-private accuracy minus the better control's, per n, and the verdict follows from it
-    for n in ("20", "60"):
-        best = max(result["table"][c][n]["accuracy"] for c in ("control_mean_training", "control_other_mix"))
-        assert result["descriptor_margin"][n] == pytest.approx(result["table"]["inf"][n]["accuracy"] - best)
-    assert result["descriptor_informative"] == all(m >= 2.0 for m in result["descriptor_margin"].values())
+    for key in ("8", "inf"):
+        served = [r for r in rows if r["descriptor"] in ("clean", "private") and r["train_epsilon"] == key]
+        controls = [r for r in rows if r["descriptor"].startswith("control_") and r["train_epsilon"] == key]
+        # 2 mixes x 2 sizes x (1 non-private + 2 epsilons x 1 repeat), one release each; the controls release nothing
+        assert len(served) == 2 * 2 * 3 and {r["releases"] for r in served} == {"1"}
+        assert len(controls) == 2 * 2 * 2 and {r["releases"] for r in controls} == {"0"}
+    assert len(rows) == 2 * 20
     assert "non-private minus best control, per n" in printed
 
     # A sweep whose training was interrupted continues it when run again, rather than training from scratch: the
@@ -64,7 +79,7 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     with pytest.raises(RunInterrupted):
         train(run, str(again / "train"), progress=False, stop_after_round=1)
     first = (again / "train" / "releases.jsonl").read_text()
-    assert main(TINY + ["--out", str(again)]) == 0
+    assert main(TINY + ["--out", str(again), "--train-epsilons", "inf"]) == 0
     assert (again / "train" / "releases.jsonl").read_text().startswith(first)
     trained = [json.loads((d / "train" / "summary.json").read_text())["novel"] for d in (out, again)]
     assert trained[0] == trained[1]
@@ -75,6 +90,8 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     (["--sizes", "1"], "sizes must be integers >= 2"),
     (["--max-samples", "60000"], "max_samples=60000 leaves no held-out images"),
     (["--novel-mixes", "1"], "novel_mixes must be >= 2"),
+    (["--train-epsilons", "0,inf"], "train_epsilons must be finite numbers > 0 or None"),
+    (["--method", "fedsgd"], "unknown method 'fedsgd'"),
 ])
 def test_user_errors_exit_2(tmp_path, capsys, extra, needle):
     assert main(TINY + ["--out", str(tmp_path / "s")] + extra) == 2
@@ -125,13 +142,11 @@ def test_the_sem_is_over_mixes_with_repeats_averaged_first():
     # 2 mixes x 2 noise repeats at epsilon 0.3: the repeats share the mix's evaluation and descriptor sets, so the
     # independent units are the mixes (means 91 and 81): SEM = |91 - 81| / 2 = 5. Pooling the four rows as
     # independent would give sqrt((4^2 + 6^2 + 6^2 + 4^2) / 3 / 4) = 2.94.
-    config = SweepConfig(epsilons=(0.3,), sizes=(20,), novel_mixes=2, repeats=2)
+    config = SweepConfig(epsilons=(0.3,), sizes=(20,), novel_mixes=2, repeats=2, train_epsilons=(None,))
     rows = [{"mix": m, "n": 20, "epsilon": 0.3, "accuracy": a, "ledger_epsilon": 0.3}
             for m, accs in ((0, (90.0, 92.0)), (1, (80.0, 82.0))) for a in accs]
     rows += [{"mix": m, "n": 20, "epsilon": level, "accuracy": a, "ledger_epsilon": math.inf}
              for level, accs in (("inf", (95.0, 85.0)), ("control_mean_training", (70.0, 60.0)),
                                  ("control_other_mix", (50.0, 40.0))) for m, a in enumerate(accs)]
-    summary = {"novel": {"accuracy_mean": 0.0}, "training_val": {"accuracy_mean": 0.0}, "rounds_completed": 1}
-    table = _summarise(config, rows, summary, 0.0, 0.0)["table"]
+    table = summarise_training(config, rows)["table"]
     assert table["0.3"]["20"] == {"accuracy": 86.0, "sem": pytest.approx(5.0, rel=1e-12), "count": 2, "rows": 4}
-    assert table["inf"]["20"] == {"accuracy": 90.0, "sem": pytest.approx(5.0, rel=1e-12), "count": 2, "rows": 2}

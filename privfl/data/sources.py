@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from privfl.errors import ConfigError, DataUnavailableError
+from privfl.registry import Registry
 from privfl.safe_pickle import load_numpy_pickle
 
 __all__ = ["ArraySplit", "SourceData", "SourceInfo", "SOURCE_NAMES", "load_source", "list_sources"]
@@ -380,9 +381,9 @@ def _load_cifar(name: str, root: Path | None, download: bool, dataset_class: Any
     """Shared CIFAR body: with ``download``, fetch and checksum torchvision's archive; then read the batches with the
     numpy-only unpickler.
 
-    torchvision's own reader would ``pickle.load`` the files, which design invariant 6 rules out; so only its
-    download (archive URL and checksum) is reused. Files already present are read without a checksum, so
-    hand-made files in the same layout work too.
+    torchvision's own reader would ``pickle.load`` the files, which invariant 6 (``docs/invariants.md``) rules out;
+    so only its download (archive URL and checksum) is reused. Files already present are read without a checksum,
+    so hand-made files in the same layout work too.
     """
     from torchvision.datasets.utils import download_and_extract_archive
 
@@ -587,7 +588,7 @@ def _always(detail: str) -> Callable[[Path | None], tuple[bool, str]]:
     return lambda root: (True, detail)
 
 
-_REGISTRY: dict[str, _Source] = {
+SOURCES: Registry[_Source] = Registry("data source", {
     "mnist": _Source(_load_mnist, _check_mnist),
     "digits": _Source(_load_digits, _check_digits),
     "fashion_mnist": _Source(
@@ -598,9 +599,9 @@ _REGISTRY: dict[str, _Source] = {
     "emnist": _Source(_load_emnist, lambda root: _check_files(root, ("EMNIST", "raw"), _emnist_files("balanced"))),
     "features": _Source(_load_features, _always("reads the .npz named by the option path= (x, y[, x_test, y_test])")),
     "synthetic": _Source(_load_synthetic, _always("generated in memory (Gaussian mixture)")),
-}
+})
 
-SOURCE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+SOURCE_NAMES: tuple[str, ...] = tuple(SOURCES)
 
 
 def _option_names(load: Callable[..., SourceData]) -> list[str]:
@@ -624,9 +625,7 @@ def load_source(
         ConfigError: unknown name or option, or an invalid option value.
         DataUnavailableError: the files are not here; the message says where it looked and how to provide them.
     """
-    source = _REGISTRY.get(name)
-    if source is None:
-        raise ConfigError(f"unknown data source {name!r}; valid sources: {', '.join(SOURCE_NAMES)}")
+    source = SOURCES.lookup(name)
     valid = _option_names(source.load)
     unknown = sorted(set(options) - set(valid))
     if unknown:
@@ -639,4 +638,4 @@ def load_source(
 def list_sources(data_root: str | os.PathLike | None = None) -> list[SourceInfo]:
     """Say for every source whether it can be loaded here and from where, without decoding any data."""
     root = _resolve_root(data_root)
-    return [SourceInfo(name, *source.check(root)) for name, source in _REGISTRY.items()]
+    return [SourceInfo(name, *source.check(root)) for name, source in SOURCES.items()]

@@ -31,8 +31,9 @@ class ClientScore:
 
 
 class ExpectedModel(nn.Module):
-    """One of ``members`` drawn uniformly at random, scored by its expectation (PFL-sampled; digest
-    ``papers/odpfl-hn.md`` section 7.4 item 4 and 10.2 #22).
+    """One of ``members`` drawn uniformly at random, scored by its expectation: PFL-sampled, the ODPFL-HN papers'
+    baseline, scored by the mean accuracy of all the personalised models on each novel client (Amosy et al.,
+    section 6.2; docs/papers.md, ODPFL-HN, U11).
 
     It makes no single prediction, so calling it raises; :func:`score_model` scores it as the mean over members of
     each member's score (accuracy = mean of the members' accuracies, loss = mean of their losses).

@@ -60,8 +60,9 @@ class Release:
     (``"secure"`` or ``"seeded"``), the clipping bound, whether counts were declared public, the neighbouring
     relation in words. The wire keeps it in the ledger record beside the byte count. ``calibrated_for`` is the
     budget the noise was calibrated for over the client's whole ledger, where the mechanism assumes a number of
-    releases (client-level DP over ``dp_participations`` rounds): the ledger refuses the release that would pass it
-    (:meth:`accounting.PrivacyLedger.record`).
+    releases (client-level DP over ``participations`` rounds): the ledger refuses the release that would pass it
+    (:meth:`accounting.PrivacyLedger.record`). ``audience`` is who sees it (:data:`accounting.ledger.AUDIENCES`):
+    ``"trusted_aggregator"`` for a contribution in the clear to the aggregator of central DP.
     """
 
     message: Message
@@ -69,6 +70,7 @@ class Release:
     event: PrivacyEvent = field(default_factory=NonPrivateEvent)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     calibrated_for: PrivacyBudget | None = None
+    audience: str = "everyone"
 
     def ledger_metadata(self) -> dict[str, Any]:
         """What the ledger keeps beside the event: ``metadata`` and the payload's byte count."""

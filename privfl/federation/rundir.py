@@ -6,7 +6,7 @@ neighbouring relations it holds under, wall time, peak memory), ``plots.png`` (l
 shift), ``checkpoint.pt`` (to resume) and ``releases.jsonl`` (each release's ledger record as it is made, so that a
 run resumed after a kill keeps the releases made since its last checkpoint). The journal is appended a line at a time
 (a line a kill cut short is ignored); every other file is written atomically: a crash mid-write leaves the previous
-version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6).
+version, never a torn file. Checkpoints load with ``weights_only=True`` (invariant 6 of docs/invariants.md).
 """
 
 from __future__ import annotations
@@ -17,35 +17,20 @@ import json
 import math
 import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from accounting.files import atomic_write
+
 from privfl.errors import ConfigError
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory, fsync, then rename over. The file
-    gets the mode any new file gets under the process's umask (``mkstemp`` alone would leave it readable by its owner
-    only, unlike the run's other files)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` atomically and durably (:func:`accounting.files.atomic_write`): a crash mid-write
+    leaves the previous version. The file gets the mode any new file gets under the process's umask."""
+    atomic_write(path, data)
 
 
 def to_json_safe(value: Any) -> Any:

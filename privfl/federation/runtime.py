@@ -1,29 +1,47 @@
-"""The in-process runtime: rounds of a method's strategy and client procedures, with every message on the wire.
+"""Runtimes: the one round loop every engine runs, and the in-process engine.
 
-It is the embedded default engine; the Flower runtime drives the same strategy and client objects. The runtime does
-not know which method it runs: it calls the :class:`~privfl.methods.base.Strategy` and
-:class:`~privfl.methods.base.ClientProcedure` interfaces only.
+A runtime drives a method's :class:`~privfl.methods.base.Strategy` (server side) and
+:class:`~privfl.methods.base.ClientProcedure` (client side) through messages only; it does not know which method it
+runs. :class:`Runtime` holds the round loop (:meth:`Runtime.run_round`: sample, configure, one exchange per stage,
+aggregate, commit) and names what an engine must provide: how one stage's messages reach the clients and their
+releases come back (:meth:`Runtime.exchange`), how client states are committed, evaluation, novel-client serving,
+ledgers, checkpoints, and the secure sum of a round's releases (:meth:`Runtime.secure_sum`) when the strategy may
+see only their sum. :class:`InProcessRuntime` provides them in this process;
+:class:`privfl.federation.flower.runtime.FlowerRuntime` on Flower nodes. :func:`privfl.experiment.train` runs any
+runtime.
 
 Rounds are transactional. A client procedure works on a copy of its state, and client states are committed only
 after the server has aggregated, so if a round is interrupted the runtime still holds the consistent state of the
-last completed round (:meth:`committed_state_dict`). The ledger is never rolled back: a release that was made stays
-recorded, even if its round is later run again. A process killed between checkpoints takes with it the records of
-the releases made since the last one; :func:`privfl.experiment.train` gives the wire a run directory's release
-journal (``releases.jsonl``, appended before each delivery) and replays it into the checkpoint's ledgers on resume.
+last completed round (:meth:`Runtime.committed_state_dict`). The ledger is never rolled back: a release that was
+made stays recorded, even if its round is later run again. A process killed between checkpoints takes with it the
+records of the releases made since the last one; :func:`privfl.experiment.train` hands the runtime a run
+directory's release journal (``releases.jsonl``, appended before each delivery, :meth:`Runtime.use_journal`) and
+replays it into the checkpoint's ledgers on resume.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from accounting import LedgerBook, PrivacyBudget, PrivacyEvent, ReleaseJournal
 from privfl.data import NovelClient, TrainingClient
-from privfl.federation.context import ClientContext, ClientState, client_context
+from privfl.errors import InternalError
+from privfl.federation.context import ClientState, client_context
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng
 from privfl.federation.wire import Wire
+
+if TYPE_CHECKING:   # the methods sit above this module: only their interfaces are named here
+    from privfl.data import FederatedDataset
+    from privfl.evaluation.metrics import ClientScore
+
+Score = Callable[[nn.Module, torch.Tensor, torch.Tensor], "ClientScore"]
 
 
 def sample_clients(client_ids: list[int], fraction: float, *, seed: int, round: int) -> list[int]:
@@ -39,55 +57,255 @@ def round_half_up(value: float) -> int:
     return int(value + 0.5)
 
 
-class InProcessRuntime:
+@dataclass(frozen=True)
+class RoundRelease:
+    """A release the server makes once a round on behalf of every training client (central DP's noisy aggregate): the
+    runtime records it in every training client's ledger, sampled that round or not, before the round's messages are
+    used (:meth:`privfl.methods.base.Strategy.round_releases`)."""
+
+    event: PrivacyEvent
+    purpose: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    calibrated_for: PrivacyBudget | None = None
+
+
+@dataclass(frozen=True)
+class SecureSum:
+    """A strategy's request that the server see the releases of a round's last stage only as their sum (distributed
+    client-level DP, :meth:`privfl.methods.base.Strategy.secure_sum`): the runtime has them summed by secure
+    aggregation (:meth:`Runtime.secure_sum`) and hands the strategy the sum alone
+    (:meth:`privfl.methods.base.Strategy.aggregate_sum`).
+
+    ``like``: zeros shaped like one release, by name: every release must be exactly these arrays. ``bound``: every
+    coordinate of a release lies in [-bound, bound] before its noise (an L2 clip C bounds each coordinate by C).
+    ``noise_std``: the standard deviation of the Gaussian noise each release carries in every coordinate (its
+    share). ``calibrated_for``: what each release's noise is calibrated for over its client's ledger. An engine that
+    quantizes sizes its range from these (:mod:`privfl.federation.flower.secagg`).
+    """
+
+    like: dict[str, torch.Tensor]
+    bound: float
+    noise_std: float
+    calibrated_for: PrivacyBudget
+
+
+@dataclass(frozen=True)
+class ReleaseSum:
+    """What secure aggregation hands the server: the sum of a round's releases (float64, named as
+    :attr:`SecureSum.like`), how many releases it sums, and what the aggregation reports about itself (on Flower,
+    how many values quantization clipped)."""
+
+    arrays: dict[str, torch.Tensor]
+    count: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def add_releases(releases: Mapping[int, Message], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float64 sum of ``releases`` (in increasing client id), each of which must hold exactly the arrays of
+    ``like``, by name and shape."""
+    total = {name: torch.zeros(tuple(t.shape), dtype=torch.float64) for name, t in like.items()}
+    for cid in sorted(releases):
+        arrays = releases[cid].arrays
+        shapes = {name: tuple(t.shape) for name, t in arrays.items()}
+        expected = {name: tuple(t.shape) for name, t in like.items()}
+        if shapes != expected:
+            raise InternalError(f"client {cid}'s release holds arrays {shapes}, but the secure sum is over "
+                                f"{expected}: distributed DP sums releases of one declared shape")
+        for name in total:
+            total[name] += arrays[name].detach().double()
+    return total
+
+
+def validation_report(score: ClientScore) -> Release:
+    """A training client's validation score as a release (model selection on validation needs it on the server)."""
+    report = Message(metrics={"num_samples": float(score.num_samples), "correct": float(score.correct),
+                              "loss_sum": float(score.loss_sum)})
+    return Release.non_private(report, "validation_metrics")
+
+
+class Runtime(ABC):
+    """The round loop over a method's strategy and client procedure, and what an engine provides to it.
+
+    Attributes every engine keeps: ``strategy``, ``client`` (the procedure, or on Flower its class's flags),
+    ``training_ids`` (sorted), ``seed``, ``client_fraction``, ``completed_rounds``, and the bytes moved per client
+    (``bytes_up``, ``bytes_down``).
+    """
+
+    def __init__(self, *, strategy, client, training_ids: list[int], seed: int, client_fraction: float) -> None:
+        self.strategy = strategy
+        self.client = client
+        self.training_ids = sorted(training_ids)
+        self.seed = seed
+        self.client_fraction = client_fraction
+        self.completed_rounds = 0
+
+    # -- the one round loop ---------------------------------------------------------------------------------------
+
+    def run_round(self, round: int) -> dict[str, float]:
+        """One round: sample, configure, one exchange per stage with the sampled clients, aggregate, commit.
+
+        When the strategy asks for a secure sum (:meth:`privfl.methods.base.Strategy.secure_sum`), the last stage's
+        releases reach it only as their sum (:meth:`secure_sum`, :meth:`~privfl.methods.base.Strategy.aggregate_sum`).
+        """
+        if round != self.completed_rounds:
+            raise InternalError(f"round {round} requested but {self.completed_rounds} rounds are completed")
+        sampled = self.strategy.sample_clients(round, self.training_ids, self.client_fraction, self.seed)
+        self.begin_round(round, sampled)
+        secure = self.strategy.secure_sum()
+        last = self.strategy.train_stages - 1
+        replies: dict[int, Message] = {}
+        total = None
+        for stage in range(last + 1):
+            messages = self.strategy.configure_train(round, sampled) if stage == 0 else \
+                self.strategy.configure_stage(round, stage, replies)
+            if secure is not None and stage == last:
+                total = self.secure_sum(round, stage, messages, secure)
+            else:
+                replies = self.exchange(round, stage, messages)
+        for release in self.strategy.round_releases(round):
+            self.record_for_everyone(release, round)
+        metrics = self.strategy.aggregate_train(round, replies) if total is None else \
+            self.strategy.aggregate_sum(round, total)
+        self.commit_round(round, sampled)
+        return {"clients": float(len(sampled)), **metrics}
+
+    def begin_round(self, round: int, sampled: list[int]) -> None:
+        """Before a round's first exchange (the in-process runtime copies the sampled clients' states here)."""
+
+    @abstractmethod
+    def exchange(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
+        """Stage ``stage`` of ``round``: each message down to its client, the client's work on its working state,
+        and the releases that came up (recorded in the clients' ledgers before delivery), by client id."""
+
+    @abstractmethod
+    def secure_sum(self, round: int, stage: int, messages: dict[int, Message], secure: SecureSum) -> ReleaseSum:
+        """Stage ``stage`` of ``round`` as :meth:`exchange` runs it, except that the server gets only the sum of the
+        releases, each of them recorded in its client's ledger first; every client sent a message must release,
+        or nothing is summed (a sum short of a share carries less noise than its calibration)."""
+
+    def secure_aggregation(self) -> dict[str, Any]:
+        """How :meth:`secure_sum` sums, for the run summary (``privacy.secure_aggregation``)."""
+        return {"protocol": "simulated",
+                "description": "simulated in this process: the server adds the clients' releases itself, so it "
+                               "sees each of them; the epsilons hold for an observer of each round's sum only (on "
+                               "Flower the releases are summed under SecAgg+)"}
+
+    @abstractmethod
+    def commit_round(self, round: int, sampled: list[int]) -> None:
+        """The round completed: commit the sampled clients' working states, count the round."""
+
+    @abstractmethod
+    def record_for_everyone(self, release: RoundRelease, round: int) -> None:
+        """Record ``release`` in every training client's ledger (raising, before anything is used, if one refuses)."""
+
+    # -- evaluation and novel clients -----------------------------------------------------------------------------
+
+    @property
+    def serves_novel_clients(self) -> bool:
+        return bool(self.client.serves_novel_clients)
+
+    @abstractmethod
+    def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
+                                  round: int | None) -> dict[int, ClientScore]:
+        """Score every training client on its own validation split, on the client, with ``score(model, x, y)``.
+
+        With ``report_to_server`` (model selection on validation needs it) each client sends its score, and that
+        message is a recorded release like any other; otherwise the score stays with the experimenter.
+        """
+
+    @abstractmethod
+    def score_novel_clients(self, federation: FederatedDataset, score: Score) -> dict[int, ClientScore]:
+        """Serve the novel clients through the two-down, one-up protocol (their queries are recorded releases) and
+        score each served model with that client's hidden labels, which no method sees."""
+
+    # -- privacy records, state -------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def ledgers(self) -> LedgerBook:
+        """Every client's ledger as it stands."""
+
+    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
+        """Append each release's ledger record to ``journal`` before it is delivered; with ``replay`` (a resumed
+        run), first put the journal's records that the checkpoint's ledgers lack back into them. An engine whose
+        clients keep their ledgers themselves (Flower nodes) has nothing to add here."""
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's ``summary.json`` records about the engine beyond the common keys (nothing in-process)."""
+        return {}
+
+    @property
+    @abstractmethod
+    def bytes_up(self) -> Mapping[int, int]: ...
+
+    @property
+    @abstractmethod
+    def bytes_down(self) -> Mapping[int, int]: ...
+
+    @abstractmethod
+    def snapshot(self) -> dict[str, Any]:
+        """The server state and client states now (by reference: they are replaced, never mutated in place)."""
+
+    @abstractmethod
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Return server and client states to ``snapshot``; the ledgers are untouched."""
+
+    @abstractmethod
+    def committed_state_dict(self) -> dict[str, Any]:
+        """The state at the end of the last completed round, plus the ledgers (which never roll back)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`committed_state_dict` (a resumed run)."""
+
+
+class InProcessRuntime(Runtime):
     """Runs a method's rounds on the training clients of one federation, all in this process."""
 
     def __init__(self, *, strategy, client, training_clients: list[TrainingClient], seed: int,
                  client_fraction: float = 1.0, wire: Wire | None = None) -> None:
-        self.strategy = strategy
-        self.client = client
+        super().__init__(strategy=strategy, client=client, training_ids=[c.client_id for c in training_clients],
+                         seed=seed, client_fraction=client_fraction)
         self.clients = {c.client_id: c for c in training_clients}
-        self.seed = seed
-        self.client_fraction = client_fraction
         self.wire = wire if wire is not None else Wire()
         self.client_states: dict[int, ClientState] = {cid: {} for cid in self.clients}
-        self.completed_rounds = 0
+        self._working: dict[int, ClientState] = {}
         self._committed = self.snapshot()
         with torch.random.fork_rng(devices=[]):
             client.workspace_model()   # built outside any client's seeded stream, as on a Flower node
 
-    def _context(self, client_id: int, round: int, stage: int = 0) -> ClientContext:
-        return client_context(self.seed, client_id, round, stage)
+    def begin_round(self, round: int, sampled: list[int]) -> None:
+        self._working = {cid: dict(self.client_states[cid]) for cid in sampled}
 
-    def run_round(self, round: int) -> dict[str, float]:
-        """One round: configure, train the sampled clients, deliver their releases, aggregate, commit."""
-        if round != self.completed_rounds:
-            raise RuntimeError(f"round {round} requested but {self.completed_rounds} rounds are completed")
-        sampled = sample_clients(sorted(self.clients), self.client_fraction, seed=self.seed, round=round)
-        new_states = {cid: dict(self.client_states[cid]) for cid in sampled}
-        replies = self._exchange(round, 0, self.strategy.configure_train(round, sampled), new_states)
-        for stage in range(1, self.strategy.train_stages):
-            replies = self._exchange(round, stage, self.strategy.configure_stage(round, stage, replies), new_states)
-        metrics = self.strategy.aggregate_train(round, replies)
-        self.client_states.update(new_states)
-        self.completed_rounds = round + 1
-        self._committed = self.snapshot()
-        return {"clients": float(len(sampled)), **metrics}
-
-    def _exchange(self, round: int, stage: int, messages: dict[int, Message],
-                  states: dict[int, ClientState]) -> dict[int, Message]:
-        """One stage of a round: each message down, the client's work on its working state, its release up."""
+    def exchange(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
         replies = {}
         for cid in sorted(messages):
             delivered = self.wire.server_to_client(cid, messages[cid])
-            ctx = self._context(cid, round, stage)
+            ctx = client_context(self.seed, cid, round, stage)
             if stage == 0:
-                release = self.client.train(self.clients[cid], delivered, states[cid], ctx)
+                release = self.client.train(self.clients[cid], delivered, self._working[cid], ctx)
             else:
-                release = self.client.train_stage(stage, self.clients[cid], delivered, states[cid], ctx)
+                release = self.client.train_stage(stage, self.clients[cid], delivered, self._working[cid], ctx)
             if release is not None:
                 replies[cid] = self.wire.client_to_server(cid, release, round=round)
         return replies
+
+    def secure_sum(self, round: int, stage: int, messages: dict[int, Message], secure: SecureSum) -> ReleaseSum:
+        """Simulated: the releases come to this process, recorded by the wire, and are added here."""
+        replies = self.exchange(round, stage, messages)
+        silent = sorted(set(messages) - set(replies))
+        if silent:
+            raise InternalError(f"clients {silent} released nothing at stage {stage} of round {round}: the secure sum "
+                                "needs every sampled client's release")
+        return ReleaseSum(arrays=add_releases(replies, secure.like), count=len(replies))
+
+    def record_for_everyone(self, release: RoundRelease, round: int) -> None:
+        self.wire.record_for(self.training_ids, release, round=round)
+
+    def commit_round(self, round: int, sampled: list[int]) -> None:
+        self.client_states.update(self._working)
+        self._working = {}
+        self.completed_rounds = round + 1
+        self._committed = self.snapshot()
 
     def training_client_model(self, client_id: int) -> nn.Module:
         """The model training client ``client_id`` is scored with, built on the client from the server's message."""
@@ -103,24 +321,40 @@ class InProcessRuntime:
         reply = self.wire.server_to_client(cid, self.strategy.novel_reply(cid, delivered))
         return self.client.novel_model(novel, reply)
 
-    def evaluate_training_clients(self, score, *, report_to_server: bool, round: int | None) -> dict[int, Any]:
-        """Score every training client on its own validation split, on the client, with ``score(model, x, y)``.
-
-        With ``report_to_server`` (model selection on validation needs it) each client sends its score, and that
-        message is a recorded release like any other; otherwise the score stays with the experimenter.
-        """
+    def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
+                                  round: int | None) -> dict[int, ClientScore]:
         scores = {}
         for cid, data in self.clients.items():
             result = score(self.training_client_model(cid), data.x_val, data.y_val)
             if report_to_server:
-                report = Message(metrics={"num_samples": float(result.num_samples), "correct": float(result.correct),
-                                          "loss_sum": float(result.loss_sum)})
-                self.wire.client_to_server(cid, Release.non_private(report, "validation_metrics"), round=round)
+                self.wire.client_to_server(cid, validation_report(result), round=round)
             scores[cid] = result
         return scores
 
+    def score_novel_clients(self, federation: FederatedDataset, score: Score) -> dict[int, ClientScore]:
+        if not self.serves_novel_clients:
+            return {}
+        return {novel.client_id: score(self.novel_client_model(novel), novel.x,
+                                       federation.novel_labels.labels(novel.client_id))
+                for novel in federation.novel_clients}
+
+    def ledgers(self) -> LedgerBook:
+        return self.wire.ledgers
+
+    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
+        if replay:
+            journal.replay_into(self.wire.ledgers)
+        self.wire.journal = journal
+
+    @property
+    def bytes_up(self) -> Mapping[int, int]:
+        return self.wire.bytes_up
+
+    @property
+    def bytes_down(self) -> Mapping[int, int]:
+        return self.wire.bytes_down
+
     def snapshot(self) -> dict[str, Any]:
-        """The server state and client states now (by reference: they are replaced, never mutated in place)."""
         return {
             "completed_rounds": self.completed_rounds,
             "strategy": self.strategy.state_dict(),
@@ -128,14 +362,12 @@ class InProcessRuntime:
         }
 
     def restore(self, snapshot: dict[str, Any]) -> None:
-        """Return server and client states to ``snapshot``; the wire and its ledgers are untouched."""
         self.strategy.load_state_dict(snapshot["strategy"])
         self.client_states = {int(cid): dict(s) for cid, s in snapshot["client_states"].items()}
         self.completed_rounds = int(snapshot["completed_rounds"])
         self._committed = self.snapshot()
 
     def committed_state_dict(self) -> dict[str, Any]:
-        """The state at the end of the last completed round, plus the wire (whose ledger never rolls back)."""
         return {**self._committed, "wire": self.wire.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

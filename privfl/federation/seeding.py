@@ -2,7 +2,7 @@
 
 Keying every draw this way (instead of threading one generator through the run) is what makes a resumed run end
 with the same numbers as an uninterrupted one, and what lets the Flower runtime, where each client lives in its own
-process, reproduce the in-process runtime exactly (invariant 7).
+process, reproduce the in-process runtime exactly (invariant 7 of docs/invariants.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A client procedure never hands a tensor to the server itself: it returns a :class:`~privfl.federation.messages.Release`
 and the runtime passes it through :meth:`Wire.client_to_server`, which records the release in that client's
 :class:`accounting.PrivacyLedger` **before** anything is delivered. If the release would exceed the client's budget the
-ledger raises :class:`accounting.BudgetExceededError` and nothing is sent (invariant 4 of the design).
+ledger raises :class:`accounting.BudgetExceededError` and nothing is sent (invariant 4 of docs/invariants.md).
 The wire also counts the bytes that move each way, per client.
 """
 
@@ -39,11 +39,20 @@ class Wire:
         """
         metadata = release.ledger_metadata()
         record = self.ledgers[client_id].record(release.event, purpose=release.purpose, round=round, metadata=metadata,
-                                                calibrated_for=release.calibrated_for)
+                                                calibrated_for=release.calibrated_for, audience=release.audience)
         if self.journal is not None:
             self.journal.append(client_id, record)
         self.bytes_up[client_id] += metadata["bytes"]
         return release.message.copy()
+
+    def record_for(self, client_ids: list[int], release, *, round: int | None) -> None:
+        """Record a release the server makes on behalf of each of ``client_ids`` (a
+        :class:`~privfl.federation.runtime.RoundRelease`: central DP's noisy aggregate) in their ledgers, as one
+        record, and in the journal, as one line. A refusal records nothing for anyone."""
+        record = self.ledgers.record_for(client_ids, release.event, purpose=release.purpose, round=round,
+                                         metadata=release.metadata, calibrated_for=release.calibrated_for)
+        if self.journal is not None:
+            self.journal.append_for(client_ids, record)
 
     def state_dict(self) -> dict:
         return {

@@ -12,6 +12,7 @@ from privfl.methods.base import (
     ClientContext,
     ClientProcedure,
     LocalTrainingConfig,
+    MethodConfig,
     MethodSpec,
     ModelFactory,
     Strategy,
@@ -20,7 +21,7 @@ from privfl.methods.base import (
 )
 
 __all__ = [
-    "METHODS", "ClientContext", "ClientProcedure", "LocalTrainingConfig", "MethodSpec", "ModelFactory", "Strategy",
+    "METHODS", "ClientContext", "ClientProcedure", "LocalTrainingConfig", "MethodConfig", "MethodSpec", "ModelFactory", "Strategy",
     "get_method", "register_method",
 ]
 

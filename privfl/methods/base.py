@@ -20,28 +20,63 @@ ODPFL-HN: descriptor up, generated model down; TENT/FedTTA: model down, adaptati
 4. ``ClientProcedure.novel_model(novel, message)`` -> the client's model, built on the client.
 
 A :class:`~privfl.data.NovelClient` holds no labels, so no procedure can use them.
+
+**The privacy contract.** Every method runs under the one privacy layer (:mod:`privfl.methods.private`,
+:class:`~privfl.privacy.training.TrainingPrivacy`). Its registration says which modes it runs and why it refuses the
+others (``MethodSpec.privacy``), and how many releases a training client makes per round (``releases_per_round``).
+Record level: the procedure trains through :meth:`ClientProcedure.fit` (DP-SGD when the mode asks for it), makes
+every other data-dependent release with a mechanism of :mod:`privfl.privacy`, and declares the event of one round
+(:meth:`ClientProcedure.round_event`) so the noise can be calibrated for a target epsilon. Central mode: the strategy
+says what each client contributes to the shared state (:meth:`Strategy.contributions`) and how the shared state moves
+from their noisy mean (:meth:`Strategy.apply_mean`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from accounting import ComposedEvent, PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release
-from privfl.federation.seeding import seeded_init
+from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sample_clients
+from privfl.federation.seeding import derive_seed, seeded_init
+from privfl.methods.local_training import ExtraLoss, local_sgd
 from privfl.models import build_model
+from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer, sampling_probability
+from privfl.registry import Registry
+from privfl.privacy.training import MODES, RECORD, NovelPrivacy, TrainingPrivacy, record_noise_multiplier
 
 @dataclass(frozen=True)
-class LocalTrainingConfig:
+class MethodConfig:
+    """Base of every method's settings: a frozen dataclass, validated at construction, written to ``config.json``
+    inside the run config. What the run checks read of a method is in its registration (:class:`MethodSpec`: the
+    privacy modes it runs, its releases per round), not in optional attributes of its config."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> MethodConfig:
+        return dataclasses.replace(self, **changes)
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run starts, settings under which the run's privacy cannot hold. The registration
+        refuses whole modes (``MethodSpec.privacy``); this refuses combinations of a mode and settings (ODPFL-HN's
+        random descriptor batches under add/remove-one, say). Nothing by default."""
+
+
+@dataclass(frozen=True)
+class LocalTrainingConfig(MethodConfig):
     """Settings shared by every method that runs local SGD on clients.
 
     ``lr`` is the client (local) learning rate; ``local_steps`` counts minibatch steps per round (not epochs).
@@ -59,36 +94,19 @@ class LocalTrainingConfig:
     lr_decay: float = 1.0
 
     def __post_init__(self) -> None:
-        _require(_finite(self.lr) and self.lr > 0, "lr", self.lr, "a finite number > 0")
-        _require(_int_at_least(self.local_steps, 1), "local_steps", self.local_steps,
-                 "an integer >= 1")
-        _require(_int_at_least(self.batch_size, 1), "batch_size", self.batch_size,
-                 "an integer >= 1")
-        _require(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay,
-                 "a finite number >= 0")
-        _require(self.grad_clip is None or (_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
-                 self.grad_clip, "None or a finite number > 0")
-        _require(_finite(self.lr_decay) and 0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "in (0, 1]")
+        check.positive(self.lr, "lr")
+        check.integer(self.local_steps, "local_steps")
+        check.integer(self.batch_size, "batch_size")
+        check.non_negative(self.weight_decay, "weight_decay")
+        check.require(self.grad_clip is None or (is_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
+                      self.grad_clip, "None or a finite number > 0")
+        check.fraction(self.lr_decay, "lr_decay")
 
     def round_config(self, round: int) -> dict:
         """What the server sends each round: the (decayed) learning rate and the local-training settings."""
         return {"lr": self.lr * self.lr_decay ** (round / 10), "local_steps": self.local_steps,
                 "batch_size": self.batch_size, "weight_decay": self.weight_decay,
                 "grad_clip": self.grad_clip or 0.0}
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int_at_least(value: Any, minimum: int) -> bool:
-    """An int >= ``minimum`` that is not a bool (``True`` is an int in Python, never a step count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _require(ok: bool, name: str, value: Any, valid: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {valid}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -159,16 +177,116 @@ class Strategy(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    # -- the round's sample and the privacy layer's hooks -------------------------------------------------------------
+
+    def sample_clients(self, round: int, client_ids: list[int], fraction: float, seed: int) -> list[int]:
+        """The training clients of ``round``: a seeded uniform sample of fixed size (public: the schedule is a
+        function of the run seed). Central client-level DP samples by Poisson instead
+        (:class:`~privfl.methods.private.Aggregator`)."""
+        return sample_clients(client_ids, fraction, seed=seed, round=round)
+
+    def round_releases(self, round: int) -> list[RoundRelease]:
+        """Releases the server makes this round on behalf of every training client, recorded in every training
+        client's ledger before the round's messages are used (central DP's noisy aggregate); none by default."""
+        return []
+
+    def secure_sum(self) -> SecureSum | None:
+        """What the runtime must sum securely: the releases of each round's last stage, which the server then sees
+        only as their sum (:meth:`aggregate_sum` in place of :meth:`aggregate_train`); ``None`` (the default): the
+        server receives each release. Only the privacy layer's distributed mode asks for one."""
+        return None
+
+    def aggregate_sum(self, round: int, total: ReleaseSum) -> dict[str, float]:
+        """Update the server state from the secure sum of the last stage's releases (when :meth:`secure_sum` asks
+        for one); return round metrics."""
+        raise NotImplementedError(f"{type(self).__name__} asks for no secure sum")
+
+    def contributions(self, round: int, replies: dict[int, Message]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Central DP: what each client's round contributes to the shared state, as named tensors, in increasing
+        client id; the layer clips each to C, sums and noises them, and :meth:`apply_mean` moves the shared state
+        from the noisy mean. By default a client's contribution is its last-stage message's arrays. Distributed DP
+        sums the releases themselves under secure aggregation, so a method that overrides this cannot run it (the
+        layer refuses it, :func:`privfl.methods.private.protect`)."""
+        for cid in sorted(replies):
+            yield cid, replies[cid].arrays
+
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        """Central and distributed DP: zeros shaped like one contribution (central: a round that samples nobody still
+        releases noise of that shape; distributed: the arrays every release must be, summed by name)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no contribution shapes for client-level DP")
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """Central and distributed DP: move the shared state from the noisy sum of the round's contributions divided
+        by ``count`` (central: the expected count q N, public, so ``mean`` is a mean only in expectation;
+        distributed: the round's number of clients). Nothing else of the round may move the shared state. Return
+        metrics that depend on nothing else."""
+        raise NotImplementedError(f"{type(self).__name__} cannot step from a noisy mean of contributions")
+
 
 class ClientProcedure(ABC):
     """Client side of a method: pure functions of (data, message, client state, context)."""
 
     serves_novel_clients: bool = True
 
-    def __init__(self, *, model_factory: ModelFactory, config: Any) -> None:
+    def __init__(self, *, model_factory: ModelFactory, config: Any, privacy: TrainingPrivacy | None = None,
+                 novel_privacy: NovelPrivacy | None = None, participations: int = 1) -> None:
         self.model_factory = model_factory
         self.config = config
+        self.privacy = privacy or TrainingPrivacy()
+        self.novel_privacy = novel_privacy or NovelPrivacy()
+        self.participations = participations     # the most rounds a training client releases in (calibration)
         self._model: nn.Module | None = None
+
+    # -- record-level DP: the training path every method shares -----------------------------------------------------
+
+    @property
+    def record_level(self) -> bool:
+        """Whether training clients run record-level DP (DP-SGD and private releases)."""
+        return self.privacy.mode == RECORD
+
+    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+        """Record level: the event of one round of this client's releases when every mechanism has noise multiplier
+        ``noise_multiplier``; calibrating a target epsilon composes it over the client's rounds. By default one
+        DP-SGD fit of ``local_steps`` steps at q = batch_size / n (the conformance tests check that it matches what
+        a round records)."""
+        return dp_sgd_round_event(noise_multiplier, data.num_train, self.config.batch_size, self.config.local_steps)
+
+    def noise_source(self, ctx: ClientContext, purpose: str) -> dict[str, Any]:
+        """Keyword arguments ``noise`` and ``generator`` for a mechanism of :mod:`privfl.privacy` that a training
+        client runs under record-level DP: OS-seeded noise (``"secure"``, ``"hardened"``), or a generator keyed by
+        the privacy seed, the round, the client and ``purpose`` (``"seeded"``; never the run seed, which the server
+        knows)."""
+        if self.privacy.noise != "seeded":
+            return {"noise": self.privacy.noise, "generator": None}
+        seed = derive_seed(self.privacy.noise_seed, purpose, ctx.round, ctx.client_id)
+        return {"noise": "seeded", "generator": torch.Generator().manual_seed(seed)}
+
+    def noise_multiplier(self, data: TrainingClient) -> float:
+        """Record level: z for this client (calibrated per training-split size for a target epsilon)."""
+        return _calibrated(self, data.num_train, lambda z: self.round_event(data, z))
+
+    def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
+            *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,
+            params: Mapping[str, nn.Parameter] | None = None) -> tuple[float, PrivacyEvent | None]:
+        """Local training on the client's training split, with ``settings`` as :func:`local_sgd` takes them; DP-SGD
+        (:class:`~privfl.privacy.dp_sgd.DPSGDTrainer`, per-sample clip ``privacy.clip``, noise multiplier
+        :meth:`noise_multiplier`) under record-level DP. Returns the mean loss and the DP-SGD event (``None``
+        without DP). ``extra_loss`` must not depend on the data (FedProx's proximal term, SCAFFOLD's correction):
+        its gradient is added outside the clipped, noised sum."""
+        if not self.record_level:
+            if per_sample_loss is not None or params is not None:
+                raise NotImplementedError("per_sample_loss and params apply to record-level DP-SGD only")
+            return local_sgd(model, data.x_train, data.y_train, rng=rng, extra_loss=extra_loss, **settings), None
+        if settings.get("grad_clip"):
+            raise ConfigError(f"grad_clip={settings['grad_clip']!r} clips each step's batch gradient, a stabiliser "
+                              "DP-SGD replaces with its per-sample clip (privacy clip); leave grad_clip unset with "
+                              "record-level DP")
+        trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.noise_multiplier(data),
+                                           max_grad_norm=float(self.privacy.clip), noise=self.privacy.noise))
+        return trainer.train(model, data.x_train, data.y_train, lr=settings["lr"], steps=settings["steps"],
+                             batch_size=settings["batch_size"], rng=rng, per_sample_loss=per_sample_loss,
+                             extra_loss=extra_loss, weight_decay=settings.get("weight_decay", 0.0),
+                             momentum=settings.get("momentum", 0.0), params=params)
 
     def workspace_model(self) -> nn.Module:
         """A model instance reused across calls on this client process (its weights are always overwritten)."""
@@ -205,15 +323,32 @@ class ClientProcedure(ABC):
         return self.model_from(message.arrays)
 
 
+#: The reason a registration gives for a mode it does not declare.
+UNDECLARED = "its registration does not declare it"
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registry entry: how to build a method's two halves and parse its hyperparameters."""
+    """A registry entry: how to build a method's two halves and parse its hyperparameters, and its privacy contract.
+
+    ``privacy`` maps each mode of :data:`privfl.privacy.training.MODES` to ``None`` (the method runs it) or the
+    reason it cannot be made sound (the run is refused with it, before anything is released).
+    ``releases_per_round``: how many releases a sampled training client makes in a round (client-level DP splits the
+    clip among them; 0 for a method whose training clients send nothing). ``novel_privacy``: ``None`` when the
+    method's novel-client release honours :class:`~privfl.privacy.training.NovelPrivacy`, else why there is none
+    to protect. ``smoke_settings``: settings for a fast run on a small synthetic federation (the conformance tests
+    run every method with them).
+    """
 
     name: str
     strategy: type[Strategy]
     client: type[ClientProcedure]
     config: type
     description: str
+    privacy: Mapping[str, str | None] = field(default_factory=lambda: dict.fromkeys(MODES, UNDECLARED))
+    releases_per_round: int = 1
+    novel_privacy: str | None = "its novel clients send nothing"
+    smoke_settings: Mapping[str, Any] = field(default_factory=dict)
 
     def make_config(self, **values: Any) -> Any:
         """The method's config from ``values``; unknown names raise :class:`ConfigError` listing the valid ones."""
@@ -226,22 +361,71 @@ class MethodSpec:
         return self.config(**values)
 
 
-METHODS: dict[str, MethodSpec] = {}
+METHODS: Registry[MethodSpec] = Registry("method")
 
 
 def register_method(name: str, *, strategy: type[Strategy], client: type[ClientProcedure], config: type,
-                    description: str) -> MethodSpec:
-    """Add a method to the registry under ``name`` (one call per method module)."""
-    if name in METHODS:
-        raise ValueError(f"method {name!r} is already registered")
-    spec = MethodSpec(name=name, strategy=strategy, client=client, config=config, description=description)
-    METHODS[name] = spec
-    return spec
+                    description: str, privacy: Mapping[str, str | None] | None = None,
+                    releases_per_round: int = 1, novel_privacy: str | None = "its novel clients send nothing",
+                    smoke_settings: Mapping[str, Any] | None = None) -> MethodSpec:
+    """Add a method to the registry under ``name`` (one call per method module). ``privacy``: each mode of
+    :data:`~privfl.privacy.training.MODES` -> ``None`` (supported) or why it is refused; a mode left out is refused
+    with :data:`UNDECLARED`."""
+    declared = dict(privacy or {})
+    unknown = sorted(set(declared) - set(MODES))
+    if unknown:
+        raise ValueError(f"method {name!r} declares unknown privacy modes {unknown}; valid: {', '.join(MODES)}")
+    if not is_int_at_least(releases_per_round, 0):
+        raise ValueError(f"releases_per_round must be an integer >= 0, got {releases_per_round!r}")
+    spec = MethodSpec(name=name, strategy=strategy, client=client, config=config, description=description,
+                      privacy={mode: declared.get(mode, UNDECLARED) for mode in MODES},
+                      releases_per_round=releases_per_round, novel_privacy=novel_privacy,
+                      smoke_settings=dict(smoke_settings or {}))
+    return METHODS.register(name, spec)
 
 
 def get_method(name: str) -> MethodSpec:
     """The registered method ``name``; an unknown name raises :class:`ConfigError` listing the valid ones."""
-    if name not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; valid choices: {', '.join(sorted(METHODS))}")
-    return METHODS[name]
+    return METHODS.lookup(name)
 
+
+def dp_sgd_round_event(noise_multiplier: float, num_samples: int, batch_size: int, steps: int) -> SelfComposedEvent:
+    """One DP-SGD fit: ``steps`` Poisson-subsampled Gaussian steps at q = batch_size / n."""
+    return SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, sampling_probability(num_samples, batch_size)),
+                             steps)
+
+
+def compose(*events: PrivacyEvent | None) -> PrivacyEvent | None:
+    """The events of one release composed (``None`` where there is none: a release made without DP)."""
+    present = [e for e in events if e is not None]
+    if len(present) != len(events):
+        if present:
+            raise ConfigError("a release made partly with DP and partly without has no guarantee; make every part "
+                              "of it private, or none")
+        return None
+    return present[0] if len(present) == 1 else ComposedEvent(tuple(present))
+
+
+def private_release(message: Message, purpose: str, *events: PrivacyEvent | None,
+                    metadata: Mapping[str, Any] | None = None) -> Release:
+    """A release of ``message`` made by the mechanisms whose ``events`` are given (all ``None``: made without DP,
+    recorded with epsilon = infinity)."""
+    event = compose(*events)
+    if event is None:
+        return Release.non_private(message, purpose)
+    return Release(message, purpose=purpose, event=event, metadata=dict(metadata or {}))
+
+
+def _calibrated(procedure: ClientProcedure, num_samples: int, round_event) -> float:
+    """Record level: the noise multiplier of ``procedure``'s clients of ``num_samples`` records (calibrated once per
+    size, settings and planned participations, then reused)."""
+    if procedure.privacy.noise_multiplier is not None:
+        return float(procedure.privacy.noise_multiplier)
+    key = (type(procedure).__name__, repr(procedure.config), num_samples)
+    cache = _CALIBRATIONS.setdefault((procedure.privacy, procedure.participations), {})
+    if key not in cache:
+        cache[key] = record_noise_multiplier(procedure.privacy, round_event, procedure.participations)
+    return cache[key]
+
+
+_CALIBRATIONS: dict[tuple[TrainingPrivacy, int], dict[tuple, float]] = {}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from privfl.data import TrainingClient
+from privfl.errors import check
 from privfl.federation.messages import Message, Release
 from privfl.methods.base import (
     ClientContext,
@@ -24,13 +25,10 @@ from privfl.methods.base import (
     ClientState,
     LocalTrainingConfig,
     Strategy,
-    _finite,
-    _require,
+    private_release,
     register_method,
 )
-from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
-from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
-from privfl.privacy.mechanisms import NOISE_SOURCES
+from privfl.methods.local_training import difference, sgd_settings, weights_of
 
 
 @dataclass(frozen=True)
@@ -41,41 +39,14 @@ class ServerStepConfig(LocalTrainingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.server_lr) and self.server_lr > 0, "server_lr", self.server_lr,
-                 "a finite number > 0")
+        check.positive(self.server_lr, "server_lr")
 
 
 @dataclass(frozen=True)
 class FedAvgConfig(ServerStepConfig):
-    """FedAvg's settings. With ``dp_noise_multiplier`` set, clients train with DP-SGD (Opacus, Poisson sampling,
-    per-sample clipping at ``dp_max_grad_norm``) and each round's weight change is released with that round's
-    DP-SGD event (record-level, add/remove one); the client's ledger composes the rounds for its whole life.
-    ``dp_noise`` is ``"secure"`` (default; OS-seeded sampling and noise) or ``"seeded"`` (from the client's keyed
-    generator: reproducible, for research runs only, since the server knows the run seed).
-    """
-
-    dp_noise_multiplier: float | None = None
-    dp_max_grad_norm: float = 1.0
-    dp_noise: str = "secure"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require(self.dp_noise_multiplier is None
-                 or (_finite(self.dp_noise_multiplier) and self.dp_noise_multiplier > 0),
-                 "dp_noise_multiplier", self.dp_noise_multiplier, "None or a finite number > 0")
-        _require(_finite(self.dp_max_grad_norm) and self.dp_max_grad_norm > 0, "dp_max_grad_norm",
-                 self.dp_max_grad_norm, "a finite number > 0")
-        _require(self.dp_noise in NOISE_SOURCES, "dp_noise", self.dp_noise, "'secure' or 'seeded'")
-        if self.dp_noise_multiplier is None:   # DP settings that would silently do nothing
-            for name, default in (("dp_max_grad_norm", 1.0), ("dp_noise", "secure")):
-                _require(getattr(self, name) == default, name, getattr(self, name),
-                         f"left at {default!r} without dp_noise_multiplier (without it clients train without DP)")
-
-    @property
-    def training_dp(self) -> str | None:
-        """What protects the training clients' releases (``None``: nothing), read by
-        :class:`~privfl.experiment.RunConfig`."""
-        return None if self.dp_noise_multiplier is None else f"DP-SGD (dp_noise_multiplier={self.dp_noise_multiplier})"
+    """FedAvg's settings: local SGD (:class:`~privfl.methods.base.LocalTrainingConfig`) and the server learning rate.
+    Its training clients are protected by the run's privacy layer (``RunConfig.privacy``): record level trains with
+    DP-SGD, each round's weight change released with that round's event."""
 
 
 def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -104,12 +75,21 @@ class FedAvgStrategy(Strategy):
         if not replies:
             return {}
         ids = sorted(replies)
-        # DP-SGD clients send no sample count (it depends on the data): their changes are averaged uniformly.
+        # Private clients send no sample count (it depends on the data): their changes are averaged uniformly.
         counts = [replies[cid].metrics.get("num_examples", 1.0) for cid in ids]
         change = weighted_mean([replies[cid].arrays for cid in ids], counts)
         self.weights = {k: v + self.config.server_lr * change[k] for k, v in self.weights.items()}
         losses = [replies[cid].metrics.get("loss", float("nan")) for cid in ids]
         return {"train_loss": weighted_mean_scalar(losses, counts)}
+
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        return {k: torch.zeros_like(v) for k, v in self.weights.items()}
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """w <- w + server_lr * (noisy mean weight change): step 3 with uniform weights (the sample counts are
+        private)."""
+        self.weights = {k: v + self.config.server_lr * mean[k].to(v.dtype) for k, v in self.weights.items()}
+        return {}
 
     def novel_request(self, client_id: int) -> Message:
         return Message(arrays=self.weights)
@@ -133,36 +113,24 @@ class FedAvgClient(ClientProcedure):
         return None
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        """Local SGD from the received weights (DP-SGD under record-level DP, where the sample count and loss, which
+        no mechanism covers, are not sent); the release is the weight change."""
         start = message.arrays
         model = self.model_from(start)
-        if self.config.dp_noise_multiplier is not None:
-            return self.train_private(data, model, start, message, ctx)
-        loss = local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, extra_loss=self.local_objective(start, state),
-                         **sgd_settings(message.config))
-        update = Message(
-            arrays=difference(weights_of(model), start),
-            metrics={"num_examples": float(data.num_train), "loss": loss},
-        )
-        return Release.non_private(update, purpose="model_update")
+        loss, event = self.fit(model, data, sgd_settings(message.config), ctx.rng,
+                               extra_loss=self.local_objective(start, state))
+        metrics = {} if event is not None else {"num_examples": float(data.num_train), "loss": loss}
+        return private_release(Message(arrays=difference(weights_of(model), start), metrics=metrics), "model_update",
+                               event, metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
 
-    def train_private(self, data: TrainingClient, model, start, message: Message, ctx: ClientContext) -> Release:
-        """DP-SGD local training; the release carries only the weight change and this round's DP-SGD event.
 
-        The change is post-processing of the DP-SGD iterates, so the round's event covers it. The sample count and
-        training loss are not sent: they depend on the data and no mechanism covers them. (The accountant takes n as
-        known for the sampling rate q = batch_size / n, which the round's event records: a ledger sent to the server,
-        as Flower's summary does, gives n; see ``privfl.federation.flower.protocol.OUTSIDE_LEDGER``.)
-        """
-        trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.config.dp_noise_multiplier,
-                                           max_grad_norm=self.config.dp_max_grad_norm, noise=self.config.dp_noise))
-        settings = sgd_settings(message.config)
-        _, event = trainer.train(model, data.x_train, data.y_train, lr=settings["lr"], steps=settings["steps"],
-                                 batch_size=settings["batch_size"], rng=ctx.rng)
-        return Release(Message(arrays=difference(weights_of(model), start)), purpose="model_update", event=event,
-                       metadata={"noise": self.config.dp_noise, "max_grad_norm": self.config.dp_max_grad_norm})
+#: What the FedAvg family's registrations declare: every mode runs (the server step is a mean of the clients' weight
+#: changes, so central and distributed DP step from their noisy mean).
+FEDAVG_PRIVACY = {"record": None, "central": None, "distributed": None, "local": None}
 
 
 register_method(
     "fedavg", strategy=FedAvgStrategy, client=FedAvgClient, config=FedAvgConfig,
     description="FedAvg: sample-size weighted average of local SGD updates; novel clients get the global model",
+    privacy=FEDAVG_PRIVACY,
 )

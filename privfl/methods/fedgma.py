@@ -20,21 +20,23 @@ from dataclasses import dataclass
 
 import torch
 
+from accounting.validation import is_finite
+from privfl.errors import check
 from privfl.federation.messages import Message
-from privfl.methods.base import _finite, _require, register_method
+from privfl.methods.base import register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgConfig, FedAvgStrategy, weighted_mean, weighted_mean_scalar
 
 
 @dataclass(frozen=True)
 class FedGMAConfig(FedAvgConfig):
-    """FedAvg's settings (``lr`` = eta_c, ``server_lr`` = eta_g; DP-SGD clients too: the mask is post-processing of
-    the released changes) plus the agreement threshold ``threshold`` = tau."""
+    """FedAvg's settings (``lr`` = eta_c, ``server_lr`` = eta_g; under record-level or local DP the mask is
+    post-processing of the released changes) plus the agreement threshold ``threshold`` = tau."""
 
     threshold: float = 0.1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.threshold) and 0 <= self.threshold <= 1, "threshold", self.threshold, "in [0, 1]")
+        check.require(is_finite(self.threshold) and 0 <= self.threshold <= 1, "threshold", self.threshold, "in [0, 1]")
 
 
 def sign_agreement(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -70,4 +72,9 @@ class FedGMAStrategy(FedAvgStrategy):
 register_method(
     "fedgma", strategy=FedGMAStrategy, client=FedAvgClient, config=FedGMAConfig,
     description="FedGMA: FedAvg with a sign-agreement soft mask (threshold tau) on the server step",
+    privacy={"record": None, "local": None,
+             "central": "its server step masks coordinates by the agreement of each client's own update signs, "
+                        "not a function of the clients' noisy mean",
+             "distributed": "its server step needs each client's update signs, which secure aggregation hides "
+                            "(only the sum is seen)"},
 )

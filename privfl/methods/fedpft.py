@@ -25,17 +25,22 @@ The server only relays (the runtime is a star); after the last hop it trains the
 the last client's mixtures, which summarise everyone.
 
 **Privacy.** Plain FedPFT is *not* private: every message is recorded as non-private (epsilon = infinity). When
-``K >= n_c`` the means are raw features. With ``dp_epsilon`` set (DP-FedPFT) each client sends the DP-GMM release
+``K >= n_c`` the means are raw features. Under record-level privacy (``RunConfig.privacy``,
+``TrainingPrivacy(mode="record", epsilon=...)``: DP-FedPFT) each client sends the DP-GMM release
 of :func:`privfl.privacy.dp_gmm.release_class_gaussians`: K = 1 per class, features L2-normalised (so clipping to
 the unit sphere, ``project="sphere"`` with bound 1, changes nothing and the sensitivities hold), sensitivities derived
-from the per-class counts, one analytic Gaussian over the jointly calibrated blocks (the release spends exactly
-``dp_epsilon``), counts either noised or declared public (``dp_counts``; public means replace-one within the public
+from the per-class counts, one analytic Gaussian over the jointly calibrated blocks (the release spends exactly the
+run's epsilon), counts either noised or declared public (``dp_counts``; public means replace-one within the public
 class histogram), PSD projection. With spherical covariance no budget goes to the second moment: on the sphere it is
 ``n_c``, a function of the count. The release is one message per client, accounted as one
 composed event in that client's ledger by the wire; clients hold disjoint data, so each record's guarantee is its own
 client's (epsilon, delta) (parallel composition). The server's sampling and head training are post-processing.
 Only the centralized topology is offered with DP (a hop in the chain would mix received synthetic data into the
 client's own statistics, whose sensitivity this release does not cover).
+
+Client level: ``local`` is the layer's generic clip-and-noise of the whole message, whose class counts travel as
+integers, which Gaussian noise cannot carry, so it is refused; ``central`` and ``distributed`` are refused too: the
+server samples from each client's own mixtures, not from a mean of them.
 """
 
 from __future__ import annotations
@@ -49,22 +54,25 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting import GaussianEvent
+from accounting import epsilon as accounting_epsilon
+from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import (
     ClientContext,
     ClientProcedure,
     ClientState,
+    MethodConfig,
     ModelFactory,
     Strategy,
-    _finite,
-    _require,
     register_method,
 )
 from privfl.methods.local_training import local_sgd, weights_of
 from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES, check_data, release_class_gaussians
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 __all__ = [
     "COVARIANCE_TYPES", "HEADS", "TOPOLOGIES", "ClassMixture", "FeatureHead", "FedPFTClient", "FedPFTConfig",
@@ -86,7 +94,7 @@ _COUNT_DTYPE = torch.int32
 
 def gmm_floats(dim: int, components: int, covariance: str) -> int:
     """Floats of one class's mixture: per component a weight, a mean (d) and a covariance (d(d+1)/2, d or 1)."""
-    _require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
+    check.require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
     per_component = {"full": 2 * dim + (dim * dim - dim) // 2 + 1, "diag": 2 * dim + 1, "spherical": dim + 2}
     return per_component[covariance] * components
 
@@ -145,9 +153,9 @@ def fit_class_mixtures(features: Any, labels: Any, *, num_classes: int, componen
     """
     from sklearn.mixture import GaussianMixture
 
-    _require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
-    _require(isinstance(components, int) and not isinstance(components, bool) and components >= 1, "components",
-             components, "an integer >= 1")
+    check.require(covariance in COVARIANCE_TYPES, "covariance", covariance, f"one of {', '.join(COVARIANCE_TYPES)}")
+    check.require(isinstance(components, int) and not isinstance(components, bool) and components >= 1, "components",
+                  components, "an integer >= 1")
     x_checked, y_checked = check_data(features, labels, num_classes)   # labels: integers in [0, num_classes)
     x, y = x_checked.numpy(), y_checked.numpy()
     mixtures = []
@@ -334,7 +342,7 @@ def train_head(head: nn.Module, x: Any, y: Any, *, lr: float, epochs: float, bat
 
 
 @dataclass(frozen=True)
-class FedPFTConfig:
+class FedPFTConfig(MethodConfig):
     """FedPFT's settings.
 
     Attributes:
@@ -349,13 +357,13 @@ class FedPFTConfig:
             no validation split) uses it as set, without tuning it; for a new backbone or dataset choose it on
             training clients' validation splits (``fedpft_baselines.select_on_validation``), never on test data.
         reg_covar, max_iter: EM settings (scikit-learn's defaults).
-        dp_epsilon: ``None`` for FedPFT; a finite epsilon > 0 for DP-FedPFT (K = 1).
-        dp_delta: the public delta of each client's release (e.g. 1e-5; never 1/n).
-        dp_counts: ``"public"`` (counts sent in the clear; replace-one within the public class histogram) or
-            ``"noisy"`` (counts privatised too).
-        dp_relation: ``"replace_one"`` or ``"add_or_remove_one"`` (the latter needs ``dp_counts="noisy"``).
-        dp_noise: ``"secure"`` (default; OS-seeded) or ``"seeded"`` (reproducible research runs, from the client's
-            own ``dp_noise_seed``; anyone who knows that seed can subtract the noise).
+        dp_counts: DP-FedPFT's release (record-level privacy, ``RunConfig.privacy``): ``"public"`` (counts sent in
+            the clear; replace-one within the public class histogram) or ``"noisy"`` (counts privatised too).
+        dp_relation: DP-FedPFT's neighbouring relation: ``"replace_one"`` or ``"add_or_remove_one"`` (the latter
+            needs ``dp_counts="noisy"``).
+
+    DP-FedPFT is FedPFT under record-level privacy (``TrainingPrivacy(mode="record", epsilon=...)``): each training
+    client sends one DP-GMM release at the run's (epsilon, delta), with K = 1 and unit-norm features.
     """
 
     components: int = 10
@@ -370,61 +378,45 @@ class FedPFTConfig:
     head_weight_decay: float = 0.0
     reg_covar: float = 1e-6
     max_iter: int = 100
-    dp_epsilon: float | None = None
-    dp_delta: float = 1e-5
     dp_counts: str = "public"
     dp_relation: str = "replace_one"
-    dp_noise: str = "secure"
-    dp_noise_seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.components, int) and not isinstance(self.components, bool)
-                 and self.components >= 1, "components", self.components, "an integer >= 1")
-        _require(self.covariance in COVARIANCE_TYPES, "covariance", self.covariance,
-                 f"one of {', '.join(COVARIANCE_TYPES)}")
-        _require(isinstance(self.normalize, bool), "normalize", self.normalize, "true or false")
-        _require(self.samples_per_class is None or (isinstance(self.samples_per_class, int)
+        check.require(isinstance(self.components, int) and not isinstance(self.components, bool)
+                      and self.components >= 1, "components", self.components, "an integer >= 1")
+        check.require(self.covariance in COVARIANCE_TYPES, "covariance", self.covariance,
+                      f"one of {', '.join(COVARIANCE_TYPES)}")
+        check.require(isinstance(self.normalize, bool), "normalize", self.normalize, "true or false")
+        check.require(self.samples_per_class is None or (isinstance(self.samples_per_class, int)
                                                     and self.samples_per_class >= 1),
-                 "samples_per_class", self.samples_per_class, "None or an integer >= 1")
-        _require(self.topology in TOPOLOGIES, "topology", self.topology, f"one of {', '.join(TOPOLOGIES)}")
-        _require(self.head in HEADS, "head", self.head, f"one of {', '.join(HEADS)}")
-        _require(_finite(self.head_lr) and self.head_lr > 0, "head_lr", self.head_lr, "a finite number > 0")
-        _require(_finite(self.head_epochs) and self.head_epochs > 0, "head_epochs", self.head_epochs,
-                 "a finite number > 0")
-        _require(isinstance(self.head_batch_size, int) and self.head_batch_size >= 1, "head_batch_size",
-                 self.head_batch_size, "an integer >= 1")
-        _require(_finite(self.head_weight_decay) and self.head_weight_decay >= 0, "head_weight_decay",
-                 self.head_weight_decay, "a finite number >= 0")
-        _require(_finite(self.reg_covar) and self.reg_covar > 0, "reg_covar", self.reg_covar, "a finite number > 0")
-        _require(isinstance(self.max_iter, int) and self.max_iter >= 1, "max_iter", self.max_iter, "an integer >= 1")
-        if self.dp_epsilon is None:
+                      "samples_per_class", self.samples_per_class, "None or an integer >= 1")
+        check.require(self.topology in TOPOLOGIES, "topology", self.topology, f"one of {', '.join(TOPOLOGIES)}")
+        check.require(self.head in HEADS, "head", self.head, f"one of {', '.join(HEADS)}")
+        check.require(is_finite(self.head_lr) and self.head_lr > 0, "head_lr", self.head_lr, "a finite number > 0")
+        check.require(is_finite(self.head_epochs) and self.head_epochs > 0, "head_epochs", self.head_epochs,
+                      "a finite number > 0")
+        check.require(isinstance(self.head_batch_size, int) and self.head_batch_size >= 1, "head_batch_size",
+                      self.head_batch_size, "an integer >= 1")
+        check.require(is_finite(self.head_weight_decay) and self.head_weight_decay >= 0, "head_weight_decay",
+                      self.head_weight_decay, "a finite number >= 0")
+        check.require(is_finite(self.reg_covar) and self.reg_covar > 0, "reg_covar", self.reg_covar, "a finite number > 0")
+        check.require(isinstance(self.max_iter, int) and self.max_iter >= 1, "max_iter", self.max_iter, "an integer >= 1")
+        check.require(self.dp_counts in COUNTS_MODES, "dp_counts", self.dp_counts, f"one of {', '.join(COUNTS_MODES)}")
+        check.require(self.dp_relation in ("replace_one", "add_or_remove_one"), "dp_relation", self.dp_relation,
+                      "'replace_one' or 'add_or_remove_one'")
+        check.require(not (self.dp_counts == "public" and self.dp_relation == "add_or_remove_one"), "dp_counts",
+                      self.dp_counts, "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """DP-FedPFT (record level) releases one DP-GMM per client: K = 1 (EM-fitted mixtures are not DP),
+        unit-norm features (the sensitivities need the unit ball), one hop (a chain would release twice)."""
+        if privacy.mode != RECORD:
             return
-        _require(_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
-                 "None (FedPFT) or a finite number > 0 (DP-FedPFT)")
-        _require(_finite(self.dp_delta) and 0 < self.dp_delta < 1, "dp_delta", self.dp_delta, "a probability in (0, 1)")
-        _require(self.components == 1, "components", self.components,
-                 "1 with DP (EM-fitted mixtures, K > 1, are not differentially private)")
-        _require(self.normalize, "normalize", self.normalize,
-                 "true with DP (features must lie in the unit ball for the sensitivities to hold)")
-        _require(self.topology == "centralized", "topology", self.topology, "'centralized' with DP")
-        _require(self.dp_counts in COUNTS_MODES, "dp_counts", self.dp_counts, f"one of {', '.join(COUNTS_MODES)}")
-        _require(self.dp_relation in ("replace_one", "add_or_remove_one"), "dp_relation", self.dp_relation,
-                 "'replace_one' or 'add_or_remove_one'")
-        _require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
-        _require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool), "dp_noise_seed",
-                 self.dp_noise_seed, "an int")
-        _require(not (self.dp_counts == "public" and self.dp_relation == "add_or_remove_one"), "dp_counts",
-                 self.dp_counts, "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
-
-    @property
-    def private(self) -> bool:
-        return self.dp_epsilon is not None
-
-    @property
-    def training_dp(self) -> str | None:
-        """What protects the training clients' releases (``None``: nothing), read by
-        :class:`~privfl.experiment.RunConfig`."""
-        return f"DP-FedPFT (dp_epsilon={self.dp_epsilon})" if self.private else None
+        check.require(self.components == 1, "components", self.components,
+                      "1 with DP (EM-fitted mixtures, K > 1, are not differentially private)")
+        check.require(self.normalize, "normalize", self.normalize,
+                      "true with DP (features must lie in the unit ball for the sensitivities to hold)")
+        check.require(self.topology == "centralized", "topology", self.topology, "'centralized' with DP")
 
     def head_settings(self) -> dict[str, Any]:
         return {"lr": self.head_lr, "epochs": self.head_epochs, "batch_size": self.head_batch_size,
@@ -536,7 +528,7 @@ class FedPFTClient(ClientProcedure):
                                   reg_covar=cfg.reg_covar, max_iter=cfg.max_iter), (x, y)
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
-        if self.config.private:
+        if self.record_level:
             return self._private_release(data, ctx)
         mixtures, _ = self._mixtures(data, ctx, None)
         if self.config.topology == "decentralized":
@@ -569,15 +561,16 @@ class FedPFTClient(ClientProcedure):
 
     def _private_release(self, data: TrainingClient, ctx: ClientContext) -> Release:
         """DP-FedPFT: :func:`release_class_gaussians` on unit-norm features; the wire records its composed event."""
-        cfg = self.config
-        generator = None
-        if cfg.dp_noise == "seeded":   # the client's own seed; never the run seed, which the server knows
-            generator = torch.Generator().manual_seed(derive_seed(cfg.dp_noise_seed, "fedpft_dp_noise", ctx.client_id))
+        cfg, privacy = self.config, self.privacy
+        # calibrated to the run's epsilon; with a noise multiplier z instead, to the epsilon a Gaussian release of
+        # noise multiplier z spends at delta (the release's blocks are calibrated jointly, as one Gaussian)
+        epsilon = privacy.epsilon if privacy.epsilon is not None else accounting_epsilon(
+            GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
         release = release_class_gaussians(
             _features(data.x_train, cfg), data.y_train, num_classes=self.model_factory.num_classes,
-            epsilon=cfg.dp_epsilon, delta=cfg.dp_delta, bound=1.0, covariance=cfg.covariance, components=1,
-            counts=cfg.dp_counts, relation=cfg.dp_relation, noise=cfg.dp_noise, generator=generator,
-            eigenvalue_floor=cfg.reg_covar, project="sphere")
+            epsilon=epsilon, delta=privacy.delta, bound=1.0, covariance=cfg.covariance, components=1,
+            counts=cfg.dp_counts, relation=cfg.dp_relation, eigenvalue_floor=cfg.reg_covar, project="sphere",
+            **self.noise_source(ctx, "fedpft_dp_noise"))
         mixtures = []
         for cls in release.classes:
             count = max(0, int(round(float(cls.count))))
@@ -588,7 +581,7 @@ class FedPFTClient(ClientProcedure):
                                          covariances=cov[None] if cov.ndim else cov.reshape(1),
                                          covariance_type=cfg.covariance))
         return Release(Message(arrays=encode_mixtures(mixtures)), purpose="dp_gmm", event=release.event,
-                       metadata={**release.metadata(), "noise": cfg.dp_noise})
+                       metadata={**release.metadata(), "noise": privacy.noise})
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         own = {k[len("head."):]: v for k, v in state.items() if k.startswith("head.")}
@@ -601,5 +594,13 @@ class FedPFTClient(ClientProcedure):
 register_method(
     "fedpft", strategy=FedPFTStrategy, client=FedPFTClient, config=FedPFTConfig,
     description="FedPFT: one-shot per-class Gaussian mixtures of frozen features; the server trains a head on samples "
-                "(dp_epsilon set: DP-FedPFT, K = 1)",
+                "(under record-level privacy: DP-FedPFT, K = 1)",
+    privacy={"record": None,
+             "local": "its message carries integer class counts, which the layer's Gaussian noise cannot carry; "
+                      "record-level DP (DP-FedPFT) noises the counts itself",
+             "central": "the server samples synthetic features from each client's own mixtures, not from a mean of "
+                        "per-client vectors",
+             "distributed": "the server samples synthetic features from each client's own mixtures, which secure "
+                            "aggregation hides (only sums are seen)"},
+    smoke_settings={"components": 1, "head_epochs": 2.0},
 )

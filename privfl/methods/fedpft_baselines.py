@@ -6,8 +6,9 @@ FedPFT's server (:func:`~privfl.methods.fedpft.train_head`), on the training cli
 private: centralized sends raw features; local heads and the ensemble send a head trained on raw data; their
 communication is reported, not recorded in a ledger (they are experimenter-side references, not methods of a run).
 
-Bytes (per the paper's conventions, digest section 9): raw features in float16 (``n * d * 2``, labels not counted);
-a head in float32 (``4 * (C d + C)``), which is what ``fedavg`` puts on the wire.
+Bytes (the conventions the FedPFT paper's Tables 2 and 5 follow, docs/papers.md, FedPFT): raw features in float16
+(``n * d * 2``, labels not counted); a head in float32 (``4 * (C d + C)``), which is what ``fedavg`` puts on the
+wire.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """FedProx (Li et al., MLSys 2020): FedAvg whose local objective adds (mu / 2) * ||w - w_global||^2.
 
-The server side is FedAvg's; only the client's local objective changes.
+The server side is FedAvg's; only the client's local objective changes. Under record-level DP the proximal term's
+gradient mu (w - w_global) depends on the current iterate and the server's weights only, not on the data: DP-SGD adds
+it outside the clipped, noised per-sample sum (``extra_loss`` of :meth:`~privfl.methods.base.ClientProcedure.fit`),
+so it costs no privacy.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from privfl.methods.base import ClientState, _require, register_method
-from privfl.methods.fedavg import FedAvgClient, FedAvgConfig, FedAvgStrategy
+from privfl.errors import check
+from privfl.methods.base import ClientState, register_method
+from privfl.methods.fedavg import FEDAVG_PRIVACY, FedAvgClient, FedAvgConfig, FedAvgStrategy
 
 
 @dataclass(frozen=True)
@@ -21,9 +25,7 @@ class FedProxConfig(FedAvgConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.mu >= 0 and self.mu != float("inf"), "mu", self.mu, "a finite number >= 0")
-        _require(self.dp_noise_multiplier is None, "dp_noise_multiplier", self.dp_noise_multiplier,
-                 "None for fedprox (DP-SGD has no proximal term here; use fedavg)")
+        check.non_negative(self.mu, "mu")
 
 
 class FedProxClient(FedAvgClient):
@@ -42,4 +44,5 @@ class FedProxClient(FedAvgClient):
 register_method(
     "fedprox", strategy=FedAvgStrategy, client=FedProxClient, config=FedProxConfig,
     description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2 in the local objective",
+    privacy=FEDAVG_PRIVACY,
 )

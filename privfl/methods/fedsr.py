@@ -14,7 +14,23 @@ on a minibatch (x, y) (the paper's Sec. 3, Eqs. 4 to 8; numbered as this module 
 5. minimise L_CE + alpha_L2R * L2R + alpha_CMI * CMI by SGD over every parameter above.
 
 The server averages all of them as FedAvg does. Coefficients alpha_L2R = 0.01 and alpha_CMI = 0.0005 are the FedSR
-defaults that the FedTTA paper kept (digest section 6.2); its MNIST learning rate is 0.3 (Table 4).
+defaults that the FedTTA paper kept, not searched (Ye et al., App. D); its MNIST learning rate is 0.3 (Table 4).
+
+Privacy (the run's privacy layer, ``RunConfig.privacy``; :mod:`privfl.privacy.training`). Every mode runs.
+
+* ``record`` (add or remove one record): the loss of step 5 is a batch mean of per-record terms (L_CE, ||z_i||, and
+  the KL of record i against the reference of its own label), with z_i drawn from noise independent of the data, so
+  it is a per-sample loss (:func:`record_objective`) and the round trains by DP-SGD
+  (:meth:`~privfl.methods.base.ClientProcedure.fit`): each record's gradient over every parameter above, clipped to
+  C, noised (Abadi et al. 2016). The reparametrised draw needs a fresh eps per record, which the engine's
+  ``torch.func`` path gives (``vmap`` with ``randomness="different"``; the ``"fast"`` path refuses the loss, which
+  indexes the reference parameters by label). The release (the weight change) is post-processing of the noisy steps:
+  one DP-SGD fit per round, the default :meth:`~privfl.methods.base.ClientProcedure.round_event`; the loss parts and
+  the sample count, which no mechanism covers, are not sent, and a change that is not finite (diverged training) is
+  released as zeros in every privacy mode rather than failing the round (:func:`update_release`).
+* ``local`` and ``distributed``: the layer clips the weight change jointly and adds the noise; ``central``: the
+  server step is FedAvg's mean of the changes (:meth:`~privfl.methods.fedavg.FedAvgStrategy.apply_mean`), so the
+  trusted aggregator steps from their clipped sum noised once.
 
 Compact design choices (documented simplifications): the FedSR networks emit (mu, sigma) from one layer of width
 2d; here mu is the target network's own penultimate layer and a d x d head adds sigma, so the classifier and the
@@ -24,6 +40,8 @@ posterior mean. Novel clients send nothing.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,13 +50,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting import PrivacyEvent
+from accounting.validation import is_finite
 from privfl.data import TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import seeded_init
-from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
-from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig
+from privfl.methods.base import ClientContext, ClientProcedure, ClientState, private_release, register_method
+from privfl.methods.fedavg import FEDAVG_PRIVACY, FedAvgClient, FedAvgStrategy, ServerStepConfig
 from privfl.methods.local_training import difference, minibatches, sgd_settings, weights_of
+from privfl.privacy.dp_sgd import GenericPathWarning
 
 L2R_FORMS = ("norm", "squared")
 
@@ -54,9 +75,9 @@ class FedSRConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.l2r_coeff) and self.l2r_coeff >= 0, "l2r_coeff", self.l2r_coeff, "a finite number >= 0")
-        _require(_finite(self.cmi_coeff) and self.cmi_coeff >= 0, "cmi_coeff", self.cmi_coeff, "a finite number >= 0")
-        _require(self.l2r in L2R_FORMS, "l2r", self.l2r, f"one of {', '.join(L2R_FORMS)}")
+        check.require(is_finite(self.l2r_coeff) and self.l2r_coeff >= 0, "l2r_coeff", self.l2r_coeff, "a finite number >= 0")
+        check.require(is_finite(self.cmi_coeff) and self.cmi_coeff >= 0, "cmi_coeff", self.cmi_coeff, "a finite number >= 0")
+        check.require(self.l2r in L2R_FORMS, "l2r", self.l2r, f"one of {', '.join(L2R_FORMS)}")
 
 
 def classifier_layer(model: nn.Module) -> nn.Linear:
@@ -87,18 +108,29 @@ def forward_with_representation(model: nn.Module, x: torch.Tensor,
 
 def l2_representation(z: torch.Tensor, *, squared: bool = False) -> torch.Tensor:
     """L2R (step 3): the batch mean of ||z_i||_2, or of ||z_i||_2^2 with ``squared``."""
-    return (z ** 2).sum(dim=1).mean() if squared else z.norm(dim=1).mean()
+    return record_l2_representation(z, squared=squared).mean()
+
+
+def record_l2_representation(z: torch.Tensor, *, squared: bool = False) -> torch.Tensor:
+    """||z_i||_2 (or its square) of each record, shape (B,)."""
+    return (z ** 2).sum(dim=1) if squared else z.norm(dim=1)
 
 
 def conditional_mi_bound(mu: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor, r_mu: torch.Tensor,
                          r_sigma_raw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """CMI (step 4): mean_i sum_j KL(N(C mu_ij, (C sigma_ij)^2) || N(r_mu[y_i]_j, softplus(r_sigma_raw)[y_i]_j^2))."""
+    return record_conditional_mi_bound(mu, sigma, y, r_mu, r_sigma_raw, scale).mean()
+
+
+def record_conditional_mi_bound(mu: torch.Tensor, sigma: torch.Tensor, y: torch.Tensor, r_mu: torch.Tensor,
+                                r_sigma_raw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Record i's term of :func:`conditional_mi_bound` (its KL summed over the d dimensions), shape (B,)."""
     r_sigma = nn.functional.softplus(r_sigma_raw)[y]
     r_mean = r_mu[y]
     mu_scaled, sigma_scaled = mu * scale, sigma * scale
     kl = (torch.log(r_sigma) - torch.log(sigma_scaled)
           + (sigma_scaled ** 2 + (mu_scaled - r_mean) ** 2) / (2 * r_sigma ** 2) - 0.5)
-    return kl.sum(dim=1).mean()
+    return kl.sum(dim=1)
 
 
 class FedSRModel(nn.Module):
@@ -128,14 +160,28 @@ class FedSRModel(nn.Module):
         parts["mu"], parts["logits"] = forward_with_representation(self.target, x, reparametrise)
         return parts
 
+    def record_terms(self, x: torch.Tensor, y: torch.Tensor, *, squared: bool = False) -> dict[str, torch.Tensor]:
+        """Steps 1 to 4 per record: ``{"ce", "l2r", "cmi"}``, each of shape (B,)."""
+        parts = self.sample(x)
+        return {"ce": nn.functional.cross_entropy(parts["logits"], y, reduction="none"),
+                "l2r": record_l2_representation(parts["z"], squared=squared),
+                "cmi": record_conditional_mi_bound(parts["mu"], parts["sigma"], y, self.r_mu, self.r_sigma, self.C)}
+
     def objective(self, x: torch.Tensor, y: torch.Tensor, *, l2r_coeff: float, cmi_coeff: float,
                   squared: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-        """Step 5's loss on one minibatch, and its parts (CE, L2R, CMI) as floats."""
-        parts = self.sample(x)
-        ce = nn.functional.cross_entropy(parts["logits"], y)
-        l2r = l2_representation(parts["z"], squared=squared)
-        cmi = conditional_mi_bound(parts["mu"], parts["sigma"], y, self.r_mu, self.r_sigma, self.C)
+        """Step 5's loss on one minibatch (the batch mean of :func:`record_objective`), and its parts (CE, L2R, CMI)
+        as floats."""
+        terms = self.record_terms(x, y, squared=squared)
+        ce, l2r, cmi = (terms[k].mean() for k in ("ce", "l2r", "cmi"))
         return ce + l2r_coeff * l2r + cmi_coeff * cmi, {"ce": ce.item(), "l2r": l2r.item(), "cmi": cmi.item()}
+
+
+def record_objective(model: FedSRModel, x: torch.Tensor, y: torch.Tensor, *, l2r_coeff: float, cmi_coeff: float,
+                     squared: bool = False) -> torch.Tensor:
+    """Step 5's loss of each record, shape (B,): L_CE + alpha_L2R L2R + alpha_CMI CMI of record i alone (the
+    per-sample loss of record-level DP-SGD; its batch mean is :meth:`FedSRModel.objective`)."""
+    terms = model.record_terms(x, y, squared=squared)
+    return terms["ce"] + l2r_coeff * terms["l2r"] + cmi_coeff * terms["cmi"]
 
 
 def sgd_on_batches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_of_batch, *, lr: float, steps: int,
@@ -183,24 +229,52 @@ class FedSRClient(FedAvgClient):
         return self._model
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
+        """Steps 1 to 5 for ``local_steps`` minibatches (record level: DP-SGD on :func:`record_objective`); the
+        release is the weight change."""
         start = message.arrays
         model = self.model_from(start)
         settings = sgd_settings(message.config)
         config = self.config
+        event, metrics = None, {}
+        if self.record_level:
+            losses = functools.partial(record_objective, l2r_coeff=config.l2r_coeff, cmi_coeff=config.cmi_coeff,
+                                       squared=config.l2r == "squared")
+            with warnings.catch_warnings():
+                # the label-indexed reference makes the torch.func path the only one for this loss: no news each round
+                warnings.simplefilter("ignore", GenericPathWarning)
+                _, event = self.fit(model, data, settings, ctx.rng, per_sample_loss=losses)
+        else:
+            def loss_of_batch(xb: torch.Tensor, yb: torch.Tensor):
+                return model.objective(xb, yb, l2r_coeff=config.l2r_coeff, cmi_coeff=config.cmi_coeff,
+                                       squared=config.l2r == "squared")
 
-        def loss_of_batch(xb: torch.Tensor, yb: torch.Tensor):
-            return model.objective(xb, yb, l2r_coeff=config.l2r_coeff, cmi_coeff=config.cmi_coeff,
-                                   squared=config.l2r == "squared")
+            parts = sgd_on_batches(model, data.x_train, data.y_train, loss_of_batch, rng=ctx.rng, **settings)
+            metrics = {"num_examples": float(data.num_train), "loss": parts["ce"], "l2r": parts["l2r"],
+                       "cmi": parts["cmi"]}
+        return update_release(self, difference(weights_of(model), start), event, metrics)
 
-        parts = sgd_on_batches(model, data.x_train, data.y_train, loss_of_batch, rng=ctx.rng, **settings)
-        update = Message(arrays=difference(weights_of(model), start),
-                         metrics={"num_examples": float(data.num_train), "loss": parts["ce"],
-                                  "l2r": parts["l2r"], "cmi": parts["cmi"]})
-        return Release.non_private(update, purpose="model_update")
+
+def update_release(procedure: ClientProcedure, update: dict[str, torch.Tensor], event: PrivacyEvent | None,
+                   metrics: dict[str, float]) -> Release:
+    """A weight change as a training client of FedSR, FedADG or AFL releases it (purpose ``"model_update"``), with
+    the round's record-level ``event`` (``None`` otherwise).
+
+    Under every privacy mode: ``metrics`` (data no mechanism covers) are not sent, and a non-finite change (the local
+    training diverged, which can depend on the data) is released as zeros rather than failing the round or
+    falling silent; at record level that decision reads the change alone, post-processing of DP-SGD's noisy steps.
+    Without DP the change and ``metrics`` are sent as they are.
+    """
+    if not procedure.privacy.private:
+        return private_release(Message(arrays=update, metrics=metrics), "model_update", event)
+    if not all(bool(torch.isfinite(v).all()) for v in update.values()):
+        update = {k: torch.zeros_like(v) for k, v in update.items()}
+    return private_release(Message(arrays=update), "model_update", event,
+                           metadata={"noise": procedure.privacy.noise, "max_grad_norm": procedure.privacy.clip})
 
 
 register_method(
     "fedsr", strategy=FedSRStrategy, client=FedSRClient, config=FedSRConfig,
     description="FedSR: FedAvg with a probabilistic representation, an L2 representation regulariser and a "
                 "conditional mutual-information regulariser",
+    privacy=FEDAVG_PRIVACY,   # per-record loss (record level); the server step is FedAvg's mean (central, distributed)
 )

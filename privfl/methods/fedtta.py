@@ -40,38 +40,71 @@ early-stopped adaptation, up to 50 steps, patience 1); the defaults are the pape
 
 Privacy
 -------
-Without ``dp_epsilon`` a round's release is the full (Delta psi, Delta phi), recorded as non-private. With it, each
-release is client-level DP: the concatenated update is clipped to ``dp_max_norm`` and noised on the client by
-:class:`privfl.privacy.client_dp.ClientLevelGaussian`, calibrated so that the client is (dp_epsilon, dp_delta)-DP
-over ``dp_participations`` releases (the argument, including why client sampling gives no amplification here, is in
-that module). Each release carries that lifetime budget (``calibrated_for``), so the client's ledger refuses a
-release beyond the cap, also after a resume; a schedule of client sampling that would take a client past it is
-refused before the run starts (:func:`privfl.experiment.build_runtime`). Novel clients release nothing.
+Training clients are protected by the run's privacy layer (``RunConfig.privacy``; the modes and their arguments are
+in :mod:`privfl.privacy.training`). Every mode runs; novel clients release nothing.
 
-Why per-sample DP-SGD does not apply directly: DP-SGD bounds each record's influence by clipping per-sample
-gradients of a loss that is a sum over records. The meta-loss is not: psi~ depends on l_per = ||g(f(X))||_2, a norm
-over the whole batch, so every record's outer loss depends on every other record of the batch, and one record can
-move the gradient of all of them (Opacus' per-sample hooks would silently compute something else, and they do not
-follow ``create_graph`` inner loops). The valid alternative is microbatch clipping: split each Poisson-sampled batch
-into disjoint microbatches of s records (assigned by a per-record key so that adding or removing a record changes
-one microbatch only), run steps 2-5 inside each microbatch, clip each microbatch's meta-gradient (psi and phi
-together) to C, sum, add N(0, sigma^2 C^2) and account as DP-SGD with sampling rate B / n (add-or-remove-one: one
-record touches one clipped unit). s = 64 keeps the paper's statistic but gives one clipped unit per step; s = 1
-makes the loss per-sample (|g(z)|) and changes the statistic seen at test time. Not implemented here.
+``record`` (add or remove one record of a training client's data). The paper's meta-loss cannot be trained with
+DP-SGD as it stands: psi~ depends on l_per = ||g(f(X))||_2, a norm over the whole batch, so every record's outer loss
+depends on every other record of its batch and one record can move the gradient of all of them; clipping
+per-record gradients of that loss bounds nothing (the ``"fast"`` per-sample path would silently compute something
+else). Two sound variants exist. Microbatches: the Poisson-sampled batch split into disjoint units by a per-record
+key, steps 2-5 inside each unit, each unit's meta-gradient (psi and phi together) clipped to C; one record touches one
+unit, but that unit's clipped gradient can move by 2 C (from one clipped vector to another), so the noise must be
+calibrated for sensitivity 2 C, and units of 64 keep the paper's statistic but leave one clipped unit per step. The
+other is s = 1, which this module implements: the **per-record meta-loss** (:func:`record_meta_losses`)
+
+    L_i = CE(f(x_i; psi~_i), y_i) + mu KL(teacher(x_i) || f(x_i; psi)),
+    psi~_i = psi - eta_in grad_psi |g(f(x_i; psi); phi)|,
+
+a function of record i alone (and of the parameters and the frozen server model), trained by DP-SGD
+(:meth:`~privfl.methods.base.ClientProcedure.fit`; the inner step differentiates through the model, so the
+per-record gradients come from the engine's ``torch.func`` path, :mod:`privfl.privacy.per_sample`, never from the
+``"fast"`` path, which refuses this loss). psi and phi are clipped together, each record's gradient over both to C, so
+one record moves one step's noisy sum by at most C: DP-SGD's argument (Abadi et al. 2016). The release
+(Delta psi, Delta phi) is post-processing of the noisy steps; one round is one DP-SGD fit of ``local_steps`` steps at
+q = batch_size / n, the default :meth:`~privfl.methods.base.ClientProcedure.round_event`. What it changes:
+
+* g is trained for |g(z)| of one record instead of the norm over 64, so under record-level DP the test-time loss is
+  the same per-record statistic, the mean of |g(f(x))| over the client's inputs (``tta_chunk`` defaults to 1 there,
+  to ``batch_size`` otherwise); FedTTA++'s early stopping is unchanged (it is local);
+* DP-SGD takes one step rule for all it trains; eta_ad stays phi's rate by training phi' = phi / s with
+  s = sqrt(eta_ad / eta_out) (g evaluated at s phi'; one step eta_out on phi' moves phi by eta_ad times its noisy
+  gradient, an exact reparametrisation that changes only which directions the joint clip favours), and weight decay
+  is the data-independent term (weight_decay / 2)(||psi||^2 + ||phi||^2) outside the clipped, noised sum, so each model
+  decays at its own rate as in step 5. ``adapt_momentum`` (momentum on phi only) has no counterpart and is refused at
+  record level, and so is ``grad_clip`` (DP-SGD's per-record clip replaces it);
+* the sample count and the loss, which no mechanism covers, are not sent.
+
+``local`` and ``distributed`` (replace one training client's whole dataset): the layer clips the joint
+(Delta psi, Delta phi) to C and adds the noise itself (:mod:`privfl.methods.private`). ``central`` (add or remove one
+client, trusted aggregator): the server step is the mean of those updates (:meth:`FedTTAStrategy.apply_mean`), so the
+aggregator steps from their clipped sum noised once. ``weighted=True`` needs each client's sample count, which a
+private client does not send: it is refused with every privacy mode.
+
+Silence. Without DP a client whose meta-training diverged sends nothing (the authors' code gives it weight 0). Under
+every privacy mode it releases a zero update instead: whether a client speaks would otherwise depend on its data
+outside every mechanism (local and distributed DP require a release from every sampled client). At record level the
+decision looks at the update alone, post-processing of DP-SGD's noisy steps, never at the training loss.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
 
-
+from accounting import PrivacyEvent
+from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
@@ -80,14 +113,13 @@ from privfl.methods.base import (
     ClientState,
     LocalTrainingConfig,
     Strategy,
-    _finite,
-    _int_at_least,
-    _require,
+    private_release,
     register_method,
 )
 from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
 from privfl.methods.local_training import difference, minibatches, weights_of
-from privfl.privacy.client_dp import MODES, ClientLevelGaussian
+from privfl.privacy.dp_sgd import GenericPathWarning
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 KL_DIRECTIONS = ("teacher_student", "student_teacher")
 PSI, PHI = "psi.", "phi."
@@ -106,17 +138,14 @@ class FedTTAConfig(LocalTrainingConfig):
     FedTTA). ``tta_steps`` test-time steps (0: no adaptation, an ablation), with ``patience`` (``None``: no early
     stopping, the last iterate is used) the entropy early stopping of FedTTA++, ``unadapted_candidate`` whether the
     unadapted model competes in it (see the module docstring). ``tta_chunk`` is the test-time chunk size of l_per
-    (``None``: ``batch_size``, the size the training loss was computed on). ``adapt_hidden`` and ``adapt_layers``
-    shape g. ``weighted`` weights the server mean by train-split size. ``lr_decay`` decays eta_out, eta_in and eta_ad
-    alike. ``weight_decay`` applies to both models and to the inner step; ``grad_clip`` clips psi's and phi's
-    meta-gradients separately and the test-time gradient.
+    (``None``: the size the training loss was computed on, ``batch_size``, or 1 under record-level DP).
+    ``adapt_hidden`` and ``adapt_layers`` shape g. ``weighted`` weights the server mean by train-split size.
+    ``lr_decay`` decays eta_out, eta_in and eta_ad alike. ``weight_decay`` applies to both models and to the inner
+    step; ``grad_clip`` clips psi's and phi's meta-gradients separately and the test-time gradient.
 
-    Client-level DP (see module docstring): ``dp_epsilon`` (None: off), ``dp_delta``, ``dp_max_norm`` (C, joint L2
-    norm of (Delta psi, Delta phi)), ``dp_participations`` (the most rounds one client takes part in; required with
-    ``dp_epsilon``; a further release raises), ``dp_mode`` and ``dp_shares`` (``"distributed"``: M), ``dp_noise``
-    (``"secure"``, the default, OS-seeded; ``"seeded"``: reproducible research runs from the client's own
-    ``dp_noise_seed``). Under DP a client whose local loss diverged releases noise around a zero update rather than
-    staying silent.
+    Training clients are protected by the run's privacy layer (``RunConfig.privacy``; see the module docstring):
+    ``weighted`` must then be False, and at record level ``adapt_momentum`` 0 and ``grad_clip`` None
+    (:meth:`check_privacy`).
     """
 
     lr: float = 0.3
@@ -132,81 +161,52 @@ class FedTTAConfig(LocalTrainingConfig):
     adapt_hidden: int = 32
     adapt_layers: int = 3
     weighted: bool = False
-    dp_epsilon: float | None = None
-    dp_delta: float = 1e-5
-    dp_max_norm: float = 1.0
-    dp_participations: int | None = None
-    dp_mode: str = "local"
-    dp_shares: int = 1
-    dp_noise: str = "secure"
-    dp_noise_seed: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("inner_lr", "adapt_lr"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
-                     "a finite number > 0")
-        _require(_finite(self.adapt_momentum) and 0 <= self.adapt_momentum < 1, "adapt_momentum",
-                 self.adapt_momentum, "in [0, 1)")
-        _require(_finite(self.mu) and self.mu >= 0, "mu", self.mu, "a finite number >= 0")
-        _require(self.kl_direction in KL_DIRECTIONS, "kl_direction", self.kl_direction,
-                 f"one of {', '.join(KL_DIRECTIONS)}")
-        _require(_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps, "an integer >= 0")
-        _require(self.patience is None or _int_at_least(self.patience, 1), "patience", self.patience,
-                 "None (no early stopping) or an integer >= 1")
-        _require(self.patience is None or self.tta_steps >= 1, "tta_steps", self.tta_steps,
-                 "an integer >= 1 when patience is set")
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                          "a finite number > 0")
+        check.require(is_finite(self.adapt_momentum) and 0 <= self.adapt_momentum < 1, "adapt_momentum",
+                      self.adapt_momentum, "in [0, 1)")
+        check.require(is_finite(self.mu) and self.mu >= 0, "mu", self.mu, "a finite number >= 0")
+        check.require(self.kl_direction in KL_DIRECTIONS, "kl_direction", self.kl_direction,
+                      f"one of {', '.join(KL_DIRECTIONS)}")
+        check.require(is_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps, "an integer >= 0")
+        check.require(self.patience is None or is_int_at_least(self.patience, 1), "patience", self.patience,
+                      "None (no early stopping) or an integer >= 1")
+        check.require(self.patience is None or self.tta_steps >= 1, "tta_steps", self.tta_steps,
+                      "an integer >= 1 when patience is set")
         for name in ("adapt_hidden", "adapt_layers"):
-            _require(_int_at_least(getattr(self, name), 1), name, getattr(self, name), "an integer >= 1")
-        _require(self.tta_chunk is None or _int_at_least(self.tta_chunk, 1), "tta_chunk", self.tta_chunk,
-                 "None (batch_size) or an integer >= 1")
-        _require(isinstance(self.weighted, bool), "weighted", self.weighted, "True or False")
-        _require(isinstance(self.unadapted_candidate, bool), "unadapted_candidate", self.unadapted_candidate,
-                 "True or False")
-        _require(self.dp_mode in MODES, "dp_mode", self.dp_mode, f"one of {', '.join(MODES)}")
-        if self.dp_epsilon is not None:
-            _require(_finite(self.dp_epsilon) and self.dp_epsilon > 0, "dp_epsilon", self.dp_epsilon,
-                     "None or a finite number > 0")
-            _require(_finite(self.dp_delta) and 0 < self.dp_delta < 1, "dp_delta", self.dp_delta, "in (0, 1)")
-            _require(_finite(self.dp_max_norm) and self.dp_max_norm > 0, "dp_max_norm", self.dp_max_norm,
-                     "a finite number > 0")
-            _require(_int_at_least(self.dp_participations, 1), "dp_participations", self.dp_participations,
-                     "an integer >= 1 with dp_epsilon (the most rounds one client takes part in)")
-            _require(not self.weighted, "weighted", self.weighted,
-                     "False with dp_epsilon (the sample count is data-dependent and not released)")
-            _require(_int_at_least(self.dp_shares, 1) and (self.dp_mode == "distributed" or self.dp_shares == 1),
-                     "dp_shares", self.dp_shares, "an integer >= 1, and 1 unless dp_mode='distributed'")
-            _require(self.dp_noise in ("secure", "seeded"), "dp_noise", self.dp_noise, "'secure' or 'seeded'")
-            _require(isinstance(self.dp_noise_seed, int) and not isinstance(self.dp_noise_seed, bool),
-                     "dp_noise_seed", self.dp_noise_seed, "an int")
+            check.require(is_int_at_least(getattr(self, name), 1), name, getattr(self, name), "an integer >= 1")
+        check.require(self.tta_chunk is None or is_int_at_least(self.tta_chunk, 1), "tta_chunk", self.tta_chunk,
+                      "None (the training loss's size) or an integer >= 1")
+        check.require(isinstance(self.weighted, bool), "weighted", self.weighted, "True or False")
+        check.require(isinstance(self.unadapted_candidate, bool), "unadapted_candidate", self.unadapted_candidate,
+                      "True or False")
 
-    @property
-    def training_dp(self) -> str | None:
-        """What protects the training clients' releases (``None``: nothing), read by
-        :class:`~privfl.experiment.RunConfig`."""
-        return None if self.dp_epsilon is None else f"client-level DP (dp_epsilon={self.dp_epsilon})"
-
-    @property
-    def shares_per_round(self) -> int | None:
-        """M of ``dp_mode="distributed"``: the clients whose noise shares make up each round's sum (else ``None``)."""
-        return self.dp_shares if self.dp_epsilon is not None and self.dp_mode == "distributed" else None
-
-    @property
-    def participation_cap(self) -> int | None:
-        """The most rounds a training client may take part in (``dp_participations``; ``None``: no cap)."""
-        return None if self.dp_epsilon is None else self.dp_participations
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, the settings a privacy mode cannot honour (module docstring): ``weighted`` with
+        any mode (the sample counts are not sent), and at record level ``adapt_momentum`` (momentum on phi alone) and
+        ``grad_clip`` (DP-SGD's per-record clip replaces it)."""
+        if privacy.private and self.weighted:
+            raise ConfigError(f"weighted=True weights the server mean by each client's sample count, which a private "
+                              f"client does not send (no mechanism covers it); set weighted=False with privacy mode "
+                              f"{privacy.mode!r}")
+        if privacy.mode != RECORD:
+            return
+        if self.adapt_momentum:
+            raise ConfigError(f"adapt_momentum={self.adapt_momentum!r} puts momentum on phi only; record-level DP-SGD "
+                              "takes one step rule for psi and phi together; set adapt_momentum=0 with privacy mode "
+                              "'record'")
+        if self.grad_clip:
+            raise ConfigError(f"grad_clip={self.grad_clip!r} clips each step's batch gradient, a stabiliser DP-SGD "
+                              "replaces with its per-record clip (privacy clip); leave grad_clip unset with privacy "
+                              "mode 'record'")
 
     def round_config(self, round: int) -> dict:
         decay = self.lr_decay ** (round / 10)
         return {**super().round_config(round), "inner_lr": self.inner_lr * decay, "adapt_lr": self.adapt_lr * decay}
-
-    def privacy(self, generator: torch.Generator | None = None) -> ClientLevelGaussian | None:
-        """The client-level mechanism of one client, or ``None`` without ``dp_epsilon``."""
-        if self.dp_epsilon is None:
-            return None
-        return ClientLevelGaussian(epsilon=self.dp_epsilon, delta=self.dp_delta, max_norm=self.dp_max_norm,
-                                   participations=self.dp_participations, mode=self.dp_mode,
-                                   num_shares=self.dp_shares, generator=generator)
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,8 @@ def personalization_loss(g: nn.Module, phi: dict[str, torch.Tensor], logits: tor
     scores = functional_call(g, phi, (logits,)).reshape(-1)
     if chunk is None or chunk >= len(scores):
         return torch.linalg.vector_norm(scores)
+    if chunk == 1:   # the norm of one number is its absolute value (the record-level statistic)
+        return scores.abs().mean()
     return torch.stack([torch.linalg.vector_norm(piece) for piece in scores.split(chunk)]).mean()
 
 
@@ -301,6 +303,60 @@ def meta_loss(f: nn.Module, g: nn.Module, psi: dict[str, torch.Tensor], phi: dic
             raise ValueError("mu > 0 needs the frozen server model's logits (teacher_logits)")
         loss = loss + mu * proxy_kl(logits, teacher_logits.detach(), kl_direction)
     return loss, ce
+
+
+class MetaLearner(nn.Module):
+    """f(.; psi) and g(.; phi) as one module, so that record-level DP-SGD clips each record's gradient over psi and
+    phi together. g's own parameters hold phi' = phi / ``phi_scale`` and g is evaluated at ``phi_scale`` * phi' (the
+    reparametrisation that keeps eta_ad as phi's rate under DP-SGD's single step rule; see the module docstring)."""
+
+    def __init__(self, f: nn.Module, g: nn.Module, phi_scale: float) -> None:
+        super().__init__()
+        self.f = f
+        self.g = g
+        self.phi_scale = float(phi_scale)
+
+    def phi(self) -> dict[str, torch.Tensor]:
+        """phi = phi_scale * phi', by name."""
+        return {k: self.phi_scale * v for k, v in self.g.named_parameters()}
+
+
+def record_meta_losses(learner: MetaLearner, x: torch.Tensor, y: torch.Tensor, *, inner_lr: float,
+                       weight_decay: float = 0.0, mu: float = 0.0, teacher: Mapping[str, torch.Tensor] | None = None,
+                       kl_direction: str = "teacher_student") -> torch.Tensor:
+    """The per-record meta-loss of record-level DP (s = 1, module docstring), shape (B,): for each record alone,
+    psi~_i = psi - inner_lr (grad_psi |g(f(x_i; psi); phi)| + weight_decay psi) and
+    L_i = CE(f(x_i; psi~_i), y_i) + mu KL(teacher(x_i), f(x_i; psi)).
+
+    Record i's loss reads record i only (each record's inner step is its own, computed with ``torch.func`` under
+    ``vmap``; random layers draw independently per record), so per-record clipping bounds its influence. The teacher
+    (the frozen server weights, required with ``mu > 0``) predicts in eval mode, as in :func:`meta_train`.
+    """
+    # phi first: reading a trained parameter outside a linear layer is what makes DP-SGD's "fast" per-sample path
+    # refuse this loss (its batched forward would not see the per-record inner steps) and take the torch.func path
+    phi = learner.phi()
+    f, g = learner.f, learner.g
+    psi = dict(f.named_parameters())
+    if mu > 0:
+        if teacher is None:
+            raise ValueError("mu > 0 needs the frozen server model's weights (teacher)")
+        training = f.training
+        f.eval()
+        teacher_logits = functional_call(f, {k: v.detach() for k, v in teacher.items()}, (x,)).detach()
+        f.train(training)
+
+    def one(xi: torch.Tensor, yi: torch.Tensor, ti: torch.Tensor | None) -> torch.Tensor:
+        xi, yi = xi.unsqueeze(0), yi.unsqueeze(0)
+        grads = torch.func.grad(lambda p: personalization_loss(g, phi, functional_call(f, p, (xi,))))(psi)
+        tilde = {k: p - inner_lr * (grads[k] + weight_decay * p) for k, p in psi.items()}
+        loss = nn.functional.cross_entropy(functional_call(f, tilde, (xi,)), yi)
+        if ti is not None:
+            loss = loss + mu * proxy_kl(functional_call(f, psi, (xi,)), ti.unsqueeze(0), kl_direction)
+        return loss
+
+    if mu > 0:
+        return torch.vmap(one, randomness="different")(x, y, teacher_logits)
+    return torch.vmap(one, in_dims=(0, 0, None), randomness="different")(x, y, None)
 
 
 def prediction_entropy(logits: torch.Tensor) -> float:
@@ -366,7 +422,8 @@ def adaptation_factory(num_classes: int, config: FedTTAConfig):
 
 
 class FedTTAStrategy(Strategy):
-    """Holds (psi, phi); sends both every round; averages both models' changes (uniform, or by sample count)."""
+    """Holds (psi, phi); sends both every round; averages both models' changes (uniform, or by sample count; under
+    central and distributed DP from the noisy mean of the clients' updates, :meth:`apply_mean`)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -396,8 +453,22 @@ class FedTTAStrategy(Strategy):
         losses = [replies[cid].metrics["loss"] for cid in ids if "loss" in replies[cid].metrics]
         return {"train_loss": weighted_mean_scalar(losses, [1.0] * len(losses))} if losses else {}
 
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        """A client's contribution is its update (Delta psi, Delta phi), as it releases it."""
+        return {**prefixed(PSI, {k: torch.zeros_like(v) for k, v in self.psi.items()}),
+                **prefixed(PHI, {k: torch.zeros_like(v) for k, v in self.phi.items()})}
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """The server step of Alg. 1 from the noisy mean update: psi += mean Delta psi, phi += mean Delta phi
+        (uniform: the sample counts are private)."""
+        self.rounds_done = round + 1
+        self.psi = {k: v + mean[PSI + k].to(v.dtype) for k, v in self.psi.items()}
+        self.phi = {k: v + mean[PHI + k].to(v.dtype) for k, v in self.phi.items()}
+        return {}
+
     def novel_request(self, client_id: int) -> Message:
-        # The test-time step uses eta_in decayed to the last trained round (paper 10 #11).
+        # The test-time step uses eta_in decayed to the last trained round (the paper does not say which rate;
+        # docs/papers.md, FedTTA, U8).
         return self._message(max(self.rounds_done - 1, 0))
 
     def state_dict(self) -> dict[str, Any]:
@@ -414,6 +485,7 @@ class FedTTAClient(ClientProcedure):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.config.check_privacy(self.privacy, self.novel_privacy)   # also when built without a RunConfig
         self._adapter: nn.Module | None = None
         # Set to a list to keep each test-time adaptation's outcome (chosen iterate, steps, entropies): a diagnostic
         # for the experimenter running the clients; nothing in it is sent anywhere.
@@ -427,37 +499,72 @@ class FedTTAClient(ClientProcedure):
         return self._adapter
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
+        """Steps 1-5 for ``local_steps`` meta-steps (record level: DP-SGD on the per-record meta-loss); the release
+        is (Delta psi, Delta phi); see the module docstring for what each privacy mode protects."""
         start_psi, start_phi = message.subset(PSI), message.subset(PHI)
         f, g = self.model_from(start_psi), self.adapter_from(start_phi)
-        loss = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng,
-                          teacher=start_psi if self.config.mu > 0 else None)
-        generator = None
-        if self.config.dp_noise == "seeded":   # the client's own seed; never the run seed, which the server knows
-            generator = torch.Generator().manual_seed(
-                derive_seed(self.config.dp_noise_seed, "fedtta_client_dp", ctx.round, ctx.client_id))
-        mechanism = self.config.privacy(generator=generator)
+        teacher = start_psi if self.config.mu > 0 else None
+        if self.record_level:
+            loss, event = self.meta_fit(f, g, data, message.config, ctx.rng, teacher=teacher)
+        else:
+            loss, event = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng,
+                                     teacher=teacher), None
         update = {**prefixed(PSI, difference(weights_of(f), start_psi)),
                   **prefixed(PHI, difference(weights_of(g), start_phi))}
-        # Diverged: a non-finite loss, or a finite loss whose last step still overflowed the weights.
-        if not (math.isfinite(loss) and all(torch.isfinite(v).all() for v in update.values())):
-            if mechanism is None:
+        if self.diverged(loss, update.values()):
+            if not self.privacy.private:
                 return None  # a diverged client sends nothing (the authors' code gives it weight 0)
-            # Under DP a diverged client still releases (noise around a zero update): whether it speaks, or fails,
-            # would otherwise depend on its data, outside any mechanism.
-            update = {**prefixed(PSI, {k: torch.zeros_like(v) for k, v in start_psi.items()}),
-                      **prefixed(PHI, {k: torch.zeros_like(v) for k, v in start_phi.items()})}
-        if mechanism is None:
-            return Release.non_private(Message(arrays=update, metrics={"num_examples": float(data.num_train),
-                                                                       "loss": loss}), purpose="model_update")
-        noisy, event, _ = mechanism.release(update)
-        # Only the noised update leaves: sample count and loss are data-dependent and no mechanism covers them. The
-        # cap of dp_participations releases is the ledger's (calibrated_for): a count in the client's state would
-        # roll back with it when a run resumes from a checkpoint, while the releases made since stay recorded.
-        return Release(Message(arrays=noisy), purpose="model_update", event=event,
-                       metadata={"noise": self.config.dp_noise, "max_norm": self.config.dp_max_norm,
-                                 "relation": "replace one client's whole dataset", "mode": self.config.dp_mode,
-                                 "participations": mechanism.participations, "num_shares": mechanism.num_shares},
-                       calibrated_for=mechanism.lifetime_budget)
+            # Under DP it releases a zero update (the layer then noises it): its silence would reveal its data.
+            update = {k: torch.zeros_like(v) for k, v in update.items()}
+        # Private clients send the update alone: sample count and loss are data-dependent and no mechanism covers them
+        metrics = {} if self.privacy.private else {"num_examples": float(data.num_train), "loss": loss}
+        return private_release(Message(arrays=update, metrics=metrics), "model_update", event,
+                               metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
+
+    def diverged(self, loss: float, tensors) -> bool:
+        """Whether local training diverged: a non-finite weight, or (except at record level, where the loss is data
+        no mechanism covers) a non-finite loss."""
+        return not (all(bool(torch.isfinite(t).all()) for t in tensors)
+                    and (self.record_level or math.isfinite(loss)))
+
+    def meta_fit(self, f: nn.Module, g: nn.Module, data: TrainingClient, round_config: Mapping[str, Any],
+                 rng: np.random.Generator, *, teacher: Mapping[str, torch.Tensor] | None = None
+                 ) -> tuple[float, PrivacyEvent]:
+        """Record level: ``local_steps`` DP-SGD steps on the per-record meta-loss (:func:`record_meta_losses`),
+        updating ``f`` and ``g`` in place; the mean loss (kept on the client) and the round's DP-SGD event.
+
+        phi is trained as phi' = phi / s, s = sqrt(eta_ad / eta_out), and weight decay is the data-independent term
+        (weight_decay / 2)(||psi||^2 + ||phi||^2), so that each model moves at its own rate (module docstring).
+        """
+        cfg = self.config
+        lr, inner_lr, adapt_lr = (float(round_config[k]) for k in ("lr", "inner_lr", "adapt_lr"))
+        weight_decay = float(round_config.get("weight_decay", 0.0))
+        scale = math.sqrt(adapt_lr / lr)
+        with torch.no_grad():
+            for p in g.parameters():
+                p.div_(scale)
+        learner = MetaLearner(f, g, scale)
+
+        def decay(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return 0.5 * weight_decay * sum(((scale * p if name.startswith("g.") else p) ** 2).sum()
+                                            for name, p in params.items())
+
+        losses = functools.partial(record_meta_losses, inner_lr=inner_lr, weight_decay=weight_decay, mu=cfg.mu,
+                                   teacher=teacher, kl_direction=cfg.kl_direction)
+        settings = {"lr": lr, "steps": int(round_config["local_steps"]), "batch_size": int(round_config["batch_size"]),
+                    "grad_clip": float(round_config.get("grad_clip", 0.0))}
+        try:
+            with warnings.catch_warnings():
+                # the inner step makes the torch.func path the only one for this loss: no news to report each round
+                warnings.simplefilter("ignore", GenericPathWarning)
+                loss, event = self.fit(learner, data, settings, rng,
+                                       per_sample_loss=losses,
+                                       extra_loss=decay if weight_decay > 0 else None)
+        finally:
+            with torch.no_grad():
+                for p in g.parameters():
+                    p.mul_(scale)
+        return loss, event
 
     def adapted_model(self, x: torch.Tensor, message: Message) -> nn.Module:
         """Download (psi, phi), adapt psi on ``x`` (unlabelled), return the prediction model with the chosen psi."""
@@ -468,12 +575,18 @@ class FedTTAClient(ClientProcedure):
         f.load_state_dict(result.weights, strict=False)
         return f
 
+    @property
+    def tta_chunk(self) -> int:
+        """The chunk of the test-time l_per: ``tta_chunk``, else the size g was trained on (``batch_size``; one
+        record under record-level DP, whose meta-loss is per record)."""
+        return self.config.tta_chunk or (1 if self.record_level else self.config.batch_size)
+
     def adaptation(self, f: nn.Module, g: nn.Module, x: torch.Tensor, message: Message) -> Adaptation:
         """The test-time adaptation of this method's settings on ``x`` (see :func:`adapt`)."""
         cfg = self.config
         result = adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x,
                        inner_lr=float(message.config.get("inner_lr", cfg.inner_lr)), steps=cfg.tta_steps,
-                       patience=cfg.patience, chunk=cfg.tta_chunk or cfg.batch_size, weight_decay=cfg.weight_decay,
+                       patience=cfg.patience, chunk=self.tta_chunk, weight_decay=cfg.weight_decay,
                        grad_clip=cfg.grad_clip or 0.0, unadapted_candidate=cfg.unadapted_candidate)
         if self.adaptation_log is not None:
             self.adaptation_log.append(result)
@@ -527,17 +640,26 @@ def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, rou
     return total / steps
 
 
+#: Every mode runs (module docstring): record level trains the per-record meta-loss with DP-SGD; the server step is
+#: the mean of the clients' updates, so central and distributed DP step from their noisy mean; local DP is the layer's.
+FEDTTA_PRIVACY = {"record": None, "central": None, "distributed": None, "local": None}
+#: A small adaptation model for the conformance runs.
+SMOKE = {"adapt_hidden": 4, "adapt_layers": 1}
+
 register_method(
     "fedtta", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAConfig,
     description="FedTTA: meta-learned prediction and adaptation models, averaged; novel clients adapt locally "
                 "with the learned unsupervised loss (one step) and send nothing",
+    privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE,
 )
 register_method(
     "fedtta_prox", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAProxConfig,
     description="FedTTA-Prox: FedTTA plus mu * KL to the frozen server model's outputs",
+    privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE,
 )
 register_method(
     "fedtta_pp", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAPPConfig,
     description="FedTTA++: FedTTA-Prox with entropy early-stopped test-time adaptation (up to 50 steps, keeps "
                 "the lowest-entropy model)",
+    privacy=FEDTTA_PRIVACY, smoke_settings={**SMOKE, "tta_steps": 3},
 )

@@ -50,9 +50,31 @@ Training clients are scored with their own (psi, phi) adapted on their unlabelle
 
 Privacy
 -------
-Each round's release is two |D_p| x K logit matrices computed from models trained on the client's labels, recorded
-as non-private. Client-level DP would clip and noise these (the digest, section 8.3 item 4); it is not implemented,
-so ``dp_epsilon`` is refused. Novel clients release nothing.
+A round's release is two |D_p| x K logit matrices computed from the client's own models, which it has trained on its
+labels in every round it took part in. Training clients are protected by the run's privacy layer
+(``RunConfig.privacy``, :mod:`privfl.privacy.training`); every mode runs. Novel clients release nothing.
+
+``record`` (add or remove one record). The client's models see its records in the Revisit step only: Digest reads
+the public set and the consensus (a function of the clients' earlier private releases, this client's own included),
+and the released logits are the models' outputs on the public set, adapted on the public set. So the Revisit step runs
+FedTTA's record-level DP-SGD on the per-record meta-loss (:meth:`~privfl.methods.fedtta.FedTTAClient.meta_fit`, with
+FedTTA's argument and what it changes, :mod:`privfl.methods.fedtta`), and everything else the client computes, its
+models kept in its state included, is post-processing of the noisy steps of all its rounds. Each release carries the
+round's DP-SGD event (one fit of ``local_steps`` steps at q = batch_size / n, the default
+:meth:`~privfl.methods.base.ClientProcedure.round_event`); the ledger composes the rounds, which covers models that
+carry every earlier round's training (adaptive composition). Sample count and losses are not sent.
+
+``local`` and ``distributed`` (replace one client's whole dataset): the layer clips the pair of logit matrices jointly
+to C and adds the noise; logits are unbounded, so C sets how much of them survives (for clipping to bite little it is
+of the order of sqrt(2 |D_p| K) times a typical logit). ``central``: the consensus is the mean of the clients' logit
+matrices (:meth:`HeteroFedTTAStrategy.apply_mean`), so the trusted aggregator forms it from their clipped sum noised
+once; what leaves the aggregator (the consensus sent to every client, novel ones included) is then client-level DP.
+``weighted=True`` needs the sample counts, which private clients do not send: refused with every privacy mode.
+
+Silence. Without DP a client whose training diverged sends nothing and keeps its previous models. Under every privacy
+mode it keeps its previous models and releases their logits instead (whether it speaks would otherwise depend on its
+data); at record level the decision looks only at what the noisy steps produced (the models' logits and the public
+distillation loss), never at the training loss.
 """
 
 from __future__ import annotations
@@ -68,12 +90,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
-from privfl.methods.base import ModelFactory, Strategy, _finite, _int_at_least, _require, register_method
+from privfl.methods.base import ModelFactory, Strategy, private_release, register_method
 from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
 from privfl.methods.fedtta import (
     PHI,
@@ -105,10 +128,10 @@ class HeteroFedTTAConfig(FedTTAConfig):
     CNNs: :data:`PAPER_CNN_SIZES`); ``novel_size`` the size index a novel client builds (``None``: by its id, like
     training clients); ``public_size`` and ``public_std`` the server-drawn unlabelled public set; ``kd_lambda`` the
     weight of the base-model KL in Eq. 14; ``distill_epochs`` / ``novel_distill_epochs`` passes over the public set
-    per digest (training / novel clients) in batches of ``distill_batch``.
+    per Digest step (training / novel clients) in batches of ``distill_batch``.
 
-    Not applicable here and refused: ``mu`` (FedTTA-Prox's teacher is the server model, and there is none),
-    ``adapt_hidden`` (use ``adapt_widths``), ``dp_epsilon`` (no mechanism for the logits release).
+    Not applicable here and refused: ``mu`` (FedTTA-Prox's teacher is the server model, and there is none) and
+    ``adapt_hidden`` (use ``adapt_widths``).
     """
 
     lr: float = 0.1
@@ -126,38 +149,36 @@ class HeteroFedTTAConfig(FedTTAConfig):
     distill_batch: int = 100
 
     def __post_init__(self) -> None:
-        _require(self.dp_epsilon is None, "dp_epsilon", self.dp_epsilon,
-                 "None for heterofedtta (no DP mechanism for its public-set logits; the release is non-private)")
-        _require(self.mu == 0, "mu", self.mu, "0 for heterofedtta (FedTTA-Prox's teacher is a server model; "
-                 "HeteroFedTTA has none)")
+        check.require(self.mu == 0, "mu", self.mu, "0 for heterofedtta (FedTTA-Prox's teacher is a server model; "
+                      "HeteroFedTTA has none)")
         default_hidden = next(f.default for f in dataclasses.fields(FedTTAConfig) if f.name == "adapt_hidden")
-        _require(self.adapt_hidden == default_hidden, "adapt_hidden", self.adapt_hidden,
-                 f"left at {default_hidden} for heterofedtta (set adapt_widths, one width per size)")
+        check.require(self.adapt_hidden == default_hidden, "adapt_hidden", self.adapt_hidden,
+                      f"left at {default_hidden} for heterofedtta (set adapt_widths, one width per size)")
         super().__post_init__()
         for name in ("widths", "adapt_widths"):  # lists arrive from config.json; keep the dataclass hashable
             value = getattr(self, name)
-            _require(isinstance(value, (list, tuple)) and len(value) >= 1
-                     and all(_int_at_least(w, 1) for w in value), name, value,
-                     "a non-empty sequence of integers >= 1")
+            check.require(isinstance(value, (list, tuple)) and len(value) >= 1
+                          and all(is_int_at_least(w, 1) for w in value), name, value,
+                          "a non-empty sequence of integers >= 1")
             object.__setattr__(self, name, tuple(value))
-        _require(len(self.adapt_widths) == len(self.widths), "adapt_widths", self.adapt_widths,
-                 f"as long as widths ({len(self.widths)} sizes)")
+        check.require(len(self.adapt_widths) == len(self.widths), "adapt_widths", self.adapt_widths,
+                      f"as long as widths ({len(self.widths)} sizes)")
         if self.conv is not None:   # lists of lists arrive from config.json
-            _require(isinstance(self.conv, (list, tuple)) and len(self.conv) == len(self.widths)
-                     and all(isinstance(c, (list, tuple)) and len(c) == 2 and all(_int_at_least(v, 1) for v in c)
+            check.require(isinstance(self.conv, (list, tuple)) and len(self.conv) == len(self.widths)
+                          and all(isinstance(c, (list, tuple)) and len(c) == 2 and all(is_int_at_least(v, 1) for v in c)
                              for c in self.conv), "conv", self.conv,
-                     f"None or one pair of conv channel counts (integers >= 1) per size ({len(self.widths)} sizes)")
+                          f"None or one pair of conv channel counts (integers >= 1) per size ({len(self.widths)} sizes)")
             object.__setattr__(self, "conv", tuple(tuple(c) for c in self.conv))
-        _require(self.novel_size is None or (_int_at_least(self.novel_size, 0) and self.novel_size < len(self.widths)),
-                 "novel_size", self.novel_size, f"None or an integer in [0, {len(self.widths) - 1}]")
-        _require(_int_at_least(self.public_size, 1), "public_size", self.public_size, "an integer >= 1")
-        _require(_finite(self.public_std) and self.public_std > 0, "public_std", self.public_std,
-                 "a finite number > 0")
-        _require(_finite(self.kd_lambda) and self.kd_lambda >= 0, "kd_lambda", self.kd_lambda,
-                 "a finite number >= 0")
+        check.require(self.novel_size is None or (is_int_at_least(self.novel_size, 0) and self.novel_size < len(self.widths)),
+                      "novel_size", self.novel_size, f"None or an integer in [0, {len(self.widths) - 1}]")
+        check.require(is_int_at_least(self.public_size, 1), "public_size", self.public_size, "an integer >= 1")
+        check.require(is_finite(self.public_std) and self.public_std > 0, "public_std", self.public_std,
+                      "a finite number > 0")
+        check.require(is_finite(self.kd_lambda) and self.kd_lambda >= 0, "kd_lambda", self.kd_lambda,
+                      "a finite number >= 0")
         for name in ("distill_epochs", "novel_distill_epochs"):
-            _require(_int_at_least(getattr(self, name), 0), name, getattr(self, name), "an integer >= 0")
-        _require(_int_at_least(self.distill_batch, 1), "distill_batch", self.distill_batch, "an integer >= 1")
+            check.require(is_int_at_least(getattr(self, name), 0), name, getattr(self, name), "an integer >= 0")
+        check.require(is_int_at_least(self.distill_batch, 1), "distill_batch", self.distill_batch, "an integer >= 1")
 
     def conv_of(self, size: int) -> tuple[int, int] | None:
         """The conv channels of size index ``size`` (``None``: the model's own)."""
@@ -232,8 +253,8 @@ def distillation_loss(f: nn.Module, g: nn.Module, psi: dict[str, torch.Tensor], 
 
 def distill(f: nn.Module, g: nn.Module, x: torch.Tensor, teacher_base: torch.Tensor, teacher_per: torch.Tensor,
             round_config: dict, config: HeteroFedTTAConfig, *, epochs: int, rng: np.random.Generator) -> float:
-    """The digest: ``epochs`` shuffled passes over the public set, one SGD step per batch of ``distill_batch``, with
-    the optimiser settings of :func:`~privfl.methods.fedtta.meta_train` (psi at ``lr``, phi at ``adapt_lr``);
+    """The Digest step: ``epochs`` shuffled passes over the public set, one SGD step per batch of ``distill_batch``,
+    with the optimiser settings of :func:`~privfl.methods.fedtta.meta_train` (psi at ``lr``, phi at ``adapt_lr``);
     updates ``f`` and ``g`` in place and returns the mean KD loss (nan without steps)."""
     lr, inner_lr, adapt_lr = (float(round_config[k]) for k in ("lr", "inner_lr", "adapt_lr"))
     weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
@@ -303,6 +324,18 @@ class HeteroFedTTAStrategy(Strategy):
                 metrics["train_loss" if key == "loss" else key] = weighted_mean_scalar(values, [1.0] * len(values))
         return metrics
 
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        """A client's contribution is its release: base and personalised logits on the public set."""
+        zeros = torch.zeros(self.config.public_size, self.model_factory.num_classes, dtype=self.public.dtype)
+        return {"base": zeros, "per": zeros.clone()}
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """Step 5 from the noisy mean of the clients' logits: F_base and F_per are that mean (uniform: the sample
+        counts are private)."""
+        self.rounds_done = round + 1
+        self.base, self.per = mean["base"].clone(), mean["per"].clone()
+        return {}
+
     def novel_request(self, client_id: int) -> Message:
         return self._message(max(self.rounds_done - 1, 0))
 
@@ -320,7 +353,7 @@ class HeteroFedTTAStrategy(Strategy):
 
 
 class HeteroFedTTAClient(FedTTAClient):
-    """Keeps its own (psi, phi) of its size in its state; digests the consensus, meta-trains, releases logits."""
+    """Keeps its own (psi, phi) of its size in its state; distils the consensus, meta-trains, releases logits."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -367,6 +400,8 @@ class HeteroFedTTAClient(FedTTAClient):
             return f(x).detach(), functional_call(f, adapted.weights, (x,)).detach()
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
+        """Steps 2-4 (record level: the Revisit step is DP-SGD on the per-record meta-loss); the release is the
+        public-set logits of the client's models (see the module docstring for each privacy mode)."""
         f, g = self.own_models(ctx.client_id, message, state)
         public = message.arrays[PUBLIC]
         distill_loss = math.nan
@@ -374,16 +409,23 @@ class HeteroFedTTAClient(FedTTAClient):
         if digest:
             distill_loss = distill(f, g, public, message.arrays[BASE], message.arrays[PER], message.config,
                                    self.config, epochs=self.config.distill_epochs, rng=ctx.rng)
-        loss = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng)
-        if not (math.isfinite(loss) and (not digest or math.isfinite(distill_loss))):
-            return None  # a diverged client sends nothing and keeps its previous models
+        if self.record_level:
+            loss, event = self.meta_fit(f, g, data, message.config, ctx.rng)
+        else:
+            loss, event = meta_train(f, g, data.x_train, data.y_train, message.config, self.config, rng=ctx.rng), None
         base, per = self.public_logits(f, g, public, message)
-        if not (bool(torch.isfinite(base).all()) and bool(torch.isfinite(per).all())):
-            return None  # finite losses, but the last step overflowed: its logits would poison the consensus
-        state.update({**prefixed(PSI, weights_of(f)), **prefixed(PHI, weights_of(g))})
-        metrics = {"num_examples": float(data.num_train), "loss": loss, "distill_loss": distill_loss}
-        return Release.non_private(Message(arrays={"base": base, "per": per}, metrics=metrics),
-                                   purpose="public_logits")
+        # finite losses, but the last step overflowed: its logits would poison the consensus
+        if self.diverged(loss, (base, per)) or (digest and not math.isfinite(distill_loss)):
+            if not self.privacy.private:
+                return None  # a diverged client sends nothing and keeps its previous models
+            # Under DP it keeps its previous models and releases their logits: its silence would reveal its data.
+            base, per = self.public_logits(*self.own_models(ctx.client_id, message, state), public, message)
+        else:
+            state.update({**prefixed(PSI, weights_of(f)), **prefixed(PHI, weights_of(g))})
+        metrics = {} if self.privacy.private else {"num_examples": float(data.num_train), "loss": loss,
+                                                   "distill_loss": distill_loss}
+        return private_release(Message(arrays={"base": base, "per": per}, metrics=metrics), "public_logits", event,
+                               metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         f, g = self.own_models(data.client_id, message, state)
@@ -416,4 +458,10 @@ register_method(
     description="HeteroFedTTA: FedTTA with three client model sizes; clients exchange logits on a server-drawn "
                 "unlabelled public set (FedMD) and distil the consensus; novel clients distil and adapt locally, "
                 "sending nothing",
+    # every mode (module docstring): record level trains the Revisit step with DP-SGD and the rest is
+    # post-processing; the consensus is the mean of the clients' logits, so central and distributed DP form it from
+    # their noisy mean; local DP is the layer's
+    privacy={"record": None, "central": None, "distributed": None, "local": None},
+    smoke_settings={"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
+                    "distill_batch": 8},
 )

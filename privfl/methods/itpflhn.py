@@ -1,5 +1,6 @@
-"""IT-PFL-HN, the two-phase variant of ODPFL-HN (digest ``papers/odpfl-hn.md`` section 3.2; [000] App. B.2, the main
-method of [001]): pFedHN with an encoder learned beside it, so a novel unlabelled client can be served.
+"""IT-PFL-HN, the two-phase variant of ODPFL-HN (Amosy et al., App. B.2; the main method of the earlier version,
+"Inference-Time Personalized Federated Learning"; docs/papers.md, ODPFL-HN): pFedHN with an encoder learned beside
+it, so a novel unlabelled client can be served.
 
 Three networks: a set encoder ``g_gamma`` (:func:`privfl.models.encoders.build_encoder`; the mean+max DeepSet by
 default, ``"dp_deepset"`` for the DP-ready form), the hypernetwork ``f_theta`` and the clients' embedding table, both
@@ -10,8 +11,9 @@ as in :mod:`privfl.methods.pfedhn`. Every round has two stages (one message down
 1. stage 0: the server sends ``w_i = f_theta(e_i)``; the client trains it locally and releases ``d_i = w_i -
    w_i_new`` (purpose ``"weight_change"``), exactly as pFedHN (steps 1-2 there);
 2. stage 1: the server sends the encoder ``g_gamma`` and the row ``e_i`` the round's model was generated from (the
-   value before this round's update, 10.2 #15); the client runs ``encoder_steps`` full-batch SGD steps (momentum
-   ``encoder_momentum``) on ``L_encoder = ||g_gamma(X_i) - e_i||^2`` (squared L2, 10.2 #16) over its training inputs
+   value before this round's update; the paper does not say, docs/papers.md, ODPFL-HN, U9); the client runs
+   ``encoder_steps`` full-batch SGD steps (momentum ``encoder_momentum``) on ``L_encoder = ||g_gamma(X_i) - e_i||^2``
+   (the paper's "L2", read as the squared Euclidean distance) over its training inputs
    and releases the encoder change ``gamma_new - gamma`` with its sample count (purpose ``"encoder_update"``);
 3. the server updates ``theta`` and the rows of the round's clients from the ``d_i`` (pFedHN's steps 3-4) and sets
    ``gamma <- gamma + sum_i n_i (gamma_i - gamma) / sum_i n_i`` (FedAvg of the encoder changes, data-size
@@ -29,11 +31,15 @@ as in :mod:`privfl.methods.pfedhn`. Every round has two stages (one message down
 
 **Serving.** Training clients are scored with the pre-fine-tune hypernetwork on their embedding row,
 ``f_theta_pre(e_i)``, since fine-tuning "improves novel-client accuracy but reduces accuracy on the labelled training
-clients" (digest 3.2); before phase 2 that is the current ``theta``. A novel client (section 4 of the digest):
+clients" (Amosy et al., App. B.2); before phase 2 that is the current ``theta``. A novel client (the papers'
+inference protocol, docs/papers.md, ODPFL-HN, "Serving a novel client"):
 
 1. the server sends the encoder ``g_gamma``;
 2. the client computes ``e_new = g_gamma(X_new)`` on all its unlabelled inputs and sends it: **one** release,
-   purpose ``"descriptor"``, non-private here (this module adds no noise; ODPFL-HN's DP path privatises it);
+   purpose ``"descriptor"``; with :class:`~privfl.privacy.training.NovelPrivacy` (``RunConfig.novel_privacy``) it
+   goes through :func:`~privfl.privacy.privatize` (phi clipped per sample to the novel bound, Gaussian noise on the
+   mean for its replace-one sensitivity with n public, psi as post-processing; the DP-ready ``"dp_deepset"`` encoder
+   only, refused by name otherwise), else in the clear (epsilon = infinity);
 3. the server sends ``f_theta(e_new)`` from the current (fine-tuned) hypernetwork; the client predicts locally.
    Nothing else leaves the client.
 
@@ -44,6 +50,43 @@ a phase-2 round and novel clients are served *without* fine-tuning. Otherwise th
 first to see the end-of-phase-1 weights and may be selected, and novel clients then get a hypernetwork fine-tuned for
 the phase-2 rounds before it (``eval_every`` 2, ``phase1_rounds`` 3: one round). Use ``select="last"`` to serve the
 fully fine-tuned hypernetwork.
+
+**Privacy of training clients** (the one layer of :mod:`privfl.methods.private`; the modes in
+:mod:`privfl.privacy.training`). A sampled client makes two releases a round: the weight change and the encoder
+change (phase 1), or the descriptor and the weight change (phase 2).
+
+* ``record`` (add or remove one record; the DP-ready encoder ``"dp_deepset"``, phi -> mean -> psi, is required and
+  any other is refused by name before the run). Weight changes: DP-SGD, as in :mod:`privfl.methods.pfedhn`. The
+  encoder regression (step 2) is not a gradient of a mean over records (``L = ||psi(m) - e_i||^2`` with ``m`` the mean
+  of ``phi(x_j)``), so each of its ``encoder_steps`` steps is made private in two releases, both at the client's noise
+  multiplier z and under add/remove with n private (calibrated to the public lower bound ``min_samples``):
+
+  a. ``m~ = (1/n) sum_j clip_B(phi(x_j)) + N(0, (z 2B/min_samples)^2 I)`` (:func:`~privfl.privacy.privatize` with
+     the noise multiplier; B is the novel bound, so training sees the function novel clients release): each clipped
+     ``phi(x_j)`` depends on record j alone, so the mean moves by at most ``2B/min_samples``;
+  b. psi's gradient and the cotangent ``u = dL/dm`` at ``m = m~`` (post-processing of a.);
+  c. phi's gradient ``(1/n) sum_j J_j^T u``, ``J_j`` the Jacobian of ``clip_B(phi(x_j))``: a gradient of a mean over
+     records, each record's term clipped to the privacy clip C, averaged and noised for ``2C/min_samples``
+     (:func:`~privfl.privacy.gradient_mean.release_gradient_mean`);
+  d. the SGD step (momentum, weight decay) and the released change ``gamma_new - gamma``: post-processing.
+
+  It is the gradient at the noisy mean, which tends to the exact one as the noise shrinks. The phase-2 descriptor is
+  one release through ``privatize`` (the same mean as a., psi applied to it). A phase-1 round is thus one DP-SGD fit
+  and ``2 encoder_steps`` Gaussians at z, a phase-2 round one fit and one Gaussian at z, which the phase-1 round
+  dominates (a Gaussian release's privacy depends on its noise multiplier alone): :meth:`ITPFLHNClient.round_event`
+  declares the phase-1 round, so a target epsilon holds whatever the mix of phases (with room to spare for phase-2
+  rounds). Every release carries its events; metrics (sample counts, losses) are not sent, so the encoder changes are
+  averaged uniformly.
+* ``local``: the layer clips each of the two releases to ``C / sqrt(2)`` and noises it on the client; the server's
+  work is post-processing.
+* ``central`` (trusted aggregator): the shared state is the hypernetwork ``theta`` and the encoder ``gamma``. Client
+  i contributes ``(g_theta_i, gamma_i - gamma)`` in phase 1 and ``(g_theta_i, 0)`` in phase 2 (``g_theta_i`` chain-
+  ruled on the server from its weight change at its row, or at its descriptor in phase 2), clipped jointly to C; both
+  networks move only from the noisy mean (:meth:`ITPFLHNStrategy.apply_mean`), rows from their own client's clear
+  gradient, as in pFedHN. What central DP protects is what leaves the server: the encoder and ``f_theta(e)`` sent to
+  novel clients, and the model ``f_theta_pre(e_j)`` sent to client j, which depends on another client only through
+  the noisy means. Rows and phase-2 descriptors stay in the clear with the aggregator.
+* ``distributed``: refused (the server answers each client's weight change and descriptor on its own).
 """
 
 from __future__ import annotations
@@ -54,16 +97,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent, SelfComposedEvent
+from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.base import ClientContext, ClientState, _finite, _require, register_method
+from privfl.methods.base import ClientContext, ClientState, dp_sgd_round_event, private_release, register_method
 from privfl.methods.fedavg import weighted_mean
-from privfl.methods.pfedhn import PFedHNClient, PFedHNConfig, PFedHNStrategy
-from privfl.models.encoders import build_encoder, encoder_options
+from privfl.methods.pfedhn import SMOKE_SETTINGS, PFedHNClient, PFedHNConfig, PFedHNStrategy
+from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
+from privfl.models.pefll import clipped_rows
+from privfl.privacy import privatize
+from privfl.privacy.gradient_mean import release_gradient_mean
+from privfl.privacy.sensitivity import certify_mean_of_clipped
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 _ENCODER = "encoder/"
+#: The prefix of a central-DP contribution's encoder change.
+ENC = "enc."
+
+
+#: Why an encoder other than the DP-ready DeepSet cannot be made private (refused by name).
+_NOT_PRIVATIZABLE = {
+    "deepset": "its max-pooled half moves by O(1) when one sample changes, whatever n",
+    "dss": "its layers mix every sample with the set's sum before pooling",
+    "set_transformer": "its attention lets one sample dominate the pooled output",
+}
 
 
 @dataclass(frozen=True)
@@ -71,12 +131,15 @@ class ITPFLHNConfig(PFedHNConfig):
     """pFedHN's settings plus the encoder and the phases.
 
     ``encoder``: a name of :data:`privfl.models.encoders.ENCODERS` (``"deepset"``: mean+max DeepSet, the papers';
-    ``"dp_deepset"``: phi -> mean -> psi, the only one DP can certify; ``"dss"``, ``"set_transformer"``);
+    ``"dp_deepset"``: phi -> mean -> psi, the only one DP can certify, and so the one record-level DP and a private
+    ``novel_privacy`` accept; ``"dss"``, ``"set_transformer"``);
     ``encoder_options``: its keyword options (e.g. ``{"hidden": 500}``).
-    ``encoder_lr``, ``encoder_momentum``, ``encoder_weight_decay`` (``None``: ``hn_weight_decay``, digest 10.2 #4),
+    ``encoder_lr``, ``encoder_momentum``, ``encoder_weight_decay`` (``None``: ``hn_weight_decay``, as the paper
+    gives no encoder optimiser; docs/papers.md, ODPFL-HN, U4),
     ``encoder_steps``: the clients' local SGD on the regression loss (full-batch steps per round).
     ``phase1_rounds``: rounds of phase 1; later rounds fine-tune (a run of R rounds fine-tunes for the last
-    ``R - phase1_rounds``, none if R <= phase1_rounds; the digest's example split is 400 + 100).
+    ``R - phase1_rounds``, none if R <= phase1_rounds; the paper does not give the split of its 500 rounds, and
+    400 + 100 is an example).
     ``finetune_lr``: the hypernetwork's learning rate in phase 2 (``None``: ``hn_lr``).
 
     ``encoder_lr`` defaults to 1e-3 (the paper gives none): the regression loss is a sum over the descriptor's
@@ -97,21 +160,36 @@ class ITPFLHNConfig(PFedHNConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         valid = encoder_options(self.encoder)          # raises ConfigError naming the valid encoders
-        _require(isinstance(self.encoder_options, dict) and set(self.encoder_options) <= set(valid),
-                 "encoder_options", self.encoder_options, f"a dict of options of {self.encoder!r}: {', '.join(valid)}")
-        _require(_finite(self.encoder_lr) and self.encoder_lr > 0, "encoder_lr", self.encoder_lr,
-                 "a finite number > 0")
-        _require(_finite(self.encoder_momentum) and 0 <= self.encoder_momentum < 1, "encoder_momentum",
-                 self.encoder_momentum, "in [0, 1)")
-        _require(self.encoder_weight_decay is None or (_finite(self.encoder_weight_decay)
+        check.require(isinstance(self.encoder_options, dict) and set(self.encoder_options) <= set(valid),
+                      "encoder_options", self.encoder_options, f"a dict of options of {self.encoder!r}: {', '.join(valid)}")
+        check.require(is_finite(self.encoder_lr) and self.encoder_lr > 0, "encoder_lr", self.encoder_lr,
+                      "a finite number > 0")
+        check.require(is_finite(self.encoder_momentum) and 0 <= self.encoder_momentum < 1, "encoder_momentum",
+                      self.encoder_momentum, "in [0, 1)")
+        check.require(self.encoder_weight_decay is None or (is_finite(self.encoder_weight_decay)
                                                        and self.encoder_weight_decay >= 0),
-                 "encoder_weight_decay", self.encoder_weight_decay, "None (hn_weight_decay) or a finite number >= 0")
-        _require(isinstance(self.encoder_steps, int) and not isinstance(self.encoder_steps, bool)
-                 and self.encoder_steps >= 1, "encoder_steps", self.encoder_steps, "an integer >= 1")
-        _require(isinstance(self.phase1_rounds, int) and not isinstance(self.phase1_rounds, bool)
-                 and self.phase1_rounds >= 0, "phase1_rounds", self.phase1_rounds, "an integer >= 0")
-        _require(self.finetune_lr is None or (_finite(self.finetune_lr) and self.finetune_lr > 0), "finetune_lr",
-                 self.finetune_lr, "None (hn_lr) or a finite number > 0")
+                      "encoder_weight_decay", self.encoder_weight_decay, "None (hn_weight_decay) or a finite number >= 0")
+        check.require(isinstance(self.encoder_steps, int) and not isinstance(self.encoder_steps, bool)
+                      and self.encoder_steps >= 1, "encoder_steps", self.encoder_steps, "an integer >= 1")
+        check.require(isinstance(self.phase1_rounds, int) and not isinstance(self.phase1_rounds, bool)
+                      and self.phase1_rounds >= 0, "phase1_rounds", self.phase1_rounds, "an integer >= 0")
+        check.require(self.finetune_lr is None or (is_finite(self.finetune_lr) and self.finetune_lr > 0), "finetune_lr",
+                      self.finetune_lr, "None (hn_lr) or a finite number > 0")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, an encoder the run's privacy cannot hold with (and pFedHN's batch clip under
+        record-level DP): record-level DP and a private novel descriptor need phi -> mean -> psi."""
+        super().check_privacy(privacy, novel_privacy)
+        if self.encoder in PRIVATIZABLE:
+            return
+        why = _NOT_PRIVATIZABLE.get(self.encoder, "it is not phi -> mean -> psi")
+        for needed, what in ((privacy.mode == RECORD, "privacy mode 'record' (every descriptor and encoder update of "
+                                                      "a training client is a DP release)"),
+                             (novel_privacy.private, "novel_privacy (the novel client's descriptor)")):
+            if needed:
+                raise ConfigError(f"itpflhn with {what} needs an encoder whose output is a mean over samples that "
+                                  f"can be clipped and noised ({', '.join(PRIVATIZABLE)}); encoder={self.encoder!r} "
+                                  f"cannot be made private: {why}")
 
     def encoder_config(self) -> dict:
         """The clients' encoder-regression settings, as sent in phase 1 stage 1."""
@@ -181,15 +259,52 @@ class ITPFLHNStrategy(PFedHNStrategy):
         metrics = super().aggregate_train(round, changes)
         if replies:
             ids = sorted(replies)
-            counts = [float(replies[cid].metrics["num_examples"]) for cid in ids]
+            # private clients send no sample count or loss (no mechanism covers them): a uniform mean then
+            counts = [float(replies[cid].metrics.get("num_examples", 1.0)) for cid in ids]
             delta = weighted_mean([replies[cid].arrays for cid in ids], counts)
-            if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
-                raise ConfigError(f"round {round}: the encoder regression diverged (non-finite encoder update from "
-                                  f"clients {ids}); lower encoder_lr (now {self.config.encoder_lr!r}) or "
-                                  "encoder_steps")
-            self.encoder_weights = {k: v + delta[k] for k, v in self.encoder_weights.items()}
-            losses = [float(replies[cid].metrics["encoder_loss"]) for cid in ids]
-            metrics["encoder_loss"] = sum(v * w for v, w in zip(losses, counts)) / sum(counts)
+            self._move_encoder(round, delta, f"clients {ids}")
+            if all("encoder_loss" in replies[cid].metrics for cid in ids):
+                losses = [float(replies[cid].metrics["encoder_loss"]) for cid in ids]
+                metrics["encoder_loss"] = sum(v * w for v, w in zip(losses, counts)) / sum(counts)
+        return metrics
+
+    def _move_encoder(self, round: int, delta: dict[str, torch.Tensor], source: str) -> None:
+        if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
+            raise TrainingDivergedError(f"round {round}: the encoder regression diverged (non-finite encoder update "
+                                        f"from {source}); lower encoder_lr (now {self.config.encoder_lr!r}) or "
+                                        "encoder_steps")
+        self.encoder_weights = {k: v + delta[k].to(v.dtype) for k, v in self.encoder_weights.items()}
+
+    # -- central DP: the hypernetwork and the encoder move from a noisy mean --------------------------------------------
+
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        """The hypernetwork gradient (``"hn."``) and the encoder change (``"enc."``), in both phases."""
+        return {**self.hypernetwork_shapes(),
+                **prefixed(ENC, {k: torch.zeros_like(v) for k, v in self.encoder_weights.items()})}
+
+    def contributions(self, round: int, replies: dict[int, Message]):
+        """Client i's contribution to the shared state: ``g_theta_i`` from its weight change, and its encoder change
+        (phase 1) or zeros (phase 2, the encoder is frozen); see the module docstring."""
+        if self.in_phase2(round):
+            zeros = prefixed(ENC, {k: torch.zeros_like(v) for k, v in self.encoder_weights.items()})
+            descriptors = {cid: self._descriptors[cid] for cid in replies}
+            for cid, gradient in self.hypernetwork_contributions(descriptors, replies):
+                yield cid, {**gradient, **zeros}
+            return
+        changes = {cid: self._weight_changes[cid] for cid in replies if cid in self._weight_changes}
+        for cid, gradient in self.hypernetwork_contributions({cid: self._sent[cid] for cid in changes}, changes):
+            yield cid, {**gradient, **prefixed(ENC, replies[cid].arrays)}
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """Steps 3 and 7 from the noisy mean (``count`` = q N): ``theta`` from its part alone, in phase 1 the rows
+        from their own gradients and ``gamma += mean encoder change``; in phase 2 at the fine-tuning lr."""
+        if self.in_phase2(round):
+            self._descriptors = {}
+            lr = self.config.hn_lr if self.config.finetune_lr is None else self.config.finetune_lr
+            return self.apply_hypernetwork_mean(mean, count, update_embeddings=False, lr=lr)
+        self._weight_changes, self._sent = {}, {}
+        metrics = self.apply_hypernetwork_mean(mean, count, update_embeddings=True, lr=self.config.hn_lr)
+        self._move_encoder(round, {k: mean[ENC + k] for k in self.encoder_weights}, "the noisy mean")
         return metrics
 
     def configure_evaluate(self, client_id: int) -> Message:
@@ -236,22 +351,74 @@ class ITPFLHNClient(PFedHNClient):
 
     @torch.no_grad()
     def descriptor(self, message: Message, x: torch.Tensor) -> torch.Tensor:
-        """``g_gamma(X)`` over the whole sample set (one batch, digest 3.3 default)."""
+        """``g_gamma(X)`` over the whole sample set (one batch, the default of Amosy et al., App. B.1)."""
         encoder = self.encoder_from(message)
         encoder.eval()
         return encoder(x).detach()
 
+    # -- record level ---------------------------------------------------------------------------------------------
+
+    def _record_encoder(self, encoder: nn.Module, data: TrainingClient, ctx: ClientContext, purpose: str):
+        """``privatize`` at record level: add/remove-one, n private (``min_samples``), the client's noise
+        multiplier, per-sample clip B (the novel bound: training sees the function novel clients release), the
+        privacy layer's noise source."""
+        return privatize(encoder, None, None, bound=float(self.novel_privacy.bound), relation="add_or_remove_one",
+                         min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(data),
+                         **self.noise_source(ctx, purpose))
+
+    def _mean_event(self, noise_multiplier: float, bound: float) -> GaussianEvent:
+        """The event of one release of a mean over records each clipped to ``bound`` (phi's outputs to B, phi's
+        per-record gradients to C) at ``noise_multiplier``: sensitivity ``2 bound / min_samples`` under
+        add/remove-one, n private."""
+        sensitivity = certify_mean_of_clipped(float(bound), self.privacy.min_samples,
+                                              NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False).value
+        return GaussianEvent(sigma=float(noise_multiplier) * sensitivity, sensitivity=sensitivity,
+                             relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+        """Record level: a phase-1 round, one DP-SGD fit and ``encoder_steps`` steps of two mean releases (module
+        docstring). It dominates a phase-2 round (one fit and one mean release at the same noise multiplier), so it
+        is what every round is calibrated for."""
+        cfg = self.config
+        step = ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
+                              self._mean_event(noise_multiplier, self.privacy.clip)))
+        return ComposedEvent((dp_sgd_round_event(noise_multiplier, data.num_train, cfg.batch_size, cfg.local_steps),
+                              SelfComposedEvent(step, cfg.encoder_steps)))
+
+    def phase2_round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+        """Record level: what a phase-2 round releases (its descriptor, then its weight change)."""
+        cfg = self.config
+        return ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
+                              dp_sgd_round_event(noise_multiplier, data.num_train, cfg.batch_size, cfg.local_steps)))
+
+    # -- rounds ---------------------------------------------------------------------------------------------------
+
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
         if int(message.config["phase"]) == 1:                                     # phase 1, step 1
             return self.local_weight_change(data, message, ctx)
-        return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, data.x_train)}),
-                                   purpose="descriptor")                          # phase 2, step 5
+        if not self.record_level:                                                 # phase 2, step 5
+            return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, data.x_train)}),
+                                       purpose="descriptor")
+        descriptor, event = self._record_encoder(self.encoder_from(message), data, ctx,
+                                                 "itpflhn_descriptor").release(data.x_train)
+        return private_release(Message(arrays={"descriptor": descriptor.to(torch.get_default_dtype())}),
+                               "descriptor", event, metadata=self._metadata())
 
     def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
                     ctx: ClientContext) -> Release:
         if int(message.config["phase"]) == 2:                                     # phase 2, step 6
             return self.local_weight_change(data, message, ctx)
-        return self.encoder_regression(data, message)                             # phase 1, step 2
+        if self.record_level:                                                     # phase 1, step 2
+            return self.private_encoder_regression(data, message, ctx)
+        return self.encoder_regression(data, message)
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"noise": self.privacy.noise, "bound": float(self.novel_privacy.bound), "clip": float(self.privacy.clip),
+                "min_samples": self.privacy.min_samples, "relation": "add or remove one record; n private"}
+
+    def _regression_optimizer(self, encoder: nn.Module, cfg: dict) -> torch.optim.Optimizer:
+        return torch.optim.SGD(encoder.parameters(), lr=float(cfg["encoder_lr"]),
+                               momentum=float(cfg["encoder_momentum"]), weight_decay=float(cfg["encoder_weight_decay"]))
 
     def encoder_regression(self, data: TrainingClient, message: Message) -> Release:
         """Full-batch SGD on ``||g_gamma(X_i) - e_i||^2``; releases ``gamma_new - gamma`` and the mean loss."""
@@ -260,9 +427,7 @@ class ITPFLHNClient(PFedHNClient):
         encoder.train()
         before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
         target = message.arrays["embedding"]
-        optimizer = torch.optim.SGD(encoder.parameters(), lr=float(cfg["encoder_lr"]),
-                                    momentum=float(cfg["encoder_momentum"]),
-                                    weight_decay=float(cfg["encoder_weight_decay"]))
+        optimizer = self._regression_optimizer(encoder, cfg)
         total = 0.0
         steps = int(cfg["encoder_steps"])
         for _ in range(steps):
@@ -276,10 +441,65 @@ class ITPFLHNClient(PFedHNClient):
             Message(arrays=change, metrics={"num_examples": float(data.num_train), "encoder_loss": total / steps}),
             purpose="encoder_update")
 
+    def private_encoder_regression(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
+        """Record level: ``encoder_steps`` steps of the regression, each from two releases (module docstring,
+        a.-d.); releases ``gamma_new - gamma`` with their composed event."""
+        cfg = message.config
+        encoder = self.encoder_from(message)
+        private = self._record_encoder(encoder, data, ctx, "itpflhn_encoder_regression")
+        source = {"noise": private.noise, "generator": private.generator}   # one stream for every draw
+        before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
+        target = message.arrays["embedding"]
+        phi, psi = encoder.phi, encoder.psi
+        optimizer = self._regression_optimizer(encoder, cfg)
+        x, n = data.x_train, data.num_train
+        unlabelled = torch.zeros(n, dtype=torch.int64)
+        bound, clip, z = private.bound, float(self.privacy.clip), private.noise_multiplier
+        events = []
+        for _ in range(int(cfg["encoder_steps"])):
+            mechanism = private.mechanism(n)                          # refuses a client below min_samples
+            noisy_mean = mechanism.add_noise(private.clipped_mean(x))                                       # a.
+            dtype = next(iter(psi.parameters()), target).dtype
+            mean = noisy_mean.to(dtype).requires_grad_(True)
+            psi_params = [p for p in psi.parameters() if p.requires_grad]
+            loss = (psi(mean) - target.to(dtype)).pow(2).sum()
+            grads = torch.autograd.grad(loss, [mean, *psi_params], allow_unused=True)                        # b.
+            cotangent = grads[0].detach()
+
+            def per_record(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, u=cotangent) -> torch.Tensor:
+                return (clipped_rows(model(xb), bound) * u).sum(dim=1)
+
+            phi_grads, gradient_event, _ = release_gradient_mean(phi, per_record, x, unlabelled, clip=clip,   # c.
+                                                                 min_samples=self.privacy.min_samples,
+                                                                 noise_multiplier=z, **source)
+            optimizer.zero_grad(set_to_none=True)                                                            # d.
+            for p, g in zip(psi_params, grads[1:], strict=True):
+                p.grad = torch.zeros_like(p) if g is None else g.detach()
+            for name, p in phi.named_parameters():
+                p.grad = phi_grads[name]
+            optimizer.step()
+            events.append(ComposedEvent((mechanism.event, gradient_event)))
+        change = {k: v.detach() - before[k] for k, v in encoder.state_dict().items()}
+        event = SelfComposedEvent(events[0], len(events)) if len(set(events)) == 1 else ComposedEvent(tuple(events))
+        return private_release(Message(arrays=change), "encoder_update", event, metadata=self._metadata())
+
     def novel_query(self, novel: NovelClient, message: Message) -> Release:
-        """Step 2 of serving: the descriptor of all the client's unlabelled inputs, and nothing else."""
-        return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, novel.x)}),
-                                   purpose="descriptor")
+        """Step 2 of serving: the descriptor of all the client's unlabelled inputs, and nothing else; through
+        ``privatize`` (replace-one, n public) when ``novel_privacy`` is set."""
+        if not self.novel_privacy.private:
+            return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, novel.x)}),
+                                       purpose="descriptor")
+        setting = self.novel_privacy
+        generator = None
+        if setting.noise == "seeded":   # the client's own seed: nothing in the server's message sets it
+            generator = torch.Generator().manual_seed(derive_seed(setting.noise_seed, "itpflhn_novel_descriptor",
+                                                                  novel.client_id))
+        private = privatize(self.encoder_from(message), setting.epsilon, setting.delta, bound=setting.bound,
+                            noise=setting.noise, generator=generator)
+        descriptor, event = private.release(novel.x)
+        return Release(Message(arrays={"descriptor": descriptor.to(torch.get_default_dtype())}), purpose="descriptor",
+                       event=event, metadata={"noise": setting.noise, "bound": setting.bound, "n": len(novel.x),
+                                              "relation": "replace one sample; n public"})
 
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
         return self.load_generated(message.arrays)
@@ -289,4 +509,12 @@ register_method(
     "itpflhn", strategy=ITPFLHNStrategy, client=ITPFLHNClient, config=ITPFLHNConfig,
     description="IT-PFL-HN (two-phase ODPFL-HN): pFedHN + an encoder regressed onto the client embeddings, then "
                 "hypernetwork fine-tuning on encoder outputs; novel clients send one descriptor",
+    privacy={"record": None, "local": None, "central": None,
+             "distributed": "its round is two releases (weight change, then encoder update; or descriptor, then "
+                            "weight change) and its server chain-rules each client's weight change through the "
+                            "hypernetwork at that client's own row or descriptor: it needs each client's messages on "
+                            "their own, while secure aggregation shows only sums"},
+    releases_per_round=2, novel_privacy=None,
+    smoke_settings={**SMOKE_SETTINGS, "encoder": "dp_deepset", "encoder_options": {"hidden": 8},
+                    "encoder_steps": 2, "phase1_rounds": 1},
 )

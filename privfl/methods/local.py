@@ -62,4 +62,8 @@ class LocalClient(ClientProcedure):
 register_method(
     "local", strategy=LocalStrategy, client=LocalClient, config=LocalTrainingConfig,
     description="Local: every training client trains alone (reported for training clients only)",
+    releases_per_round=0,
+    privacy={"record": None, "local": None,
+             "central": "its training clients send nothing, so there is no aggregate to make private",
+             "distributed": "its training clients send nothing, so there is no aggregate to make private"},
 )

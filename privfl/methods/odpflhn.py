@@ -1,12 +1,13 @@
 """ODPFL-HN (Amosy, Eyal and Chechik, "On-Demand Unlabeled Personalized Federated Learning"): a client encoder and a
 hypernetwork trained end to end, so that a novel client with unlabelled data gets a personalised model from one
-descriptor (digest ``papers/odpfl-hn.md``).
+descriptor (docs/papers.md, ODPFL-HN).
 
 The server holds a set encoder g_gamma and a hypernetwork f_theta. A training round is Algorithm 1 of the paper with
-the corrected sign (digest 3.1 and 10.2 #2), as a three-stage dialogue with each sampled client i:
+the sign of pFedHN's code (docs/papers.md, ODPFL-HN, E1), as a three-stage dialogue with each sampled client i:
 
 1. **Stage 0, ClientEncoding.** The server sends gamma; the client computes its descriptor e_i = g_gamma(X_i) over its
-   whole training split (or the mean of descriptors of random batches, digest 3.3) and releases e_i.
+   whole training split (or the mean of descriptors of random batches, the fallback of the paper's App. B.1) and
+   releases e_i.
 2. **Stage 1, ClientUpdate.** The server computes w_i = f_theta(e_i) and sends w_i; the client runs local SGD
    (momentum 0.9, ``local_steps`` steps or ``local_epochs`` epochs) and releases the change d_i = w_before - w_after
    (pFedHN's sign: after one plain SGD step it is exactly lr_local * dL/dw).
@@ -17,14 +18,16 @@ the corrected sign (digest 3.1 and 10.2 #2), as a three-stage dialogue with each
    through the encoder and releases the encoder gradient.
 4. **Aggregation.** The server averages the round's hypernetwork and encoder gradients over the clients that finished
    stage 2, clips each to L2 norm ``grad_clip`` (50, pFedHN's code) and takes one SGD step each (momentum 0.9,
-   weight decay; separate learning rates for the hypernetwork and the encoder, digest 7.3 and 10.2 #4).
+   weight decay; separate learning rates for the hypernetwork and the encoder: the paper's App. C grids, and
+   docs/papers.md, ODPFL-HN, U3-U4 for what it leaves unstated).
 
 Training clients are evaluated with their generated model f_theta(e_i), from the descriptor they last released (the
-server keeps it; no new release is needed). A **novel client** (digest section 4) receives gamma, computes its
+server keeps it; no new release is needed). A **novel client** (the paper's inference protocol) receives gamma,
+computes its
 descriptor locally and releases it -- optionally through :func:`privfl.privacy.privatize` (``novel_epsilon``), whose
 Gaussian event goes with the release into the client's ledger -- and receives f_theta(e); nothing else leaves it.
 Training clients get no privacy here: their descriptors, weight changes and encoder gradients are sent in the clear
-and recorded with epsilon = infinity (digest 5.7 item 10).
+and recorded with epsilon = infinity (the paper's DP covers the novel client only; docs/papers.md, ODPFL-HN, E10).
 
 **Making the descriptor matter.** Trained end to end, the system can settle on one model for everybody: the
 hypernetwork is then as good as FedAvg and a flat privacy-utility curve is vacuous (noise cannot hurt a descriptor
@@ -60,57 +63,71 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
 from privfl.methods.base import (
+    MethodConfig,
+    dp_sgd_round_event,
+    private_release,
     ClientContext,
     ClientProcedure,
     ClientState,
     Strategy,
-    _finite,
-    _require,
     register_method,
 )
 from privfl.methods.local_training import minibatches, weights_of
 from privfl.models.encoders import ENCODERS, PRIVATIZABLE, build_encoder
-from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, embedding_dim
+from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, backprop_weight_change, embedding_dim
 from privfl.models.set_encoders import PHI_HEADS, PSI_KINDS
+from privfl.privacy import privatize
+from privfl.privacy.mechanisms import GaussianMechanism
+from privfl.privacy.per_sample import ClippedGradientSum, flat_views
+from privfl.privacy.sensitivity import certify_mean_of_clipped
+from privfl.privacy.training import CENTRAL, RECORD, NovelPrivacy, TrainingPrivacy
+
+from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
 
 DESCRIPTOR_MODES = ("full", "batch_mean")
 ENCODER_PREFIX = "encoder."
+HN_PREFIX = "hnet."
 
 
 @dataclass(frozen=True)
-class ODPFLHNConfig:
-    """ODPFL-HN's settings (digest 7.3; defaults from pFedHN's code where the paper gives a grid).
+class ODPFLHNConfig(MethodConfig):
+    """ODPFL-HN's settings (the paper's App. C; defaults from pFedHN's code where the paper gives a grid;
+    docs/papers.md, ODPFL-HN, "Settings").
 
     Local training: ``lr`` (client), ``local_steps`` minibatch steps, or ``local_epochs`` epochs over the training
     split when given (then ``local_steps`` is ignored), ``batch_size``, ``local_momentum`` (0.9 in the paper),
     ``local_weight_decay``.
-    Server: ``hn_lr``, ``hn_weight_decay``, ``encoder_lr``, ``encoder_weight_decay`` (``None``: the hypernetwork's,
-    digest 10.2 #4), ``server_momentum`` (SGD momentum of both), ``grad_clip`` (L2 clip of each averaged gradient,
-    ``None`` for none).
+    Server: ``hn_lr``, ``hn_weight_decay``, ``encoder_lr`` (0: the encoder stays at its initialisation, and a round
+    has two stages: no client computes or releases an encoder gradient), ``encoder_weight_decay`` (``None``: the
+    hypernetwork's; the paper gives no encoder optimiser), ``server_momentum`` (SGD momentum of both), ``grad_clip`` (L2 clip of each
+    averaged gradient, ``None`` for none).
     Architecture: ``encoder`` (a name of :data:`privfl.models.encoders.ENCODERS`), ``encoder_hidden``,
     ``encoder_clip`` (``dp_deepset``, ignored by the others: phi's outputs are projected onto the L2 ball of this
     radius in training, as privatize does on release; ``None`` for none), ``encoder_sphere`` (with a clip: scale phi's
-    outputs onto the sphere of that radius, the paper's normalisation, digest 5.4; it keeps the encoder from
+    outputs onto the sphere of that radius, the paper's normalisation of phi onto the unit sphere in its DP
+    experiment, section 7; it keeps the encoder from
     shrinking phi towards 0, which the ball allows), ``encoder_phi_hidden`` (``dp_deepset`` only: a deeper phi),
     ``encoder_phi_head`` (``dp_deepset`` only: ``"relu"``, or ``"softmax"``: phi softly assigns each sample to
     ``encoder_hidden`` learned prototypes, so the pooled mean is a histogram; set ``encoder_sphere=False`` with it),
     ``encoder_temperature`` (that softmax's temperature), ``encoder_psi`` (``dp_deepset`` only: ``"mlp"``,
     ``"linear"`` or ``"identity"``, the descriptor then being the pooled mean itself, of ``encoder_hidden``
-    coordinates), ``embed_dim`` (``None``: ``floor(N_train / 4)``, at least 2; digest 2.4; ignored with an identity
+    coordinates), ``embed_dim`` (``None``: ``floor(N_train / 4)``, at least 2; the paper's d_e = N/4, App. C;
+    ignored with an identity
     psi), ``hn_hidden``, ``hn_layers``, ``standardize_descriptors`` (a
     :class:`~privfl.models.hypernetwork.DescriptorStandardizer` in front of the hypernetwork, refitted every round to
     the training clients' latest descriptors; see "Making the descriptor matter" in the module docstring).
     Descriptors: ``descriptor`` ``"full"`` (the whole training split as one set, the default) or ``"batch_mean"``
     (mean of the descriptors of random batches of ``descriptor_batch_size``); ``train_mean_noise`` (``dp_deepset``
-    only): std of Gaussian noise added to the pooled mean during training (noise-aware training, digest 5.7 item 12).
-    Novel clients: ``novel_epsilon`` (``None``: the descriptor is released without privacy), ``novel_delta``,
-    ``novel_bound`` (per-sample clipping radius), ``novel_noise`` (``"secure"``, the default, OS-seeded; ``"seeded"``
-    for reproducible research runs), ``novel_noise_seed`` (the client-side seed of seeded noise).
+    only): std of Gaussian noise added to the pooled mean during training (noise-aware training, not in the paper;
+    docs/papers.md, ODPFL-HN, U12).
+    Privacy is the run's (``RunConfig.privacy`` for training clients, ``RunConfig.novel_privacy`` for the novel
+    client's descriptor); see "Privacy" in the module docstring.
     """
 
     lr: float = 0.05
@@ -140,47 +157,44 @@ class ODPFLHNConfig:
     descriptor: str = "full"
     descriptor_batch_size: int = 128
     train_mean_noise: float = 0.0
-    novel_epsilon: float | None = None
-    novel_delta: float = 1e-5
-    novel_bound: float = 1.0
-    novel_noise: str = "secure"
-    novel_noise_seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("lr", "hn_lr", "encoder_lr", "encoder_temperature"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
-                     "a finite number > 0")
+        for name in ("lr", "hn_lr", "encoder_temperature"):
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                          "a finite number > 0")
+        check.require(is_finite(self.encoder_lr) and self.encoder_lr >= 0, "encoder_lr", self.encoder_lr,
+                      "a finite number >= 0 (0: the encoder stays at its initialisation)")
         for name in ("local_weight_decay", "hn_weight_decay", "train_mean_noise"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
-                     "a finite number >= 0")
-        _require(self.encoder_weight_decay is None or (_finite(self.encoder_weight_decay)
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
+                          "a finite number >= 0")
+        check.require(self.encoder_weight_decay is None or (is_finite(self.encoder_weight_decay)
                                                        and self.encoder_weight_decay >= 0),
-                 "encoder_weight_decay", self.encoder_weight_decay, "None or a finite number >= 0")
+                      "encoder_weight_decay", self.encoder_weight_decay, "None or a finite number >= 0")
         for name in ("local_momentum", "server_momentum"):
-            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
-                     "in [0, 1)")
+            check.require(is_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
+                          "in [0, 1)")
         for name in ("local_steps", "batch_size", "encoder_hidden", "hn_hidden", "descriptor_batch_size"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
-                     "an integer >= 1")
+            check.require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
+                          "an integer >= 1")
         for name in ("local_epochs", "embed_dim", "encoder_phi_hidden"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-                     name, value, "None or an integer >= 1")
-        _require(isinstance(self.hn_layers, int) and self.hn_layers >= 0, "hn_layers", self.hn_layers,
-                 "an integer >= 0")
-        _require(self.grad_clip is None or (_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
-                 self.grad_clip, "None or a finite number > 0")
-        _require(self.encoder in ENCODERS, "encoder", self.encoder, f"one of {', '.join(sorted(ENCODERS))}")
-        _require(self.descriptor in DESCRIPTOR_MODES, "descriptor", self.descriptor,
-                 f"one of {', '.join(DESCRIPTOR_MODES)}")
-        _require(self.encoder_clip is None or (_finite(self.encoder_clip) and self.encoder_clip > 0),
-                 "encoder_clip", self.encoder_clip, "None or a finite L2 radius > 0")
-        _require(self.encoder_phi_head in PHI_HEADS, "encoder_phi_head", self.encoder_phi_head,
-                 f"one of {', '.join(PHI_HEADS)}")
-        _require(self.encoder_psi in PSI_KINDS, "encoder_psi", self.encoder_psi, f"one of {', '.join(PSI_KINDS)}")
-        _require(isinstance(self.standardize_descriptors, bool), "standardize_descriptors",
-                 self.standardize_descriptors, "True or False")
+            check.require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                          name, value, "None or an integer >= 1")
+        check.require(isinstance(self.hn_layers, int) and self.hn_layers >= 0, "hn_layers", self.hn_layers,
+                      "an integer >= 0")
+        check.require(self.grad_clip is None or (is_finite(self.grad_clip) and self.grad_clip > 0), "grad_clip",
+                      self.grad_clip, "None or a finite number > 0")
+        check.require(self.encoder in ENCODERS, "encoder", self.encoder, f"one of {', '.join(sorted(ENCODERS))}")
+        check.require(self.descriptor in DESCRIPTOR_MODES, "descriptor", self.descriptor,
+                      f"one of {', '.join(DESCRIPTOR_MODES)}")
+        check.require(self.encoder_clip is None or (is_finite(self.encoder_clip) and self.encoder_clip > 0),
+                      "encoder_clip", self.encoder_clip, "None or a finite L2 radius > 0")
+        check.require(self.encoder_phi_head in PHI_HEADS, "encoder_phi_head", self.encoder_phi_head,
+                      f"one of {', '.join(PHI_HEADS)}")
+        check.require(self.encoder_psi in PSI_KINDS, "encoder_psi", self.encoder_psi, f"one of {', '.join(PSI_KINDS)}")
+        check.require(isinstance(self.standardize_descriptors, bool), "standardize_descriptors",
+                      self.standardize_descriptors, "True or False")
         if self.encoder_psi == "identity" and self.embed_dim is not None and self.embed_dim != self.encoder_hidden:
             raise ConfigError(f"encoder_psi='identity' releases phi's pooled mean, so the descriptor has "
                               f"encoder_hidden={self.encoder_hidden} coordinates; embed_dim={self.embed_dim} differs "
@@ -196,17 +210,30 @@ class ODPFLHNConfig:
             if value is not None and self.encoder != "dp_deepset":
                 raise ConfigError(f"{name}={value!r} applies only to encoder='dp_deepset', got "
                                   f"encoder={self.encoder!r} (set {name} to None / 0)")
-        _require(self.novel_epsilon is None or (_finite(self.novel_epsilon) and self.novel_epsilon > 0),
-                 "novel_epsilon", self.novel_epsilon, "None (no privacy) or a finite epsilon > 0")
-        _require(_finite(self.novel_delta) and 0 < self.novel_delta < 1, "novel_delta", self.novel_delta,
-                 "a probability in (0, 1)")
-        _require(_finite(self.novel_bound) and self.novel_bound > 0, "novel_bound", self.novel_bound,
-                 "a finite L2 radius > 0")
-        _require(self.novel_noise in ("seeded", "secure"), "novel_noise", self.novel_noise, "'seeded' or 'secure'")
-        if self.novel_epsilon is not None and self.encoder not in PRIVATIZABLE:
-            raise ConfigError(f"novel_epsilon={self.novel_epsilon!r} needs a privatizable encoder "
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, the settings under which a privacy mode cannot hold (see the module docstring)."""
+        if novel_privacy.private and self.encoder not in PRIVATIZABLE:
+            raise ConfigError(f"novel_privacy epsilon={novel_privacy.epsilon!r} needs a privatizable encoder "
                               f"({', '.join(PRIVATIZABLE)}), got encoder={self.encoder!r}: its sensitivity does not "
-                              "shrink with n (digest 5.7 item 2)")
+                              "shrink with n (docs/papers.md, ODPFL-HN, E2)")
+        if privacy.mode == RECORD:
+            if self.encoder not in PRIVATIZABLE:
+                raise ConfigError(f"record-level DP releases each training client's descriptor through privatize, "
+                                  f"which needs encoder in {', '.join(PRIVATIZABLE)}, got encoder={self.encoder!r}")
+            if self.descriptor != "full":
+                raise ConfigError(f"record-level DP (add or remove one record) needs descriptor='full': with "
+                                  f"descriptor={self.descriptor!r} adding a record changes the random batches")
+        if privacy.mode == CENTRAL and self.standardize_descriptors:
+            raise ConfigError("central DP protects what leaves the aggregator, and standardize_descriptors=True "
+                              "fits the hypernetwork's input statistics to the clients' descriptors in the clear: "
+                              "the shared model would carry them; use standardize_descriptors=False, or record-level "
+                              "or local DP (there the descriptors are private releases)")
+
+    @property
+    def frozen_encoder(self) -> bool:
+        """Whether the encoder stays at its initialisation (``encoder_lr=0``): no stage 2, no encoder gradient."""
+        return self.encoder_lr == 0
 
     def encoder_options(self) -> dict[str, Any]:
         """Keyword options of :func:`~privfl.models.encoders.build_encoder` for this config."""
@@ -226,7 +253,7 @@ class ODPFLHNConfig:
 
 def descriptor_dim(config: ODPFLHNConfig, num_training_clients: int) -> int:
     """The descriptor size: ``encoder_hidden`` with an identity psi (the descriptor is phi's pooled mean), else
-    ``embed_dim`` or ``floor(N_train / 4)`` (at least 2; digest 2.4)."""
+    ``embed_dim`` or ``floor(N_train / 4)`` (at least 2; the paper's d_e = N/4, App. C)."""
     if config.encoder == "dp_deepset" and config.encoder_psi == "identity":
         return config.encoder_hidden
     return config.embed_dim or max(2, embedding_dim(num_training_clients))
@@ -240,10 +267,11 @@ def make_encoder(config: ODPFLHNConfig, input_shape: tuple[int, ...], embed_dim:
 def client_descriptor(encoder: nn.Module, x: torch.Tensor, config: ODPFLHNConfig, *, seed: int) -> torch.Tensor:
     """A training client's descriptor of its inputs ``x`` (graph kept to the encoder).
 
-    Steps: 1. ``"full"``: the encoder on the whole set (digest 3.1 step 2); ``"batch_mean"``: the mean of the
-    encoder's outputs on random batches of ``descriptor_batch_size`` (digest 3.3), the batches drawn from ``seed``;
+    Steps: 1. ``"full"``: the encoder on the whole set (ClientEncoding of Algorithm 1); ``"batch_mean"``: the mean of
+    the encoder's outputs on random batches of ``descriptor_batch_size`` (App. B.1), the batches drawn from ``seed``;
     2. with ``train_mean_noise`` (dp_deepset only) Gaussian noise of that std is added to the pooled mean before
-    psi, drawn from ``seed`` (noise-aware training, digest 5.7 item 12). The same seed gives the same descriptor, so
+    psi, drawn from ``seed`` (noise-aware training, docs/papers.md, ODPFL-HN, U12). The same seed gives the same
+    descriptor, so
     stage 2 recomputes exactly what stage 0 released.
     """
     if config.descriptor == "full":
@@ -303,6 +331,8 @@ class ODPFLHNStrategy(Strategy):
         self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}}
         self.descriptors: dict[str, torch.Tensor] = {}
         self._round: dict[str, Any] = {}
+        if config.frozen_encoder:
+            self.train_stages = 2          # descriptor up, model down, weight change up: nothing to back-propagate
 
     # -- the round ----------------------------------------------------------------------------------------------------
 
@@ -321,7 +351,7 @@ class ODPFLHNStrategy(Strategy):
             return self._send_generated_weights(round, replies)
         if stage == 2:
             return self._backprop_changes(replies)
-        raise ConfigError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
+        raise InternalError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
 
     def _send_generated_weights(self, round: int, replies: dict[int, Message]) -> dict[int, Message]:
         """Stage 1: w_i = f_theta(e_i) to each client that released a descriptor, with the local-training settings."""
@@ -344,7 +374,8 @@ class ODPFLHNStrategy(Strategy):
         return messages
 
     def _backprop_changes(self, replies: dict[int, Message]) -> dict[int, Message]:
-        """Stage 2: the chain rule through the hypernetwork (digest 3.1 step 5); de_i and the encoder down."""
+        """Stage 2: the chain rule through the hypernetwork (Algorithm 1, the server's step between ClientUpdate and
+        ClientBackprop); de_i and the encoder down."""
         descriptor_grads = {}
         for cid in sorted(replies):       # ascending: the order the hypernetwork gradients are summed in
             descriptor_grad = self._round["hn_grads"].add(cid, self._round["descriptors"][cid], replies[cid].arrays)
@@ -367,27 +398,69 @@ class ODPFLHNStrategy(Strategy):
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         """Average the hypernetwork and encoder gradients of the clients that finished, clip, one SGD step each."""
-        config: ODPFLHNConfig = self.config
+        if self.config.frozen_encoder and "hn_grads" in self._round:   # the last replies are the weight changes
+            for cid in sorted(replies):
+                self._round["hn_grads"].add(cid, self._round["descriptors"][cid], replies[cid].arrays)
+                self._round["losses"][cid] = float(replies[cid].metrics.get("loss", float("nan")))
         done = sorted(cid for cid in replies if cid in self._round.get("hn_grads", ()))
         if not done:
             return {}
         hn_grads = self._round["hn_grads"].mean(done)
-        encoder_grads = _mean([replies[cid].arrays for cid in done])
+        encoder_grads = {} if self.config.frozen_encoder else _mean([replies[cid].arrays for cid in done])
+        losses = [self._round["losses"][cid] for cid in done]
+        self._round = {}
+        return {"train_loss": float(np.mean(losses)), **self._step(round, hn_grads, encoder_grads)}
+
+    # -- central DP: the shared networks move from the noisy mean of the clients' gradients only --------------------
+
+    def contributions(self, round: int, replies: dict[int, Message]):
+        """A client's contribution to the shared networks: its hypernetwork gradient (the chain rule of its weight
+        change at its descriptor, computed again here, one client at a time) and its encoder gradient, jointly."""
+        if self.config.frozen_encoder:      # the last replies are the weight changes themselves
+            for cid in sorted(replies):
+                if cid in self._round.get("descriptors", {}):
+                    hn_grads, _ = backprop_weight_change(self.hnet, self._round["descriptors"][cid],
+                                                         replies[cid].arrays)
+                    yield cid, prefixed(HN_PREFIX, hn_grads)
+            return
+        kept = self._round.get("hn_grads")
+        for cid in sorted(replies):
+            if kept is None or cid not in kept:
+                continue
+            hn_grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
+            yield cid, {**prefixed(HN_PREFIX, hn_grads), **prefixed(ENCODER_PREFIX, replies[cid].arrays)}
+
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        shapes = {HN_PREFIX + k: torch.zeros_like(p) for k, p in self.hnet.named_parameters()}
+        if not self.config.frozen_encoder:
+            shapes.update({ENCODER_PREFIX + k: torch.zeros_like(p) for k, p in self.encoder.named_parameters()
+                           if p.requires_grad})
+        return shapes
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """The server step of :meth:`aggregate_train` from the noisy mean of the contributions."""
+        message = Message(arrays=mean)
+        self._round = {}
+        return self._step(round, message.subset(HN_PREFIX), message.subset(ENCODER_PREFIX))
+
+    def _step(self, round: int, hn_grads: dict[str, torch.Tensor],
+              encoder_grads: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clip each averaged gradient to ``grad_clip``, then one SGD step each (refused when one is not finite)."""
+        config: ODPFLHNConfig = self.config
         hn_norm = _clip_(list(hn_grads.values()), config.grad_clip)
-        encoder_norm = _clip_(list(encoder_grads.values()), config.grad_clip)
+        encoder_norm = _clip_(list(encoder_grads.values()), config.grad_clip) if encoder_grads else 0.0
         if not (math.isfinite(hn_norm) and math.isfinite(encoder_norm)):
             # refuse before stepping, so the hypernetwork, the encoder and the last checkpoint stay finite (a NaN
             # step would only surface a round later, as NaN descriptors)
-            raise ConfigError(f"round {round}: ODPFL-HN training diverged (non-finite gradients from clients {done}: "
-                              f"hypernetwork norm {hn_norm}, encoder norm {encoder_norm}); lower hn_lr (now "
-                              f"{config.hn_lr!r}), encoder_lr (now {config.encoder_lr!r}) or the local lr (now "
-                              f"{config.lr!r})")
+            raise TrainingDivergedError(
+                f"round {round}: ODPFL-HN training diverged (non-finite gradients: hypernetwork norm {hn_norm}, "
+                f"encoder norm {encoder_norm}); lower hn_lr (now {config.hn_lr!r}), encoder_lr (now "
+                f"{config.encoder_lr!r}) or the local lr (now {config.lr!r})")
         encoder_wd = config.hn_weight_decay if config.encoder_weight_decay is None else config.encoder_weight_decay
         self._sgd_step("hnet", self.hnet, hn_grads, config.hn_lr, config.hn_weight_decay)
-        self._sgd_step("encoder", self.encoder, encoder_grads, config.encoder_lr, encoder_wd)
-        losses = [self._round["losses"][cid] for cid in done]
-        self._round = {}
-        metrics = {"train_loss": float(np.mean(losses)), "hn_grad_norm": hn_norm, "encoder_grad_norm": encoder_norm}
+        if encoder_grads:
+            self._sgd_step("encoder", self.encoder, encoder_grads, config.encoder_lr, encoder_wd)
+        metrics = {"hn_grad_norm": hn_norm, "encoder_grad_norm": encoder_norm}
         if self.hnet.standardizer is not None:
             metrics["descriptor_scale"] = float(self.hnet.standardizer.scale)
         return metrics
@@ -425,11 +498,11 @@ class ODPFLHNStrategy(Strategy):
         return Message(arrays=self.generated_weights(descriptor))
 
     def novel_request(self, client_id: int) -> Message:
-        """The encoder (digest section 4 step 1)."""
+        """The encoder (the inference protocol's first message: the server sends g_gamma)."""
         return self._encoder_message(stage="novel")
 
     def novel_reply(self, client_id: int, delivered: Message | None) -> Message:
-        """f_theta(e) for the descriptor the novel client released (digest section 4 step 4)."""
+        """f_theta(e) for the descriptor the novel client released (the inference protocol's reply)."""
         if delivered is None or "descriptor" not in delivered.arrays:
             raise ConfigError(f"novel client {client_id} sent no descriptor; ODPFL-HN needs one to build its model")
         return Message(arrays=self.generated_weights(delivered.arrays["descriptor"]))
@@ -496,87 +569,198 @@ class ODPFLHNClient(ClientProcedure):
         return derive_seed(ctx.run_seed, "odpflhn_descriptor", ctx.round, ctx.client_id)
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
-        """Stage 0 (ClientEncoding, digest 3.1 step 2): release e_i = g_gamma(X_i)."""
+        """Stage 0 (ClientEncoding of Algorithm 1): release e_i = g_gamma(X_i); under record-level DP through
+        privatize (add or remove one record, n private, calibrated at ``privacy.min_samples``), the noisy mean kept
+        in the round's working state for stage 2."""
         encoder = self.encoder_from(message)
+        if not self.record_level:
+            with torch.no_grad():
+                descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
+            return Release.non_private(Message(arrays={"descriptor": descriptor}), purpose="descriptor")
+        private = self._private_encoder(encoder, data, ctx)
+        mechanism = private.mechanism(data.num_train)      # refuses a client below min_samples, naming no n
+        noisy_mean = mechanism.add_noise(private.clipped_mean(data.x_train))
+        state[NOISY_MEAN] = noisy_mean
         with torch.no_grad():
-            descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
-        return Release.non_private(Message(arrays={"descriptor": descriptor}), purpose="descriptor")
+            descriptor = encoder.psi(noisy_mean.to(_psi_dtype(encoder))).to(torch.get_default_dtype())
+        return private_release(Message(arrays={"descriptor": descriptor}), "descriptor", mechanism.event,
+                               metadata={"noise": self.privacy.noise, "bound": self.novel_privacy.bound,
+                                         "min_samples": self.privacy.min_samples})
+
+    def _private_encoder(self, encoder: nn.Module, data: TrainingClient, ctx: ClientContext):
+        return privatize(encoder, None, None, noise_multiplier=self.noise_multiplier(data),
+                         bound=self.novel_privacy.bound, relation="add_or_remove_one",
+                         min_samples=self.privacy.min_samples, **self.noise_source(ctx, "odpflhn_descriptor"))
 
     def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
                     ctx: ClientContext) -> Release:
         if stage == 1:
             return self._client_update(data, message, ctx)
         if stage == 2:
-            return self._client_backprop(data, message, ctx)
-        raise ConfigError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
+            return self._client_backprop(data, message, state, ctx)
+        raise InternalError(f"ODPFL-HN has stages 0, 1, 2; got stage {stage}")
 
     def _client_update(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
-        """Stage 1 (ClientUpdate, digest 3.1 step 4): local SGD from w_i; release w_before - w_after."""
+        """Stage 1 (ClientUpdate of Algorithm 1): local SGD from w_i (DP-SGD under record-level DP); release
+        w_before - w_after."""
         start = message.arrays
         model = self.model_from(start)
         config = message.config
-        batch_size = int(config["batch_size"])
-        epochs = int(config["local_epochs"])
-        steps = epochs * math.ceil(data.num_train / min(batch_size, data.num_train)) if epochs else int(
-            config["local_steps"])
-        loss = local_sgd_momentum(model, data.x_train, data.y_train, lr=float(config["lr"]), steps=steps,
-                                  batch_size=batch_size, momentum=float(config["momentum"]),
-                                  weight_decay=float(config["weight_decay"]), rng=ctx.rng)
+        settings = {"lr": float(config["lr"]), "steps": self._local_steps(data, config),
+                    "batch_size": int(config["batch_size"]), "momentum": float(config["momentum"]),
+                    "weight_decay": float(config["weight_decay"])}
+        loss, event = self.fit(model, data, settings, ctx.rng)
         after = dict(model.named_parameters())
         change = {k: start[k] - after[k].detach() for k in start}
-        return Release.non_private(Message(arrays=change, metrics={"loss": loss,
-                                                                   "num_examples": float(data.num_train)}),
-                                   purpose="weight_change")
+        metrics = {} if event is not None else {"loss": loss, "num_examples": float(data.num_train)}
+        return private_release(Message(arrays=change, metrics=metrics), "weight_change", event,
+                               metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
 
-    def _client_backprop(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
-        """Stage 2 (ClientBackprop, digest 3.1 step 6): release (de_i/dgamma)^T de_i."""
+    @staticmethod
+    def _local_steps(data: TrainingClient, config: dict[str, Any]) -> int:
+        batch_size, epochs = int(config["batch_size"]), int(config["local_epochs"])
+        return epochs * math.ceil(data.num_train / min(batch_size, data.num_train)) if epochs else \
+            int(config["local_steps"])
+
+    def _client_backprop(self, data: TrainingClient, message: Message, state: ClientState,
+                         ctx: ClientContext) -> Release:
+        """Stage 2 (ClientBackprop of Algorithm 1): release (de_i/dgamma)^T de_i; under record-level DP, its phi
+        part as a noisy mean of per-record contributions clipped to ``privacy.clip`` (see the module docstring)."""
         encoder = self.encoder_from(message)
+        descriptor_grad = message.arrays["descriptor_grad"]
+        if self.record_level:
+            return self._private_backprop(encoder, data, descriptor_grad, state, ctx)
         descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
         names = [n for n, p in encoder.named_parameters() if p.requires_grad]
         params = [p for p in encoder.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(descriptor, params, grad_outputs=message.arrays["descriptor_grad"],
-                                    allow_unused=True)
+        grads = torch.autograd.grad(descriptor, params, grad_outputs=descriptor_grad, allow_unused=True)
         arrays = {n: torch.zeros_like(p) if g is None else g.detach() for n, p, g in zip(names, params, grads,
                                                                                         strict=True)}
         return Release.non_private(Message(arrays=arrays), purpose="encoder_gradient")
+
+    def _private_backprop(self, encoder: nn.Module, data: TrainingClient, descriptor_grad: torch.Tensor,
+                          state: ClientState, ctx: ClientContext) -> Release:
+        """Steps: 1. psi's gradient and v = J_psi(m~)^T de at the noisy mean m~ released in stage 0 (post-processing
+        of that release and the server's de: no privacy cost); 2. each record's contribution to phi's gradient,
+        h_i = d/dtheta <v, clip_B(phi_theta(x_i))>, clipped to C (:class:`~privfl.privacy.per_sample.
+        ClippedGradientSum`); 3. their mean plus Gaussian noise of z times the mean's add/remove sensitivity with n
+        private, 2 C / min_samples (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`)."""
+        if NOISY_MEAN not in state:
+            raise InternalError("ODPFL-HN stage 2 under record-level DP found no stage-0 release in the client state")
+        noisy_mean = state[NOISY_MEAN]
+        psi_params = {n: p for n, p in encoder.psi.named_parameters() if p.requires_grad}
+        mean = noisy_mean.detach().to(_psi_dtype(encoder)).requires_grad_(True)
+        out = encoder.psi(mean)
+        grads = torch.autograd.grad(out, [mean, *psi_params.values()], grad_outputs=descriptor_grad.to(out.dtype),
+                                    allow_unused=True)
+        v = grads[0].detach()
+        arrays = {f"psi.{n}": torch.zeros_like(p) if g is None else g.detach()
+                  for (n, p), g in zip(psi_params.items(), grads[1:], strict=True)}
+        # 2. per-record contributions to phi's gradient, clipped
+        phi = encoder.phi
+        phi_params = {n: p for n, p in phi.named_parameters() if p.requires_grad}
+        bound, clip = self.novel_privacy.bound, float(self.privacy.clip)
+
+        def contribution(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            rows = model(xb).reshape(len(xb), -1)
+            norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            rows = rows * torch.clamp(bound / norms, max=1.0)       # privatize's projection onto the ball
+            return (rows * v.to(rows.dtype)).sum(dim=1)
+
+        total = torch.zeros(sum(p.numel() for p in phi_params.values()), dtype=next(iter(phi_params.values())).dtype)
+        views = flat_views(phi_params, total)
+        engine = ClippedGradientSum(phi, phi_params, contribution)
+        encoder.eval()
+        dummy = torch.zeros(data.num_train, dtype=torch.long)
+        for start in range(0, data.num_train, CONTRIBUTION_CHUNK):
+            stop = start + CONTRIBUTION_CHUNK
+            engine(data.x_train[start:stop], dummy[start:stop], clip, views)
+        # 3. the noisy mean
+        mechanism = self._gradient_mechanism(data, ctx)
+        noisy = mechanism.add_noise(total.double() / data.num_train)
+        offset = 0
+        for name, p in phi_params.items():
+            arrays[f"phi.{name}"] = noisy[offset:offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+        arrays = {n: arrays[n] for n, p in encoder.named_parameters() if p.requires_grad}
+        return private_release(Message(arrays=arrays), "encoder_gradient", mechanism.event,
+                               metadata={"noise": self.privacy.noise, "clip": clip,
+                                         "min_samples": self.privacy.min_samples})
+
+    def _gradient_mechanism(self, data: TrainingClient, ctx: ClientContext | None) -> GaussianMechanism:
+        certificate = certify_mean_of_clipped(float(self.privacy.clip), self.privacy.min_samples,
+                                              NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False)
+        noise = {"noise": "secure", "generator": None} if ctx is None else \
+            self.noise_source(ctx, "odpflhn_encoder_gradient")
+        return GaussianMechanism(sensitivity=certificate.value, noise_multiplier=self.noise_multiplier(data),
+                                 relation=NeighboringRelation.ADD_OR_REMOVE_ONE, **noise)
+
+    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+        """Record level: a round's releases at noise multiplier z: the descriptor (Gaussian, sensitivity of the
+        clipped mean with n private, ``2 B / min_samples``), the weight change (DP-SGD) and, unless the encoder is
+        frozen, the encoder gradient (Gaussian, ``2 C / min_samples``)."""
+        relation = NeighboringRelation.ADD_OR_REMOVE_ONE
+        descriptor = certify_mean_of_clipped(self.novel_privacy.bound, self.privacy.min_samples, relation,
+                                             n_public=False).value
+        gradient = certify_mean_of_clipped(float(self.privacy.clip), self.privacy.min_samples, relation,
+                                           n_public=False).value
+        steps = self._local_steps(data, {"batch_size": self.config.batch_size,
+                                         "local_epochs": self.config.local_epochs or 0,
+                                         "local_steps": self.config.local_steps})
+        events = [GaussianEvent(sigma=noise_multiplier * descriptor, sensitivity=descriptor, relation=relation),
+                  dp_sgd_round_event(noise_multiplier, data.num_train, self.config.batch_size, steps)]
+        if not self.config.frozen_encoder:
+            events.append(GaussianEvent(sigma=noise_multiplier * gradient, sensitivity=gradient, relation=relation))
+        return ComposedEvent(tuple(events))
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         return self.model_from(message.arrays)
 
     def novel_query(self, novel: NovelClient, message: Message) -> Release:
-        """The novel client's only release: its descriptor, through privatize when ``novel_epsilon`` is set.
+        """The novel client's only release: its descriptor, through privatize when ``novel_privacy`` has an epsilon.
 
-        Steps (digest section 4 and 5): 1. load the encoder; 2. without privacy, e = g_gamma(X) (full set or batch
-        mean), released with epsilon = infinity; 3. with privacy, ``privatize(encoder, eps, delta, bound=...)``
-        clips phi per sample, adds analytic-Gaussian noise to the mean (n public, replace-one) and applies psi;
-        the release carries the mechanism's event, so the wire records exactly that epsilon.
+        Steps (the paper's inference protocol and its DP option, section 7): 1. load the encoder; 2. without
+        privacy, e = g_gamma(X) (full set or batch mean), released with epsilon = infinity; 3. with privacy,
+        ``privatize(encoder, eps, delta, bound=...)`` clips phi per sample, adds analytic-Gaussian noise to the mean
+        (n public, replace-one) and applies psi; the release carries the mechanism's event, so the wire records
+        exactly that epsilon.
         """
-        from privfl.privacy import privatize
-
         config: ODPFLHNConfig = self.config
+        novel_privacy = self.novel_privacy
         encoder = self.encoder_from(message)
-        if config.novel_epsilon is None:
+        if not novel_privacy.private:
             with torch.no_grad():
-                seed = derive_seed(config.novel_noise_seed, "novel_descriptor", novel.client_id)
+                seed = derive_seed(novel_privacy.noise_seed, "novel_descriptor", novel.client_id)
                 descriptor = client_descriptor(encoder, novel.x, _noiseless(config), seed=seed)
             return Release.non_private(Message(arrays={"descriptor": descriptor}), purpose="descriptor")
         generator = None
-        if config.novel_noise == "seeded":
-            generator = torch.Generator().manual_seed(derive_seed(config.novel_noise_seed, "novel_noise",
+        if novel_privacy.noise == "seeded":
+            generator = torch.Generator().manual_seed(derive_seed(novel_privacy.noise_seed, "novel_noise",
                                                                   novel.client_id))
-        private = privatize(encoder, config.novel_epsilon, config.novel_delta, bound=config.novel_bound,
-                            noise=config.novel_noise, generator=generator)
+        private = privatize(encoder, novel_privacy.epsilon, novel_privacy.delta, bound=novel_privacy.bound,
+                            noise=novel_privacy.noise, generator=generator)
         if config.descriptor == "batch_mean":
             descriptor, event = private.release_batched(novel.x, batch_size=config.descriptor_batch_size)
         else:
             descriptor, event = private.release(novel.x)
         descriptor = descriptor.to(torch.get_default_dtype())
         return Release(Message(arrays={"descriptor": descriptor}), purpose="descriptor", event=event,
-                       metadata={"noise": config.novel_noise, "bound": config.novel_bound, "n": len(novel.x),
+                       metadata={"noise": novel_privacy.noise, "bound": novel_privacy.bound, "n": len(novel.x),
                                  "relation": "replace one sample; n public"})
 
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
         return self.model_from(message.arrays)
+
+
+#: The client state key of the noisy mean a record-level client released in stage 0 (stage 2 differentiates psi at
+#: it).
+NOISY_MEAN = "odpflhn.noisy_mean"
+#: Records per call of the per-record gradient engine in stage 2 (bounds its memory).
+CONTRIBUTION_CHUNK = 256
+
+
+def _psi_dtype(encoder: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in encoder.psi.parameters()), torch.get_default_dtype())
 
 
 def _noiseless(config: ODPFLHNConfig) -> ODPFLHNConfig:
@@ -590,4 +774,9 @@ register_method(
     "odpflhn", strategy=ODPFLHNStrategy, client=ODPFLHNClient, config=ODPFLHNConfig,
     description="ODPFL-HN: set encoder + hypernetwork trained end to end (Algorithm 1, pFedHN sign); novel clients "
                 "send one descriptor (optionally DP via privatize) and receive a generated model",
+    privacy={"record": None, "central": None, "local": None,
+             "distributed": "the server generates each client's model from that client's own descriptor, which "
+                            "secure aggregation hides (only sums are seen)"},
+    releases_per_round=3, novel_privacy=None,
+    smoke_settings={"local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8, "hn_layers": 1},
 )

@@ -2,20 +2,22 @@
 learn.
 
 A client describes itself by ``v_i = mean_j phi(x_j, y_j; eta_v)`` (labels are inputs); the server's hypernetwork
-turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (digest ``papers/pefll.md`` eq. 1,
-section 3.1)::
+turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (the paper's eq. 1, with the mean
+over clients, docs/papers.md, PeFLL, U1)::
 
     lambda_h ||eta_h||^2 + lambda_v ||eta_v||^2 + (1/n) sum_i [ L_i(theta_i) + lambda_theta ||theta_i||^2 ]
 
-One training round is the split computation of the paper's Algorithm 2 (digest section 3.2), three stages here, every
-message up a release recorded in the client's ledger by the wire:
+One training round is the split computation of the paper's Algorithm 2 (cited by its line numbers), three stages here,
+every message up a release recorded in the client's ledger by the wire:
 
 1. server -> client: the embedding network eta_v (line 3). Client: draw one batch of ``descriptor_batch`` examples
-   (32), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))`` (lines 5-6; the true mean, not the authors' code's division by
-   twice the number of batches, A8), keep the batch (and eta_v) for stage 3. **Up: v_i** (line 7, ``"descriptor"``).
+   (32; the whole training split under record-level DP, see **Privacy**), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))`` (lines 5-6; the true mean, not the authors' code's division by
+   twice the number of batches, docs/papers.md, PeFLL, E1), keep the batch (and eta_v) for stage 3.
+   **Up: v_i** (line 7, ``"descriptor"``).
 2. server: ``theta_i = h(v_i)`` (line 8). Down: theta_i (line 9). Client: ``local_steps`` (50) SGD steps with
    momentum 0.9, lr 2e-3, per-step gradient clip 50 and weight decay ``2 lambda_theta`` (the gradient of
-   ``lambda_theta ||theta||^2``, A4) on fresh batches of 32, independent of the descriptor batch (A9) (line 10).
+   ``lambda_theta ||theta||^2``, as the authors' code applies it, docs/papers.md, PeFLL, U5) on fresh batches of
+   32, independent of the descriptor batch (U6) (line 10).
    **Up: Delta theta_i = theta_i - theta~_i** (line 11, ``"weight_change"``).
 3. server: one vector-Jacobian product through h with cotangent Delta theta_i gives
    ``Delta eta_h^i = (d theta_i/d eta_h)^T Delta theta_i`` (kept on the server) and
@@ -30,7 +32,7 @@ message up a release recorded in the client's ledger by the wire:
 After one plain SGD local step at learning rate eta, Delta theta_i = eta dL_i/dtheta, so (with lambdas 0) the chain
 gives exactly eta times the true gradient of L_i(h(v(S_b; eta_v); eta_h)) with respect to both networks.
 
-Unseen clients (Algorithm 1, digest section 4): two down, one up, no fine-tuning: ``novel_request`` sends eta_v;
+Unseen clients (Algorithm 1, PeFLL-predict): two down, one up, no fine-tuning: ``novel_request`` sends eta_v;
 ``novel_query`` releases the descriptor of the client's **labelled** data (all of ``x_train``, or its first
 ``eval_descriptor_samples``); ``novel_reply`` sends h(v); ``novel_model`` loads it. Because PeFLL's descriptor needs
 labels, an unseen client here is a labelled held-out client (any object with ``x_train``/``y_train``, such as a
@@ -40,15 +42,52 @@ whose labels only the evaluator uses. An unlabelled :class:`~privfl.data.NovelCl
 so ``serves_novel_clients`` is ``False`` and :func:`privfl.experiment.train` scores no novel clients for PeFLL.
 Seen clients after training use the same protocol (their descriptor from their whole training split).
 
-With ``descriptor_epsilon`` set, the unseen-client descriptor is an (epsilon, delta)-DP release under replace-one of a
-labelled record (:func:`privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with
-``B = embed_bound``). Training releases (descriptors of training batches, weight changes, embedding gradients) are
-recorded as non-private (epsilon = infinity).
+**Privacy** (the one layer of :mod:`privfl.methods.private`; the modes in :mod:`privfl.privacy.training`). A sampled
+training client makes three releases a round: ``v_i``, ``Delta theta_i`` and ``Delta eta_v^i``.
+
+* ``record`` (add or remove one labelled record ``(x, y)``; n private, calibrated to the public lower bound
+  ``min_samples``; every release at the client's noise multiplier z, so the three compose in one ledger with
+  DP-SGD's relation):
+
+  1. ``v_i`` is the mean of the clipped embeddings of the client's **whole** training split (not of one batch of
+     ``descriptor_batch``: a fixed-size batch holds ``min(b, n)`` records, which depends on the private n, and the
+     same batch must serve stage 3), released by :func:`~privfl.privacy.labelled.release_labelled_mean` under
+     add/remove: each clipped ``phi(x_j, y_j)`` depends on record j alone, so the mean moves by at most
+     ``2B/min_samples`` with B the novel bound (training then sees the function novel clients release);
+  2. local training is DP-SGD (:meth:`ClientProcedure.fit`: per-record clip, momentum 0.9, weight decay
+     ``2 lambda_theta``; the per-step clip ``grad_clip`` must be 0), and ``Delta theta_i`` is post-processing of it
+     and of ``theta_i``, which the server sent;
+  3. ``Delta eta_v^i = (1/n) sum_j (d clip_B(phi(x_j, y_j)) / d eta_v)^T Delta v_i`` is the gradient of a mean over
+     the records (``Delta v_i`` came from the server): each record's term is clipped to the privacy clip C, averaged
+     and noised for ``2C/min_samples`` (:func:`~privfl.privacy.gradient_mean.release_gradient_mean`).
+
+  :meth:`PeFLLClient.round_event` declares the three (a test checks a real round against it); losses are not sent.
+* ``local``: the layer clips each of the three releases to ``C / sqrt(3)`` and noises it on the client; everything
+  the server computes from them (``h(v_i)``, ``Delta v_i``, the update) is post-processing.
+* ``central`` (trusted aggregator; DP-FedAvg's argument, McMahan et al. 2018): both networks are shared. Client i
+  contributes ``(Delta eta_h^i, Delta eta_v^i)`` (the first computed on the server from its weight change at its
+  descriptor), clipped jointly to C; the networks move only from the noisy mean (plus the regularisers and the clip
+  of step 4, which read nothing else; :meth:`PeFLLStrategy.apply_mean`). What leaves the server about a client
+  other than the receiver is a function of the networks alone: the embedding network, ``h(v)`` of a new client's
+  descriptor, and the model sent to client j, ``h(v_j)`` of j's own descriptor (a client that never trained gets
+  ``h(0)``, not the mean of the others' descriptors, which the aggregator holds in the clear). The descriptors and
+  the contributions in the clear are not protected against the aggregator.
+* ``distributed``: refused: the server answers each client's descriptor and weight change on its own (``h(v_i)``,
+  then ``Delta v_i``), while secure aggregation shows only sums.
+
+Novel (unseen) clients: with :class:`~privfl.privacy.training.NovelPrivacy` (``RunConfig.novel_privacy``) the
+descriptor is an (epsilon, delta)-DP release under replace-one of a labelled record, n public
+(:func:`~privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with B the novel bound); without it,
+the descriptor is sent in the clear. The per-example clip B in training is the novel bound under record-level DP or
+when novel clients are private (so the networks train on the function novel clients release), else none. A seen client queried this way after record-level training would add a replace-one release to its
+add/remove ledger, which the ledger refuses before anything is sent (a guarantee holds under one relation): serve
+seen clients that way only without record-level DP.
 
 The runtime scores training clients with one message down (``configure_evaluate``), with no way for the client to
 send a fresh descriptor; there the server generates the model from the **latest descriptor that client released in
-training** (a value it already holds; post-processing), from the mean of those if the client never trained. That
-score serves model selection only; the benchmark scores seen clients with the full protocol above.
+training** (a value it already holds; post-processing), from the mean of those if the client never trained (from
+a zero descriptor under central DP). That score serves model selection only; the benchmark scores seen clients with
+the full protocol above.
 """
 
 from __future__ import annotations
@@ -61,25 +100,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
+from accounting.validation import is_finite
 from privfl.data import FederatedDataset, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
     ClientContext,
     ClientProcedure,
     ClientState,
+    MethodConfig,
     Strategy,
-    _finite,
-    _require,
+    dp_sgd_round_event,
+    private_release,
     register_method,
 )
-from privfl.methods.local_training import minibatches
-from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, embedding_dim
-from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, resolve_kind
-from privfl.privacy.labelled import release_labelled_mean
+from privfl.methods.pfedhn import refuse_batch_clip
+from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, backprop_weight_change, embedding_dim
+from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, clipped_rows, resolve_kind
+from privfl.privacy.gradient_mean import certify_gradient_mean, release_gradient_mean
+from privfl.privacy.labelled import certify_labelled_mean, release_labelled_mean
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 EMBED = "embed."
+#: The prefix of a central-DP contribution's hypernetwork gradient.
+HNET = "hnet."
 DESCRIPTOR, DESCRIPTOR_GRAD = "descriptor", "descriptor_grad"
 _STATE_BATCH = "pefll.batch"
 _STATE_EMBED = "pefll.embed."
@@ -87,26 +133,26 @@ SERVER_OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclass(frozen=True)
-class PeFLLConfig:
-    """PeFLL's settings; defaults from the authors' code (digest section 3.3) unless noted.
+class PeFLLConfig(MethodConfig):
+    """PeFLL's settings; defaults from the authors' code (``jonnyascott/PeFLL``; docs/papers.md, PeFLL, "Settings")
+    unless noted.
 
     Local training (client): ``lr`` 2e-3, ``local_steps`` 50, ``batch_size`` 32, ``momentum`` 0.9, ``grad_clip`` 50
     (per-step L2 clip of the local gradient, a stabiliser; 0 = off).
     Objective (eq. 1): ``lambda_theta`` weights ``||theta_i||^2`` (local weight decay ``2 lambda_theta``; 2.5e-5
     reproduces the code's inner weight decay 5e-5); ``lambda_h`` and ``lambda_v`` weight ``||eta_h||^2`` and
-    ``||eta_v||^2`` (1e-3, digest A2; 0 reproduces the code's Adam path, which applies none).
+    ``||eta_v||^2`` (1e-3, pFedHN's weight decay, as the paper's values are not given, docs/papers.md, PeFLL, U2; 0
+    reproduces the code's Adam path, which applies none).
     Server: ``server_optimizer`` ``"adam"`` (lr 2e-4) or ``"sgd"`` (with ``server_momentum``), ``server_lr``,
     ``server_grad_clip`` 50 (joint L2 norm of the averaged gradients; 0 = off).
     Networks: ``embed_dim`` d (``None``: ``int(1 + N/4)`` with N the number of training clients; pass the paper's N =
     all clients explicitly), ``embed_kind`` (``"auto"``: CNN with label channels for images, MLP for vectors;
     ``"linear"``: label-only), ``hidden_dim`` 100 and ``n_hidden`` 3 of the hypernetwork.
-    Descriptors: ``descriptor_batch`` 32 examples in training; ``eval_descriptor_samples`` examples for seen/unseen
-    clients after training (``None``: the whole training split, as the code evaluates); ``embed_bound`` B clips each
-    per-example embedding to the L2 ball of radius B (``None``: no clipping; required for privacy).
-    Privacy of unseen-client descriptors: ``descriptor_epsilon`` (``None``: non-private), ``descriptor_delta``,
-    ``descriptor_noise`` (``"secure"``, the default: OS-seeded; ``"seeded"``: reproducible research runs, from
-    ``descriptor_noise_seed``, a seed the client holds and the server never sends or sees in the protocol).
-    Seeded noise repeats for repeated queries of one client; only the secure source gives independent releases.
+    Descriptors: ``descriptor_batch`` 32 examples in training (the whole training split under record-level DP; see
+    the module docstring); ``eval_descriptor_samples`` examples for seen/unseen clients after training (``None``:
+    the whole training split, as the code evaluates). The per-example clipping radius comes from the run's privacy
+    settings (the module docstring), not from here: the privacy of training clients is ``RunConfig.privacy``, that
+    of unseen clients ``RunConfig.novel_privacy`` (epsilon, delta, bound B, noise source).
     """
 
     lr: float = 2e-3
@@ -127,50 +173,36 @@ class PeFLLConfig:
     n_hidden: int = 3
     descriptor_batch: int = 32
     eval_descriptor_samples: int | None = None
-    embed_bound: float | None = None
-    descriptor_epsilon: float | None = None
-    descriptor_delta: float = 1e-5
-    descriptor_noise: str = "secure"
-    descriptor_noise_seed: int = 0
 
     def __post_init__(self) -> None:
         positive = ("lr", "server_lr")
         for name in positive:
-            _require(_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
-                     "a finite number > 0")
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
+                          "a finite number > 0")
         for name in ("grad_clip", "lambda_theta", "lambda_h", "lambda_v", "server_grad_clip"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
-                     "a finite number >= 0")
+            check.require(is_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name),
+                          "a finite number >= 0")
         for name in ("momentum", "server_momentum"):
-            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
-                     "in [0, 1)")
+            check.require(is_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, getattr(self, name),
+                          "in [0, 1)")
         for name in ("local_steps", "batch_size", "hidden_dim", "descriptor_batch"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
-                     "an integer >= 1")
-        _require(isinstance(self.n_hidden, int) and not isinstance(self.n_hidden, bool) and self.n_hidden >= 0,
-                 "n_hidden", self.n_hidden, "an integer >= 0")
+            check.require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, value,
+                          "an integer >= 1")
+        check.require(isinstance(self.n_hidden, int) and not isinstance(self.n_hidden, bool) and self.n_hidden >= 0,
+                      "n_hidden", self.n_hidden, "an integer >= 0")
         for name in ("embed_dim", "eval_descriptor_samples"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-                     name, value, "None or an integer >= 1")
-        _require(self.server_optimizer in SERVER_OPTIMIZERS, "server_optimizer", self.server_optimizer,
-                 f"one of {', '.join(SERVER_OPTIMIZERS)}")
-        _require(self.embed_kind in EMBEDDING_KINDS, "embed_kind", self.embed_kind,
-                 f"one of {', '.join(EMBEDDING_KINDS)}")
-        _require(self.embed_bound is None or (_finite(self.embed_bound) and self.embed_bound > 0), "embed_bound",
-                 self.embed_bound, "None or a finite number > 0 (per-example L2 clipping radius)")
-        _require(self.descriptor_epsilon is None or (_finite(self.descriptor_epsilon) and self.descriptor_epsilon > 0),
-                 "descriptor_epsilon", self.descriptor_epsilon, "None or a finite number > 0 (natural log)")
-        _require(_finite(self.descriptor_delta) and 0 < self.descriptor_delta < 1, "descriptor_delta",
-                 self.descriptor_delta, "a probability in (0, 1)")
-        _require(self.descriptor_noise in ("seeded", "secure"), "descriptor_noise", self.descriptor_noise,
-                 "'seeded' or 'secure'")
-        _require(isinstance(self.descriptor_noise_seed, int) and not isinstance(self.descriptor_noise_seed, bool),
-                 "descriptor_noise_seed", self.descriptor_noise_seed, "an int")
-        if self.descriptor_epsilon is not None and self.embed_bound is None:
-            raise ConfigError(f"descriptor_epsilon={self.descriptor_epsilon!r} needs embed_bound (the per-example "
-                              "clipping radius B that sets the sensitivity 2B/n); got embed_bound=None")
+            check.require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                          name, value, "None or an integer >= 1")
+        check.require(self.server_optimizer in SERVER_OPTIMIZERS, "server_optimizer", self.server_optimizer,
+                      f"one of {', '.join(SERVER_OPTIMIZERS)}")
+        check.require(self.embed_kind in EMBEDDING_KINDS, "embed_kind", self.embed_kind,
+                      f"one of {', '.join(EMBEDDING_KINDS)}")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, the per-step batch clip under record-level DP (DP-SGD clips each record)."""
+        refuse_batch_clip(self.grad_clip, privacy)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,7 +226,7 @@ def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor,
     """``(1/n) sum_j clip_B(phi(x_j, y_j))`` over all n examples, computed ``chunk`` examples at a time.
 
     1. per chunk, the **sum** of the clipped per-example embeddings (graph kept to eta_v);
-    2. the total divided by n: the true mean (digest section 2.3). The authors' code divides instead by twice the
+    2. the total divided by n: the true mean, the paper's descriptor. The authors' code divides instead by twice the
        number of batches (``len(B)`` of an ``(x, y)`` tuple is 2), 16 times the mean with 32-example batches.
     """
     n = len(y)
@@ -234,8 +266,8 @@ def unseen_clients_with_labels(federation: FederatedDataset, *, score_fraction: 
     Score other methods on the same ``x_val``/``y_val`` for a like-for-like comparison. Novel clients with fewer
     than ``min_samples`` samples (at least 2: one to describe itself, one to score) are left out, with a warning.
     """
-    _require(_finite(score_fraction) and 0 < score_fraction < 1, "score_fraction", score_fraction, "in (0, 1)")
-    _require(isinstance(min_samples, int) and min_samples >= 2, "min_samples", min_samples, "an integer >= 2")
+    check.require(is_finite(score_fraction) and 0 < score_fraction < 1, "score_fraction", score_fraction, "in (0, 1)")
+    check.require(isinstance(min_samples, int) and min_samples >= 2, "min_samples", min_samples, "an integer >= 2")
     clients, skipped = [], []
     for novel in federation.novel_clients:
         x, y = novel.x, federation.novel_labels.labels(novel.client_id)
@@ -279,6 +311,9 @@ class PeFLLStrategy(Strategy):
         else:
             self.optimizer = torch.optim.SGD(groups, lr=cfg.server_lr, momentum=cfg.server_momentum)
         self.descriptors: dict[int, torch.Tensor] = {}
+        #: Whether the descriptors reached the server in the clear under central DP (they are then per-client state
+        #: of the trusted aggregator, and none is used for another client's model).
+        self.descriptors_confidential = False
         self._round: dict[str, dict[int, Any]] = {}
 
     # -- messages down ------------------------------------------------------------------------------------------------
@@ -286,8 +321,7 @@ class PeFLLStrategy(Strategy):
     def _embedding_message(self, client_id: int) -> Message:
         cfg: PeFLLConfig = self.config
         weights = {k: v.detach().clone() for k, v in self.embedding.state_dict().items()}
-        config = {"embed_dim": self.embed_dim, "embed_kind": self.embed_kind,
-                  "embed_bound": float(cfg.embed_bound or 0.0), "descriptor_batch": cfg.descriptor_batch,
+        config = {"embed_dim": self.embed_dim, "embed_kind": self.embed_kind, "descriptor_batch": cfg.descriptor_batch,
                   "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0)}
         return Message(arrays=prefixed(EMBED, weights), config=config)
 
@@ -320,7 +354,7 @@ class PeFLLStrategy(Strategy):
                 self._round["loss"][cid] = float(replies[cid].metrics.get("loss", float("nan")))
                 messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach()})
             return messages
-        raise ConfigError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
+        raise InternalError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
 
     def _checked_descriptor(self, client_id: int, reply: Message | None) -> torch.Tensor:
         if reply is None or DESCRIPTOR not in reply.arrays:
@@ -336,19 +370,28 @@ class PeFLLStrategy(Strategy):
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         """Lines 17-18: average the clients' contributions, add the server regularisers, clip, step."""
-        cfg: PeFLLConfig = self.config
         done = sorted(cid for cid in replies if cid in self._round.get("hnet_grads", ()))
         if not done:
             self._round = {}
             return {}
+        hnet_grads = self._round["hnet_grads"].mean(done)
+        embed_grads = {name: sum(replies[cid].arrays[EMBED + name].to(param.dtype) for cid in done) / len(done)
+                       for name, param in self.embedding.named_parameters()}
+        losses = [self._round["loss"][cid] for cid in done]
+        metrics = self._server_step(round, hnet_grads, embed_grads, f"clients {done}")
+        return {"train_loss": sum(losses) / len(losses), **metrics}
+
+    def _server_step(self, round: int, hnet_grads: dict[str, torch.Tensor], embed_grads: dict[str, torch.Tensor],
+                     source: str) -> dict[str, float]:
+        """Line 18: ``g + 2 lambda eta`` for both networks, the joint clip to ``server_grad_clip``, one optimiser
+        step; the round's working values are dropped."""
+        cfg: PeFLLConfig = self.config
         hnet_params = dict(self.hnet.named_parameters())
         embed_params = dict(self.embedding.named_parameters())
-        hnet_grads = self._round["hnet_grads"].mean(done)
         for name, param in hnet_params.items():
             param.grad = hnet_grads[name] + 2 * cfg.lambda_h * param.detach()
         for name, param in embed_params.items():
-            mean = sum(replies[cid].arrays[EMBED + name].to(param.dtype) for cid in done) / len(done)
-            param.grad = mean + 2 * cfg.lambda_v * param.detach()
+            param.grad = embed_grads[name] + 2 * cfg.lambda_v * param.detach()
         params = [*hnet_params.values(), *embed_params.values()]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
         if not math.isfinite(float(norm)):
@@ -356,26 +399,51 @@ class PeFLLStrategy(Strategy):
             # would surface a round later, blamed on a client's descriptor)
             self.optimizer.zero_grad(set_to_none=True)
             self._round = {}
-            raise ConfigError(f"round {round}: PeFLL training diverged (non-finite gradients from clients {done}); "
-                              f"lower lr (now {cfg.lr!r}) or server_lr (now {cfg.server_lr!r}), or set grad_clip")
+            raise TrainingDivergedError(f"round {round}: PeFLL training diverged (non-finite gradients from {source}); "
+                                        f"lower lr (now {cfg.lr!r}) or server_lr (now {cfg.server_lr!r}), or set "
+                                        "grad_clip")
         if cfg.server_grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.server_grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        losses = [self._round["loss"][cid] for cid in done]
         self._round = {}
-        return {"train_loss": sum(losses) / len(losses), "server_grad_norm": float(norm)}
+        return {"server_grad_norm": float(norm)}
+
+    # -- central DP: both networks move from a noisy mean ----------------------------------------------------------
+
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        """A contribution: the hypernetwork gradient (``"hnet."``) and the embedding-network gradient (``"embed."``)."""
+        return {**{HNET + name: torch.zeros_like(p) for name, p in self.hnet.named_parameters()},
+                **{EMBED + name: torch.zeros_like(p) for name, p in self.embedding.named_parameters()}}
+
+    def contributions(self, round: int, replies: dict[int, Message]):
+        """Client i's contribution (module docstring): ``Delta eta_h^i``, chain-ruled here from its weight change at
+        its descriptor (line 12), and its ``Delta eta_v^i`` (line 15), for the clients that completed the round."""
+        self.descriptors_confidential = True
+        kept = self._round.get("hnet_grads", ())
+        for cid in sorted(cid for cid in replies if cid in kept):
+            grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
+            yield cid, {**prefixed(HNET, grads),
+                        **{EMBED + name: replies[cid].arrays[EMBED + name] for name, _ in
+                           self.embedding.named_parameters()}}
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """Line 18 from the noisy mean of the contributions (``count`` = q N): regularisers, clip, one step."""
+        return self._server_step(round, {name: mean[HNET + name] for name, _ in self.hnet.named_parameters()},
+                                 {name: mean[EMBED + name] for name, _ in self.embedding.named_parameters()},
+                                 "the noisy mean")
 
     # -- evaluation and novel clients ---------------------------------------------------------------------------------
 
     def configure_evaluate(self, client_id: int) -> Message:
-        """The runtime's one-message evaluation of a training client: h(its latest released descriptor), or h(mean of
-        the released descriptors) if it never trained (model selection only; see the module docstring)."""
+        """The runtime's one-message evaluation of a training client: h(its latest released descriptor), or, if it
+        never trained, h(mean of the released descriptors) (h(0) under central DP, where they are in the clear with
+        the aggregator) (model selection only; see the module docstring)."""
         if client_id in self.descriptors:
             v = self.descriptors[client_id]
-        elif self.descriptors:
+        elif self.descriptors and not self.descriptors_confidential:
             v = torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]).mean(dim=0)
-        else:
+        else:   # under central DP the others' descriptors are the aggregator's alone
             v = torch.zeros(self.embed_dim)
         return Message(arrays=self.generate(v))
 
@@ -395,6 +463,7 @@ class PeFLLStrategy(Strategy):
             "descriptor_ids": torch.tensor(sorted(self.descriptors), dtype=torch.int64),
             "descriptors": (torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]) if self.descriptors
                             else torch.zeros(0, self.embed_dim)),
+            "descriptors_confidential": self.descriptors_confidential,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -402,6 +471,7 @@ class PeFLLStrategy(Strategy):
         self.embedding.load_state_dict(state["embedding"])
         self.optimizer.load_state_dict(_clone_tree(state["optimizer"]))
         self.descriptors = {int(c): v.clone() for c, v in zip(state["descriptor_ids"].tolist(), state["descriptors"])}
+        self.descriptors_confidential = bool(state.get("descriptors_confidential", False))
         self._round = {}
 
 
@@ -417,6 +487,7 @@ class PeFLLClient(ClientProcedure):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.config.check_privacy(self.privacy, self.novel_privacy)   # also where no RunConfig checked it
         self._embeddings: dict[tuple[str, int], EmbeddingNetwork] = {}
 
     def embedding_from(self, message_config: dict, weights: dict[str, torch.Tensor]) -> EmbeddingNetwork:
@@ -430,69 +501,111 @@ class PeFLLClient(ClientProcedure):
         net.load_state_dict(weights)
         return net
 
-    @staticmethod
-    def _bound(config: dict) -> float | None:
-        bound = float(config.get("embed_bound", 0.0))
-        return bound if bound > 0 else None
+    @property
+    def embedding_bound(self) -> float | None:
+        """B, the L2 radius each per-example embedding is clipped to in training and in a non-private descriptor:
+        the novel bound under record-level DP (it sets the descriptor's sensitivity) or when novel clients release
+        privately (the networks then train on the function novel clients release), else none. The client's own
+        setting: nothing the server sends can change it."""
+        return float(self.novel_privacy.bound) if self.record_level or self.novel_privacy.private else None
+
+    # -- record level -------------------------------------------------------------------------------------------------
+
+    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+        """Record level: the three releases of a round (module docstring): the descriptor mean (``2B / min_samples``
+        under add/remove-one) and the embedding gradient mean (``2C / min_samples``) around one DP-SGD fit."""
+        cfg: PeFLLConfig = self.config
+        floor = self.privacy.min_samples
+        descriptor = certify_labelled_mean(float(self.novel_privacy.bound), floor,
+                                           relation=NeighboringRelation.ADD_OR_REMOVE_ONE).value
+        gradient = certify_gradient_mean(float(self.privacy.clip), floor).value
+        z = float(noise_multiplier)
+        return ComposedEvent((
+            GaussianEvent(sigma=z * descriptor, sensitivity=descriptor, relation=NeighboringRelation.ADD_OR_REMOVE_ONE),
+            dp_sgd_round_event(z, data.num_train, cfg.batch_size, cfg.local_steps),
+            GaussianEvent(sigma=z * gradient, sensitivity=gradient, relation=NeighboringRelation.ADD_OR_REMOVE_ONE)))
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"noise": self.privacy.noise, "bound": float(self.novel_privacy.bound), "clip": float(self.privacy.clip),
+                "min_samples": self.privacy.min_samples, "relation": "add or remove one labelled record; n private"}
+
+    # -- rounds -------------------------------------------------------------------------------------------------------
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
-        """Stage 0 (lines 5-7): descriptor of one random batch; keep the batch and eta_v for stage 2."""
+        """Stage 0 (lines 5-7): descriptor of one random batch (of the whole training split under record-level DP);
+        keep the batch and eta_v for stage 2."""
         weights = message.subset(EMBED)
         net = self.embedding_from(message.config, weights)
-        size = min(int(message.config["descriptor_batch"]), data.num_train)
-        batch = torch.from_numpy(ctx.rng.permutation(data.num_train)[:size]).to(torch.int64)
-        with torch.no_grad():
-            v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=self._bound(message.config))
+        if self.record_level:
+            batch = torch.arange(data.num_train, dtype=torch.int64)
+            v, event, _ = release_labelled_mean(net, data.x_train, data.y_train, bound=self.embedding_bound,
+                                                num_classes=self.model_factory.num_classes,
+                                                noise_multiplier=self.noise_multiplier(data),
+                                                relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                                min_samples=self.privacy.min_samples,
+                                                **self.noise_source(ctx, "pefll_descriptor"))
+            release = private_release(Message(arrays={DESCRIPTOR: v.to(torch.get_default_dtype())}), "descriptor",
+                                      event, metadata=self._metadata())
+        else:
+            size = min(int(message.config["descriptor_batch"]), data.num_train)
+            batch = torch.from_numpy(ctx.rng.permutation(data.num_train)[:size]).to(torch.int64)
+            with torch.no_grad():
+                v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=self.embedding_bound)
+            release = Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
         state[_STATE_BATCH] = batch
         state["pefll.embed_dim"] = torch.tensor(int(message.config["embed_dim"]))
-        state["pefll.embed_bound"] = torch.tensor(float(message.config["embed_bound"]))
         state["pefll.embed_kind"] = torch.tensor(EMBEDDING_KINDS.index(str(message.config["embed_kind"])))
         state.update(prefixed(_STATE_EMBED, weights))
-        return Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
+        return release
 
     def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
                     ctx: ClientContext) -> Release:
         if stage == 1:
             return self._local_training(data, message, ctx)
         if stage == 2:
-            return self._embedding_gradient(data, message, state)
-        raise ConfigError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
+            return self._embedding_gradient(data, message, state, ctx)
+        raise InternalError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
 
     def _local_training(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
-        """Stage 1 (lines 10-11): k SGD steps from theta_i; send theta_i - theta~_i."""
+        """Stage 1 (lines 10-11): k SGD steps from theta_i (DP-SGD under record-level DP, where the loss is not
+        sent); send theta_i - theta~_i."""
         cfg = message.config
         start = {k: v.clone() for k, v in message.arrays.items()}
         model = load_parameters(self.workspace_model(), start)
-        model.train()
-        params = dict(model.named_parameters())
-        optimizer = torch.optim.SGD(params.values(), lr=float(cfg["lr"]), momentum=float(cfg["momentum"]),
-                                    weight_decay=float(cfg["weight_decay"]))
-        steps, clip, total = int(cfg["local_steps"]), float(cfg["grad_clip"]), 0.0
-        for index in minibatches(data.num_train, int(cfg["batch_size"]), steps, ctx.rng):
-            batch = torch.from_numpy(index)
-            loss = nn.functional.cross_entropy(model(data.x_train[batch]), data.y_train[batch])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(params.values(), clip)
-            optimizer.step()
-            total += loss.item()
-        change = {k: start[k] - p.detach() for k, p in params.items()}
-        return Release.non_private(Message(arrays=change, metrics={"loss": total / steps}), purpose="weight_change")
+        settings = {"lr": float(cfg["lr"]), "steps": int(cfg["local_steps"]), "batch_size": int(cfg["batch_size"]),
+                    "momentum": float(cfg["momentum"]), "weight_decay": float(cfg["weight_decay"]),
+                    "grad_clip": float(cfg["grad_clip"])}
+        loss, event = self.fit(model, data, settings, ctx.rng)
+        change = {k: start[k] - p.detach() for k, p in model.named_parameters()}
+        return private_release(Message(arrays=change, metrics={} if event is not None else {"loss": loss}),
+                               "weight_change", event, metadata=self._metadata())
 
-    def _embedding_gradient(self, data: TrainingClient, message: Message, state: ClientState) -> Release:
-        """Stage 2 (lines 14-15): Delta eta_v = (d v/d eta_v)^T Delta v on the stage-0 batch; forget the batch."""
+    def _embedding_gradient(self, data: TrainingClient, message: Message, state: ClientState,
+                            ctx: ClientContext) -> Release:
+        """Stage 2 (lines 14-15): Delta eta_v = (d v/d eta_v)^T Delta v on the stage-0 batch (each record's term
+        clipped, averaged and noised under record-level DP); forget the batch."""
         batch = state.pop(_STATE_BATCH)
         d = int(state.pop("pefll.embed_dim"))
-        bound = float(state.pop("pefll.embed_bound"))
         weights = {k[len(_STATE_EMBED):]: state.pop(k) for k in list(state) if k.startswith(_STATE_EMBED)}
         kind = EMBEDDING_KINDS[int(state.pop("pefll.embed_kind"))]
         net = self.embedding_from({"embed_kind": kind, "embed_dim": d}, weights)
         names = [n for n, _ in net.named_parameters()]
         params = [p for _, p in net.named_parameters()]
-        v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound if bound > 0 else None)
-        grads = torch.autograd.grad(v, params, grad_outputs=message.arrays[DESCRIPTOR_GRAD].to(v.dtype),
-                                    allow_unused=True)
+        cotangent = message.arrays[DESCRIPTOR_GRAD]
+        bound = self.embedding_bound
+        if self.record_level:
+            def per_record(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+                return (clipped_rows(model(xb, yb), bound) * cotangent.to(xb.dtype)).sum(dim=1)
+
+            grads, event, _ = release_gradient_mean(net, per_record, data.x_train[batch], data.y_train[batch],
+                                                    clip=float(self.privacy.clip),
+                                                    min_samples=self.privacy.min_samples,
+                                                    noise_multiplier=self.noise_multiplier(data),
+                                                    **self.noise_source(ctx, "pefll_embedding_gradient"))
+            return private_release(Message(arrays={EMBED + n: grads[n] for n in names}), "embedding_gradient", event,
+                                   metadata=self._metadata())
+        v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound)
+        grads = torch.autograd.grad(v, params, grad_outputs=cotangent.to(v.dtype), allow_unused=True)
         update = {EMBED + n: (torch.zeros_like(p) if g is None else g.detach())
                   for n, p, g in zip(names, params, grads, strict=True)}
         return Release.non_private(Message(arrays=update), purpose="embedding_gradient")
@@ -500,29 +613,30 @@ class PeFLLClient(ClientProcedure):
     # -- seen clients after training and unseen clients: Algorithm 1 ---------------------------------------------------
 
     def novel_query(self, novel: Any, message: Message) -> Release:
-        """Algorithm 1, steps 2-3: the descriptor of the client's labelled data, released (DP if configured)."""
+        """Algorithm 1, steps 2-3: the descriptor of the client's labelled data, released (DP with the run's
+        ``novel_privacy``: replace-one of a labelled record, n public, B its bound)."""
         if not (hasattr(novel, "x_train") and hasattr(novel, "y_train")):
             raise ConfigError(
                 f"PeFLL needs labelled data for a new client's descriptor, but client "
                 f"{getattr(novel, 'client_id', '?')} is a {type(novel).__name__} without labels; serve unseen clients "
                 "as labelled held-out clients (privfl.methods.pefll.unseen_clients_with_labels)")
-        cfg: PeFLLConfig = self.config
         net = self.embedding_from(message.config, message.subset(EMBED))
         limit = int(message.config["eval_descriptor_samples"]) or novel.num_train
         x, y = novel.x_train[:limit], novel.y_train[:limit]
-        if cfg.descriptor_epsilon is None:
+        setting = self.novel_privacy
+        if not setting.private:
             with torch.no_grad():
-                v = descriptor_of(net, x, y, bound=self._bound(message.config))
+                v = descriptor_of(net, x, y, bound=self.embedding_bound)
             return Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
         generator = None
-        if cfg.descriptor_noise == "seeded":   # the client's own seed: nothing in the server's message sets it
-            generator = torch.Generator().manual_seed(derive_seed(cfg.descriptor_noise_seed, "pefll_descriptor_noise",
+        if setting.noise == "seeded":   # the client's own seed: nothing in the server's message sets it
+            generator = torch.Generator().manual_seed(derive_seed(setting.noise_seed, "pefll_descriptor_noise",
                                                                   novel.client_id))
-        v, event, _ = release_labelled_mean(net, x, y, epsilon=cfg.descriptor_epsilon, delta=cfg.descriptor_delta,
-                                            bound=cfg.embed_bound, num_classes=self.model_factory.num_classes,
-                                            noise=cfg.descriptor_noise, generator=generator)
+        v, event, _ = release_labelled_mean(net, x, y, epsilon=setting.epsilon, delta=setting.delta,
+                                            bound=setting.bound, num_classes=self.model_factory.num_classes,
+                                            noise=setting.noise, generator=generator)
         return Release(Message(arrays={DESCRIPTOR: v}), purpose="descriptor", event=event,
-                       metadata={"noise": cfg.descriptor_noise, "bound": float(cfg.embed_bound),
+                       metadata={"noise": setting.noise, "bound": float(setting.bound),
                                  "relation": "replace one labelled record (x, y); n public"})
 
     def novel_model(self, novel: Any, message: Message) -> nn.Module:
@@ -537,4 +651,10 @@ register_method(
     "pefll", strategy=PeFLLStrategy, client=PeFLLClient, config=PeFLLConfig,
     description="PeFLL: embedding network + hypernetwork trained by learning to learn; unseen clients get a model "
                 "from one labelled descriptor (two messages down, one up, no fine-tuning)",
+    privacy={"record": None, "local": None, "central": None,
+             "distributed": "its round is a three-stage dialogue in which the server answers each client's descriptor "
+                            "and weight change on their own (h(v_i), then the descriptor gradient): it needs each "
+                            "client's messages, while secure aggregation shows only sums"},
+    releases_per_round=3, novel_privacy=None,
+    smoke_settings={"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3, "grad_clip": 0.0, "descriptor_batch": 8},
 )

@@ -1,12 +1,13 @@
 """pFedHN (Shamsian et al., ICML 2021): a server hypernetwork generates each training client's personal model.
 
 The server holds a learned embedding row ``e_i`` per training client (a pFedHN embedding table) and a hypernetwork
-``f_theta`` (:class:`privfl.models.HyperNetwork`, digest ``papers/odpfl-hn.md`` section 2.2). Round t, for the
-sampled clients S_t (digest sections 3.1 and 10.2 #1, #2, #4; pFedHN's ``trainer.py``):
+``f_theta`` (:class:`privfl.models.HyperNetwork`, pFedHN's ``CNNHyper``). Round t, for the sampled clients S_t
+(pFedHN's ``trainer.py``, with several clients per round, the sign of its weight change and its SGD settings as
+docs/papers.md, ODPFL-HN, U1, E1 and U3 describe):
 
 1. the server generates ``w_i = f_theta(e_i)`` and sends it to client i (with the local-training settings);
-2. client i runs ``local_steps`` minibatch SGD steps from ``w_i`` (momentum ``momentum``, 0.9 as in the papers'
-   grid, section 7.3) and sends the weight change ``d_i = w_i - w_i_new`` ("before minus after", the pFedHN sign:
+2. client i runs ``local_steps`` minibatch SGD steps from ``w_i`` (momentum ``momentum``, 0.9 as in the ODPFL-HN
+   papers' App. C) and sends the weight change ``d_i = w_i - w_i_new`` ("before minus after", the pFedHN sign:
    after one plain SGD step at rate eta it equals ``eta * dL_i/dw``);
 3. the server chain-rules ``d_i`` through the hypernetwork (:func:`privfl.models.backprop_weight_change`):
    ``g_theta_i = (dw_i/dtheta)^T d_i`` and ``g_e_i = (dw_i/de_i)^T d_i``;
@@ -26,21 +27,50 @@ A training client is scored with its own generated model ``f_theta(e_i)``. pFedH
 novel client: :mod:`privfl.methods.pfl_baselines` registers the three ways the ODPFL-HN papers apply its models to a
 novel client (PFL-sampled, -nearest, -ensemble), and :mod:`privfl.methods.itpflhn` adds an encoder (IT-PFL-HN).
 
-Every client-to-server message is a non-private release (purpose ``"weight_change"``): pFedHN has no DP mechanism.
+**Privacy** (the one layer of :mod:`privfl.methods.private`; the modes and their accounting are in
+:mod:`privfl.privacy.training`). A sampled training client makes one release a round, its weight change ``d_i``
+(purpose ``"weight_change"``); without a mode it is sent in the clear (epsilon = infinity).
+
+* ``record`` (add or remove one record of a training client): step 2 is DP-SGD (:meth:`ClientProcedure.fit`,
+  Abadi et al. 2016: Poisson-sampled batches, every record's gradient clipped to the privacy clip C, Gaussian noise
+  of noise multiplier z, the configured momentum and weight decay; the per-step batch clip ``grad_clip`` is a
+  stabiliser DP-SGD replaces, and must be unset). ``d_i = w_i - w_i_new`` is post-processing of the DP-SGD iterate
+  and of ``w_i``, which the server sent, so the release carries the fit's event and nothing else: the sample count
+  and the loss are not sent. Every row ``e_i`` and the hypernetwork move only from such releases.
+* ``local`` (replace one client's whole dataset; nobody trusted): the layer clips ``d_i`` to C and adds the
+  Gaussian noise on the client; the server's steps 3-4 are post-processing of the noisy changes, so the hypernetwork,
+  each row and each generated model are client-level DP.
+* ``central`` (add or remove one client; DP-FedAvg, McMahan et al. 2018, with a trusted aggregator): the shared
+  hypernetwork ``theta`` moves only from the noisy mean of the clients' contributions (:meth:`PFedHNStrategy.
+  contributions`): client i's contribution is its hypernetwork gradient ``g_theta_i``, computed on the server from
+  ``d_i`` at ``e_i`` (step 3), clipped jointly to C, summed with the others, noised once and divided by the expected
+  count q N; ``server_grad_clip`` and the momentum act on that noisy mean alone (:meth:`PFedHNStrategy.apply_mean`).
+  The row ``e_i`` is per-client server state: it moves from client i's own ``g_e_i`` in the clear (divided by the
+  same q N and clipped to ``server_grad_clip`` on its own, never jointly with ``theta``, whose step would then read
+  it). What central DP protects is what leaves the server about other clients: the model ``f_theta(e_j)`` sent to
+  client j depends on client i only through ``theta``. Why: client j's contribution is a function of its own data,
+  its own row (its data and the past noisy means) and ``theta`` (the past noisy means), so adding or removing client
+  i moves the round's sum by at most C, whatever its own row did. It does not protect client i's row, or the
+  contributions in the clear, against the aggregator.
+* ``distributed``: refused. Step 3 chain-rules each client's weight change through the hypernetwork at that
+  client's own row, and moves that row from it: it needs each change on its own, while secure aggregation shows the
+  server only their sum.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from accounting.validation import is_finite
 from privfl.data import TrainingClient
-from privfl.errors import ConfigError
-from privfl.federation.messages import Message, Release
+from privfl.errors import ConfigError, TrainingDivergedError, check
+from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
     ClientContext,
@@ -48,20 +78,23 @@ from privfl.methods.base import (
     ClientState,
     LocalTrainingConfig,
     Strategy,
-    _finite,
-    _require,
+    private_release,
     register_method,
 )
-from privfl.methods.local_training import local_sgd, sgd_settings
+from privfl.methods.local_training import sgd_settings
 from privfl.models import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 EMBED_DIM_RULES = ("quarter", "pfedhn")
+#: The prefix of a central-DP contribution's hypernetwork gradient.
+HN = "hn."
 
 
 @dataclass(frozen=True)
 class PFedHNConfig(LocalTrainingConfig):
     """pFedHN's settings. Local-training defaults are pFedHN's code (inner lr 5e-3, 50 inner steps, batch 64,
-    inner weight decay 5e-5, each step's gradient clipped to norm 50) with the papers' local momentum 0.9; server
+    inner weight decay 5e-5, each step's gradient clipped to norm 50; with record-level DP set ``grad_clip=None``, as
+    DP-SGD clips each record's gradient instead) with the papers' local momentum 0.9; server
     defaults are pFedHN's code (SGD, lr 1e-2, momentum 0.9, weight decay 1e-3, the embedding group at the
     hypernetwork's lr, gradient-norm clip 50).
 
@@ -71,7 +104,8 @@ class PFedHNConfig(LocalTrainingConfig):
     ``server_grad_clip``: max L2 norm of the round's averaged server gradient (``None``: no clipping).
     ``embed_dim``: descriptor size d_e; ``None`` applies ``embed_dim_rule`` (``"quarter"``: floor(N/4), or
     ``"pfedhn"``: int(1 + N/4)) to N = the number of *training* clients, which is all the server knows (the paper's
-    N counts novel clients too: CIFAR N = 100 gives 25; set ``embed_dim=25`` to match it, digest 2.4 / 10.2 #5).
+    N counts novel clients too: CIFAR N = 100 gives 25; set ``embed_dim=25`` to match it; docs/papers.md,
+    ODPFL-HN, U5).
     ``hidden_dim``, ``n_hidden``, ``spectral_norm``, ``hn_chunked``: the hypernetwork (:class:`HyperNetwork`).
     """
 
@@ -95,30 +129,34 @@ class PFedHNConfig(LocalTrainingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(_finite(self.momentum) and 0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
-        _require(_finite(self.hn_momentum) and 0 <= self.hn_momentum < 1, "hn_momentum", self.hn_momentum,
-                 "in [0, 1)")
+        check.require(is_finite(self.momentum) and 0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
+        check.require(is_finite(self.hn_momentum) and 0 <= self.hn_momentum < 1, "hn_momentum", self.hn_momentum,
+                      "in [0, 1)")
         for name in ("hn_lr", "embed_lr"):
             value = getattr(self, name)
             if name == "hn_lr" or value is not None:
-                _require(_finite(value) and value > 0, name, value, "a finite number > 0" +
-                         (" or None (the hypernetwork's)" if name != "hn_lr" else ""))
+                check.require(is_finite(value) and value > 0, name, value, "a finite number > 0" +
+                              (" or None (the hypernetwork's)" if name != "hn_lr" else ""))
         for name in ("hn_weight_decay", "embed_weight_decay"):
             value = getattr(self, name)
             if name == "hn_weight_decay" or value is not None:
-                _require(_finite(value) and value >= 0, name, value, "a finite number >= 0" +
-                         (" or None (the hypernetwork's)" if name != "hn_weight_decay" else ""))
-        _require(self.server_grad_clip is None or (_finite(self.server_grad_clip) and self.server_grad_clip > 0),
-                 "server_grad_clip", self.server_grad_clip, "None or a finite number > 0")
-        _require(self.embed_dim is None or (_int(self.embed_dim) and self.embed_dim >= 1), "embed_dim",
-                 self.embed_dim, "None (by embed_dim_rule) or an integer >= 1")
-        _require(self.embed_dim_rule in EMBED_DIM_RULES, "embed_dim_rule", self.embed_dim_rule,
-                 f"one of {', '.join(EMBED_DIM_RULES)}")
-        _require(_int(self.hidden_dim) and self.hidden_dim >= 1, "hidden_dim", self.hidden_dim, "an integer >= 1")
-        _require(_int(self.n_hidden) and self.n_hidden >= 0, "n_hidden", self.n_hidden, "an integer >= 0")
-        _require(isinstance(self.spectral_norm, bool), "spectral_norm", self.spectral_norm, "True or False")
-        _require(self.hn_chunked in (None, True, False), "hn_chunked", self.hn_chunked,
-                 "None (by target size), True or False")
+                check.require(is_finite(value) and value >= 0, name, value, "a finite number >= 0" +
+                              (" or None (the hypernetwork's)" if name != "hn_weight_decay" else ""))
+        check.require(self.server_grad_clip is None or (is_finite(self.server_grad_clip) and self.server_grad_clip > 0),
+                      "server_grad_clip", self.server_grad_clip, "None or a finite number > 0")
+        check.require(self.embed_dim is None or (_int(self.embed_dim) and self.embed_dim >= 1), "embed_dim",
+                      self.embed_dim, "None (by embed_dim_rule) or an integer >= 1")
+        check.require(self.embed_dim_rule in EMBED_DIM_RULES, "embed_dim_rule", self.embed_dim_rule,
+                      f"one of {', '.join(EMBED_DIM_RULES)}")
+        check.require(_int(self.hidden_dim) and self.hidden_dim >= 1, "hidden_dim", self.hidden_dim, "an integer >= 1")
+        check.require(_int(self.n_hidden) and self.n_hidden >= 0, "n_hidden", self.n_hidden, "an integer >= 0")
+        check.require(isinstance(self.spectral_norm, bool), "spectral_norm", self.spectral_norm, "True or False")
+        check.require(self.hn_chunked in (None, True, False), "hn_chunked", self.hn_chunked,
+                      "None (by target size), True or False")
+
+    def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
+        """Refuse, before the run, the per-step batch clip under record-level DP (:func:`refuse_batch_clip`)."""
+        refuse_batch_clip(self.grad_clip, privacy)
 
     @property
     def embedding_lr(self) -> float:
@@ -130,6 +168,15 @@ class PFedHNConfig(LocalTrainingConfig):
 
     def round_config(self, round: int) -> dict:
         return {**super().round_config(round), "momentum": self.momentum}
+
+
+def refuse_batch_clip(grad_clip: float | None, privacy: TrainingPrivacy) -> None:
+    """Refuse a per-step batch-gradient clip under record-level DP: DP-SGD clips each record's gradient instead (the
+    privacy clip), and :meth:`ClientProcedure.fit` would refuse it at the first round."""
+    if privacy.mode == RECORD and grad_clip:
+        raise ConfigError(f"grad_clip={grad_clip!r} clips each local step's batch gradient, a stabiliser that "
+                          f"record-level DP-SGD replaces with its per-record clip (privacy clip={privacy.clip!r}); "
+                          "set grad_clip to None (0 where 0 means off) with privacy mode 'record'")
 
 
 def _int(value: Any) -> bool:
@@ -168,6 +215,7 @@ class PFedHNStrategy(Strategy):
         self.embeddings: dict[int, torch.Tensor] = {}
         self.embedding_momentum: dict[int, torch.Tensor] = {}
         self._sent: dict[int, torch.Tensor] = {}
+        self._row_gradients: dict[int, torch.Tensor] = {}
         self.last_gradients: dict[str, Any] | None = None
 
     # -- embeddings and generation -------------------------------------------------------------------------------
@@ -236,19 +284,32 @@ class PFedHNStrategy(Strategy):
         if not update_embeddings:
             row_grads = {}
         # step 4: the clip covers everything that steps (torch.nn.utils.clip_grad_norm_'s rule)
-        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in [*hn_grad.values(), *row_grads.values()]))
+        norm = self._clip_([*hn_grad.values(), *row_grads.values()], f"the weight changes of clients {ids}", lr)
+        self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
+        self._step(hn_grad, row_grads, lr)
+        weights = [float(replies[cid].metrics.get("num_examples", 1.0)) for cid in ids]
+        losses = [float(replies[cid].metrics.get("loss", float("nan"))) for cid in ids]
+        return {"train_loss": sum(v * w for v, w in zip(losses, weights)) / sum(weights), "hn_grad_norm": norm}
+
+    def _clip_(self, grads: list[torch.Tensor], source: str, lr: float) -> float:
+        """Scale ``grads`` (the round's own tensors) in place to joint L2 norm at most ``server_grad_clip``; return
+        the norm before. A non-finite norm is refused before anything steps: clipping would not help (0 * NaN is
+        NaN), and a NaN hypernetwork would only surface later, as NaN client models, with the last checkpoint
+        already overwritten."""
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
         if not math.isfinite(norm):
-            # refuse before stepping: clipping would not help (0 * NaN is NaN), and a NaN hypernetwork would only
-            # surface later, as NaN client models, with the last checkpoint already overwritten
-            raise ConfigError(f"the hypernetwork training diverged (non-finite gradient, norm {norm}, from the weight "
-                              f"changes of clients {ids}); lower the hypernetwork lr (now {lr!r}) or the local lr "
-                              f"(now {self.config.lr!r})")
+            raise TrainingDivergedError(f"the hypernetwork training diverged (non-finite gradient, norm {norm}, from "
+                                        f"{source}); lower the hypernetwork lr (now {lr!r}) or the local lr (now "
+                                        f"{self.config.lr!r})")
         clip = self.config.server_grad_clip
         if clip is not None and clip / (norm + 1e-6) < 1:
             scale = clip / (norm + 1e-6)
-            for g in [*hn_grad.values(), *row_grads.values()]:     # the round's own tensors: scaled in place
+            for g in grads:
                 g.mul_(scale)
-        self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
+        return norm
+
+    def _step(self, hn_grad: dict[str, torch.Tensor], row_grads: dict[int, torch.Tensor], lr: float) -> None:
+        """One SGD step with momentum: the hypernetwork at ``lr``, each row of ``row_grads`` at the embedding lr."""
         cfg = self.config
         params = dict(self.hnet.named_parameters())
         with torch.no_grad():
@@ -261,9 +322,52 @@ class PFedHNStrategy(Strategy):
             self.embeddings[cid], self.embedding_momentum[cid] = sgd_momentum_step(
                 self.embedding(cid), g, self.embedding_momentum.get(cid), lr=cfg.embedding_lr,
                 momentum=cfg.hn_momentum, weight_decay=cfg.embedding_weight_decay)
-        weights = [float(replies[cid].metrics.get("num_examples", 1.0)) for cid in ids]
-        losses = [float(replies[cid].metrics.get("loss", float("nan"))) for cid in ids]
-        return {"train_loss": sum(v * w for v, w in zip(losses, weights)) / sum(weights), "hn_grad_norm": norm}
+
+    # -- client-level DP: the shared hypernetwork moves from a noisy mean ----------------------------------------------
+
+    def hypernetwork_contributions(self, descriptors: dict[int, torch.Tensor], changes: dict[int, Message]
+                                   ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Central DP, step 3 per client: ``g_theta_i`` (prefixed ``"hn."``) from the weight change ``changes[i]``
+        at ``descriptors[i]``, in increasing client id; ``g_e_i`` is kept for :meth:`apply_hypernetwork_mean`."""
+        self._row_gradients = {}
+        for cid in sorted(changes):
+            grads, descriptor_grad = backprop_weight_change(self.hnet, descriptors[cid], changes[cid].arrays)
+            self._row_gradients[cid] = descriptor_grad
+            yield cid, prefixed(HN, grads)
+
+    def hypernetwork_shapes(self) -> dict[str, torch.Tensor]:
+        """Zeros shaped like a contribution's hypernetwork gradient (prefixed ``"hn."``)."""
+        return {HN + name: torch.zeros_like(p) for name, p in self.hnet.named_parameters() if p.requires_grad}
+
+    def apply_hypernetwork_mean(self, mean: dict[str, torch.Tensor], count: float, *, update_embeddings: bool,
+                                lr: float) -> dict[str, float]:
+        """Step 4 from the noisy mean: ``theta`` from ``mean``'s ``"hn."`` tensors alone (clipped to
+        ``server_grad_clip`` on its own), and, with ``update_embeddings``, each contributing client's row from its
+        own ``g_e_i / count`` (clipped on its own). Returns the noisy mean's norm before clipping (post-processing)."""
+        hn_grad = {name[len(HN):]: g.clone() for name, g in mean.items() if name.startswith(HN)}
+        rows, self._row_gradients = self._row_gradients, {}
+        norm = self._clip_(list(hn_grad.values()), "the noisy mean of the clients' hypernetwork gradients", lr)
+        row_grads = {}
+        if update_embeddings:
+            for cid, g in rows.items():
+                row_grads[cid] = g / count
+                self._clip_([row_grads[cid]], f"client {cid}'s weight change", lr)
+        self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
+        self._step(hn_grad, row_grads, lr)
+        return {"hn_grad_norm": norm}
+
+    def contributions(self, round: int, replies: dict[int, Message]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Central DP: client i contributes its hypernetwork gradient ``g_theta_i`` (see the module docstring)."""
+        return self.hypernetwork_contributions({cid: self._sent.get(cid, self.embedding(cid)) for cid in replies},
+                                               replies)
+
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        return self.hypernetwork_shapes()
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """Step 4 from the noisy mean of the ``g_theta_i`` (``count`` = q N), each row from its own ``g_e_i``."""
+        self._sent = {}
+        return self.apply_hypernetwork_mean(mean, count, update_embeddings=True, lr=self.config.hn_lr)
 
     def configure_evaluate(self, client_id: int) -> Message:
         """A training client is scored with its own generated model ``f_theta(e_i)``."""
@@ -289,13 +393,18 @@ class PFedHNStrategy(Strategy):
         self.hn_momentum = {k: v.clone() for k, v in state["hypernetwork_momentum"].items()}
         self.embeddings = {int(k): v.clone() for k, v in state["embeddings"].items()}
         self.embedding_momentum = {int(k): v.clone() for k, v in state["embedding_momentum"].items()}
-        self._sent = {}
+        self._sent, self._row_gradients = {}, {}
 
 
 class PFedHNClient(ClientProcedure):
-    """Trains the generated weights locally and sends the weight change ``before - after``."""
+    """Trains the generated weights locally (DP-SGD under record-level DP) and sends the weight change
+    ``before - after``."""
 
     serves_novel_clients = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config.check_privacy(self.privacy, self.novel_privacy)   # also where no RunConfig checked it
 
     def load_generated(self, weights: dict[str, torch.Tensor], model: nn.Module | None = None) -> nn.Module:
         """``model`` (by default the workspace model) with its parameters set to ``weights``.
@@ -311,15 +420,16 @@ class PFedHNClient(ClientProcedure):
         return model
 
     def local_weight_change(self, data: TrainingClient, message: Message, ctx: ClientContext) -> Release:
-        """Step 2: local SGD from the received weights; the release carries ``d_i = w_i - w_i_new``."""
+        """Step 2: local SGD from the received weights (DP-SGD under record-level DP, where the sample count and
+        the loss, which no mechanism covers, are not sent); the release carries ``d_i = w_i - w_i_new``."""
         start = message.arrays
         model = self.load_generated(start)
-        loss = local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, **sgd_settings(message.config))
+        loss, event = self.fit(model, data, sgd_settings(message.config), ctx.rng)
         after = dict(model.named_parameters())
         change = {name: start[name] - after[name].detach() for name in start}
-        return Release.non_private(
-            Message(arrays=change, metrics={"num_examples": float(data.num_train), "loss": loss}),
-            purpose="weight_change")
+        metrics = {} if event is not None else {"num_examples": float(data.num_train), "loss": loss}
+        return private_release(Message(arrays=change, metrics=metrics), "weight_change", event,
+                               metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release:
         return self.local_weight_change(data, message, ctx)
@@ -328,8 +438,22 @@ class PFedHNClient(ClientProcedure):
         return self.load_generated(message.arrays)
 
 
+#: Why client-level distributed DP is refused by every method that trains pFedHN's way.
+DISTRIBUTED_REFUSAL = ("its server chain-rules each client's weight change through the hypernetwork at that client's "
+                       "own embedding row, and moves that row from it: it needs each client's change on its own, "
+                       "while secure aggregation shows the server only their sum")
+
+#: The privacy modes of pFedHN (module docstring).
+PFEDHN_PRIVACY = {"record": None, "local": None, "central": None, "distributed": DISTRIBUTED_REFUSAL}
+
+#: Small hypernetworks and no batch clip (which record-level DP-SGD refuses), for the fast synthetic runs.
+SMOKE_SETTINGS = {"hidden_dim": 8, "n_hidden": 1, "embed_dim": 2, "grad_clip": None}
+
+
 register_method(
     "pfedhn", strategy=PFedHNStrategy, client=PFedHNClient, config=PFedHNConfig,
     description="pFedHN: a server hypernetwork maps learned client embeddings to personal models (training clients "
                 "only; see pfl_sampled / pfl_nearest / pfl_ensemble for novel clients)",
+    privacy=PFEDHN_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
+    novel_privacy="it serves no novel client (it has no encoder)",
 )

@@ -1,12 +1,13 @@
 """PFL-sampled, PFL-nearest and PFL-ensemble: pFedHN's personal models applied to a novel client.
 
-The ODPFL-HN papers' baselines (digest ``papers/odpfl-hn.md`` section 7.4 items 4-6 and 10.2 #21, #22; named
-pFedHN-sampled/-nearest/-ensemble in [001]). All three train exactly as :mod:`privfl.methods.pfedhn` (same
-strategy, same client, same numbers for the same seed) and differ only in how a novel client is served. The pool of
-"training-client models" is ``f_theta(e_j)`` for every training client j that has taken part in at least one round
-(the server knows no other client's id; with the papers' 500 rounds at 10% every client has).
+The ODPFL-HN papers' baselines (Amosy et al., section 6.2; named pFedHN-sampled/-nearest/-ensemble in the earlier
+IT-PFL-HN version; docs/papers.md, ODPFL-HN, "Baselines", U10 and U11). All three train exactly as
+:mod:`privfl.methods.pfedhn` (same strategy, same client, same numbers for the same seed) and differ only in how a novel
+client is served. The pool of "training-client models" is ``f_theta(e_j)`` for every training client j that has taken
+part in at least one round (the server knows no other client's id; with the papers' 500 rounds at 10% every client has).
 
-* **pfl_sampled**: a uniformly random training-client model, scored by its expectation (10.2 #22).
+* **pfl_sampled**: a uniformly random training-client model, scored by its expectation: the papers score it by the
+  mean accuracy of all the personalised models on each novel client (docs/papers.md, ODPFL-HN, U11).
   1. The server sends every pool model to the novel client; 2. the client sends nothing; 3. its model is an
   :class:`privfl.evaluation.metrics.ExpectedModel` of the pool, which ``score_model`` scores as the **mean of the
   members' accuracies** (and losses). It has no single prediction of its own.
@@ -14,7 +15,8 @@ strategy, same client, same numbers for the same seed) and differ only in how a 
   1. The server sends every pool model; 2. the client sends nothing; 3. its model is a :class:`LogitEnsemble`.
 * **pfl_nearest**: the model of the training client closest in proxy A-distance (Ben-David et al. 2007),
   ``d_A = 2 (1 - 2 err)`` with ``err`` the held-out error of a logistic regression separating the two clients'
-  inputs on a balanced 50/50 split (10.2 #21), minimised over the pool (ties: the lower client id).
+  inputs on a balanced 50/50 split (the papers name only the proxy; docs/papers.md, ODPFL-HN, U10), minimised over
+  the pool (ties: the lower client id).
   The distance needs both clients' raw inputs in one place, and this implementation puts them **on the server**,
   in the open:
 
@@ -29,6 +31,18 @@ strategy, same client, same numbers for the same seed) and differ only in how a 
   epsilon = infinity, in their ledgers). The papers note it "can be computed in FL" by training the linear model
   with gradients from each side, which needs the training clients online at inference time; that changes what the
   server sees (gradients of a linear model instead of inputs) but is still not private, and is not implemented.
+
+**Privacy** (:mod:`privfl.privacy.training`; the argument of each mode is pFedHN's, :mod:`privfl.methods.pfedhn`).
+
+* pfl_sampled and pfl_ensemble train exactly as pFedHN and run ``record`` (DP-SGD; the weight change carries its
+  event) and ``local`` (the layer noises each weight change on the client). Their novel clients send nothing; what
+  they receive, every pool model ``f_theta(e_j)``, is post-processing of the training clients' DP releases in both
+  modes. ``central`` is refused: a novel client receives every training client's generated model, and each row
+  ``e_j`` is per-client server state moved by client j's own weight changes in the clear, which central DP's noisy
+  sum (covering the shared hypernetwork only) does not protect. ``distributed`` is refused as for pFedHN.
+* pfl_nearest refuses every mode: its training clients send a sample of their raw inputs, which no mechanism makes
+  private at any level (record or client), and the A-distance needs them as they are. Its novel clients send raw
+  inputs too, so it honours no :class:`~privfl.privacy.training.NovelPrivacy`.
 """
 
 from __future__ import annotations
@@ -41,16 +55,23 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.evaluation.metrics import ExpectedModel
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed
-from privfl.methods.base import ClientContext, ClientState, _require, register_method
-from privfl.methods.pfedhn import PFedHNClient, PFedHNConfig, PFedHNStrategy
+from privfl.methods.base import ClientContext, ClientState, register_method
+from privfl.methods.pfedhn import (
+    DISTRIBUTED_REFUSAL,
+    SMOKE_SETTINGS,
+    PFedHNClient,
+    PFedHNConfig,
+    PFedHNStrategy,
+)
 
 
 class LogitEnsemble(nn.Module):
-    """Predicts the mean of its members' logits (PFL-ensemble, digest 7.4 item 6)."""
+    """Predicts the mean of its members' logits (PFL-ensemble: "average the logits" of all training-client models,
+    Amosy et al., section 6.2)."""
 
     def __init__(self, members: list[nn.Module]) -> None:
         super().__init__()
@@ -67,7 +88,8 @@ MIN_DISTANCE_INPUTS = 4
 
 
 def proxy_a_distance(a: torch.Tensor, b: torch.Tensor, *, rng: np.random.Generator) -> float:
-    """Proxy A-distance ``2 (1 - 2 err)`` between two input samples (Ben-David et al. 2007; digest 10.2 #21).
+    """Proxy A-distance ``2 (1 - 2 err)`` between two input samples (Ben-David et al. 2007; the estimator's details
+    are this project's, docs/papers.md, ODPFL-HN, U10).
 
     1. Flatten both to vectors and draw ``m = min(len(a), len(b))`` rows of each (balanced classes, ``rng``);
     2. split each side 50/50 into a fit half and a held-out half;
@@ -159,9 +181,9 @@ class PFLNearestConfig(PFedHNConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(isinstance(self.nearest_max_inputs, int) and not isinstance(self.nearest_max_inputs, bool)
-                 and self.nearest_max_inputs >= 4, "nearest_max_inputs", self.nearest_max_inputs,
-                 "an integer >= 4")
+        check.require(isinstance(self.nearest_max_inputs, int) and not isinstance(self.nearest_max_inputs, bool)
+                      and self.nearest_max_inputs >= 4, "nearest_max_inputs", self.nearest_max_inputs,
+                      "an integer >= 4")
 
 
 class PFLNearestStrategy(PFedHNStrategy):
@@ -251,16 +273,33 @@ class PFLNearestClient(PFedHNClient):
         return self.load_generated(message.arrays)
 
 
+#: Why central DP is refused where novel clients receive every training client's model.
+POOL_CENTRAL_REFUSAL = ("a novel client receives every training client's generated model f_theta(e_j), and each "
+                        "embedding row e_j is per-client server state moved by client j's own weight changes in the "
+                        "clear; central DP's noisy sum protects the shared hypernetwork only")
+POOL_PRIVACY = {"record": None, "local": None, "central": POOL_CENTRAL_REFUSAL, "distributed": DISTRIBUTED_REFUSAL}
+#: Why pfl_nearest runs no privacy mode.
+RAW_INPUTS = ("its training clients send a sample of their raw inputs to the server for the proxy A-distance to "
+              "novel clients, which no mechanism can make private (the distance needs the inputs as they are)")
+
 register_method(
     "pfl_sampled", strategy=PFLPoolStrategy, client=PFLSampledClient, config=PFedHNConfig,
     description="PFL-sampled: pFedHN; a novel client is scored by the mean accuracy of all training-client models",
+    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
 )
 register_method(
     "pfl_ensemble", strategy=PFLPoolStrategy, client=PFLEnsembleClient, config=PFedHNConfig,
     description="PFL-ensemble: pFedHN; a novel client averages the logits of all training-client models",
+    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
 )
 register_method(
     "pfl_nearest", strategy=PFLNearestStrategy, client=PFLNearestClient, config=PFLNearestConfig,
     description="PFL-nearest: pFedHN; a novel client gets the model of the training client nearest in proxy "
                 "A-distance (both sides' raw inputs reach the server, non-private)",
+    privacy=dict.fromkeys(("record", "central", "distributed", "local"), RAW_INPUTS),
+    # the weight change every round, and the raw inputs in the round a client first takes part in
+    releases_per_round=2,
+    novel_privacy="its novel clients send a sample of their raw inputs for the proxy A-distance, which no mechanism "
+                  "can make private",
+    smoke_settings={**SMOKE_SETTINGS, "nearest_max_inputs": 16},
 )

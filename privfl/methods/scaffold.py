@@ -22,9 +22,16 @@ import torch
 
 from privfl.data import TrainingClient
 from privfl.federation.messages import Message, Release, prefixed
-from privfl.methods.base import ClientContext, ClientProcedure, ClientState, Strategy, register_method
+from privfl.methods.base import (
+    ClientContext,
+    ClientProcedure,
+    ClientState,
+    Strategy,
+    private_release,
+    register_method,
+)
 from privfl.methods.fedavg import ServerStepConfig, weighted_mean
-from privfl.methods.local_training import difference, local_sgd, sgd_settings, weights_of
+from privfl.methods.local_training import difference, sgd_settings, weights_of
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,21 @@ class ScaffoldStrategy(Strategy):
         share = len(ids) / self.num_training_clients
         self.weights = {k: v + self.config.server_lr * delta_y[k] for k, v in self.weights.items()}
         self.control = {k: v + share * delta_c[k] for k, v in self.control.items()}
-        return {"train_loss": sum(replies[cid].metrics["loss"] for cid in ids) / len(ids)}
+        return {"train_loss": sum(replies[cid].metrics.get("loss", float("nan")) for cid in ids) / len(ids)}
+
+    def contribution_shapes(self) -> dict[str, torch.Tensor]:
+        zeros = zeros_like(self.weights)
+        return {**prefixed("dy.", zeros), **prefixed("dc.", zeros)}
+
+    def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
+        """Step 4 from the noisy mean of (Delta y_i, Delta c_i): x += lr_g * mean Delta y; c += (sum Delta c_i) / N,
+        the sum being the noisy mean times the expected count q N (or the round's count, distributed)."""
+        message = Message(arrays=mean)
+        delta_y, delta_c = message.subset("dy."), message.subset("dc.")
+        share = count / self.num_training_clients
+        self.weights = {k: v + self.config.server_lr * delta_y[k].to(v.dtype) for k, v in self.weights.items()}
+        self.control = {k: v + share * delta_c[k].to(v.dtype) for k, v in self.control.items()}
+        return {}
 
     def novel_request(self, client_id: int) -> Message:
         return Message(arrays=self.weights)
@@ -85,19 +106,20 @@ class ScaffoldClient(ClientProcedure):
             return sum((correction[name] * p).sum() for name, p in params.items())
 
         model = self.model_from(x)
-        loss = local_sgd(model, data.x_train, data.y_train, rng=ctx.rng, extra_loss=control_term,
-                         **sgd_settings(message.config))
+        loss, event = self.fit(model, data, sgd_settings(message.config), ctx.rng, extra_loss=control_term)
         y = weights_of(model)
+        # c_i+ (option II) is a function of y and the server's c only: under record-level DP it is post-processing
         c_i_new = {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c}
         state.update(prefixed("c_i.", c_i_new))
         update = Message(
             arrays={**prefixed("dy.", difference(y, x)), **prefixed("dc.", difference(c_i_new, c_i))},
-            metrics={"num_examples": float(data.num_train), "loss": loss},
+            metrics={} if event is not None else {"num_examples": float(data.num_train), "loss": loss},
         )
-        return Release.non_private(update, purpose="model_update")
+        return private_release(update, "model_update", event, metadata={"noise": self.privacy.noise})
 
 
 register_method(
     "scaffold", strategy=ScaffoldStrategy, client=ScaffoldClient, config=ScaffoldConfig,
     description="SCAFFOLD: control variates correct client drift; local lr and global (server) lr",
+    privacy={"record": None, "central": None, "distributed": None, "local": None},
 )

@@ -6,17 +6,19 @@ only unlabelled inputs x adapts the received model on x and predicts on the same
 1. receive the global weights w (nothing goes up: the adaptation is local post-processing of a downloaded model);
 2. choose the adapted parameters theta (TENT's Sec. 3.2): the affine scale and shift (gamma, beta) of every
    normalisation layer, with batch-norm layers switched to the statistics of the test batch
-   (``adapt="norm"``, the original rule); or every parameter (``adapt="all"``, the FedTTA paper's rule for its
-   models, which have no normalisation layers: digest section 5 and ambiguity 15);
+   (``adapt="norm"``, the original rule); or every parameter (``adapt="all"``, for models that have no
+   normalisation layers, like the FedTTA paper's: that paper says only that TENT was "adapted with appropriate
+   adjustments", and its authors' ``hetero_tent`` code adapts every parameter; docs/papers.md, FedTTA, U9);
 3. for ``tta_steps`` steps: theta <- theta - lr * grad_theta H(x), where H is the mean prediction entropy
    H(x) = -(1/N) sum_i sum_k p_ik log p_ik, p_i = softmax(f(x_i; w, theta))                       (TENT Eq. 1);
 4. predict argmax_k f(x; w, theta).
 
-The FedTTA paper's settings (digest sections 5 and 6.2, Table 4): the source model is the FedAvg global model, TENT
-reuses FedAvg's learning rate (``tta_lr=None``: MNIST 0.1), and the authors' code takes **one full-data step**
-(``tta_steps=1``, ``tta_batch_size=None``) on the entropy in bits (``entropy_unit="bits"``) with weight decay 1e-4 and
-gradient-norm clip 10 (``tta_weight_decay``, ``tta_grad_clip``). Those are the defaults here. The original TENT uses
-minibatches of 128 to 200 and SGD with momentum (``tta_batch_size`` gives the minibatching; momentum is not offered).
+The FedTTA paper's settings (Ye et al., sections 4.1.2-4.1.3 and Table 4): the source model is the FedAvg global
+model, TENT reuses FedAvg's learning rate (``tta_lr=None``: MNIST 0.1), and the authors' code takes **one full-data
+step** (``tta_steps=1``, ``tta_batch_size=None``) on the entropy in bits (``entropy_unit="bits"``) with weight decay
+1e-4 and gradient-norm clip 10 (``tta_weight_decay``, ``tta_grad_clip``). Those are the defaults here. The original TENT
+uses minibatches of 128 to 200 and SGD with momentum (``tta_batch_size`` gives the minibatching; momentum is not
+offered).
 
 A model without normalisation layers (the project's ``mlp2nn``, ``lenet`` and ``fedtta_cnn`` have none) cannot be
 adapted with ``adapt="norm"``: the strategy refuses it when the run is built, and the message points to
@@ -34,11 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message
-from privfl.methods.base import ClientState, _finite, _int_at_least, _require, register_method
-from privfl.methods.fedavg import FedAvgClient, FedAvgConfig, FedAvgStrategy
+from privfl.methods.base import ClientState, register_method
+from privfl.methods.fedavg import FEDAVG_PRIVACY, FedAvgClient, FedAvgConfig, FedAvgStrategy
 
 ADAPT_CHOICES = ("norm", "all")
 ENTROPY_UNITS = {"bits": 2.0, "nats": math.e}
@@ -69,19 +72,19 @@ class TentConfig(FedAvgConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.adapt in ADAPT_CHOICES, "adapt", self.adapt, f"one of {', '.join(ADAPT_CHOICES)}")
-        _require(_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps,
-                 "an integer >= 0")
-        _require(self.tta_lr is None or (_finite(self.tta_lr) and self.tta_lr > 0), "tta_lr", self.tta_lr,
-                 "None (reuse lr) or a finite number > 0")
-        _require(self.tta_batch_size is None or _int_at_least(self.tta_batch_size, 1),
-                 "tta_batch_size", self.tta_batch_size, "None (all data in one batch) or an integer >= 1")
-        _require(_finite(self.tta_weight_decay) and self.tta_weight_decay >= 0, "tta_weight_decay",
-                 self.tta_weight_decay, "a finite number >= 0")
-        _require(self.tta_grad_clip is None or (_finite(self.tta_grad_clip) and self.tta_grad_clip > 0),
-                 "tta_grad_clip", self.tta_grad_clip, "None or a finite number > 0")
-        _require(self.entropy_unit in ENTROPY_UNITS, "entropy_unit", self.entropy_unit,
-                 f"one of {', '.join(ENTROPY_UNITS)}")
+        check.require(self.adapt in ADAPT_CHOICES, "adapt", self.adapt, f"one of {', '.join(ADAPT_CHOICES)}")
+        check.require(is_int_at_least(self.tta_steps, 0), "tta_steps", self.tta_steps,
+                      "an integer >= 0")
+        check.require(self.tta_lr is None or (is_finite(self.tta_lr) and self.tta_lr > 0), "tta_lr", self.tta_lr,
+                      "None (reuse lr) or a finite number > 0")
+        check.require(self.tta_batch_size is None or is_int_at_least(self.tta_batch_size, 1),
+                      "tta_batch_size", self.tta_batch_size, "None (all data in one batch) or an integer >= 1")
+        check.require(is_finite(self.tta_weight_decay) and self.tta_weight_decay >= 0, "tta_weight_decay",
+                      self.tta_weight_decay, "a finite number >= 0")
+        check.require(self.tta_grad_clip is None or (is_finite(self.tta_grad_clip) and self.tta_grad_clip > 0),
+                      "tta_grad_clip", self.tta_grad_clip, "None or a finite number > 0")
+        check.require(self.entropy_unit in ENTROPY_UNITS, "entropy_unit", self.entropy_unit,
+                      f"one of {', '.join(ENTROPY_UNITS)}")
 
 
 def prediction_entropy(logits: torch.Tensor, *, base: float = 2.0) -> torch.Tensor:
@@ -200,4 +203,5 @@ register_method(
     "tent", strategy=TentStrategy, client=TentClient, config=TentConfig,
     description="TENT: FedAvg training; a new client minimises its prediction entropy on its unlabelled data "
                 "(normalisation affine parameters, or all parameters with adapt='all'); it sends nothing",
+    privacy=FEDAVG_PRIVACY, smoke_settings={"adapt": "all"},
 )

@@ -53,6 +53,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from privfl.errors import ConfigError, DataUnavailableError
+from privfl.registry import Registry
 
 __all__ = [
     "BACKBONES", "IMAGENET_MEAN", "IMAGENET_STD", "MOBILENET_V2_FILE", "MOBILENET_V2_PACKAGE", "MOBILENET_V2_SHA256",
@@ -151,7 +152,7 @@ class ImageBackbone(Backbone):
     """An image trunk (conv layers + pooling -> a vector) with the input adaptation of :func:`adapt_images`.
 
     ``weights_file_sha256`` (optional) names the verified file the weights came from; it is provenance only: the cache
-    key always carries the digest of the trunk's state as it is when the key is computed.
+    key always carries the sha256 of the trunk's state as it is when the key is computed.
     """
 
     def __init__(self, trunk: nn.Module, *, name: str, feature_dim: int, input_size: int = 224, channels: int = 3,
@@ -189,7 +190,7 @@ class ModuleBackbone(ImageBackbone):
     With ``input_size`` set, inputs are treated as images and adapted (channels, resize, optional ``mean``/``std``);
     with ``input_size=None`` they are passed through unchanged (vectors, or images already the right size).
     ``feature_dim`` may be omitted: it is then read off the output of the first batch. ``name`` names the cache
-    files; the key also carries the digest of the module's weights (:func:`module_sha256`), so a module whose weights
+    files; the key also carries the sha256 of the module's weights (:func:`module_sha256`), so a module whose weights
     changed misses the cache under the same name.
     """
 
@@ -236,7 +237,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def module_sha256(module: nn.Module) -> str:
     """The hex sha256 of a module's state: every entry of ``state_dict()`` (parameters and buffers) by name, with its
-    dtype, shape and raw bytes. Equal digests mean equal weights; any change of a weight changes it.
+    dtype, shape and raw bytes. Equal hashes mean equal weights; any change of a weight changes it.
 
     >>> a = torch.nn.Linear(2, 1)
     >>> before = module_sha256(a)
@@ -287,7 +288,7 @@ def _check_sha256(data: bytes, where: str) -> bytes:
 def _download_verified() -> bytes:
     """Fetch torchvision's MobileNetV2 file into memory, check its full sha256, and only then keep it in the hub cache.
 
-    The download goes to a private temporary file (no hash-prefix check: the full digest is checked here, on the
+    The download goes to a private temporary file (no hash-prefix check: the full sha256 is checked here, on the
     bytes that will be deserialised); a mismatch raises and nothing is written to the cache.
     """
     from torchvision.models import MobileNet_V2_Weights
@@ -416,7 +417,8 @@ def sentence_encoder(*, normalize: bool = True) -> SentenceEncoderBackbone:
 # Registry and cached extraction.
 
 
-BACKBONES: dict[str, Callable[..., Backbone]] = {"mobilenet_v2": mobilenet_v2, "minilm": sentence_encoder}
+BACKBONES: Registry[Callable[..., Backbone]] = Registry("backbone", {"mobilenet_v2": mobilenet_v2,
+                                                                     "minilm": sentence_encoder})
 
 
 def load_backbone(name: str, **options: Any) -> Backbone:
@@ -453,7 +455,7 @@ def _safe(text: str) -> str:
 
 
 def cache_key_sha256(backbone: Backbone) -> str:
-    """The hex sha256 of ``backbone.cache_key()`` (backbone, weights digest, preprocessing): for callers that keep
+    """The hex sha256 of ``backbone.cache_key()`` (backbone, the weights' sha256, preprocessing): for callers that keep
     their own files of features (e.g. a benchmark's subset) and must key them by the backbone too."""
     return hashlib.sha256(json.dumps(backbone.cache_key(), sort_keys=True).encode()).hexdigest()
 
@@ -461,7 +463,7 @@ def cache_key_sha256(backbone: Backbone) -> str:
 def feature_cache_path(backbone: Backbone, inputs: Any, *, dataset: str, cache_dir: str | os.PathLike,
                        backbone_key: dict[str, Any] | None = None) -> Path:
     """Where :func:`extract_features` caches these features: a file named by the backbone, ``dataset`` and a hash
-    of (backbone key with its weights digest and preprocessing, dataset, a sha256 of the inputs).
+    of (backbone key with its weights' sha256 and preprocessing, dataset, a sha256 of the inputs).
 
     ``backbone_key``: ``backbone.cache_key()`` when the caller already has it (it hashes the weights)."""
     key = {"format": _CACHE_FORMAT, "backbone": backbone.cache_key() if backbone_key is None else backbone_key,

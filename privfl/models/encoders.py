@@ -3,8 +3,8 @@
 Names: ``"deepset"`` (:class:`~privfl.models.set_encoders.DeepSetEncoder`, the ODPFL-HN mean/max DeepSet),
 ``"dp_deepset"`` (:class:`~privfl.models.set_encoders.DPDeepSetEncoder`, the only one
 :func:`privfl.privacy.privatize` accepts), ``"dss"`` (:class:`~privfl.models.set_encoders.DSSEncoder`) and
-``"set_transformer"`` (:class:`~privfl.models.set_encoders.SetTransformerEncoder`); digest ``papers/odpfl-hn.md``
-section 2.1 and 10.2 #10.
+``"set_transformer"`` (:class:`~privfl.models.set_encoders.SetTransformerEncoder`): the three encoders the ODPFL-HN
+papers choose among (App. C), with the configurations of docs/papers.md, ODPFL-HN, U7.
 
 >>> import torch
 >>> enc = build_encoder("dp_deepset", (1, 28, 28), 12, hidden=16, clip=1.0)
@@ -21,14 +21,15 @@ from typing import Any
 from torch import nn
 
 from privfl.errors import ConfigError
+from privfl.registry import Registry
 from privfl.models.set_encoders import DeepSetEncoder, DPDeepSetEncoder, DSSEncoder, SetTransformerEncoder
 
-ENCODERS: dict[str, type[nn.Module]] = {
+ENCODERS: Registry[type[nn.Module]] = Registry("encoder", {
     "deepset": DeepSetEncoder,
     "dp_deepset": DPDeepSetEncoder,
     "dss": DSSEncoder,
     "set_transformer": SetTransformerEncoder,
-}
+})
 
 #: Encoders whose structure (phi -> mean -> psi) :func:`privfl.privacy.privatize` can certify.
 PRIVATIZABLE = ("dp_deepset",)
@@ -56,9 +57,7 @@ def build_encoder(name: str, input_shape: int | Sequence[int], output_dim: int, 
 
 
 def _lookup(name: str) -> type[nn.Module]:
-    if name not in ENCODERS:
-        raise ConfigError(f"unknown encoder {name!r}; valid choices: {', '.join(sorted(ENCODERS))}")
-    return ENCODERS[name]
+    return ENCODERS.lookup(name)
 
 
 __all__ = ["ENCODERS", "PRIVATIZABLE", "build_encoder", "encoder_options"]

@@ -1,8 +1,10 @@
 """Hypernetworks: a descriptor ``e`` -> the weights of a target network, for every target without per-dataset classes.
 
-The architecture is pFedHN's ``CNNHyper`` (Shamsian et al. 2021; digest ``papers/odpfl-hn.md`` section 2.2), made
-generic: a trunk ``Linear(d_e, h)`` followed by ``n_hidden`` blocks of ``ReLU, Linear(h, h)`` (no activation before
-the heads), then one linear head per tensor of the target's ``named_parameters()``, reshaped to that tensor's shape.
+The architecture is pFedHN's ``CNNHyper`` (Shamsian et al. 2021, ``experiments/pfedhn/models.py`` of
+``AvivSham/pFedHN``; the ODPFL-HN papers' three hidden layers of 100 units and a linear head per target weight
+tensor, App. C), made generic: a trunk ``Linear(d_e, h)`` followed by ``n_hidden`` blocks of ``ReLU, Linear(h, h)``
+(no activation before the heads), then one linear head per tensor of the target's ``named_parameters()``, reshaped to
+that tensor's shape.
 
 A head costs ``(h + 1) * numel`` parameters, so per-tensor heads reach hundreds of millions of parameters on large
 targets (a 1.5 M-parameter feature MLP needs about 150 M). Above ``chunk_threshold`` target parameters the
@@ -42,8 +44,8 @@ def target_shapes(target: nn.Module) -> dict[str, torch.Size]:
 
 
 def embedding_dim(num_clients: int, *, rule: str = "quarter") -> int:
-    """The descriptor size rule of the papers (digest section 2.4): ``floor(N/4)`` ("quarter", at least 1) or
-    pFedHN's ``int(1 + N/4)`` ("pfedhn")."""
+    """The descriptor size rule of the papers: the ODPFL-HN papers' d_e = N/4 (App. C), as ``floor(N/4)``
+    ("quarter", at least 1), or pFedHN's code's ``int(1 + N/4)`` ("pfedhn"), which PeFLL's code also uses."""
     _positive_int("num_clients", num_clients)
     if rule == "quarter":
         return max(1, num_clients // 4)
@@ -227,8 +229,8 @@ def backprop_weight_change(hnet: HyperNetwork, descriptor: torch.Tensor, change:
 
     ``change`` is ``w_before - w_after`` of the client's local training ("before minus after", the sign of pFedHN's
     code; the ODPFL-HN paper's Algorithm 1 prints the opposite sign with a descent step, which moves *away* from the
-    locally improved weights, digest section 3.1). Used as ``grad_outputs`` of the vector-Jacobian product through
-    ``w = hnet(e)``, it plays the role of dL/dw: after one plain SGD step at learning rate eta it is exactly
+    locally improved weights; docs/papers.md, ODPFL-HN, E1). Used as ``grad_outputs`` of the vector-Jacobian product
+    through ``w = hnet(e)``, it plays the role of dL/dw: after one plain SGD step at learning rate eta it is exactly
     ``eta * dL/dw``, so the returned gradients are ``eta`` times the true gradients of L(hnet(e)).
 
     Returns ``({parameter name: gradient}, gradient with respect to the descriptor)``; nothing is modified.
@@ -289,6 +291,11 @@ class RoundGradientMean:
         else:
             for k, total in self._sum.items():
                 total.add_(grads[k])
+
+    def inputs(self, client_id: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The (descriptor, weight change) kept for ``client_id``: its own gradient is
+        ``backprop_weight_change(hnet, *inputs(client_id))`` (central DP clips each client's gradient)."""
+        return self._inputs[client_id]
 
     def mean(self, client_ids: list[int]) -> dict[str, torch.Tensor]:
         """The mean gradient over ``client_ids`` (each added before); the round's sum is consumed."""

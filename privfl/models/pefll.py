@@ -1,18 +1,19 @@
 """PeFLL's embedding network: one labelled example ``(x, y)`` -> a vector; a client's descriptor is their mean.
 
-PeFLL (Scott, Zakerinia and Lampert, ICLR 2024; digest ``papers/pefll.md``) describes a client by
-``v(S) = (1/|S|) sum_{(x, y) in S} phi(x, y)`` (section 1), the plain mean of per-example embeddings, and a server-side
-hypernetwork turns ``v`` into the client's model. Labels are inputs of ``phi``. Three variants (section 2.2):
+PeFLL (Scott, Zakerinia and Lampert, ICLR 2024; docs/papers.md, PeFLL) describes a client by
+``v(S) = (1/|S|) sum_{(x, y) in S} phi(x, y)``, the plain mean of per-example embeddings, and a server-side
+hypernetwork turns ``v`` into the client's model. Labels are inputs of ``phi``. Three variants (the first two are the
+paper's, section 4 and Table 3, with the layer sizes of the authors' ``CNNEmbed`` and ``MLPEmbed``):
 
-1. ``"cnn"`` (the paper's CNN embedding, CIFAR10/FEMNIST): the LeNet of section 2.1 whose input gets ``C`` extra
-   channels holding the one-hot label broadcast over every pixel (1 + 10 = 11 channels on MNIST), and whose last
-   layer outputs ``d`` units with no non-linearity.
+1. ``"cnn"`` (the paper's CNN embedding, CIFAR10/FEMNIST): the client LeNet (conv 5x5 16, conv 5x5 32, FC 120, FC 84)
+   whose input gets ``C`` extra channels holding the one-hot label broadcast over every pixel (1 + 10 = 11 channels on
+   MNIST), and whose last layer outputs ``d`` units with no non-linearity.
 2. ``"linear"`` (the paper's "MLP" embedding, CIFAR100): one affine layer on the one-hot label only; the descriptor is
    then ``W h + b`` with ``h`` the batch's label frequencies (the image is ignored).
 3. ``"mlp"`` (ours, for vector inputs where a CNN does not apply): ``[x, onehot(y)] -> 100 -> ReLU -> d``.
 
-``d`` defaults to pFedHN's rule ``int(1 + N/4)`` with N the number of clients (section 2.4:
-:func:`~privfl.models.hypernetwork.embedding_dim` with ``rule="pfedhn"``).
+``d`` defaults to pFedHN's rule ``int(1 + N/4)`` with N the number of clients, as the authors' code sets it
+(:func:`~privfl.models.hypernetwork.embedding_dim` with ``rule="pfedhn"``).
 
 Every variant is per-example (no batch statistics, no cross-example operation), which is what the labelled
 sensitivity argument of :mod:`privfl.privacy.labelled` needs: ``phi(x_j, y_j)`` depends on record j only.
@@ -120,12 +121,12 @@ class EmbeddingNetwork(nn.Module):
     def descriptor(self, x: torch.Tensor, y: torch.Tensor, *, bound: float | None = None) -> torch.Tensor:
         """``v = (1/n) sum_j clip_B(phi(x_j, y_j))``, shape ``[embed_dim]`` (graph kept to the parameters).
 
-        1. per-example embeddings (digest section 1);
+        1. per-example embeddings ``phi(x_j, y_j)``;
         2. with ``bound`` B, each row is projected onto the L2 ball of radius B (``v * min(1, B/||v||)``): the clipping
-           a private release needs, used in training as well so training and private serving see the same function
-           (digest section 10.3);
+           a private release needs (the embedding's last layer is linear and unbounded), used in training as well so
+           training and private serving see the same function;
         3. the true mean over the n examples: divided by n, not by twice the number of batches as the authors' code
-           does (digest section 2.3, A8).
+           does (docs/papers.md, PeFLL, E1).
         """
         self.check_labels(y)
         return clipped_rows(self(x, y), bound).mean(dim=0)

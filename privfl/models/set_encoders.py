@@ -2,16 +2,18 @@
 
 Two DeepSets (Zaheer et al. 2017), both of the form ``psi(pool(phi(x_1), ..., phi(x_n)))``:
 
-- :class:`DeepSetEncoder` is the ODPFL-HN encoder (Amosy et al., App. C; digest ``papers/odpfl-hn.md`` section 2.1):
+- :class:`DeepSetEncoder` is the ODPFL-HN encoder (Amosy et al., section 6.3 and App. C):
   a per-sample network ``phi``, then **mean** pooling over the samples on the first half of the units and **max**
   pooling on the other half, then a set-level network ``psi``. Its max half moves by O(1) when one sample is replaced,
-  whatever n, so it cannot be made differentially private by noise that shrinks with n (digest section 5.7 item 2);
+  whatever n, so it cannot be made differentially private by noise that shrinks with n (docs/papers.md, ODPFL-HN,
+  E3);
   :func:`privfl.privacy.privatize` refuses it.
 - :class:`DPDeepSetEncoder` is the DP-ready form ``phi -> mean over samples -> psi`` with the attributes ``phi``,
   ``pool`` (a :class:`MeanPool`) and ``psi`` that :func:`privfl.privacy.privatize` inspects. Train it with the same
   structure it will be privatised with, so the hypernetwork sees descriptors of the kind it will receive.
 
-Two encoders that model interactions between the samples (digest section 2.1 and 10.2 #10), for the non-private path:
+Two encoders that model interactions between the samples (the other two the ODPFL-HN papers choose among, App. C,
+in the configurations of docs/papers.md, ODPFL-HN, U7), for the non-private path:
 
 - :class:`DSSEncoder` (Deep Sets for Symmetric elements, Maron et al. 2020): every layer is a Siamese layer on each
   ``x_i`` plus a layer on the set aggregate (the mean of the ``x_j``), convolutional for images;
@@ -19,7 +21,7 @@ Two encoders that model interactions between the samples (digest section 2.1 and
 
 Both let every sample's features depend on the others (DSS through the aggregate at every layer, attention through
 softmax weights), so their output does not move by O(1/n) when one sample is replaced; :func:`privfl.privacy.privatize`
-refuses them by name (digest section 5.7 item 2).
+refuses them by name (docs/papers.md, ODPFL-HN, E3).
 
 Image inputs are flattened inside ``phi`` (``input_shape`` like ``(1, 28, 28)``); feature inputs give ``input_dim``.
 Pooling modules reduce over dimension 0, the sample dimension.
@@ -71,11 +73,11 @@ class ClipToBall(nn.Module):
     ``v * min(1, bound / ||v||)``.
 
     The same projection :func:`privfl.privacy.privatize` applies to phi's outputs on the client, put inside phi
-    so that training sees descriptors of the kind a private release will produce (digest section 5.4, 5.7 item 5).
+    so that training sees descriptors of the kind a private release will produce (docs/papers.md, ODPFL-HN, E6).
 
-    With ``sphere=True`` every row is scaled onto the sphere of radius ``bound`` instead (``v * bound / ||v||``,
-    the ODPFL-HN paper's unit-sphere normalisation, digest 5.4): norms cannot shrink, so the encoder cannot collapse
-    its outputs towards 0 in training, and the release's clipping is still a no-op.
+    With ``sphere=True`` every row is scaled onto the sphere of radius ``bound`` instead (``v * bound / ||v||``, the
+    ODPFL-HN paper's unit-sphere normalisation of phi, B_phi = 1, in its DP experiment, section 7): norms cannot shrink,
+    so the encoder cannot collapse its outputs towards 0 in training, and the release's clipping is still a no-op.
     """
 
     def __init__(self, bound: float, *, sphere: bool = False) -> None:
@@ -146,7 +148,7 @@ class _SetEncoder(nn.Module):
         hidden = _positive("hidden", hidden)
         self.output_dim = _positive("output_dim", output_dim)
         # phi: FC(F -> hidden) + ReLU per sample; psi: FC(hidden -> hidden) + ReLU + FC(hidden -> output_dim),
-        # the feature-dataset DS encoder of the paper (digest section 2.1, "[G] resolution").
+        # the feature-dataset DS encoder of the paper (App. C; its layer order as docs/papers.md, ODPFL-HN, U8).
         self.phi = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(self.input_shape), hidden), nn.ReLU())
         self.psi = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.output_dim))
 
@@ -304,15 +306,16 @@ class DSSLayer(nn.Module):
 
 
 class DSSEncoder(_SetLayerBase):
-    """A DSS set encoder (digest 10.2 #10): DSS layers (convolutional for images, with ReLU and 2x2 max pooling over
-    space after each), then per element ``FC -> hidden, ReLU``, pooling over the set, and ``FC -> output_dim``.
+    """A DSS set encoder (docs/papers.md, ODPFL-HN, U7): DSS layers (convolutional for images, with ReLU and 2x2 max
+    pooling over space after each), then per element ``FC -> hidden, ReLU``, pooling over the set, and
+    ``FC -> output_dim``.
 
     Not differentially privatisable: every element's features depend on the set aggregate at every layer.
 
     Args:
         input_dim / input_shape: as :class:`DeepSetEncoder`; a 3-d ``input_shape`` ``(C, H, W)`` uses convolutions.
         channels: output channels (images) or widths (vectors) of the DSS layers (default ``(16, 32)``).
-        hidden: width before pooling (200 in the digest).
+        hidden: width before pooling (200, the width of the papers' DeepSet before pooling).
         output_dim: descriptor dimension.
         pool: ``"meanmax"`` (mean on half the units, max on the rest, as the ODPFL-HN DeepSet) or ``"mean"``.
 
@@ -405,9 +408,9 @@ class PMA(nn.Module):
 
 
 class SetTransformerEncoder(_SetLayerBase):
-    """A Set Transformer encoder (digest 10.2 #10): a per-element stem (two 3x3 conv + ReLU + 2x2 max-pool layers of
-    16 and 32 channels for images, nothing for vectors), ``FC -> dim``, ``blocks`` ISABs, PMA with one seed, and
-    ``FC -> output_dim``.
+    """A Set Transformer encoder (docs/papers.md, ODPFL-HN, U7): a per-element stem (two 3x3 conv + ReLU + 2x2
+    max-pool layers of 16 and 32 channels for images, nothing for vectors), ``FC -> dim``, ``blocks`` ISABs, PMA with
+    one seed, and ``FC -> output_dim``.
 
     Not differentially privatisable: softmax attention can let one sample dominate the pooled output.
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.func import functional_call
 
 from privfl.errors import ConfigError
+from privfl.registry import Registry
 
 
 def _flat_size(input_shape: tuple[int, ...]) -> int:
@@ -114,21 +115,20 @@ def _image_shape(input_shape: tuple[int, ...], name: str) -> tuple[int, int, int
     return int(input_shape[0]), int(input_shape[1]), int(input_shape[2])
 
 
-MODELS: dict[str, type[nn.Module]] = {
+MODELS: Registry[type[nn.Module]] = Registry("model", {
     "mlp2nn": MLP2NN,
     "lenet": LeNet,
     "fedtta_cnn": FedTTACNN,
     "feature_mlp": FeatureMLP,
-}
+})
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Build the target network ``name`` for inputs of ``input_shape`` and ``num_classes`` classes."""
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
+    model = MODELS.lookup(name)
     if num_classes < 2:
         raise ConfigError(f"num_classes must be >= 2, got {num_classes}")
-    return MODELS[name](tuple(input_shape), num_classes)
+    return model(tuple(input_shape), num_classes)
 
 
 def functional_forward(model: nn.Module, weights: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,11 @@
 - :mod:`privfl.privacy.privatize`: :func:`privatize` turns a mean-pooled DeepSet into a DP descriptor release.
 - :mod:`privfl.privacy.labelled`: :func:`release_labelled_mean`, the same release for embeddings of labelled records
   (PeFLL's descriptor).
+- :mod:`privfl.privacy.gradient_mean`: :func:`release_gradient_mean`, the gradient of a mean over a client's records
+  (per-record gradients clipped, averaged, noised; PeFLL's embedding gradient, IT-PFL-HN's encoder step).
 - :mod:`privfl.privacy.dp_gmm`: the DP-GMM release of DP-FedPFT; :mod:`privfl.privacy.dp_sgd`: DP-SGD through Opacus;
-  :mod:`privfl.privacy.client_dp`: client-level clip-and-noise of whole model updates.
+  :mod:`privfl.privacy.client_dp`: the joint clip of a client's whole release (client-level DP, whose modes are
+  :mod:`privfl.privacy.training`'s).
 """
 
 from privfl.privacy.mechanisms import GaussianMechanism
@@ -23,3 +26,7 @@ __all__ += ["DPGaussianRelease", "release_class_gaussians", "sample_features"]
 from privfl.privacy.labelled import certify_labelled_mean, release_labelled_mean  # noqa: E402
 
 __all__ += ["certify_labelled_mean", "release_labelled_mean"]
+
+from privfl.privacy.gradient_mean import certify_gradient_mean, release_gradient_mean  # noqa: E402
+
+__all__ += ["certify_gradient_mean", "release_gradient_mean"]

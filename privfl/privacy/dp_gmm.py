@@ -2,11 +2,11 @@
 
 The client releases, for every class c, a mean, a covariance (``"full"``, ``"diag"`` or ``"spherical"``) and a count;
 the server draws synthetic features from the released Gaussians (:func:`sample_features`) and trains a head on them.
-This module fixes the errors of the paper's DP theorem (digest ``papers/fedpft.md`` 3.6): the sensitivity is written
-from the per-class count n_c (never the client total n), noise is calibrated with the analytic Gaussian mechanism
-(never the classic ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``), delta is a public input (never
-``1/n``), counts are either privatised or declared public, a label change is accounted as touching two classes, and EM
-mixtures (K > 1) are refused.
+This module fixes the errors of the paper's DP theorem (Beitollahi et al., Theorem 4.1 and App. B; docs/papers.md,
+FedPFT, E1-E9): the sensitivity is written from the per-class count n_c (never the client total n), noise is calibrated
+with the analytic Gaussian mechanism (never the classic ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``),
+delta is a public input (never ``1/n``), counts are either privatised or declared public, a label change is accounted as
+touching two classes, and EM mixtures (K > 1) are refused.
 
 The privacy argument
 ====================
@@ -82,14 +82,15 @@ classes is released, empty or not (releasing only the present ones would reveal 
 for an empty class the server sees pure noise and a noisy count near 0, and :func:`sample_features` draws
 ``max(0, round(n~_c))`` samples from it.
 
-**Order of operations** (design invariant 4): validate (NaN/inf features, labels, config: :class:`ConfigError`,
-nothing recorded) -> clipped sums (nothing leaves) -> record the composed event in the ledger, purpose ``"dp_gmm"``
-(a :class:`~accounting.BudgetExceededError` here releases nothing) -> add noise -> post-process.
+**Order of operations** (invariant 4 of ``docs/invariants.md``): validate (NaN/inf features, labels, config:
+:class:`ConfigError`, nothing recorded) -> clipped sums (nothing leaves) -> record the composed event in the ledger,
+purpose ``"dp_gmm"`` (a :class:`~accounting.BudgetExceededError` here releases nothing) -> add noise -> post-process.
 
 Memory: ``"full"`` forms ``S2_c = V_c^T V_c`` class by class (``[C, d, d]``), never the ``[n, d, d]`` outer products.
 
 Units: epsilon natural-log, delta a probability, bound and sensitivities L2 (Frobenius for matrices) in feature units.
-Floating-point noise is open to Mironov (2012)-style attacks; use ``noise="secure"`` outside research runs.
+Use ``noise="secure"`` outside research runs; floating-point noise is open to Mironov (2012)-style attacks, which
+``noise="hardened"`` makes far costlier (:func:`privfl.privacy.mechanisms.standard_normal`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ import numpy as np
 import torch
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
+from accounting.validation import is_finite
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
@@ -262,7 +264,7 @@ def calibrate_blocks(*, epsilon: float, delta: float, sensitivities: Mapping[str
     if not sensitivities:
         raise ConfigError("calibrate_blocks needs at least one block")
     for name, value in sensitivities.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        if not is_finite(value) or value <= 0:
             raise ConfigError(f"sensitivity of block {name!r} must be a finite number > 0, got {value!r}")
     mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=math.sqrt(len(sensitivities)),
                                   relation=relation, noise=noise, generator=generator)
@@ -409,8 +411,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     ([0, 1], torch.Size([3, 3]))
     """
     # 1. Validate everything; nothing is recorded on failure.
-    if isinstance(components, bool) or not isinstance(components, numbers.Integral) or components < 1:
-        raise ConfigError(f"components must be an int >= 1, got {components!r}")
+    components = _check_positive_int("components", components)
     if components != 1:
         raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
                           "private (EM iterations, k-means initialisation and component assignment all use the data; "
@@ -423,7 +424,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     bound = float(bound)
     x, y = check_data(features, labels, num_classes)
     floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
-    if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor) or floor <= 0:
+    if not is_finite(floor) or floor <= 0:
         raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
@@ -487,7 +488,10 @@ def sample_features(release: DPGaussianRelease, num_per_class: int | Sequence[in
     num_classes = len(release.classes)
     if num_per_class is None:
         wanted = [max(0, int(round(float(c.count)))) for c in release.classes]
-    elif isinstance(num_per_class, numbers.Integral) and not isinstance(num_per_class, bool):
+    elif isinstance(num_per_class, bool):
+        raise ConfigError(f"num_per_class must be an int, a sequence or mapping of ints per class, or None, got "
+                          f"{num_per_class!r}")
+    elif isinstance(num_per_class, (int, numbers.Integral)):   # int too: typeshed does not make int an Integral
         wanted = [int(num_per_class)] * num_classes
     elif isinstance(num_per_class, Mapping):
         wanted = [int(num_per_class.get(c, 0)) for c in range(num_classes)]
@@ -589,7 +593,7 @@ def _class_sums(v: torch.Tensor, y: torch.Tensor, num_classes: int,
 def _covariance_from_moments(second: torch.Tensor, mean: torch.Tensor, covariance: str, d: int,
                              floor: float) -> torch.Tensor:
     if covariance == "full":
-        cov = second - torch.outer(mean, mean)
+        cov: torch.Tensor = second - torch.outer(mean, mean)   # declared: torch.linalg.eigh's results are untyped
         cov = (cov + cov.T) / 2
         eigenvalues, eigenvectors = torch.linalg.eigh(cov)
         cov = (eigenvectors * eigenvalues.clamp_min(floor)) @ eigenvectors.T

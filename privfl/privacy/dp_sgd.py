@@ -1,4 +1,4 @@
-"""DP-SGD for training clients (Abadi et al. 2016) through Opacus, with an accountant that lives as long as the client.
+"""DP-SGD for training clients (Abadi et al. 2016), with an accountant that lives as long as the client.
 
 A client that trains with DP-SGD releases a model update computed from ``steps`` steps of: Poisson-sample each record
 with probability q = min(1, batch_size / n), clip every per-sample gradient to L2 norm ``max_grad_norm`` (C), sum,
@@ -10,12 +10,19 @@ size q * n. For q = 1 (a client with no more records than ``batch_size``) the ex
 which add-or-remove-one keeps private: dividing by it scales the released noise by 1/n, so the update's norm tells n
 from n + 1 whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
 
-Invariant 5 of DESIGN.md: the privacy of a client composes over **all** its rounds. Flower's Opacus example builds a
-new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps the
+Every method's local training can run through :meth:`DPSGDTrainer.train`: its loss is any per-record loss
+(``per_sample_loss``), a data-independent term (FedProx's proximal term, SCAFFOLD's control-variate correction) is
+added outside the clipped and noised sum (``extra_loss``), and the step may use weight decay and momentum and train a
+subset of the parameters. The clipped per-sample sum comes from :mod:`privfl.privacy.per_sample` (a fast path for
+linear and conv layers that needs no second backward pass, and generic ``torch.func`` and per-record paths, chosen
+automatically) or, as a reference, from Opacus.
+
+Invariant 5 of ``docs/invariants.md``: the privacy of a client composes over **all** its rounds. Flower's Opacus
+example builds a new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps the
 cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and is
-checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round Opacus objects
-(``GradSampleModule`` / ``DPOptimizer``) are built around the model each round and removed afterwards, because the
-model's weights are reloaded from the server every round; no Opacus accountant is created per round.
+checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round gradient machinery is built
+around the model each round and removed afterwards, because the model's weights are reloaded from the server every
+round; no accountant is created per round.
 
 Units: epsilon is natural-log, delta a probability, ``max_grad_norm`` an L2 norm, ``noise_multiplier`` is
 sigma / max_grad_norm (dimensionless).
@@ -25,10 +32,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import secrets
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -36,14 +43,37 @@ from torch import nn
 
 import accounting
 from accounting import ComposedEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting.validation import is_int_at_least
 from privfl.errors import ConfigError
-from privfl.privacy.mechanisms import NOISE_SOURCES
+from privfl.privacy.mechanisms import NOISE_SOURCES, os_seeded_generator, standard_normal
+from privfl.privacy.per_sample import (
+    PATHS,
+    ClippedGradientSum,
+    PerSampleLoss,
+    _check_losses,
+    cross_entropy_losses,
+    flat_views,
+    trained_parameters,
+)
 
-#: grad_sample_mode values this module accepts. "ghost" (fast gradient clipping, Li et al. 2022 / Bu et al. 2023)
-#: never materialises per-sample gradients of linear layers and is about 9x faster than "hooks" on the MNIST 2NN.
-GRAD_SAMPLE_MODES: tuple[str, ...] = ("ghost", "hooks", "functorch")
+#: ``(params by name) -> scalar``: a loss term whose gradient does not depend on the client's data.
+ExtraLoss = Callable[[dict[str, nn.Parameter]], torch.Tensor]
+#: ``(x_batch, y_batch, max_grad_norm, views) -> per-sample losses``: adds sum_i clip(g_i) to the views.
+ClippedSum = Callable[[torch.Tensor, torch.Tensor, float, dict[int, torch.Tensor]], torch.Tensor]
+
+#: Opacus' per-sample machinery, kept as the reference: "ghost" (fast gradient clipping, Li et al. 2022 / Bu et al.
+#: 2023, two backward passes), "hooks", "functorch".
+OPACUS_MODES: tuple[str, ...] = ("ghost", "hooks", "functorch")
+#: grad_sample_mode values this module accepts: "auto" (the default: the fastest path of
+#: :mod:`privfl.privacy.per_sample` that handles the model and loss), one of its paths by name, or an Opacus mode.
+GRAD_SAMPLE_MODES: tuple[str, ...] = ("auto", *PATHS, *OPACUS_MODES)
 #: Accountants that price DP-SGD here (see :mod:`accounting.accountants`).
-DP_SGD_ACCOUNTANTS: tuple[str, ...] = ("pld", "prv")
+DPSGDAccountant = Literal["pld", "prv"]
+DP_SGD_ACCOUNTANTS: tuple[str, ...] = get_args(DPSGDAccountant)
+
+
+class GenericPathWarning(UserWarning):
+    """DP-SGD fell back from the fast per-sample path to a generic one (same privacy, slower); the text says why."""
 
 
 def _config_error(name: str, value: object, valid: str) -> ConfigError:
@@ -70,26 +100,33 @@ class DPSGDConfig:
     Args:
         delta: delta of the guarantee, in (0, 1); use well below 1 / n.
         max_grad_norm: C, the L2 norm every per-sample gradient is clipped to (> 0).
-        grad_sample_mode: how Opacus gets per-sample gradient norms: "ghost" (default, fastest), "hooks",
-            "functorch".
+        grad_sample_mode: how the clipped sum of per-sample gradients is computed. "auto" (default): the "fast"
+            path of :mod:`privfl.privacy.per_sample` where it handles the model and loss, else "vmap", else "loop"
+            (the trainer reports which ran, :attr:`DPSGDTrainer.gradient_path`). "fast", "vmap", "loop": that path
+            only (an error if it cannot handle the model). "ghost", "hooks", "functorch": Opacus' machinery, the
+            reference. Every mode clips the same per-sample gradients to the same C and draws the same noise, so the
+            privacy guarantee does not depend on the mode; only the speed does.
         total_steps: the client's planned local steps over the run (see above).
         accountant: "pld" (dp-accounting, tight) or "prv" (Opacus' default); used for calibration and
             :meth:`DPSGDTrainer.epsilon`.
         noise: "secure" (default): batch sampling and gradient noise from generators seeded by the OS CSPRNG, so
-            no one who knows the run seed can tell which records were sampled or subtract the noise; "seeded":
-            both from the client's keyed generator (same seed, same numbers), for research runs only.
+            no one who knows the run seed can tell which records were sampled or subtract the noise; "hardened":
+            as "secure", and the gradient noise drawn as Opacus' ``secure_mode`` draws it against floating-point
+            attacks (each coordinate the sum of four draws halved, :func:`privfl.privacy.mechanisms.standard_normal`;
+            same distribution, so the same accounting; in every ``grad_sample_mode``); "seeded": both from the
+            client's keyed generator (same seed, same numbers), for research runs only.
 
     >>> DPSGDConfig(noise_multiplier=1.1).grad_sample_mode
-    'ghost'
+    'auto'
     """
 
     noise_multiplier: float | None = None
     target_epsilon: float | None = None
     delta: float = 1e-5
     max_grad_norm: float = 1.0
-    grad_sample_mode: str = "ghost"
+    grad_sample_mode: str = "auto"
     total_steps: int | None = None
-    accountant: str = "pld"
+    accountant: DPSGDAccountant = "pld"
     noise: str = "secure"
 
     def __post_init__(self) -> None:
@@ -108,10 +145,7 @@ class DPSGDConfig:
             raise _config_error("max_grad_norm", self.max_grad_norm, "a finite number > 0")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise _config_error("grad_sample_mode", self.grad_sample_mode, f"one of {', '.join(GRAD_SAMPLE_MODES)}")
-        if self.total_steps is not None and (
-            not isinstance(self.total_steps, numbers.Integral) or isinstance(self.total_steps, bool)
-            or self.total_steps < 1
-        ):
+        if self.total_steps is not None and not is_int_at_least(self.total_steps, 1):
             raise _config_error("total_steps", self.total_steps, "an integer >= 1 or None")
         if self.target_epsilon is not None and self.total_steps is None:
             raise ConfigError(
@@ -166,6 +200,10 @@ class DPSGDTrainer:
         self._history: list[tuple[float, float, int]] = []
         # Calibrated noise multiplier and the sampling rate it was calibrated for (target-epsilon mode only).
         self._calibrated: tuple[float, float] | None = None
+        #: The per-sample gradient path of the last round ("fast", "vmap", "loop" or an Opacus mode), None before.
+        self.gradient_path: str | None = None
+        #: Why the last round's path was not "fast" (with grad_sample_mode="auto"), else None.
+        self.gradient_path_reason: str | None = None
 
     # --- privacy bookkeeping -------------------------------------------------------------------------------------
 
@@ -185,7 +223,7 @@ class DPSGDTrainer:
             SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps) for sigma, q, steps in self._history
         ))
 
-    def epsilon(self, delta: float | None = None, *, accountant: str | None = None) -> float:
+    def epsilon(self, delta: float | None = None, *, accountant: DPSGDAccountant | None = None) -> float:
         """Epsilon (natural log) spent so far at ``delta`` (default: the config's) over all rounds; 0.0 before any.
 
         ``accountant`` is "pld" or "prv" (default: the config's); it never decreases as rounds are added.
@@ -212,6 +250,11 @@ class DPSGDTrainer:
         if config.noise_multiplier is not None:
             return float(config.noise_multiplier)
         if self._calibrated is None:
+            if config.target_epsilon is None or config.total_steps is None:   # refused by DPSGDConfig already
+                raise ConfigError(
+                    "calibrating the noise multiplier needs DPSGDConfig.target_epsilon and total_steps, got "
+                    f"target_epsilon={config.target_epsilon!r}, total_steps={config.total_steps!r}"
+                )
             sigma = accounting.noise_multiplier_for_epsilon(
                 config.target_epsilon, config.delta, sampling_probability=q, steps=config.total_steps,
                 accountant=config.accountant,
@@ -238,31 +281,75 @@ class DPSGDTrainer:
         steps: int,
         batch_size: int,
         rng: np.random.Generator,
+        per_sample_loss: PerSampleLoss | None = None,
+        extra_loss: ExtraLoss | None = None,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        params: Iterable[str | nn.Parameter] | None = None,
     ) -> tuple[float, SelfComposedEvent]:
-        """Run ``steps`` DP-SGD steps of cross-entropy on ``(x, y)`` in place on ``model``; record them.
+        """Run ``steps`` DP-SGD steps on ``(x, y)`` in place on ``model``; record them.
+
+        Each step: Poisson-sample the records (probability q = min(1, batch_size / n)), clip each sampled record's
+        gradient of ``per_sample_loss`` (over all trained parameters jointly) to ``max_grad_norm``, sum, add
+        N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by ``batch_size``, add the gradient of
+        ``extra_loss`` and take an SGD step with ``weight_decay`` and ``momentum``.
+
+        Privacy assumption: the loss of record i depends only on record i (and on the parameters, and on randomness
+        independent of the data): no batch statistics, no normalisation over the batch. One record then moves the
+        clipped sum by at most ``max_grad_norm``, the sensitivity the noise and the recorded event are for. Models
+        whose layers break it in the common way (BatchNorm) are refused; a loss that mixes records cannot be
+        detected cheaply and is the caller's responsibility.
 
         Args:
-            model: the client's model, weights already loaded for this round; left without Opacus hooks.
-            x, y: the client's training records (n = len(y)) and integer labels.
-            lr: SGD learning rate.
+            model: the client's model, weights already loaded for this round; put in train mode; returned without
+                any hooks.
+            x, y: the client's training records (n = len(y)) and their targets (integer labels for the default
+                loss).
+            lr: SGD learning rate (>= 0).
             steps: DP-SGD steps this round (>= 1).
             batch_size: each record is sampled with probability q = min(1, batch_size / n), and the noisy sum of
                 clipped gradients is divided by ``batch_size`` (the expected batch size when q < 1).
             rng: the client's keyed generator; with ``noise="seeded"`` sampling and noise are drawn from it (same
-                seed, same numbers); with ``"secure"`` from the OS CSPRNG.
+                seed, same numbers); with ``"secure"`` or ``"hardened"`` from generators seeded by the OS CSPRNG.
+            per_sample_loss: ``(model, x_batch, y_batch) -> losses`` of shape (B,), one per record (default:
+                cross-entropy of ``model(x_batch)``, nats). It may call any method of ``model`` and draw random
+                numbers (FedSR's sampled representation).
+            extra_loss: ``(trained params by name) -> scalar``, a term whose gradient does not depend on the
+                client's data: FedProx's ``mu/2 ||w - w_global||^2``, SCAFFOLD's ``<c - c_i, w>``. Its gradient
+                is added after the division by ``batch_size``, unclipped and un-noised. That costs no privacy
+                because it is post-processing: the step's new iterate is a function of the previous iterate
+                (itself private), the noisy sum and this gradient, which depends only on the current iterate and on
+                values the client had before the round (sent by the server, or derived from its own earlier
+                private releases). A term that reads the client's records must go into ``per_sample_loss``
+                instead; this is not checked.
+            weight_decay: SGD's L2 coefficient (>= 0), applied by the optimizer to the iterate.
+            momentum: SGD's heavy-ball coefficient in [0, 1), a running sum of past noisy gradients.
+            params: the parameters to train, as names or the model's own parameters (default: every parameter with
+                ``requires_grad``); the others are frozen (not clipped, not noised, not changed).
 
         Returns:
-            ``(mean_loss, event)``: the mean batch loss over the non-empty batches (nan if all were empty) and
-            ``SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, q), steps)`` for this round.
+            ``(mean_loss, event)``: the mean per-sample loss over the non-empty batches (nan if all were empty) and
+            ``SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, q), steps)`` for this round. Which gradient
+            path ran is in :attr:`gradient_path` (and why not "fast", in :attr:`gradient_path_reason`).
 
         Raises:
-            ConfigError: the model has layers DP-SGD cannot train, the grad_sample_mode fails on this model, or the
-                round would go beyond ``config.total_steps``.
+            ConfigError: a bad argument (named), the model has layers DP-SGD cannot train, the chosen
+                grad_sample_mode cannot handle the model, or the round would go beyond ``config.total_steps``.
         """
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        if not is_int_at_least(steps, 1):
             raise ConfigError(f"steps must be an integer >= 1, got {steps!r}")
+        for name, value, low, high in (("lr", lr, 0.0, math.inf), ("weight_decay", weight_decay, 0.0, math.inf),
+                                       ("momentum", momentum, 0.0, 1.0)):
+            if not (_is_real(value) and math.isfinite(value) and low <= value and (value < high)):
+                valid = "a number in [0, 1)" if name == "momentum" else "a finite number >= 0"
+                raise ConfigError(f"{name} must be {valid}, got {value!r}")
+        for name, function in (("per_sample_loss", per_sample_loss), ("extra_loss", extra_loss)):
+            if function is not None and not callable(function):
+                raise ConfigError(f"{name} must be a callable or None, got {function!r:.80}")
         n = len(y)
         q = sampling_probability(n, batch_size)
+        if len(x) != n:
+            raise ConfigError(f"x and y must hold the same records, got {len(x)} inputs and {n} targets")
         planned = self.config.total_steps
         if planned is not None and self.total_steps + steps > planned:
             raise ConfigError(
@@ -272,16 +359,57 @@ class DPSGDTrainer:
             )
         sigma = self.noise_multiplier_for(n, batch_size)
         check_dp_compatible(model)
+        trained = trained_parameters(model, params)
+        loss = cross_entropy_losses if per_sample_loss is None else per_sample_loss
+        mode = self.config.grad_sample_mode
 
-        losses = _dp_sgd_steps(
-            model, x, y, lr=lr, steps=steps, q=q, batch_size=batch_size, noise_multiplier=sigma,
-            max_grad_norm=self.config.max_grad_norm, grad_sample_mode=self.config.grad_sample_mode, rng=rng,
-            noise=self.config.noise,
-        )
-        self._record(sigma, q, steps)
+        trained_ids = {id(p) for p in trained.values()}
+        frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in trained_ids]
+        untrained = [p for p in trained.values() if not p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        for p in untrained:
+            p.requires_grad_(True)
+        model.train()
+        opacus = None
+        clipped_sum: _OpacusClippedSum | ClippedGradientSum
+        done = [0]   # steps taken so far, counted by _dp_sgd_steps
+        try:
+            if mode in OPACUS_MODES:
+                clipped_sum = opacus = _OpacusClippedSum(model, trained, loss, mode, self.config.max_grad_norm)
+            else:
+                clipped_sum = ClippedGradientSum(model, trained, loss, path=mode)
+            losses = _dp_sgd_steps(
+                model, x, y, params=trained, clipped_sum=clipped_sum, lr=lr, steps=steps, q=q,
+                batch_size=batch_size, noise_multiplier=sigma, max_grad_norm=self.config.max_grad_norm, rng=rng,
+                noise=self.config.noise, extra_loss=extra_loss, weight_decay=weight_decay, momentum=momentum,
+                done=done,
+            )
+        finally:
+            # Every step that changed the model is accounted, also when a later step failed: the model holds it.
+            if done[0] > 0:
+                self._record(sigma, q, done[0])
+            for p in trained.values():
+                p.grad = None
+            if opacus is not None:
+                opacus.close()
+            for p in frozen:
+                p.requires_grad_(True)
+            for p in untrained:
+                p.requires_grad_(False)
+        if isinstance(clipped_sum, ClippedGradientSum):
+            self._report_path(clipped_sum.path, clipped_sum.reason)
+        else:
+            self._report_path(mode, None)
         event = SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps)
         mean_loss = float(np.mean(losses)) if losses else math.nan
         return mean_loss, event
+
+    def _report_path(self, path: str, reason: str | None) -> None:
+        self.gradient_path, self.gradient_path_reason = path, reason
+        if reason is not None:
+            warnings.warn(f"DP-SGD took the {path!r} per-sample gradient path, slower than 'fast' but with the same "
+                          f"clipping and noise: {reason}", GenericPathWarning, stacklevel=3)
 
     def _record(self, sigma: float, q: float, steps: int) -> None:
         if self._history and self._history[-1][:2] == (sigma, q):
@@ -307,92 +435,147 @@ class DPSGDTrainer:
 
 def sampling_probability(num_samples: int, batch_size: int) -> float:
     """q = min(1, batch_size / num_samples), validated."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
+    if not is_int_at_least(num_samples, 1):
         raise ConfigError(f"DP-SGD needs at least one training sample, got n={num_samples!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+    if not is_int_at_least(batch_size, 1):
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     return min(1.0, batch_size / num_samples)
 
 
+def _gaussian_noise(out: torch.Tensor, std: float, generator: torch.Generator, *, hardened: bool) -> torch.Tensor:
+    """Fill ``out`` with independent N(0, std^2) draws from ``generator``; return it.
+
+    Every noise number of DP-SGD is drawn here: one draw per step for the flat vector of all trained parameters.
+    ``hardened``: each coordinate drawn as Opacus' ``secure_mode`` draws it
+    (:func:`privfl.privacy.mechanisms.standard_normal`), the same distribution.
+    """
+    if hardened:
+        return out.copy_(standard_normal(out.shape, generator=generator, hardened=True, dtype=out.dtype)).mul_(std)
+    return out.normal_(0.0, std, generator=generator)
+
+
 def _dp_sgd_steps(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, lr: float, steps: int, q: float, batch_size: int,
-    noise_multiplier: float, max_grad_norm: float, grad_sample_mode: str, rng: np.random.Generator,
-    noise: str = "secure",
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: dict[str, nn.Parameter], clipped_sum: ClippedSum,
+    lr: float, steps: int, q: float, batch_size: int, noise_multiplier: float, max_grad_norm: float,
+    rng: np.random.Generator, noise: str = "secure", extra_loss: ExtraLoss | None = None, weight_decay: float = 0.0,
+    momentum: float = 0.0, done: list[int] | None = None,
 ) -> list[float]:
-    """The DP-SGD loop with Opacus' per-sample machinery; returns the losses of the non-empty batches.
+    """The DP-SGD loop; returns the mean loss of each non-empty batch (``done[0]`` counts the steps taken).
 
     Steps (Abadi et al. 2016, Algorithm 1, with Poisson sampling as analysed by the accountants):
     1. sample each record independently with probability q;
-    2. per-sample gradients clipped to ``max_grad_norm`` and summed (Opacus: hooks / functorch / ghost clipping);
-    3. add N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by ``batch_size`` (public; see the
-       module docstring);
-    4. SGD step. An empty batch still takes steps 3 and 4 (pure noise), as the analysis assumes.
+    2. draw N(0, (noise_multiplier * max_grad_norm)^2) for every coordinate of the flat trained-parameter vector and
+       add the sum of the per-sample gradients, each clipped to ``max_grad_norm`` (``clipped_sum``);
+    3. divide by ``batch_size`` (public; see the module docstring);
+    4. add the gradient of ``extra_loss(params)`` (data-independent: post-processing, outside the clipped and
+       noised sum);
+    5. SGD step (``weight_decay`` and ``momentum`` act on the iterate and on past noisy gradients only).
+    An empty batch still takes steps 2 to 5 (noise only), as the analysis assumes.
     """
-    from opacus.grad_sample.utils import prepare_module
-    from opacus.optimizers import get_optimizer_class
-    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-
     n = len(y)
     sampling_seed, noise_seed = int(rng.integers(2**62)), int(rng.integers(2**62))   # drawn either way: same stream
-    if noise == "secure":
-        sampling_seed, noise_seed = secrets.randbits(63), secrets.randbits(63)
-    sampling_gen = torch.Generator().manual_seed(sampling_seed)
-    noise_gen = torch.Generator().manual_seed(noise_seed)
-    ghost = grad_sample_mode == "ghost"
-    params = [p for p in model.parameters() if p.requires_grad]
-    base_optimizer = torch.optim.SGD(params, lr=lr)
-    try:
-        with warnings.catch_warnings():
-            # Opacus warns that secure_mode is off (it needs torchcsprng); our generators are seeded as `noise` says.
-            warnings.simplefilter("ignore", UserWarning)
-            kwargs = {"max_grad_norm": max_grad_norm} if ghost else {}
-            gsm = prepare_module(model, grad_sample_mode, True, batch_first=True, loss_reduction="mean", **kwargs)
-            optimizer = get_optimizer_class("flat", False, grad_sample_mode)(
-                base_optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                expected_batch_size=batch_size, loss_reduction="mean", generator=noise_gen,
-            )
-    except Exception as exc:  # noqa: BLE001 - any Opacus failure here means this mode cannot wrap this model
-        raise _mode_error(grad_sample_mode, model, exc) from exc
-    criterion = nn.CrossEntropyLoss()
-    dp_loss = DPLossFastGradientClipping(gsm, optimizer, criterion, "mean") if ghost else None
+    if noise == "seeded":
+        sampling_gen = torch.Generator().manual_seed(sampling_seed)
+        noise_gen = torch.Generator().manual_seed(noise_seed)
+    else:
+        sampling_gen, noise_gen = os_seeded_generator(), os_seeded_generator()
+    hardened = noise == "hardened"
+    tensors = list(params.values())
+    first = tensors[0]
+    flat = torch.empty(sum(p.numel() for p in tensors), dtype=first.dtype, device=first.device)
+    views = flat_views(params, flat)
+    optimizer = torch.optim.SGD(tensors, lr=lr, weight_decay=weight_decay, momentum=momentum)
+    std = noise_multiplier * max_grad_norm
     losses: list[float] = []
-    try:
-        with warnings.catch_warnings():
-            # Opacus' backward hooks fire on the first layer although the input needs no gradient; that is expected.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            model.train()
-            for _ in range(steps):
-                # 1. Poisson sampling.
-                index = torch.nonzero(torch.rand(n, generator=sampling_gen) < q).flatten()
-                if index.numel() == 0:
-                    _noise_only_step(params, base_optimizer, noise_multiplier * max_grad_norm, batch_size, noise_gen)
-                    continue
-                optimizer.zero_grad(set_to_none=True)
-                # 2. clipped per-sample gradients, summed.
-                try:
-                    output = gsm(x[index])
-                    loss = dp_loss(output, y[index]) if ghost else criterion(output, y[index])
-                    loss.backward()
-                except Exception as exc:  # noqa: BLE001
-                    if losses:  # it worked before on this model: a real error, not an unsupported mode
-                        raise
-                    raise _mode_error(grad_sample_mode, model, exc) from exc
-                losses.append(loss.item())
-                # 3.-4. noise, scaling by batch_size, SGD step.
-                optimizer.step()
-    finally:
-        optimizer.zero_grad(set_to_none=True)
-        gsm._close()  # remove Opacus' hooks and per-sample attributes: the caller gets a plain module back
+    for _ in range(steps):
+        # 1. Poisson sampling.
+        index = torch.nonzero(torch.rand(n, generator=sampling_gen) < q).flatten()
+        # 2. noise, plus the clipped per-sample gradients of the sampled records.
+        _gaussian_noise(flat, std, noise_gen, hardened=hardened)
+        if index.numel() > 0:
+            losses.append(clipped_sum(x[index], y[index], max_grad_norm, views).mean().item())
+        # 3. the public divisor.
+        flat.div_(batch_size)
+        # 4. the data-independent term, unclipped and un-noised.
+        if extra_loss is not None:
+            extra = extra_loss(params)
+            for p, g in zip(tensors, torch.autograd.grad(extra, tensors, allow_unused=True), strict=True):
+                if g is not None:
+                    views[id(p)].add_(g)
+        # 5. the SGD step.
+        for p in tensors:
+            p.grad = views[id(p)]
+        optimizer.step()
+        if done is not None:
+            done[0] += 1
+    for p in tensors:
+        p.grad = None
     return losses
 
 
-def _noise_only_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, std: float,
-                     batch_size: int, generator: torch.Generator) -> None:
-    """A step on an empty Poisson batch: the clipped sum is 0, the update is noise / batch_size."""
-    for p in params:
-        p.grad = torch.normal(0.0, std, p.shape, generator=generator, dtype=p.dtype) / batch_size
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+class _OpacusClippedSum:
+    """The clipped sum from Opacus' per-sample machinery (``grad_sample_mode`` "ghost", "hooks" or "functorch").
+
+    Opacus' optimizer is used only to clip and sum (``clip_and_accumulate``); noise, scaling and the step are
+    :func:`_dp_sgd_steps`'s, so every mode draws noise the same way. Kept as the reference the tests compare the
+    own paths against.
+    """
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], loss: PerSampleLoss, mode: str,
+                 max_grad_norm: float) -> None:
+        from opacus.grad_sample.utils import prepare_module
+        from opacus.optimizers import get_optimizer_class
+
+        self.model, self.params, self.loss, self.mode = model, params, loss, mode
+        self.ghost = mode == "ghost"
+        try:
+            with warnings.catch_warnings():
+                # Opacus warns that secure_mode is off (it needs torchcsprng); its optimizer draws no noise here.
+                warnings.simplefilter("ignore", UserWarning)
+                kwargs = {"max_grad_norm": max_grad_norm} if self.ghost else {}
+                self.gsm = prepare_module(model, mode, True, batch_first=True, loss_reduction="mean", **kwargs)
+                self.optimizer = get_optimizer_class("flat", False, mode)(
+                    torch.optim.SGD(list(params.values()), lr=0.0), noise_multiplier=0.0,
+                    max_grad_norm=max_grad_norm, expected_batch_size=1, loss_reduction="mean",
+                )
+        except Exception as exc:  # noqa: BLE001 - any Opacus failure here means this mode cannot wrap this model
+            raise _mode_error(mode, model, exc) from exc
+        self.worked = False
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float,
+                 views: dict[int, torch.Tensor]) -> torch.Tensor:
+        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            with warnings.catch_warnings():
+                # Opacus' backward hooks fire on the first layer although the input needs no gradient; expected.
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                losses = self.loss(self.model, x, y)
+                _check_losses(losses, len(x))
+                if self.ghost:
+                    DPTensorFastGradientClipping(self.gsm, self.optimizer, losses, "mean").backward()
+                    sums = [p.grad for p in self.params.values()]
+                else:
+                    losses.mean().backward()  # type: ignore[no-untyped-call]  # Tensor.backward is not annotated
+                    self.optimizer.clip_and_accumulate()
+                    sums = [p.summed_grad for p in self.params.values()]  # type: ignore[attr-defined]  # Opacus sets it
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if self.worked:  # it worked before on this model: a real error, not an unsupported mode
+                raise
+            raise _mode_error(self.mode, self.model, exc) from exc
+        self.worked = True
+        for p, summed in zip(self.params.values(), sums, strict=True):
+            if summed is not None:
+                views[id(p)].add_(summed.view_as(p))
+        return losses.detach()
+
+    def close(self) -> None:
+        """Remove Opacus' hooks and per-sample attributes: the caller gets a plain module back."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.gsm._close()
 
 
 def _mode_error(mode: str, model: nn.Module, exc: BaseException) -> ConfigError:

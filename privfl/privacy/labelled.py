@@ -1,7 +1,7 @@
 """A DP release of the mean of clipped per-example embeddings of **labelled** records (PeFLL's descriptor).
 
 PeFLL's client descriptor is ``v = (1/n) sum_j phi(x_j, y_j)`` with the label an input of the embedding network
-(digest ``papers/pefll.md`` sections 1 and 10.3), unlike ODPFL-HN's label-free ``phi(x_j)`` that
+(Scott, Zakerinia and Lampert, ICLR 2024; docs/papers.md, PeFLL, E4), unlike ODPFL-HN's label-free ``phi(x_j)`` that
 :func:`~privfl.privacy.privatize.privatize` covers. The privacy argument, for a record ``r_j = (x_j, y_j)``:
 
 1. **Unit of privacy.** A record is the pair ``(x, y)``: image **and** label. Neighbouring client datasets ``S`` and
@@ -22,10 +22,19 @@ PeFLL's client descriptor is ``v = (1/n) sum_j phi(x_j, y_j)`` with the label an
    analytic Gaussian mechanism for (epsilon, delta, 2B/n): one (epsilon, delta)-DP release under replace-one of a
    labelled record. Anything computed from the noisy descriptor (the hypernetwork's model) is post-processing.
 
+**Add/remove-one, n private** (``relation="add_or_remove_one"``, for a training client whose other releases, DP-SGD
+among them, are accounted under add/remove): steps 1-3 hold as they are (adding or removing a labelled pair adds or
+removes exactly one clipped embedding). Step 4 becomes the add/remove argument of
+:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`: neighbours of sizes m and m-1 have means differing by
+``(clip(u_x) - mu_rest)/m``, at most ``2B/m``; n is private, so the noise is calibrated to a **public lower bound**
+``min_samples`` on it, ``2B/min_samples``, and a client with fewer records is refused (the refusal names the bound,
+never n). Step 5 then adds noise for that sensitivity: the analytic sigma for (epsilon, delta), or, with
+``noise_multiplier``, that multiple of it: one release of a schedule whose epsilon the client's ledger composes
+(the caller calibrates the noise multiplier for the whole schedule).
+
 What the argument does **not** cover: the label histogram is what the descriptor is trained to encode (the "linear"
-embedding is an affine map of it, digest 10.3), so with small n and large epsilon it is revealed nearly exactly; the
-add/remove-one relation (n would be private) is not offered here. Units: epsilon natural-log, delta a probability,
-B and the sensitivity L2 in the units of phi's output.
+embedding is an affine map of it, docs/papers.md, PeFLL, E4), so with small n and large epsilon it is revealed nearly
+exactly. Units: epsilon natural-log, delta a probability, B and the sensitivity L2 in the units of phi's output.
 """
 
 from __future__ import annotations
@@ -39,54 +48,92 @@ from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
 
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
-from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped, check_bound, clipped_rows
+from privfl.privacy.sensitivity import (
+    SensitivityCertificate,
+    certify_mean_of_clipped,
+    check_bound,
+    check_relation,
+    clipped_rows,
+)
 
 PURPOSE = "descriptor"
 
 
-def certify_labelled_mean(bound: float, n: int, *, delta: float | None = None) -> SensitivityCertificate:
-    """The L2 sensitivity ``2B/n`` of the mean of ``n`` clipped embeddings of labelled records (replace-one, n
-    public), with the labelled-record argument (module docstring, steps 1-4) added to the certificate.
+def certify_labelled_mean(bound: float, n: int, *, delta: float | None = None,
+                          relation: NeighboringRelation | str = NeighboringRelation.REPLACE_ONE
+                          ) -> SensitivityCertificate:
+    """The L2 sensitivity of the mean of clipped embeddings of labelled records, with the labelled-record argument
+    (module docstring, steps 1-4) added to the certificate: ``2B/n`` under replace-one with ``n`` the public number
+    of records, or ``2B/n`` under add/remove-one with ``n`` a public lower bound on the private number of records.
 
     >>> certify_labelled_mean(1.0, 32).value
     0.0625
+    >>> certify_labelled_mean(1.0, 8, relation="add_or_remove_one").value
+    0.25
     """
-    certificate = certify_mean_of_clipped(bound, n, NeighboringRelation.REPLACE_ONE, n_public=True, delta=delta)
+    relation = check_relation(relation)
+    replace = relation is NeighboringRelation.REPLACE_ONE
+    certificate = certify_mean_of_clipped(bound, n, relation, n_public=replace, delta=delta)
     labelled = ("; the record is a labelled pair (x, y) and phi reads both, but phi runs on each record alone, so "
-                "replacing one pair (image, label or both) changes exactly one clipped embedding")
+                + ("replacing one pair (image, label or both) changes exactly one clipped embedding" if replace else
+                   "adding or removing one pair adds or removes exactly one clipped embedding"))
     return dataclasses.replace(certificate, argument=certificate.argument + labelled)
 
 
 @torch.no_grad()
-def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, delta: float,
-                          bound: float, num_classes: int, noise: NoiseSource | None = None,
-                          generator: torch.Generator | None = None, ledger: PrivacyLedger | None = None
+def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epsilon: float | None = None,
+                          delta: float | None = None, bound: float, num_classes: int,
+                          noise: NoiseSource | None = None, generator: torch.Generator | None = None,
+                          ledger: PrivacyLedger | None = None, noise_multiplier: float | None = None,
+                          relation: NeighboringRelation | str = NeighboringRelation.REPLACE_ONE,
+                          min_samples: int | None = None
                           ) -> tuple[torch.Tensor, GaussianEvent, SensitivityCertificate]:
-    """One (epsilon, delta)-DP release of ``(1/n) sum_j clip_B(embedding(x_j, y_j))`` under replace-one of a labelled
-    record ``(x_j, y_j)``, n public: ``(noisy descriptor in x's dtype, event, certificate)``.
+    """One DP release of ``(1/n) sum_j clip_B(embedding(x_j, y_j))`` over labelled records ``(x_j, y_j)``:
+    ``(noisy descriptor in x's dtype, event, certificate)``. By default (epsilon, delta)-DP under replace-one of a
+    record, n public; with ``relation="add_or_remove_one"`` and ``min_samples``, under add/remove-one with n private
+    (module docstring); with ``noise_multiplier`` instead of epsilon and delta, noise of that multiple of the
+    certified sensitivity (one release of a schedule its caller calibrated as a whole).
 
     Inside a federation nothing is recorded here: the caller sends the value as a
     :class:`~privfl.federation.messages.Release` carrying ``event``, and the wire records it in the client's ledger
-    before delivery (design invariant 1). Used as a library call, pass ``ledger`` (as for
+    before delivery (invariant 1 of ``docs/invariants.md``). Used as a library call, pass ``ledger`` (as for
     :func:`~privfl.privacy.privatize`): the release is recorded there before any noise is drawn, and one that would
     exceed the ledger's budget raises :class:`accounting.BudgetExceededError` with nothing released.
 
-    Steps (module docstring): 1. validate epsilon, delta, B, x (finite), y (labels in ``0 .. num_classes-1``);
-    2. certify ``2B/n`` from public quantities; 3. per-record embeddings (eval mode, vmap); 4. clip each to B in
-    float64 and average; 5. record in ``ledger`` if given; 6. analytic-Gaussian noise (:class:`GaussianMechanism`).
+    Steps (module docstring): 1. validate epsilon, delta (or the noise multiplier), the relation, B, x (finite), y
+    (labels in ``0 .. num_classes-1``); 2. certify ``2B/n`` (``2B/min_samples`` under add/remove) from public
+    quantities; 3. per-record embeddings (eval mode, vmap); 4. clip each to B in float64 and average; 5. record in
+    ``ledger`` if given; 6. Gaussian noise (:class:`GaussianMechanism`: analytic sigma, or the noise multiplier).
 
     Args:
         embedding: a module with ``forward(x, y) -> [n, d]``, e.g. :class:`privfl.models.pefll.EmbeddingNetwork`.
         x: ``[n, ...]`` inputs; y: ``[n]`` integer labels aligned with x.
-        epsilon: natural-log epsilon of this release (> 0); delta: its delta, in (0, 1).
+        epsilon: natural-log epsilon of this release (> 0); delta: its delta, in (0, 1) (both ``None`` with
+            ``noise_multiplier``).
         bound: per-record L2 clipping radius B (> 0).
+        noise_multiplier: instead of epsilon and delta: sigma = noise_multiplier * sensitivity (> 0).
+        relation: ``"replace_one"`` (n public, the default) or ``"add_or_remove_one"`` (n private; needs
+            ``min_samples``).
+        min_samples: the public lower bound on n that the add/remove-one sensitivity ``2B/min_samples`` is
+            calibrated for (an int >= 2); a client with fewer records is refused without anything released.
         num_classes: C, the public label set is ``0 .. C-1``.
-        noise: ``"secure"`` or ``"seeded"`` (reproducible, research only; needs ``generator``); by default seeded
-            exactly when ``generator`` is given.
+        noise: ``"secure"``, ``"hardened"`` (drawn against floating-point attacks) or ``"seeded"`` (reproducible,
+            research only; needs ``generator``); by default seeded exactly when ``generator`` is given.
         ledger: an :class:`accounting.PrivacyLedger` to record the release in (library use; ``None`` inside a
             federation, where the wire records it).
     """
-    epsilon, delta = check_epsilon_delta(epsilon, delta)
+    if noise_multiplier is None:
+        epsilon, delta = check_epsilon_delta(epsilon, delta)
+    else:   # validated by the mechanism, which refuses epsilon or delta given beside it
+        GaussianMechanism(sensitivity=1.0, noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta)
+    relation = check_relation(relation)
+    if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
+        if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 2:
+            raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
+                              f"lower bound on n: give min_samples as an int >= 2, got min_samples={min_samples!r}")
+    elif min_samples is not None:
+        raise ConfigError(f"min_samples is used only with relation='add_or_remove_one' (under replace_one n is public "
+                          f"and sets the noise), got min_samples={min_samples!r}")
     bound = check_bound(bound)
     noise = check_noise(noise, generator)
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
@@ -108,15 +155,23 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
         raise ConfigError(f"labels must lie in the public label set 0..{num_classes - 1}, got range "
                           f"[{int(y.min())}, {int(y.max())}]; nothing was released")
     n = int(x.shape[0])
-    certificate = certify_labelled_mean(bound, n, delta=delta)
+    if min_samples is not None and n < min_samples:
+        # n stays out of the message: it is private under add/remove-one (that a client is refused is public)
+        raise ConfigError(f"the client has fewer labelled records than the public lower bound min_samples="
+                          f"{min_samples} the add/remove-one guarantee is calibrated for; nothing was released")
+    certificate = certify_labelled_mean(bound, n if min_samples is None else min_samples, delta=delta,
+                                        relation=relation)
     # row j: embedding(x_j, y_j) on record j alone (eval mode), clipped to B
     rows = clipped_rows(embedding, lambda xj, yj: embedding(xj.unsqueeze(0), yj.unsqueeze(0)).reshape(-1),
                         (x, y), bound, name="embedding")
-    mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=certificate.value,
-                                  relation=NeighboringRelation.REPLACE_ONE, noise=noise, generator=generator)
+    mechanism = GaussianMechanism(epsilon=epsilon, delta=delta, sensitivity=certificate.value, relation=relation,
+                                  noise=noise, generator=generator, noise_multiplier=noise_multiplier)
     if ledger is not None:
+        size = {"n": n} if min_samples is None else {"min_samples": min_samples}   # n is private under add/remove
         ledger.record(mechanism.event, purpose=PURPOSE,
-                      metadata={"noise": noise, "n": n, "bound": bound, "relation": "replace one labelled record"})
+                      metadata={"noise": noise, **size, "bound": bound,
+                                "relation": f"{'replace' if min_samples is None else 'add or remove'} one labelled "
+                                            "record"})
     noisy = mechanism.add_noise(rows.mean(dim=0))
     return noisy.to(x.dtype), mechanism.event, certificate
 

@@ -1,6 +1,7 @@
 """``privatize``: turn a trained DeepSet encoder into a module whose output on a client's sample set is a DP release.
 
-The privacy argument (ODPFL-HN Lemma 2 with the corrections of the DP review, digest ``papers/odpfl-hn.md`` 5.3, 5.7):
+The privacy argument (Lemma 2 of Amosy et al., the ODPFL-HN paper, with the corrections of docs/papers.md, ODPFL-HN,
+E2-E8):
 
 1. **Structure.** The encoder must be ``psi(mean_i phi(x_i))``: attributes ``phi``, ``pool`` (exactly a
    :class:`~privfl.models.set_encoders.MeanPool`) and ``psi``, and nothing else. Max pooling, attention pooling and
@@ -26,8 +27,8 @@ The privacy argument (ODPFL-HN Lemma 2 with the corrections of the DP review, di
    added to the mean: one (epsilon, delta)-DP release.
 5. **Post-processing.** ``psi`` sees only the noisy mean, never the data, so ``psi(noisy mean)`` is exactly as private
    as the noisy mean; no Lipschitz constant of psi is needed, and psi (and the hypernetwork after it) may be anything.
-6. **Batch-averaged descriptors** (:meth:`PrivateEncoder.release_batched`, digest 5.7 item 6): the mean over k
-   public, data-independent batches of the per-batch clipped means has sensitivity ``2 bound / (k min_j n_j)``
+6. **Batch-averaged descriptors** (:meth:`PrivateEncoder.release_batched`, docs/papers.md, ODPFL-HN, E7): the mean
+   over k public, data-independent batches of the per-batch clipped means has sensitivity ``2 bound / (k min_j n_j)``
    (replace-one only), which equals ``2 bound / n`` for equal batches and exceeds it otherwise; prefer ``release``.
 7. **Composition.** Every forward call is a new release. With a ledger, each is recorded (purpose ``"descriptor"``)
    **before** the noisy output exists, so a budget refusal releases nothing; repeated queries compose in the ledger.
@@ -38,13 +39,13 @@ Units: epsilon natural-log, delta a probability, bound and sensitivity L2 in the
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
+from accounting.validation import is_int_at_least
 
 from privfl.errors import ConfigError
 from privfl.models.set_encoders import MaxPool, MeanMaxPool, MeanPool
@@ -74,20 +75,23 @@ def _refuse_if_not_mean_deepset(encoder: object) -> None:
         if isinstance(module, nn.MultiheadAttention):
             raise ConfigError(f"{name} is {kind}: attention lets one sample dominate, so its sensitivity does not "
                               "shrink with n; privatize needs phi -> MeanPool -> psi, e.g. DPDeepSetEncoder")
+    stages: dict[str, nn.Module] = {}
     for stage in _STAGES:
-        if not isinstance(getattr(encoder, stage, None), nn.Module):
+        stage_module = getattr(encoder, stage, None)
+        if not isinstance(stage_module, nn.Module):
             raise ConfigError(f"encoder ({type(encoder).__name__}) has no module encoder.{stage}: privatize needs the "
                               "structure phi -> pool (MeanPool) -> psi, e.g. DPDeepSetEncoder")
+        stages[stage] = stage_module
     for name, child in encoder.named_children():
         if name not in _STAGES:
             raise ConfigError(f"encoder.{name} is {type(child).__name__}: it is not reached only through "
                               "phi -> pool -> psi, so privatize cannot bound what it contributes")
-    phi_modules = {id(m) for m in encoder.phi.modules()}
-    shared = [name for name, m in encoder.psi.named_modules(prefix="encoder.psi") if id(m) in phi_modules]
+    phi_modules = {id(m) for m in stages["phi"].modules()}
+    shared = [name for name, m in stages["psi"].named_modules(prefix="encoder.psi") if id(m) in phi_modules]
     if shared:
         raise ConfigError(f"{shared[0]} is also a module of encoder.phi: psi must see only the noisy mean, and a "
                           "module both use can carry what phi saw of the data past the noise")
-    pool = encoder.pool
+    pool = stages["pool"]
     if type(pool) is not MeanPool:  # a subclass could override forward; the mean is recomputed here anyway
         extra = " (its max half does not shrink with n)" if isinstance(pool, MeanMaxPool) else ""
         raise ConfigError(f"encoder.pool is {type(pool).__name__}{extra}: only MeanPool (the mean over samples) has "
@@ -106,18 +110,20 @@ class PrivateEncoder(nn.Module):
         epsilon, delta: the per-release target, natural-log epsilon and delta a probability.
         bound: per-sample L2 clipping radius.
         relation: the neighbouring relation of every release.
-        noise: ``"seeded"`` or ``"secure"``.
+        noise: ``"seeded"``, ``"secure"`` or ``"hardened"``.
         ledger: the client's :class:`accounting.PrivacyLedger`, or ``None`` (then the caller must record releases,
             e.g. by sending them as a :class:`~privfl.federation.messages.Release` through the wire).
         last_certificate: the sensitivity certificate of the latest release.
     """
 
-    def __init__(self, encoder: nn.Module, *, epsilon: float, delta: float, bound: float,
+    def __init__(self, encoder: nn.Module, *, epsilon: float | None, delta: float | None, bound: float,
                  relation: NeighboringRelation, ledger: PrivacyLedger | None, noise: NoiseSource,
-                 generator: torch.Generator | None, min_samples: int | None) -> None:
+                 generator: torch.Generator | None, min_samples: int | None,
+                 noise_multiplier: float | None = None) -> None:
         super().__init__()
         self.encoder = encoder
         self.epsilon, self.delta = epsilon, delta
+        self.noise_multiplier = noise_multiplier
         self.bound = bound
         self.relation = relation
         self.ledger = ledger
@@ -139,6 +145,9 @@ class PrivateEncoder(nn.Module):
         """The sensitivity certificate for a release on ``n`` samples (depends on public quantities only)."""
         if self.relation is NeighboringRelation.REPLACE_ONE:
             return certify_mean_of_clipped(self.bound, n, self.relation, n_public=True, delta=self.delta)
+        if self.min_samples is None:
+            raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
+                              "lower bound on n: min_samples must be an int >= 2, got min_samples=None")
         if n < self.min_samples:
             # n itself stays out of the message: it is private under add/remove-one, and an error's text can reach
             # the server (Flower reports a ClientApp's exception); that a client too small is refused is public
@@ -148,8 +157,21 @@ class PrivateEncoder(nn.Module):
 
     def mechanism(self, n: int) -> GaussianMechanism:
         """The Gaussian mechanism of a release on ``n`` samples."""
-        return GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=self.certificate(n).value,
-                                 relation=self.relation, noise=self.noise, generator=self.generator)
+        return self._mechanism(self.certificate(n).value)
+
+    def _mechanism(self, sensitivity: float) -> GaussianMechanism:
+        return GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=sensitivity,
+                                 relation=self.relation, noise=self.noise, generator=self.generator,
+                                 noise_multiplier=self.noise_multiplier)
+
+    def _stage(self, name: str) -> nn.Module:
+        """``encoder.phi`` or ``encoder.psi``: :func:`privatize` checked that they are modules; an encoder built or
+        changed otherwise is refused here."""
+        module = getattr(self.encoder, name, None)
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"encoder ({type(self.encoder).__name__}) has no module encoder.{name}: a PrivateEncoder "
+                              "needs the structure phi -> pool (MeanPool) -> psi; build it with privatize")
+        return module
 
     def _check_samples(self, x: object) -> int:
         if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] < 1:
@@ -170,7 +192,7 @@ class PrivateEncoder(nn.Module):
         """
         self._check_samples(x)
         self.encoder.eval()          # a caller holding the encoder may have switched it back to train mode
-        phi = self.encoder.phi
+        phi = self._stage("phi")
         # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
         return clipped_rows(phi, lambda s: phi(s.unsqueeze(0)).reshape(-1), (x,), self.bound,
                             name="encoder.phi").mean(dim=0)
@@ -199,7 +221,7 @@ class PrivateEncoder(nn.Module):
     def batch_sizes(n: int, batch_size: int) -> list[int]:
         """The sizes of the ``k = ceil(n / batch_size)`` consecutive batches of ``n`` samples: ``batch_size`` each,
         the last one ``n - (k-1) batch_size`` (possibly smaller). Depends on the public n and batch_size only."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        if not is_int_at_least(batch_size, 1):
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         batch_size = int(batch_size)
         k = -(-n // batch_size)
@@ -224,21 +246,21 @@ class PrivateEncoder(nn.Module):
     def _record_noise_psi(self, certificate: SensitivityCertificate, mean: torch.Tensor,
                           metadata: dict[str, Any]) -> tuple[torch.Tensor, GaussianEvent]:
         """Steps 4-6 of a release: record (before any noise exists), add noise, psi."""
-        mechanism = GaussianMechanism(epsilon=self.epsilon, delta=self.delta, sensitivity=certificate.value,
-                                      relation=self.relation, noise=self.noise, generator=self.generator)
+        mechanism = self._mechanism(certificate.value)
         event = mechanism.event
         if self.ledger is not None:
             self.ledger.record(event, purpose=PURPOSE, metadata=metadata)
         noisy_mean = mechanism.add_noise(mean)
-        psi_dtype = next((p.dtype for p in self.encoder.psi.parameters()), torch.get_default_dtype())
-        descriptor = self.encoder.psi(noisy_mean.to(psi_dtype))
+        psi = self._stage("psi")
+        psi_dtype = next((p.dtype for p in psi.parameters()), torch.get_default_dtype())
+        descriptor = psi(noisy_mean.to(psi_dtype))
         self.last_certificate = certificate
         return descriptor, event
 
     @torch.no_grad()
     def release_batched(self, x: torch.Tensor, *, batch_size: int) -> tuple[torch.Tensor, GaussianEvent]:
-        """One DP release of a **batch-averaged** descriptor (ODPFL-HN option for large clients, digest 5.7 item 6):
-        ``(descriptor, event)`` as :meth:`release`.
+        """One DP release of a **batch-averaged** descriptor (ODPFL-HN's option for large clients, App. B.1;
+        docs/papers.md, ODPFL-HN, E7): ``(descriptor, event)`` as :meth:`release`.
 
         ``x`` ``[n, ...]`` is split into ``k = ceil(n / batch_size)`` consecutive batches of sizes ``n_1 .. n_k``
         (``batch_size`` each, the last possibly smaller; the split depends on the public n and batch_size only,
@@ -278,10 +300,10 @@ class PrivateEncoder(nn.Module):
                 f"noise={self.noise!r}")
 
 
-def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.0,
+def privatize(encoder: nn.Module, eps: float | None, delta: float | None, *, bound: float = 1.0,
               relation: NeighboringRelation | str = "replace_one", ledger: PrivacyLedger | None = None,
               noise: NoiseSource | None = None, generator: torch.Generator | None = None,
-              min_samples: int | None = None) -> PrivateEncoder:
+              min_samples: int | None = None, noise_multiplier: float | None = None) -> PrivateEncoder:
     """Wrap a mean-pooled DeepSet ``encoder`` so that each forward call is one (eps, delta)-DP descriptor release.
 
     Args:
@@ -294,11 +316,15 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
         relation: ``"replace_one"`` (n public; the ODPFL-HN setting) or ``"add_or_remove_one"`` (n private; needs
             ``min_samples``).
         ledger: the client's ledger; every release is recorded before its noisy output is computed.
-        noise: ``"secure"`` (OS-seeded, for deployments) or ``"seeded"`` (reproducible, research only); by default
-            seeded exactly when ``generator`` is given.
+        noise: ``"secure"`` (OS-seeded, for deployments), ``"hardened"`` (OS-seeded and drawn against
+            floating-point attacks, see :class:`~privfl.privacy.mechanisms.GaussianMechanism`) or ``"seeded"``
+            (reproducible, research only); by default seeded exactly when ``generator`` is given.
         generator: the torch.Generator for seeded noise, whose seed only the client may know (required for
             ``"seeded"``: torch's global generator is keyed from the run seed, which the server knows).
         min_samples: public lower bound on n, required for (and only for) add/remove-one.
+        noise_multiplier: instead of ``eps`` and ``delta`` (both ``None`` then): each release has noise
+            ``noise_multiplier`` times its certified sensitivity, for a release that is one of a schedule calibrated
+            as a whole (a record-level training client's descriptors over a run; its ledger composes them).
 
     Returns:
         a :class:`PrivateEncoder` sharing ``encoder``'s parameters (and putting it in eval mode).
@@ -309,14 +335,18 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
     torch.Size([2])
     """
     _refuse_if_not_mean_deepset(encoder)
-    epsilon, delta = check_epsilon_delta(eps, delta)
+    if noise_multiplier is None:
+        epsilon, delta = check_epsilon_delta(eps, delta)
+    else:
+        GaussianMechanism(sensitivity=1.0, noise_multiplier=noise_multiplier, epsilon=eps, delta=delta)  # validates
+        epsilon, delta = None, None
     bound = check_bound(bound)
     relation = check_relation(relation)
     noise = check_noise(noise, generator)
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
     if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
-        if isinstance(min_samples, bool) or not isinstance(min_samples, numbers.Integral) or min_samples < 2:
+        if min_samples is None or not is_int_at_least(min_samples, 2):
             raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
                               f"lower bound on n: give min_samples as an int >= 2, got min_samples={min_samples!r}")
         min_samples = int(min_samples)
@@ -324,7 +354,8 @@ def privatize(encoder: nn.Module, eps: float, delta: float, *, bound: float = 1.
         raise ConfigError(f"min_samples is used only with relation='add_or_remove_one' (under replace_one n is public "
                           f"and sets the noise), got min_samples={min_samples!r}")
     return PrivateEncoder(encoder, epsilon=epsilon, delta=delta, bound=float(bound), relation=relation, ledger=ledger,
-                          noise=noise, generator=generator, min_samples=min_samples)
+                          noise=noise, generator=generator, min_samples=min_samples,
+                          noise_multiplier=noise_multiplier)
 
 
 __all__ = ["PURPOSE", "PrivateEncoder", "privatize"]

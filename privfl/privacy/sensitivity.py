@@ -1,8 +1,9 @@
 """Sensitivity certificates: an L2 sensitivity derived from the structure being released, with its written argument.
 
-A certificate is never a constant typed in (design invariant 3): it is computed from the per-sample clipping bound
-``B``, the pooling (a mean), the number of samples, the neighbouring relation and whether the number of samples is
-public, and it carries the proof sketch that justifies the value, so a reader of a ledger or a report can check it.
+A certificate is never a constant typed in (invariant 3 of ``docs/invariants.md``): it is computed from the per-sample
+clipping bound ``B``, the pooling (a mean), the number of samples, the neighbouring relation and whether the number of
+samples is public, and it carries the proof sketch that justifies the value, so a reader of a ledger or a report can
+check it.
 
 Notation: ``v_i = clip_B(phi(x_i))`` with ``||v_i|| <= B`` (L2), and the released value is a mean of the ``v_i``.
 """
@@ -14,6 +15,7 @@ import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -79,11 +81,11 @@ def certify_mean_of_clipped(bound: float, n: int, relation: NeighboringRelation 
                             n_public: bool = True, *, delta: float | None = None) -> SensitivityCertificate:
     """The L2 sensitivity of ``mean(v_1, ..., v_n)`` where every ``v_i`` is clipped to the L2 ball of radius ``bound``.
 
-    **Replace-one, n public** (the ODPFL-HN lemma, digest section 5.3): neighbours ``D``, ``D'`` have the same size n
-    and differ in one record, ``v_j`` against ``v_j'``. All other terms cancel, so
+    **Replace-one, n public** (Lemma 2 of Amosy et al., the ODPFL-HN paper, proved in its App. D): neighbours ``D``,
+    ``D'`` have the same size n and differ in one record, ``v_j`` against ``v_j'``. All other terms cancel, so
     ``mean(D) - mean(D') = (v_j - v_j') / n`` and ``||.|| <= (||v_j|| + ||v_j'||) / n <= 2B/n``. The bound is attained
-    by ``v_j' = -v_j`` with ``||v_j|| = B``. Because ``n`` enters the noise scale, ``n`` must be public: the
-    guarantee protects the records, not how many there are.
+    by ``v_j' = -v_j`` with ``||v_j|| = B``. Because ``n`` enters the noise scale, ``n`` must be public: the guarantee
+    protects the records, not how many there are.
 
     **Add/remove-one, n public**: refused. Add/remove neighbours have sizes n and n-1, so "n is public" contradicts
     the relation; use replace-one (and document that n is public) or treat n as private.
@@ -94,7 +96,7 @@ def certify_mean_of_clipped(bound: float, n: int, relation: NeighboringRelation 
     ball stays in it), so ``||mean(D) - mean(D')|| <= 2B/m``, attained by ``v_x = B e``, every other ``v_i = -B e``.
     This checks the standard bound ``||mean_m - mean_{m-1}|| <= 2B/m`` (m the size of the **larger** neighbour).
     The catch is that m is private: calibrating the noise to the actual m would make the noise scale itself differ
-    between neighbours and leak m (digest section 5.7 item 3), and the bound over *all* sizes is ``2B/2 = B``.
+    between neighbours and leak m (docs/papers.md, ODPFL-HN, E5), and the bound over *all* sizes is ``2B/2 = B``.
     So here ``n`` must be a **public lower bound** on the dataset size: over every neighbouring pair whose larger
     dataset has m >= n records, ``2B/m <= 2B/n``, and ``2B/n`` is the certified value. The guarantee covers only
     datasets of at least n records; a client with fewer must not release (and not releasing is itself observable).
@@ -143,7 +145,7 @@ def certify_mean_of_batch_means(bound: float, batch_sizes: Sequence[int],
                                 delta: float | None = None) -> SensitivityCertificate:
     """The L2 sensitivity of ``(1/k) * sum_j mean(batch_j)`` for k batches of public sizes ``n_1 .. n_k``.
 
-    Replace-one with the partition into batches independent of the data values (digest section 5.7 item 6): the
+    Replace-one with the partition into batches independent of the data values (docs/papers.md, ODPFL-HN, E7): the
     replaced record lives in exactly one batch j, whose mean moves by at most ``2B/n_j``; the other batch means are
     unchanged, so the descriptor moves by at most ``2B/(k n_j)``, and the worst case over j is
     ``2B/(k * min_j n_j)``. This is attained (a record in the smallest batch, replaced by its antipode) and exceeds
@@ -169,6 +171,37 @@ def certify_mean_of_batch_means(bound: float, batch_sizes: Sequence[int],
     return SensitivityCertificate(value, relation, n, True, bound, argument)
 
 
+def _tensor_state(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every parameter and every buffer of ``module`` by qualified name, persistent or not, shared ones under each
+    of their names: ``{name: ("parameter" | "buffer", tensor)}``. ``state_dict()`` would miss non-persistent
+    buffers, where a layer can keep a running statistic just as well."""
+    state: dict[str, tuple[str, torch.Tensor]] = {name: ("parameter", t)
+                                                  for name, t in module.named_parameters(remove_duplicate=False)}
+    state.update((name, ("buffer", t)) for name, t in module.named_buffers(remove_duplicate=False))
+    return state
+
+
+def _restore(module: nn.Module, kinds: dict[str, tuple[str, torch.Tensor]], values: dict[str, torch.Tensor]) -> None:
+    """Put every original tensor back under its name, with its values from before, and drop names added since."""
+    for name in set(_tensor_state(module)) - set(kinds):
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        holder._parameters.pop(leaf, None)
+        holder._buffers.pop(leaf, None)
+    for name, (kind, tensor) in kinds.items():
+        owner, _, leaf = name.rpartition(".")
+        try:
+            holder = module.get_submodule(owner)
+        except AttributeError:   # the submodule itself is gone: nothing to put back into
+            continue
+        if kind == "parameter":   # recorded from named_parameters(): an nn.Parameter
+            holder._parameters[leaf] = cast(nn.Parameter, tensor)
+        else:
+            holder._buffers[leaf] = tensor
+        if tensor.shape == values[name].shape:
+            tensor.copy_(values[name])
+
+
 @torch.no_grad()
 def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], bound: float,
                  *, name: str) -> torch.Tensor:
@@ -179,12 +212,27 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
     Record i alone: ``torch.func.vmap`` (an op vmap cannot batch: one record after another), with ``module`` in
     eval mode for the call (train-mode BatchNorm would couple the records; its mode is restored). That v_i depends on
     x_i only also needs ``module`` (the code ``one`` runs, called ``name`` in errors) to keep no state from record to
-    record, and the clipping to see real tensors. Both are checked, and refused with :class:`ConfigError` before
-    anything is released: a parameter or buffer of ``module`` that the call changed (it is restored), and an output
-    that is not a plain ``torch.Tensor`` (a subclass can change what the norm computes). Arbitrary code can still
-    escape vmap; the code is trusted, its weights need not be.
+    record, and the clipping to see real tensors. Checked, and refused with :class:`ConfigError` before anything is
+    released:
+
+    - before the call, a parameter or buffer of ``module`` holding NaN or inf (named as such: weights that are not
+      finite, a diverged or damaged model from the server, make every row 0 and the release meaningless);
+    - after the call, a parameter or buffer that changed: every one of ``named_parameters()`` and
+      ``named_buffers()``, **persistent or not** (``state_dict()`` omits non-persistent buffers, and a running maximum
+      kept in one would go unseen), compared by identity (the same tensor object under the same name, none added or
+      removed) and by value. The state is restored before the error;
+    - an output that is not a plain ``torch.Tensor`` (a subclass can change what the norm computes).
+
+    Plain tensor and Python attributes are not seen, and arbitrary code can still escape vmap: the code is trusted,
+    its weights need not be.
     """
-    before = {k: t.clone() for k, t in module.state_dict().items()}
+    kinds = _tensor_state(module)
+    for key, (kind, tensor) in kinds.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ConfigError(f"{name} has a {kind} with NaN or inf values before it ran ({key}): its weights are not "
+                              "finite (a diverged or damaged model), so its outputs say nothing; nothing was released "
+                              "or recorded")
+    values = {key: tensor.clone() for key, (_, tensor) in kinds.items()}
     was_training = module.training
     module.eval()
     try:
@@ -193,13 +241,15 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
         v = torch.stack([one(*record) for record in zip(*inputs, strict=True)])
     finally:
         module.train(was_training)
-    after = module.state_dict()
-    changed = [k for k in before if k not in after or not torch.equal(before[k], after[k])]
-    if changed or after.keys() != before.keys():
-        module.load_state_dict(before, strict=False)
-        raise ConfigError(f"{name} changed its state while it ran ({(changed or sorted(after))[0]}): state kept "
-                          "across records couples them, so their mean has no 2*bound/n sensitivity; nothing was "
-                          "released or recorded")
+    after = _tensor_state(module)
+    changed = sorted(set(kinds) ^ set(after)) + [
+        key for key, (kind, tensor) in kinds.items() if key in after and (
+            after[key][1] is not tensor or after[key][0] != kind or tensor.shape != values[key].shape
+            or not torch.equal(tensor, values[key]))]
+    if changed:
+        _restore(module, kinds, values)
+        raise ConfigError(f"{name} changed its state while it ran ({changed[0]}): state kept across records couples "
+                          "them, so their mean has no 2*bound/n sensitivity; nothing was released or recorded")
     if type(v) is not torch.Tensor:
         raise ConfigError(f"{name} returned a {type(v).__name__}, not a plain torch.Tensor: a tensor subclass can "
                           "change what clipping computes; nothing was released or recorded")

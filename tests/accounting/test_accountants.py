@@ -40,7 +40,9 @@ def cached_epsilon(event, accountant):
     return epsilon(event, DELTA, accountant=accountant)
 
 
-# Reference values (ENVIRONMENT.md). PLD and RDP are pinned to 4 decimals; the PLD grid of 1e-4 reaches them.
+# Reference values (benchmarks/accounting_table.py, table in benchmarks/README.md, "Accounting"): the exact Gaussian
+# composition, dp-accounting's RDP and PLD, Opacus' PRV. PLD and RDP are pinned to 4 decimals; the PLD grid of 1e-4
+# reaches them.
 @pytest.mark.parametrize(
     ("event", "accountant", "expected"),
     [

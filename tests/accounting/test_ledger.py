@@ -217,8 +217,8 @@ def test_save_and_load(tmp_path):
     assert os.listdir(tmp_path) == ["ledger.json"]
 
 
-def _crash_in_json_dump(obj, f, **kwargs):
-    f.write(json.dumps(obj)[:20])  # half a file reaches the disk, then the process "dies"
+def _crash_after_writing(fd):
+    # the new content is in the temporary file (not yet synced or renamed) when the process "dies"
     raise KeyboardInterrupt("crash mid-write")
 
 
@@ -226,9 +226,9 @@ def _crash_in_json_dump(obj, f, **kwargs):
     ("target", "crash"),
     [
         ("os.replace", lambda *args: (_ for _ in ()).throw(OSError("crash before rename"))),
-        ("json.dump", _crash_in_json_dump),
+        ("os.fsync", _crash_after_writing),
     ],
-    ids=["replace", "dump"],
+    ids=["replace", "write"],
 )
 def test_a_crash_mid_save_leaves_the_previous_file_intact(tmp_path, monkeypatch, target, crash):
     path = tmp_path / "ledger.json"
@@ -315,7 +315,7 @@ def test_ledger_book_save_is_atomic(tmp_path, monkeypatch):
     book[0].record(DESCRIPTOR, purpose="descriptor")
     book.save(path)
     book[1].record(DESCRIPTOR, purpose="descriptor")
-    monkeypatch.setattr("json.dump", _crash_in_json_dump)
+    monkeypatch.setattr("os.fsync", _crash_after_writing)
     with pytest.raises(KeyboardInterrupt):
         book.save(path)
     monkeypatch.undo()
@@ -340,3 +340,35 @@ def test_release_journal_replays_what_a_saved_book_lacks_and_ignores_a_line_cut_
     other[1].record(GaussianEvent(9.0), purpose="descriptor", round=0)               # another run's ledger
     with pytest.raises(ValueError, match="does not match the ledger of client 1 at its record 0"):
         journal.replay_into(other)
+
+
+def test_a_release_made_for_many_clients_is_one_record_in_the_book_and_the_journal(tmp_path):
+    # central DP records the round's aggregate in every training client's ledger: one record object, written once
+    from accounting import ReleaseJournal, SubsampledGaussianEvent
+
+    book = LedgerBook()
+    book[2].record(NonPrivateEvent(), purpose="contribution", audience="trusted_aggregator")
+    event = SubsampledGaussianEvent(1.2, 0.1)
+    journal = ReleaseJournal(tmp_path / "releases.jsonl")
+    for round_index in range(3):
+        journal.append_for([1, 2, 3], book.record_for([1, 2, 3], event, purpose="central_aggregate",
+                                                       round=round_index))
+    assert all(len(book[c].records) == 3 + (c == 2) for c in (1, 2, 3))
+    assert book[1].records[0] is book[3].records[0]
+    state = book.state_dict()
+    assert len(state["shared"]) == 3
+    assert [r for entry in state["ledgers"] for r in entry["records"] if "shared" in r] == [
+        {"shared": i} for _ in range(3) for i in range(3)]
+    back = LedgerBook.from_state_dict(json.loads(json.dumps(state)))
+    assert back.epsilons(1e-5) == book.epsilons(1e-5)
+    assert back[1].records == book[1].records and back[2].records == book[2].records
+    assert len(tmp_path.joinpath("releases.jsonl").read_text().splitlines()) == 3     # one line a round
+    replayed = LedgerBook()
+    assert journal.replay_into(replayed) == 9
+    assert replayed.epsilons(1e-5) == pytest.approx({1: book.epsilons(1e-5)[1], 2: book.epsilons(1e-5)[2],
+                                                     3: book.epsilons(1e-5)[3]})
+    # over a client's budget: refused before any ledger records it
+    book[3]._budget = PrivacyBudget(epsilon=book[3].spent(1e-5).epsilon * 1.01, delta=1e-5)
+    with pytest.raises(BudgetExceededError):
+        book.record_for([1, 2, 3], event, purpose="central_aggregate", round=3)
+    assert all(len(book[c].records) == 3 + (c == 2) for c in (1, 2, 3))

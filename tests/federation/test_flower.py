@@ -26,16 +26,20 @@ from flwr.app import Message as FlowerMessage  # noqa: E402
 from accounting import PrivacyLedger  # noqa: E402
 from privfl.data import build_federation  # noqa: E402
 from privfl.errors import ConfigError, PublicConfigError  # noqa: E402
-from privfl.experiment import RunConfig, build_runtime, train  # noqa: E402
+from privfl.config import RunConfig  # noqa: E402
+from privfl.experiment import build_runtime, train  # noqa: E402
 from privfl.federation import Message, RunDirectory  # noqa: E402
 from privfl.federation.context import client_context  # noqa: E402
 from privfl.federation.flower import FlowerOptions, from_records, to_records  # noqa: E402
 from privfl.federation.flower import client_app, launch, server_app  # noqa: E402
 from privfl.federation.flower import protocol as p  # noqa: E402
 from privfl.federation.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
-from privfl.federation.flower.server_app import FlowerClientError, flower_runtime_factory  # noqa: E402
+from privfl.engine import flower_main, flower_runtime_factory  # noqa: E402
+from privfl.engine import run as run_on_engine  # noqa: E402
+from privfl.federation.flower.transport import FlowerClientError  # noqa: E402
 from privfl.federation.flower.simulation import num_clients  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy  # noqa: E402
 
 # -- records ---------------------------------------------------------------------------------------------------------
 
@@ -213,7 +217,7 @@ def test_nodes_holding_several_clients_give_the_in_process_numbers(tmp_path, mak
     torch.set_num_threads(1)
     try:
         expected = train(config, str(tmp_path / "inprocess"), progress=False)
-        got = server_app.run_server(grid, _serve_config(config, tmp_path / "flower"),
+        got = flower_main(grid, _serve_config(config, tmp_path / "flower"),
                                     options=FlowerOptions(timeout_s=60, node_wait_s=5))
     finally:
         torch.set_num_threads(threads)
@@ -251,7 +255,7 @@ def test_the_server_waits_only_for_the_nodes_the_run_needs(tmp_path, make_spec, 
     grid, _ = _loopback(config, tmp_path / "a", [(0, training - 1)], num_partitions=training)
     started = time.monotonic()
     with pytest.warns(UserWarning, match=f"{len(novel)} novel clients will not be served"):
-        summary = server_app.run_server(grid, _serve_config(config, tmp_path / "a" / "run"), options=patient)
+        summary = flower_main(grid, _serve_config(config, tmp_path / "a" / "run"), options=patient)
     assert time.monotonic() - started < 60
     assert summary["flower"]["novel_not_served"] == novel and summary["novel"]["num_clients"] == 0
     assert f"num-partitions={training}" in summary["flower"]["novel_not_served_reason"]
@@ -261,14 +265,14 @@ def test_the_server_waits_only_for_the_nodes_the_run_needs(tmp_path, make_spec, 
     local = RunConfig(federation=make_spec(), method="local", method_config=settings, rounds=1, select="last", seed=3)
     grid, _ = _loopback(local, tmp_path / "b", [(0, training - 1)], num_partitions=training + len(novel))
     started = time.monotonic()
-    summary = server_app.run_server(grid, _serve_config(local, tmp_path / "b" / "run"), options=patient)
+    summary = flower_main(grid, _serve_config(local, tmp_path / "b" / "run"), options=patient)
     assert time.monotonic() - started < 60 and summary["flower"]["novel_not_served"] == []
 
     # The nodes declare novel partitions but one novel node never connects: the run stops, naming it.
     grid, _ = _loopback(config, tmp_path / "c", [(0, training + len(novel) - 2)])
     missing = rf"clients \[{novel[-1]}\] \(partitions \[{training + len(novel) - 1}\] of {training + len(novel)}\)"
     with pytest.raises(FlowerClientError, match=missing):
-        server_app.run_server(grid, _serve_config(config, tmp_path / "c" / "run"),
+        flower_main(grid, _serve_config(config, tmp_path / "c" / "run"),
                               options=FlowerOptions(node_wait_s=0.5, timeout_s=60))
 
 
@@ -279,7 +283,7 @@ def test_a_node_that_does_not_answer_is_named_when_the_exchange_times_out(tmp_pa
     started = time.monotonic()
     with pytest.raises(FlowerClientError, match=rf"1 of 2 nodes did not answer 'train' within 0.5 s \(timeout-s\): "
                                                 rf"node 101 \(clients \[{', '.join(map(str, held))}\]\)"):
-        server_app.run_server(grid, _serve_config(config, tmp_path / "run"),
+        flower_main(grid, _serve_config(config, tmp_path / "run"),
                               options=FlowerOptions(timeout_s=0.5, node_wait_s=5))
     assert time.monotonic() - started < 30
 
@@ -305,8 +309,9 @@ _SETTINGS = {
     "scaffold": {"lr": 0.1, "local_steps": 3, "batch_size": 16},
     # three stages per round; the novel clients release a DP descriptor (finite epsilon on both engines)
     "odpflhn": {"lr": 0.05, "local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8,
-                "hn_layers": 1, "novel_epsilon": 2.0, "novel_noise": "seeded"},
+                "hn_layers": 1},
 }
+_NOVEL = {"odpflhn": NovelPrivacy(epsilon=2.0, noise="seeded")}
 
 
 def _method(name):
@@ -317,7 +322,7 @@ def _method(name):
 
 def _run_config(spec, method, **overrides):
     values = dict(federation=spec, method=method, method_config=_SETTINGS[method], rounds=3, eval_every=1,
-                  checkpoint_every=2, client_fraction=0.5, seed=3)
+                  checkpoint_every=2, client_fraction=0.5, seed=3, novel_privacy=_NOVEL.get(method, NovelPrivacy()))
     values.update(overrides)
     return RunConfig(**values)
 
@@ -349,8 +354,8 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     torch.set_num_threads(1)                    # the Flower client processes compute with one thread too
     try:
         expected = train(config, str(tmp_path / "inprocess"), progress=False)
-        got = train(config, str(tmp_path / "flower"), progress=False, engine="flower-sim",
-                    flower_options=FlowerOptions(max_actors=1, threads=1, clients_per_node=per_node))
+        got = run_on_engine(config, str(tmp_path / "flower"), progress=False, engine="flower-sim",
+                            flower_options=FlowerOptions(max_actors=1, threads=1, clients_per_node=per_node))
     finally:
         torch.set_num_threads(threads)
     for key in ("novel", "training_val", "selected_round", "rounds_completed", "privacy", "communication"):
@@ -438,8 +443,8 @@ def _reply(reply, client_id):
 def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_path, make_spec, task_identity):
     # FedAvg with DP-SGD: every round's update is a DP release, so epsilon is finite and grows round by round.
     config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
-                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5},
-                       select="last")
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16}, select="last",
+                       privacy=TrainingPrivacy(mode="record", noise_multiplier=1.5))
     reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
     client_id = sorted(reference.clients)[0]          # partition 0 holds the first training client
     node_dir = tmp_path / "node-0"
@@ -472,8 +477,8 @@ def test_a_client_keeps_its_ledger_when_a_later_run_groups_the_nodes_differently
     # Without an explicit node directory each client has its own NODES_ROOT/partition-<i>, whatever clients-per-node
     # the simulation uses: a run with 3 clients per virtual node, then one with a node per client, add to one ledger.
     config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
-                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16, "dp_noise_multiplier": 1.5},
-                       select="last")
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16}, select="last",
+                       privacy=TrainingPrivacy(mode="record", noise_multiplier=1.5))
     reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
     client_id, count = sorted(reference.clients)[1], len(reference.clients)      # partition 1
     root = tmp_path / "nodes"

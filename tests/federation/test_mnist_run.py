@@ -3,7 +3,8 @@
 import pytest
 
 from privfl.data import FederationSpec
-from privfl.experiment import RunConfig, train
+from privfl.config import RunConfig
+from privfl.experiment import train
 
 
 @pytest.mark.slow

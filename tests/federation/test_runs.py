@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from accounting import LedgerBook
-from privfl.experiment import RunConfig, RunInterrupted, train, train_once
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train, train_once
 from privfl.federation import RunDirectory
 
 
@@ -152,50 +153,52 @@ def test_a_first_ctrl_c_finishes_the_round_in_progress_so_resuming_repeats_no_re
 def test_client_level_dp_runs_keep_their_release_cap_through_sampling_model_selection_and_resume(
         tmp_path, make_spec, monkeypatch):
     from privfl.errors import ConfigError
-    from privfl.methods.fedtta import FedTTAStrategy
+    from privfl.methods.fedavg import FedAvgStrategy
+    from privfl.privacy.training import TrainingPrivacy
 
-    dp = {"local_steps": 1, "batch_size": 8, "dp_epsilon": 2.0, "dp_max_norm": 1.0}
     spec = make_spec(num_clients=6, novel_fraction=0.5)
 
-    def fedtta(**overrides):
-        values = dict(federation=spec, method="fedtta", model="mlp2nn", rounds=4, eval_every=100, checkpoint_every=2,
-                      select="last", method_config={**dp, "dp_participations": 4}, seed=0)
+    def local_dp(**privacy):
+        return TrainingPrivacy(**{"mode": "local", "epsilon": 2.0, "clip": 1.0, "participations": 4, **privacy})
+
+    def fedavg(**overrides):
+        values = dict(federation=spec, method="fedavg", model="mlp2nn", rounds=4, eval_every=100, checkpoint_every=2,
+                      select="last", method_config={"local_steps": 1, "batch_size": 8}, seed=0, privacy=local_dp())
         values.update(overrides)
         return RunConfig(**values)
 
     # Choosing the round on validation would have every client report its accuracy outside any mechanism.
-    with pytest.raises(ConfigError, match=r"select='best_val' with client-level DP \(dp_epsilon=2.0\).*"
+    with pytest.raises(ConfigError, match=r"select='best_val' with client-level DP, local \(epsilon=2.*"
                                           r"use select='last'"):
-        fedtta(select="best_val")
+        fedavg(select="best_val")
     # A sampling schedule that takes a client past its cap is refused before anything runs (the schedule is public).
     with pytest.raises(ConfigError, match=r"rounds=8, client_fraction=0.5 and seed=0, training clients \[.*\] take "
-                                          r"part in up to \d rounds, more than dp_participations=3"):
-        train(fedtta(rounds=8, client_fraction=0.5, method_config={**dp, "dp_participations": 3}),
-              str(tmp_path / "sampled"), progress=False)
+                                          r"part in up to \d rounds, more than privacy participations=3"):
+        train(fedavg(rounds=8, client_fraction=0.5, privacy=local_dp(participations=3)), str(tmp_path / "sampled"),
+              progress=False)
     assert not (tmp_path / "sampled" / "releases.jsonl").exists()
     # Distributed noise shares: more shares than a round's clients would leave their sum short of its noise.
-    with pytest.raises(ConfigError, match=r"dp_shares=4 noise shares .* a round samples 3 training clients"):
-        train(fedtta(method_config={**dp, "dp_participations": 4, "dp_mode": "distributed", "dp_shares": 4}),
-              str(tmp_path / "shares"), progress=False)
+    with pytest.raises(ConfigError, match=r"shares=4 noise shares .* a round samples 3 training clients"):
+        train(fedavg(privacy=local_dp(mode="distributed", shares=4)), str(tmp_path / "shares"), progress=False)
 
     # Killed in round 3, after the releases of rounds 2 and 3 but with a checkpoint of rounds 0-1 only: running
-    # rounds 2 and 3 again would make 6 releases against the 4 each client's noise is calibrated for.
-    undo = _on_aggregate(monkeypatch, FedTTAStrategy, 3, _killed)
+    # rounds 2 and 3 again would make 6 rounds of releases against the 4 each client's noise is calibrated for.
+    undo = _on_aggregate(monkeypatch, FedAvgStrategy, 3, _killed)
     for name, every in (("cut", 2), ("every_round", 1)):
         with pytest.raises(RuntimeError, match="process killed"):
-            train(fedtta(checkpoint_every=every), str(tmp_path / name), progress=False)
+            train(fedavg(checkpoint_every=every), str(tmp_path / name), progress=False)
     undo()
     with pytest.raises(ConfigError, match=r"cannot be resumed within its privacy budget: its checkpoint holds 2 "
-                                          r"rounds.* up to 6 releases, more than dp_participations=4"):
+                                          r"rounds.* up to 6 rounds of releases, more than the 4"):
         train(None, str(tmp_path / "cut"), resume=True, progress=False)
     # With a checkpoint every round only round 3 runs again, but its releases were delivered before the kill:
     # 4 + 1 = 5 > 4 is refused as well.
-    with pytest.raises(ConfigError, match=r"checkpoint holds 3 rounds.* up to 5 releases"):
+    with pytest.raises(ConfigError, match=r"checkpoint holds 3 rounds.* up to 5 rounds of releases"):
         train(None, str(tmp_path / "every_round"), resume=True, progress=False)
     # An interruption between rounds (what Ctrl-C gives: a checkpoint of every completed round) resumes and ends at
     # the calibrated epsilon, 4 releases per client.
     with pytest.raises(RunInterrupted):
-        train(fedtta(), str(tmp_path / "stopped"), progress=False, stop_after_round=2)
+        train(fedavg(), str(tmp_path / "stopped"), progress=False, stop_after_round=2)
     summary = train(None, str(tmp_path / "stopped"), resume=True, progress=False)
     book = LedgerBook.load(tmp_path / "stopped" / "ledger.json")
     training = [cid for cid in book if len(book[cid])]
@@ -236,10 +239,11 @@ def test_killed_process_resumes_to_the_same_numbers(tmp_path):
 
 def test_fedavg_with_dp_sgd_reports_the_composed_epsilon(tmp_path, make_spec):
     from accounting import SelfComposedEvent, SubsampledGaussianEvent, epsilon
+    from privfl.privacy.training import TrainingPrivacy
 
     cfg = _config(make_spec(num_clients=5, novel_fraction=0.4), "fedavg",
-                  method_config={"lr": 0.1, "local_steps": 4, "batch_size": 16, "dp_noise_multiplier": 1.1,
-                                 "dp_max_grad_norm": 1.0}, rounds=3, eval_every=3, select="last")
+                  method_config={"lr": 0.1, "local_steps": 4, "batch_size": 16}, rounds=3, eval_every=3,
+                  select="last", privacy=TrainingPrivacy(mode="record", noise_multiplier=1.1, clip=1.0))
     summary = train(cfg, str(tmp_path / "dp"), progress=False)
     rows = {int(r["client_id"]): r for r in RunDirectory(tmp_path / "dp").read_clients()}
     client = next(r for r in rows.values() if r["role"] == "training")
@@ -249,16 +253,6 @@ def test_fedavg_with_dp_sgd_reports_the_composed_epsilon(tmp_path, make_spec):
     assert 0 < summary["privacy"]["epsilon_max_training"] < float("inf")
     assert summary["privacy"]["relations"] == ["add_or_remove_one"]   # DP-SGD's records
     assert summary["novel"]["num_clients"] == 2
-
-
-def test_dp_sgd_is_refused_where_it_is_not_implemented():
-    from privfl.errors import ConfigError
-    from privfl.methods import get_method
-
-    with pytest.raises(ConfigError, match="dp_noise_multiplier"):
-        get_method("fedprox").make_config(dp_noise_multiplier=1.0)
-    with pytest.raises(ConfigError, match="no setting dp_noise_multiplier"):
-        get_method("scaffold").make_config(dp_noise_multiplier=1.0)
 
 
 def test_best_validation_selection_without_validation_data_is_refused_by_name(tmp_path, make_spec):

@@ -17,8 +17,10 @@ from accounting import GaussianEvent, epsilon
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import score_model
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.federation.messages import Message
+from privfl.privacy.training import TrainingPrivacy
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedpft import (
     ClassMixture,
@@ -57,16 +59,19 @@ def federation():
     return build_federation(spec(), seed=0)
 
 
-def run_fedpft(federation, **method_config):
+def run_fedpft(federation, dp_epsilon=None, dp_delta=1e-5, **method_config):
+    privacy = TrainingPrivacy() if dp_epsilon is None else TrainingPrivacy(mode="record", epsilon=dp_epsilon,
+                                                                         delta=dp_delta)
     config = RunConfig(federation=federation.spec, method="fedpft", method_config={**HEAD, **method_config},
-                       rounds=1, select="last")
+                       rounds=1, select="last", privacy=privacy)
     runtime = build_runtime(config, federation)
     metrics = runtime.run_round(0)
     return runtime, metrics
 
 
 def test_paper_formulas_worked_examples():
-    # digest 2.2: CLIP d=512, C=101, K=10 diag -> 1,035,250 floats; full K=1 -> 13,315,941 floats
+    # the FedPFT paper's eqs. 9-11 (docs/papers.md, FedPFT): CLIP d=512, C=101, K=10 diag -> 1,035,250 floats;
+    # full K=1 -> 13,315,941 floats
     assert communication_floats(512, 10, 101, "diag") == 1_035_250
     assert communication_floats(512, 1, 101, "full") == 13_315_941
     assert communication_floats(512, 1, 101, "spherical") == 514 * 101
@@ -296,15 +301,22 @@ def test_dp_noisy_counts_calibrate_three_blocks_jointly(federation, balle_wang_s
     (dict(components=0), "components"),
     (dict(covariance="tied"), "covariance"),
     (dict(topology="ring"), "topology"),
-    (dict(dp_epsilon=1.0, components=5), "components"),
-    (dict(dp_epsilon=1.0, components=1, normalize=False), "normalize"),
-    (dict(dp_epsilon=1.0, components=1, topology="decentralized"), "topology"),
-    (dict(dp_epsilon=1.0, components=1, dp_relation="add_or_remove_one"), "dp_counts"),
-    (dict(dp_epsilon=0.0), "dp_epsilon"),
+    (dict(components=1, dp_relation="add_or_remove_one"), "dp_counts"),
 ])
 def test_bad_config_names_the_value(values, name):
     with pytest.raises(ConfigError, match=name):
         get_method("fedpft").make_config(**values)
+
+
+@pytest.mark.parametrize("values,privacy,name", [
+    (dict(components=5), dict(epsilon=1.0), "components must be 1 with DP"),
+    (dict(components=1, normalize=False), dict(epsilon=1.0), "normalize must be true with DP"),
+    (dict(components=1, topology="decentralized"), dict(epsilon=1.0), "topology must be 'centralized' with DP"),
+])
+def test_dp_fedpft_settings_it_cannot_hold_under_are_refused_before_the_run(federation, values, privacy, name):
+    with pytest.raises(ConfigError, match=name):
+        RunConfig(federation=federation.spec, method="fedpft", method_config=values, rounds=1, select="last",
+                  privacy=TrainingPrivacy(mode="record", **privacy))
 
 
 def test_images_are_refused():

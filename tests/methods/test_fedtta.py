@@ -1,27 +1,41 @@
-"""FedTTA, FedTTA-Prox, FedTTA++: the meta-gradient, the test-time adaptation, the protocol and client-level DP."""
+"""FedTTA, FedTTA-Prox, FedTTA++: the meta-gradient, the test-time adaptation, the protocol and every privacy mode."""
 
 import dataclasses
+import functools
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from accounting import BudgetExceededError, GaussianEvent, NonPrivateEvent, analytic_gaussian_sigma
+from accounting import (
+    BudgetExceededError,
+    GaussianEvent,
+    NeighboringRelation,
+    NonPrivateEvent,
+    analytic_gaussian_sigma,
+)
 from privfl.data import build_federation
 from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, build_runtime
-from privfl.federation import ClientContext, Message, Wire
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
+from privfl.federation import ClientContext, Message
 from privfl.methods import ModelFactory, get_method
+from privfl.methods.base import dp_sgd_round_event
 from privfl.methods.fedtta import (
     AdaptationModel,
+    MetaLearner,
     adapt,
     meta_loss,
     personalization_loss,
     prediction_entropy,
     proxy_kl,
+    record_meta_losses,
 )
+from privfl.privacy.per_sample import ClippedGradientSum, flat_views
+from privfl.privacy.training import TrainingPrivacy
 
 
 class Bias(nn.Module):
@@ -212,10 +226,7 @@ def test_registered_variants_carry_the_papers_mnist_settings():
     ({"tta_steps": 0, "patience": 1}, "tta_steps"),
     ({"kl_direction": "forward"}, "kl_direction"),
     ({"inner_lr": 0.0}, "inner_lr"),
-    ({"dp_epsilon": 1.0}, "dp_participations"),
-    ({"dp_epsilon": 1.0, "dp_participations": 3, "weighted": True}, "weighted"),
-    ({"dp_epsilon": 1.0, "dp_participations": 3, "dp_shares": 4}, "dp_shares"),
-    ({"dp_mode": "central"}, "dp_mode"),
+    ({"dp_epsilon": 1.0}, "no setting dp_epsilon"),     # the privacy layer's TrainingPrivacy replaced dp_*
     ({"unadapted_candidate": "no"}, "unadapted_candidate"),
 ])
 def test_bad_settings_are_refused_by_name(settings, name):
@@ -292,68 +303,219 @@ def test_test_time_adaptation_runs_in_eval_mode_so_a_dropout_model_adapts_the_sa
     assert all(torch.equal(served[0][k], other[k]) for other in served[1:] for k in served[0])
 
 
-def _dp_client(make_spec, **settings):
-    federation = build_federation(make_spec(num_clients=6, novel_fraction=0.5), seed=0)
-    spec = get_method("fedtta")
-    config = spec.make_config(local_steps=1, batch_size=8, **settings)
-    factory = ModelFactory("mlp2nn", federation.input_shape, federation.num_classes)
-    strategy = spec.strategy(model_factory=factory, config=config, seed=0, num_training_clients=3)
-    return federation.training_clients[0], strategy, spec.client(model_factory=factory, config=config), config
+# --- privacy: the run's privacy layer around FedTTA --------------------------------------------------------------
+
+
+def _private_run(make_spec, privacy, method="fedtta", rounds=1, **settings):
+    spec = make_spec(num_clients=6, novel_fraction=0.5)
+    config = RunConfig(federation=spec, method=method, model="mlp2nn", rounds=rounds, select="last",
+                       method_config={"local_steps": 2, "batch_size": 8, **settings}, privacy=privacy)
+    federation = build_federation(spec, seed=0)
+    return federation, build_runtime(config, federation)
+
+
+def _context(data, round=0):
+    return ClientContext(client_id=data.client_id, round=round, run_seed=0, rng=np.random.default_rng(round))
 
 
 def test_client_level_dp_releases_are_recorded_reach_the_target_and_are_capped(make_spec):
-    data, strategy, client, config = _dp_client(make_spec, dp_epsilon=2.0, dp_max_norm=0.5, dp_participations=2)
-    wire, state = Wire(), {}
-    message = strategy.configure_train(0, [data.client_id])[data.client_id]
+    privacy = TrainingPrivacy(mode="local", epsilon=2.0, clip=0.5, participations=2)
+    federation, runtime = _private_run(make_spec, privacy, rounds=2)
     for round in range(2):
-        ctx = ClientContext(client_id=data.client_id, round=round, run_seed=0, rng=np.random.default_rng(round))
-        wire.client_to_server(data.client_id, client.train(data, message, state, ctx), round=round)
-    sigma = config.privacy().sigma
-    assert sigma == pytest.approx(analytic_gaussian_sigma(2.0, 1e-5, 2 * 0.5 * math.sqrt(2)))
-    assert wire.ledgers[data.client_id].events == (GaussianEvent(sigma=sigma, sensitivity=1.0),) * 2
-    assert wire.ledgers.epsilons(1e-5)[data.client_id] == pytest.approx(2.0, rel=1e-3)
+        runtime.run_round(round)
+    data = federation.training_clients[0]
+    sigma = analytic_gaussian_sigma(2.0, 1e-5, 2 * 0.5 * math.sqrt(2))    # 2 C sqrt(k): two releases of 2 C
+    event = GaussianEvent(sigma=sigma, sensitivity=1.0, relation=NeighboringRelation.REPLACE_ONE)
+    assert runtime.wire.ledgers[data.client_id].events == (event,) * 2
+    assert runtime.wire.ledgers.epsilons(1e-5)[data.client_id] == pytest.approx(2.0, rel=1e-3)
     # A third release is refused by the ledger before anything is delivered, whatever the client's state says: a
     # run resumed from a checkpoint rolls the state back, not the ledger.
-    for kept_state in (state, {}):
-        release = client.train(data, message, kept_state, ctx)
-        assert release.calibrated_for == config.privacy().lifetime_budget
+    message = runtime.strategy.configure_train(2, [data.client_id])[data.client_id]
+    for kept_state in (runtime.client_states[data.client_id], {}):
+        release = runtime.client.train(data, message, kept_state, _context(data, 2))
+        assert release.event == event
         with pytest.raises(BudgetExceededError, match=r"from 2.0000 to 2.5105 .*over the budget epsilon=2,"):
-            wire.client_to_server(data.client_id, release, round=2)
-    assert len(wire.ledgers[data.client_id]) == 2 and wire.bytes_up[data.client_id] == 2 * message.num_bytes()
+            runtime.wire.client_to_server(data.client_id, release, round=2)
+    assert len(runtime.wire.ledgers[data.client_id]) == 2
+
+
+def _diverging(data, message, diverge):
+    if diverge == "loss":
+        message.config["inner_lr"] = float("inf")       # the local loss turns non-finite
+        return data
+    # inputs of 1e25: the mean loss stays finite (~1e23) but the last step overflows the weights to inf/nan, which
+    # must count as diverged too, not fail the release (a failure would depend on the data)
+    return dataclasses.replace(data, x_train=data.x_train * 1e25)
 
 
 @pytest.mark.parametrize("diverge", ["loss", "weights"])
-def test_under_dp_a_diverged_client_still_releases_noise_so_its_silence_reveals_nothing(make_spec, diverge):
-    data, strategy, client, config = _dp_client(make_spec, dp_epsilon=1.0, dp_participations=1, dp_max_norm=1e-3)
-    message = strategy.configure_train(0, [data.client_id])[data.client_id]
-    if diverge == "loss":
-        message.config["inner_lr"] = float("inf")       # the local loss turns non-finite
-    else:
-        # inputs of 1e25: the mean loss stays finite (~1e23) but the last step overflows the weights to inf/nan,
-        # which must count as diverged too, not fail the release (a failure would depend on the data)
-        data = dataclasses.replace(data, x_train=data.x_train * 1e25)
-    ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
-    state = {}
-    release = client.train(data, message, state, ctx)
-    assert release is not None and release.calibrated_for == config.privacy().lifetime_budget
+def test_under_client_level_dp_a_diverged_client_still_releases_noise_so_its_silence_reveals_nothing(make_spec,
+                                                                                                   diverge):
+    privacy = TrainingPrivacy(mode="local", epsilon=1.0, clip=1e-3, participations=1)
+    federation, runtime = _private_run(make_spec, privacy)
+    data = federation.training_clients[0]
+    message = runtime.strategy.configure_train(0, [data.client_id])[data.client_id]
+    data = _diverging(data, message, diverge)
+    assert runtime.client.inner.train(data, message, {}, _context(data)) is not None   # a zero update, not silence
+    release = runtime.client.train(data, message, {}, _context(data))
     flat = torch.cat([v.reshape(-1) for v in release.message.arrays.values()])
-    assert bool(torch.isfinite(flat).all()) and float(flat.std()) == pytest.approx(config.privacy().sigma, rel=0.02)
+    sigma = analytic_gaussian_sigma(1.0, 1e-5, 2 * 1e-3)
+    assert bool(torch.isfinite(flat).all()) and float(flat.std()) == pytest.approx(sigma, rel=0.02)
     assert release.metadata["noise"] == "secure"
     # without DP the diverged client stays silent, as the authors' code has it
-    _, strategy, plain, _ = _dp_client(make_spec)
-    message = strategy.configure_train(0, [data.client_id])[data.client_id]
-    if diverge == "loss":
-        message.config["inner_lr"] = float("inf")
-    assert plain.train(data, message, {}, ctx) is None
+    _, plain = _private_run(make_spec, TrainingPrivacy())
+    message = plain.strategy.configure_train(0, [data.client_id])[data.client_id]
+    data = _diverging(federation.training_clients[0], message, diverge)
+    assert plain.client.train(data, message, {}, _context(data)) is None
 
 
-def test_dp_release_is_clipped_update_plus_noise_of_the_calibrated_scale(make_spec):
-    data, strategy, client, config = _dp_client(make_spec, dp_epsilon=1.0, dp_participations=1, dp_max_norm=1e-3)
-    ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
-    state = {}
-    release = client.train(data, strategy.configure_train(0, [data.client_id])[data.client_id], state, ctx)
+def test_client_level_dp_release_is_the_clipped_update_plus_noise_of_the_calibrated_scale(make_spec):
+    privacy = TrainingPrivacy(mode="local", epsilon=1.0, clip=1e-3, participations=1)
+    federation, runtime = _private_run(make_spec, privacy)
+    data = federation.training_clients[0]
+    message = runtime.strategy.configure_train(0, [data.client_id])[data.client_id]
+    plain = runtime.client.inner.train(data, message, {}, _context(data))
+    assert set(plain.message.arrays) == set(message.arrays) and plain.message.metrics == {}
+    release = runtime.client.train(data, message, {}, _context(data))
     flat = torch.cat([v.reshape(-1) for v in release.message.arrays.values()])
-    sigma = config.privacy().sigma
     # The clipped update has norm <= 1e-3, so the release is essentially noise: its std must be sigma.
-    assert float(flat.std()) == pytest.approx(sigma, rel=0.02)
+    assert float(flat.std()) == pytest.approx(analytic_gaussian_sigma(1.0, 1e-5, 2e-3), rel=0.02)
     assert release.message.metrics == {}
+
+
+def test_central_and_distributed_dp_step_the_server_from_the_mean_update():
+    strategy, _ = make("fedtta")
+    psi, phi = dict(strategy.psi), dict(strategy.phi)
+    like = strategy.contribution_shapes()
+    assert set(like) == set(strategy.configure_train(0, [0])[0].arrays)
+    assert all(float(v.abs().sum()) == 0 for v in like.values())
+    mean = {k: torch.full_like(v, 0.25) for k, v in like.items()}
+    assert strategy.apply_mean(3, mean, 2.0) == {}
+    assert all(torch.allclose(strategy.psi[k], psi[k] + 0.25) for k in psi)
+    assert all(torch.allclose(strategy.phi[k], phi[k] + 0.25) for k in phi)
+    assert strategy.rounds_done == 4      # the novel clients' test-time rate follows the rounds stepped
+
+
+@pytest.mark.parametrize("mode", ["record", "local", "central", "distributed"])
+def test_weighted_needs_sample_counts_that_private_clients_do_not_send(make_spec, mode):
+    privacy = TrainingPrivacy(mode=mode, noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match=f"weighted=True .*set weighted=False with privacy mode '{mode}'"):
+        _private_run(make_spec, privacy, weighted=True)
+
+
+# --- record level: DP-SGD on the per-record meta-loss -------------------------------------------------------------
+
+
+def _learner(scale=1.0, seed=0):
+    f, g, x, y = tiny_models(seed)
+    return MetaLearner(f, g, scale), x, y
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.3])
+def test_the_per_record_meta_loss_is_the_papers_meta_loss_on_a_batch_of_one(mu):
+    learner, x, y = _learner()
+    teacher = {k: v.detach() + 0.1 for k, v in learner.f.named_parameters()}
+    losses = record_meta_losses(learner, x, y, inner_lr=0.7, weight_decay=0.01, mu=mu, teacher=teacher)
+    psi, phi = dict(learner.f.named_parameters()), dict(learner.g.named_parameters())
+    for i in range(len(y)):
+        teacher_logits = torch.func.functional_call(learner.f, teacher, (x[i:i + 1],))
+        alone, _ = meta_loss(learner.f, learner.g, psi, phi, x[i:i + 1], y[i:i + 1], inner_lr=0.7,
+                             weight_decay=0.01, mu=mu, teacher_logits=teacher_logits)
+        assert float(losses[i].detach()) == pytest.approx(float(alone.detach()), rel=1e-10)
+    # each record's loss reads that record only: changing another record leaves it unchanged
+    other = x.clone()
+    other[1:] = torch.randn_like(other[1:]) * 10
+    changed = record_meta_losses(learner, other, y, inner_lr=0.7, weight_decay=0.01, mu=mu, teacher=teacher)
+    assert float(changed[0].detach()) == pytest.approx(float(losses[0].detach()), rel=1e-12)
+
+
+def test_dp_sgd_clips_the_per_record_meta_gradient_over_psi_and_phi_by_the_torch_func_path():
+    learner, x, y = _learner(scale=0.5)
+    params = dict(learner.named_parameters())
+    loss = functools.partial(record_meta_losses, inner_lr=0.7)
+
+    def clipped_sum(path, rows):
+        engine = ClippedGradientSum(learner, params, loss, path=path)
+        flat = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine(x[rows], y[rows], 0.05, flat_views(params, flat))
+        return engine, flat
+
+    engine, total = clipped_sum("auto", slice(None))
+    # the batched "fast" path cannot see per-record inner steps: it refuses the loss, and torch.func computes it
+    assert engine.path == "vmap" and "g.net.0.weight" in engine.reason
+    assert torch.allclose(total, clipped_sum("loop", slice(None))[1], atol=1e-10)
+    alone = [clipped_sum("loop", slice(i, i + 1))[1] for i in range(len(y))]
+    assert torch.allclose(total, sum(alone), atol=1e-10)          # the sum of each record's own clipped gradient
+    assert [float(a.norm()) for a in alone] == pytest.approx([0.05] * len(y), rel=1e-9)   # each clipped to C
+    start = sum(p.numel() for name, p in params.items() if name.startswith("f."))
+    assert all(float(a[start:].abs().max()) > 0 for a in alone)   # phi's gradient (through the inner step) is in it
+
+
+def test_record_level_meta_fit_moves_psi_at_eta_out_and_phi_at_eta_ad_with_their_weight_decay(make_spec):
+    # q = 1 (batch_size >= n), noise negligible, clip never reached: one DP-SGD step is the per-record gradients summed
+    # and divided by batch_size
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1e-12, clip=1e3, noise="seeded")   # noise std 1e-9
+    spec = get_method("fedtta")
+    config = spec.make_config(local_steps=1, batch_size=256, lr=0.3, adapt_lr=0.012, inner_lr=0.5,
+                              weight_decay=0.05, adapt_hidden=4, adapt_layers=1)
+    federation = build_federation(make_spec(num_clients=6, novel_fraction=0.5), seed=0)
+    factory = ModelFactory("mlp2nn", federation.input_shape, federation.num_classes)
+    client = spec.client(model_factory=factory, config=config, privacy=privacy)
+    strategy = spec.strategy(model_factory=factory, config=config, seed=0, num_training_clients=3)
+    data = federation.training_clients[0]
+    assert data.num_train <= 256
+    message = strategy.configure_train(0, [data.client_id])[data.client_id]
+    release = client.train(data, message, {}, _context(data))
+    f, g = factory(), AdaptationModel(federation.num_classes, 4, 1)
+    f.load_state_dict(message.subset("psi."))
+    g.load_state_dict(message.subset("phi."))
+    losses = record_meta_losses(MetaLearner(f, g, 1.0), data.x_train, data.y_train, inner_lr=0.5, weight_decay=0.05)
+    psi, phi = list(f.parameters()), list(g.parameters())
+    grads = torch.autograd.grad(losses.sum() / 256, psi + phi)
+    expected = [-0.3 * (gr + 0.05 * p) for p, gr in zip(psi, grads[:len(psi)])] + \
+               [-0.012 * (gr + 0.05 * p) for p, gr in zip(phi, grads[len(psi):])]
+    got = list(release.message.subset("psi.").values()) + list(release.message.subset("phi.").values())
+    for want, have in zip(expected, got, strict=True):
+        assert torch.allclose(have, want.detach(), atol=1e-6, rtol=1e-4)
+    assert release.message.metrics == {}
+
+
+def test_a_record_level_round_records_the_event_its_round_event_declares(make_spec):
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1.3, noise="seeded")
+    federation, runtime = _private_run(make_spec, privacy, method="fedtta_prox", rounds=1)
+    runtime.run_round(0)
+    for data in federation.training_clients:
+        records = runtime.wire.ledgers[data.client_id].records
+        assert [r.event for r in records] == [runtime.client.inner.round_event(data, 1.3)]
+        assert records[0].event == dp_sgd_round_event(1.3, data.num_train, 8, 2)
+    # g was trained on the per-record statistic, so the test-time loss is per record too
+    assert runtime.client.inner.tta_chunk == 1
+    _, plain = _private_run(make_spec, TrainingPrivacy(), method="fedtta_prox")
+    assert plain.client.tta_chunk == 8   # batch_size
+
+
+@pytest.mark.parametrize("settings, refusal", [
+    ({"adapt_momentum": 0.9}, "adapt_momentum=0.9 puts momentum on phi only"),
+    ({"grad_clip": 10.0}, "grad_clip=10.0 clips each step's batch gradient"),
+])
+def test_record_level_refuses_before_the_run_what_dp_sgd_cannot_honour(make_spec, settings, refusal):
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match=refusal):
+        _private_run(make_spec, privacy, **settings)
+    # the same settings are the authors' code's stabilisers, and run under client-level DP
+    _private_run(make_spec, TrainingPrivacy(mode="local", noise_multiplier=1.0), **settings)
+
+
+def test_at_record_level_records_whose_meta_gradient_is_not_finite_drop_out_and_the_client_still_releases(make_spec):
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1.0, noise="seeded")
+    federation, runtime = _private_run(make_spec, privacy)
+    data = federation.training_clients[0]
+    message = runtime.strategy.configure_train(0, [data.client_id])[data.client_id]
+    # an infinite inner rate makes every record's meta-gradient non-finite: each is left out of the clipped sum
+    # (privfl.privacy.per_sample), so the step is the noise alone and the release is finite, not a diverged zero
+    message.config["inner_lr"] = float("inf")
+    release = runtime.client.train(data, message, {}, _context(data))
+    assert all(bool(torch.isfinite(v).all()) and float(v.abs().sum()) > 0 for v in release.message.arrays.values())
+    assert release.event == runtime.client.inner.round_event(data, 1.0)   # the spent steps are recorded

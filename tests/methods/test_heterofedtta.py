@@ -1,7 +1,10 @@
 """HeteroFedTTA: three model sizes, logit consensus on the public set, the Eq. 14 KD loss, novel clients, a run."""
 
+import dataclasses
 import json
 import math
+
+import numpy as np
 
 import pytest
 import torch
@@ -9,8 +12,9 @@ from torch import nn
 
 from privfl.data import build_federation
 from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, RunInterrupted, build_runtime, train
-from privfl.federation import Message
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, build_runtime, train
+from privfl.federation import ClientContext, Message
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedtta import AdaptationModel, inner_step
 from privfl.methods.heterofedtta import (
@@ -22,6 +26,7 @@ from privfl.methods.heterofedtta import (
     distillation_loss,
     prediction_model,
 )
+from privfl.privacy.training import TrainingPrivacy
 
 torch.set_num_threads(1)
 
@@ -141,7 +146,7 @@ def test_the_personalised_term_reaches_the_adaptation_model():
     ({"distill_batch": 0}, "distill_batch"),
     ({"mu": 0.01}, "mu"),
     ({"adapt_hidden": 16}, "adapt_hidden"),
-    ({"dp_epsilon": 1.0}, "dp_epsilon"),
+    ({"dp_epsilon": 1.0}, "no setting dp_epsilon"),     # the privacy layer's TrainingPrivacy protects the logits
 ])
 def test_bad_settings_are_refused_by_name(settings, name):
     with pytest.raises(ConfigError, match=name):
@@ -227,3 +232,61 @@ def test_two_round_run_end_to_end_and_resumed_identically(make_spec, tmp_path):
         train(config, str(tmp_path / "resumed"), progress=False, stop_after_round=1)
     resumed = train(config, str(tmp_path / "resumed"), progress=False, resume=True)
     assert resumed["novel"] == summary["novel"] and resumed["training_val"] == summary["training_val"]
+
+
+# --- privacy ------------------------------------------------------------------------------------------------------
+
+
+def test_central_and_distributed_dp_form_the_consensus_from_the_mean_of_the_logits():
+    strategy, _, _ = make(public_size=20)
+    like = strategy.contribution_shapes()
+    assert {k: tuple(v.shape) for k, v in like.items()} == {"base": (20, 4), "per": (20, 4)}
+    mean = {"base": torch.full((20, 4), 0.5), "per": torch.full((20, 4), -1.0)}
+    assert strategy.apply_mean(2, mean, 3.0) == {}
+    assert torch.equal(strategy.base, mean["base"]) and torch.equal(strategy.per, mean["per"])
+    down = strategy.configure_train(3, [0])[0]
+    assert torch.equal(down.arrays[BASE], mean["base"]) and strategy.rounds_done == 3
+
+
+def _private(make_spec, privacy, rounds=1, **settings):
+    spec = make_spec(num_clients=6, novel_fraction=0.5)
+    config = RunConfig(federation=spec, method="heterofedtta", model="mlp2nn", rounds=rounds, select="last",
+                       method_config={**SMALL, **settings}, privacy=privacy)
+    federation = build_federation(spec, seed=0)
+    return federation, build_runtime(config, federation)
+
+
+def test_record_level_rounds_record_the_event_their_round_event_declares_and_send_no_metrics(make_spec):
+    federation, runtime = _private(make_spec, TrainingPrivacy(mode="record", noise_multiplier=1.2, noise="seeded"),
+                                   rounds=2)
+    for round in range(2):
+        runtime.run_round(round)
+    assert runtime.strategy.base is not None
+    for data in federation.training_clients:
+        records = runtime.wire.ledgers[data.client_id].records
+        assert [r.event for r in records] == [runtime.client.inner.round_event(data, 1.2)] * 2
+        assert all(math.isfinite(runtime.wire.ledgers.epsilons(1e-5)[data.client_id]) for _ in records)
+    message = runtime.strategy.configure_train(2, [0])[0]
+    data = federation.training_clients[0]
+    ctx = ClientContext(client_id=data.client_id, round=2, run_seed=0, rng=np.random.default_rng(0))
+    release = runtime.client.inner.train(data, message, dict(runtime.client_states[data.client_id]), ctx)
+    assert sorted(release.message.arrays) == ["base", "per"] and release.message.metrics == {}
+
+
+# record level is not here: a record whose gradient overflows is left out of the clipped sum, so it cannot diverge
+@pytest.mark.parametrize("mode", ["local"])
+def test_under_dp_a_diverged_client_keeps_its_models_and_releases_their_logits_rather_than_staying_silent(
+        make_spec, mode):
+    federation, runtime = _private(make_spec, TrainingPrivacy(mode=mode, noise_multiplier=1.0, noise="seeded"))
+    data = federation.training_clients[0]
+    message = runtime.strategy.configure_train(0, [data.client_id])[data.client_id]
+    data = dataclasses.replace(data, x_train=data.x_train * 1e25)     # the meta-training diverges
+    ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
+    client, state = runtime.client.inner, {}
+    release = client.train(data, message, state, ctx)
+    assert release is not None and state == {}           # the previous models (here the initial ones) are kept
+    kept = client.public_logits(*client.own_models(data.client_id, message, {}), message.arrays[PUBLIC], message)
+    assert torch.equal(release.message.arrays["base"], kept[0]) and torch.equal(release.message.arrays["per"], kept[1])
+    # without DP it stays silent, as the authors' code has it
+    _, plain = _private(make_spec, TrainingPrivacy())
+    assert plain.client.train(data, message, {}, ctx) is None

@@ -6,12 +6,19 @@ import pytest
 import torch
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime, Message, RunDirectory
+from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.itpflhn import make_encoder
+from privfl.methods.private import protect
 from privfl.models import DeepSetEncoder, DPDeepSetEncoder, functional_forward
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
+
+from accounting import ComposedEvent, analytic_gaussian_sigma  # noqa: E402  (after privfl, as in test_pefll)
+from accounting import epsilon as accounting_epsilon  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +81,7 @@ def test_a_diverging_encoder_regression_is_refused_naming_encoder_lr():
     clients = [client(i, shift=50.0 * i) for i in range(4)]      # large inputs: lr 1e3 overflows at once
     rt, strategy, _ = runtime(clients, phase1_rounds=50, encoder_lr=1e3, encoder_steps=10)
     before = {k: v.clone() for k, v in strategy.encoder_weights.items()}
-    with pytest.raises(ConfigError, match=r"encoder regression diverged.*encoder_lr \(now 1000.0\)"):
+    with pytest.raises(TrainingDivergedError, match=r"encoder regression diverged.*encoder_lr \(now 1000.0\)"):
         for r in range(3):
             rt.run_round(r)
     assert all(bool(torch.isfinite(v).all()) for v in strategy.encoder_weights.values())
@@ -185,6 +192,136 @@ def test_a_malformed_descriptor_is_refused():
 def test_bad_settings_raise_naming_the_value(bad, match):
     with pytest.raises(ConfigError, match=match):
         get_method("itpflhn").make_config(**bad)
+
+
+# -- the privacy layer ---------------------------------------------------------------------------------------------
+
+DP = {"encoder": "dp_deepset", "grad_clip": None}
+
+
+def private_runtime(clients, privacy, rounds=2, novel_privacy=NovelPrivacy(bound=0.5), **settings):
+    """IT-PFL-HN under ``privacy`` as :func:`privfl.config.build_method` builds it (every client every round)."""
+    spec = get_method("itpflhn")
+    config = spec.make_config(**{**SMALL, **DP, **settings})
+    strategy = spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=len(clients))
+    proc = spec.client(model_factory=FACTORY, config=config, privacy=privacy, participations=rounds,
+                       novel_privacy=novel_privacy)
+    strategy, wrapped = protect(spec, strategy, proc, privacy, rounds=rounds, client_fraction=1.0, seed=0,
+                                num_training_clients=len(clients))
+    return InProcessRuntime(strategy=strategy, client=wrapped, training_clients=clients, seed=0), proc
+
+
+RECORD = TrainingPrivacy(mode="record", noise_multiplier=1.2, clip=0.7, noise="seeded", noise_seed=4, min_samples=6)
+
+
+def test_record_level_rounds_record_the_declared_events_phase_one_exactly_and_phase_two_within_it():
+    clients = [client(0, n=16), client(1, n=24)]
+    rt, proc = private_runtime(clients, RECORD, phase1_rounds=1, encoder_steps=3)
+    rt.run_round(0)
+    rt.run_round(1)
+    for c in clients:
+        records = rt.wire.ledgers[c.client_id].records
+        assert [r.purpose for r in records] == ["weight_change", "encoder_update", "descriptor", "weight_change"]
+        declared = proc.round_event(c, 1.2)
+        assert ComposedEvent(tuple(r.event for r in records[:2])) == declared
+        # each regression step: phi's mean (2B / min_samples) and phi's gradient (2C / min_samples), both at z = 1.2
+        mean, gradient = records[1].event.event.events
+        assert (mean.sensitivity, mean.sigma, records[1].event.count) == pytest.approx((2 * 0.5 / 6, 1.2 / 6, 3))
+        assert (gradient.sensitivity, gradient.sigma) == pytest.approx((2 * 0.7 / 6, 1.2 * 1.4 / 6))
+        phase2 = ComposedEvent(tuple(r.event for r in records[2:]))
+        assert phase2 == proc.phase2_round_event(c, 1.2)
+        assert accounting_epsilon(phase2, 1e-5) < accounting_epsilon(declared, 1e-5)
+        assert all(r.metadata.get("min_samples") == 6 or r.purpose == "weight_change" for r in records)
+
+
+def test_a_target_epsilon_is_spent_exactly_over_phase_one_rounds_and_is_not_exceeded_with_phase_two():
+    clients = [client(0, n=16), client(1, n=24)]
+    for phase1_rounds, check in ((2, lambda eps: eps == pytest.approx(2.0, rel=1e-2)), (1, lambda eps: eps < 1.9)):
+        privacy = TrainingPrivacy(mode="record", epsilon=2.0, clip=0.7, noise="seeded", min_samples=6)
+        rt, _ = private_runtime(clients, privacy, phase1_rounds=phase1_rounds, encoder_steps=1)
+        rt.run_round(0)
+        rt.run_round(1)
+        spent = [rt.wire.ledgers[c.client_id].spent(1e-5).epsilon for c in clients]
+        assert all(check(eps) for eps in spent), (phase1_rounds, spent)
+
+
+def test_the_private_regression_step_is_the_regression_gradient_when_noise_and_clipping_vanish():
+    """z -> 0 and a clip no norm reaches: the two releases of each step give the exact regression gradient (the
+    cotangent is taken at the noisy mean, which is then the true one)."""
+    clients = [client(0, n=12)]
+    tiny = TrainingPrivacy(mode="record", noise_multiplier=1e-9, clip=1e3, noise="seeded", min_samples=6)
+    changes = []
+    for privacy in (tiny, None):
+        if privacy is None:
+            rt, strategy, proc = runtime(clients, **DP, encoder_steps=2)
+        else:
+            rt, proc = private_runtime(clients, privacy, novel_privacy=NovelPrivacy(bound=1e3), encoder_steps=2)
+            strategy = rt.strategy
+        message = strategy.configure_train(0, [0])
+        stage = strategy.configure_stage(0, 1, {0: Message(arrays={k: torch.zeros_like(v) for k, v in
+                                                                   message[0].arrays.items()})})
+        ctx = client_context(0, 0, 0, 1)
+        release = (proc.private_encoder_regression(clients[0], stage[0], ctx) if privacy is not None
+                   else proc.encoder_regression(clients[0], stage[0]))
+        changes.append(release.message.arrays)
+    for name in changes[1]:
+        assert torch.allclose(changes[0][name], changes[1][name], atol=1e-5, rtol=1e-4), name
+    assert any(float(v.abs().max()) > 1e-3 for v in changes[1].values())
+
+
+def test_record_level_and_private_novel_clients_refuse_an_encoder_that_is_not_a_clipped_mean(make_spec):
+    spec = get_method("itpflhn")
+    record = TrainingPrivacy(mode="record", noise_multiplier=1.0)
+    refusal = "itpflhn with privacy mode 'record' .* encoder='deepset' cannot be made private: its max-pooled half"
+    with pytest.raises(ConfigError, match=refusal):      # before the run: the run's config refuses it
+        RunConfig(federation=make_spec(), method="itpflhn", method_config={"grad_clip": None}, privacy=record,
+                  select="last")
+    config = spec.make_config(**SMALL, grad_clip=None)      # the mean+max DeepSet
+    with pytest.raises(ConfigError, match=refusal):      # and so does a client built without one
+        spec.client(model_factory=FACTORY, config=config, privacy=record)
+    with pytest.raises(ConfigError, match="itpflhn with novel_privacy .* encoder='set_transformer'"):
+        spec.client(model_factory=FACTORY, config=spec.make_config(**{**SMALL, "encoder": "set_transformer",
+                                                                      "encoder_options": {}}),
+                    novel_privacy=NovelPrivacy(epsilon=1.0))
+
+
+def test_a_private_novel_descriptor_has_the_analytic_sigma_for_2b_over_n_and_spends_the_novel_epsilon():
+    rt, proc = private_runtime([client(0), client(1)], TrainingPrivacy(), rounds=1, phase1_rounds=1,
+                               novel_privacy=NovelPrivacy(epsilon=2.0, delta=1e-6, bound=0.5, noise="seeded"))
+    rt.run_round(0)
+    novel = NovelClient(42, torch.randn(25, 3, generator=torch.Generator().manual_seed(5)))
+    rt.novel_client_model(novel)
+    (record,) = rt.wire.ledgers[42].records
+    assert record.purpose == "descriptor" and record.event.sensitivity == pytest.approx(2 * 0.5 / 25)
+    assert record.event.sigma == pytest.approx(analytic_gaussian_sigma(2.0, 1e-6, 2 * 0.5 / 25), rel=1e-12)
+    assert rt.wire.ledgers[42].spent(1e-6).epsilon == pytest.approx(2.0, rel=1e-3)
+
+
+def test_central_dp_moves_the_encoder_by_the_noisy_mean_in_phase_one_and_not_at_all_in_phase_two():
+    strategy, _ = make(**DP, phase1_rounds=1)
+    messages = strategy.configure_train(0, [0, 1])
+    changes = {cid: Message(arrays={k: torch.ones_like(v) for k, v in messages[cid].arrays.items()}) for cid in (0, 1)}
+    stage = strategy.configure_stage(0, 1, changes)
+    encoder_changes = {cid: Message(arrays={k: torch.full_like(v, float(cid + 1)) for k, v in
+                                            strategy.encoder_weights.items()}) for cid in stage}
+    contributions = dict(strategy.contributions(0, encoder_changes))
+    assert set(contributions[1]) == set(strategy.contribution_shapes())
+    assert all(torch.equal(contributions[1]["enc." + k], torch.full_like(v, 2.0))
+               for k, v in strategy.encoder_weights.items())
+    before = {k: v.clone() for k, v in strategy.encoder_weights.items()}
+    mean = {k: torch.full_like(v, 0.25) for k, v in strategy.contribution_shapes().items()}
+    strategy.apply_mean(0, mean, 1.5)
+    assert all(torch.allclose(strategy.encoder_weights[k], before[k] + 0.25) for k in before)
+    # phase 2: the encoder is frozen, its part of a contribution is zeros, and the noisy mean's part is ignored
+    messages = strategy.configure_train(1, [0])
+    descriptors = {0: Message(arrays={"descriptor": torch.zeros(strategy.embed_dim)})}
+    generated = strategy.configure_stage(1, 1, descriptors)
+    weight_changes = {0: Message(arrays={k: torch.ones_like(v) for k, v in generated[0].arrays.items()})}
+    (cid, contribution), = strategy.contributions(1, weight_changes)
+    assert all(float(contribution["enc." + k].abs().max()) == 0 for k in strategy.encoder_weights)
+    frozen = {k: v.clone() for k, v in strategy.encoder_weights.items()}
+    strategy.apply_mean(1, mean, 1.5)
+    assert all(torch.equal(strategy.encoder_weights[k], frozen[k]) for k in frozen)
 
 
 def _run_config(make_spec, **overrides):

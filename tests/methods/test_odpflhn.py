@@ -1,5 +1,5 @@
-"""ODPFL-HN: Algorithm 1's gradients (digest 3.1), the dialogue's releases, novel-client ledgers, resume, config
-errors."""
+"""ODPFL-HN: Algorithm 1's gradients (Amosy et al.; docs/papers.md, ODPFL-HN), the dialogue's releases, novel-client
+ledgers, resume, config errors."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.federation.context import client_context
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.odpflhn import ODPFLHNClient, ODPFLHNConfig, ODPFLHNStrategy, client_descriptor
 from privfl.models import backprop_weight_change, functional_forward
+from privfl.methods.private import PrivateClient
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 FACTORY = ModelFactory("mlp2nn", (6,), 3)
 
@@ -37,10 +41,12 @@ def _client(cid: int, n: int = 24, seed: int = 0) -> TrainingClient:
     return TrainingClient(cid, x, y, x[:4].clone(), y[:4].clone())
 
 
-def _runtime(config: ODPFLHNConfig, clients: list[TrainingClient]) -> InProcessRuntime:
+def _runtime(config: ODPFLHNConfig, clients: list[TrainingClient], *, novel_privacy: NovelPrivacy | None = None,
+             privacy: TrainingPrivacy | None = None) -> InProcessRuntime:
     strategy = ODPFLHNStrategy(model_factory=FACTORY, config=config, seed=1, num_training_clients=len(clients))
-    return InProcessRuntime(strategy=strategy, client=ODPFLHNClient(model_factory=FACTORY, config=config),
-                            training_clients=clients, seed=1)
+    client = ODPFLHNClient(model_factory=FACTORY, config=config, novel_privacy=novel_privacy, privacy=privacy,
+                           participations=4)
+    return InProcessRuntime(strategy=strategy, client=client, training_clients=clients, seed=1)
 
 
 @pytest.mark.parametrize("encoder,descriptor", [("dp_deepset", "full"), ("dp_deepset", "batch_mean"),
@@ -59,7 +65,7 @@ def test_one_plain_sgd_step_gives_lr_times_the_true_gradients(encoder, descripto
     hnet, enc = copy.deepcopy(runtime.strategy.hnet), copy.deepcopy(runtime.strategy.encoder)
 
     # the true gradient of L = mean cross-entropy of h(x; f_theta(g_gamma(X))) on the one batch
-    seed = ODPFLHNClient._descriptor_seed(runtime._context(0, 0))
+    seed = ODPFLHNClient._descriptor_seed(client_context(runtime.seed, 0, 0))
     e = client_descriptor(enc, data.x_train, config, seed=seed)
     loss = nn.functional.cross_entropy(functional_forward(FACTORY(), hnet(e), data.x_train), data.y_train)
     hn_params, enc_params = list(hnet.parameters()), list(enc.parameters())
@@ -93,7 +99,7 @@ def test_a_diverging_round_is_refused_naming_the_rates_and_leaves_the_models_fin
     config = ODPFLHNConfig(lr=1e6, local_steps=5, batch_size=8, encoder_hidden=8, embed_dim=4, hn_hidden=16,
                            hn_lr=0.05, encoder_lr=0.05, grad_clip=None)
     runtime = _runtime(config, [_client(i, seed=3) for i in range(3)])
-    with pytest.raises(ConfigError, match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr "
+    with pytest.raises(TrainingDivergedError, match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr "
                                           r"\(now 1000000.0\)"):
         runtime.run_round(0)
     for module in (runtime.strategy.hnet, runtime.strategy.encoder):
@@ -134,8 +140,8 @@ def test_the_hypernetwork_step_averages_only_the_clients_that_answer_the_last_st
 
 @pytest.mark.parametrize("epsilon", [None, 0.5])
 def test_a_novel_client_releases_exactly_one_descriptor(epsilon):
-    config = ODPFLHNConfig(encoder_hidden=8, embed_dim=4, hn_hidden=16, novel_epsilon=epsilon, novel_delta=1e-5)
-    runtime = _runtime(config, [_client(0)])
+    config = ODPFLHNConfig(encoder_hidden=8, embed_dim=4, hn_hidden=16)
+    runtime = _runtime(config, [_client(0)], novel_privacy=NovelPrivacy(epsilon=epsilon, delta=1e-5))
     runtime.run_round(0)
     novel = NovelClient(7, torch.randn(300, 6, generator=torch.Generator().manual_seed(9)))
     model = runtime.novel_client_model(novel)
@@ -151,14 +157,14 @@ def test_a_novel_client_releases_exactly_one_descriptor(epsilon):
 
 
 def test_the_private_descriptor_is_the_clean_one_plus_noise_that_shrinks_with_n():
-    base = dict(encoder_hidden=8, embed_dim=4, hn_hidden=16, encoder_clip=1.0, novel_delta=1e-5)
+    base = dict(encoder_hidden=8, embed_dim=4, hn_hidden=16, encoder_clip=1.0)
     clean_rt = _runtime(ODPFLHNConfig(**base), [_client(0)])
     state = clean_rt.strategy.state_dict()
     distances = {}
     for n in (100, 10000):
         x = torch.randn(n, 6, generator=torch.Generator().manual_seed(n))
         clean = clean_rt.client.novel_query(NovelClient(1, x), clean_rt.strategy.novel_request(1))
-        private_rt = _runtime(ODPFLHNConfig(**base, novel_epsilon=1.0), [_client(0)])
+        private_rt = _runtime(ODPFLHNConfig(**base), [_client(0)], novel_privacy=NovelPrivacy(epsilon=1.0))
         private_rt.strategy.load_state_dict(state)
         noisy = private_rt.client.novel_query(NovelClient(1, x), private_rt.strategy.novel_request(1))
         distances[n] = float((noisy.message.arrays["descriptor"] - clean.message.arrays["descriptor"]).norm())
@@ -167,8 +173,8 @@ def test_the_private_descriptor_is_the_clean_one_plus_noise_that_shrinks_with_n(
 
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
     cfg = RunConfig(federation=make_spec(), method="odpflhn",
-                    method_config={"local_steps": 3, "batch_size": 16, "encoder_hidden": 16, "hn_hidden": 32,
-                                   "novel_epsilon": 1.0, "novel_noise": "seeded"},
+                    method_config={"local_steps": 3, "batch_size": 16, "encoder_hidden": 16, "hn_hidden": 32},
+                    novel_privacy=NovelPrivacy(epsilon=1.0, noise="seeded"),
                     rounds=4, client_fraction=0.5, eval_every=2, checkpoint_every=3, seed=2)
     full = train(cfg, str(tmp_path / "full"), progress=False)
     with pytest.raises(RunInterrupted):
@@ -186,14 +192,77 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
 
 
 @pytest.mark.parametrize("values,needle", [
-    ({"encoder": "deepset", "novel_epsilon": 1.0}, "novel_epsilon=1.0 needs a privatizable encoder"),
     ({"encoder": "lstm"}, "encoder must be one of deepset, dp_deepset, dss, set_transformer, got 'lstm'"),
     ({"descriptor": "sum"}, "descriptor must be one of full, batch_mean"),
     ({"encoder": "dss", "train_mean_noise": 0.1}, "train_mean_noise=0.1 applies only to encoder='dp_deepset'"),
     ({"local_momentum": 1.0}, "local_momentum must be in [0, 1)"),
-    ({"novel_noise": "urandom"}, "novel_noise must be 'seeded' or 'secure'"),
 ])
 def test_bad_settings_are_named(values, needle):
     with pytest.raises(ConfigError) as info:
         get_method("odpflhn").make_config(**values)
     assert needle in str(info.value)
+
+
+def test_privacy_settings_the_modes_cannot_hold_under_are_refused_before_the_run(make_spec):
+    spec = make_spec()
+    with pytest.raises(ConfigError, match="novel_privacy epsilon=1.0 needs a privatizable encoder"):
+        RunConfig(federation=spec, method="odpflhn", method_config={"encoder": "deepset"},
+                  novel_privacy=NovelPrivacy(epsilon=1.0))
+    record = TrainingPrivacy(mode="record", noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match="needs descriptor='full'"):
+        RunConfig(federation=spec, method="odpflhn", method_config={"descriptor": "batch_mean"}, privacy=record,
+                  select="last")
+    with pytest.raises(ConfigError, match="standardize_descriptors=True fits the hypernetwork's input statistics"):
+        RunConfig(federation=spec, method="odpflhn", method_config={"standardize_descriptors": True},
+                  privacy=TrainingPrivacy(mode="central", noise_multiplier=1.0), select="last")
+    with pytest.raises(ConfigError, match="cannot run with privacy mode 'distributed': the server generates"):
+        RunConfig(federation=spec, method="odpflhn", privacy=TrainingPrivacy(mode="distributed", noise_multiplier=1.0),
+                  select="last")
+    with pytest.raises(ConfigError, match="novel noise must be one of"):
+        NovelPrivacy(noise="urandom")
+
+
+def _record_runtime(clip: float = 1.0, noise_multiplier: float = 1.3) -> InProcessRuntime:
+    config = ODPFLHNConfig(encoder_hidden=8, embed_dim=4, hn_hidden=16, encoder_clip=1.0, local_steps=3,
+                           batch_size=8)
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=noise_multiplier, clip=clip, min_samples=16,
+                              noise="seeded", noise_seed=4)
+    runtime = _runtime(config, [_client(0, n=40), _client(1, n=40)], privacy=privacy)
+    runtime.client = PrivateClient(runtime.client, privacy, method="odpflhn")
+    return runtime
+
+
+def test_a_record_level_round_records_the_three_releases_its_procedure_declares():
+    # the descriptor (privatize, add/remove one, n private), the weight change (DP-SGD) and the encoder gradient
+    # (clipped per-record contributions): together exactly round_event, what a target epsilon is calibrated on
+    runtime = _record_runtime()
+    runtime.run_round(0)
+    inner, data = runtime.client.inner, runtime.clients[0]
+    records = runtime.wire.ledgers[0].records
+    assert [r.purpose for r in records] == ["descriptor", "weight_change", "encoder_gradient"]
+    declared = inner.round_event(data, 1.3).events
+    assert tuple(r.event for r in records) == declared
+    # the descriptor and gradient are means with n private, calibrated at min_samples: sensitivity 2 B / 16
+    assert [r.event.sensitivity for r in records[::2]] == pytest.approx([2 / 16, 2 / 16])
+    assert all(r.event.relation.value == "add_or_remove_one" for r in records)
+    assert all(not r.metadata.get("n") for r in records)                 # n stays out of the ledger
+
+
+def test_the_private_encoder_gradient_is_the_true_one_without_noise_or_clipping():
+    # with (almost) no noise and a clip no contribution reaches, the per-record path gives the gradient of the
+    # descriptor's mean, the one the non-private client sends
+    runtime = _record_runtime(clip=1e3, noise_multiplier=1e-12)
+    inner, data = runtime.client.inner, runtime.clients[0]
+    message = runtime.strategy.configure_train(0, [0])[0]
+    state = {}
+    ctx = client_context(1, 0, 0)
+    inner.train(data, message.copy(), state, ctx)
+    descriptor_grad = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    backprop = runtime.strategy._encoder_message(stage=2)
+    backprop.arrays["descriptor_grad"] = descriptor_grad
+    private = inner.train_stage(2, data, backprop.copy(), state, ctx).message.arrays
+    clean_client = ODPFLHNClient(model_factory=FACTORY, config=inner.config)
+    clean = clean_client.train_stage(2, data, backprop.copy(), {}, ctx).message.arrays
+    assert private.keys() == clean.keys()
+    for name in clean:
+        torch.testing.assert_close(private[name], clean[name], rtol=1e-4, atol=1e-6)

@@ -8,15 +8,16 @@ model for the client's own classes beats a model for all six by far) is trained 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
+from privfl.privacy.training import NovelPrivacy
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.sweep import DEFAULT_METHOD
 
 SPEC = FederationSpec(source="synthetic", source_options={"num_samples": 2400, "dim": 10, "num_classes": 6,
@@ -89,8 +90,9 @@ def test_privacy_noise_at_tiny_epsilon_times_n_changes_the_served_model(trained)
     served = {}
     try:
         for name, epsilon in (("clean", None), ("private", 0.05), ("private_again", 0.05)):
-            runtime.client = type(base)(model_factory=base.model_factory, config=dataclasses.replace(
-                base.config, novel_epsilon=epsilon, novel_noise="seeded", novel_noise_seed=len(served)))
+            runtime.client = type(base)(model_factory=base.model_factory, config=base.config,
+                                        novel_privacy=NovelPrivacy(epsilon=epsilon, noise="seeded",
+                                                                   noise_seed=len(served)))
             model = runtime.novel_client_model(NovelClient(500 + len(served), x))
             served[name] = _flat(dict(model.named_parameters()))
     finally:

@@ -7,15 +7,21 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient, build_federation
-from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, build_runtime, train
+from privfl.errors import ConfigError, TrainingDivergedError
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime, train
 from privfl.federation import InProcessRuntime
+from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
+from privfl.methods.private import protect
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.methods.pefll import PeFLLConfig, descriptor_of, unseen_clients_with_labels
 from privfl.models import functional_forward
+from privfl.models.hypernetwork import backprop_weight_change
 from privfl.models.pefll import EmbeddingNetwork
 
-from accounting import analytic_gaussian_sigma  # noqa: E402  (after privfl: tests/accounting would shadow it)
+from accounting import ComposedEvent, NeighboringRelation, analytic_gaussian_sigma  # noqa: E402  (after privfl: tests/accounting would shadow it)
+from accounting import epsilon as accounting_epsilon  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -30,12 +36,25 @@ def _client(cid, n=12, seed=0):
     return TrainingClient(cid, x[:n], y[:n], x[n:], y[n:])
 
 
-def _runtime(clients, **settings):
+def _runtime(clients, novel_privacy=None, **settings):
     spec = get_method("pefll")
     config = spec.make_config(**{**SMALL, **settings})
     strategy = spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=len(clients))
-    client = spec.client(model_factory=FACTORY, config=config)
+    client = spec.client(model_factory=FACTORY, config=config, novel_privacy=novel_privacy)
     return InProcessRuntime(strategy=strategy, client=client, training_clients=clients, seed=0)
+
+
+def _private_runtime(clients, privacy, rounds=2, bound=0.5, **settings):
+    """PeFLL under ``privacy`` as :func:`privfl.config.build_method` builds it (every client every round), the
+    embeddings clipped to the novel bound ``bound``."""
+    spec = get_method("pefll")
+    config = spec.make_config(**{**SMALL, "grad_clip": 0.0, **settings})
+    strategy = spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=len(clients))
+    client = spec.client(model_factory=FACTORY, config=config, privacy=privacy, participations=rounds,
+                         novel_privacy=NovelPrivacy(bound=bound))
+    strategy, wrapped = protect(spec, strategy, client, privacy, rounds=rounds, client_fraction=1.0, seed=0,
+                                num_training_clients=len(clients))
+    return InProcessRuntime(strategy=strategy, client=wrapped, training_clients=clients, seed=0), client
 
 
 # -- the descriptor -------------------------------------------------------------------------------------------------
@@ -163,7 +182,7 @@ def test_unseen_clients_with_labels_splits_novel_clients_into_disjoint_descripto
 
 
 def test_a_private_unseen_descriptor_has_the_requested_epsilon_and_the_analytic_sigma_for_2b_over_n():
-    runtime = _runtime([_client(0)], embed_bound=0.5, descriptor_epsilon=2.0, descriptor_delta=1e-5,
+    runtime = _runtime([_client(0)], novel_privacy=NovelPrivacy(epsilon=2.0, delta=1e-5, bound=0.5),
                        eval_descriptor_samples=16)
     unseen = _client(9, n=40, seed=3)
     runtime.novel_client_model(unseen)
@@ -176,7 +195,7 @@ def test_a_private_unseen_descriptor_has_the_requested_epsilon_and_the_analytic_
 
 
 def test_private_descriptor_noise_is_secure_by_default_and_no_seed_comes_from_the_server():
-    runtime = _runtime([_client(0)], embed_bound=0.5, descriptor_epsilon=2.0, eval_descriptor_samples=16)
+    runtime = _runtime([_client(0)], novel_privacy=NovelPrivacy(epsilon=2.0, bound=0.5), eval_descriptor_samples=16)
     message = runtime.strategy.configure_evaluate(9)
     assert not any("seed" in key for key in message.config)      # the server cannot choose (or know) the noise
     weights = [torch.cat([p.detach().clone().reshape(-1)    # clone: the client reuses one workspace model
@@ -188,14 +207,128 @@ def test_private_descriptor_noise_is_secure_by_default_and_no_seed_comes_from_th
 
 
 def test_invalid_settings_name_the_value_and_what_is_valid():
-    with pytest.raises(ConfigError, match="descriptor_epsilon=1.0 needs embed_bound"):
-        PeFLLConfig(descriptor_epsilon=1.0)
+    # the privacy of unseen clients is the run's novel_privacy now, not a setting of the method
+    for removed in ("descriptor_epsilon", "descriptor_delta", "embed_bound", "descriptor_noise",
+                    "descriptor_noise_seed"):
+        with pytest.raises(ConfigError, match=f"method 'pefll' has no setting {removed}; valid settings: "):
+            get_method("pefll").make_config(**{removed: 1.0})
     with pytest.raises(ConfigError, match="server_optimizer must be one of adam, sgd, got 'rmsprop'"):
         PeFLLConfig(server_optimizer="rmsprop")
     with pytest.raises(ConfigError, match="embed_kind"):
         PeFLLConfig(embed_kind="transformer")
     with pytest.raises(ConfigError, match="momentum must be in \\[0, 1\\), got 1.5"):
         PeFLLConfig(momentum=1.5)
+
+
+# -- training clients under the privacy layer -----------------------------------------------------------------------
+
+RECORD = TrainingPrivacy(mode="record", noise_multiplier=1.1, clip=0.6, noise="seeded", noise_seed=3, min_samples=6)
+
+
+def test_a_record_level_round_records_exactly_the_declared_three_releases_over_the_whole_split():
+    clients = [_client(0, n=12), _client(1, n=20, seed=1)]
+    runtime, client = _private_runtime(clients, RECORD, local_steps=3, batch_size=4)
+    runtime.run_round(0)
+    for c in clients:
+        records = runtime.wire.ledgers[c.client_id].records
+        assert [r.purpose for r in records] == ["descriptor", "weight_change", "embedding_gradient"]
+        assert ComposedEvent(tuple(r.event for r in records)) == client.round_event(c, 1.1)
+        descriptor, fit, gradient = (r.event for r in records)
+        # add/remove-one, n private: 2B / min_samples and 2C / min_samples, whatever n; DP-SGD at q = 4/n
+        assert (descriptor.sensitivity, gradient.sensitivity) == pytest.approx((2 * 0.5 / 6, 2 * 0.6 / 6))
+        assert descriptor.sigma == pytest.approx(1.1 * 2 * 0.5 / 6)
+        assert descriptor.relation is gradient.relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+        assert fit.event.sampling_probability == pytest.approx(4 / c.num_train) and fit.count == 3
+        assert all(r.metadata["min_samples"] == 6 and "n" not in r.metadata for r in records)
+
+
+def test_the_record_level_descriptor_is_the_clipped_mean_of_the_whole_split_plus_the_declared_noise():
+    clients = [_client(0, n=12)]
+    tiny = TrainingPrivacy(mode="record", noise_multiplier=1e-9, clip=0.6, noise="seeded", min_samples=6)
+    runtime, _ = _private_runtime(clients, tiny)
+    runtime.begin_round(0, [0])
+    replies = runtime.exchange(0, 0, runtime.strategy.configure_train(0, [0]))
+    with torch.no_grad():
+        expected = runtime.strategy.embedding.descriptor(clients[0].x_train, clients[0].y_train, bound=0.5)
+    assert torch.allclose(replies[0].arrays["descriptor"], expected, atol=1e-6)
+
+
+def test_the_record_level_embedding_gradient_is_the_true_one_when_noise_and_clipping_vanish():
+    """z -> 0, a clip no gradient reaches: the clipped, noised per-record mean is the chain rule of line 14."""
+    clients = [_client(0, n=12)]
+    results = []
+    for privacy in (TrainingPrivacy(mode="record", noise_multiplier=1e-9, clip=1e3, noise="seeded", min_samples=6),
+                    None):
+        if privacy is None:
+            runtime = _runtime(clients, grad_clip=0.0, descriptor_batch=12)
+        else:
+            runtime, _ = _private_runtime(clients, privacy, bound=1e3, descriptor_batch=12)
+        runtime.begin_round(0, [0])
+        replies = runtime.exchange(0, 0, runtime.strategy.configure_train(0, [0]))
+        replies = runtime.exchange(0, 1, runtime.strategy.configure_stage(0, 1, replies))
+        down = runtime.strategy.configure_stage(0, 2, replies)
+        down[0].arrays["descriptor_grad"] = torch.tensor([0.3, -0.2, 0.5])      # the same cotangent for both
+        results.append(runtime.exchange(0, 2, down)[0].arrays)
+    for name in results[1]:
+        assert torch.allclose(results[0][name], results[1][name], atol=1e-5, rtol=1e-4), name
+    assert any(float(v.abs().max()) > 1e-3 for v in results[1].values())
+
+
+def test_a_target_epsilon_is_spent_exactly_over_the_planned_rounds():
+    clients = [_client(0, n=12), _client(1, n=30, seed=1)]
+    runtime, _ = _private_runtime(clients, TrainingPrivacy(mode="record", epsilon=4.0, clip=0.6, min_samples=6),
+                                  local_steps=2, batch_size=4)
+    for r in range(2):
+        runtime.run_round(r)
+    for c in clients:
+        assert runtime.wire.ledgers[c.client_id].spent(1e-5).epsilon == pytest.approx(4.0, rel=1e-2)
+
+
+def test_record_level_refuses_the_batch_clip_and_a_client_below_min_samples_without_its_size(make_spec):
+    with pytest.raises(ConfigError, match="grad_clip=50.0 clips each local step's batch gradient"):
+        RunConfig(federation=make_spec(), method="pefll", privacy=RECORD, select="last")
+    with pytest.raises(ConfigError, match="grad_clip=50.0 clips each local step's batch gradient"):
+        get_method("pefll").client(model_factory=FACTORY, config=get_method("pefll").make_config(**SMALL),
+                                   privacy=RECORD)
+    runtime, _ = _private_runtime([_client(0, n=4)], RECORD)
+    with pytest.raises(ConfigError, match="fewer labelled records than the public lower bound min_samples=6") as err:
+        runtime.run_round(0)
+    assert " 4 " not in str(err.value) and len(runtime.wire.ledgers[0]) == 0
+
+
+def test_central_dp_steps_both_networks_from_the_noisy_mean_and_never_serves_another_client_s_descriptor():
+    runtime = _runtime([_client(0), _client(1, seed=1)])
+    strategy = runtime.strategy
+    runtime.begin_round(0, [0, 1])
+    replies = runtime.exchange(0, 0, strategy.configure_train(0, [0, 1]))
+    replies = runtime.exchange(0, 1, strategy.configure_stage(0, 1, replies))
+    replies = runtime.exchange(0, 2, strategy.configure_stage(0, 2, replies))
+    contributions = dict(strategy.contributions(0, replies))
+    assert set(contributions[0]) == set(strategy.contribution_shapes())
+    for cid in (0, 1):
+        expected, _ = backprop_weight_change(strategy.hnet, *strategy._round["hnet_grads"].inputs(cid))
+        assert all(torch.equal(contributions[cid]["hnet." + k], v) for k, v in expected.items())
+        assert all(torch.equal(contributions[cid]["embed." + k], replies[cid].arrays["embed." + k])
+                   for k, _ in strategy.embedding.named_parameters())
+    # line 18 from the noisy mean: g = mean + 2 lambda eta, joint clip, one Adam step, nothing else
+    mean = {k: 0.01 * torch.ones_like(v) for k, v in strategy.contribution_shapes().items()}
+    cfg = strategy.config
+    groups = [{f"{prefix}.{n}": p.detach().clone().requires_grad_(True) for n, p in network.named_parameters()}
+              for prefix, network in (("hnet", strategy.hnet), ("embed", strategy.embedding))]
+    for group, lam in zip(groups, (cfg.lambda_h, cfg.lambda_v)):
+        for name, p in group.items():
+            p.grad = mean[name] + 2 * lam * p.detach()
+    copies = [*groups[0].values(), *groups[1].values()]
+    torch.nn.utils.clip_grad_norm_(copies, cfg.server_grad_clip)
+    torch.optim.Adam([{"params": list(groups[0].values())}, {"params": list(groups[1].values())}],
+                     lr=cfg.server_lr).step()
+    strategy.apply_mean(0, mean, 1.5)
+    for name, p in [*strategy.hnet.named_parameters(prefix="hnet"), *strategy.embedding.named_parameters(prefix="embed")]:
+        assert torch.allclose(p, groups[0].get(name, groups[1].get(name)), atol=1e-7), name
+    # a training client that never trained gets h(0), not h(mean of the others' descriptors)
+    assert strategy.descriptors_confidential
+    zero = strategy.generate(torch.zeros(strategy.embed_dim))
+    assert all(torch.equal(strategy.configure_evaluate(7).arrays[k], v) for k, v in zero.items())
 
 
 # -- end to end ------------------------------------------------------------------------------------------------------
@@ -242,7 +375,7 @@ def test_a_diverged_round_is_refused_before_the_server_steps_so_the_networks_sta
     runtime = InProcessRuntime(strategy=strategy, client=spec.client(model_factory=factory, config=cfg),
                                training_clients=[client(0, 1), client(1, 2)], seed=0)
     before = runtime.strategy.state_dict()
-    with pytest.raises(ConfigError, match=r"round 0: PeFLL training diverged \(non-finite gradients from clients "
+    with pytest.raises(TrainingDivergedError, match=r"round 0: PeFLL training diverged \(non-finite gradients from clients "
                                           r"\[0, 1\]\); lower lr \(now 50.0\)"):
         runtime.run_round(0)
     after = runtime.strategy.state_dict()

@@ -8,16 +8,21 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, TrainingDivergedError
 from privfl.evaluation.metrics import ExpectedModel, score_model
-from privfl.experiment import RunConfig, RunInterrupted, train
+from privfl.config import RunConfig
+from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime, RunDirectory, sample_clients
 from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.local_training import sgd_settings
 from privfl.methods.pfl_baselines import LogitEnsemble, proxy_a_distance
 from privfl.models import functional_forward
+from privfl.methods.private import protect
 from privfl.models.hypernetwork import backprop_weight_change
+from privfl.privacy.training import TrainingPrivacy
+
+from accounting import ComposedEvent, epsilon as accounting_epsilon  # noqa: E402  (after privfl, as in test_pefll)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +60,8 @@ def runtime(name, clients, fraction=1.0, **settings):
 
 def test_one_plain_sgd_step_gives_the_server_lr_times_the_true_gradient():
     """d = before - after of one full-batch plain SGD step is eta * dL/dw, so the server's averaged gradient must be
-    eta * the gradient of the clients' mean loss through w = f(e) (digest 3.1 'Unit-test this')."""
+    eta * the gradient of the clients' mean loss through w = f(e) (the sign of pFedHN's code; docs/papers.md,
+    ODPFL-HN, E1)."""
     clients = [client(3), client(7)]
     eta = 0.3
     rt, strategy = runtime("pfedhn", clients, lr=eta, local_steps=1, batch_size=64, momentum=0.0, weight_decay=0.0,
@@ -154,7 +160,7 @@ def test_a_non_finite_weight_change_is_refused_before_the_hypernetwork_steps(bad
     change = {k: torch.full_like(v, bad) for k, v in FACTORY().state_dict().items()}
     replies = {0: Message(arrays=change, metrics={"num_examples": 12.0, "loss": 1.0})}
     refusal = r"diverged.*clients \[0\].*hypernetwork lr \(now 0.05\).*local lr \(now 0.2\)"
-    with pytest.raises(ConfigError, match=refusal):
+    with pytest.raises(TrainingDivergedError, match=refusal):
         strategy.aggregate_train(0, replies)
     assert all(torch.equal(v, before[k]) for k, v in strategy.hnet.state_dict().items())
     assert torch.equal(strategy.embedding(0), row)
@@ -308,6 +314,109 @@ def test_bad_settings_raise_naming_the_value(bad, match):
     name = "pfl_nearest" if "nearest_max_inputs" in bad else "pfedhn"
     with pytest.raises(ConfigError, match=match):
         get_method(name).make_config(**bad)
+
+
+# -- the privacy layer ---------------------------------------------------------------------------------------------
+
+
+def private_runtime(name, clients, privacy, rounds=2, **settings):
+    """``name`` under ``privacy`` as :func:`privfl.config.build_method` builds it (every client in every round)."""
+    spec = get_method(name)
+    config = spec.make_config(**{**TINY_HN, "grad_clip": None, **settings})
+    strategy = spec.strategy(model_factory=FACTORY, config=config, seed=0, num_training_clients=len(clients))
+    proc = spec.client(model_factory=FACTORY, config=config, privacy=privacy, participations=rounds)
+    strategy, proc = protect(spec, strategy, proc, privacy, rounds=rounds, client_fraction=1.0, seed=0,
+                             num_training_clients=len(clients))
+    return InProcessRuntime(strategy=strategy, client=proc, training_clients=clients, seed=0), proc.inner
+
+
+@pytest.mark.parametrize("name", ["pfedhn", "pfl_sampled", "pfl_ensemble"])
+def test_a_record_level_round_records_exactly_the_declared_round_event_and_no_metrics(name):
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1.3, clip=0.5, noise="seeded", noise_seed=2)
+    clients = [client(0, n=20), client(1, n=30)]
+    rt, proc = private_runtime(name, clients, privacy, local_steps=3, batch_size=5)
+    seen = {}
+    original = rt.strategy.aggregate_train
+    rt.strategy.aggregate_train = lambda r, replies: seen.update(replies) or original(r, replies)
+    rt.run_round(0)
+    for c in clients:
+        (record,) = rt.wire.ledgers[c.client_id].records
+        # one DP-SGD fit of 3 steps at q = 5/n and z = 1.3: what round_event declares for this client
+        assert record.event == proc.round_event(c, 1.3)
+        assert record.event.event.sampling_probability == pytest.approx(5 / c.num_train) and record.event.count == 3
+        assert record.purpose == "weight_change" and seen[c.client_id].metrics == {}
+
+
+def test_a_target_epsilon_is_spent_exactly_over_the_planned_rounds():
+    privacy = TrainingPrivacy(mode="record", epsilon=3.0, clip=0.5, noise="seeded")
+    clients = [client(0, n=20), client(1, n=40)]
+    rt, proc = private_runtime("pfedhn", clients, privacy, rounds=2, local_steps=3, batch_size=5)
+    for r in range(2):
+        rt.run_round(r)
+    for c in clients:
+        # the calibration composes round_event over the 2 planned rounds; the ledger composes what was released
+        assert rt.wire.ledgers[c.client_id].spent(1e-5).epsilon == pytest.approx(3.0, rel=1e-2)
+        assert accounting_epsilon(ComposedEvent((proc.round_event(c, proc.noise_multiplier(c)),) * 2), 1e-5) \
+            == pytest.approx(3.0, rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["pfedhn", "pfl_sampled", "pfl_ensemble"])
+def test_record_level_refuses_the_batch_clip_before_the_run(name, make_spec):
+    record = TrainingPrivacy(mode="record", noise_multiplier=1.0)
+    refusal = "grad_clip=50.0 clips each local step's batch gradient.*set grad_clip to None .* with privacy mode 'record'"
+    with pytest.raises(ConfigError, match=refusal):
+        RunConfig(federation=make_spec(), method=name, privacy=record, select="last")
+    with pytest.raises(ConfigError, match=refusal):
+        get_method(name).client(model_factory=FACTORY, config=get_method(name).make_config(), privacy=record)
+
+
+def test_central_dp_moves_the_hypernetwork_from_the_noisy_mean_alone_and_each_row_from_its_own_gradient():
+    strategy, _ = make("pfedhn", server_grad_clip=1.0, hn_momentum=0.0, hn_weight_decay=0.0, hn_lr=0.1,
+                       embed_lr=0.2)
+    messages = strategy.configure_train(0, [0, 2])
+    g = torch.Generator().manual_seed(0)
+    replies = {cid: Message(arrays={k: torch.randn(v.shape, generator=g) for k, v in messages[cid].arrays.items()})
+               for cid in (0, 2)}
+    rows = {cid: strategy.embedding(cid).clone() for cid in (0, 2)}
+    contributions = dict(strategy.contributions(0, replies))
+    assert set(contributions[0]) == set(strategy.contribution_shapes())
+    row_grads = {}
+    for cid in (0, 2):
+        expected, row_grads[cid] = backprop_weight_change(strategy.hnet, rows[cid], replies[cid].arrays)
+        assert all(torch.equal(contributions[cid]["hn." + k], v) for k, v in expected.items())
+    # a stand-in for the layer's noisy mean, of norm 5 > server_grad_clip = 1: clipped on its own
+    mean = {k: torch.randn(v.shape, generator=g) for k, v in strategy.contribution_shapes().items()}
+    scale = 5.0 / math.sqrt(sum(float(v.pow(2).sum()) for v in mean.values()))
+    mean = {k: v * scale for k, v in mean.items()}
+    before = {k: v.detach().clone() for k, v in strategy.hnet.named_parameters()}
+    metrics = strategy.apply_mean(0, mean, 1.5)
+    assert metrics["hn_grad_norm"] == pytest.approx(5.0)
+    for name, p in strategy.hnet.named_parameters():
+        assert torch.allclose(p, before[name] - 0.1 * mean["hn." + name] / (5.0 + 1e-6), atol=1e-6)
+    # each row moved by its own gradient / q N, clipped alone (weight decay 0: the hypernetwork's)
+    for cid in (0, 2):
+        step = row_grads[cid] / 1.5
+        step = step * min(1.0, 1.0 / (float(step.norm()) + 1e-6))
+        assert torch.allclose(strategy.embedding(cid), rows[cid] - 0.2 * step, atol=1e-6)
+    assert not torch.equal(strategy.embedding(0), rows[0])
+
+
+def test_under_central_dp_a_client_s_clear_change_reaches_the_hypernetwork_only_through_the_noisy_mean():
+    """Scale one client's weight change from 1e-4 to 1e3: its row moves differently, but the hypernetwork, given the
+    same noisy mean, takes exactly the same step (its clip does not read the rows)."""
+    steps = []
+    for factor in (1e-4, 1e3):
+        strategy, _ = make("pfedhn", server_grad_clip=1.0)
+        messages = strategy.configure_train(0, [0, 1])
+        replies = {cid: Message(arrays={k: factor ** (cid == 0) * torch.ones_like(v) for k, v in
+                                        messages[cid].arrays.items()}) for cid in (0, 1)}
+        list(strategy.contributions(0, replies))
+        mean = {k: torch.full_like(v, 0.01) for k, v in strategy.contribution_shapes().items()}
+        strategy.apply_mean(0, mean, 2.0)
+        steps.append(({k: v.detach().clone() for k, v in strategy.hnet.named_parameters()},
+                      strategy.embedding(0).clone()))
+    assert all(torch.equal(steps[0][0][k], steps[1][0][k]) for k in steps[0][0])
+    assert not torch.equal(steps[0][1], steps[1][1])
 
 
 def _run_config(make_spec, method, **overrides):

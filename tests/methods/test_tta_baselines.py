@@ -9,18 +9,29 @@ import pytest
 import torch
 from torch import nn
 
+from accounting import ComposedEvent, GaussianEvent, NeighboringRelation
 from privfl.data import NovelClient, build_federation
 from privfl.errors import ConfigError
-from privfl.experiment import RunConfig, build_runtime
+from privfl.config import RunConfig
+from privfl.experiment import build_runtime
 from privfl.federation import ClientContext, Message
 from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
-from privfl.methods.afl import project_to_simplex
-from privfl.methods.fedadg import FedADGModel, adversarial_step
+from privfl.methods.afl import LOSS, project_to_simplex
+from privfl.methods.base import dp_sgd_round_event
+from privfl.methods.fedadg import FedADGModel, adversarial_step, record_adversarial_losses
 from privfl.methods.fedgma import gradient_mask, sign_agreement
-from privfl.methods.fedsr import FedSRModel, conditional_mi_bound, l2_representation
+from privfl.methods.fedsr import (
+    FedSRModel,
+    conditional_mi_bound,
+    forward_with_representation,
+    l2_representation,
+    record_objective,
+    update_release,
+)
 from privfl.methods.tent import normalisation_parameters, prediction_entropy, tent_adapt
 from privfl.models import targets
+from privfl.privacy.training import TrainingPrivacy
 
 VECTOR = ModelFactory("mlp2nn", (3,), 2)
 
@@ -197,8 +208,9 @@ def test_afl_lambda_ascends_toward_the_worst_client_and_weights_the_step():
     losses = {10: 1.0, 11: 2.0, 12: 5.0}
 
     def replies(values):
-        return {cid: Message(arrays={k: torch.full_like(v, values[cid]) for k, v in before.items()},
-                             metrics={"num_examples": 1.0, "afl_loss": losses[cid]}) for cid in losses}
+        return {cid: Message(arrays={**{k: torch.full_like(v, values[cid]) for k, v in before.items()},
+                                     LOSS: torch.tensor(losses[cid])}, metrics={"num_examples": 1.0})
+                for cid in losses}
 
     strategy.aggregate_train(0, replies({10: 3.0, 11: 6.0, 12: 9.0}))
     # round 0: lambda uniform -> mean change 6; then Proj(1/3 + 0.1 * (1, 2, 5)) = (1/6, 4/15, 17/30)
@@ -365,13 +377,9 @@ def test_method_settings_are_validated():
         make("fedadg", adv_weight=1.0)
     # a bool is no count and a string no rate: each is named, never a bare TypeError
     for method, values, name in [("fedavg", {"server_lr": "2"}, "server_lr"),
-                                 ("fedavg", {"dp_noise_multiplier": True}, "dp_noise_multiplier"),
                                  ("fedavg", {"local_steps": True}, "local_steps"),
                                  ("tent", {"adapt": "all", "tta_steps": True}, "tta_steps"),
-                                 ("fedadg", {"noise_dim": True}, "noise_dim"),
-                                 # DP settings without dp_noise_multiplier would silently train without DP
-                                 ("fedavg", {"dp_noise": "seeded"}, "dp_noise"),
-                                 ("fedavg", {"dp_max_grad_norm": 2.0}, "dp_max_grad_norm")]:
+                                 ("fedadg", {"noise_dim": True}, "noise_dim")]:
         with pytest.raises(ConfigError, match=f"{name} must be"):
             make(method, **values)
 
@@ -390,3 +398,137 @@ def test_fedsr_and_fedadg_clients_are_deterministic_given_the_seeded_context(mak
             releases.append(client.train(data, message.copy(), {}, ctx).message.arrays)
         assert releases[0].keys() == message.arrays.keys()
         assert all(torch.equal(releases[0][k], releases[1][k]) for k in message.arrays), method
+
+
+# --- privacy: AFL, FedSR and FedADG under the privacy layer -----------------------------------------------------
+
+def _private_client(method, privacy, factory, **settings):
+    spec = get_method(method)
+    config = spec.make_config(**settings)
+    strategy = spec.strategy(model_factory=factory, config=config, seed=0, num_training_clients=3)
+    return strategy, spec.client(model_factory=factory, config=config, privacy=privacy)
+
+
+def _round(make_spec, method, privacy, **settings):
+    data = build_federation(make_spec(), seed=0).training_clients[0]
+    factory = ModelFactory("mlp2nn", (10,), 4)
+    strategy, client = _private_client(method, privacy, factory, local_steps=2, batch_size=16, **settings)
+    message = strategy.configure_train(0, [data.client_id])[data.client_id]
+    torch.manual_seed(0)
+    ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
+    state = {}
+    return data, client, message, state, client.train(data, message.copy(), state, ctx)
+
+
+SEEDED = dict(noise="seeded", noise_seed=3)
+
+
+def test_afl_record_level_releases_its_loss_by_a_gaussian_of_sensitivity_b_over_min_samples(make_spec):
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1.5, min_samples=8, **SEEDED)
+    data, client, message, _, release = _round(make_spec, "afl", privacy, loss_bound=4.0)
+    loss_event = GaussianEvent(sigma=1.5 * 0.5, sensitivity=0.5, relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert release.event == ComposedEvent((dp_sgd_round_event(1.5, data.num_train, 16, 2), loss_event))
+    assert release.event == client.round_event(data, 1.5)              # what the calibration composes
+    assert sorted(release.message.arrays) == sorted([*message.arrays, LOSS]) and release.message.metrics == {}
+    # the noise the loss carries is the event's: std z B / min_samples = 0.75
+    model = ModelFactory("mlp2nn", (10,), 4)()
+    model.load_state_dict(message.arrays)
+    draws = torch.stack([client.private_loss(model, data, ClientContext(client_id=data.client_id, round=r, run_seed=0,
+                                                                         rng=np.random.default_rng(r)))[0]
+                         for r in range(400)])
+    assert float(draws.std()) == pytest.approx(0.75, rel=0.1)
+    # negligible noise: the release is the mean of the per-record losses clipped to [0, B] at the received weights
+    quiet = TrainingPrivacy(mode="record", noise_multiplier=1e-9, min_samples=8, **SEEDED)
+    data, client, message, _, release = _round(make_spec, "afl", quiet, loss_bound=1.4)
+    model = ModelFactory("mlp2nn", (10,), 4)()
+    model.load_state_dict(message.arrays)
+    losses = nn.functional.cross_entropy(model(data.x_train), data.y_train, reduction="none").detach()
+    assert float(losses.max()) > 1.4 > float(losses.min())               # the clip bites
+    assert float(release.message.arrays[LOSS]) == pytest.approx(float(losses.clamp(max=1.4).mean()), abs=1e-6)
+
+
+def test_afl_record_level_needs_a_lower_bound_of_two_records_for_its_mean(make_spec):
+    with pytest.raises(ConfigError, match="privacy min_samples, which must be >= 2 .*got min_samples=1"):
+        RunConfig(federation=make_spec(), method="afl", select="last",
+                  privacy=TrainingPrivacy(mode="record", noise_multiplier=1.0, min_samples=1))
+
+
+def test_afl_refuses_a_client_below_the_public_lower_bound_without_naming_its_size(make_spec):
+    data = build_federation(make_spec(), seed=0).training_clients[0]
+    _, client = _private_client("afl", TrainingPrivacy(mode="record", noise_multiplier=1.0,
+                                                        min_samples=data.num_train + 1), VECTOR)
+    with pytest.raises(ConfigError, match=f"public lower bound privacy min_samples={data.num_train + 1} ") as error:
+        client.round_event(data, 1.0)
+    assert f"{data.num_train} " not in str(error.value).replace(f"{data.num_train + 1}", "")
+
+
+def test_fedsr_per_record_objective_is_the_batch_objective_per_record():
+    model = FedSRModel(VECTOR.init(0), 2)
+    x, y = torch.randn(6, 3), torch.tensor([0, 1, 0, 1, 1, 0])
+    torch.manual_seed(4)
+    per_record = record_objective(model, x, y, l2r_coeff=0.01, cmi_coeff=0.0005)
+    torch.manual_seed(4)
+    loss, _ = model.objective(x, y, l2r_coeff=0.01, cmi_coeff=0.0005)
+    assert per_record.shape == (6,) and float(per_record.mean().detach()) == pytest.approx(float(loss), rel=1e-6)
+    # record 0's loss reads record 0 (and its own noise draw) only
+    other = x.clone()
+    other[1:] = 10 * torch.randn(5, 3)
+    torch.manual_seed(4)
+    changed = record_objective(model, other, torch.tensor([0, 0, 1, 1, 0, 1]), l2r_coeff=0.01, cmi_coeff=0.0005)
+    assert float(changed[0].detach()) == pytest.approx(float(per_record[0].detach()), rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["fedsr", "fedadg"])
+def test_fedsr_and_fedadg_record_level_rounds_record_the_event_their_round_event_declares(make_spec, method):
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=1.2, **SEEDED)
+    data, client, message, state, release = _round(make_spec, method, privacy)
+    assert release.event == client.round_event(data, 1.2) == dp_sgd_round_event(1.2, data.num_train, 16, 2)
+    assert sorted(release.message.arrays) == sorted(message.arrays) and release.message.metrics == {}
+    assert all(bool(torch.isfinite(v).all()) and float(v.abs().sum()) > 0 for v in release.message.arrays.values()
+               if v.is_floating_point())
+    if method == "fedadg":    # D trained (and kept), G moved by its post-processing steps
+        assert sorted(state) == sorted(k for k in client.adg_model().state_dict() if k.startswith("discriminator."))
+        assert any(float(v.abs().sum()) > 0 for k, v in release.message.arrays.items() if k.startswith("generator."))
+
+
+def test_a_private_client_releases_a_diverged_update_as_zeros_and_a_plain_one_as_it_is():
+    update = {"w": torch.tensor([1.0, float("nan")]), "b": torch.tensor([2.0])}
+    _, private = _private_client("fedsr", TrainingPrivacy(mode="record", noise_multiplier=1.0), VECTOR)
+    event = dp_sgd_round_event(1.0, 100, 16, 2)
+    release = update_release(private, update, event, {"loss": 1.0})
+    assert release.event == event and release.message.metrics == {}
+    assert all(float(v.abs().sum()) == 0 for v in release.message.arrays.values())
+    _, plain = _private_client("fedsr", TrainingPrivacy(), VECTOR)
+    release = update_release(plain, update, None, {"loss": 1.0})
+    assert math.isnan(float(release.message.arrays["w"][1])) and release.message.metrics == {"loss": 1.0}
+
+
+def test_fedadg_per_record_loss_gives_f_and_c_step_one_s_gradient_and_d_step_two_s_scaled():
+    torch.manual_seed(0)
+    model = FedADGModel(VECTOR(), 2, noise_dim=10, hidden=8)
+    x, y, scale = torch.randn(1, 3), torch.tensor([1]), 0.4
+    with torch.no_grad():
+        for p in model.discriminator.parameters():
+            p.div_(scale)                                   # D' = D / s, as the record-level round holds it
+    torch.manual_seed(1)
+    loss = record_adversarial_losses(model, x, y, adv_weight=0.3, d_scale=scale)[0]
+    target, disc, gen = (list(m.parameters()) for m in (model.target, model.discriminator, model.generator))
+    grads = torch.autograd.grad(loss, target + disc + gen, allow_unused=True)
+    # the same record with D at its true scale, through the module's own (non-private) step losses
+    with torch.no_grad():
+        for p in model.discriminator.parameters():
+            p.mul_(scale)
+    onehot = nn.functional.one_hot(y, 2).float()
+    features, logits = forward_with_representation(model.target, x)
+    step1 = 0.7 * nn.functional.cross_entropy(logits, y) + 0.3 * (1 - model.discriminate(features, onehot)) ** 2
+    torch.manual_seed(1)
+    reference = model.reference(onehot)
+    step2 = ((1 - model.discriminate(reference.detach(), onehot)) ** 2
+             + model.discriminate(features.detach(), onehot) ** 2)
+    want_target = torch.autograd.grad(step1.sum(), target)
+    want_disc = torch.autograd.grad(step2.sum(), disc)
+    for got, want in zip(grads[:len(target)], want_target):
+        assert torch.allclose(got, want, atol=1e-6)
+    for got, want in zip(grads[len(target):len(target) + len(disc)], want_disc):
+        assert torch.allclose(got, scale * want, atol=1e-6)          # d/dD' = s d/dD
+    assert all(g is None for g in grads[len(target) + len(disc):])   # G is not trained by the private fit

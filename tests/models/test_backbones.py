@@ -148,7 +148,7 @@ def test_feature_cache_hit_and_misses(tmp_path):
     with torch.no_grad():
         module.proj.bias.add_(1.0)
     third = extract_features(make(16), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
-    assert module.calls == 6  # missed: the weights digest is in the key
+    assert module.calls == 6  # missed: the weights' sha256 is in the key
     np.testing.assert_allclose(third, first + 1.0, atol=1e-5)  # and the features are the new module's, not stale
     extract_features(make(20), x, dataset="toy", cache_dir=tmp_path, batch_size=4, progress=False)
     assert module.calls == 9  # a changed preprocessing (input size) misses
@@ -157,7 +157,7 @@ def test_feature_cache_hit_and_misses(tmp_path):
     assert len(list((tmp_path / "features").glob("counting-toy-*.npz"))) == 4
 
 
-def test_module_digest_tracks_every_weight_and_buffer():
+def test_module_sha256_tracks_every_weight_and_buffer():
     net = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     before = module_sha256(net)
     assert before == module_sha256(net) and len(before) == 64

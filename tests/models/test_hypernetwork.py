@@ -29,7 +29,7 @@ def test_per_tensor_heads_have_the_papers_parameter_count():
     assert sum(p.numel() for p in target.parameters()) == 121_182
     hnet = HyperNetwork(target, embed_dim=25)
     trunk = (25 * 100 + 100) + 3 * (100 * 100 + 100)
-    assert sum(p.numel() for p in hnet.parameters()) == trunk + 101 * 121_182   # 12.27 M, digest section 2.2
+    assert sum(p.numel() for p in hnet.parameters()) == trunk + 101 * 121_182   # 12.27 M (docs/papers.md, ODPFL-HN)
     assert not hnet.chunked
 
 
@@ -56,7 +56,7 @@ def test_spectral_norm_bounds_each_layer():
 
 def test_the_weight_change_chain_rule_is_the_true_gradient_after_one_sgd_step():
     """d = before - after of one plain SGD step at lr eta; the VJP through the hypernetwork is eta * dL/dtheta and
-    eta * dL/de (digest section 3.1, the unit test it asks for)."""
+    eta * dL/de (the sign of pFedHN's code, docs/papers.md, ODPFL-HN, E1)."""
     torch.manual_seed(0)
     target = build_model("mlp2nn", (1, 4, 4), 3)
     hnet = HyperNetwork(target, embed_dim=4).double()

@@ -1,4 +1,5 @@
-"""Client-level DP of model updates: joint clipping, life-long calibration, the recorded event, distributed shares."""
+"""Client-level DP of model updates: the joint clip, and the local/distributed noise of the privacy layer calibrated
+for a client's whole life (:func:`privfl.privacy.training.client_level_noise`)."""
 
 import math
 
@@ -7,7 +8,8 @@ import torch
 
 from accounting import GaussianEvent, NeighboringRelation, SelfComposedEvent, analytic_gaussian_sigma, epsilon
 from privfl.errors import ConfigError
-from privfl.privacy.client_dp import ClientLevelGaussian, clip_update, update_norm
+from privfl.privacy.client_dp import clip_update, update_norm
+from privfl.privacy.training import TrainingPrivacy, client_level_noise, share_epsilon
 
 
 def test_clip_is_joint_over_all_tensors():
@@ -22,48 +24,45 @@ def test_clip_is_joint_over_all_tensors():
 
 
 def test_sigma_is_calibrated_for_the_whole_life_and_the_ledger_composition_hits_the_target():
-    dp = ClientLevelGaussian(epsilon=4.0, delta=1e-5, max_norm=0.5, participations=9)
+    noise = client_level_noise(TrainingPrivacy(mode="local", epsilon=4.0, clip=0.5, participations=9), stages=1,
+                               participations=9)
     # k Gaussian releases of sensitivity 2C = one release of sensitivity sqrt(k) * 2C: sigma = 3 * that of one.
-    assert dp.sigma == pytest.approx(analytic_gaussian_sigma(4.0, 1e-5, 3.0))
-    assert dp.event == GaussianEvent(sigma=dp.sigma, sensitivity=1.0, relation=NeighboringRelation.REPLACE_ONE)
-    assert epsilon(SelfComposedEvent(dp.event, 9), 1e-5) == pytest.approx(4.0, rel=1e-3)
+    assert noise.sigma == pytest.approx(analytic_gaussian_sigma(4.0, 1e-5, 3.0))
+    event = GaussianEvent(sigma=noise.sigma, sensitivity=1.0, relation=NeighboringRelation.REPLACE_ONE)
+    assert noise.stage_event(0) == event
+    assert epsilon(SelfComposedEvent(event, 9), 1e-5) == pytest.approx(4.0, rel=1e-3)
+    assert noise.lifetime_epsilon == pytest.approx(4.0, rel=1e-3)
     # One release more than planned is no longer within the target.
-    assert epsilon(SelfComposedEvent(dp.event, 10), 1e-5) > 4.1
+    assert epsilon(SelfComposedEvent(event, 10), 1e-5) > 4.1
 
 
-def test_release_adds_noise_of_scale_sigma_to_the_clipped_update():
-    dp = ClientLevelGaussian(epsilon=1.0, delta=1e-5, max_norm=1.0, participations=1,
-                             generator=torch.Generator().manual_seed(0))
-    update = {"w": torch.full((200, 200), 1.0), "b": torch.zeros(7)}  # norm 200 -> clipped to 1
-    noisy, event, norm = dp.release(update)
-    assert norm == pytest.approx(200.0) and event == dp.event
-    assert noisy["w"].shape == (200, 200) and noisy["b"].shape == (7,)
-    residual = torch.cat([(noisy["w"] - 1.0 / 200).reshape(-1), noisy["b"]])
-    assert float(residual.std()) == pytest.approx(dp.sigma, rel=0.02)
-    assert float(residual.mean()) == pytest.approx(0.0, abs=4 * dp.sigma / 200)
+def test_a_round_of_several_releases_splits_the_clip_and_composes_to_one_release_of_the_whole_clip():
+    noise = client_level_noise(TrainingPrivacy(mode="local", epsilon=2.0, clip=1.0, participations=3), stages=4,
+                               participations=3)
+    assert noise.clips == pytest.approx((0.5,) * 4)           # sum_s C_s^2 = C^2
+    # four Gaussian releases of sensitivity 2 C_s at sigma: one of sensitivity 2 C (the privacy losses add)
+    assert noise.lifetime_epsilon == pytest.approx(2.0, rel=1e-3)
 
 
-def test_distributed_shares_sum_to_the_central_noise():
-    local = ClientLevelGaussian(epsilon=8.0, delta=1e-5, max_norm=1.0, participations=4)
-    share = ClientLevelGaussian(epsilon=8.0, delta=1e-5, max_norm=1.0, participations=4, mode="distributed",
-                                num_shares=25)
-    assert share.sigma * 5 == pytest.approx(local.sigma)
-    assert epsilon(share.central_event, 1e-5) == pytest.approx(8.0, rel=1e-3)
-    # What the server of this runtime sees (each share) is far less private than the claim for the sum.
-    assert epsilon(SelfComposedEvent(share.event, 4), 1e-5, accountant="rdp") > 30
+def test_distributed_shares_sum_to_the_noise_of_the_sum():
+    privacy = TrainingPrivacy(mode="distributed", epsilon=8.0, clip=1.0, participations=4)
+    local = client_level_noise(privacy, stages=1, participations=4)
+    shared = client_level_noise(privacy, stages=1, participations=4, shares=25)
+    assert shared.share_sigma * 5 == pytest.approx(local.sigma) and shared.sigma == local.sigma
+    assert shared.lifetime_epsilon == pytest.approx(8.0, rel=1e-3)
+    # What one share alone buys (an observer without secure aggregation) is far less than the claim for the sum.
+    assert share_epsilon(shared) > 30
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"max_norm": 0.0}, "max_norm"),
-    ({"participations": 0}, "participations"),
-    ({"mode": "central"}, "mode"),
-    ({"num_shares": 3}, "num_shares"),
-    ({"epsilon": math.inf}, "epsilon"),
+@pytest.mark.parametrize("settings, name", [
+    ({"mode": "local", "epsilon": 1.0, "clip": 0.0}, "privacy clip"),
+    ({"mode": "local", "epsilon": 1.0, "participations": 0}, "privacy participations"),
+    ({"mode": "local", "epsilon": 1.0, "shares": 3}, "shares is for mode 'distributed'"),
+    ({"mode": "local", "epsilon": math.inf}, "privacy epsilon"),
 ])
-def test_bad_settings_name_the_value(kwargs, name):
-    settings = {"epsilon": 1.0, "delta": 1e-5, "max_norm": 1.0, "participations": 2, **kwargs}
+def test_bad_settings_name_the_value(settings, name):
     with pytest.raises(ConfigError, match=name):
-        ClientLevelGaussian(**settings)
+        TrainingPrivacy(**settings)
 
 
 def test_non_finite_update_is_refused():

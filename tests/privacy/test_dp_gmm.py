@@ -28,7 +28,7 @@ COVS = ("full", "diag", "spherical")
 
 
 def test_independent_sigma_matches_the_literature_value(balle_wang_sigma):
-    # ENVIRONMENT.md / digest 3.6: analytic multiplier 3.731 at (1, 1e-5), 0.500 at (10, 1e-5)
+    # analytic multiplier 3.731 at (1, 1e-5), 0.500 at (10, 1e-5): benchmarks/noise_table.py (benchmarks/README.md)
     assert balle_wang_sigma(1.0, 1e-5, 1.0) == pytest.approx(3.7306, abs=2e-4)
     assert balle_wang_sigma(10.0, 1e-5, 1.0) == pytest.approx(0.500, abs=2e-3)
 

@@ -148,3 +148,45 @@ def test_bad_inputs_release_nothing_and_say_why():
     value, _, _ = release_labelled_mean(net, x, torch.zeros(5, dtype=torch.uint8), epsilon=1.0, delta=1e-5, bound=1.0,
                                         num_classes=2)
     assert value.shape == (2,)
+
+
+def test_add_or_remove_one_with_a_noise_multiplier_calibrates_to_2b_over_min_samples_and_keeps_n_private():
+    x, y = torch.randn(12, 4, dtype=torch.float64), torch.tensor([0, 1, 2] * 4)
+    noisy, event, cert = release_labelled_mean(_Huge(), x, y, bound=0.5, num_classes=3, noise_multiplier=1.5,
+                                               relation="add_or_remove_one", min_samples=8,
+                                               generator=torch.Generator().manual_seed(3))
+    # 2B / min_samples, not 2B / n: n = 12 is private and must not set the noise
+    assert cert.value == pytest.approx(2 * 0.5 / 8) and not cert.n_public and cert.n == 8
+    assert event.relation is NeighboringRelation.ADD_OR_REMOVE_ONE
+    assert event.sensitivity == pytest.approx(0.125) and event.sigma == pytest.approx(1.5 * 0.125)
+    assert "adds or removes exactly one clipped embedding" in cert.argument
+    rows = _Huge()(x, y)
+    clipped_mean = (rows * torch.clamp(0.5 / rows.norm(dim=1, keepdim=True), max=1.0)).mean(dim=0)
+    z = torch.randn(clipped_mean.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert torch.allclose(noisy, clipped_mean + 1.5 * 0.125 * z, atol=1e-12)
+
+
+def test_removing_one_record_moves_the_clipped_mean_by_at_most_2b_over_the_larger_size():
+    torch.manual_seed(1)
+    net = EmbeddingNetwork((3,), 3, embed_dim=2, kind="mlp")
+    x, y = torch.randn(9, 3), torch.randint(0, 3, (9,))
+    with torch.no_grad():
+        full = net.descriptor(x, y, bound=0.01)          # every row clipped onto the sphere of radius 0.01
+        worst = max(float((net.descriptor(torch.cat([x[:j], x[j + 1:]]), torch.cat([y[:j], y[j + 1:]]), bound=0.01)
+                           - full).norm()) for j in range(9))
+    assert 0.2 * 2 * 0.01 / 9 <= worst <= 2 * 0.01 / 9 + 1e-9
+
+
+def test_a_client_below_min_samples_is_refused_without_its_size_in_the_message():
+    x, y = torch.randn(5, 4), torch.zeros(5, dtype=torch.int64)
+    with pytest.raises(ConfigError, match="fewer labelled records than the public lower bound min_samples=8") as err:
+        release_labelled_mean(_Huge(), x, y, bound=0.5, num_classes=3, noise_multiplier=1.0,
+                              relation="add_or_remove_one", min_samples=8)
+    assert "5" not in str(err.value)
+    with pytest.raises(ConfigError, match="give min_samples as an int >= 2, got min_samples=None"):
+        release_labelled_mean(_Huge(), x, y, bound=0.5, num_classes=3, noise_multiplier=1.0,
+                              relation="add_or_remove_one")
+    with pytest.raises(ConfigError, match="min_samples is used only with relation='add_or_remove_one'"):
+        release_labelled_mean(_Huge(), x, y, epsilon=1.0, delta=1e-5, bound=0.5, num_classes=3, min_samples=4)
+    with pytest.raises(ConfigError, match="give either epsilon and delta or noise_multiplier"):
+        release_labelled_mean(_Huge(), x, y, epsilon=1.0, delta=1e-5, bound=0.5, num_classes=3, noise_multiplier=1.0)

@@ -1,4 +1,4 @@
-"""GaussianMechanism: analytic calibration, empirical noise scale, seeded vs secure noise, validation."""
+"""GaussianMechanism: analytic calibration, empirical noise scale, seeded, secure and hardened noise, validation."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from accounting import GaussianEvent, NeighboringRelation
 from privfl.errors import ConfigError
 from privfl.privacy import GaussianMechanism
+from privfl.privacy.mechanisms import standard_normal
 
 
 def test_known_sigma_and_linear_scaling_in_sensitivity():
@@ -101,3 +102,46 @@ def test_non_finite_value_is_refused():
     m = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0)
     with pytest.raises(ConfigError, match="NaN or inf"):
         m.add_noise(torch.tensor([0.0, math.nan]))
+
+
+# -- hardened noise (Opacus' secure_mode sampler) ---------------------------------------------------------------------
+
+
+def test_hardened_noise_has_the_calibrated_std():
+    m = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0, noise="hardened")
+    draws = m.add_noise(torch.zeros(1_000_000, dtype=torch.float64))
+    # standard error of the std is sigma / sqrt(2 N) ~ 0.0026 (0.07%); 2% catches a sum of four draws divided by 4
+    # (std sigma/2) or left undivided (2 sigma), and the classic sigma 4.845
+    assert draws.std().item() == pytest.approx(m.sigma, rel=0.02)
+    assert abs(draws.mean().item()) < 0.02
+    # a Gaussian's fourth moment is 3 sigma^4 (kurtosis 3); SE of the sample kurtosis ~ sqrt(24 / N) ~ 0.005
+    z = draws / draws.std()
+    assert (z ** 4).mean().item() == pytest.approx(3.0, abs=0.05)
+
+
+def test_hardened_noise_changes_neither_sigma_nor_the_event():
+    kwargs = dict(epsilon=0.5, delta=1e-6, sensitivity=0.02, relation="add_or_remove_one")
+    secure, hardened = GaussianMechanism(**kwargs), GaussianMechanism(**kwargs, noise="hardened")
+    assert hardened.noise == "hardened"
+    assert hardened.sigma == secure.sigma and hardened.event == secure.event
+
+
+def test_hardened_sampler_throws_one_draw_away_and_halves_the_sum_of_four():
+    hardened = standard_normal((5, 3), generator=torch.Generator().manual_seed(11), hardened=True,
+                               dtype=torch.float64)
+    g = torch.Generator().manual_seed(11)
+    torch.randn((1, 1), generator=g, dtype=torch.float64)
+    expected = sum(torch.randn((5, 3), generator=g, dtype=torch.float64) for _ in range(4)) / 2
+    assert torch.allclose(hardened, expected, rtol=0, atol=1e-15)
+    plain = standard_normal((5, 3), generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    assert torch.equal(plain, torch.randn((5, 3), generator=torch.Generator().manual_seed(11), dtype=torch.float64))
+
+
+def test_hardened_noise_is_os_seeded_and_refuses_a_generator():
+    torch.manual_seed(0)
+    first = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0, noise="hardened").add_noise(torch.zeros(8))
+    torch.manual_seed(0)
+    second = GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0, noise="hardened").add_noise(torch.zeros(8))
+    assert not torch.equal(first, second)
+    with pytest.raises(ConfigError, match="noise='hardened' draws from an OS-seeded generator"):
+        GaussianMechanism(epsilon=1.0, delta=1e-5, sensitivity=1.0, noise="hardened", generator=torch.Generator())

@@ -127,6 +127,76 @@ def test_refuses_a_phi_that_changes_its_state_while_it_runs_and_restores_it():
     assert len(ledger) == 0 and torch.equal(enc.phi[1].total, torch.zeros(6))   # the data-dependent sum is gone
 
 
+class RunningMax(nn.Module):
+    """Keeps the coordinate-wise maximum of every input it saw in a **non-persistent** buffer (not in state_dict)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("peak", torch.zeros(dim), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        torch.maximum(self.peak, h.detach().amax(0), out=self.peak)   # in place: one sample after another
+        return self.peak.unsqueeze(0).clone()
+
+
+class Rebinding(nn.Module):
+    """Replaces its non-persistent buffer by a new tensor at every call (the old object is left as it was)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("last", torch.zeros(dim), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if float(h.sum()) > -1e9:            # a data-dependent branch: vmap fails, the per-sample loop runs
+            self.last = self.last + h.detach().sum(0)
+        return self.last.unsqueeze(0).clone()
+
+
+def test_refuses_a_phi_with_a_running_max_in_a_non_persistent_buffer_and_restores_it():
+    # row i is max(x_1..x_i): one early record moves every later row, so the mean is not 2 bound / n sensitive;
+    # state_dict() does not hold the buffer, so a check of state_dict alone released this
+    enc = Stages(nn.Sequential(nn.Flatten(), RunningMax(6)), MeanPool())
+    ledger = PrivacyLedger(0)
+    private = privatize(enc, EPS, DELTA, ledger=ledger, generator=torch.Generator().manual_seed(0))
+    assert "peak" not in str(list(enc.state_dict()))
+    with pytest.raises(ConfigError, match=r"encoder\.phi changed its state while it ran \(1\.peak\).*nothing was "
+                                          "released or recorded"):
+        private(torch.rand(50, 6))
+    assert len(ledger) == 0 and torch.equal(enc.phi[1].peak, torch.zeros(6))
+
+
+def test_refuses_a_phi_that_replaces_a_buffer_and_puts_the_original_back():
+    enc = Stages(nn.Sequential(nn.Flatten(), Rebinding(6)), MeanPool())
+    original = enc.phi[1].last
+    private = privatize(enc, EPS, DELTA, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"encoder\.phi changed its state while it ran \(1\.last\)"):
+        private(torch.rand(20, 6))
+    assert enc.phi[1].last is original and torch.equal(original, torch.zeros(6))
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_weight_is_named_as_such_not_as_a_state_change(value):
+    enc = encoder()
+    with torch.no_grad():
+        enc.phi[1].weight[2, 3] = value       # e.g. a diverged model from the server
+    ledger = PrivacyLedger(0)
+    private = privatize(enc, EPS, DELTA, ledger=ledger)
+    with pytest.raises(ConfigError, match=r"encoder\.phi has a parameter with NaN or inf values before it ran "
+                                          r"\(1\.weight\).*nothing was released or recorded"):
+        private(torch.randn(30, 6))
+    assert len(ledger) == 0
+
+
+def test_a_non_finite_buffer_is_named_as_such():
+    phi = nn.Sequential(nn.Flatten(), nn.Linear(6, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():
+        phi[2].running_var[1] = math.inf
+    private = privatize(Stages(phi, MeanPool()), EPS, DELTA)
+    with pytest.raises(ConfigError, match=r"encoder\.phi has a buffer with NaN or inf values before it ran "
+                                          r"\(2\.running_var\)"):
+        private(torch.randn(30, 6))
+
+
 def test_refuses_a_phi_output_that_is_not_a_plain_tensor():
     ledger = PrivacyLedger(0)
     private = privatize(Stages(NormlessPhi(), MeanPool()), EPS, DELTA, ledger=ledger)

@@ -1,14 +1,19 @@
 """privfl on Flower: the same methods on Flower's simulation engine (one machine) and deployment engine (many).
 
 * :mod:`.records`: privfl messages <-> Flower ``ArrayRecord`` / ``MetricRecord`` / ``ConfigRecord``;
-* :mod:`.client_app`: the ClientApp; a node holds one client, runs its procedure, and owns its ledger;
-* :mod:`.server_app`: the ServerApp; :class:`FlowerRuntime` drives the method's strategy through the Grid inside
-  the same training loop as the in-process runtime (:func:`privfl.experiment.train`);
-* :mod:`.simulation`: ``privfl train --engine flower-sim``;
+* :mod:`.client_app`: the ClientApp; a node holds one client (or several), runs its procedure, and owns its ledger;
+* :mod:`.transport`: the server's end: one exchange as one Flower message per node through the Grid;
+* :mod:`.nodes`: which node holds which client, found by saying hello as nodes connect;
+* :mod:`.runtime`: :class:`~.runtime.FlowerRuntime`, the round loop of :class:`privfl.federation.runtime.Runtime`
+  with each exchange on the nodes;
+* :mod:`.secagg`: distributed DP's round sum under Flower's SecAgg+ (workflow on the server, mod on the nodes);
+* :mod:`.server_app`: the ServerApp wrapper, and serving novel clients of a finished run;
+* :mod:`.simulation`: Flower's simulation engine (``privfl train --engine flower-sim``);
 * :mod:`.launch`: certificates, keys, SuperLink, SuperNodes and ``flwr run`` for the deployment engine
   (``privfl flower ...``; see ``README.md`` beside this file).
 
-Importing this package needs ``flwr`` (``pip install 'privfl[flower]'``).
+This package imports nothing above the methods and the run config: which loop a ServerApp runs is decided by
+:mod:`privfl.engine`. Importing it needs ``flwr`` (``pip install 'privfl[flower]'``).
 """
 
 from privfl.federation.flower.protocol import FlowerOptions

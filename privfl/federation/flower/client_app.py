@@ -1,7 +1,7 @@
 """The privfl ClientApp: a node holds one client (or several), runs the method's client procedure, owns the ledgers.
 
 A node finds its clients from its node config (``partition-id``, or ``partition-range="FIRST-LAST"`` for several,
-and ``num-partitions``) and the run config (the run's :class:`~privfl.experiment.RunConfig` as JSON: dataset spec,
+and ``num-partitions``) and the run config (the run's :class:`~privfl.config.RunConfig` as JSON: dataset spec,
 seed, method). Every node builds the same :class:`~privfl.data.FederatedDataset` with
 :func:`privfl.data.build_federation` and keeps its own part: partition ``i < T`` is the ``i``-th training client (by
 increasing client id), partition ``T + j`` the ``j``-th novel client, where ``T`` is the number of training clients;
@@ -25,13 +25,10 @@ import hashlib
 import io
 import json
 import logging
-import os
-import tempfile
 import time
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
@@ -40,9 +37,12 @@ from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
 from accounting import PrivacyLedger
+from accounting.files import atomic_write
+from privfl.config import RunConfig, build_client
 from privfl.errors import DataFreeError, ProtocolStateError, PublicConfigError
 from privfl.federation.context import client_context
 from privfl.federation.flower import protocol as p
+from privfl.federation.flower import secagg
 from privfl.federation.flower.records import pack, unpack
 from privfl.federation.messages import Message, Release
 from privfl.federation.rundir import atomic_write_bytes
@@ -86,7 +86,7 @@ class NodeClient:
         """
         ledger = self.ledger()
         ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.ledger_metadata(),
-                      calibrated_for=release.calibrated_for)
+                      calibrated_for=release.calibrated_for, audience=release.audience)
         ledger.save(self.ledger_path)
         return release.message, {"kind": p.RELEASE, "purpose": release.purpose}
 
@@ -105,8 +105,6 @@ class Node:
     clients' ledgers and states."""
 
     def __init__(self, run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> None:
-        from privfl.experiment import RunConfig
-
         text = run_config.get(p.RUN_CONFIG) or ""
         if not text:
             raise PublicConfigError(f"run config {p.RUN_CONFIG!r} is empty: the node needs the run's RunConfig as JSON")
@@ -132,7 +130,8 @@ class Node:
             client = NodeClient(partition, part, directory)
             self.clients[client.client_id] = client
         if text not in _PROCEDURES:
-            _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"])
+            _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"],
+                                           part["num_training"])
         self.procedure = _PROCEDURES[text]
 
         threads = int(run_config.get(p.THREADS) or 0)
@@ -189,7 +188,8 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
             raise PublicConfigError(f"node config {p.NUM_PARTITIONS}={count!r} is invalid: this federation has "
                                     f"{len(training)} training and {len(novel)} novel clients, so it must be "
                                     f"{valid[0]} (training clients only) or {valid[1]} (training and novel)")
-        saved = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes}
+        saved = {"input_shape": list(federation.input_shape), "num_classes": federation.num_classes,
+                 "num_training": len(training)}
         if partition < len(training):
             c = training[partition]
             saved.update(role="training", client_id=c.client_id, x_train=c.x_train, y_train=c.y_train,
@@ -208,20 +208,15 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
     else:
         data, labels = NovelClient(int(saved["client_id"]), saved["x"]), saved["labels"]   # labels: scoring only
     part = {"role": saved["role"], "data": data, "labels": labels, "input_shape": tuple(saved["input_shape"]),
-            "num_classes": int(saved["num_classes"])}
+            "num_classes": int(saved["num_classes"]), "num_training": int(saved["num_training"])}
     _PARTS[digest] = part
     return part
 
 
-def _procedure(config, input_shape: tuple[int, ...], num_classes: int):
-    """The method's client procedure, as :func:`privfl.experiment.build_runtime` builds it."""
-    from privfl.experiment import model_name_for
-    from privfl.methods import ModelFactory, get_method
-
-    spec = get_method(config.method)
-    shape = SimpleNamespace(input_shape=input_shape)
-    factory = ModelFactory(model_name_for(config, shape), tuple(input_shape), num_classes)
-    procedure = spec.client(model_factory=factory, config=spec.make_config(**config.method_config))
+def _procedure(config: RunConfig, input_shape: tuple[int, ...], num_classes: int, num_training: int):
+    """The method's client procedure under the run's privacy layer, as the in-process runtime builds it
+    (:func:`privfl.config.build_client`)."""
+    procedure = build_client(config, input_shape, num_classes, num_training)
     with torch.random.fork_rng(devices=[]):
         procedure.workspace_model()   # built outside any client's seeded stream
     return procedure
@@ -293,16 +288,9 @@ def _check_state(state: Mapping[str, Any], path: Path) -> None:
 
 
 def _replace(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same directory, renamed over ``path``. (No
-    fsync: after a power loss the previous state may come back, which :meth:`ClientStateFile.check` refuses.)"""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` atomically, without fsync: after a power loss the previous state may come back,
+    which :meth:`ClientStateFile.check` refuses (:func:`accounting.files.atomic_write`)."""
+    atomic_write(path, data, durable=False)
 
 
 def _optional_round(value: Any) -> int | None:
@@ -322,7 +310,9 @@ class NodeFailure(DataFreeError, RuntimeError):
 
 
 def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None = None) -> FlowerMessage:
-    """Run one operation of the privfl protocol for each client the message names, and return the packed replies.
+    """Run one operation of the privfl protocol for each client the message names, and return the packed replies;
+    a stage of SecAgg+ (distributed DP's secure train exchange) goes through Flower's ``secaggplus_mod``, whose
+    masked-vector stage runs the train operation here (:func:`privfl.federation.flower.secagg.node_stage`).
 
     Errors. Flower sends the text of an exception the ClientApp raises to the server, in its error reply, outside any
     ledger. A text can describe a client's data (a count of NaN rows, a label outside the range, a value a method
@@ -332,9 +322,28 @@ def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any]
     file. That the node failed still reaches the server: it is data-dependent, the epsilons do not cover it, and the
     run stops on it.
     """
+    if secagg.carries_secagg(message):
+        try:
+            return secagg.node_stage(message, context, lambda m, c: _protocol(m, c, defaults))
+        except Exception as error:
+            _withhold(error, "train (SecAgg+)", "the node", _node_dir(context, _run_config(context, defaults)))
+    return _protocol(message, context, defaults)
+
+
+def _run_config(context: Context, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
     run_config = dict(defaults or {})
     run_config.update({k: v for k, v in context.run_config.items() if v not in ("", None)})
-    node_dir = context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+    return run_config
+
+
+def _node_dir(context: Context, run_config: Mapping[str, Any]) -> str | None:
+    return context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+
+
+def _protocol(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None) -> FlowerMessage:
+    """:func:`handle` of one privfl operation."""
+    run_config = _run_config(context, defaults)
+    node_dir = _node_dir(context, run_config)
     header: dict[str, Any] = {}
     try:
         node = _node(run_config, context.node_config)

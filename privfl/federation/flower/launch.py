@@ -170,7 +170,7 @@ def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
     """``flwr run`` of the privfl app: train the RunConfig in ``config_path``, or, with ``serve_from`` (a finished
     training run directory on the SuperLink's machine), serve its novel clients (``serve_clients``: ids, "" = all;
     the RunConfig defaults to ``serve_from/config.json``)."""
-    from privfl.experiment import RunConfig
+    from privfl.config import RunConfig
 
     if config_path is None:
         if serve_from is None:

@@ -117,6 +117,13 @@ class FlowerOptions:
     the messages of its selected clients, so Flower's per-message cost (a Ray task, the SuperLink's bookkeeping, the
     simulation engine scanning every node for work) is paid per node, not per client. Each client keeps its own ledger
     and state files on its node; the numbers are the same as with one client per node.
+
+    ``secagg_num_shares`` and ``secagg_reconstruction_threshold``: the SecAgg+ parameters of distributed DP's round
+    sum (:mod:`privfl.federation.flower.secagg`), as Flower's ``SecAggPlusWorkflow`` takes them: an int (an odd number
+    of shares >= 3; a threshold below it) or a float, a fraction (of the round's nodes; of the shares). The defaults
+    (1.0, 1.0) have every node share its secrets with every other and need all of them to unmask: a server colluding
+    with fewer than all the other nodes learns nothing beyond the sum, and no dropout is recovered (privfl refuses a
+    round with a dropout in any case, since its sum would lack noise).
     """
 
     cpus_per_client: float = 1.0
@@ -128,6 +135,8 @@ class FlowerOptions:
     poll_min_s: float = 0.002
     poll_max_s: float = 0.1
     clients_per_node: int = 1
+    secagg_num_shares: int | float = 1.0
+    secagg_reconstruction_threshold: int | float = 1.0
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -154,8 +163,30 @@ class FlowerOptions:
         for name, value, ok, valid in checks:
             if not ok:
                 raise ConfigError(f"flower option {name} must be {valid}, got {value!r}")
+        self._check_secagg()
         if self.gpus_per_client > 0 and not torch.cuda.is_available():
             raise ConfigError(f"flower option gpus_per_client={self.gpus_per_client!r} but no CUDA GPU is visible")
+
+    def _check_secagg(self) -> None:
+        """Flower's own checks of the SecAgg+ parameters, and one more: an even int of shares is refused (Flower's
+        workflow adds one to it for the neighbourhoods but not for the nodes, which then cannot share)."""
+        from flwr.server.workflow import SecAggPlusWorkflow
+
+        shares, threshold = self.secagg_num_shares, self.secagg_reconstruction_threshold
+        for name, value in (("secagg_num_shares", shares), ("secagg_reconstruction_threshold", threshold)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"flower option {name} must be an int or a float, got {value!r}")
+        if isinstance(shares, float) and not 0 < shares <= 1:
+            raise ConfigError(f"flower option secagg_num_shares={shares!r} as a float is a fraction of the round's "
+                              "nodes, in (0, 1]")
+        if isinstance(shares, int) and shares > 1 and shares % 2 == 0:
+            raise ConfigError(f"flower option secagg_num_shares={shares} must be odd (each node shares with itself "
+                              f"and as many neighbours on each side), e.g. {shares + 1}, or a fraction like 1.0")
+        try:
+            SecAggPlusWorkflow(shares, threshold)
+        except ValueError as error:
+            raise ConfigError(f"flower options secagg_num_shares={shares!r}, secagg_reconstruction_threshold="
+                              f"{threshold!r}: {error}") from None
 
     @property
     def actors(self) -> int:

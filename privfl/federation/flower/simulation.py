@@ -1,29 +1,34 @@
-"""``privfl train --engine flower-sim``: a whole run on Flower's simulation engine, in one command.
+"""Flower's simulation engine: a whole run on virtual SuperNodes in one process tree (``--engine flower-sim``).
 
 One virtual SuperNode per client, or per ``clients_per_node`` clients (training clients, then novel clients when the
 method serves them), Ray actors
 as client processes (:class:`~privfl.federation.flower.protocol.FlowerOptions` sets how many and their resources),
 the privfl ServerApp in this process. The nodes keep their ledgers under ``RUN_DIR/nodes/partition-<i>/``.
-
+:func:`simulate` runs a ServerApp ``main`` against such nodes (:mod:`privfl.engine` passes one that trains);
 :func:`serve_simulation` serves novel clients of a finished training run in a simulated run of their own.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from privfl.errors import ConfigError
+from privfl.config import RunConfig
+from privfl.data import build_federation
+from privfl.errors import ConfigError, InternalError
 from privfl.federation.flower import protocol as p
 from privfl.federation.rundir import RunDirectory
+
+if TYPE_CHECKING:
+    from privfl.federation.flower.server_app import ServerMain
 
 
 def num_clients(config, federation=None) -> int:
     """Partitions of a simulation of ``config``: every training client, and every novel one if the method serves
     them (the ServerApp then waits for all of them, and for no other)."""
-    from privfl.data import build_federation
     from privfl.methods import get_method
 
     federation = federation or build_federation(config.federation, seed=config.seed)
@@ -62,21 +67,29 @@ def _result(result: dict[str, Any]) -> dict[str, Any]:
     if "error" in result:
         raise result["error"]
     if "summary" not in result:
-        raise RuntimeError("the Flower simulation ended without a summary (see Flower's log above)")
+        raise InternalError("the Flower simulation ended without a summary (see Flower's log above)")
     return result["summary"]
 
 
-def train_simulation(config, out: str, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
-                     stop_after_round: int | None = None, options: p.FlowerOptions | None = None) -> dict[str, Any]:
-    """Run ``config`` on Flower's simulation engine into run directory ``out``; return the summary."""
-    import json
-
+def simulate(main: ServerMain, run_config: dict[str, Any], partitions: int, options: p.FlowerOptions) -> dict[str, Any]:
+    """Run ``main(grid, run_config)`` as the ServerApp of a simulation whose virtual nodes hold ``partitions``
+    partitions (``options.clients_per_node`` each) and run the privfl ClientApp; return what ``main`` returned, or
+    raise what it raised."""
     from privfl.federation.flower.client_app import make_client_app
     from privfl.federation.flower.server_app import make_server_app
 
-    if resume:
-        raise ConfigError("--resume is not supported with --engine flower-sim yet; resume with --engine inprocess")
-    options = options or p.FlowerOptions()
+    run_config = {**run_config, p.THREADS: options.threads, **grouping(partitions, options)}
+    result: dict[str, Any] = {}
+    server_app = make_server_app(main, run_config, result=result)
+    _simulate(server_app, make_client_app(run_config), p.simulated_nodes(partitions, options.clients_per_node),
+              options)
+    return _result(result)
+
+
+def simulation_run_config(config, out: str, *, overwrite: bool) -> dict[str, Any]:
+    """The run config of a simulated training run of ``config`` into ``out``: its nodes keep their ledgers and states
+    under ``out/nodes`` (removed first when ``overwrite`` replaces the run). Refuses an ``out`` that holds a run
+    unless ``overwrite``."""
     run_dir = RunDirectory(out)
     if run_dir.path(RunDirectory.CONFIG).exists() and not overwrite:
         raise ConfigError(f"run directory {run_dir.root} already holds a run; choose another --out, "
@@ -84,14 +97,8 @@ def train_simulation(config, out: str, *, resume: bool = False, overwrite: bool 
     nodes_root = Path(out) / "nodes"
     if overwrite and nodes_root.exists():
         shutil.rmtree(nodes_root)           # the ledgers of the run being replaced
-    clients = num_clients(config)
-    run_config = {p.RUN_CONFIG: json.dumps(config.to_dict()), p.OUT: str(out), p.OVERWRITE: overwrite,
-                  p.NODES_ROOT: str(nodes_root), p.THREADS: options.threads, **grouping(clients, options)}
-    result: dict[str, Any] = {}
-    server_app = make_server_app(run_config, options=options, progress=progress, stop_after_round=stop_after_round,
-                                 result=result)
-    _simulate(server_app, make_client_app(run_config), p.simulated_nodes(clients, options.clients_per_node), options)
-    return _result(result)
+    return {p.RUN_CONFIG: json.dumps(config.to_dict()), p.OUT: str(out), p.OVERWRITE: overwrite,
+            p.NODES_ROOT: str(nodes_root)}
 
 
 def serve_simulation(train_dir: str, out: str, *, clients: list[int] | None = None, nodes_root: str | None = None,
@@ -103,23 +110,14 @@ def serve_simulation(train_dir: str, out: str, *, clients: list[int] | None = No
     anything beyond the hello. Their nodes keep their ledgers under ``nodes_root`` (default: the training run's
     ``nodes`` directory, so a novel client served again records its new release beside its earlier ones).
     """
-    import json
-
-    from privfl.data import build_federation
-    from privfl.experiment import RunConfig
-    from privfl.federation.flower.client_app import make_client_app
-    from privfl.federation.flower.server_app import make_server_app
+    from privfl.federation.flower.server_app import serve_from_run_config
 
     options = options or p.FlowerOptions()
     config = RunConfig.from_dict(RunDirectory(train_dir).read_json(RunDirectory.CONFIG))
     federation = build_federation(config.federation, seed=config.seed)
     partitions = len(federation.training_clients) + len(federation.novel_clients)
     run_config = {p.RUN_CONFIG: json.dumps(config.to_dict()), p.OUT: str(out), p.OVERWRITE: overwrite,
-                  p.NODES_ROOT: str(nodes_root or Path(train_dir) / "nodes"), p.THREADS: options.threads,
-                  p.SERVE_FROM: str(train_dir), p.SERVE_CLIENTS: ",".join(str(c) for c in clients or []),
-                  **grouping(partitions, options)}
-    result: dict[str, Any] = {}
-    server_app = make_server_app(run_config, options=options, result=result)
-    _simulate(server_app, make_client_app(run_config), p.simulated_nodes(partitions, options.clients_per_node),
-              options)
-    return _result(result)
+                  p.NODES_ROOT: str(nodes_root or Path(train_dir) / "nodes"),
+                  p.SERVE_FROM: str(train_dir), p.SERVE_CLIENTS: ",".join(str(c) for c in clients or [])}
+    return simulate(lambda grid, values: serve_from_run_config(grid, values, options=options), run_config,
+                    partitions, options)

@@ -1,0 +1,201 @@
+"""What a run is: the :class:`RunConfig` (written to ``config.json``) and the method objects it builds.
+
+This module sits at the level of the methods (it imports data, models and methods, nothing that runs rounds), so every
+engine builds a run's strategy and client procedure here: the in-process runtime (:mod:`privfl.experiment`), each
+Flower node and the Flower server (:mod:`privfl.federation.flower`), the sweep and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from privfl.data import FederatedDataset, FederationSpec
+from privfl.errors import ConfigError
+from privfl.federation.runtime import sample_clients
+from privfl.methods import ClientProcedure, MethodConfig, ModelFactory, Strategy, get_method
+from privfl.methods.private import planned_participations, protect, support
+from privfl.privacy.training import DISTRIBUTED, LOCAL, NovelPrivacy, TrainingPrivacy
+
+SELECTIONS = ("best_val", "last")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines a run's numbers (written to ``config.json``).
+
+    ``method_config`` holds the method's own settings (``lr``, ``local_steps``, ``batch_size``, ``mu``, ...); names
+    the method does not have are refused. ``model="auto"`` picks LeNet for 3-channel images and the 2NN otherwise.
+    ``select="best_val"`` serves novel clients with the server state of the evaluation round with the best mean
+    validation accuracy over training clients (each report is a recorded release); ``"last"`` uses the final round.
+    ``delta`` is the delta at which epsilon is reported. ``privacy`` protects the training clients (one mode for
+    every method, :class:`~privfl.privacy.training.TrainingPrivacy`); ``novel_privacy`` the novel clients' release,
+    for methods whose novel clients send one (:class:`~privfl.privacy.training.NovelPrivacy`). In central
+    client-level DP, ``client_fraction`` is the Poisson sampling rate q.
+    """
+
+    federation: FederationSpec = field(default_factory=FederationSpec)
+    method: str = "fedavg"
+    method_config: dict[str, Any] = field(default_factory=dict)
+    model: str = "auto"
+    rounds: int = 200
+    client_fraction: float = 1.0
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    select: str = "best_val"
+    seed: int = 0
+    delta: float = 1e-5
+    privacy: TrainingPrivacy = field(default_factory=TrainingPrivacy)
+    novel_privacy: NovelPrivacy = field(default_factory=NovelPrivacy)
+
+    def __post_init__(self) -> None:
+        spec = get_method(self.method)
+        method_config = spec.make_config(**self.method_config)
+        for name, kind in (("privacy", TrainingPrivacy), ("novel_privacy", NovelPrivacy)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, kind.from_dict(value))
+            elif not isinstance(value, kind):
+                raise ConfigError(f"{name} must be a {kind.__name__} (or a dict of its settings), got {value!r}")
+        checks = [
+            ("rounds", self.rounds, isinstance(self.rounds, int) and self.rounds >= 1, "an integer >= 1"),
+            ("client_fraction", self.client_fraction,
+             isinstance(self.client_fraction, (int, float)) and 0 < self.client_fraction <= 1, "in (0, 1]"),
+            ("eval_every", self.eval_every, isinstance(self.eval_every, int) and self.eval_every >= 1,
+             "an integer >= 1"),
+            ("checkpoint_every", self.checkpoint_every,
+             isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 1, "an integer >= 1"),
+            ("select", self.select, self.select in SELECTIONS, f"one of {', '.join(SELECTIONS)}"),
+            ("seed", self.seed, isinstance(self.seed, int) and self.seed >= 0, "an integer >= 0"),
+            ("delta", self.delta, isinstance(self.delta, float) and 0 < self.delta < 1, "a probability in (0, 1)"),
+        ]
+        for name, value, ok, valid in checks:
+            if not ok:
+                raise ConfigError(f"{name} must be {valid}, got {value!r}")
+        support(spec, self.privacy.mode)
+        if isinstance(method_config, MethodConfig):
+            method_config.check_privacy(self.privacy, self.novel_privacy)
+        if self.novel_privacy.private and spec.novel_privacy is not None:
+            raise ConfigError(f"novel_privacy epsilon={self.novel_privacy.epsilon!r} has nothing to protect in method "
+                              f"{self.method!r}: {spec.novel_privacy}")
+        if self.privacy.private and self.select == "best_val":
+            raise ConfigError(f"select='best_val' with {self.privacy.describe()}: choosing the round on validation "
+                              "makes every training client report its validation accuracy, a release no mechanism "
+                              "covers, so its epsilon would be infinite; use select='last'")
+        if self.select == "best_val" and self.federation.val_fraction == 0:
+            raise ConfigError("select='best_val' picks the round on training clients' validation splits, but "
+                              "val_fraction=0 gives them none; use select='last' or a val_fraction > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["federation"] = self.federation.to_dict()
+        values["privacy"] = self.privacy.to_dict()
+        values["novel_privacy"] = self.novel_privacy.to_dict()
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        """The inverse of :meth:`to_dict`; missing keys take their defaults, unknown keys raise ConfigError."""
+        values = dict(values)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown run setting(s) {', '.join(unknown)}; valid settings: {', '.join(names)}")
+        values["federation"] = FederationSpec.from_dict(values.get("federation", {}))
+        values["privacy"] = TrainingPrivacy.from_dict(values.get("privacy"))
+        values["novel_privacy"] = NovelPrivacy.from_dict(values.get("novel_privacy"))
+        return cls(**values)
+
+    def method_settings(self) -> Any:
+        """The method's config object (its dataclass, validated)."""
+        return get_method(self.method).make_config(**self.method_config)
+
+
+def model_name_for(config: RunConfig, input_shape: tuple[int, ...]) -> str:
+    """The target network's name: ``config.model``, or for ``"auto"`` LeNet on 3-channel images, the 2NN otherwise."""
+    if config.model != "auto":
+        return config.model
+    shape = tuple(input_shape)
+    return "lenet" if len(shape) == 3 and shape[0] == 3 else "mlp2nn"
+
+
+def model_factory(config: RunConfig, input_shape: tuple[int, ...], num_classes: int) -> ModelFactory:
+    return ModelFactory(model_name_for(config, input_shape), tuple(input_shape), num_classes)
+
+
+def participations(config: RunConfig, num_training_clients: int) -> int:
+    """The most rounds a training client releases in: the client-level ``participations`` cap where one is set, else
+    the most the run's public sampling schedule gives any client (what record-level noise is calibrated for)."""
+    return config.privacy.participations or planned_participations(num_training_clients, config.client_fraction,
+                                                                   config.seed, config.rounds)
+
+
+def _client(config: RunConfig, factory: ModelFactory, num_training_clients: int) -> ClientProcedure:
+    return get_method(config.method).client(
+        model_factory=factory, config=config.method_settings(), privacy=config.privacy,
+        novel_privacy=config.novel_privacy, participations=participations(config, num_training_clients))
+
+
+def build_client(config: RunConfig, input_shape: tuple[int, ...], num_classes: int,
+                 num_training_clients: int) -> ClientProcedure:
+    """The method's client procedure under the run's privacy layer (what a Flower node builds; the in-process
+    runtime gets it from :func:`build_method`)."""
+    client = _client(config, model_factory(config, input_shape, num_classes), num_training_clients)
+    return _protect(config, None, client, num_training_clients)[1]
+
+
+def build_method(config: RunConfig, federation: FederatedDataset) -> tuple[Strategy, ClientProcedure]:
+    """The method's server strategy and client procedure for ``federation`` under the run's privacy layer
+    (:func:`privfl.methods.private.protect`), after the run-level checks that can refuse it before anything is
+    released."""
+    spec = get_method(config.method)
+    factory = model_factory(config, federation.input_shape, federation.num_classes)
+    num_training = len(federation.training_clients)
+    strategy = spec.strategy(model_factory=factory, config=config.method_settings(), seed=config.seed,
+                             num_training_clients=num_training)
+    client = _client(config, factory, num_training)
+    if config.privacy.mode in (LOCAL, DISTRIBUTED) and config.privacy.participations is not None:
+        check_participations(config, config.privacy.participations, [c.client_id for c in federation.training_clients])
+    return _protect(config, strategy, client, num_training)
+
+
+def _protect(config: RunConfig, strategy: Strategy | None, client: ClientProcedure,
+             num_training_clients: int) -> tuple[Strategy | None, ClientProcedure]:
+    return protect(get_method(config.method), strategy, client, config.privacy, rounds=config.rounds,
+                   client_fraction=config.client_fraction, seed=config.seed,
+                   num_training_clients=num_training_clients)
+
+
+def check_participations(config: RunConfig, cap: int | None, client_ids: list[int], *, from_round: int = 0,
+                         made: Mapping[int, int] | None = None) -> None:
+    """Refuse a run whose client sampling would have a training client release more than ``cap`` times.
+
+    The schedule is public (seeded by the run seed), so it is checked before anything runs, rather than ending the
+    run at the round where a client's ledger refuses its release over the budget its noise was calibrated for. A
+    resumed run passes ``from_round`` (the rounds its checkpoint holds) and ``made`` (each client's private releases
+    in its ledger, those made after the checkpoint included: re-running their rounds releases again).
+    """
+    if cap is None:
+        return
+    counts = {cid: (made or {}).get(cid, 0) for cid in client_ids}
+    for round_index in range(from_round, config.rounds):
+        for cid in sample_clients(sorted(client_ids), config.client_fraction, seed=config.seed, round=round_index):
+            counts[cid] += 1
+    most = max(counts.values(), default=0)
+    if most <= cap:
+        return
+    over = sorted(cid for cid, n in counts.items() if n > cap)
+    if from_round == 0 and not made:
+        raise ConfigError(f"with rounds={config.rounds}, client_fraction={config.client_fraction} and seed="
+                          f"{config.seed}, training clients {over} take part in up to {most} rounds, more than "
+                          f"privacy participations={cap} (the releases each client's noise is calibrated for); set "
+                          f"participations to {most} or more (or leave it unset), or run fewer rounds")
+    raise ConfigError(f"this run cannot be resumed within its privacy budget: its checkpoint holds {from_round} "
+                      f"rounds, but its clients' ledgers (releases.jsonl) also hold the releases of the rounds run "
+                      f"after it, and running those rounds again releases again; training clients {over} would make "
+                      f"up to {most} rounds of releases, more than the {cap} its noise is calibrated for. Releases "
+                      "made cannot be taken back: start the run again, with checkpoint_every=1 (an interruption then "
+                      "costs the round in progress) and a privacy participations that leaves room for the rounds an "
+                      "interruption repeats")

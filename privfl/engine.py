@@ -1,0 +1,101 @@
+"""Which engine runs a run: the in-process runtime, or Flower's simulation or deployment engine.
+
+The engines share one training loop (:func:`privfl.experiment.train`) and one round loop
+(:class:`privfl.federation.runtime.Runtime`); they differ in where the clients compute. This module sits above both
+the loop and the Flower adapter, so neither imports the other: it hands :func:`~privfl.experiment.train` the runtime
+of the chosen engine, and gives Flower's ServerApp the loop to run.
+
+* ``inprocess``: :func:`privfl.experiment.build_runtime`, every client in this process;
+* ``flower-sim``: Flower's simulation engine on this machine (:func:`train_simulation`);
+* deployment (``privfl flower run``): ``flwr run`` starts the ServerApp of :mod:`privfl.flower_server` on the
+  SuperLink's machine, whose :func:`flower_main` trains the run its run config names, or serves novel clients of a
+  finished run.
+
+Flower is imported only when a Flower engine is used (``pip install 'privfl[flower]'``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from privfl.config import RunConfig, build_method
+from privfl.errors import ConfigError
+from privfl.experiment import train
+
+if TYPE_CHECKING:
+    from flwr.serverapp import Grid
+
+    from privfl.federation.flower.protocol import FlowerOptions
+
+ENGINES = ("inprocess", "flower-sim")
+
+
+def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume: bool = False,
+        overwrite: bool = False, progress: bool = True, stop_after_round: int | None = None,
+        flower_options: FlowerOptions | None = None) -> dict[str, Any]:
+    """Run (or, with ``resume``, continue) ``config`` into run directory ``out`` on ``engine``; return the summary.
+
+    ``flower_options`` (a :class:`privfl.federation.flower.FlowerOptions`) set the simulation's resources and limits.
+    """
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "inprocess":
+        if flower_options is not None:
+            raise ConfigError("flower_options apply to engine='flower-sim' only, got them with engine='inprocess'")
+        return train(config, out, resume=resume, overwrite=overwrite, progress=progress,
+                     stop_after_round=stop_after_round)
+    if resume:
+        raise ConfigError("--resume is not supported with --engine flower-sim yet; resume with --engine inprocess")
+    if config is None:
+        raise ConfigError("a Flower run needs a RunConfig")
+    return train_simulation(config, out, overwrite=overwrite, progress=progress, stop_after_round=stop_after_round,
+                            options=flower_options)
+
+
+def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None):
+    """A ``runtime_factory`` for :func:`privfl.experiment.train` whose runtime runs each exchange on the nodes
+    behind ``grid`` (the same strategy and procedure objects as in-process)."""
+    from privfl.federation.flower.runtime import FlowerRuntime
+
+    def factory(config: RunConfig, federation) -> FlowerRuntime:
+        strategy, client = build_method(config, federation)
+        return FlowerRuntime(grid, strategy=strategy, client=client, federation=federation, config=config,
+                             options=options)
+
+    return factory
+
+
+def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOptions | None = None,
+                progress: bool = False, stop_after_round: int | None = None) -> dict[str, Any]:
+    """The ServerApp's work: train the run that ``run_config`` describes (``privfl-config``, ``out``, ``overwrite``)
+    on ``grid``, or, with ``serve-from``, serve novel clients of that finished run."""
+    from privfl.federation.flower import protocol as p
+    from privfl.federation.flower.server_app import options_from_run_config, serve_from_run_config
+
+    options = options or options_from_run_config(run_config)
+    if run_config.get(p.SERVE_FROM):
+        return serve_from_run_config(grid, run_config, options=options)
+    text, out = run_config.get(p.RUN_CONFIG) or "", run_config.get(p.OUT) or ""
+    if not text or not out:
+        raise ConfigError(f"run config needs {p.RUN_CONFIG!r} (the RunConfig as JSON) and {p.OUT!r} (the run "
+                          f"directory on the SuperLink's machine); got {sorted(k for k, v in run_config.items() if v)}")
+    config = RunConfig.from_dict(json.loads(text))
+    return train(config, out, overwrite=bool(run_config.get(p.OVERWRITE)), progress=progress,
+                 stop_after_round=stop_after_round, runtime_factory=flower_runtime_factory(grid, options))
+
+
+def train_simulation(config: RunConfig, out: str, *, overwrite: bool = False, progress: bool = True,
+                     stop_after_round: int | None = None, options: FlowerOptions | None = None) -> dict[str, Any]:
+    """Run ``config`` on Flower's simulation engine into run directory ``out``; return the summary."""
+    from privfl.federation.flower import protocol as p
+    from privfl.federation.flower.simulation import num_clients, simulate, simulation_run_config
+
+    options = options or p.FlowerOptions()
+    run_config = simulation_run_config(config, out, overwrite=overwrite)
+
+    def main(grid: Grid, values: Mapping[str, Any]) -> dict[str, Any]:
+        return flower_main(grid, values, options=options, progress=progress, stop_after_round=stop_after_round)
+
+    return simulate(main, run_config, num_clients(config), options)

@@ -1,0 +1,386 @@
+"""How training clients are protected: one setting for every method, and the client-level mechanisms behind it.
+
+:class:`TrainingPrivacy` (``RunConfig.privacy``) chooses one mode for every training client of a run:
+
+``record`` (record-level DP; add or remove one record of a client's data)
+    Every release of a training client is a DP function of its records: local training runs DP-SGD (Abadi et al.
+    2016, :mod:`privfl.privacy.dp_sgd`), and a method's other data-dependent releases (ODPFL-HN's descriptor and
+    encoder gradient, ...) are clipped per record and noised. Each release carries its event; the client's ledger
+    composes them. With ``epsilon`` the noise multiplier z is calibrated, per client size, so that the client's whole
+    planned schedule ends at (epsilon, delta) (:func:`record_noise_multiplier`).
+
+``local`` (client-level DP; replace one client's whole dataset; no one is trusted)
+    Each release of a round is clipped to L2 norm C_s, with sum_s C_s^2 = C^2 over the round's stages, and the
+    client adds N(0, sigma^2 I) itself. Replacing the client's dataset moves stage s by at most 2 C_s, and the S
+    Gaussian releases of a round compose to exactly one Gaussian release of sensitivity 2 C (their privacy-loss
+    variables are Gaussian; means and variances add). Over k participations that is one Gaussian of sensitivity
+    2 C sqrt(k), so sigma is the analytic Gaussian sigma (Balle and Wang 2018) for that sensitivity
+    (:func:`client_level_noise`, :class:`ClientLevelNoise`).
+
+``distributed`` (client-level DP against an observer of the sum only)
+    As ``local``, but each of the M clients of a round adds a share N(0, sigma^2 / M): the sum of the M releases
+    carries N(0, sigma^2), as in ``local`` mode. That holds only for an observer who sees the sum and not the shares
+    (secure aggregation), and only if all M clients add their share. A share alone buys what
+    ``GaussianEvent(sigma / sqrt(M), 2 C)`` buys; :func:`share_epsilon` says how much. The sum is taken under
+    Flower's SecAgg+ on the Flower engines and simulated in process (:mod:`privfl.methods.private`).
+
+``central`` (client-level DP-FedAvg, McMahan et al. 2018; add or remove one client; the aggregator is trusted)
+    Each round, every training client is sampled independently with probability q (Poisson sampling, from randomness
+    the server keeps to itself). A sampled client's contribution to the shared update is clipped to C (jointly, every
+    tensor of it), the clipped contributions are summed, N(0, (z C)^2 I) is added once to the sum, and the sum is
+    divided by the expected count q N (public; a divisor that depends on the sample would leak it). Adding or removing
+    one client moves the sum by at most C, so a round is one Poisson-subsampled Gaussian release with noise
+    multiplier z, recorded in **every** training client's ledger (sampled or not): PLD composes them over rounds.
+    With ``clip="adaptive"`` the clip follows a target quantile of the contributions' norms (Andrew et al. 2021): each
+    sampled client also contributes b_i - 1/2, b_i = [norm_i <= C]; the sum of those (sensitivity 1/2) gets
+    N(0, sigma_b^2); the round's two releases on one sample are one Gaussian release of noise multiplier
+    z = (z_update^-2 + (2 sigma_b)^-2)^-1/2 (scale the count by z_update C / sigma_b to give both the same noise; the
+    concatenated vector has that noise and sensitivity sqrt(C^2 + (z_update C / (2 sigma_b))^2)). The clip then moves
+    geometrically: C <- C exp(-eta (b_bar - gamma)).
+    What it protects: what leaves the aggregator (the shared models, the metrics of the round, what novel clients
+    receive). The aggregator sees every contribution in the clear; those messages are recorded with the audience
+    ``"aggregator"`` and their epsilon (infinite) holds against the aggregator only. A method whose server keeps a
+    state per client (pFedHN's embeddings, ODPFL-HN's descriptors) keeps it inside the aggregator: it is protected
+    only as far as it leaves the server through the noised sum.
+
+Novel clients are protected by :class:`NovelPrivacy` (``RunConfig.novel_privacy``), the one setting of every method
+whose novel clients release something.
+
+Units: epsilon natural-log, delta a probability, ``clip`` an L2 norm in the units of what is clipped,
+``noise_multiplier`` is sigma / sensitivity (dimensionless).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from accounting import (
+    ComposedEvent,
+    GaussianEvent,
+    NeighboringRelation,
+    PrivacyEvent,
+    SelfComposedEvent,
+    SubsampledGaussianEvent,
+)
+from accounting import epsilon as accounting_epsilon
+from accounting.calibration import analytic_gaussian_sigma, calibrate_noise_multiplier
+from accounting.validation import is_finite
+from privfl.errors import ConfigError, check
+from privfl.privacy.mechanisms import NOISE_SOURCES
+
+RECORD, CENTRAL, DISTRIBUTED, LOCAL = "record", "central", "distributed", "local"
+#: The modes of :class:`TrainingPrivacy`, record level first.
+MODES = (RECORD, CENTRAL, DISTRIBUTED, LOCAL)
+CLIENT_LEVEL = (CENTRAL, DISTRIBUTED, LOCAL)
+ADAPTIVE = "adaptive"
+
+#: What each mode's epsilons hold under, in words (the ledger's relation records the formal one).
+RELATIONS = {
+    RECORD: "add or remove one record of a training client's data",
+    LOCAL: "replace one training client's whole dataset; nobody is trusted",
+    DISTRIBUTED: "replace one training client's whole dataset; against an observer of each round's sum only "
+                 "(secure aggregation)",
+    CENTRAL: "add or remove one training client; against everyone but the trusted aggregator, which sees each "
+             "contribution",
+}
+
+
+@dataclass(frozen=True)
+class TrainingPrivacy:
+    """How every training client of a run is protected (``RunConfig.privacy``); see the module docstring.
+
+    ``mode``: ``None`` (training clients release without DP; recorded with epsilon = infinity), ``"record"``,
+    ``"central"``, ``"distributed"`` or ``"local"``. With a mode, exactly one of ``epsilon`` (the target over the
+    run, natural log; the noise is calibrated for it) and ``noise_multiplier`` (sigma / sensitivity) is set.
+    ``delta``: the delta of the guarantee. ``clip``: C, the L2 clip (record: of each record's gradient and
+    contribution; client level: of a client's whole round); ``"adaptive"`` in central mode.
+    ``min_samples``: record level, a public lower bound on a training client's training-split size: means over a
+    client's records (ODPFL-HN's descriptor) keep n private and are calibrated at this size; a client with fewer
+    records is refused. ``participations``: local and distributed modes, the most rounds a client may release in
+    (``None``: the most the run's public sampling schedule gives any client); each release is calibrated for it and
+    the ledger refuses one beyond. ``shares``: distributed mode, M (``None``: the clients one round samples).
+    Adaptive clipping (central, ``clip="adaptive"``; Andrew et al. 2021 defaults): ``clip_initial``,
+    ``clip_quantile`` (gamma), ``clip_lr`` (eta), ``clip_count_noise`` (sigma_b; ``None``: the expected clients per
+    round / 20, as Andrew et al. 2021, or the round's noise multiplier z when that is larger, so that the count
+    takes at most a quarter of the round's budget: z_update <= 1.155 z). ``noise``: ``"secure"`` (OS-seeded noise and, in central mode, client sampling) or ``"seeded"``
+    (from ``noise_seed``: reproducible, for research runs; whoever knows the config can subtract the noise).
+    """
+
+    mode: str | None = None
+    epsilon: float | None = None
+    noise_multiplier: float | None = None
+    delta: float = 1e-5
+    clip: float | str = 1.0
+    min_samples: int = 8
+    participations: int | None = None
+    shares: int | None = None
+    clip_initial: float = 0.1
+    clip_quantile: float = 0.5
+    clip_lr: float = 0.2
+    clip_count_noise: float | None = None
+    noise: str = "secure"
+    noise_seed: int = 0
+
+    def __post_init__(self) -> None:
+        check.require(self.mode is None or self.mode in MODES, "privacy mode", self.mode,
+                      f"None (no DP for training clients) or one of {', '.join(map(repr, MODES))}")
+        check.delta(self.delta, "privacy delta")
+        check.choice(self.noise, "privacy noise", NOISE_SOURCES)
+        check.integer(self.noise_seed, "privacy noise_seed", 0)
+        check.integer(self.min_samples, "privacy min_samples", 1)
+        if self.clip == ADAPTIVE:
+            check.require(self.mode == CENTRAL, "privacy clip", self.clip,
+                          f"a finite L2 norm > 0 ('adaptive' follows a quantile of the clients' update norms and is "
+                          f"accounted in central mode only; mode is {self.mode!r})")
+            check.positive(self.clip_initial, "privacy clip_initial")
+            check.require(is_finite(self.clip_quantile) and 0 < self.clip_quantile < 1, "privacy clip_quantile",
+                          self.clip_quantile, "in (0, 1)")
+            check.positive(self.clip_lr, "privacy clip_lr")
+            if self.clip_count_noise is not None:
+                check.positive(self.clip_count_noise, "privacy clip_count_noise")
+        else:
+            check.positive(self.clip, "privacy clip")
+        for name in ("participations", "shares"):
+            value = getattr(self, name)
+            if value is not None:
+                check.integer(value, f"privacy {name}", 1)
+        if self.mode is None:
+            given = {name: getattr(self, name) for name in ("epsilon", "noise_multiplier", "participations", "shares")
+                     if getattr(self, name) is not None}
+            if given:
+                raise ConfigError(f"privacy settings {given} need a privacy mode (one of {', '.join(MODES)}); without "
+                                  "one, training clients release without DP")
+            return
+        if (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ConfigError(f"privacy mode {self.mode!r} needs exactly one of epsilon (a target over the run) and "
+                              f"noise_multiplier, got epsilon={self.epsilon!r}, "
+                              f"noise_multiplier={self.noise_multiplier!r}")
+        if self.epsilon is not None:
+            check.epsilon(self.epsilon, "privacy epsilon")
+        if self.noise_multiplier is not None:
+            check.positive(self.noise_multiplier, "privacy noise_multiplier")
+        if self.participations is not None and self.mode not in (LOCAL, DISTRIBUTED):
+            raise ConfigError(f"privacy participations is for modes 'local' and 'distributed' (it sets how many "
+                              f"releases each noise is calibrated for), got it with mode {self.mode!r}")
+        if self.shares is not None and self.mode != DISTRIBUTED:
+            raise ConfigError(f"privacy shares is for mode 'distributed', got it with mode {self.mode!r}")
+
+    @property
+    def private(self) -> bool:
+        return self.mode is not None
+
+    @property
+    def client_level(self) -> bool:
+        return self.mode in CLIENT_LEVEL
+
+    def describe(self) -> str | None:
+        """A short description for messages and summaries (``None`` without a mode)."""
+        if self.mode is None:
+            return None
+        target = f"epsilon={self.epsilon:g}" if self.epsilon is not None else \
+            f"noise_multiplier={self.noise_multiplier:g}"
+        return f"{self.mode}-level DP ({target}, delta={self.delta:g}, clip={self.clip})" if self.mode == RECORD \
+            else f"client-level DP, {self.mode} ({target}, delta={self.delta:g}, clip={self.clip})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> TrainingPrivacy:
+        return _from_dict(cls, values or {}, "privacy")
+
+
+@dataclass(frozen=True)
+class NovelPrivacy:
+    """How a novel client's release is protected (``RunConfig.novel_privacy``), for every method whose novel clients
+    release something (ODPFL-HN's descriptor through ``privatize``, PeFLL's labelled descriptor).
+
+    ``epsilon``: ``None`` (the release is not private, recorded with epsilon = infinity) or a finite epsilon > 0 for
+    the one release; ``delta``; ``bound``: the L2 radius each record's contribution is clipped to; ``noise``:
+    ``"secure"`` or ``"seeded"`` (from ``noise_seed``, reproducible research runs only).
+    """
+
+    epsilon: float | None = None
+    delta: float = 1e-5
+    bound: float = 1.0
+    noise: str = "secure"
+    noise_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epsilon is not None:
+            check.epsilon(self.epsilon, "novel epsilon")
+        check.delta(self.delta, "novel delta")
+        check.positive(self.bound, "novel bound")
+        check.choice(self.noise, "novel noise", NOISE_SOURCES)
+        check.integer(self.noise_seed, "novel noise_seed", 0)
+
+    @property
+    def private(self) -> bool:
+        return self.epsilon is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> NovelPrivacy:
+        return _from_dict(cls, values or {}, "novel_privacy")
+
+
+_Settings = TypeVar("_Settings", TrainingPrivacy, NovelPrivacy)
+
+
+def _from_dict(cls: type[_Settings], values: object, what: str) -> _Settings:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{what} must be a mapping of its settings, got {values!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown {what} setting(s) {', '.join(unknown)}; valid settings: {', '.join(names)}")
+    return cls(**values)
+
+
+# -- calibration ------------------------------------------------------------------------------------------------------
+
+
+def _no_noise_error(privacy: TrainingPrivacy) -> ConfigError:
+    return ConfigError(f"privacy mode {privacy.mode!r} with neither epsilon nor noise_multiplier has no noise to "
+                       "calibrate; set exactly one of them")
+
+
+def record_noise_multiplier(privacy: TrainingPrivacy, round_event: Callable[[float], PrivacyEvent],
+                            participations: int) -> float:
+    """Record level: the noise multiplier z of every mechanism of a client's round.
+
+    With ``privacy.noise_multiplier`` it is that value. With ``privacy.epsilon`` it is the least z for which
+    ``participations`` rounds of ``round_event(z)`` (the client's every release of one round, as its procedure
+    declares it) compose to (epsilon, delta) by PLD.
+    """
+    if privacy.noise_multiplier is not None:
+        return float(privacy.noise_multiplier)
+    check.integer(participations, "participations", 1)
+    if privacy.epsilon is None:
+        raise _no_noise_error(privacy)
+    return calibrate_noise_multiplier(lambda z: SelfComposedEvent(round_event(z), participations),
+                                      privacy.epsilon, privacy.delta,
+                                      what=f"{participations} rounds of a training client's releases")
+
+
+def stage_clips(clip: float, stages: int, shares: tuple[float, ...] | None = None) -> tuple[float, ...]:
+    """C_s for each stage of a round, with sum_s C_s^2 = C^2: equal (C / sqrt(S)) unless the method gives the shares
+    w_s (summing to 1) of the squared clip, C_s = C sqrt(w_s)."""
+    check.positive(clip, "clip")
+    check.integer(stages, "stages", 1)
+    if shares is None:
+        shares = (1.0 / stages,) * stages
+    if len(shares) != stages or any(not is_finite(w) or w <= 0 for w in shares) or abs(sum(shares) - 1) > 1e-9:
+        raise ConfigError(f"stage clip shares must be {stages} numbers > 0 summing to 1, got {shares!r}")
+    return tuple(clip * math.sqrt(w) for w in shares)
+
+
+@dataclass(frozen=True)
+class ClientLevelNoise:
+    """The noise of the local and distributed modes: sigma for a round's sum (or a client's own releases), each
+    stage's clip, and the events the ledger records, calibrated over ``participations`` rounds.
+
+    The event recorded per stage is the sum's (what the guarantee is about): ``GaussianEvent(sigma, 2 C_s)`` under
+    replace-one (one client's whole dataset). In distributed mode each client adds ``sigma / sqrt(shares)``.
+    """
+
+    sigma: float
+    clips: tuple[float, ...]
+    participations: int
+    shares: int
+    delta: float
+
+    @property
+    def share_sigma(self) -> float:
+        return self.sigma / math.sqrt(self.shares)
+
+    def stage_event(self, stage: int) -> GaussianEvent:
+        return GaussianEvent(sigma=self.sigma, sensitivity=2.0 * self.clips[stage],
+                             relation=NeighboringRelation.REPLACE_ONE)
+
+    def round_event(self) -> ComposedEvent:
+        return ComposedEvent(tuple(self.stage_event(s) for s in range(len(self.clips))))
+
+    @functools.cached_property
+    def lifetime_epsilon(self) -> float:
+        """PLD's epsilon of ``participations`` full rounds: what each release is calibrated for."""
+        return accounting_epsilon(SelfComposedEvent(self.round_event(), self.participations), self.delta)
+
+
+def client_level_noise(privacy: TrainingPrivacy, *, stages: int, participations: int, shares: int = 1,
+                       stage_shares: tuple[float, ...] | None = None) -> ClientLevelNoise:
+    """Local and distributed modes: calibrate sigma for ``participations`` rounds of ``stages`` releases each (see
+    the module docstring). With ``privacy.epsilon`` sigma is the analytic Gaussian sigma for sensitivity
+    2 C sqrt(participations); with ``privacy.noise_multiplier`` it is z * 2 C."""
+    check.integer(participations, "participations", 1)
+    check.integer(shares, "shares", 1)
+    clip = float(privacy.clip)
+    if privacy.epsilon is not None:
+        sigma = analytic_gaussian_sigma(privacy.epsilon, privacy.delta, 2.0 * clip * math.sqrt(participations))
+    elif privacy.noise_multiplier is not None:
+        sigma = float(privacy.noise_multiplier) * 2.0 * clip
+    else:
+        raise _no_noise_error(privacy)
+    return ClientLevelNoise(sigma=sigma, clips=stage_clips(clip, stages, stage_shares),
+                            participations=participations, shares=shares, delta=privacy.delta)
+
+
+def share_epsilon(noise: ClientLevelNoise) -> float:
+    """Distributed mode: the epsilon one client's ``participations`` rounds of shares buy against an observer of the
+    shares themselves (no secure aggregation), at the noise's delta."""
+    share = ComposedEvent(tuple(GaussianEvent(sigma=noise.share_sigma, sensitivity=2.0 * c,
+                                              relation=NeighboringRelation.REPLACE_ONE) for c in noise.clips))
+    return accounting_epsilon(SelfComposedEvent(share, noise.participations), noise.delta)
+
+
+def central_round_event(noise_multiplier: float, sampling_probability: float) -> SubsampledGaussianEvent:
+    """Central mode: one round as every client's ledger records it (Poisson sampling, add or remove one client)."""
+    return SubsampledGaussianEvent(noise_multiplier, sampling_probability)
+
+
+def central_noise_multiplier(privacy: TrainingPrivacy, *, sampling_probability: float, rounds: int) -> float:
+    """Central mode: z of the round's release (count and update together, see the module docstring): the given
+    ``noise_multiplier``, or the least z for which ``rounds`` Poisson-subsampled Gaussian rounds at q compose to
+    (epsilon, delta)."""
+    if privacy.noise_multiplier is not None:
+        return float(privacy.noise_multiplier)
+    check.integer(rounds, "rounds", 1)
+    if privacy.epsilon is None:
+        raise _no_noise_error(privacy)
+    return calibrate_noise_multiplier(
+        lambda z: SelfComposedEvent(central_round_event(z, sampling_probability), rounds), privacy.epsilon,
+        privacy.delta, what=f"{rounds} rounds at client sampling rate {sampling_probability!r}")
+
+
+def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> float:
+    """Adaptive clipping: the update sum's noise multiplier z_update for a round of total noise multiplier z whose
+    count (sensitivity 1/2) gets noise ``count_noise`` (sigma_b): z_update = (z^-2 - (2 sigma_b)^-2)^-1/2 (Andrew et
+    al. 2021, Theorem 1). Refused when the count alone would spend the round's budget (z >= 2 sigma_b)."""
+    check.positive(noise_multiplier, "noise_multiplier")
+    check.positive(count_noise, "clip_count_noise")
+    rest = noise_multiplier ** -2 - (2.0 * count_noise) ** -2
+    if rest <= 0:
+        raise ConfigError(f"adaptive clipping with clip_count_noise={count_noise:g} spends the whole round's budget "
+                          f"on the clip count (it needs clip_count_noise > noise_multiplier / 2 = "
+                          f"{noise_multiplier / 2:g}); raise clip_count_noise or use a fixed clip")
+    return cast(float, rest ** -0.5)   # float ** float is typed Any (a complex for a base < 0); here rest > 0
+
+
+def joint_noise_multiplier(update: float, count_noise: float) -> float:
+    """The inverse of :func:`update_noise_multiplier`: the round's z from z_update and sigma_b."""
+    return cast(float, (update ** -2 + (2.0 * count_noise) ** -2) ** -0.5)   # base: a sum of inverse squares, > 0
+
+
+__all__ = [
+    "ADAPTIVE", "CENTRAL", "CLIENT_LEVEL", "DISTRIBUTED", "LOCAL", "MODES", "RECORD", "RELATIONS",
+    "ClientLevelNoise", "NovelPrivacy", "TrainingPrivacy", "central_noise_multiplier", "central_round_event",
+    "client_level_noise", "joint_noise_multiplier", "record_noise_multiplier", "share_epsilon",
+    "stage_clips", "update_noise_multiplier",
+]
