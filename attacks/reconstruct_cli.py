@@ -131,6 +131,7 @@ class AttackSettings:
     def validate(self) -> None:
         from attacks.reconstructor import PRECISIONS, ReconstructorConfig, SamplingSettings, resolve_device
         from attacks.schemes import SCHEMES
+        from privfl.privacy.mechanisms import NOISE_SOURCES
 
         bad = [s for s in self.schemes if s not in SCHEMES]
         if not self.schemes or bad:
@@ -188,8 +189,8 @@ class AttackSettings:
                               f"the training pairs), got {self.guide_decoder!r}")
         if self.bootstrap < 100:
             raise ConfigError(f"--bootstrap must be >= 100 resamples, got {self.bootstrap}")
-        if self.dp_noise not in ("seeded", "secure"):
-            raise ConfigError(f"--dp-noise must be seeded or secure, got {self.dp_noise!r}")
+        if self.dp_noise not in NOISE_SOURCES:
+            raise ConfigError(f"--dp-noise must be one of {', '.join(NOISE_SOURCES)}, got {self.dp_noise!r}")
         if self.condition_dims is not None and self.condition_dims < 1:
             raise ConfigError(f"--condition-dims must be an integer >= 1 or none, got {self.condition_dims}")
         if not self.seeds or any(s < 0 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
@@ -817,7 +818,8 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--eps", type=_floats, default=default("eps"), help="DP-FedPFT epsilons requested")
     p.add_argument("--delta", type=float, default=default("delta"), help="DP-FedPFT delta (public)")
     p.add_argument("--dp-noise", default=default("dp_noise"),
-                   help="seeded (reproducible simulation of the defender) or secure (OS randomness)")
+                   help="seeded (reproducible simulation of the defender), secure (OS randomness) or hardened "
+                        "(secure, summed draws)")
     p.add_argument("--components", type=int, default=default("components"), help="FedPFT mixture components K")
     p.add_argument("--covariance", default=default("covariance"), help="full, diag or spherical")
     p.add_argument("--readings", default=default("readings"),

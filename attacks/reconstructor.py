@@ -308,12 +308,12 @@ class FeatureConditionedUNet(nn.Module):
 def data_fingerprint(features: Any, images: Any, *more: Any) -> str:
     """sha256 of the training pairs (shapes, dtypes and bytes; and of any further arrays, e.g. the decoder's
     estimates): a checkpoint is reused only on the same data."""
-    digest = hashlib.sha256()
+    hasher = hashlib.sha256()
     for array in (features, images) + tuple(a for a in more if a is not None):
         a = np.ascontiguousarray(array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else array)
-        digest.update(f"{a.dtype}{a.shape}".encode())
-        digest.update(a.tobytes())
-    return digest.hexdigest()
+        hasher.update(f"{a.dtype}{a.shape}".encode())
+        hasher.update(a.tobytes())
+    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)

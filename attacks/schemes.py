@@ -150,7 +150,8 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
         covariance: ``"full"``, ``"diag"`` or ``"spherical"``.
         seed: the run seed of the client's context (EM initialisation), the DP noise seed (with ``dp_noise=
             "seeded"``) and the server-side sampling of synthetic features.
-        dp_noise: ``"seeded"`` (reproducible; the defender is simulated) or ``"secure"`` (the library default).
+        dp_noise: the DP noise source, :data:`privfl.privacy.mechanisms.NOISE_SOURCES`: ``"seeded"`` (reproducible;
+            the defender is simulated), ``"secure"`` (the library default) or ``"hardened"``.
     """
     from privfl.data import TrainingClient
     from privfl.federation import Message, Wire
@@ -158,6 +159,7 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
     from privfl.federation.context import client_context
     from privfl.methods.base import ModelFactory
     from privfl.methods.fedpft import FedPFTClient, FedPFTConfig, decode_mixtures, sample_mixtures
+    from privfl.privacy.mechanisms import NOISE_SOURCES
     from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
     if scheme not in SCHEMES:
@@ -170,8 +172,8 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
         raise ConfigError(f"components must be an integer >= 1, got {components!r}")
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
         raise ConfigError(f"delta must be a probability in (0, 1), got {delta!r}")
-    if dp_noise not in ("seeded", "secure", "hardened"):
-        raise ConfigError(f"dp_noise must be 'seeded', 'secure' or 'hardened', got {dp_noise!r}")
+    if dp_noise not in NOISE_SOURCES:
+        raise ConfigError(f"dp_noise must be one of {', '.join(NOISE_SOURCES)}, got {dp_noise!r}")
     client_id = 0
     wire = Wire()
     mixtures: list[Any] = []

@@ -1,4 +1,4 @@
-"""Which reconstructions an attack is scored on (FedPFT paper, App. E, Table 6 and 7; digest ``papers/fedpft.md`` 7.4).
+"""Which reconstructions an attack is scored on (FedPFT paper, App. E.4, Tables 6 and 7; `docs/papers.md`, FedPFT).
 
 The building blocks of the rows that :mod:`attacks.schemes` defines (per-feature and set-level; which rows use the
 defender's images to match or to select is stated there and in every table):
@@ -7,8 +7,8 @@ defender's images to match or to select is stated there and in every table):
   scored ones; every row counts n in defender images.
 - **attacker confidence**: draw k reconstructions per feature and score the feature by the mean pairwise SSIM among
   its k samples (agreement = confident sampling; no ground truth); the attacker's reconstruction of the feature is
-  the medoid sample, the one with the highest mean SSIM to the other k - 1 (digest 8.2 #22)
-  (:func:`agreement_scores`).
+  the medoid sample, the one with the highest mean SSIM to the other k - 1 (App. E.4 leaves unstated which of the
+  10 samples is scored; `docs/papers.md`, the reconstruction attack) (:func:`agreement_scores`).
 - **matching**: :func:`nearest` pairs each image with its most similar candidate by SSIM (set-level rows; with the
   attacker's own images as candidates, the oracle "nearest attacker image" baseline of App. E.4).
 - **near-duplicate filter**: defender images whose maximum SSIM to any attacker image is among the top ``fraction``
