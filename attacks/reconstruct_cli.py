@@ -35,8 +35,9 @@ Protocol (FedPFT paper, App. E):
    timings), ``attack_grid.png`` (originals and what each attacker shows; set-level rows are labelled
    oracle-matched) and ``attack_metrics.png`` (each metric per scheme with its intervals).
 
-Presets: ``--preset quick`` (a small run, a few minutes on a laptop CPU) and ``--preset benchmark`` (the
-``benchmarks/attack_mnist.py`` setting); options given on the command line override the preset's.
+Presets: ``--preset quick`` (a small run, a few minutes on a laptop CPU), ``--preset benchmark`` (the
+``benchmarks/attack_mnist.py`` setting) and ``--preset reduced`` (the benchmark's attacker and reconstructor, a
+smaller evaluation); options given on the command line override the preset's.
 
 Example:
     privfl attack reconstruct --preset quick --out runs/attack-quick
@@ -218,6 +219,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (about two hours on one CPU thread in bfloat16 autocast; minutes on a GPU).
     "benchmark": dict(attacker_images=None, validation_images=1000, defender_images=500, seeds=(0, 1, 2),
                       precision="bf16"),
+    # The benchmark's attacker, reconstructor and checkpoint (the same training data and model: a trained
+    # benchmark checkpoint is reused) with an evaluation about five times cheaper: three disjoint defender sets of
+    # 250 images, 4 / 2 samples per raw / mixture feature, three sampling candidates on 128 held-out pairs, the MLP
+    # decoder for at most 15 epochs; about 25 minutes of one CPU thread once the reconstructor is trained.
+    "reduced": dict(attacker_images=None, validation_images=1000, defender_images=250, seeds=(0, 1, 2),
+                    precision="bf16", samples_per_feature=4, set_samples_per_feature=2, guidance=(1.0, 1.5),
+                    guidance_intervals=((0.5, 1.0),), guidance_rescales=(0.0,), init_strengths=(0.5,),
+                    selection_images=128, mlp_epochs=15, top_fractions=(0.05, 0.1)),
 }
 
 

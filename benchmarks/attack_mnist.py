@@ -29,9 +29,11 @@ checkpoints every 250 steps in ``--work`` and an interrupted run continues):
 
     OMP_NUM_THREADS=1 python benchmarks/attack_mnist.py --threads 1
 
-``--render-only`` rewrites ``attack_mnist.md`` from ``attack_mnist.json``. Results in ``benchmarks/results/``:
-``attack_mnist.json`` / ``.md``, ``attack_mnist.csv`` (rows), ``attack_mnist_scores.csv.gz`` (every scored image),
-``attack_mnist_metrics.png`` and ``attack_mnist_grid.png``.
+``--preset reduced`` evaluates the same reconstructor (its checkpoint in ``--work`` is reused) on three defender
+sets of 250 with fewer samples (``attacks/reconstruct_cli.py``, ``PRESETS``). ``--render-only`` rewrites the
+markdown from the JSON. Results in ``benchmarks/results/`` under ``attack_mnist`` (``--preset benchmark``) or
+``attack_mnist_reduced``: ``.json`` / ``.md``, ``.csv`` (rows), ``_metrics.png`` and ``_grid.png``; every scored
+image in ``--work`` (``per_image_scores.csv`` and ``<stem>_scores.csv.gz``).
 """
 
 from __future__ import annotations
@@ -171,13 +173,15 @@ def _table(rows: list[dict], title: bool = True) -> list[str]:
 
 def render_markdown(summary: dict) -> str:
     rows, p, rec = summary["rows"], summary["protocol"], summary["reconstructor"]
+    stem = results_stem(summary["settings"].get("preset") or "benchmark")
     scope = summary["comparisons"]["seed_scope"]
     sampling, device = summary["sampling"], summary["device"]
     seeds = [s["seed"] for s in p["seeds"]]
     out = ["# Reconstruction attack on MNIST (MobileNetV2 features): raw vs FedPFT vs DP-FedPFT vs prior only", "",
            f"Produced by `{summary.get('command', 'python benchmarks/attack_mnist.py')}` (`privfl attack "
-           "reconstruct --preset benchmark`); rows in `attack_mnist.csv`, every scored image in "
-           "`attack_mnist_scores.csv.gz`, figures `attack_mnist_metrics.png` and `attack_mnist_grid.png`.", "",
+           f"reconstruct --preset {summary['settings'].get('preset') or 'benchmark'}`); rows in `{stem}.csv`, "
+           f"every scored image in `{stem}_scores.csv.gz` (in `--work`), figures `{stem}_metrics.png` and "
+           f"`{stem}_grid.png`.", "",
            f"- Attacker: {p['attacker']}. Defender: {p['defender']}; per seed "
            + ", ".join(f"{s['evaluated']} scored ({s['near_duplicates_removed']} near-duplicates of attacker images "
                        f"not scored)" for s in p["seeds"][:1]) + f"; seeds {seeds}.",
@@ -251,11 +255,20 @@ def render_markdown(summary: dict) -> str:
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
+def results_stem(preset: str) -> str:
+    """The file names of a preset's results: ``attack_mnist`` for the benchmark preset, ``attack_mnist_<preset>``
+    for another."""
+    return "attack_mnist" if preset == "benchmark" else f"attack_mnist_{preset}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", default=str(ROOT / "runs" / "attack_mnist"),
                         help="output folder of the run (checkpoint, full outputs); git-ignored")
+    parser.add_argument("--preset", default="benchmark", choices=("benchmark", "reduced"),
+                        help="benchmark: the full evaluation; reduced: the same attacker and reconstructor (its "
+                             "checkpoint is reused), three defender sets of 250 and fewer samples")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--results", default=str(RESULTS), help="where the result files go")
@@ -266,12 +279,13 @@ def main() -> int:
                                                  "--steps 100 (the results then describe that run)")
     args = parser.parse_args()
     results = Path(args.results)
+    stem = results_stem(args.preset)
     if args.render_only:
-        summary = json.loads((results / "attack_mnist.json").read_text())
-        (results / "attack_mnist.md").write_text(render_markdown(summary))
+        summary = json.loads((results / f"{stem}.json").read_text())
+        (results / f"{stem}.md").write_text(render_markdown(summary))
         return 0
     torch.set_num_threads(args.threads)
-    argv = ["--out", args.work, "--preset", "benchmark", "--device", args.device] + list(args.extra)
+    argv = ["--out", args.work, "--preset", args.preset, "--device", args.device] + list(args.extra)
     if args.no_progress:
         argv.append("--no-progress")
     settings, _ = settings_from_args(argv)
@@ -282,21 +296,23 @@ def main() -> int:
     scores = load_scores(work / "per_image_scores.csv")
     summary["comparisons"] = comparisons(scores, summary["rows"], n_boot=settings.bootstrap, seed=settings.seed)
     summary["command"] = "python benchmarks/attack_mnist.py " + " ".join(
-        ["--device", args.device, "--threads", str(args.threads)] + (["--"] + args.extra if args.extra else []))
+        ["--preset", args.preset, "--device", args.device, "--threads", str(args.threads)]
+        + (["--"] + args.extra if args.extra else []))
     summary["wall_seconds"] = time.perf_counter() - started
     summary["settings"]["out"] = "--work (git-ignored run folder)"
     summary["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
     results.mkdir(parents=True, exist_ok=True)
-    (results / "attack_mnist.json").write_text(json.dumps(summary, indent=1, default=str))
-    (results / "attack_mnist.md").write_text(render_markdown(summary))
-    shutil.copyfile(work / "attack_results.csv", results / "attack_mnist.csv")
-    with open(work / "per_image_scores.csv", "rb") as source, gzip.open(results / "attack_mnist_scores.csv.gz",
-                                                                          "wb", compresslevel=9) as target:
+    (results / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
+    (results / f"{stem}.md").write_text(render_markdown(summary))
+    shutil.copyfile(work / "attack_results.csv", results / f"{stem}.csv")
+    # every scored image, gzipped, beside the run (tens of thousands of lines: not a file for the repository)
+    with open(work / "per_image_scores.csv", "rb") as source, gzip.open(work / f"{stem}_scores.csv.gz", "wb",
+                                                                          compresslevel=9) as target:
         shutil.copyfileobj(source, target)
-    shutil.copyfile(work / "attack_grid.png", results / "attack_mnist_grid.png")
-    shutil.copyfile(work / "attack_metrics.png", results / "attack_mnist_metrics.png")
-    print((results / "attack_mnist.md").read_text()[:6000])
+    shutil.copyfile(work / "attack_grid.png", results / f"{stem}_grid.png")
+    shutil.copyfile(work / "attack_metrics.png", results / f"{stem}_metrics.png")
+    print((results / f"{stem}.md").read_text()[:6000])
     return 0
 
 

@@ -21,7 +21,13 @@ from attacks.metrics import LPIPS  # noqa: E402
 from accounting import epsilon as accountant_epsilon  # noqa: E402
 from accounting import event_from_dict  # noqa: E402
 from attacks.metrics import ssim_pairs  # noqa: E402
-from attacks.reconstruct_cli import PRESETS, build_parser, reconstruct_main, settings_from_args  # noqa: E402
+from attacks.reconstruct_cli import (  # noqa: E402
+    PRESETS,
+    build_parser,
+    reconstruct_main,
+    reconstructor_config,
+    settings_from_args,
+)
 from attacks.reconstructor import (  # noqa: E402
     Reconstructor,
     ReconstructorConfig,
@@ -749,6 +755,13 @@ def test_presets_and_help_show_what_runs(capsys):
     bench, _ = settings_from_args(["--out", "x", "--preset", "benchmark"])
     assert bench.seeds == (0, 1, 2) and bench.attacker_images is None and bench.eps == (1.0, 4.0, 10.0)
     assert bench.image_size == 28 and bench.layers_per_block == 2
+    # the reduced preset evaluates the benchmark's reconstructor: same training pairs and model, so one checkpoint
+    reduced, _ = settings_from_args(["--out", "x", "--preset", "reduced"])
+    assert reconstructor_config(reduced, 1280, 1) == reconstructor_config(bench, 1280, 1)
+    same = ("dataset", "backbone", "input_size", "attacker_images", "validation_images", "seed", "guide_decoder",
+            "steps", "precision", "eps", "schemes", "seeds")
+    assert [getattr(reduced, k) for k in same] == [getattr(bench, k) for k in same]
+    assert reduced.defender_images == 250 < bench.defender_images and reduced.samples_per_feature == 4
     plain, _ = settings_from_args(["--out", "x", "--no-progress"])
     assert plain.progress is False and plain.steps == 8000 and plain.device == "auto"
     with pytest.raises(SystemExit):
