@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from attacks.metrics import LPIPS, psnr_pairs, ssim_matrix, ssim_pairs
-from attacks.selection import agreement_scores, nearest, top_count, top_indices
+from attacks.selection import agreement_scores, nearest, top_count
 from privfl.errors import ConfigError
 
 __all__ = ["GROUND_TRUTH", "SCHEMES", "SELECTIONS", "AttackRow", "AttackerPrior", "Release", "ReleaseEvaluation",

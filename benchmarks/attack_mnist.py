@@ -206,8 +206,9 @@ def render_markdown(summary: dict) -> str:
     for c in summary["comparisons"]["headline"]:
         sep = " / ".join(("yes" if c["cells_separated"][m] else "no") + (
             "" if c["diffusion_better"][m] else " (decoder better)") for m in METRICS)
-        out.append(f"| {c['diffusion']} | {ATTACK_NAMES.get(c['decoder'], c['decoder'])} | {_diff(c['difference'], 'psnr')} | "
-                   f"{_diff(c['difference'], 'lpips')} | {_diff(c['difference'], 'ssim')} | {sep} |")
+        out.append(f"| {c['diffusion']} | {ATTACK_NAMES.get(c['decoder'], c['decoder'])} | "
+                   f"{_diff(c['difference'], 'psnr')} | {_diff(c['difference'], 'lpips')} | "
+                   f"{_diff(c['difference'], 'ssim')} | {sep} |")
     out += [""]
 
     out += ["## Release ordering: set-level, every defender image matched to its most similar reconstruction "

@@ -10,8 +10,17 @@ import pytest
 from scipy import stats
 
 from accounting import analytic_gaussian_sigma
-from attacks.audit import (MECHANISMS, AuditResult, audit_main, audit_mechanism, audit_privatize, audit_samples,
-                           clopper_pearson, run_audit, worst_case_pair)
+from attacks.audit import (
+    MECHANISMS,
+    AuditResult,
+    audit_main,
+    audit_mechanism,
+    audit_privatize,
+    audit_samples,
+    clopper_pearson,
+    run_audit,
+    worst_case_pair,
+)
 from privfl.registry import Registry
 
 
