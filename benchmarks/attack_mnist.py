@@ -31,9 +31,9 @@ checkpoints every 250 steps in ``--work`` and an interrupted run continues):
 
 ``--preset reduced`` evaluates the same reconstructor (its checkpoint in ``--work`` is reused) on three defender
 sets of 250 with fewer samples (``attacks/reconstruct_cli.py``, ``PRESETS``). ``--render-only`` rewrites the
-markdown from the JSON. Results in ``benchmarks/results/`` under ``attack_mnist`` (``--preset benchmark``) or
-``attack_mnist_reduced``: ``.json`` / ``.md``, ``.csv`` (rows), ``_metrics.png`` and ``_grid.png``; every scored
-image in ``--work`` (``per_image_scores.csv`` and ``<stem>_scores.csv.gz``).
+markdown from the JSON and the CSV. Results in ``benchmarks/results/`` under ``attack_mnist`` (``--preset
+benchmark``) or ``attack_mnist_reduced``: ``.json`` / ``.md``, ``.csv`` (rows), ``_metrics.png`` and ``_grid.png``;
+every scored image in ``--work`` (``per_image_scores.csv`` and ``<stem>_scores.csv.gz``).
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def comparisons(scores: dict, rows: list[dict], *, n_boot: int, seed: int) -> di
             a, b = _key(scores, *first, attack, kind), _key(scores, *second, attack, kind)
             if a is None or b is None:
                 continue
-            ordering.append({"attack": attack, "estimate": (a[3], b[3]), "first": f"{first[0]} ε {first[1]}",
-                             "second": f"{second[0]} ε {second[1]}",
+            ordering.append({"attack": attack, "estimate": (a[3], b[3]), "first": f"{first[0]} ε {_eps(first[1])}",
+                             "second": f"{second[0]} ε {_eps(second[1])}",
                              "difference": paired(scores, a, b, n_boot=n_boot, seed=seed)})
     return {"headline": headline, "ordering": ordering, "seed_scope": pooled}
 
@@ -171,8 +171,17 @@ def _table(rows: list[dict], title: bool = True) -> list[str]:
     return lines
 
 
-def render_markdown(summary: dict) -> str:
-    rows, p, rec = summary["rows"], summary["protocol"], summary["reconstructor"]
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a results CSV (``attack_results.csv``), numbers as floats."""
+    numeric = {f"{m}{end}" for m in METRICS for end in ("", "_low", "_high")}
+    with open(path, newline="") as stream:
+        return [{k: (float(v) if k in numeric and v != "" else v) for k, v in row.items()}
+                for row in csv.DictReader(stream)]
+
+
+def render_markdown(summary: dict, rows: list[dict]) -> str:
+    """The results page of one run: ``summary`` without its rows, ``rows`` as :func:`read_rows` gives them."""
+    p, rec = summary["protocol"], summary["reconstructor"]
     stem = results_stem(summary["settings"].get("preset") or "benchmark")
     scope = summary["comparisons"]["seed_scope"]
     sampling, device = summary["sampling"], summary["device"]
@@ -250,7 +259,7 @@ def render_markdown(summary: dict) -> str:
             f"{post['mean_release_weight']:.2g} / {post['top_direction_mean_weight']:.2g}"
         out.append(f"| {r['source']} | {_eps(r.get('requested_epsilon', 'inf'))} | {_eps(r['ledger']['epsilon'])} | "
                    f"{r['bytes']:,} | {r['set_size']} | {weights} |")
-    out += ["", "## Every row", ""] + _table(rows) + [""]
+    out += ["", f"Every row (attacker and oracle top fractions per seed, every decoder): `{stem}.csv`.", ""]
     return "\n".join(out) + "\n"
 
 
@@ -274,7 +283,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--results", default=str(RESULTS), help="where the result files go")
     parser.add_argument("--render-only", action="store_true",
-                        help="rewrite attack_mnist.md from attack_mnist.json and stop")
+                        help="rewrite the preset's markdown from its JSON and CSV and stop")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("extra", nargs="*", help="more `privfl attack reconstruct` options after --, e.g. -- "
                                                  "--steps 100 (the results then describe that run)")
@@ -283,7 +292,7 @@ def main() -> int:
     stem = results_stem(args.preset)
     if args.render_only:
         summary = json.loads((results / f"{stem}.json").read_text())
-        (results / f"{stem}.md").write_text(render_markdown(summary))
+        (results / f"{stem}.md").write_text(render_markdown(summary, read_rows(results / f"{stem}.csv")))
         return 0
     torch.set_num_threads(args.threads)
     argv = ["--out", args.work, "--preset", args.preset, "--device", args.device] + list(args.extra)
@@ -304,9 +313,10 @@ def main() -> int:
     summary["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
     results.mkdir(parents=True, exist_ok=True)
+    summary.pop("rows")   # every row is in the CSV beside the JSON
     (results / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
-    (results / f"{stem}.md").write_text(render_markdown(summary))
     shutil.copyfile(work / "attack_results.csv", results / f"{stem}.csv")
+    (results / f"{stem}.md").write_text(render_markdown(summary, read_rows(results / f"{stem}.csv")))
     # every scored image, gzipped, beside the run (tens of thousands of lines: not a file for the repository)
     with open(work / "per_image_scores.csv", "rb") as source, gzip.open(work / f"{stem}_scores.csv.gz", "wb",
                                                                           compresslevel=9) as target:
