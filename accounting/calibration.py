@@ -21,7 +21,8 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import log_ndtr
 
-from accounting.accountants import AccountantName, epsilon as accountant_epsilon
+from accounting.accountants import AccountantName
+from accounting.accountants import epsilon as accountant_epsilon
 from accounting.events import PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
 from accounting.validation import is_finite, is_int_at_least
 

@@ -286,6 +286,7 @@ class LPIPS(torch.nn.Module):
         import warnings
 
         import lpips as lpips_package
+
         from privfl.safe_pickle import load_numpy_pickle
 
         with warnings.catch_warnings():  # torchvision's note on the deprecated ``pretrained=False`` argument

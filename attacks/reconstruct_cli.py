@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import functools
 import json
 import math
 import sys
@@ -367,7 +368,7 @@ def format_markdown(rows: Sequence[Any]) -> str:
              "PSNR ↑ [95% CI] | LPIPS ↓ [95% CI] | SSIM ↑ [95% CI] | set size |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        get = (lambda k: getattr(r, k)) if not isinstance(r, dict) else r.__getitem__
+        get = r.__getitem__ if isinstance(r, dict) else functools.partial(getattr, r)
         lines.append(f"| {get('source')} | {ATTACK_NAMES.get(get('attack'), get('attack'))} | {get('estimate')} | "
                      f"{_eps(get('epsilon'))} | {get('level')} | {get('selection')} | {get('top')} | {get('seed')} | "
                      f"{get('n')} | {get('ground_truth')} | {_cell(r, 'psnr')} | {_cell(r, 'lpips')} | "
@@ -538,8 +539,14 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     from attacks.decoders import fit_decoders, make_decoder
     from attacks.metrics import LPIPS
     from attacks.reconstructor import resolve_device, select_sampling, train_or_resume
-    from attacks.schemes import (AttackerPrior, evaluate_decoder, evaluate_release, feature_diagnostics,
-                                 nearest_image_baseline, rows_from_scores)
+    from attacks.schemes import (
+        AttackerPrior,
+        evaluate_decoder,
+        evaluate_release,
+        feature_diagnostics,
+        nearest_image_baseline,
+        rows_from_scores,
+    )
     from attacks.selection import near_duplicate_filter, nearest
 
     settings.validate()

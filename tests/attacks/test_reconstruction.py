@@ -17,10 +17,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attacks.metrics import LPIPS  # noqa: E402
 from accounting import epsilon as accountant_epsilon  # noqa: E402
 from accounting import event_from_dict  # noqa: E402
-from attacks.metrics import ssim_pairs  # noqa: E402
+from attacks.metrics import LPIPS, ssim_pairs  # noqa: E402
 from attacks.reconstruct_cli import (  # noqa: E402
     PRESETS,
     build_parser,
