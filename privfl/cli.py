@@ -354,20 +354,22 @@ def _parse_numbers(kind):
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
-    from privfl.sweep import FULL_SIZES, SIZES, SweepConfig, format_table, run_sweep
+    from privfl.sweep import FULL_SIZES, PRIVATE_ROUNDS, SIZES, SweepConfig, format_table, run_sweep
 
+    private_rounds = None if args.full_grid else (PRIVATE_ROUNDS if args.private_rounds is None
+                                                  else args.private_rounds)
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, clients=args.clients,
                          max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
                          method=args.method, method_config=dict(args.method_option) or None,
                          train_epsilons=args.train_epsilons, train_clip=args.train_clip,
-                         private_rounds=None if args.full_grid else args.private_rounds,
+                         private_rounds=private_rounds,
                          min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
                          sizes=args.sizes or (FULL_SIZES if args.full_grid else SIZES),
                          novel_mixes=args.novel_mixes, eval_size=args.eval_size,
                          repeats=args.repeats, seed=args.seed)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
     rounds = (f"{args.rounds} rounds per training" if args.full_grid or args.train_epsilons == (None,) else
-              f"{args.rounds} rounds without DP, {args.private_rounds} per private training")
+              f"{args.rounds} rounds without DP, {private_rounds} per private training")
     print(f"\n{args.method} on {args.dataset}, {rounds}; novel clients' accuracy (%) +- SEM "
           f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
           f"replace-one, n public):\n")
@@ -460,8 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
                    help="training clients' record-level epsilons, one training each; inf = without DP "
                         "(1,4,8,inf)")
-    p.add_argument("--private-rounds", type=int, default=40,
-                   help="rounds of each private training (40; at a fixed epsilon fewer rounds carry less noise each)")
+    p.add_argument("--private-rounds", type=int, default=None,
+                   help="rounds of each private training (privfl.sweep.PRIVATE_ROUNDS, 20; at a fixed epsilon fewer "
+                        "rounds carry less noise each)")
     p.add_argument("--full-grid", action="store_true",
                    help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (about 30 "
                         "minutes on one core; the default grid is about 10)")
