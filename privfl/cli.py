@@ -315,26 +315,45 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from privfl.evaluation.report import format_epsilon
+    from privfl.federation import RunDirectory
     from privfl.federation.spend import read_spend
 
     if args.delta is not None and not (math.isfinite(args.delta) and 0 < args.delta < 1):
         raise PrivflError(f"--delta must be a probability in (0, 1), got {args.delta}")
     spend = read_spend(args.run_dir, args.delta)
-    book = spend.book
+    book, delta = spend.book, spend.delta
     for warning in spend.warnings:
         print(f"privfl: warning: {warning}", file=sys.stderr)
+    # A Flower run's clients keep their ledgers on their nodes across runs: ledger.json holds this run's releases,
+    # the summary each client's lifetime epsilon (every run its node ledger holds) and the earlier runs it includes.
+    run = RunDirectory(args.run_dir)
+    summary = run.read_json(RunDirectory.SUMMARY) if run.path(RunDirectory.SUMMARY).exists() else {}
+    lifetime = ((summary.get("flower") or {}).get("lifetime") or {}) if isinstance(summary, dict) else {}
+    if lifetime and not math.isclose(float(lifetime["delta"]), delta):
+        print(f"lifetime epsilons are at delta={float(lifetime['delta']):g} (the run's), not --delta {delta:g}")
     print(f"run {spend.root}: {spend.status}; recomputed from {', '.join(spend.sources) or 'no file (no release)'}")
-    print(f"epsilon at delta={spend.delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
-    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  {'mode':<11}  {'relation':<32}  purposes")
-    for client_id in sorted(book, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
-        ledger = book[client_id]
-        purposes = Counter(record.purpose for record in ledger.records)
+    print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases"
+          + (f" in run {lifetime['run_id']}" if lifetime.get("run_id") else ""))
+    if lifetime:
+        earlier = lifetime.get("earlier_runs") or []
+        print("lifetime: every release of the client on its node, this run's and "
+              + (f"earlier runs' ({', '.join(earlier)})" if earlier else "no earlier run's"))
+    lifetime_eps = lifetime.get("epsilon_per_client", {})
+    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  " + (f"{'lifetime':>8}  " if lifetime else "")
+          + f"{'mode':<11}  {'relation':<32}  purposes")
+    ids = set(book) | {int(c) for c in lifetime_eps}
+    for client_id in sorted(ids, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
+        records = book[client_id].records if client_id in book else []
+        purposes = Counter(record.purpose for record in records)
         listed = ", ".join(f"{name} x{count}" for name, count in sorted(purposes.items()))
-        modes = sorted({str(r.metadata["mode"]) for r in ledger.records if "mode" in r.metadata}) or ["-"]
-        relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in ledger.records
+        modes = sorted({str(r.metadata["mode"]) for r in records if "mode" in r.metadata}) or ["-"]
+        relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in records
                             if r.event.relation is not None}) or ["none (not private)"]
-        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(spend.delta).epsilon):>8}  "
-              f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
+        epsilon = book[client_id].spent(delta).epsilon if client_id in book else 0.0
+        total = lifetime_eps.get(str(client_id))
+        print(f"{client_id!s:>6}  {len(records):>8}  {format_epsilon(epsilon):>8}  "
+              + (f"{format_epsilon(float(total)) if total is not None else '-':>8}  " if lifetime else "")
+              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
     return 0
 
 
@@ -349,18 +368,24 @@ def _parse_numbers(kind):
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
-    from privfl.sweep import SweepConfig, format_table, run_sweep
+    from privfl.sweep import FULL_SIZES, PRIVATE_ROUNDS, SIZES, SweepConfig, format_table, run_sweep
 
+    private_rounds = None if args.full_grid else (PRIVATE_ROUNDS if args.private_rounds is None
+                                                  else args.private_rounds)
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, source_options=dict(args.source_option),
                          clients=args.clients,
                          max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
                          method=args.method, method_config=dict(args.method_option) or None,
                          train_epsilons=args.train_epsilons, train_clip=args.train_clip,
+                         private_rounds=private_rounds,
                          min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
-                         sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
+                         sizes=args.sizes or (FULL_SIZES if args.full_grid else SIZES),
+                         novel_mixes=args.novel_mixes, eval_size=args.eval_size,
                          repeats=args.repeats, seed=args.seed)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
-    print(f"\n{args.method} on {args.dataset}, {args.rounds} rounds per training; novel clients' accuracy (%) +- SEM "
+    rounds = (f"{args.rounds} rounds per training" if args.full_grid or args.train_epsilons == (None,) else
+              f"{args.rounds} rounds without DP, {private_rounds} per private training")
+    print(f"\n{args.method} on {args.dataset}, {rounds}; novel clients' accuracy (%) +- SEM "
           f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
           f"replace-one, n public):\n")
     print(format_table(result))
@@ -456,6 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
                    help="training clients' record-level epsilons, one training each; inf = without DP "
                         "(1,4,8,inf)")
+    p.add_argument("--private-rounds", type=int, default=None,
+                   help="rounds of each private training (privfl.sweep.PRIVATE_ROUNDS, 20; at a fixed epsilon fewer "
+                        "rounds carry less noise each)")
+    p.add_argument("--full-grid", action="store_true",
+                   help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (about 30 "
+                        "minutes on one core; the default grid is about 10)")
     p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip (1.0)")
     p.add_argument("--min-samples", type=int, default=200,
                    help="public lower bound on a training client's training split (200)")
@@ -463,8 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="novel clients' epsilons, e.g. 0.1,0.3,1,3")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--bound", type=float, default=1.0, help="per-sample L2 clipping radius of phi")
-    p.add_argument("--sizes", type=_parse_numbers(int), default=(50, 150, 500, 1500, 5000),
-                   help="novel-client sizes, e.g. 50,500,5000")
+    p.add_argument("--sizes", type=_parse_numbers(int), default=None,
+                   help="novel-client sizes (50,500,5000; with --full-grid 50,150,500,1500,5000)")
     p.add_argument("--novel-mixes", type=int, default=5, help="label mixes (novel clients) per size")
     p.add_argument("--eval-size", type=int, default=500, help="held-out test images per novel client")
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
