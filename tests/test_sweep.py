@@ -188,7 +188,7 @@ def test_a_sweep_writes_over_nothing_without_overwrite(tmp_path, capsys):
     out = tmp_path / "sweep"
     settings = dict(clients=6, max_samples=1200, rounds=2, client_fraction=0.5, sizes=(20, 60),
                        epsilons=(0.3, 3.0), novel_mixes=2, eval_size=40, repeats=1, train_epsilons=(8.0, None),
-                       min_samples=50)
+                       private_rounds=1, min_samples=50)
     claim(SweepConfig(**settings), out, overwrite=False)
     claim(SweepConfig(**settings), out, overwrite=False)        # the same sweep again: its own folder
     assert main(TINY + ["--out", str(out), "--repeats", "2"]) == 2
