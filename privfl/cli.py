@@ -509,7 +509,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("datasets", help="list every data source and whether it is available here")
     p.add_argument("--data-root", default=None)
     p.set_defaults(func=cmd_datasets)
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsHelp
+        for action in command._actions:      # argparse shows no default for an option without help text
+            if action.help is None and DefaultsHelp.shows(action):
+                action.help = "(default: %(default)s)"
     return parser
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, except where there is none to show (``None``, an unset flag, an empty
+    list): there the help text says what applies (the method's own default, say)."""
+
+    @staticmethod
+    def shows(action: argparse.Action) -> bool:
+        default = action.default     # by identity: 0 is a default to show, False (an unset flag) is not
+        return bool(action.option_strings) and not any(default is v for v in (None, False, argparse.SUPPRESS)) \
+            and default not in ([], ())
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if not self.shows(action):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
 
 
 def main(argv: list[str] | None = None) -> int:

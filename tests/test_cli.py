@@ -284,3 +284,14 @@ def test_attack_audit_refuses_an_output_it_cannot_write_before_the_audit(tmp_pat
         err = capsys.readouterr().err
         assert f"--json {path} cannot be written ({why}" in err and "choose another path" in err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_help_shows_each_default_that_applies(capsys):
+    for command, rounds in (["train", 200], ["demo", 30]):
+        with pytest.raises(SystemExit) as exit:
+            main([command, "--help"])
+        assert exit.value.code == 0
+        shown = " ".join(capsys.readouterr().out.split())
+        assert f"--rounds ROUNDS (default: {rounds})" in shown and "--seed SEED (default: 0)" in shown
+        # no default to show where the method's own applies, nor for a flag
+        assert "(default: None)" not in shown and "(default: False)" not in shown
