@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("accounting",),
     ("privfl.errors", "privfl.safe_pickle", "privfl.provenance", "privfl.memory", "privfl.evaluation.metrics"),
+    ("privfl.registry",),
     ("privfl.data", "privfl.models"),
     ("privfl.privacy",),
     ("privfl.federation",),

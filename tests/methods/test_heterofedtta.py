@@ -273,7 +273,8 @@ def test_record_level_rounds_record_the_event_their_round_event_declares_and_sen
     assert sorted(release.message.arrays) == ["base", "per"] and release.message.metrics == {}
 
 
-@pytest.mark.parametrize("mode", ["record", "local"])
+# record level is not here: a record whose gradient overflows is left out of the clipped sum, so it cannot diverge
+@pytest.mark.parametrize("mode", ["local"])
 def test_under_dp_a_diverged_client_keeps_its_models_and_releases_their_logits_rather_than_staying_silent(
         make_spec, mode):
     federation, runtime = _private(make_spec, TrainingPrivacy(mode=mode, noise_multiplier=1.0, noise="seeded"))
