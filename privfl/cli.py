@@ -94,7 +94,11 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is reported")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine)")
+                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine, "
+                        "and 1 with --workers above 1)")
+    g.add_argument("--workers", type=int, default=1,
+                   help="processes that train a round's clients, one thread each (1); the numbers are the "
+                        "one-thread run's")
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -211,7 +215,7 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
-        privacy=privacy, novel_privacy=novel_privacy,
+        privacy=privacy, novel_privacy=novel_privacy, workers=args.workers,
     )
 
 
@@ -494,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reuse_freed_memory()   # large per-round tensors from the heap, not fresh page-faulted mmaps (privfl.memory)
     threads = getattr(args, "threads", None)
+    if threads is None and getattr(args, "workers", 1) > 1:
+        threads = 1   # each worker computes on one thread, and this process must too (privfl.federation.workers)
     if threads is not None:
         if threads < 1:
             print(f"privfl: error: --threads must be an integer >= 1, got {threads}", file=sys.stderr)

@@ -34,6 +34,10 @@ class RunConfig:
     every method, :class:`~privfl.privacy.training.TrainingPrivacy`); ``novel_privacy`` the novel clients' release,
     for methods whose novel clients send one (:class:`~privfl.privacy.training.NovelPrivacy`). In central
     client-level DP, ``client_fraction`` is the Poisson sampling rate q.
+
+    ``workers`` is how many processes train a round's clients on the in-process engine (1: one after another in
+    this process); with more, torch must run on one thread (``torch.set_num_threads(1)``, ``--threads 1``) and the
+    numbers are those of the one-thread run with ``workers=1`` (:mod:`privfl.federation.workers`).
     """
 
     federation: FederationSpec = field(default_factory=FederationSpec)
@@ -49,6 +53,7 @@ class RunConfig:
     delta: float = 1e-5
     privacy: TrainingPrivacy = field(default_factory=TrainingPrivacy)
     novel_privacy: NovelPrivacy = field(default_factory=NovelPrivacy)
+    workers: int = 1
 
     def __post_init__(self) -> None:
         spec = get_method(self.method)
@@ -70,6 +75,8 @@ class RunConfig:
             ("select", self.select, self.select in SELECTIONS, f"one of {', '.join(SELECTIONS)}"),
             ("seed", self.seed, isinstance(self.seed, int) and self.seed >= 0, "an integer >= 0"),
             ("delta", self.delta, isinstance(self.delta, float) and 0 < self.delta < 1, "a probability in (0, 1)"),
+            ("workers", self.workers, isinstance(self.workers, int) and not isinstance(self.workers, bool)
+             and self.workers >= 1, "an integer >= 1 (processes that train a round's clients)"),
         ]
         for name, value, ok, valid in checks:
             if not ok:

@@ -60,6 +60,10 @@ def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None):
     from privfl.federation.flower.runtime import FlowerRuntime
 
     def factory(config: RunConfig, federation) -> FlowerRuntime:
+        if config.workers != 1:
+            raise ConfigError(f"workers={config.workers} spreads clients over processes of the in-process engine; "
+                              "on Flower the nodes are the processes (--flower-actors, --flower-clients-per-node): "
+                              "use workers=1, or engine 'inprocess'")
         strategy, client = build_method(config, federation)
         return FlowerRuntime(grid, strategy=strategy, client=client, federation=federation, config=config,
                              options=options)

@@ -74,7 +74,7 @@ def build_runtime(config: RunConfig, federation: FederatedDataset) -> InProcessR
     """The method's strategy and client procedure for ``federation``, wired into an in-process runtime."""
     strategy, client = build_method(config, federation)
     return InProcessRuntime(strategy=strategy, client=client, training_clients=federation.training_clients,
-                            seed=config.seed, client_fraction=config.client_fraction)
+                            seed=config.seed, client_fraction=config.client_fraction, workers=config.workers)
 
 
 def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite: bool = False,
@@ -174,6 +174,7 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     finally:
         interrupt.restore()
         bar.close()
+        runtime.close()
     wall = elapsed + time.perf_counter() - started
     return finish(config, federation, runtime, run_dir, best, wall)
 

@@ -1,0 +1,211 @@
+"""Worker processes for the in-process runtime: a round's clients trained in parallel, with the sequential numbers.
+
+:class:`ClientWorkers` forks ``count`` processes once, after the runtime is built, so each holds the clients' data
+and the method's client procedure as the parent built them (what a Flower node holding several clients holds).
+For each stage the parent sends every sampled client its delivered message and working state, and receives the
+client's release and new working state; a worker runs one client at a time, in whatever order the clients finish.
+
+The numbers are those of the sequential loop: a client's computation is a function of its data, its message, its
+working state and its context (:func:`privfl.federation.context.client_context` seeds torch's generator per
+client), and the thread count, which decides the floating-point sums (:mod:`privfl.provenance`). A forked process
+cannot use OpenMP threads its parent has used (libgomp's pool does not survive a fork: the child hangs in its first
+parallel kernel), so each worker runs torch on one thread, and the parent must run on one too
+(:func:`check_threads`): the run is then the sequential run at one thread, number for number. Torch's generator is left as the sequential loop leaves it (in the state the last
+client by id left it in). The releases never pass a ledger here: the parent records them, in increasing client id as
+the sequential loop does (:meth:`privfl.federation.runtime.InProcessRuntime.exchange`), so the ledgers and the
+release journal are written in the same order.
+
+What crosses between the processes is ``torch.save`` bytes of tensors and plain values, read back with
+``weights_only=True``, and privacy events as their JSON dicts.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import traceback
+import weakref
+from collections.abc import Mapping
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from accounting import PrivacyBudget, event_from_dict
+from privfl import errors
+from privfl.errors import ConfigError, InternalError
+from privfl.federation.context import ClientState, client_context
+from privfl.federation.messages import Message, Release
+
+
+def check_workers(workers: object) -> int:
+    """``workers`` as a count of processes, or a ConfigError naming the value."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be an integer >= 1 (processes that train a round's clients), got {workers!r}")
+    return workers
+
+
+def check_threads(workers: int) -> None:
+    """Refuse ``workers > 1`` unless torch runs on one thread in this process (see the module's text)."""
+    threads = torch.get_num_threads()
+    if workers > 1 and threads != 1:
+        raise ConfigError(f"workers={workers} trains each client on one thread in its own process, so the run's "
+                          f"numbers are those of a one-thread run only if this process computes on one thread too, "
+                          f"but torch uses {threads} here: call torch.set_num_threads(1) (privfl --threads 1), "
+                          "or use workers=1")
+
+
+def _dumps(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _message_dict(message: Message) -> dict[str, Any]:
+    return {"arrays": message.arrays, "metrics": message.metrics, "config": message.config}
+
+
+def _message(values: Mapping[str, Any]) -> Message:
+    return Message(arrays=dict(values["arrays"]), metrics=dict(values["metrics"]), config=dict(values["config"]))
+
+
+def release_to_dict(release: Release) -> dict[str, Any]:
+    """``release`` as tensors and plain values (its event as :meth:`accounting.PrivacyEvent.to_dict`)."""
+    return {"message": _message_dict(release.message), "purpose": release.purpose, "event": release.event.to_dict(),
+            "metadata": dict(release.metadata), "audience": release.audience,
+            "calibrated_for": None if release.calibrated_for is None else release.calibrated_for.to_dict()}
+
+
+def release_from_dict(values: Mapping[str, Any]) -> Release:
+    """The inverse of :func:`release_to_dict`."""
+    budget = values["calibrated_for"]
+    return Release(message=_message(values["message"]), purpose=values["purpose"],
+                   event=event_from_dict(values["event"]), metadata=dict(values["metadata"]),
+                   calibrated_for=None if budget is None else PrivacyBudget.from_dict(budget),
+                   audience=values["audience"])
+
+
+def _serve(connection: Connection, procedure: Any, clients: Mapping[int, Any]) -> None:
+    """A worker's loop: a task in, the client's release and working state out, until the parent closes the pipe."""
+    torch.set_num_threads(1)
+    while True:
+        try:
+            task = _loads(connection.recv_bytes())
+        except EOFError:
+            return
+        try:
+            cid, round, stage = int(task["client_id"]), int(task["round"]), int(task["stage"])
+            working: ClientState = dict(task["state"])
+            delivered = _message(task["message"])
+            ctx = client_context(int(task["seed"]), cid, round, stage)
+            if stage == 0:
+                release = procedure.train(clients[cid], delivered, working, ctx)
+            else:
+                release = procedure.train_stage(stage, clients[cid], delivered, working, ctx)
+            reply = {"client_id": cid, "state": working, "generator": torch.default_generator.get_state(),
+                     "release": None if release is None else release_to_dict(release)}
+        except Exception as error:  # noqa: BLE001 -- handed to the parent, which raises it there
+            reply = {"client_id": int(task.get("client_id", -1)), "error": type(error).__name__,
+                     "text": str(error), "traceback": traceback.format_exc()}
+        connection.send_bytes(_dumps(reply))
+
+
+def _error(reply: Mapping[str, Any]) -> Exception:
+    """A worker's error, to raise in the parent: a user error (:mod:`privfl.errors`) as its own class and text,
+    anything else as an :class:`InternalError` carrying the worker's traceback."""
+    kind = getattr(errors, str(reply["error"]), None)
+    if isinstance(kind, type) and issubclass(kind, errors.PrivflError):
+        return kind(reply["text"])
+    return InternalError(f"client {reply['client_id']} failed in a worker process with {reply['error']}: "
+                        f"{reply['text']}\n--- worker traceback ---\n{reply['traceback']}")
+
+
+def _stop(processes: list[Any], connections: list[Connection]) -> None:
+    for connection in connections:
+        connection.close()
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.terminate()
+            process.join()
+
+
+class ClientWorkers:
+    """``count`` forked processes that run client procedures on ``clients`` (by id) for the parent."""
+
+    def __init__(self, count: int, procedure: Any, clients: Mapping[int, Any]) -> None:
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise ConfigError(f"workers={count} needs processes started by fork, which this platform "
+                              f"({os.name}) lacks; use workers=1")
+        context = multiprocessing.get_context("fork")
+        self.count = check_workers(count)
+        check_threads(count)
+        self._connections: list[Connection] = []
+        self._processes = []
+        for _ in range(count):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_serve, args=(theirs, procedure, clients), daemon=True)
+            process.start()
+            theirs.close()
+            self._connections.append(ours)
+            self._processes.append(process)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._connections)
+
+    def run(self, *, seed: int, round: int, stage: int, messages: Mapping[int, Message],
+            states: Mapping[int, ClientState]) -> dict[int, tuple[Release | None, ClientState] | Exception]:
+        """Each client of ``messages`` at ``stage`` of ``round`` on its delivered message and working state: its
+        release (or ``None``) and its new working state, by client id. Torch's generator ends as the last client by
+        id left it, as after the sequential loop.
+
+        Clients are handed out in increasing id. When one fails, no later client is started, and the failure is its
+        result (an exception, for the caller to raise where the sequential loop would have): every client before it
+        has its result, as in the sequential loop; clients after it may have theirs too, to be ignored."""
+        pending = sorted(messages)
+        idle = list(self._connections)
+        busy: dict[Connection, int] = {}
+        results: dict[int, tuple[Release | None, ClientState] | Exception] = {}
+        generators: dict[int, torch.Tensor] = {}
+        failed = False
+        while pending or busy:
+            while pending and idle and not failed:
+                cid = pending.pop(0)
+                connection = idle.pop()
+                connection.send_bytes(_dumps({"client_id": cid, "round": round, "stage": stage, "seed": seed,
+                                              "message": _message_dict(messages[cid]), "state": dict(states[cid])}))
+                busy[connection] = cid
+            if failed:
+                pending = []
+                if not busy:
+                    break
+            try:
+                ready = wait(list(busy))
+            except KeyboardInterrupt:
+                self.close()
+                raise
+            for connection in ready:
+                cid = busy.pop(connection)
+                try:
+                    reply = _loads(connection.recv_bytes())
+                except EOFError:
+                    self.close()
+                    raise InternalError(f"the worker process training client {cid} ended without answering "
+                                        "(killed, or out of memory)") from None
+                idle.append(connection)
+                if "error" in reply:
+                    results[cid], failed = _error(reply), True
+                    continue
+                release = None if reply["release"] is None else release_from_dict(reply["release"])
+                results[cid] = (release, dict(reply["state"]))
+                generators[cid] = reply["generator"]
+        if generators and not failed:
+            torch.default_generator.set_state(generators[max(generators)])
+        return results
+
+    def close(self) -> None:
+        """End the worker processes (also done when this object is collected)."""
+        self._finalizer()
