@@ -24,16 +24,18 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import signal
 import traceback
 import weakref
 from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from accounting import PrivacyBudget, event_from_dict
-from privfl import errors
+import privfl.errors as errors
 from privfl.errors import ConfigError, InternalError
 from privfl.federation.context import ClientState, client_context
 from privfl.federation.messages import Message, Release
@@ -90,12 +92,29 @@ def release_from_dict(values: Mapping[str, Any]) -> Release:
                    audience=values["audience"])
 
 
-def _serve(connection: Connection, procedure: Any, clients: Mapping[int, Any]) -> None:
-    """A worker's loop: a task in, the client's release and working state out, until the parent closes the pipe."""
+def _widen(connection: Connection) -> None:
+    """Let the pipe under ``connection`` hold a whole model (up to the system's limit), so that a message is written
+    in one go rather than in 64 KiB turns between the two processes, each waiting for the scheduler on a busy
+    machine."""
+    try:
+        import fcntl
+
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        fcntl.fcntl(connection.fileno(), fcntl.F_SETPIPE_SZ, min(limit, 64 << 20))
+    except (ImportError, OSError, ValueError, AttributeError):
+        pass   # only slower: the pipe keeps its default size
+
+
+def _serve(tasks: Connection, replies: Connection, procedure: Any, clients: Mapping[int, Any]) -> None:
+    """A worker's loop: a task in, the client's release and working state out, until the parent closes the pipe.
+
+    Ctrl-C reaches the whole process group; the parent alone decides (it finishes the round, then ends the
+    workers), so a worker ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     while True:
         try:
-            task = _loads(connection.recv_bytes())
+            task = _loads(tasks.recv_bytes())
         except EOFError:
             return
         try:
@@ -112,7 +131,7 @@ def _serve(connection: Connection, procedure: Any, clients: Mapping[int, Any]) -
         except Exception as error:  # noqa: BLE001 -- handed to the parent, which raises it there
             reply = {"client_id": int(task.get("client_id", -1)), "error": type(error).__name__,
                      "text": str(error), "traceback": traceback.format_exc()}
-        connection.send_bytes(_dumps(reply))
+        replies.send_bytes(_dumps(reply))
 
 
 def _error(reply: Mapping[str, Any]) -> Exception:
@@ -145,16 +164,22 @@ class ClientWorkers:
         context = multiprocessing.get_context("fork")
         self.count = check_workers(count)
         check_threads(count)
-        self._connections: list[Connection] = []
+        self._connections: list[Connection] = []    # where each worker's replies arrive
+        self._tasks: dict[Connection, Connection] = {}   # reply end -> where that worker's tasks go
         self._processes = []
         for _ in range(count):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=_serve, args=(theirs, procedure, clients), daemon=True)
+            task_in, task_out = context.Pipe(duplex=False)
+            reply_in, reply_out = context.Pipe(duplex=False)
+            for end in (task_out, reply_out):
+                _widen(end)
+            process = context.Process(target=_serve, args=(task_in, reply_out, procedure, clients), daemon=True)
             process.start()
-            theirs.close()
-            self._connections.append(ours)
+            task_in.close()
+            reply_out.close()
+            self._connections.append(reply_in)
+            self._tasks[reply_in] = task_out
             self._processes.append(process)
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._connections)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, [*self._tasks.values(), *self._connections])
 
     def run(self, *, seed: int, round: int, stage: int, messages: Mapping[int, Message],
             states: Mapping[int, ClientState]) -> dict[int, tuple[Release | None, ClientState] | Exception]:
@@ -175,7 +200,7 @@ class ClientWorkers:
             while pending and idle and not failed:
                 cid = pending.pop(0)
                 connection = idle.pop()
-                connection.send_bytes(_dumps({"client_id": cid, "round": round, "stage": stage, "seed": seed,
+                self._tasks[connection].send_bytes(_dumps({"client_id": cid, "round": round, "stage": stage, "seed": seed,
                                               "message": _message_dict(messages[cid]), "state": dict(states[cid])}))
                 busy[connection] = cid
             if failed:
