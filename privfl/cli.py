@@ -96,6 +96,9 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine, "
                         "and 1 with --workers above 1)")
+    g.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help="where the models compute: cpu (default), cuda, or auto (CUDA where present and the method "
+                        "runs there)")
     g.add_argument("--workers", type=int, default=1,
                    help="processes that train a round's clients, one thread each (1); the numbers are the "
                         "one-thread run's")
@@ -215,7 +218,7 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
-        privacy=privacy, novel_privacy=novel_privacy, workers=args.workers,
+        privacy=privacy, novel_privacy=novel_privacy, workers=args.workers, device=args.device,
     )
 
 
@@ -349,7 +352,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                          train_epsilons=args.train_epsilons, train_clip=args.train_clip,
                          min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
                          sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
-                         repeats=args.repeats, seed=args.seed)
+                         repeats=args.repeats, seed=args.seed, device=args.device)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"\n{args.method} on {args.dataset}, {args.rounds} rounds per training; novel clients' accuracy (%) +- SEM "
           f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
@@ -457,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help="where the trainings compute: cpu (default), cuda, or auto (CUDA where present and the "
+                        "method runs there)")
     p.add_argument("--overwrite", action="store_true", help="retrain even if OUT/train holds the same run")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_sweep)

@@ -23,7 +23,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from accounting import ReleaseJournal
-from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations
+from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations, run_device
 from privfl.data import FederatedDataset, build_federation, label_shift_kl
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
@@ -101,7 +101,7 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     runtime = runtime_factory(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
     elapsed = 0.0
-    digest = hashlib.sha256(dumps(config.to_dict()).encode()).hexdigest()   # ties each checkpoint to its config
+    digest = hashlib.sha256(dumps(run_identity(config)).encode()).hexdigest()   # ties each checkpoint to its config
     if resume:
         checkpoint = run_dir.load_checkpoint()
         if checkpoint is not None:
@@ -179,15 +179,33 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     return finish(config, federation, runtime, run_dir, best, wall)
 
 
+def run_identity(config: RunConfig) -> dict[str, Any]:
+    """What makes two configs the same run: every setting but ``workers``, which changes no number, and ``device``
+    left at ``"cpu"`` (so runs written before the setting existed stay the same runs)."""
+    values = config.to_dict()
+    values.pop("workers")
+    if values["device"] == "cpu":
+        values.pop("device")
+    return values
+
+
+def _stored_identity(run_dir: RunDirectory) -> dict[str, Any] | None:
+    try:
+        return json.loads(dumps(run_identity(RunConfig.from_dict(run_dir.read_json(RunDirectory.CONFIG)))))
+    except ValueError:   # a config.json this version cannot read (a ConfigError) is another run
+        return None
+
+
 def train_once(config: RunConfig, out: str, **kwargs: Any) -> dict[str, Any]:
     """The summary of ``config`` run in ``out``, computed at most once: read back when ``out`` holds this very run
     finished, continued from its checkpoint when it holds this run interrupted, trained afresh otherwise (replacing
-    whatever ``out`` held). "This very run" means the stored ``config.json`` equals ``config``: a directory left by
-    another configuration (other rounds, settings or seed) is retrained, never mistaken for this one. For scripts
-    that rerun many settings and must lose nothing on interruption; ``kwargs`` go to :func:`train`."""
+    whatever ``out`` held). "This very run" means the stored ``config.json`` is ``config`` (:func:`run_identity`: a
+    run continued keeps its stored ``workers``): a directory left by another configuration (other rounds, settings
+    or seed) is retrained, never mistaken for this one. For scripts that rerun many settings and must lose nothing
+    on interruption; ``kwargs`` go to :func:`train`."""
     run_dir = RunDirectory(out)
     stored = run_dir.path(RunDirectory.CONFIG)
-    same = stored.exists() and run_dir.read_json(RunDirectory.CONFIG) == json.loads(dumps(config.to_dict()))
+    same = stored.exists() and _stored_identity(run_dir) == json.loads(dumps(run_identity(config)))
     if same and run_dir.path(RunDirectory.SUMMARY).exists():
         return run_dir.read_json(RunDirectory.SUMMARY)
     resume = same and run_dir.path(RunDirectory.CHECKPOINT).exists()
@@ -235,7 +253,8 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
                           "bytes_down_total": sum(runtime.bytes_down.values())},
         "wall_time_s": wall_time_s,
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-        "numerics": numerics(),   # of the process that finished the run (a resumed run may have begun elsewhere)
+        # of the process that finished the run (a resumed run may have begun elsewhere), and where its models computed
+        "numerics": {**numerics(), "device": run_device(config)},
     }
     if config.privacy.mode == CENTRAL:
         against = ledgers.epsilons_against_aggregator(config.delta)

@@ -11,6 +11,7 @@ from typing import Any
 from privfl.data import TrainingClient
 from privfl.errors import ConfigError
 from privfl.federation.messages import Message
+from privfl.devices import ANY_DEVICE
 from privfl.methods.base import ClientContext, ClientProcedure, ClientState, LocalTrainingConfig, Strategy
 from privfl.methods.base import register_method
 from privfl.methods.local_training import local_sgd, sgd_settings, weights_of
@@ -66,4 +67,5 @@ register_method(
     privacy={"record": None, "local": None,
              "central": "its training clients send nothing, so there is no aggregate to make private",
              "distributed": "its training clients send nothing, so there is no aggregate to make private"},
+    devices=ANY_DEVICE,
 )
