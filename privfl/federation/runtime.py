@@ -304,9 +304,10 @@ class InProcessRuntime(Runtime):
     def _exchange_in_workers(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
         if self._pool is None:   # forked once, holding the clients' data and the procedure
             self._pool = ClientWorkers(self.workers, self.client, self.clients)
-        delivered = {cid: self.wire.server_to_client(cid, messages[cid]) for cid in sorted(messages)}
-        results = self._pool.run(seed=self.seed, round=round, stage=stage, messages=delivered,
-                                 states={cid: self._working[cid] for cid in delivered})
+        for cid in sorted(messages):   # the workers read their own copies from bytes
+            self.wire.count_down(cid, messages[cid])
+        results = self._pool.run(seed=self.seed, round=round, stage=stage, messages=messages,
+                                 states={cid: self._working[cid] for cid in messages})
         replies = {}
         for cid in sorted(results):
             result = results[cid]
