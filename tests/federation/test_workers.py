@@ -161,3 +161,11 @@ def test_workers_change_no_run_and_runs_from_before_the_setting_resume(tmp_path,
     assert resumed["rounds_completed"] == 2
     # the same run with two workers is read back, not trained again
     assert train_once(_dp_fedavg(make_spec, rounds=2, workers=2), str(tmp_path / "run")) == resumed
+
+
+def test_the_flower_simulation_refuses_workers_before_it_starts(tmp_path, make_spec):
+    from privfl.engine import run
+
+    with pytest.raises(ConfigError, match="workers=2 .* use workers=1, or engine 'inprocess'"):
+        run(_dp_fedavg(make_spec, workers=2), str(tmp_path / "run"), engine="flower-sim", progress=False)
+    assert not (tmp_path / "run").exists()
