@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.privfl-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-baselines test test-fast bench lock clean
+.PHONY: setup demo demo-baselines lint test test-fast bench lock clean
 
 setup: $(STAMP)
 
@@ -30,7 +30,13 @@ demo: $(STAMP)
 demo-baselines: $(STAMP)
 	$(VENV)/bin/privfl demo --out runs/demo
 
-test: $(STAMP)
+# Style and import order (ruff, every file) and strict types where the privacy claims live (mypy).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy accounting privfl/privacy
+
+# lint, then the tests and every docstring example (pyproject.toml: --doctest-modules over the packages)
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

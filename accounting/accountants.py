@@ -242,7 +242,8 @@ def _pld_of(leaves: Counter[PrivacyEvent]) -> Any:
         elif (isinstance(event, dp_accounting.PoissonSampledDpEvent)
               and isinstance(event.event, dp_accounting.GaussianDpEvent)
               and event.event.noise_multiplier > 0 and event.sampling_probability > 0):
-            part = _subsampled_gaussian_pld(event.event.noise_multiplier, event.sampling_probability).self_compose(count)
+            single = _subsampled_gaussian_pld(event.event.noise_multiplier, event.sampling_probability)
+            part = single.self_compose(count)
         else:
             return None
         pld = pld.compose(part)

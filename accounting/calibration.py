@@ -18,7 +18,8 @@ import numbers
 import sys
 from collections.abc import Callable
 
-from accounting.accountants import AccountantName, epsilon as accountant_epsilon
+from accounting.accountants import AccountantName
+from accounting.accountants import epsilon as accountant_epsilon
 from accounting.events import PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
 from accounting.validation import is_finite, is_int_at_least
 
@@ -50,7 +51,7 @@ def _log_gaussian_delta(sigma: float, epsilon: float, sensitivity: float) -> flo
                                      - e^epsilon Phi(-Delta/(2 sigma) - epsilon sigma/Delta).
     Both terms are taken in log space (log_ndtr) so that e^epsilon never overflows and tiny tails keep their digits.
     """
-    from scipy.special import log_ndtr   # here: importing scipy takes a noticeable part of a second
+    from scipy.special import log_ndtr  # here: importing scipy takes a noticeable part of a second
 
     a = sensitivity / (2.0 * sigma)
     b = epsilon * sigma / sensitivity

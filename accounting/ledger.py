@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from accounting.accountants import AccountantName, PrivacySpent, _check_accountant, check_supported, epsilon
-from accounting.files import atomic_write
-from accounting.validation import is_finite, is_int_at_least, is_real
 from accounting.events import (
     ComposedEvent,
     NeighboringRelation,
@@ -30,6 +28,8 @@ from accounting.events import (
     SelfComposedEvent,
     event_from_dict,
 )
+from accounting.files import atomic_write
+from accounting.validation import is_finite, is_int_at_least, is_real
 
 ClientId = int | str
 
@@ -576,7 +576,8 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
                 ledger = PrivacyLedger.from_state_dict({**ledger_state, "records": []})
                 owned = iter(own)
                 for d in records:
-                    ledger._append_history(table[d["shared"]] if "shared" in d else ReleaseRecord.from_dict(next(owned)))
+                    record = table[d["shared"]] if "shared" in d else ReleaseRecord.from_dict(next(owned))
+                    ledger._append_history(record)
                 book.add(ledger)
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed ledger book state: {exc!r}") from None

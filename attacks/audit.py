@@ -58,11 +58,12 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from privfl.registry import Registry
+
 __all__ = ["AuditResult", "DeltaAudit", "MECHANISMS", "audit_delta", "audit_dp_gmm", "audit_main", "audit_mechanism",
            "audit_privatize", "dp_gmm_worst_case_pair", "audit_samples", "clopper_pearson", "format_table", "run_audit",
            "worst_case_pair"]
 
-MECHANISMS = ("privatize", "classic", "maxpool", "dp_gmm")
 _MIN_TRIALS = 10
 _UPPER = "say D if score > t"
 _LOWER = "say D' if score <= t"
@@ -631,6 +632,33 @@ def _check_gaussian_audit(eps, delta, trials, n, bound, n_meaning: str) -> tuple
     return eps, delta, trials
 
 
+def _threshold_audit(releases: Callable[..., tuple[np.ndarray, np.ndarray]], *, vectorisable: bool = False
+                     ) -> Callable[..., AuditResult]:
+    """The black-box threshold audit of a mechanism whose ``trials`` releases on the worst-case pair ``(D, D')``
+    ``releases(eps, delta, trials, bound, n, seed[, vectorised])`` draws."""
+    def run(eps: float, delta: float, *, trials: int, bound: float, n: int, seed: int, confidence: float,
+            vectorised: bool) -> AuditResult:
+        extra = (vectorised,) if vectorisable else ()
+        rd, rdp = releases(eps, delta, trials, bound, n, seed, *extra)
+        return audit_samples(rd, rdp, epsilon_claimed=eps, delta=delta, confidence=confidence)
+    return run
+
+
+def _dp_gmm_audit(eps: float, delta: float, *, trials: int, bound: float, n: int, seed: int, confidence: float,
+                  vectorised: bool) -> AuditResult:
+    return audit_dp_gmm(eps, delta, trials=trials, bound=bound, n=n, seed=seed, confidence=confidence)
+
+
+#: The mechanisms ``privfl attack audit`` audits, by name: each runs one audit at the claimed ``(eps, delta)``
+#: (:func:`run_audit`). ``classic`` and ``maxpool`` are deliberately broken; the audit must catch them.
+MECHANISMS: Registry[Callable[..., AuditResult]] = Registry("audited mechanism", {
+    "privatize": _threshold_audit(_privatize_releases, vectorisable=True),
+    "classic": _threshold_audit(_classic_releases),
+    "maxpool": _threshold_audit(_maxpool_releases),
+    "dp_gmm": _dp_gmm_audit,
+})
+
+
 def run_audit(mechanism: str, eps: float, delta: float, *, trials: int, bound: float = 1.0, n: int = 20,
               seed: int = 0, confidence: float = 0.95, vectorised: bool = True) -> AuditResult:
     """Audit one of :data:`MECHANISMS` at the claimed ``(eps, delta)`` with ``trials`` releases per input.
@@ -640,19 +668,12 @@ def run_audit(mechanism: str, eps: float, delta: float, *, trials: int, bound: f
     deliberately broken mechanisms that the audit must catch. ``"dp_gmm"`` is the DP-FedPFT release audited through
     its S1 block with the defaults of :func:`audit_dp_gmm` (diag covariance, public counts, replace-one, dim 2):
     its ``epsilon_claimed`` is the S1 block's own epsilon, the release's ``eps`` is ``epsilon_release``.
+    ``vectorised`` applies to ``"privatize"`` only.
     """
-    if mechanism not in MECHANISMS:
-        raise _err(f"mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
+    audit = MECHANISMS.lookup(mechanism)
     eps, delta, trials = _check_gaussian_audit(eps, delta, trials, n, bound, "samples per set")
-    if mechanism == "dp_gmm":
-        return audit_dp_gmm(eps, delta, trials=trials, bound=bound, n=n, seed=seed, confidence=confidence)
-    if mechanism == "privatize":
-        rd, rdp = _privatize_releases(eps, delta, trials, bound, n, seed, vectorised)
-    elif mechanism == "classic":
-        rd, rdp = _classic_releases(eps, delta, trials, bound, n, seed)
-    else:
-        rd, rdp = _maxpool_releases(eps, delta, trials, bound, n, seed)
-    return audit_samples(rd, rdp, epsilon_claimed=eps, delta=delta, confidence=confidence)
+    return audit(eps, delta, trials=trials, bound=bound, n=n, seed=seed, confidence=confidence,
+                 vectorised=vectorised)
 
 
 def audit_privatize(eps: float, delta: float, *, trials: int, bound: float = 1.0, n: int = 20, seed: int = 0,

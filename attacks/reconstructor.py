@@ -5,37 +5,56 @@ denoising diffusion model on the pairs ``(E(x), x)`` for ``x`` in ``D_a``; given
 feature sampled from a released mixture), DDIM sampling with classifier-free guidance draws images that have that
 feature.
 
-Model (what the paper states, App. E.3, and the unstated choices, digest ``papers/fedpft.md`` 8.2 #21):
+Model (what the paper states, App. E.3, and the unstated choices):
 
-1. A diffusers ``UNet2DModel`` predicts the noise ``epsilon`` (DDPM, Ho et al. 2020, eq. 14); its residual blocks
-   are conditioned by scale-and-shift group normalisation (``resnet_time_scale_shift="scale_shift"``, AdaGN of
-   Dhariwal and Nichol 2021) on one embedding vector.
+1. A diffusers ``UNet2DModel`` (``layers_per_block`` residual blocks per level) predicts ``v = sqrt(abar_t) eps -
+   sqrt(1 - abar_t) x_0`` (``prediction_type="v_prediction"``, Salimans and Ho 2022, sec. 4; ``"epsilon"`` is the
+   eps-prediction of Ho et al. 2020, eq. 14). With the cosine schedule abar_T is about 0, where an eps-prediction
+   gives x_0 only through a division by sqrt(abar_T) and v-prediction gives it directly (x_0 = -v at abar = 0). Its
+   residual blocks are conditioned by scale-and-shift group normalisation (``resnet_time_scale_shift=
+   "scale_shift"``, AdaGN of Dhariwal and Nichol 2021) on one embedding vector.
 2. The feature is standardised with the attacker's own training features: per dimension (``condition_dims=None``,
    the default), or whitened: centred, projected onto their top ``condition_dims`` principal components and divided
-   by each component's standard deviation (drops the many near-constant directions of a 1280-d feature; on MNIST /
-   MobileNetV2 at 1,500 steps, 128 components reconstructed held-out attacker images worse than per-dimension
-   standardisation, SSIM 0.13 against 0.22, so the attack uses the default). A two-layer MLP
-   ``(condition_dims or d) -> 4 * base channels`` maps it to the embedding width, and the result is **added
-   to the timestep embedding** (``class_embed_type="identity"``). The MLP's last layer starts at zero, so the
-   untrained model is unconditional.
+   by each component's standard deviation. A two-layer MLP ``(condition_dims or d) -> 4 * base channels`` maps it to
+   the embedding width, and the result is **added to the timestep embedding** (``class_embed_type="identity"``).
+   The MLP's last layer starts at zero, so the untrained model is unconditional.
 3. Condition dropout (Ho and Salimans 2022): with probability ``cond_dropout`` a training example's condition
    embedding is replaced by the null embedding, zero. The same network is then also an unconditional model.
-4. Sampling: DDIM (Song et al. 2021, eq. 12, eta = 0, deterministic given the starting noise) with classifier-free
-   guidance ``eps = eps_uncond + w (eps_cond - eps_uncond)`` (Ho and Salimans 2022, eq. 6 rewritten): ``w = 0`` is
-   the unconditional model, ``w = 1`` the conditional one, ``w > 1`` sharpens towards the condition.
-5. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
+4. Sampling: DDIM (Song et al. 2021, eq. 12, eta = 0, deterministic given the starting noise) on "trailing"
+   timesteps (the first step at t = T - 1, where x_T ~ N(0, I) holds; Lin et al. 2024, sec. 3.3) with
+   classifier-free guidance ``out = out_u + w (out_c - out_u)`` (Ho and Salimans 2022, eq. 6 rewritten): ``w = 0``
+   is the unconditional model, ``w = 1`` the conditional one, ``w > 1`` sharpens towards the condition. Two
+   optional corrections of guidance: ``guidance_rescale`` phi rescales the guided output to the conditional one's
+   standard deviation (Lin et al. 2024, eqs. 15-16), and ``guidance_interval`` applies ``w`` only while t / T lies
+   in an interval and uses ``w = 1`` elsewhere (Kynkaanniemi et al. 2024).
+5. Decoder-guided initialisation (SDEdit, Meng et al. 2022, sec. 3): ``sample(..., init=images, strength=s)`` starts
+   DDIM at t = s T from ``sqrt(abar_t) x_init + sqrt(1 - abar_t) eps`` instead of pure noise (e.g. ``x_init`` a
+   regression decoder's estimate; :mod:`attacks.decoders`).
+6. Decoder-estimate input (``guide_image=True``): the UNet also reads an image the attacker computed from the same
+   feature, e.g. the mean of the attacker images with the nearest features (:class:`attacks.decoders.KNNDecoder`),
+   as extra input channels beside x_t: the conditioning on a coarse estimate of SR3 (Saharia et al. 2022, sec. 2)
+   and of retrieval-augmented diffusion (Blattmann et al. 2022). The network then learns the residual detail the
+   feature implies. The estimate is a function of the feature and the attacker's own data only; for training pairs
+   it must be computed without the pair itself (leave-one-out), as it will be for a defender's feature. Condition
+   dropout drops it together with the feature (the null input is zero), so the unconditional model stays
+   unconditional.
+7. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
 
-Sizes: the default (``block_channels=(32, 64, 64)``, one residual block per level, self-attention only in the middle
-block at the lowest resolution (``mid_attention``; diffusers' ``add_attention``)) has 1,321,281 parameters for
-1280-d standardised features at 16 x 16 (1,173,825 with ``condition_dims=128``); it trains at about 0.15 s per
-step of 32 images on one idle CPU thread; on a GPU pass ``device="cuda"`` and wider channels.
+Device and precision: ``device`` is ``"cpu"``, ``"cuda"``/``"cuda:N"`` or ``"auto"`` (:func:`resolve_device`: CUDA
+when visible, else the CPU; asking for CUDA where there is none is an error, never a silent CPU run). ``precision``
+``"auto"`` is mixed precision on CUDA (bfloat16 autocast where the GPU supports it, else float16 with a gradient
+scaler) and float32 on the CPU; ``"bf16"`` is bfloat16 autocast on either (:func:`resolve_precision`). Weights,
+optimiser state and the EMA stay float32. Random numbers are drawn on the CPU, so a seed gives the same draws on
+every device.
+
 Training is checkpointed atomically (write to a temporary file, then ``os.replace``), loads with
 ``torch.load(weights_only=True)`` and resumes exactly: the data sampler's random state is part of the checkpoint,
 so training k steps, saving, loading and training k more gives the weights of 2k uninterrupted steps.
 
 Example (a tiny model on random data):
     >>> import torch
-    >>> config = ReconstructorConfig(feature_dim=4, image_size=16, block_channels=(8, 8), batch_size=4)
+    >>> config = ReconstructorConfig(feature_dim=4, image_size=16, block_channels=(8, 8), layers_per_block=1,
+    ...                              batch_size=4)
     >>> r = Reconstructor(config, seed=0)
     >>> losses = r.fit(torch.randn(8, 4), torch.rand(8, 1, 16, 16), steps=2, progress=False)
     >>> r.sample(torch.randn(3, 4), guidance_scale=2.0, num_inference_steps=2).shape
@@ -59,11 +78,61 @@ from torch import nn
 
 from privfl.errors import ConfigError
 
-__all__ = ["CHECKPOINT_FORMAT", "FeatureConditionedUNet", "Reconstructor", "ReconstructorConfig", "data_fingerprint",
-           "select_guidance_scale", "train_or_resume"]
+__all__ = ["CHECKPOINT_FORMAT", "DEVICES", "PRECISIONS", "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
+           "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "resolve_device", "resolve_precision",
+           "select_sampling", "train_or_resume"]
 
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+PREDICTION_TYPES = ("v_prediction", "epsilon")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """The torch device for ``name``: ``"auto"`` is CUDA when a CUDA device is visible, else the CPU; ``"cpu"``;
+    ``"cuda"`` or ``"cuda:N"``, which must exist (an error otherwise: never a silent fall-back to the CPU).
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    if isinstance(name, torch.device):
+        name = str(name)
+    if not isinstance(name, str):
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r}: no CUDA device is visible here (torch.cuda.is_available() is "
+                              f"False); use 'cpu', or 'auto' to take CUDA only when there is one")
+        index = int(name[5:]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return torch.device(name)
+    raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+
+
+def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` ``name`` on ``device`` (``None``: float32, no autocast).
+
+    ``"auto"``: bfloat16 on a CUDA device that supports it, float16 on one that does not, float32 on the CPU;
+    ``"fp32"``; ``"bf16"`` (CUDA or CPU); ``"fp16"`` (CUDA only: CPU float16 autocast is refused).
+    """
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    cuda = device.type == "cuda"
+    if name == "auto":
+        if not cuda:
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name == "fp32":
+        return None
+    if name == "fp16" and not cuda:
+        raise ConfigError(f"precision 'fp16' needs a CUDA device, got device {str(device)!r} (use bf16 or fp32)")
+    return torch.bfloat16 if name == "bf16" else torch.float16
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -86,40 +155,45 @@ class ReconstructorConfig:
 
     Attributes:
         feature_dim: d, the length of the feature vectors it is conditioned on.
-        image_size: side of the square images it generates (pixels; divisible by 2^(levels - 1) up to rounding,
-            e.g. 16 or 28 with three levels).
+        image_size: side of the square images it generates (pixels; MNIST's native 28 halves to 14 and 7 in three
+            levels).
         channels: image channels (1 for MNIST).
         block_channels: U-Net channels per resolution level (one down-sampling between consecutive levels).
-        layers_per_block: residual blocks per level.
+        layers_per_block: residual blocks per level (the up path has one more, diffusers' layout).
         mid_attention: self-attention in the middle block, at the lowest resolution (diffusers' ``add_attention``).
         attention: also self-attention blocks in the deepest down and up levels.
         norm_groups: groups of the group normalisation (divides every entry of ``block_channels``).
         train_timesteps: T of the forward process.
         beta_schedule: ``"squaredcos_cap_v2"`` (cosine, Nichol and Dhariwal 2021), ``"linear"`` or
             ``"scaled_linear"``.
+        prediction_type: what the network predicts, ``"v_prediction"`` or ``"epsilon"`` (module docstring, 1).
         cond_dropout: probability of training an example with the null (zero) condition, in [0, 1].
         learning_rate: AdamW learning rate.
         batch_size: training examples per step.
         ema_decay: decay of the weight average used for sampling, in [0, 1).
         condition_dims: principal components the feature is whitened to before the conditioning MLP (at most
             ``feature_dim``, and fewer than the training pairs); ``None``: per-dimension standardisation.
+        guide_image: the UNet also reads a decoder's estimate of the image (``channels`` more input channels; module
+            docstring, 6); training and sampling then need those estimates.
     """
 
     feature_dim: int
-    image_size: int = 16
+    image_size: int = 28
     channels: int = 1
-    block_channels: tuple[int, ...] = (32, 64, 64)
-    layers_per_block: int = 1
+    block_channels: tuple[int, ...] = (32, 64, 128)
+    layers_per_block: int = 2
     mid_attention: bool = True
     attention: bool = False
     norm_groups: int = 8
     train_timesteps: int = 1000
     beta_schedule: str = "squaredcos_cap_v2"
+    prediction_type: str = "v_prediction"
     cond_dropout: float = 0.1
     learning_rate: float = 2e-4
     batch_size: int = 64
     ema_decay: float = 0.999
     condition_dims: int | None = None
+    guide_image: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("feature_dim", self.feature_dim)
@@ -138,11 +212,14 @@ class ReconstructorConfig:
         _positive_int("train_timesteps", self.train_timesteps, 2)
         if self.beta_schedule not in BETA_SCHEDULES:
             raise ConfigError(f"beta_schedule must be one of {', '.join(BETA_SCHEDULES)}, got {self.beta_schedule!r}")
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise ConfigError(f"prediction_type must be one of {', '.join(PREDICTION_TYPES)}, got "
+                              f"{self.prediction_type!r}")
         _real("cond_dropout", self.cond_dropout, 0.0, 1.0)
         _real("learning_rate", self.learning_rate, 0.0, 1.0, low_open=True)
         _positive_int("batch_size", self.batch_size)
         _real("ema_decay", self.ema_decay, 0.0, 0.999999)
-        for name in ("mid_attention", "attention"):
+        for name in ("mid_attention", "attention", "guide_image"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.condition_dims is not None:
@@ -176,8 +253,9 @@ class FeatureConditionedUNet(nn.Module):
     The whitening is ``(f - feature_mean) @ feature_projection`` (buffers, saved with the weights; set by
     :meth:`Reconstructor.set_feature_statistics`).
 
-    ``forward(x_t, t, features, keep)``: ``keep`` is a boolean ``[B]`` mask; where it is False the condition
-    embedding is the null embedding (zero), i.e. the unconditional model.
+    ``forward(x_t, t, features, keep, guide)``: ``keep`` is a boolean ``[B]`` mask; where it is False the condition
+    embedding is the null embedding (zero), i.e. the unconditional model; ``guide`` the decoder's estimates on [0, 1]
+    (``guide_image`` only), zeroed with the condition.
     """
 
     def __init__(self, config: ReconstructorConfig) -> None:
@@ -189,8 +267,10 @@ class FeatureConditionedUNet(nn.Module):
         up = ["UpBlock2D"] * levels
         if config.attention:
             down[-1], up[0] = "AttnDownBlock2D", "AttnUpBlock2D"
+        self.guide_image = config.guide_image
         self.unet = UNet2DModel(
-            sample_size=config.image_size, in_channels=config.channels, out_channels=config.channels,
+            sample_size=config.image_size, in_channels=config.channels * (2 if config.guide_image else 1),
+            out_channels=config.channels,
             block_out_channels=config.block_channels, layers_per_block=config.layers_per_block,
             down_block_types=tuple(down), up_block_types=tuple(up), norm_num_groups=config.norm_groups,
             resnet_time_scale_shift="scale_shift", class_embed_type="identity", add_attention=config.mid_attention)
@@ -213,18 +293,77 @@ class FeatureConditionedUNet(nn.Module):
         return embedding
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, features: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, guide: torch.Tensor | None = None) -> torch.Tensor:
+        if self.guide_image:
+            if guide is None:
+                raise ConfigError("this reconstructor reads a decoder's estimate beside x_t (guide_image=True); "
+                                  "pass the guide images")
+            g = guide * 2.0 - 1.0   # on x_0's scale; the null input (condition dropped) is zero
+            if keep is not None:
+                g = g * keep.to(g.dtype)[:, None, None, None]
+            x = torch.cat([x, g.to(x.dtype)], dim=1)
         return self.unet(x, t, class_labels=self.condition_embedding(features, keep)).sample
 
 
-def data_fingerprint(features: Any, images: Any) -> str:
-    """sha256 of the training pairs (shapes, dtypes and bytes): a checkpoint is reused only on the same data."""
-    digest = hashlib.sha256()
-    for array in (features, images):
+def data_fingerprint(features: Any, images: Any, *more: Any) -> str:
+    """sha256 of the training pairs (shapes, dtypes and bytes; and of any further arrays, e.g. the decoder's
+    estimates): a checkpoint is reused only on the same data."""
+    hasher = hashlib.sha256()
+    for array in (features, images) + tuple(a for a in more if a is not None):
         a = np.ascontiguousarray(array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else array)
-        digest.update(f"{a.dtype}{a.shape}".encode())
-        digest.update(a.tobytes())
-    return digest.hexdigest()
+        hasher.update(f"{a.dtype}{a.shape}".encode())
+        hasher.update(a.tobytes())
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How :meth:`Reconstructor.sample` draws (module docstring, 4 and 5).
+
+    Attributes:
+        guidance_scale: w >= 0 (0 unconditional, 1 conditional, > 1 guided).
+        guidance_interval: ``(low, high)`` fractions of T; ``w`` applies while ``low <= t / T <= high`` and
+            ``w = 1`` elsewhere (``(0, 1)``: everywhere).
+        guidance_rescale: phi in [0, 1] of Lin et al. 2024, eq. 16 (0: none).
+        num_inference_steps: DDIM steps over the whole range [0, T) (an initialised draw runs the ones below t = s T).
+        init_strength: s in (0, 1] for decoder-guided initialisation, or ``None`` to start from pure noise.
+    """
+
+    guidance_scale: float = 1.0
+    guidance_interval: tuple[float, float] = (0.0, 1.0)
+    guidance_rescale: float = 0.0
+    num_inference_steps: int = 20
+    init_strength: float | None = None
+
+    def __post_init__(self) -> None:
+        _real("guidance_scale", self.guidance_scale, 0.0, 1e3)
+        interval = tuple(self.guidance_interval) if isinstance(self.guidance_interval, (list, tuple)) else ()
+        if len(interval) != 2 or not 0 <= _real("guidance_interval", interval[0], 0.0, 1.0) <= \
+                _real("guidance_interval", interval[1], 0.0, 1.0):
+            raise ConfigError(f"guidance_interval must be (low, high) with 0 <= low <= high <= 1, got "
+                              f"{self.guidance_interval!r}")
+        object.__setattr__(self, "guidance_interval", (float(interval[0]), float(interval[1])))
+        _real("guidance_rescale", self.guidance_rescale, 0.0, 1.0)
+        _positive_int("num_inference_steps", self.num_inference_steps)
+        if self.init_strength is not None:
+            _real("init_strength", self.init_strength, 0.0, 1.0, low_open=True)
+
+    @property
+    def label(self) -> str:
+        """A short name, e.g. ``w=2 [0.2, 0.8] phi=0.7 init=0.6``."""
+        text = f"w={self.guidance_scale:g}"
+        if self.guidance_interval != (0.0, 1.0) and self.guidance_scale != 1.0:
+            text += f" [{self.guidance_interval[0]:g}, {self.guidance_interval[1]:g}]"
+        if self.guidance_rescale and self.guidance_scale != 1.0:
+            text += f" phi={self.guidance_rescale:g}"
+        if self.init_strength is not None:
+            text += f" init={self.init_strength:g}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["guidance_interval"] = list(self.guidance_interval)
+        return out
 
 
 class Reconstructor:
@@ -232,18 +371,21 @@ class Reconstructor:
 
     Args:
         config: architecture and training settings.
-        device: ``"cpu"``, ``"cuda"``, ... (random numbers are drawn on the CPU, so a seed gives the same draws on
-            every device).
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (:func:`resolve_device`).
+        precision: ``"auto"``, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (:func:`resolve_precision`).
         seed: initial weights and the training sampler's random stream.
     """
 
-    def __init__(self, config: ReconstructorConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> None:
+    def __init__(self, config: ReconstructorConfig, *, device: str | torch.device = "cpu", precision: str = "auto",
+                 seed: int = 0) -> None:
         if not isinstance(config, ReconstructorConfig):
             raise ConfigError(f"config must be a ReconstructorConfig, got {type(config).__name__}")
         from diffusers import DDPMScheduler
 
         self.config = config
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        self.precision = precision
+        self.autocast_dtype = resolve_precision(precision, self.device)
         self.seed = _positive_int("seed", seed, 0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
@@ -251,8 +393,11 @@ class Reconstructor:
         self.model.to(self.device)
         self.ema = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate)
+        # float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none.
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.autocast_dtype == torch.float16)
         self.noise_scheduler = DDPMScheduler(num_train_timesteps=config.train_timesteps,
-                                             beta_schedule=config.beta_schedule, prediction_type="epsilon")
+                                             beta_schedule=config.beta_schedule,
+                                             prediction_type=config.prediction_type)
         self.generator = torch.Generator().manual_seed(self.seed)
         self.step = 0
         self.losses: list[float] = []
@@ -264,6 +409,15 @@ class Reconstructor:
     @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def precision_name(self) -> str:
+        """What actually runs: ``float32``, ``bfloat16 autocast`` or ``float16 autocast``."""
+        return "float32" if self.autocast_dtype is None else f"{str(self.autocast_dtype)[6:]} autocast"
+
+    def _autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
 
     # -- data -------------------------------------------------------------------------------------------------------
 
@@ -283,6 +437,22 @@ class Reconstructor:
         if not (torch.isfinite(f).all() and torch.isfinite(x).all()):
             raise ConfigError("features and images must be finite")
         return f, x
+
+    def _check_guides(self, guides: Any, n: int) -> torch.Tensor | None:
+        c = self.config
+        if not c.guide_image:
+            if guides is not None:
+                raise ConfigError("guide images were given to a reconstructor without guide_image")
+            return None
+        if guides is None:
+            raise ConfigError("this reconstructor reads a decoder's estimate of each image (guide_image=True); pass "
+                              "guides")
+        g = torch.as_tensor(np.asarray(guides) if not isinstance(guides, torch.Tensor) else guides,
+                            dtype=torch.float32)
+        if tuple(g.shape) != (n, c.channels, c.image_size, c.image_size) or not torch.isfinite(g).all():
+            raise ConfigError(f"guides must be finite images of shape {[n, c.channels, c.image_size, c.image_size]}, "
+                              f"got {list(g.shape)}")
+        return g
 
     def set_feature_statistics(self, features: torch.Tensor) -> None:
         """Fit the whitening on the attacker's own training features.
@@ -310,10 +480,12 @@ class Reconstructor:
 
     # -- training ---------------------------------------------------------------------------------------------------
 
-    def training_loss(self, images: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """The DDPM loss ``|| eps - eps_theta(x_t, t, c) ||^2`` on one batch, with condition dropout.
+    def training_loss(self, images: torch.Tensor, features: torch.Tensor,
+                      guides: torch.Tensor | None = None) -> torch.Tensor:
+        """The diffusion loss ``|| target - net(x_t, t, c) ||^2`` on one batch, with condition dropout.
 
-        Draws t, the noise and the dropout mask from :attr:`generator`; images are on [0, 1].
+        ``target`` is the noise eps (``"epsilon"``) or ``v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0``
+        (``"v_prediction"``). Draws t, the noise and the dropout mask from :attr:`generator`; images are on [0, 1].
         """
         c = self.config
         n = len(images)
@@ -324,10 +496,13 @@ class Reconstructor:
         # 2. Condition dropout: keep the condition with probability 1 - p.
         keep = torch.rand(n, generator=self.generator) >= c.cond_dropout
         t, noise, keep = t.to(self.device), noise.to(self.device), keep.to(self.device)
-        # 3. x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, and the epsilon-prediction loss.
+        # 3. x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, and the prediction target.
         xt = self.noise_scheduler.add_noise(x0, noise, t)
-        predicted = self.model(xt, t, features.to(self.device), keep)
-        return nn.functional.mse_loss(predicted, noise)
+        target = noise if c.prediction_type == "epsilon" else self.noise_scheduler.get_velocity(x0, noise, t)
+        with self._autocast():
+            extra = {} if guides is None else {"guide": guides.to(self.device)}
+            predicted = self.model(xt, t, features.to(self.device), keep, **extra)
+        return nn.functional.mse_loss(predicted.float(), target)
 
     def _ema_update(self) -> None:
         decay = min(self.config.ema_decay, (1 + self.step) / (10 + self.step))
@@ -335,14 +510,17 @@ class Reconstructor:
             for average, current in zip(self.ema.parameters(), self.model.parameters()):
                 average.lerp_(current, 1.0 - decay)
 
-    def fit(self, features: Any, images: Any, *, steps: int, checkpoint: str | os.PathLike | None = None,
-            checkpoint_every: int = 500, progress: bool = True) -> list[float]:
+    def fit(self, features: Any, images: Any, *, steps: int, guides: Any = None,
+            checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 500,
+            progress: bool = True) -> list[float]:
         """Train until :attr:`step` reaches ``steps`` (a resumed model continues where it stopped).
 
         Args:
             features: ``[n, feature_dim]`` attacker features ``E(x)``.
             images: ``[n, channels, image_size, image_size]`` the matching attacker images on [0, 1].
             steps: total optimisation steps (not additional ones).
+            guides: ``[n, channels, image_size, image_size]`` the decoder's estimate of each training image, made
+                without that pair (``guide_image`` only).
             checkpoint: a file to save to every ``checkpoint_every`` steps and at the end (atomically).
             progress: show a tqdm bar.
 
@@ -356,7 +534,8 @@ class Reconstructor:
         steps = _positive_int("steps", steps, 0)
         checkpoint_every = _positive_int("checkpoint_every", checkpoint_every)
         f, x = self._check_pairs(features, images)
-        fingerprint = data_fingerprint(f, x)
+        g = self._check_guides(guides, len(x))
+        fingerprint = data_fingerprint(f, x, g)
         if self.step == 0:
             self.set_feature_statistics(f)
             self.fingerprint = fingerprint
@@ -364,17 +543,22 @@ class Reconstructor:
             raise ConfigError("this reconstructor was trained on other (feature, image) pairs; resume it only on the "
                               "same data, or train a new one (another checkpoint path)")
         losses: list[float] = []
+        if self.step >= steps:
+            return losses
+        f, x = f.to(self.device), x.to(self.device)   # the whole training set once, not one batch at a time
+        g = None if g is None else g.to(self.device)
         self.model.train()
         bar = tqdm(total=steps, initial=min(self.step, steps), desc="reconstructor", unit="step", disable=not progress,
                    dynamic_ncols=True)
         started = time.perf_counter()
         try:
             while self.step < steps:
-                index = torch.randint(0, len(f), (self.config.batch_size,), generator=self.generator)
-                loss = self.training_loss(x[index], f[index])
+                index = torch.randint(0, len(f), (self.config.batch_size,), generator=self.generator).to(self.device)
+                loss = self.training_loss(x[index], f[index], None if g is None else g[index])
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
                 self.step += 1
                 self._ema_update()
                 losses.append(float(loss.detach()))
@@ -397,40 +581,63 @@ class Reconstructor:
     # -- sampling ---------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def guided_noise(self, x: torch.Tensor, t: torch.Tensor, features: torch.Tensor,
-                     guidance_scale: float) -> torch.Tensor:
-        """``eps_u + w (eps_c - eps_u)`` with the EMA model (one network pass when ``w`` is 0 or 1)."""
+    def guided_output(self, x: torch.Tensor, t: torch.Tensor, features: torch.Tensor, guidance_scale: float,
+                      guidance_rescale: float = 0.0, guide: torch.Tensor | None = None) -> torch.Tensor:
+        """``out_u + w (out_c - out_u)`` with the EMA model (one network pass when ``w`` is 0 or 1), optionally
+        rescaled towards the conditional output's standard deviation (Lin et al. 2024, eqs. 15-16)."""
         n = len(x)
         steps = t.expand(n) if t.ndim == 0 else t
-        if guidance_scale == 1.0:
-            return self.ema(x, steps, features, torch.ones(n, dtype=torch.bool, device=x.device))
-        if guidance_scale == 0.0:
-            return self.ema(x, steps, features, torch.zeros(n, dtype=torch.bool, device=x.device))
-        keep = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)]).to(x.device)
-        both = self.ema(torch.cat([x, x]), torch.cat([steps, steps]), torch.cat([features, features]), keep)
+        with self._autocast():
+            extra = {} if guide is None else {"guide": guide}
+            if guidance_scale == 1.0:
+                return self.ema(x, steps, features, torch.ones(n, dtype=torch.bool, device=x.device), **extra).float()
+            if guidance_scale == 0.0:
+                return self.ema(x, steps, features, torch.zeros(n, dtype=torch.bool, device=x.device), **extra).float()
+            keep = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)]).to(x.device)
+            if guide is not None:
+                extra = {"guide": torch.cat([guide, guide])}
+            both = self.ema(torch.cat([x, x]), torch.cat([steps, steps]), torch.cat([features, features]),
+                            keep, **extra).float()
         conditional, unconditional = both.chunk(2)
-        return unconditional + guidance_scale * (conditional - unconditional)
+        guided = unconditional + guidance_scale * (conditional - unconditional)
+        if guidance_rescale > 0:
+            dims = list(range(1, guided.ndim))
+            rescaled = guided * (conditional.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True)
+                                 .clamp_min(1e-8))
+            guided = guidance_rescale * rescaled + (1 - guidance_rescale) * guided
+        return guided
+
+    # Kept for callers of the first version: the guided network output (eps or v, per the config).
+    guided_noise = guided_output
 
     @torch.no_grad()
-    def sample(self, features: Any, *, guidance_scale: float = 2.0, num_inference_steps: int = 20,
-               generator: torch.Generator | None = None, batch_size: int = 256, progress: bool = False) -> torch.Tensor:
+    def sample(self, features: Any, *, guidance_scale: float = 1.0, num_inference_steps: int = 20,
+               generator: torch.Generator | None = None, batch_size: int = 256, progress: bool = False,
+               guidance_interval: tuple[float, float] = (0.0, 1.0), guidance_rescale: float = 0.0,
+               init: Any = None, init_strength: float | None = None, guide: Any = None,
+               settings: SamplingSettings | None = None) -> torch.Tensor:
         """One image per feature by DDIM (eta = 0) with classifier-free guidance; ``[n, C, H, W]`` on [0, 1] (CPU).
 
         Args:
             features: ``[n, feature_dim]``.
-            guidance_scale: w >= 0 (0 unconditional, 1 conditional, > 1 guided).
-            num_inference_steps: DDIM steps (<= train_timesteps).
+            guidance_scale, guidance_interval, guidance_rescale, num_inference_steps, init_strength: as in
+                :class:`SamplingSettings` (or pass ``settings``, which overrides them).
             generator: the starting noise's random stream (CPU); ``None`` uses a fresh seed-0 stream.
             batch_size: features per network batch.
+            init: ``[n, C, H, W]`` images on [0, 1] to start from (decoder-guided initialisation); needs
+                ``init_strength``.
+            guide: ``[n, C, H, W]`` the decoder's estimates the network reads (``guide_image`` only).
         """
         from diffusers import DDIMScheduler
         from tqdm.auto import tqdm
 
-        guidance_scale = _real("guidance_scale", guidance_scale, 0.0, 1e3)
-        num_inference_steps = _positive_int("num_inference_steps", num_inference_steps)
-        if num_inference_steps > self.config.train_timesteps:
+        if settings is None:
+            settings = SamplingSettings(guidance_scale=guidance_scale, guidance_interval=guidance_interval,
+                                        guidance_rescale=guidance_rescale, num_inference_steps=num_inference_steps,
+                                        init_strength=init_strength)
+        if settings.num_inference_steps > self.config.train_timesteps:
             raise ConfigError(f"num_inference_steps must be <= train_timesteps={self.config.train_timesteps}, "
-                              f"got {num_inference_steps}")
+                              f"got {settings.num_inference_steps}")
         batch_size = _positive_int("batch_size", batch_size)
         f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
                             dtype=torch.float32)
@@ -439,19 +646,41 @@ class Reconstructor:
             raise ConfigError(f"features must have shape [n, {c.feature_dim}], got {tuple(f.shape)}")
         if not torch.isfinite(f).all():
             raise ConfigError("features must be finite")
+        if (init is None) != (settings.init_strength is None):
+            raise ConfigError("decoder-guided initialisation needs both init images and init_strength (or neither)")
+        start_images = None
+        if init is not None:
+            start_images = torch.as_tensor(np.asarray(init) if not isinstance(init, torch.Tensor) else init,
+                                           dtype=torch.float32)
+            if tuple(start_images.shape) != (len(f), c.channels, c.image_size, c.image_size):
+                raise ConfigError(f"init must have shape {[len(f), c.channels, c.image_size, c.image_size]}, got "
+                                  f"{list(start_images.shape)}")
+        guides = self._check_guides(guide, len(f))
         generator = torch.Generator().manual_seed(0) if generator is None else generator
         scheduler = DDIMScheduler(num_train_timesteps=c.train_timesteps, beta_schedule=c.beta_schedule,
-                                  prediction_type="epsilon", clip_sample=True)
-        scheduler.set_timesteps(num_inference_steps)
+                                  prediction_type=c.prediction_type, clip_sample=True, timestep_spacing="trailing")
+        scheduler.set_timesteps(settings.num_inference_steps)
+        timesteps = scheduler.timesteps
+        if settings.init_strength is not None:
+            # SDEdit: run only the steps at or below t = s T (at least the last one).
+            below = timesteps[timesteps <= settings.init_strength * (c.train_timesteps - 1) + 1e-6]
+            timesteps = below if len(below) else timesteps[-1:]
+        low, high = settings.guidance_interval
         out = []
         for start in tqdm(range(0, len(f), batch_size), desc="sampling", unit="batch", disable=not progress,
                           dynamic_ncols=True):
             cond = f[start:start + batch_size].to(self.device)
+            guide_batch = None if guides is None else guides[start:start + batch_size].to(self.device)
             x = torch.randn((len(cond), c.channels, c.image_size, c.image_size), generator=generator)
-            x = (x * scheduler.init_noise_sigma).to(self.device)
-            for t in scheduler.timesteps:
-                eps = self.guided_noise(x, t.to(self.device), cond, guidance_scale)
-                x = scheduler.step(eps, t, x, eta=0.0).prev_sample  # DDIM eq. 12, sigma_t = 0
+            if start_images is not None:
+                x0 = start_images[start:start + batch_size] * 2.0 - 1.0
+                x = self.noise_scheduler.add_noise(x0, x, timesteps[:1].expand(len(x0)))
+            x = x.to(self.device)
+            for t in timesteps:
+                fraction = float(t) / (c.train_timesteps - 1)
+                w = settings.guidance_scale if low <= fraction <= high else 1.0
+                out_t = self.guided_output(x, t.to(self.device), cond, w, settings.guidance_rescale, guide_batch)
+                x = scheduler.step(out_t, t, x, eta=0.0).prev_sample  # DDIM eq. 12, sigma_t = 0
             out.append(((x.clamp(-1, 1) + 1) / 2).float().cpu())
         if not out:
             return torch.zeros(0, c.channels, c.image_size, c.image_size)
@@ -462,18 +691,21 @@ class Reconstructor:
     def state_dict(self) -> dict[str, Any]:
         return {"format": CHECKPOINT_FORMAT, "config": self.config.to_dict(), "seed": self.seed, "step": self.step,
                 "model": self.model.state_dict(), "ema": self.ema.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
-                "losses": list(self.losses), "fingerprint": self.fingerprint, "train_seconds": self.train_seconds}
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "generator": self.generator.get_state(), "losses": list(self.losses),
+                "fingerprint": self.fingerprint, "train_seconds": self.train_seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} "
-                              f"(this code reads {CHECKPOINT_FORMAT})")
+                              f"(this code reads {CHECKPOINT_FORMAT}; train a new reconstructor)")
         if ReconstructorConfig.from_dict(state["config"]) != self.config:
             raise ConfigError("the checkpoint's reconstructor settings differ from this one's")
         self.model.load_state_dict(state["model"])
         self.ema.load_state_dict(state["ema"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.generator.set_state(state["generator"])
         self.step = int(state["step"])
         self.losses = [float(v) for v in state["losses"]]
@@ -490,63 +722,78 @@ class Reconstructor:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu") -> Reconstructor:
-        """Rebuild a reconstructor from :meth:`save`'s file (``torch.load(weights_only=True)``)."""
+    def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
+             precision: str = "auto") -> Reconstructor:
+        """Rebuild a reconstructor from :meth:`save`'s file (``torch.load(weights_only=True)``), on any device."""
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or "config" not in state:
             raise ConfigError(f"{path} is not a reconstructor checkpoint")
-        reconstructor = cls(ReconstructorConfig.from_dict(state["config"]), device=device, seed=int(state["seed"]))
+        reconstructor = cls(ReconstructorConfig.from_dict(state["config"]), device=device, precision=precision,
+                            seed=int(state["seed"]))
         reconstructor.load_state_dict(state)
         return reconstructor
 
 
 def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, steps: int,
-                    checkpoint: str | os.PathLike | None, device: str | torch.device = "cpu", seed: int = 0,
-                    checkpoint_every: int = 500, progress: bool = True) -> Reconstructor:
-    """Load ``checkpoint`` if it exists (same settings and data) and train it on to ``steps``; else train anew."""
+                    checkpoint: str | os.PathLike | None, guides: Any = None, device: str | torch.device = "cpu",
+                    precision: str = "auto", seed: int = 0, checkpoint_every: int = 500,
+                    progress: bool = True) -> Reconstructor:
+    """Load ``checkpoint`` if it exists (same settings and data) and train it on to ``steps``; else train anew.
+
+    An interrupted run (killed, Ctrl-C) resumes from its last checkpoint: run the same call again.
+    """
     if checkpoint is not None and Path(checkpoint).is_file():
-        reconstructor = Reconstructor.load(checkpoint, device=device)
+        reconstructor = Reconstructor.load(checkpoint, device=device, precision=precision)
         if reconstructor.config != config:
             raise ConfigError(f"{checkpoint} holds a reconstructor with other settings ({reconstructor.config}); "
                               "use another checkpoint path or delete it")
     else:
-        reconstructor = Reconstructor(config, device=device, seed=seed)
-    reconstructor.fit(features, images, steps=steps, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                      progress=progress)
+        reconstructor = Reconstructor(config, device=device, precision=precision, seed=seed)
+    reconstructor.fit(features, images, steps=steps, guides=guides, checkpoint=checkpoint,
+                      checkpoint_every=checkpoint_every, progress=progress)
     return reconstructor
 
 
-def select_guidance_scale(reconstructor: Reconstructor, features: Any, images: Any, scales: Any, *,
-                          num_inference_steps: int = 20, seed: int = 0,
-                          progress: bool = False) -> tuple[float, dict[float, float]]:
-    """The guidance scale w whose reconstructions of held-out attacker pairs have the highest mean SSIM.
+def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: Any, *, init: Any = None,
+                    guide: Any = None, seed: int = 0,
+                    progress: bool = False) -> tuple[SamplingSettings, list[dict[str, Any]]]:
+    """The sampling settings whose reconstructions of held-out attacker pairs have the highest mean SSIM.
 
-    The attacker holds these pairs out of training, so the choice uses no defender data. Every scale starts from the
-    same noise (one sample per feature), so the scores differ only by w; ties go to the smaller w.
+    The attacker holds these pairs out of training, so the choice uses no defender data. Every candidate starts from
+    the same noise (one sample per feature), so the scores differ only by the settings; ties go to the earlier
+    candidate. Mean PSNR is recorded beside SSIM for the report.
 
     Args:
         reconstructor: a trained reconstructor (anything with its ``sample`` method).
         features, images: ``[n, d]`` held-out attacker features and their images ``[n, C, H, W]`` on [0, 1].
-        scales: candidate scales w >= 0.
+        candidates: :class:`SamplingSettings` to compare.
+        init: ``[n, C, H, W]`` decoder estimates for the candidates with ``init_strength`` (required if any has).
+        guide: ``[n, C, H, W]`` the estimates a ``guide_image`` reconstructor reads.
 
     Returns:
-        ``(best w, {w: mean SSIM})``.
+        ``(best settings, [{"settings": ..., "label": ..., "ssim": ..., "psnr": ...} per candidate])``.
     """
-    from attacks.metrics import ssim_pairs
+    from attacks.metrics import psnr_pairs, ssim_pairs
 
-    values = [_real("guidance scale", w, 0.0, 1e3) for w in scales]
-    if not values:
-        raise ConfigError("select_guidance_scale needs at least one candidate scale")
+    candidates = list(candidates)
+    if not candidates or not all(isinstance(c, SamplingSettings) for c in candidates):
+        raise ConfigError("select_sampling needs one or more SamplingSettings candidates")
     x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images, dtype=torch.float32)
     f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
                         dtype=torch.float32)
     if len(f) == 0 or len(f) != len(x):
         raise ConfigError(f"need as many held-out features as images (and at least one), got {len(f)} and {len(x)}")
-    scores: dict[float, float] = {}
-    for w in values:
+    if init is None and any(c.init_strength is not None for c in candidates):
+        raise ConfigError("a candidate with init_strength needs the decoder's estimates (init)")
+    scores = []
+    for candidate in candidates:
         generator = torch.Generator().manual_seed(seed)
-        recon = reconstructor.sample(f, guidance_scale=w, num_inference_steps=num_inference_steps,
-                                     generator=generator, progress=progress)
-        scores[w] = float(ssim_pairs(x, recon).mean())
-    best = max(scores, key=lambda w: (scores[w], -w))
-    return best, scores
+        extra = {} if guide is None else {"guide": guide}
+        recon = reconstructor.sample(f, settings=candidate, generator=generator, progress=progress,
+                                     init=init if candidate.init_strength is not None else None, **extra)
+        p = psnr_pairs(x, recon)
+        scores.append({"settings": candidate.to_dict(), "label": candidate.label,
+                       "ssim": float(ssim_pairs(x, recon).mean()),
+                       "psnr": float(np.where(np.isinf(p), 100.0, p).mean())})
+    best = max(range(len(candidates)), key=lambda i: (scores[i]["ssim"], -i))
+    return candidates[best], scores

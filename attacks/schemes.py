@@ -20,22 +20,27 @@ reading. DP noise puts these features far outside the distribution the attacker'
 the attacker may also **post-process** (:func:`postprocess_release`): anything computed from the release and its own
 data is free under DP's post-processing theorem.
 
-The attacker reconstructs from every feature it holds and is scored by :func:`evaluate_release` (diffusion
-reconstructor) and :func:`feature_retrieval` (the attacker image whose feature is closest: the like-for-like
-baseline of a generator), beside :func:`nearest_image_baseline` (the attacker image most similar to each defender
-image by true SSIM: an oracle, since it needs the defender's images to choose).
+The attacker reconstructs from every feature it holds with the diffusion reconstructor (:func:`evaluate_release`:
+the medoid of its samples and their mean) and with decoder baselines trained on the same pairs
+(:func:`evaluate_decoder`; :mod:`attacks.decoders`), beside :func:`nearest_image_baseline` (the attacker image most
+similar to each defender image by true SSIM: an oracle, since it needs the defender's images to choose). For
+DP-FedPFT, :func:`prior_only_release` is the attacker's reading with the release ignored (its public counts and the
+attacker's prior moments): what the attacker gets without the release.
 
-**Row definitions** (the same for every release and attack; ``n`` always counts scored defender images, and a top
-fraction p scores ``ceil(p * N)`` of the N evaluated defender images):
+Every attack is scored per image (:class:`ScoredSet`, the lines of ``per_image_scores.csv``), and the table rows are
+means over those with bootstrap intervals (:func:`rows_from_scores`).
+
+**Row definitions** (the same for every release and attack; ``n`` always counts scored pairs, and a top fraction p
+scores ``ceil(p * N)`` of the N scored items of each seed):
 
 - ``per-feature`` rows exist only where a feature belongs to one defender image (raw). The attacker's
-  reconstruction of target i is the medoid of the samples of feature i (diffusion) or its retrieved image.
-  *all*: every target (no ground truth); *attacker*: the top p by the attacker's confidence (agreement among its
-  samples, or feature similarity; no ground truth); *oracle*: the top p by the true SSIM (ground truth selects).
-- ``set-level`` rows: the attacker's reconstruction set holds one image per released feature (the medoid of its
-  samples). *all*: each target matched to its most similar member by SSIM (ground truth matches; the paper's
-  "Oracle-all"); *attacker*: the attacker's ``ceil(p * N)`` most confident reconstructions, each paired with its most
-  similar target (ground truth only pairs); *oracle*: the top p targets by matched SSIM (the paper's "Oracle").
+  reconstruction of target i is made from feature i alone. *all*: every target (no ground truth); *attacker*: the
+  top p targets by the attacker's confidence (agreement among its samples, or feature typicality; no ground truth);
+  *oracle*: the top p by the true SSIM (ground truth selects).
+- ``set-level`` rows: the attacker's reconstruction set holds one image per released feature. *all*: each target
+  matched to its most similar member by SSIM (ground truth matches: **oracle-matched**; the paper's "Oracle-all");
+  *attacker*: the top p of the reconstruction set by the attacker's confidence, each paired with its most similar
+  target (ground truth only pairs); *oracle*: the top p targets by matched SSIM (the paper's "Oracle").
 """
 
 from __future__ import annotations
@@ -50,13 +55,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from attacks.metrics import LPIPS, psnr_pairs, ssim_pairs
-from attacks.selection import agreement_scores, nearest, top_count, top_indices
+from attacks.metrics import LPIPS, psnr_pairs, ssim_matrix, ssim_pairs
+from attacks.selection import agreement_scores, nearest, top_count
 from privfl.errors import ConfigError
 
-__all__ = ["GROUND_TRUTH", "SCHEMES", "AttackRow", "AttackerPrior", "Release", "ReleaseEvaluation",
-           "evaluate_release", "feature_diagnostics", "feature_retrieval", "make_release", "nearest_image_baseline",
-           "postprocess_release", "score_reconstructions", "unit_features"]
+__all__ = ["GROUND_TRUTH", "SCHEMES", "SELECTIONS", "AttackRow", "AttackerPrior", "Release", "ReleaseEvaluation",
+           "ScoredSet", "evaluate_decoder", "evaluate_release", "feature_diagnostics", "make_release",
+           "nearest_image_baseline", "postprocess_release", "prior_only_release", "rows_from_scores",
+           "score_reconstructions", "unit_features"]
 
 SCHEMES = ("raw", "fedpft", "dp-fedpft")
 #: What a row's ground-truth use means: ``none`` (the attacker alone), ``matching`` (defender images only pair
@@ -88,7 +94,8 @@ class Release:
         epsilon: the ledger's epsilon for the recorded release at ``details["ledger"]["delta"]`` (``math.inf``
             when not private).
         postprocessing: ``"none"`` (as delivered, L2-normalised) or the attacker's post-processing
-            (:func:`postprocess_release`: ``"lmmse"`` for DP-FedPFT, ``"clip"`` for FedPFT).
+            (:func:`postprocess_release`: ``"lmmse"`` for DP-FedPFT, ``"clip"`` for FedPFT), or ``"prior-only"``
+            (:func:`prior_only_release`: the release ignored but for its counts).
         details: how it was made: the ledger record (purpose, metadata, event), the requested epsilon, bytes, set
             size; JSON-able.
         mixtures: the decoded mixtures as the server holds them (empty for raw).
@@ -105,6 +112,8 @@ class Release:
 
     @property
     def label(self) -> str:
+        if self.postprocessing == "prior-only":
+            return "prior only (release ignored)"
         if not self.set_level:
             return self.scheme
         return self.scheme + (", post-processed" if self.postprocessing != "none" else ", naive")
@@ -141,7 +150,8 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
         covariance: ``"full"``, ``"diag"`` or ``"spherical"``.
         seed: the run seed of the client's context (EM initialisation), the DP noise seed (with ``dp_noise=
             "seeded"``) and the server-side sampling of synthetic features.
-        dp_noise: ``"seeded"`` (reproducible; the defender is simulated) or ``"secure"`` (the library default).
+        dp_noise: the DP noise source, :data:`privfl.privacy.mechanisms.NOISE_SOURCES`: ``"seeded"`` (reproducible;
+            the defender is simulated), ``"secure"`` (the library default) or ``"hardened"``.
     """
     from privfl.data import TrainingClient
     from privfl.federation import Message, Wire
@@ -149,6 +159,7 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
     from privfl.federation.context import client_context
     from privfl.methods.base import ModelFactory
     from privfl.methods.fedpft import FedPFTClient, FedPFTConfig, decode_mixtures, sample_mixtures
+    from privfl.privacy.mechanisms import NOISE_SOURCES
     from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
     if scheme not in SCHEMES:
@@ -161,8 +172,8 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
         raise ConfigError(f"components must be an integer >= 1, got {components!r}")
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
         raise ConfigError(f"delta must be a probability in (0, 1), got {delta!r}")
-    if dp_noise not in ("seeded", "secure", "hardened"):
-        raise ConfigError(f"dp_noise must be 'seeded', 'secure' or 'hardened', got {dp_noise!r}")
+    if dp_noise not in NOISE_SOURCES:
+        raise ConfigError(f"dp_noise must be one of {', '.join(NOISE_SOURCES)}, got {dp_noise!r}")
     client_id = 0
     wire = Wire()
     mixtures: list[Any] = []
@@ -216,6 +227,8 @@ class AttackerPrior:
         class_variances: ``[C, d]`` per-class per-dimension variance (population).
         mean, std: ``[d]`` mean and per-dimension standard deviation over all its features (std floored at 1 % of
             its average, as the reconstructor's standardisation does), for :func:`feature_diagnostics`.
+        class_eigenvalues, class_eigenvectors: ``[C, d]`` and ``[C, d, d]`` the eigendecomposition of each class's
+            full covariance (population), when fitted with ``full_covariance=True``; else ``None``.
     """
 
     class_counts: torch.Tensor
@@ -223,9 +236,13 @@ class AttackerPrior:
     class_variances: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+    class_eigenvalues: torch.Tensor | None = None
+    class_eigenvectors: torch.Tensor | None = None
 
     @classmethod
-    def fit(cls, features: Any, labels: Any, *, num_classes: int) -> AttackerPrior:
+    def fit(cls, features: Any, labels: Any, *, num_classes: int, full_covariance: bool = False) -> AttackerPrior:
+        """The moments of the attacker's labelled features; ``full_covariance`` adds each class's covariance
+        eigendecomposition (d x d per class), which the post-processing then uses (:func:`postprocess_release`)."""
         x, y = _check_pairs(features, labels)
         x = x.double()
         if int(y.min()) < 0 or int(y.max()) >= num_classes:
@@ -236,7 +253,19 @@ class AttackerPrior:
         variances = torch.stack([x[y == c].var(0, unbiased=False) if counts[c] >= 2 else nan
                                  for c in range(num_classes)])
         std = x.std(0, unbiased=False)
-        return cls(counts, means, variances, x.mean(0), std.clamp_min(max(float(std.mean()) * 1e-2, 1e-12)))
+        values = vectors = None
+        if full_covariance:
+            pairs = []
+            for c in range(num_classes):
+                if counts[c] >= 2:
+                    centred = x[y == c] - means[c]
+                    pairs.append(torch.linalg.eigh(centred.T @ centred / int(counts[c])))
+                else:
+                    pairs.append((nan, torch.full((x.shape[1], x.shape[1]), math.nan, dtype=torch.float64)))
+            values = torch.stack([v.clamp_min(0) for v, _ in pairs])
+            vectors = torch.stack([u for _, u in pairs])
+        return cls(counts, means, variances, x.mean(0), std.clamp_min(max(float(std.mean()) * 1e-2, 1e-12)),
+                   values, vectors)
 
 
 def feature_diagnostics(features: Any, prior: AttackerPrior) -> dict[str, float]:
@@ -259,6 +288,12 @@ def postprocess_release(release: Release, prior: AttackerPrior, *, seed: int = 0
     1. Undo the release's clipping of the mean to the unit ball: a mean of norm ``bound`` is rescaled to the
        expected norm of the noisy mean, ``sqrt(||mu_c||^2 + d s^2)``, with ``s = sigma_sum / n_c`` its noise std.
     2. Mean: ``mu_c + w (m - mu_c)``, ``w = t / (t + s^2)`` per dimension, ``t = var_c / n_c`` (the LMMSE weight).
+       With a full-covariance prior (``AttackerPrior.fit(..., full_covariance=True)``) the same estimate is taken
+       along the principal directions of the class instead: ``mu_c + V diag(w_k) V^T (m - mu_c)``,
+       ``w_k = (lambda_k / n_c) / (lambda_k / n_c + s^2)`` for the eigenpairs ``(lambda_k, V_k)`` of the class
+       covariance (the Gaussian posterior mean of the defender's class mean given the noisy release; Kay 1993,
+       Fundamentals of Statistical Signal Processing I, eq. 12.20). The class's variance concentrates in a few
+       directions, where the release weighs far more than in any single coordinate.
     3. Variance: ``var_c + u (v - var_c)``, ``u = q / (q + r)``, with ``q = 2 var_c^2 / n_c`` (a sample variance's
        spread) and ``r`` the variance of the release's noise on it: ``(sigma_second / n_c)^2`` (diag) or
        ``(sigma_second / (n_c d))^2`` (spherical). Floored at the release's ``reg_covar``. Spherical covariance on
@@ -273,7 +308,8 @@ def postprocess_release(release: Release, prior: AttackerPrior, *, seed: int = 0
     4. Draw n_c features per class as the server does (same seed as the naive reading), clip at 0 (the backbone's
        features are non-negative; Gaussian draws are not) and L2-normalise.
 
-    The mean weights ``w`` and variance weights ``u`` (how much of the release survives) go to ``details``.
+    The mean weights ``w`` (their average over the d directions, and the largest) and variance weights ``u`` (how
+    much of the release survives) go to ``details``.
     """
     from privfl.methods.fedpft import sample_mixtures
 
@@ -284,10 +320,13 @@ def postprocess_release(release: Release, prior: AttackerPrior, *, seed: int = 0
     if release.scheme == "fedpft":
         posterior = list(release.mixtures)
     else:
-        posterior, mean_weights, variance_weights = _lmmse_moments(release, prior, floor)
-        info = {"method": "LMMSE class moments under the attacker's in-distribution prior; samples clipped at 0 and "
+        posterior, mean_weights, variance_weights, top_weights = _lmmse_moments(release, prior, floor)
+        full = prior.class_eigenvectors is not None
+        info = {"method": f"LMMSE class moments under the attacker's in-distribution prior "
+                          f"({'full covariance' if full else 'per dimension'}); samples clipped at 0 and "
                           "L2-normalised",
                 "mean_release_weight": float(np.mean(mean_weights)),
+                "top_direction_mean_weight": float(np.mean(top_weights)),
                 "variance_release_weight": float(np.mean(variance_weights)),
                 "per_class_mean_weight": mean_weights}
     synthetic, labels = sample_mixtures(posterior, np.random.default_rng(seed), floor=floor)
@@ -297,7 +336,8 @@ def postprocess_release(release: Release, prior: AttackerPrior, *, seed: int = 0
                    mixtures=tuple(posterior))
 
 
-def _lmmse_moments(release: Release, prior: AttackerPrior, floor: float) -> tuple[list[Any], list[float], list[float]]:
+def _lmmse_moments(release: Release, prior: AttackerPrior,
+                   floor: float) -> tuple[list[Any], list[float], list[float], list[float]]:
     from privfl.methods.fedpft import ClassMixture
 
     covariance = release.details.get("covariance")
@@ -312,7 +352,7 @@ def _lmmse_moments(release: Release, prior: AttackerPrior, floor: float) -> tupl
                           f"has {sorted(metadata)}")
     sigma_sum, sigma_second = float(sigmas["sum"]), float(sigmas["second_moment_sum"])
     bound = float(metadata["bound"])
-    posterior, mean_weights, variance_weights = [], [], []
+    posterior, mean_weights, variance_weights, top_weights = [], [], [], []
     for mixture in release.mixtures:
         c, n_c = mixture.label, max(int(mixture.count), 1)
         if c >= len(prior.class_means) or int(prior.class_counts[c]) < 2:
@@ -326,9 +366,15 @@ def _lmmse_moments(release: Release, prior: AttackerPrior, floor: float) -> tupl
         norm = float(torch.linalg.vector_norm(m))
         if norm >= bound * (1 - 2e-3):  # clipped (float16 on the wire rounds the norm)
             m = m * (math.sqrt(float(mu @ mu) + d * s2) / norm)
-        t = var / n_c
-        w = t / (t + s2)
-        mean = mu + w * (m - mu)
+        if prior.class_eigenvectors is None:
+            t = var / n_c
+            w = t / (t + s2)
+            mean = mu + w * (m - mu)
+        else:
+            values, vectors = prior.class_eigenvalues[c], prior.class_eigenvectors[c]
+            t = values / n_c
+            w = t / (t + s2)
+            mean = mu + vectors @ (w * (vectors.T @ (m - mu)))
         v = torch.as_tensor(mixture.covariances[0], dtype=torch.float64)
         if covariance == "diag":
             p, r = var, (sigma_second / n_c) ** 2
@@ -346,32 +392,124 @@ def _lmmse_moments(release: Release, prior: AttackerPrior, floor: float) -> tupl
                                       covariances=variance.numpy().reshape(1, *variance.shape),
                                       covariance_type=covariance))
         mean_weights.append(float(w.mean()))
+        top_weights.append(float(w.max()))
         variance_weights.append(float(u.mean()))
-    return posterior, mean_weights, variance_weights
+    return posterior, mean_weights, variance_weights, top_weights
+
+
+def prior_only_release(release: Release, prior: AttackerPrior, *, seed: int = 0) -> Release:
+    """The attacker's reading of a DP-FedPFT release with the release ignored: the same public class counts, the
+    attacker's own class moments (its prior), draws clipped at 0 and L2-normalised as in :func:`postprocess_release`.
+
+    What reconstructions from it achieve is what the attacker's in-distribution data gives without the release
+    (the LMMSE post-processing with release weights ``w = u = 0``); a DP row is informative only where it differs
+    from this one. Drawn with the same ``seed`` as the post-processed reading, so the two differ only by the moments.
+    """
+    from privfl.methods.fedpft import ClassMixture, sample_mixtures
+
+    if release.scheme != "dp-fedpft":
+        raise ConfigError(f"the prior-only reading is for dp-fedpft releases, got scheme {release.scheme!r}")
+    floor = float(release.details.get("reg_covar", 1e-6))
+    covariance = release.details.get("covariance")
+    mixtures = []
+    for mixture in release.mixtures:
+        c = mixture.label
+        if c >= len(prior.class_means) or int(prior.class_counts[c]) < 2:
+            raise ConfigError(f"the release has class {c}, of which the attacker's prior holds too few features")
+        variance = prior.class_variances[c] if covariance == "diag" else prior.class_variances[c].mean()
+        mixtures.append(ClassMixture(label=c, count=mixture.count, weights=np.ones(1),
+                                     means=prior.class_means[c].numpy()[None],
+                                     covariances=variance.clamp_min(floor).numpy().reshape(1, *variance.shape),
+                                     covariance_type=covariance))
+    synthetic, labels = sample_mixtures(mixtures, np.random.default_rng(seed), floor=floor)
+    features = _normalise(torch.as_tensor(synthetic).clamp_min(0))
+    info = {"method": "the attacker's prior class moments with the release's public counts; the release's moments "
+                      "are not used"}
+    return replace(release, features=features, labels=torch.as_tensor(labels), postprocessing="prior-only",
+                   epsilon=0.0, details={**release.details, "postprocessing": info}, mixtures=tuple(mixtures))
 
 
 # -- scoring --------------------------------------------------------------------------------------------------------
 
+#: The rows of each level and the ground truth each uses (module docstring).
+SELECTIONS = {"per-feature": (("all", "none"), ("attacker", "none"), ("oracle", "selection")),
+              "set-level": (("all", "matching"), ("attacker", "matching"), ("oracle", "matching+selection"))}
+
+
+@dataclass
+class ScoredSet:
+    """Per-image scores of one attack on one release for one evaluation seed (the lines of ``per_image_scores.csv``).
+
+    ``unit`` says what was scored: ``"target"`` (one entry per defender image: its own reconstruction, per-feature,
+    or its most similar one by SSIM, set-level) or ``"reconstruction"`` (set-level: one entry per reconstruction,
+    paired with its most similar defender image; for the attacker selection). ``index`` is the scored item's position
+    (in the seed's evaluated defender images, or in the reconstruction set), ``matched`` its partner's; ``confidence``
+    the attacker's confidence in the reconstruction involved (no ground truth).
+    """
+
+    seed: int
+    source: str
+    epsilon: float
+    attack: str
+    estimate: str
+    level: str
+    unit: str
+    set_size: int
+    index: np.ndarray
+    matched: np.ndarray
+    psnr: np.ndarray
+    lpips: np.ndarray
+    ssim: np.ndarray
+    confidence: np.ndarray
+
+    @property
+    def key(self) -> tuple[str, float, str, str, str]:
+        return self.source, self.epsilon, self.attack, self.estimate, self.level
+
+    def values(self) -> np.ndarray:
+        """``[n, 3]``: PSNR (an exact copy capped at 100 dB so a mean stays finite), LPIPS, SSIM."""
+        return np.stack([np.where(np.isinf(self.psnr), 100.0, self.psnr), self.lpips, self.ssim], axis=1)
+
+    def records(self) -> list[dict[str, Any]]:
+        eps = "inf" if math.isinf(self.epsilon) else self.epsilon
+        return [{"seed": self.seed, "source": self.source, "epsilon": eps, "attack": self.attack,
+                 "estimate": self.estimate, "level": self.level, "unit": self.unit, "index": int(i),
+                 "matched": int(m), "psnr": float(p), "lpips": float(lp), "ssim": float(s), "confidence": float(c)}
+                for i, m, p, lp, s, c in zip(self.index, self.matched, self.psnr, self.lpips, self.ssim,
+                                             self.confidence)]
+
+
 @dataclass(frozen=True)
 class AttackRow:
-    """One line of the attack table (the paper's Tables 3, 6 and 7: PSNR up, LPIPS down, SSIM up).
+    """One line of the attack table (the paper's Tables 3, 6 and 7: PSNR up, LPIPS down, SSIM up), with the
+    percentile-bootstrap interval of every metric (:func:`attacks.statistics.bootstrap_cell`).
 
-    ``source`` is the release (or ``"no release"``), ``attack`` what turns it into images, ``level`` and
-    ``selection`` as in the module docstring, ``ground_truth`` one of :data:`GROUND_TRUTH`, ``n`` the scored pairs,
-    ``set_size`` the reconstructions (or candidate images) the attacker holds.
+    ``source`` is the release (or ``"no release"``), ``attack`` what turns it into images, ``estimate`` which of a
+    generator's samples is scored (``"medoid of k"``, ``"mean of k"``; ``"-"`` for decoders), ``level`` and
+    ``selection`` as in the module docstring, ``seed`` the evaluation seed (``"all"``: the seeds pooled),
+    ``ground_truth`` one of :data:`GROUND_TRUTH`, ``n`` the scored pairs (summed over seeds), ``set_size`` the
+    reconstructions (or candidate images) the attacker holds per seed.
     """
 
     source: str
     attack: str
+    estimate: str
     epsilon: float
     level: str
     selection: str
     top: str
+    seed: str
     n: int
     ground_truth: str
     psnr: float
+    psnr_low: float
+    psnr_high: float
     lpips: float
+    lpips_low: float
+    lpips_high: float
     ssim: float
+    ssim_low: float
+    ssim_high: float
     set_size: int
 
     def to_dict(self) -> dict[str, Any]:
@@ -379,32 +517,30 @@ class AttackRow:
         out["epsilon"] = "inf" if math.isinf(self.epsilon) else self.epsilon
         return out
 
+    def interval(self, metric: str) -> tuple[float, float]:
+        return getattr(self, f"{metric}_low"), getattr(self, f"{metric}_high")
+
 
 def _pct(fraction: float) -> str:
     return f"{100 * fraction:g}%"
 
 
-def _metrics(targets: torch.Tensor, recons: torch.Tensor, lpips: LPIPS) -> tuple[float, float, float]:
-    p = psnr_pairs(targets, recons)
-    p = np.where(np.isinf(p), 100.0, p)  # an exact copy is capped at 100 dB so a mean stays finite
-    return float(p.mean()), float(lpips(targets, recons).double().mean()), float(ssim_pairs(targets, recons).mean())
-
-
-def score_reconstructions(targets: Any, reconstructions: Any, confidence: Any, *, linked: bool, source: str,
-                          attack: str, epsilon: float, lpips: LPIPS,
-                          top_fractions: Sequence[float] = (0.01,)) -> tuple[list[AttackRow], torch.Tensor]:
-    """The rows of the module docstring for one attacker's reconstructions.
+def score_reconstructions(targets: Any, reconstructions: Any, confidence: Any, *, linked: Any, lpips: LPIPS,
+                          seed: int, source: str, epsilon: float, attack: str,
+                          estimate: str = "-") -> tuple[list[ScoredSet], torch.Tensor]:
+    """Per-image scores of one attacker's reconstructions (the sets every row of the module docstring is made from).
 
     Args:
         targets: ``[N, C, H, W]`` evaluated defender images on [0, 1].
-        reconstructions: ``[m, C, H, W]``, one per released feature (``m = N``, in the targets' order, when
-            ``linked``).
+        reconstructions: ``[m, C, H, W]``, one per released feature.
         confidence: ``[m]`` the attacker's own confidence in each reconstruction (higher = surer; no ground truth).
-        linked: the features belong to the targets one to one (adds the per-feature rows).
+        linked: ``False`` for a set-level release; ``True`` when reconstruction i is made from target i's own
+            feature (``m = N``); or ``[N]`` indices: target i's own reconstruction is ``reconstructions[linked[i]]``
+            (a raw release of every defender image, of which only the near-duplicate-filtered ones are scored).
 
     Returns:
-        ``(rows, shown)``: the rows, and per target the reconstruction the image grid shows (its own when linked,
-        else its set-level match).
+        ``(sets, shown)``: per-feature targets (when linked), set-level targets and set-level reconstructions; and
+        per target the reconstruction the image grid shows (its own when linked, else its SSIM match: oracle-matched).
     """
     t = torch.as_tensor(np.asarray(targets), dtype=torch.float32)
     r = torch.as_tensor(np.asarray(reconstructions), dtype=torch.float32)
@@ -412,126 +548,189 @@ def score_reconstructions(targets: Any, reconstructions: Any, confidence: Any, *
     n, m = len(t), len(r)
     if conf.shape != (m,):
         raise ConfigError(f"need one confidence per reconstruction: {conf.shape} for {m}")
-    if linked and m != n:
-        raise ConfigError(f"linked reconstructions need one per target: {m} reconstructions, {n} targets")
-    rows: list[AttackRow] = []
+    own = None
+    if isinstance(linked, (bool, np.bool_)):
+        if linked and m != n:
+            raise ConfigError(f"linked reconstructions need one per target: {m} reconstructions, {n} targets")
+        own = np.arange(n) if linked else None
+    else:
+        own = np.asarray(linked, dtype=np.int64)
+        if own.shape != (n,) or (n and (own.min() < 0 or own.max() >= m)):
+            raise ConfigError(f"linked must hold one reconstruction index in [0, {m}) per target ({n}), got shape "
+                              f"{own.shape}")
 
-    def add(level: str, selection: str, top: str, ground_truth: str, tt: torch.Tensor, rr: torch.Tensor) -> None:
-        rows.append(AttackRow(source, attack, epsilon, level, selection, top, len(tt), ground_truth,
-                              *_metrics(tt, rr, lpips), m))
+    def scored(level: str, unit: str, index: np.ndarray, matched: np.ndarray, tt: torch.Tensor,
+               rr: torch.Tensor, c: np.ndarray) -> ScoredSet:
+        return ScoredSet(seed, source, epsilon, attack, estimate, level, unit, m, index, matched,
+                         psnr_pairs(tt, rr), lpips(tt, rr).double().numpy(), ssim_pairs(tt, rr), c)
 
-    if linked:
-        true = ssim_pairs(t, r)
-        add("per-feature", "all", "all", "none", t, r)
-        for fraction in top_fractions:
-            chosen = torch.as_tensor(top_indices(conf, fraction))
-            add("per-feature", "attacker", _pct(fraction), "none", t[chosen], r[chosen])
-            chosen = torch.as_tensor(top_indices(true, fraction))
-            add("per-feature", "oracle", _pct(fraction), "selection", t[chosen], r[chosen])
-    index, best = nearest(t, r)
+    sets = []
+    if own is not None:
+        sets.append(scored("per-feature", "target", np.arange(n), own, t, r[torch.as_tensor(own)], conf[own]))
+    similarity = ssim_matrix(t, r)    # SSIM is symmetric: one matrix matches both ways
+    index, paired = similarity.argmax(axis=1), similarity.argmax(axis=0)
     matched = r[torch.as_tensor(index)]
-    add("set-level", "all", "all", "matching", t, matched)
-    for fraction in top_fractions:
-        k = min(top_count(n, fraction), m)
-        chosen = torch.as_tensor(np.argsort(-conf, kind="stable")[:k])
-        paired, _ = nearest(r[chosen], t)
-        add("set-level", "attacker", _pct(fraction), "matching", t[torch.as_tensor(paired)], r[chosen])
-        chosen = torch.as_tensor(top_indices(best, fraction))
-        add("set-level", "oracle", _pct(fraction), "matching+selection", t[chosen], matched[chosen])
-    return rows, (r if linked else matched)
+    sets.append(scored("set-level", "target", np.arange(n), index, t, matched, conf[index]))
+    sets.append(scored("set-level", "reconstruction", np.arange(m), paired, t[torch.as_tensor(paired)], r, conf))
+    return sets, (r[torch.as_tensor(own)] if own is not None else matched)
+
+
+def rows_from_scores(sets: Sequence[ScoredSet], *, top_fractions: Sequence[float] = (0.05,), n_boot: int = 1000,
+                     boot_seed: int = 0) -> list[AttackRow]:
+    """The table rows of per-image scores: for each (source, attack, estimate, level), per seed and (with several
+    seeds) pooled, the rows of :data:`SELECTIONS` with bootstrap intervals.
+
+    *all* and *oracle* rows score targets (the oracle ranks them by their SSIM); the set-level *attacker* row scores
+    the top fraction of the reconstruction set by the attacker's confidence, the per-feature one the top fraction of
+    targets by it. Selections are made within each seed.
+    """
+    from attacks.statistics import bootstrap_cell
+
+    grouped: dict[tuple, dict[tuple[str, int], ScoredSet]] = {}
+    for s in sets:
+        grouped.setdefault(s.key, {})[(s.unit, s.seed)] = s
+    rows = []
+    for key, by_unit in grouped.items():
+        source, epsilon, attack, estimate, level = key
+        seeds = sorted({seed for _, seed in by_unit})
+        scopes = [[seed] for seed in seeds] + ([seeds] if len(seeds) > 1 else [])
+        for scope in scopes:
+            label = str(scope[0]) if len(scope) == 1 else "all"
+            for selection, ground_truth in SELECTIONS[level]:
+                unit = "reconstruction" if (level, selection) == ("set-level", "attacker") else "target"
+                chosen = [by_unit[(unit, seed)] for seed in scope if (unit, seed) in by_unit]
+                if not chosen:
+                    continue
+                fractions = [None] if selection == "all" else list(top_fractions)
+                for fraction in fractions:
+                    groups = [(c.values(), None if fraction is None else
+                               (c.ssim if selection == "oracle" else c.confidence)) for c in chosen]
+                    estimate_, low, high = bootstrap_cell(groups, fraction=fraction, n_boot=n_boot, seed=boot_seed)
+                    n = sum(len(c.index) if fraction is None else top_count(len(c.index), fraction) for c in chosen)
+                    rows.append(AttackRow(source, attack, estimate, epsilon, level, selection,
+                                          "all" if fraction is None else _pct(fraction), label, n, ground_truth,
+                                          float(estimate_[0]), float(low[0]), float(high[0]),
+                                          float(estimate_[1]), float(low[1]), float(high[1]),
+                                          float(estimate_[2]), float(low[2]), float(high[2]), chosen[0].set_size))
+    return rows
 
 
 @dataclass
 class ReleaseEvaluation:
-    """The rows of one release and what the image grid shows for each defender image (see
-    :func:`score_reconstructions`), with the attacker's reconstructions (one per released feature)."""
+    """The per-image scores of one attack on one release, what the image grid shows for each defender image (per
+    estimate), and the reconstructions (one per released feature, per estimate)."""
 
-    rows: list[AttackRow]
-    shown: torch.Tensor
-    reconstructions: torch.Tensor
+    scored: list[ScoredSet]
+    shown: dict[str, torch.Tensor]
+    reconstructions: dict[str, torch.Tensor]
     seconds: float
 
 
-def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpips: LPIPS,
-                     samples_per_feature: int = 10, top_fractions: Sequence[float] = (0.01,),
-                     guidance_scale: float = 2.0, num_inference_steps: int = 20, seed: int = 0,
-                     progress: bool = False) -> ReleaseEvaluation:
+def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpips: LPIPS, seed: int = 0,
+                     samples_per_feature: int = 8, sampling: Any = None, init_decoder: Any = None,
+                     guide_decoder: Any = None, target_index: Any = None, progress: bool = False) -> ReleaseEvaluation:
     """Reconstruct from ``release`` with the diffusion reconstructor and score against ``targets``.
 
-    Every released feature is sampled ``samples_per_feature`` times (DDIM from independent starting noise); the
-    attacker's reconstruction of the feature is the medoid of its samples, and its confidence the mean pairwise SSIM
-    among them (:func:`attacks.selection.agreement_scores`; the paper's attacker selection). Rows as in the module
-    docstring (:func:`score_reconstructions`).
+    Every released feature is sampled ``samples_per_feature`` times (DDIM from independent starting noise). Two
+    estimates are scored: the **medoid** of its samples (a sample: sharp, for LPIPS and SSIM) and their **mean** (the
+    Monte-Carlo posterior mean ``E[x | feature]``, which minimises the expected squared error, hence PSNR's
+    estimate). The attacker's confidence in a feature is the mean pairwise SSIM among its samples
+    (:func:`attacks.selection.agreement_scores`; the paper's attacker selection), for both.
 
     Args:
-        release: from :func:`make_release` or :func:`postprocess_release`.
+        release: from :func:`make_release`, :func:`postprocess_release` or :func:`prior_only_release`.
         reconstructor: a trained :class:`~attacks.reconstructor.Reconstructor` (anything with its ``sample``).
-        targets: ``[N, C, H, W]`` defender images on [0, 1], at the reconstructor's resolution (after filtering);
-            for a raw release, in the order of its features.
-        lpips: the LPIPS metric.
-        top_fractions: the fractions of the attacker and oracle selections (the paper: 0.01).
+        targets: ``[N, C, H, W]`` defender images on [0, 1] (after filtering).
+        target_index: for a raw release, ``[N]`` the position of each target's feature in the release (default:
+            target i is feature i).
+        sampling: :class:`~attacks.reconstructor.SamplingSettings` (default: w = 1, 20 DDIM steps).
+        init_decoder: the decoder whose estimates start the draws when ``sampling.init_strength`` is set.
+        guide_decoder: the decoder whose estimates a ``guide_image`` reconstructor reads.
     """
+    from attacks.reconstructor import SamplingSettings
+
     t = torch.as_tensor(np.asarray(targets), dtype=torch.float32)
     k = samples_per_feature
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 2:
         raise ConfigError(f"samples_per_feature must be an integer >= 2 (the attacker selection compares samples), "
                           f"got {samples_per_feature!r}")
-    if not release.set_level and len(release.features) != len(t):
-        raise ConfigError(f"a raw release needs one feature per target: {len(release.features)} features, "
-                          f"{len(t)} targets")
+    linked = _linked(release, t, target_index)
+    sampling = SamplingSettings() if sampling is None else sampling
+    init = None
+    if sampling.init_strength is not None:
+        if init_decoder is None:
+            raise ConfigError("sampling with init_strength needs the init_decoder whose estimates start the draws")
+        init = init_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
+    extra = {}
+    if guide_decoder is not None:
+        extra["guide"] = guide_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
     m = len(release.features)
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
-    samples = reconstructor.sample(release.features.repeat_interleave(int(k), dim=0), guidance_scale=guidance_scale,
-                                   num_inference_steps=num_inference_steps, generator=generator, progress=progress)
+    samples = reconstructor.sample(release.features.repeat_interleave(int(k), dim=0), settings=sampling,
+                                   generator=generator, progress=progress, init=init, **extra)
     samples = samples.reshape(m, int(k), *samples.shape[1:])
     agreement, medoid = agreement_scores(samples.numpy())
-    medoids = samples[torch.arange(m), torch.as_tensor(medoid)]
-    rows, shown = score_reconstructions(t, medoids, agreement, linked=not release.set_level, source=release.label,
-                                        attack="diffusion", epsilon=release.epsilon, lpips=lpips,
-                                        top_fractions=top_fractions)
-    return ReleaseEvaluation(rows=rows, shown=shown, reconstructions=medoids, seconds=time.perf_counter() - started)
+    estimates = {f"medoid of {k}": samples[torch.arange(m), torch.as_tensor(medoid)],
+                 f"mean of {k}": samples.mean(1)}
+    scored, shown = [], {}
+    for name, images in estimates.items():
+        sets, shown[name] = score_reconstructions(t, images, agreement, linked=linked, lpips=lpips,
+                                                  seed=seed, source=release.label, epsilon=release.epsilon,
+                                                  attack="diffusion", estimate=name)
+        scored += sets
+    return ReleaseEvaluation(scored=scored, shown=shown, reconstructions=estimates,
+                             seconds=time.perf_counter() - started)
 
 
-def feature_retrieval(release: Release, attacker_features: Any, attacker_images: Any, targets: Any, *,
-                      lpips: LPIPS, top_fractions: Sequence[float] = (0.01,)) -> ReleaseEvaluation:
-    """The like-for-like baseline of the diffusion attack: for each released feature, the attacker image whose
-    feature is closest (highest cosine similarity), that similarity as the attacker's confidence; the same rows.
+def _linked(release: Release, targets: torch.Tensor, target_index: Any) -> Any:
+    if release.set_level:
+        return False
+    if target_index is None:
+        if len(release.features) != len(targets):
+            raise ConfigError(f"a raw release needs one feature per target (or target_index): "
+                              f"{len(release.features)} features, {len(targets)} targets")
+        return True
+    return np.asarray(target_index, dtype=np.int64)
 
-    Needs no defender data to choose (unlike :func:`nearest_image_baseline`).
+
+def evaluate_decoder(release: Release, decoder: Any, targets: Any, *, lpips: LPIPS, attacker_features: Any,
+                     seed: int = 0, target_index: Any = None) -> ReleaseEvaluation:
+    """Reconstruct from ``release`` with a decoder baseline (:mod:`attacks.decoders`) and score the same sets.
+
+    The attacker's confidence in a released feature is its highest cosine similarity to an attacker feature (how
+    typical the feature is of the attacker's data; no ground truth), the same for every decoder.
     """
+    from attacks.decoders import feature_similarity
+
     started = time.perf_counter()
-    a = _normalise(attacker_features)
-    images = torch.as_tensor(np.asarray(attacker_images), dtype=torch.float32)
-    if len(a) != len(images) or len(a) == 0:
-        raise ConfigError(f"need one attacker image per attacker feature (and at least one), got {len(a)} features "
-                          f"and {len(images)} images")
-    similarity = _normalise(release.features) @ a.T
-    best, index = similarity.max(dim=1)
-    retrieved = images[index]
-    rows, shown = score_reconstructions(targets, retrieved, best.double().numpy(), linked=not release.set_level,
-                                        source=release.label, attack="feature NN", epsilon=release.epsilon,
-                                        lpips=lpips, top_fractions=top_fractions)
-    return ReleaseEvaluation(rows=rows, shown=shown, reconstructions=retrieved, seconds=time.perf_counter() - started)
+    t = torch.as_tensor(np.asarray(targets), dtype=torch.float32)
+    linked = _linked(release, t, target_index)
+    images = decoder.decode(release.features, release.labels)
+    confidence = feature_similarity(release.features, attacker_features).max(dim=1).values.double().numpy()
+    sets, shown = score_reconstructions(t, images, confidence, linked=linked, lpips=lpips,
+                                        seed=seed, source=release.label, epsilon=release.epsilon,
+                                        attack=decoder.name)
+    return ReleaseEvaluation(scored=sets, shown={"-": shown}, reconstructions={"-": images},
+                             seconds=time.perf_counter() - started)
 
 
-def nearest_image_baseline(targets: Any, attacker_images: Any, *, lpips: LPIPS,
-                           top_fractions: Sequence[float] = (0.01,),
-                           source: str = "no release") -> tuple[list[AttackRow], torch.Tensor]:
+def nearest_image_baseline(targets: Any, attacker_images: Any, *, lpips: LPIPS, seed: int = 0,
+                           nearest_index: Any = None, source: str = "no release") -> tuple[list[ScoredSet],
+                                                                                           torch.Tensor]:
     """The attacker that saw no release, given an oracle: each target's most similar attacker image by true SSIM
-    (App. E.4 "train set"). Set-level rows *all* and *oracle*; both use ground truth to match.
+    (App. E.4 "train set"); set-level targets only (its *all* and *oracle* rows; both use ground truth to match).
 
-    Returns the rows and the matched attacker images ``[N, C, H, W]``.
+    ``nearest_index``: each target's most similar attacker image when already known (the near-duplicate filter
+    computes it); else it is computed here.
+
+    Returns the scored set and the matched attacker images ``[N, C, H, W]``.
     """
     t = torch.as_tensor(np.asarray(targets), dtype=torch.float32)
     a = torch.as_tensor(np.asarray(attacker_images), dtype=torch.float32)
-    index, best = nearest(t, a)
+    index = nearest(t, a)[0] if nearest_index is None else np.asarray(nearest_index)
     matched = a[torch.as_tensor(index)]
-    attack = "nearest image by SSIM"
-    rows = [AttackRow(source, attack, math.inf, "set-level", "all", "all", len(t), "matching",
-                      *_metrics(t, matched, lpips), len(a))]
-    for fraction in top_fractions:
-        chosen = torch.as_tensor(top_indices(best, fraction))
-        rows.append(AttackRow(source, attack, math.inf, "set-level", "oracle", _pct(fraction), len(chosen),
-                              "matching+selection", *_metrics(t[chosen], matched[chosen], lpips), len(a)))
-    return rows, matched
+    scored = ScoredSet(seed, source, math.inf, "nearest image by SSIM", "-", "set-level", "target", len(a),
+                       np.arange(len(t)), index, psnr_pairs(t, matched), lpips(t, matched).double().numpy(),
+                       ssim_pairs(t, matched), np.full(len(t), np.nan))
+    return [scored], matched

@@ -1,4 +1,4 @@
-"""Which reconstructions an attack is scored on (FedPFT paper, App. E, Table 6 and 7; digest ``papers/fedpft.md`` 7.4).
+"""Which reconstructions an attack is scored on (FedPFT paper, App. E.4, Tables 6 and 7; `docs/papers.md`, FedPFT).
 
 The building blocks of the rows that :mod:`attacks.schemes` defines (per-feature and set-level; which rows use the
 defender's images to match or to select is stated there and in every table):
@@ -7,8 +7,8 @@ defender's images to match or to select is stated there and in every table):
   scored ones; every row counts n in defender images.
 - **attacker confidence**: draw k reconstructions per feature and score the feature by the mean pairwise SSIM among
   its k samples (agreement = confident sampling; no ground truth); the attacker's reconstruction of the feature is
-  the medoid sample, the one with the highest mean SSIM to the other k - 1 (digest 8.2 #22)
-  (:func:`agreement_scores`).
+  the medoid sample, the one with the highest mean SSIM to the other k - 1 (App. E.4 leaves unstated which of the
+  10 samples is scored; `docs/papers.md`, the reconstruction attack) (:func:`agreement_scores`).
 - **matching**: :func:`nearest` pairs each image with its most similar candidate by SSIM (set-level rows; with the
   attacker's own images as candidates, the oracle "nearest attacker image" baseline of App. E.4).
 - **near-duplicate filter**: defender images whose maximum SSIM to any attacker image is among the top ``fraction``
@@ -86,17 +86,31 @@ def agreement_scores(samples: Any, *, data_range: float = 1.0) -> tuple[np.ndarr
     return agreement, medoid
 
 
-def nearest(targets: Any, candidates: Any, *, data_range: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """For each target, the candidate with the highest SSIM: ``(index [n], ssim [n])``."""
-    s = ssim_matrix(targets, candidates, data_range=data_range)
+def nearest(targets: Any, candidates: Any, *, data_range: float = 1.0,
+            fast: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """For each target, the candidate with the highest SSIM: ``(index [n], ssim [n])``.
+
+    ``fast``: search in float32 (:func:`~attacks.metrics.ssim_matrix`), then rescore each winner in float64; for
+    large candidate sets (a defender image against every attacker image).
+    """
+    import torch
+
+    s = ssim_matrix(targets, candidates, data_range=data_range, dtype=torch.float32 if fast else torch.float64)
     if s.shape[1] == 0:
         raise ConfigError("nearest needs at least one candidate image")
     index = np.argmax(s, axis=1)
+    if fast:
+        from attacks.metrics import ssim_pairs
+
+        t = torch.as_tensor(np.asarray(targets.detach().cpu() if isinstance(targets, torch.Tensor) else targets))
+        c = torch.as_tensor(np.asarray(candidates.detach().cpu() if isinstance(candidates, torch.Tensor)
+                                       else candidates))
+        return index, ssim_pairs(t, c[torch.as_tensor(index)], data_range=data_range)
     return index, s[np.arange(len(s)), index]
 
 
 def near_duplicate_filter(defender: Any, attacker: Any, *, fraction: float = 0.1, threshold: float | None = 0.95,
-                          data_range: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+                          data_range: float = 1.0, max_ssim: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Drop defender images too similar to an attacker image (the paper drops the top 10 % by maximum SSIM).
 
     Args:
@@ -105,6 +119,8 @@ def near_duplicate_filter(defender: Any, attacker: Any, *, fraction: float = 0.1
             (0 drops none by rank).
         threshold: also drop every defender image whose maximum SSIM reaches it (``None``: rank only). An exact
             copy (SSIM 1) is always dropped.
+        max_ssim: every defender image's maximum SSIM to the attacker set when already computed (the second output
+            of :func:`nearest`); ``None`` computes it.
 
     Returns:
         ``(kept, max_ssim)``: the kept defender indices (ascending) and every defender image's maximum SSIM.
@@ -112,7 +128,8 @@ def near_duplicate_filter(defender: Any, attacker: Any, *, fraction: float = 0.1
     fraction = _fraction("fraction", fraction, allow_zero=True)
     if threshold is not None:
         threshold = _fraction("threshold", threshold)
-    _, best = nearest(defender, attacker, data_range=data_range)
+    best = nearest(defender, attacker, data_range=data_range)[1] if max_ssim is None else \
+        np.asarray(max_ssim, dtype=np.float64)
     n = len(best)
     dropped = np.zeros(n, dtype=bool)
     if fraction > 0 and n:

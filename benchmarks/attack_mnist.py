@@ -1,235 +1,330 @@
-"""Reconstruction attack on MNIST: raw features vs FedPFT vs DP-FedPFT (eps 1 and 8) vs non-diffusion baselines.
+"""Reconstruction attack on MNIST: raw features vs FedPFT vs DP-FedPFT (epsilon 10, 4, 1) vs prior only, the diffusion
+reconstructor against decoder baselines, with 95 % bootstrap intervals over three disjoint defender sets.
 
-The FedPFT paper's Tables 3, 6 and 7 (PSNR up, LPIPS down, SSIM up; selections all / attacker / oracle) at CPU
-scale (digest ``papers/fedpft.md`` 8.3):
+The FedPFT paper's Tables 3, 6 and 7 (PSNR up, LPIPS down, SSIM up) at CPU scale: ``privfl attack reconstruct
+--preset benchmark`` (``attacks/reconstruct_cli.py``):
 
 - backbone: the ImageNet MobileNetV2 (offline weights) at 64 x 64 input (grey repeated to RGB), 1280-d features,
   L2-normalised; features cached outside the repository (``$PRIVFL_CACHE_DIR``, default ``~/.cache/privfl``);
-- attacker: 10,000 images of the MNIST training split (200 held out of the reconstructor's training to choose the
-  guidance scale); defender: 250 images of the test split, of which the 10 % most similar (SSIM) to an attacker image
-  are removed (225 evaluated);
-- reconstructor: diffusers UNet2DModel (32-64-64 channels, scale-shift norm, mid-block attention, 1.32 M
-  parameters, per-dimension standardised features) at 16 x 16, ``--steps`` steps at batch 32, condition dropout
-  0.1; DDIM 20 steps; guidance chosen among 1, 1.5, 2, 3 on the held-out attacker pairs; 4 samples per feature
-  (medoid and agreement; the paper: 10); top 1 % (the paper; 3 of 225 images) and 5 % (12);
-- releases made by FedPFT's client procedure and recorded by the wire in the defender's ledger: FedPFT diag, K = 10
-  per class; DP-FedPFT K = 1, diag, public class counts, delta 1e-5, seeded noise (reproducible); the epsilon shown
-  is the ledger's. Mixture releases are attacked as delivered (naive) and after the attacker's post-processing.
+- attacker: all 60,000 images of the MNIST training split (1,000 held out to choose sampling settings and the
+  decoders' hyperparameters); defender: for each of the seeds 0, 1, 2 a disjoint set of 500 test images, of which
+  the 10 % most similar (SSIM) to an attacker image are not scored (450 per seed);
+- reconstructor: diffusers UNet2DModel at 28 x 28 (32-64-128 channels, two residual blocks per level, scale-shift
+  norm, mid-block attention, 3.97 M parameters), v-prediction, reading beside x_t the kNN-average decoder's estimate
+  (leave-one-out for its training pairs), 8,000 steps at batch 32 in bfloat16 autocast on one CPU thread; DDIM 10
+  steps; guidance (scale, interval, rescale) and decoder-guided initialisation chosen on 256
+  held-out attacker pairs; 8 samples per raw feature and 4 per mixture feature (medoid for LPIPS and SSIM, mean as
+  the posterior-mean estimate for PSNR);
+- baselines on the same pairs: ridge, MLP (1280-1024-1024-784), kNN average, nearest attacker image by feature,
+  class-mean image; the oracle nearest attacker image by SSIM;
+- releases made by FedPFT's client procedure and recorded by the wire in the defender's ledger, all from the same
+  500 defender images per seed: raw; FedPFT diag, K = 10 per class; DP-FedPFT K = 1, diag, public counts, delta 1e-5,
+  seeded noise, read with the full-covariance LMMSE post-processing, and the prior-only reading (release ignored).
 
-Run: ``nice .venv/bin/python benchmarks/attack_mnist.py`` (the reconstructor is checkpointed every 500 steps in the
-scratch folder and resumed, so an interrupted run continues). ``--render-only`` rewrites ``attack_mnist.md`` from
-``attack_mnist.json`` without running anything. Results: ``benchmarks/results/attack_mnist.json``, ``.md`` and
-``attack_mnist_grid.png``.
+Beside the rows, the run computes **paired** comparisons (the same defender images scored by two attacks or two
+releases; a stratified bootstrap of the per-image differences) and states which differences the intervals separate.
+
+Run (about 2 hours of training on one CPU thread plus about an hour of evaluation; resumable: the reconstructor
+checkpoints every 250 steps in ``--work`` and an interrupted run continues):
+
+    OMP_NUM_THREADS=1 python benchmarks/attack_mnist.py --threads 1
+
+``--preset reduced`` evaluates the same reconstructor (its checkpoint in ``--work`` is reused) on three defender
+sets of 250 with fewer samples (``attacks/reconstruct_cli.py``, ``PRESETS``). ``--render-only`` rewrites the
+markdown from the JSON and the CSV. Results in ``benchmarks/results/`` under ``attack_mnist`` (``--preset
+benchmark``) or ``attack_mnist_reduced``: ``.json`` / ``.md``, ``.csv`` (rows), ``_metrics.png`` and ``_grid.png``;
+every scored image in ``--work`` (``per_image_scores.csv`` and ``<stem>_scores.csv.gz``).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import gzip
 import json
 import math
 import platform
 import shutil
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from attacks.reconstruct_cli import AttackSettings, run_reconstruction_attack  # noqa: E402
-from privfl.models.backbones import default_cache_dir  # noqa: E402
+from attacks.reconstruct_cli import ATTACK_NAMES, run_reconstruction_attack, settings_from_args  # noqa: E402
+from attacks.statistics import bootstrap_cell, separated  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+METRICS = ("psnr", "lpips", "ssim")
+HIGHER = {"psnr": True, "lpips": False, "ssim": True}
+DECODERS = ("ridge", "mlp", "knn", "nn", "class-mean")
+
+
+# -- paired comparisons from the per-image scores -------------------------------------------------------------------
+
+def load_scores(path: Path) -> dict[tuple, dict[int, dict[str, np.ndarray]]]:
+    """``{(source, epsilon, attack, estimate, level, unit): {seed: {"index": ..., "psnr": ..., ...}}}``."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    columns: dict[tuple, dict[int, dict[str, list]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    with opener(path, "rt", newline="") as stream:
+        for row in csv.DictReader(stream):
+            key = (row["source"], row["epsilon"], row["attack"], row["estimate"], row["level"], row["unit"])
+            cell = columns[key][int(row["seed"])]
+            cell["index"].append(int(row["index"]))
+            for m in METRICS:
+                value = float(row[m])
+                cell[m].append(100.0 if m == "psnr" and math.isinf(value) else value)
+    return {k: {s: {m: np.asarray(v) for m, v in c.items()} for s, c in by_seed.items()}
+            for k, by_seed in columns.items()}
+
+
+def paired(scores: dict, a: tuple, b: tuple, *, n_boot: int, seed: int) -> dict[str, dict[str, float]]:
+    """Mean of (a - b) over the same defender images, pooled over seeds, with its stratified bootstrap interval."""
+    groups = []
+    for s in sorted(set(scores[a]) & set(scores[b])):
+        x, y = scores[a][s], scores[b][s]
+        if not np.array_equal(x["index"], y["index"]):
+            raise ValueError(f"{a} and {b} score different images in seed {s}")
+        groups.append((np.stack([x[m] - y[m] for m in METRICS], axis=1), None))
+    estimate, low, high = bootstrap_cell(groups, n_boot=n_boot, seed=seed)
+    return {m: {"mean": float(estimate[i]), "low": float(low[i]), "high": float(high[i])}
+            for i, m in enumerate(METRICS)}
+
+
+def comparisons(scores: dict, rows: list[dict], *, n_boot: int, seed: int) -> dict:
+    """The headline (raw, per feature, all images: diffusion against every decoder) and the release ordering
+    (set-level, oracle-matched, all images: raw > FedPFT > DP 10 > DP 4 > DP 1 vs prior only)."""
+    pooled = "all" if any(r["seed"] == "all" for r in rows) else min(r["seed"] for r in rows)
+    cell = {(r["source"], str(r["epsilon"]), r["attack"], r["estimate"], r["level"], r["selection"], r["top"]): r
+            for r in rows if r["seed"] == pooled}
+    estimates = sorted({r["estimate"] for r in rows if r["attack"] == "diffusion" and r["source"] == "raw"})
+    headline = []
+    for estimate in estimates:
+        for decoder in DECODERS:
+            a = ("raw", "inf", "diffusion", estimate, "per-feature", "target")
+            b = ("raw", "inf", decoder, "-", "per-feature", "target")
+            if a not in scores or b not in scores:
+                continue
+            ra = cell[("raw", "inf", "diffusion", estimate, "per-feature", "all", "all")]
+            rb = cell[("raw", "inf", decoder, "-", "per-feature", "all", "all")]
+            difference = paired(scores, a, b, n_boot=n_boot, seed=seed)
+            headline.append({"diffusion": estimate, "decoder": decoder, "difference": difference,
+                             "cells_separated": {m: separated((ra[f"{m}_low"], ra[f"{m}_high"]),
+                                                              (rb[f"{m}_low"], rb[f"{m}_high"])) for m in METRICS},
+                             "diffusion_better": {m: (ra[m] > rb[m]) == HIGHER[m] for m in METRICS}})
+    order = [("raw", "inf"), ("fedpft, post-processed", "inf")]
+    order += sorted({(r["source"], str(r["epsilon"])) for r in rows if r["source"] == "dp-fedpft, post-processed"},
+                    key=lambda k: -float(k[1]))
+    order += sorted({(r["source"], str(r["epsilon"])) for r in rows if r["source"].startswith("prior only")})
+    ordering = []
+    kinds = [("diffusion", kind) for kind in ("medoid", "mean")] + [(d, "-") for d in DECODERS]
+    for attack, kind in kinds:
+        for first, second in zip(order, order[1:]):
+            a, b = _key(scores, *first, attack, kind), _key(scores, *second, attack, kind)
+            if a is None or b is None:
+                continue
+            ordering.append({"attack": attack, "estimate": (a[3], b[3]), "first": f"{first[0]} ε {_eps(first[1])}",
+                             "second": f"{second[0]} ε {_eps(second[1])}",
+                             "difference": paired(scores, a, b, n_boot=n_boot, seed=seed)})
+    return {"headline": headline, "ordering": ordering, "seed_scope": pooled}
+
+
+def _key(scores: dict, source: str, epsilon: str, attack: str, kind: str) -> tuple | None:
+    """The set-level target scores of (source, epsilon, attack) whose estimate is of ``kind`` (medoid, mean, -)."""
+    for key in scores:
+        if key[:3] == (source, epsilon, attack) and key[4:] == ("set-level", "target") and key[3].startswith(kind):
+            return key
+    return None
 
 
 # -- rendering ------------------------------------------------------------------------------------------------------
 
 def _eps(value) -> str:
-    return "∞" if value in ("inf", math.inf) else f"{float(value):.3g}"
+    value = math.inf if value == "inf" else float(value)
+    return "∞" if math.isinf(value) else "ignored" if value == 0 else f"{value:.3g}"
 
 
-def _table(rows: list[dict], columns: tuple[str, ...]) -> list[str]:
-    names = {"source": "release", "attack": "attack", "epsilon": "ε (ledger)", "level": "level",
-             "selection": "selection", "top": "top", "n": "n", "ground_truth": "ground truth used",
-             "psnr": "PSNR ↑", "lpips": "LPIPS ↓", "ssim": "SSIM ↑", "set_size": "set size"}
-    lines = ["| " + " | ".join(names[c] for c in columns) + " |", "|" + "---|" * len(columns)]
+def _ci(row: dict, metric: str) -> str:
+    d = 2 if metric == "psnr" else 3
+    return f"{row[metric]:.{d}f} [{row[f'{metric}_low']:.{d}f}, {row[f'{metric}_high']:.{d}f}]"
+
+
+def _diff(d: dict, metric: str) -> str:
+    digits = 2 if metric == "psnr" else 3
+    x = d[metric]
+    mark = "" if x["low"] <= 0 <= x["high"] else " *"
+    return f"{x['mean']:+.{digits}f} [{x['low']:+.{digits}f}, {x['high']:+.{digits}f}]{mark}"
+
+
+def _table(rows: list[dict], title: bool = True) -> list[str]:
+    lines = ["| release | attack | estimate | ε (ledger) | level | selection | top | seed | n | ground truth | "
+             "PSNR ↑ [95% CI] | LPIPS ↓ [95% CI] | SSIM ↑ [95% CI] |", "|" + "---|" * 13]
     for r in rows:
-        cells = []
-        for c in columns:
-            v = r[c]
-            cells.append(_eps(v) if c == "epsilon" else f"{v:.2f}" if c == "psnr" else f"{v:.3f}"
-                         if c in ("lpips", "ssim") else str(v))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(f"| {r['source']} | {ATTACK_NAMES.get(r['attack'], r['attack'])} | {r['estimate']} | "
+                     f"{_eps(r['epsilon'])} | {r['level']} | {r['selection']} | {r['top']} | {r['seed']} | {r['n']} | "
+                     f"{r['ground_truth']} | {_ci(r, 'psnr')} | {_ci(r, 'lpips')} | {_ci(r, 'ssim')} |")
     return lines
 
 
-def _find(rows: list[dict], **match) -> dict | None:
-    for r in rows:
-        if all(r[k] == v for k, v in match.items()):
-            return r
-    return None
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a results CSV (``attack_results.csv``), numbers as floats."""
+    numeric = {f"{m}{end}" for m in METRICS for end in ("", "_low", "_high")}
+    with open(path, newline="") as stream:
+        return [{k: (float(v) if k in numeric and v != "" else v) for k, v in row.items()}
+                for row in csv.DictReader(stream)]
 
 
-def _cmp(a: dict | None, b: dict | None) -> str:
-    if a is None or b is None:
-        return "n/a"
-    return (f"PSNR {a['psnr'] - b['psnr']:+.2f} dB, LPIPS {a['lpips'] - b['lpips']:+.3f}, "
-            f"SSIM {a['ssim'] - b['ssim']:+.3f}")
-
-
-def render_markdown(summary: dict) -> str:
-    """The results page: protocol, the Table 3 / 6 / 7 layouts, the releases, the reconstructor, and comparisons
-    computed from the rows (each stating which rows it compares)."""
-    rows = summary["rows"]
-    p, rec, g = summary["protocol"], summary["reconstructor"], summary["guidance"]
-    fractions = [f"{100 * f:g}%" for f in summary["settings"]["top_fractions"]]
-    top1 = fractions[0]
-    cols = ("source", "attack", "epsilon", "selection", "top", "n", "ground_truth", "psnr", "lpips", "ssim",
-            "set_size")
-    out = ["# Reconstruction attack on MNIST (MobileNetV2 features): raw vs FedPFT vs DP-FedPFT", "",
-           "Produced by `benchmarks/attack_mnist.py` (numbers in `attack_mnist.json`, images in "
-           "`attack_mnist_grid.png`).", "",
-           f"- Attacker: {p['attacker']}. Defender: {p['defender']}; {p['near_duplicates_removed']} near-duplicates "
-           f"of attacker images removed, **{p['evaluated_defender_images']} evaluated**.",
+def render_markdown(summary: dict, rows: list[dict]) -> str:
+    """The results page of one run: ``summary`` without its rows, ``rows`` as :func:`read_rows` gives them."""
+    p, rec = summary["protocol"], summary["reconstructor"]
+    stem = results_stem(summary["settings"].get("preset") or "benchmark")
+    scope = summary["comparisons"]["seed_scope"]
+    sampling, device = summary["sampling"], summary["device"]
+    seeds = [s["seed"] for s in p["seeds"]]
+    out = ["# Reconstruction attack on MNIST (MobileNetV2 features): raw vs FedPFT vs DP-FedPFT vs prior only", "",
+           f"Produced by `{summary.get('command', 'python benchmarks/attack_mnist.py')}` (`privfl attack "
+           f"reconstruct --preset {summary['settings'].get('preset') or 'benchmark'}`); rows in `{stem}.csv`, "
+           f"every scored image in `{stem}_scores.csv.gz` (in `--work`), figures `{stem}_metrics.png` and "
+           f"`{stem}_grid.png`.", "",
+           f"- Attacker: {p['attacker']}. Defender: {p['defender']}; per seed "
+           + ", ".join(f"{s['evaluated']} scored ({s['near_duplicates_removed']} near-duplicates of attacker images "
+                       f"not scored)" for s in p["seeds"][:1]) + f"; seeds {seeds}.",
            f"- Embedding: {p['embedding']}. Images: {p['images']}. Metrics: {p['metrics']}.",
-           f"- Reconstructor: {rec['parameters']:,} parameters, {rec['steps']:,} steps, "
-           f"**{rec['train_seconds'] / 60:.1f} min of training** on one CPU thread (shared machine); guidance "
-           f"w = {g['chosen']:g} chosen on {g['held_out_pairs']} held-out attacker pairs (mean SSIM per w: "
-           + ", ".join(f"{w}: {v:.3f}" for w, v in g["held_out_mean_ssim"].items()) + "); training loss per 1,000 "
+           f"- Intervals: {p['intervals']}; `seed all` rows pool the seeds (stratified).",
+           f"- Device: {device['device']} ({device['precision']}, {device['threads']} thread(s), torch "
+           f"{device['torch']}). Reconstructor: {rec['parameters']:,} parameters, {rec['steps']:,} steps, "
+           f"**{rec['train_seconds'] / 60:.0f} min of training** (shared 2-core machine); training loss per 1,000 "
            "steps: " + ", ".join(f"{v:.4f}" for v in rec["loss_mean_per_1000_steps"]) + ".",
-           f"- Whole run: {summary.get('wall_seconds', 0) / 60:.1f} min.", "",
-           "**Row definitions** (the same for every release; `n` counts scored defender images everywhere, a top "
-           f"fraction p scores ceil(p · {p['evaluated_defender_images']}) of them):", "",
-           "- *per-feature* (raw only: one released feature per defender image): the attacker's reconstruction of "
-           "an image is the medoid of the samples of its feature (diffusion) or the attacker image with the closest "
-           "feature (feature NN). *all*: every image; *attacker*: top p by the attacker's own confidence "
-           "(agreement among samples / feature similarity); *oracle*: top p by true SSIM.",
-           "- *set-level* (every release): the attacker holds one reconstruction per released feature; *all*: each "
-           "defender image matched to its most similar reconstruction by SSIM (the paper's Oracle-all); "
-           "*attacker*: the attacker's ceil(p · N) most confident reconstructions, each paired with its most "
-           "similar defender image; *oracle*: top p defender images by matched SSIM (the paper's Oracle, Table 3).",
-           "- *ground truth used*: `none` = the attacker alone; `matching` = defender images only pair "
-           "reconstructions with targets; `selection` = true similarity picks the scored pairs. The *nearest image "
-           "by SSIM* baseline (no release) is an oracle: it needs the defender's images to choose.", ""]
+           f"- Sampling chosen on {sampling['held_out_pairs']} held-out attacker pairs: **{sampling['label']}** "
+           f"(decoder-guided start from the {sampling['init_decoder']} decoder when `init` is shown).",
+           f"- Whole run: {summary['timings_s']['wall_s'] / 60:.0f} min.", ""]
 
-    out += ["## Table 3 layout: set-level oracle (top fraction of defender images by SSIM to the attacker's set)", ""]
-    oracle = [r for r in rows if r["level"] == "set-level" and r["selection"] == "oracle"]
-    out += _table(oracle, cols) + [""]
-    out += ["## Table 6 layout: raw features, per feature", ""]
-    out += _table([r for r in rows if r["level"] == "per-feature"], cols) + [""]
-    out += ["## Table 7 layout: set-level, all selections, every release", ""]
-    out += _table([r for r in rows if r["level"] == "set-level"], cols) + [""]
+    out += ["## Headline: raw features, per feature, all scored images (no ground truth used)", "",
+            f"Seeds pooled ({scope}); each cell a mean over the scored images with its 95% interval.", ""]
+    head = [r for r in rows if r["source"] == "raw" and r["level"] == "per-feature" and r["selection"] == "all"
+            and r["seed"] == scope]
+    out += _table(head) + [""]
+    out += ["Paired differences, diffusion minus decoder, over the same images (95% interval; `*`: excludes 0):", "",
+            "| diffusion estimate | decoder | PSNR | LPIPS (negative = diffusion better) | SSIM | cell intervals "
+            "separate (PSNR / LPIPS / SSIM) |", "|---|---|---|---|---|---|"]
+    for c in summary["comparisons"]["headline"]:
+        sep = " / ".join(("yes" if c["cells_separated"][m] else "no") + (
+            "" if c["diffusion_better"][m] else " (decoder better)") for m in METRICS)
+        out.append(f"| {c['diffusion']} | {ATTACK_NAMES.get(c['decoder'], c['decoder'])} | "
+                   f"{_diff(c['difference'], 'psnr')} | {_diff(c['difference'], 'lpips')} | "
+                   f"{_diff(c['difference'], 'ssim')} | {sep} |")
+    out += [""]
 
-    out += ["## Releases (as the wire recorded them)", "",
-            "| release | ε requested | ε (ledger, accountant) | δ | noise | bytes | set size | feature z-RMS | "
-            "negative share | release weight in the post-processed mean |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["## Release ordering: set-level, every defender image matched to its most similar reconstruction "
+            "(oracle-matched), all images", ""]
+    order = [r for r in rows if r["level"] == "set-level" and r["selection"] == "all" and r["seed"] == scope
+             and r["attack"] in ("diffusion", "nearest image by SSIM", "mlp", "nn")]
+    out += _table(order) + [""]
+    out += ["Paired differences between consecutive releases (first minus second, same images; `*`: excludes 0):",
+            "", "| attack | first | second | PSNR | LPIPS | SSIM |", "|---|---|---|---|---|---|"]
+    for c in summary["comparisons"]["ordering"]:
+        if c["attack"] in ("diffusion", "mlp", "nn"):
+            out.append(f"| {ATTACK_NAMES.get(c['attack'], c['attack'])} ({c['estimate'][0]}) | {c['first']} | "
+                       f"{c['second']} | {_diff(c['difference'], 'psnr')} | {_diff(c['difference'], 'lpips')} | "
+                       f"{_diff(c['difference'], 'ssim')} |")
+    out += [""]
+    out += ["## Set-level oracle top fraction (the paper's Table 3 selection), seeds pooled", ""]
+    out += _table([r for r in rows if r["level"] == "set-level" and r["selection"] == "oracle" and r["seed"] == scope
+                   and r["attack"] in ("diffusion", "nearest image by SSIM", "mlp", "nn")]) + [""]
+    out += ["## Raw features, per feature, attacker and oracle top fraction, seeds pooled", ""]
+    out += _table([r for r in rows if r["source"] == "raw" and r["level"] == "per-feature" and r["selection"] != "all"
+                   and r["seed"] == scope]) + [""]
+
+    out += ["## Sampling settings on the attacker's held-out pairs (one sample per pair, same starting noise)", "",
+            "| candidate | mean SSIM | mean PSNR |", "|---|---|---|"]
+    for c in sampling["guidance_candidates"] + sampling["init_candidates"]:
+        out.append(f"| {c['label']} | {c['ssim']:.3f} | {c['psnr']:.2f} |")
+    out += ["", "## Decoders (hyperparameters chosen on the held-out pairs)", ""]
+    for name, details in summary["decoders"].items():
+        short = {k: v for k, v in details.items() if k in ("alpha_over_n", "k", "hidden", "epochs_run", "best_epoch")}
+        out.append(f"- {ATTACK_NAMES.get(name, name)}: {short or '-'}")
+    out += ["", "## Releases (seed 0, as the wire recorded them)", "",
+            "| release | ε requested | ε (ledger) | bytes | set size | mean release weight (all / top direction) |",
+            "|---|---|---|---|---|---|"]
     for r in summary["releases"]:
-        ledger = r["ledger"]
-        meta = ledger.get("metadata", {})
+        if r["seed"] != seeds[0]:
+            continue
         post = r.get("postprocessing", {})
-        weight = post.get("mean_release_weight")
-        out.append(f"| {r['source']} | {_eps(r.get('requested_epsilon', 'inf'))} | {_eps(ledger['epsilon'])} | "
-                   f"{ledger['delta']:g} | {meta.get('noise', '-')} | {r['bytes']:,} | {r['set_size']} | "
-                   f"{r['feature_diagnostics']['standardised_rms']:.2f} | "
-                   f"{r['feature_diagnostics']['negative_fraction']:.2f} | "
-                   f"{'-' if weight is None else f'{weight:.2g}'} |")
-    out += ["", f"Attacker features: z-RMS {p['attacker_features']['standardised_rms']:.2f}; defender features: "
-            f"{p['defender_features']['standardised_rms']:.2f} (per-dimension z-scores against the attacker's "
-            "statistics; about 1 in distribution). Post-processing (DP): LMMSE estimates of each class's mean and "
-            "variance under the attacker's in-distribution prior, using the mechanism's public noise scales from "
-            "the ledger record; then draws clipped at 0 and L2-normalised (FedPFT: clipping and normalisation "
-            "only).", ""]
-
-    # Comparisons, computed from the rows.
-    def pick(source, attack, level, selection, top):
-        return _find(rows, source=source, attack=attack, level=level, selection=selection, top=top)
-
-    base_all = _find(rows, source="no release", selection="all")
-    base_oracle = _find(rows, source="no release", selection="oracle", top=top1)
-    subset = next((r for r in rows if r["source"].startswith("no release (") and r["selection"] == "oracle"
-                   and r["top"] == top1), None)
-    out += ["## Comparisons (computed from the rows above; differences are first minus second)", ""]
-    raw_pf = pick("raw", "diffusion", "per-feature", "all", "all")
-    nn_pf = pick("raw", "feature NN", "per-feature", "all", "all")
-    out.append(f"- Raw, per feature, no ground truth: diffusion vs feature-NN retrieval: {_cmp(raw_pf, nn_pf)}.")
-    for selection in ("attacker", "oracle"):
-        a = pick("raw", "diffusion", "per-feature", selection, top1)
-        b = pick("raw", "feature NN", "per-feature", selection, top1)
-        out.append(f"- Raw, per feature, {selection} top {top1}: diffusion vs feature NN: {_cmp(a, b)}.")
-    for source in sorted({r["source"] for r in rows if r["source"] != "no release"
-                          and not r["source"].startswith("no release (")}, key=lambda s: [r["source"] for r in
-                                                                                           rows].index(s)):
-        for eps in sorted({r["epsilon"] for r in rows if r["source"] == source}, key=str):
-            a = _find(rows, source=source, attack="diffusion", level="set-level", selection="oracle", top=top1,
-                      epsilon=eps)
-            b = _find(rows, source=source, attack="feature NN", level="set-level", selection="oracle", top=top1,
-                      epsilon=eps)
-            out.append(f"- {source} (ε {_eps(eps)}), set-level oracle top {top1}: diffusion vs the oracle nearest "
-                       f"image over all attacker images: {_cmp(a, base_oracle)}; vs the same over "
-                       f"{subset['set_size'] if subset else '?'} attacker images: {_cmp(a, subset)}; vs feature NN "
-                       f"on the same release: {_cmp(a, b)}.")
-    a = pick("raw", "diffusion", "set-level", "all", "all")
-    out.append(f"- Raw, set-level all (diffusion) vs the oracle nearest image, all: {_cmp(a, base_all)}.")
-    out.append("")
+        weights = "-" if "mean_release_weight" not in post else \
+            f"{post['mean_release_weight']:.2g} / {post['top_direction_mean_weight']:.2g}"
+        out.append(f"| {r['source']} | {_eps(r.get('requested_epsilon', 'inf'))} | {_eps(r['ledger']['epsilon'])} | "
+                   f"{r['bytes']:,} | {r['set_size']} | {weights} |")
+    out += ["", f"Every row (attacker and oracle top fractions per seed, every decoder): `{stem}.csv`.", ""]
     return "\n".join(out) + "\n"
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
+def results_stem(preset: str) -> str:
+    """The file names of a preset's results: ``attack_mnist`` for the benchmark preset, ``attack_mnist_<preset>``
+    for another."""
+    return "attack_mnist" if preset == "benchmark" else f"attack_mnist_{preset}"
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10000)
-    parser.add_argument("--attacker-images", type=int, default=10000)
-    parser.add_argument("--defender-images", type=int, default=250)
-    parser.add_argument("--work", default=str(default_cache_dir() / "attack_mnist"),
-                        help="scratch folder (checkpoint, raw outputs), outside the repository")
-    parser.add_argument("--threads", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--work", default=str(ROOT / "runs" / "attack_mnist"),
+                        help="output folder of the run (checkpoint, full outputs); git-ignored")
+    parser.add_argument("--preset", default="benchmark", choices=("benchmark", "reduced"),
+                        help="benchmark: the full evaluation; reduced: the same attacker and reconstructor (its "
+                             "checkpoint is reused), three defender sets of 250 and fewer samples")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--results", default=str(RESULTS), help="where the result files go")
     parser.add_argument("--render-only", action="store_true",
-                        help="rewrite attack_mnist.md from attack_mnist.json and stop")
+                        help="rewrite the preset's markdown from its JSON and CSV and stop")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("extra", nargs="*", help="more `privfl attack reconstruct` options after --, e.g. -- "
+                                                 "--steps 100 (the results then describe that run)")
     args = parser.parse_args()
+    results = Path(args.results)
+    stem = results_stem(args.preset)
     if args.render_only:
-        summary = json.loads((RESULTS / "attack_mnist.json").read_text())
-        (RESULTS / "attack_mnist.md").write_text(render_markdown(summary) + _kept_notes())
+        summary = json.loads((results / f"{stem}.json").read_text())
+        (results / f"{stem}.md").write_text(render_markdown(summary, read_rows(results / f"{stem}.csv")))
         return 0
     torch.set_num_threads(args.threads)
-    settings = AttackSettings(
-        out=args.work, dataset="mnist", backbone="mobilenet_v2", input_size=64,
-        schemes=("raw", "fedpft", "dp-fedpft"), eps=(1.0, 8.0), delta=1e-5, dp_noise="seeded", components=10,
-        covariance="diag", attacker_images=args.attacker_images, validation_images=200,
-        defender_images=args.defender_images, image_size=16, block_channels=(32, 64, 64), mid_attention=True,
-        condition_dims=None, steps=args.steps, batch_size=32, learning_rate=2e-4, cond_dropout=0.1,
-        guidance=(1.0, 1.5, 2.0, 3.0), ddim_steps=20, samples_per_feature=4, postprocess=True,
-        top_fractions=(0.01, 0.05), near_duplicate_fraction=0.1, checkpoint_every=500, seed=0,
-        progress=not args.no_progress)
+    argv = ["--out", args.work, "--preset", args.preset, "--device", args.device] + list(args.extra)
+    if args.no_progress:
+        argv.append("--no-progress")
+    settings, _ = settings_from_args(argv)
     started = time.perf_counter()
     summary = run_reconstruction_attack(settings)
     summary.pop("table", None)
+    work = Path(args.work)
+    scores = load_scores(work / "per_image_scores.csv")
+    summary["comparisons"] = comparisons(scores, summary["rows"], n_boot=settings.bootstrap, seed=settings.seed)
+    summary["command"] = "python benchmarks/attack_mnist.py " + " ".join(
+        ["--preset", args.preset, "--device", args.device, "--threads", str(args.threads)]
+        + (["--"] + args.extra if args.extra else []))
     summary["wall_seconds"] = time.perf_counter() - started
-    summary["settings"]["out"] = "--work (scratch folder outside the repository)"
+    summary["settings"]["out"] = "--work (git-ignored run folder)"
     summary["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "attack_mnist.json").write_text(json.dumps(summary, indent=2, default=str))
-    (RESULTS / "attack_mnist.md").write_text(render_markdown(summary))  # a new run: its interpretation is new too
-    shutil.copyfile(Path(args.work) / "attack_grid.png", RESULTS / "attack_mnist_grid.png")
-    print((RESULTS / "attack_mnist.md").read_text())
+    results.mkdir(parents=True, exist_ok=True)
+    summary.pop("rows")   # every row is in the CSV beside the JSON
+    (results / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
+    shutil.copyfile(work / "attack_results.csv", results / f"{stem}.csv")
+    (results / f"{stem}.md").write_text(render_markdown(summary, read_rows(results / f"{stem}.csv")))
+    # every scored image, gzipped, beside the run (tens of thousands of lines: not a file for the repository)
+    with open(work / "per_image_scores.csv", "rb") as source, gzip.open(work / f"{stem}_scores.csv.gz", "wb",
+                                                                          compresslevel=9) as target:
+        shutil.copyfileobj(source, target)
+    shutil.copyfile(work / "attack_grid.png", results / f"{stem}_grid.png")
+    shutil.copyfile(work / "attack_metrics.png", results / f"{stem}_metrics.png")
+    print((results / f"{stem}.md").read_text()[:6000])
     return 0
-
-
-NOTES_HEADING = "## Interpretation"
-
-
-def _kept_notes() -> str:
-    """The hand-written interpretation section of the current page, kept across re-renders of the same JSON."""
-    page = RESULTS / "attack_mnist.md"
-    if not page.is_file():
-        return ""
-    text = page.read_text()
-    at = text.find(NOTES_HEADING)
-    return "" if at < 0 else text[at:]
 
 
 if __name__ == "__main__":

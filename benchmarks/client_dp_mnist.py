@@ -13,7 +13,7 @@ calibrated so that ``--rounds`` Poisson-subsampled rounds at ``--client-fraction
 (:mod:`privfl.privacy.training`), and every training client's ledger records every round's aggregate.
 
     python benchmarks/client_dp_mnist.py --clients 1000 [--rounds 300] [--client-fraction 0.1]
-    python benchmarks/client_dp_mnist.py --clients 10000 [--rounds 200] [--client-fraction 0.05]
+    python benchmarks/client_dp_mnist.py --clients 10000 [--rounds 150] [--client-fraction 0.05]
     python benchmarks/client_dp_mnist.py --plot      # the figure of both from the stored results
 
 Writes ``benchmarks/results/client_dp_mnist_<clients>.json`` (one row per epsilon, written as each run ends; a run
@@ -23,7 +23,6 @@ directory under ``--out`` resumes if interrupted) and ``benchmarks/results/clien
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -41,20 +40,27 @@ from privfl.provenance import numerics  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 DELTA = 1e-5
 #: Per federation: partition, default rounds and client sampling rate q.
-SETTINGS = {1000: {"partition": "dirichlet", "alpha": 0.5, "rounds": 300, "client_fraction": 0.1},
-            10000: {"partition": "iid", "alpha": 0.5, "rounds": 200, "client_fraction": 0.05}}
+#: Server momentum 0.9 (FedAvgM, as in McMahan et al. 2018 and Andrew et al. 2021): without it the 10,000-client
+#: federation reached 89.5% without DP after 60 rounds and 90.7% at epsilon 4 after 150 (the schedule, not the noise,
+#: was the limit); with it, 94.1% without DP after 60 rounds. The 1,000-client Dirichlet federation keeps plain
+#: FedAvg: with momentum 0.9 its training diverged (a NaN client update at round 76 of 300 at epsilon 8).
+SETTINGS = {1000: {"partition": "dirichlet", "alpha": 0.5, "rounds": 300, "client_fraction": 0.1,
+                   "server_momentum": 0.0},
+            10000: {"partition": "iid", "alpha": 0.5, "rounds": 150, "client_fraction": 0.05, "server_momentum": 0.9}}
 TARGETS = {1000: (8.0, 90.0), 10000: (2.0, 95.0)}     # (epsilon, accuracy %) the issue sets
 
 
-def run_config(clients: int, epsilon: float | None, rounds: int, fraction: float, seed: int) -> RunConfig:
+def run_config(clients: int, epsilon: float | None, rounds: int, fraction: float, seed: int,
+               momentum: float = 0.0, count_noise: float | None = None) -> RunConfig:
     s = SETTINGS[clients]
     federation = FederationSpec(source="mnist", num_clients=clients, partition=s["partition"], alpha=s["alpha"],
                                 novel_fraction=0.1, split="merged", val_fraction=0.0)
     privacy = TrainingPrivacy() if epsilon is None else TrainingPrivacy(
         mode="central", epsilon=epsilon, delta=DELTA, clip="adaptive", clip_initial=0.1, clip_quantile=0.5,
-        clip_lr=0.2)
+        clip_lr=0.2, clip_count_noise=count_noise)
     return RunConfig(federation=federation, method="fedavg", model="mlp2nn",
-                     method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16, "server_lr": 1.0},
+                     method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16, "server_lr": 1.0,
+                                    "server_momentum": momentum},
                      rounds=rounds, client_fraction=fraction, eval_every=rounds, checkpoint_every=max(1, rounds // 4),
                      select="last", seed=seed, delta=DELTA, privacy=privacy)
 
@@ -66,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--client-fraction", type=float, default=None, help="Poisson sampling rate q")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-momentum", type=float, default=None,
+                   help="FedAvgM's server momentum (0: plain FedAvg; default: the federation's setting, 0.9)")
+    p.add_argument("--clip-count-noise", type=float, default=None,
+                   help="std of the noised clip count (default: expected clients per round / 20, Andrew et al.)")
+    p.add_argument("--tag", default="", help="suffix of the results file and run directories (a variant)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/client_dp_mnist")
     p.add_argument("--plot", action="store_true", help="only draw the figure from the stored results")
@@ -76,17 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rounds = args.rounds or SETTINGS[args.clients]["rounds"]
     fraction = args.client_fraction or SETTINGS[args.clients]["client_fraction"]
+    momentum = SETTINGS[args.clients]["server_momentum"] if args.server_momentum is None else args.server_momentum
     epsilons = [None if e.strip() == "inf" else float(e) for e in args.epsilons.split(",")]
-    path = RESULTS / f"client_dp_mnist_{args.clients}.json"
+    path = RESULTS / f"client_dp_mnist_{args.clients}{args.tag}.json"
     for epsilon in epsilons:
         key = "inf" if epsilon is None else f"{epsilon:g}"
-        config = run_config(args.clients, epsilon, rounds, fraction, args.seed)
+        config = run_config(args.clients, epsilon, rounds, fraction, args.seed, momentum,
+                            args.clip_count_noise)
         started = time.perf_counter()
-        summary = train_once(config, str(Path(args.out) / f"clients{args.clients}-eps{key}"), progress=True)
+        summary = train_once(config, str(Path(args.out) / f"clients{args.clients}{args.tag}-eps{key}"), progress=True)
         row = {"epsilon": key, "accuracy": summary["novel"]["accuracy_mean"], "sem": summary["novel"]["accuracy_sem"],
                "novel_clients": summary["novel"]["num_clients"],
                "epsilon_max_training": summary["privacy"]["epsilon_max_training"],
                "rounds": rounds, "client_fraction": fraction, "delta": DELTA, "seed": args.seed,
+               "server_momentum": momentum, "clip_count_noise": config.privacy.clip_count_noise,
                "wall_s": time.perf_counter() - started, "numerics": numerics()}
         update_json(path, lambda stored, row=row: {**stored, "rows": {**stored.get("rows", {}), row["epsilon"]: row},
                                                    "target": dict(zip(("epsilon", "accuracy"),

@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation, load_source
 from privfl.evaluation.metrics import score_model
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime
 from privfl.federation.rundir import to_json_safe
 from privfl.methods import get_method

@@ -47,16 +47,16 @@ from pathlib import Path
 
 import torch
 
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model, summarize_scores
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.privacy.training import TrainingPrivacy, client_level_noise
 from privfl.provenance import numerics
-from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD   # ODPFL-HN: the privacy sweep's encoder and server settings
+from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD  # ODPFL-HN: the privacy sweep's encoder and server settings
 
 PAPER = {"fedavg": 94.69, "fedprox": 95.77, "scaffold": 97.26}
 SETTINGS = {

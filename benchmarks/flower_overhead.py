@@ -153,9 +153,9 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, 
     from flwr.simulation import run_simulation
 
     from privfl.data import build_federation
+    from privfl.engine import flower_runtime_factory
     from privfl.federation.flower import FlowerOptions
     from privfl.federation.flower import protocol as p
-    from privfl.engine import flower_runtime_factory
     from privfl.federation.flower.simulation import grouping, num_clients, num_nodes
 
     config = run_config(per_round, rounds)

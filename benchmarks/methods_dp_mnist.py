@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from fedtta_mnist import FEDTTA_MNIST, FEDTTA_PROX_MNIST, MNIST_SPEC, SETTINGS, SWEEP_METHOD
 
 from privfl.config import RunConfig
 from privfl.errors import ConfigError
@@ -38,8 +39,6 @@ from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.privacy.training import TrainingPrivacy
-
-from fedtta_mnist import FEDTTA_MNIST, FEDTTA_PROX_MNIST, MNIST_SPEC, SETTINGS, SWEEP_METHOD
 
 RESULTS = Path(__file__).parent / "results" / "methods_dp_mnist.json"
 EPSILON, DELTA = 8.0, 1e-5

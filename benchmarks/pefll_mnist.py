@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import RunDirectory, update_json
 from privfl.memory import reuse_freed_memory
@@ -136,7 +136,7 @@ def score_run(config: RunConfig, out: Path, max_seen: int | None = None) -> dict
             "num_seen": len(seen), "num_unseen": len(unseen), **({"note": note} if note else {})}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def communication(method: str, num_clients: int, partition: str) -> dict:
     """Bytes per sampled client in one training round of a fresh run (seed 0), each way, from the wire's counters
     (the same for every seed, so measured once per method and partition in a process)."""

@@ -23,11 +23,11 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from fedtta_mnist import SETTINGS as FEDAVG_FAMILY_SETTINGS
+
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation
 from privfl.evaluation.metrics import score_model
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory

@@ -344,17 +344,21 @@ def _parse_numbers(kind):
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
-    from privfl.sweep import SweepConfig, format_table, run_sweep
+    from privfl.sweep import FULL_SIZES, SIZES, SweepConfig, format_table, run_sweep
 
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, clients=args.clients,
                          max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
                          method=args.method, method_config=dict(args.method_option) or None,
                          train_epsilons=args.train_epsilons, train_clip=args.train_clip,
+                         private_rounds=None if args.full_grid else args.private_rounds,
                          min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
-                         sizes=args.sizes, novel_mixes=args.novel_mixes, eval_size=args.eval_size,
+                         sizes=args.sizes or (FULL_SIZES if args.full_grid else SIZES),
+                         novel_mixes=args.novel_mixes, eval_size=args.eval_size,
                          repeats=args.repeats, seed=args.seed, device=args.device)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
-    print(f"\n{args.method} on {args.dataset}, {args.rounds} rounds per training; novel clients' accuracy (%) +- SEM "
+    rounds = (f"{args.rounds} rounds per training" if args.full_grid or args.train_epsilons == (None,) else
+              f"{args.rounds} rounds without DP, {args.private_rounds} per private training")
+    print(f"\n{args.method} on {args.dataset}, {rounds}; novel clients' accuracy (%) +- SEM "
           f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
           f"replace-one, n public):\n")
     print(format_table(result))
@@ -446,6 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
                    help="training clients' record-level epsilons, one training each; inf = without DP "
                         "(1,4,8,inf)")
+    p.add_argument("--private-rounds", type=int, default=40,
+                   help="rounds of each private training (40; at a fixed epsilon fewer rounds carry less noise each)")
+    p.add_argument("--full-grid", action="store_true",
+                   help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (about 30 "
+                        "minutes on one core; the default grid is about 10)")
     p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip (1.0)")
     p.add_argument("--min-samples", type=int, default=200,
                    help="public lower bound on a training client's training split (200)")
@@ -453,8 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="novel clients' epsilons, e.g. 0.1,0.3,1,3")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--bound", type=float, default=1.0, help="per-sample L2 clipping radius of phi")
-    p.add_argument("--sizes", type=_parse_numbers(int), default=(50, 150, 500, 1500, 5000),
-                   help="novel-client sizes, e.g. 50,500,5000")
+    p.add_argument("--sizes", type=_parse_numbers(int), default=None,
+                   help="novel-client sizes (50,500,5000; with --full-grid 50,150,500,1500,5000)")
     p.add_argument("--novel-mixes", type=int, default=5, help="label mixes (novel clients) per size")
     p.add_argument("--eval-size", type=int, default=500, help="held-out test images per novel client")
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
@@ -499,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"privfl: error: --{name.replace('_', '-')} must be a finite number, got {value}", file=sys.stderr)
             return 2
     from privfl.experiment import RunInterrupted
-
     from privfl.memory import reuse_freed_memory
 
     reuse_freed_memory()   # large per-round tensors from the heap, not fresh page-faulted mmaps (privfl.memory)

@@ -82,7 +82,8 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
           runtime_factory: RuntimeFactory = build_runtime) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
-    ``runtime_factory(config, federation)`` builds the runtime that runs the rounds: :func:`build_runtime` (in-process) by
+    ``runtime_factory(config, federation)`` builds the runtime that runs the rounds: :func:`build_runtime`
+    (in-process) by
     default; :mod:`privfl.engine` passes Flower's. With ``resume`` the run's ``config.json`` is the config
     (``config`` may be ``None``). ``stop_after_round`` stops the run as an interruption would, after that many
     completed rounds (for tests). Resuming a finished run (its ``summary.json`` written) returns that summary and runs

@@ -48,7 +48,8 @@ def test_workers_train_the_clients_of_a_one_thread_run(tmp_path):
                                                                      "--threads", "1"]) == 0
             assert json.loads((out / "config.json").read_text())["workers"] == int(workers)
             runs[workers] = (out / "metrics.jsonl").read_text()
-        assert main(BASE[:1] + ["--out", str(tmp_path / "t")] + BASE[1:] + ["--local-steps", "2", "--workers", "2"]) == 0
+        args = BASE[:1] + ["--out", str(tmp_path / "t")] + BASE[1:] + ["--local-steps", "2", "--workers", "2"]
+        assert main(args) == 0
         assert torch.get_num_threads() == 1     # --workers above 1 without --threads: one thread
     finally:
         torch.set_num_threads(before)

@@ -103,7 +103,8 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
 
 def test_the_training_loop_and_the_package_do_not_import_flower():
     code = ("import sys, privfl, privfl.experiment, privfl.config, privfl.engine; "
-            "print(sorted(m for m in sys.modules if m == 'flwr' or m.startswith(('flwr.', 'privfl.federation.flower'))))")
+            "print(sorted(m for m in sys.modules "
+            "if m == 'flwr' or m.startswith(('flwr.', 'privfl.federation.flower'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from privfl.cli import main
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.config import RunConfig
 from privfl.experiment import RunInterrupted, train
 from privfl.sweep import SweepConfig, descriptor_margin, smallest_size_without_loss, summarise_training
 
 TINY = ["sweep", "--clients", "6", "--max-samples", "1200", "--rounds", "2", "--client-fraction", "0.5",
         "--sizes", "20,60", "--epsilons", "0.3,3", "--novel-mixes", "2", "--eval-size", "40", "--repeats", "1",
-        "--train-epsilons", "8,inf", "--min-samples", "50", "--threads", "1", "--no-progress"]
+        "--train-epsilons", "8,inf", "--private-rounds", "1", "--min-samples", "50", "--threads", "1", "--no-progress"]
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +46,8 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     private, clean = result["trainings"]["8"], result["trainings"]["inf"]
     assert private["training"]["epsilon_max_training"] == pytest.approx(8.0, rel=1e-3)
     assert private["training"]["training_mode"] == "record" and clean["training"]["epsilon_max_training"] == "inf"
+    assert (private["training"]["rounds"], clean["training"]["rounds"]) == (1, 2)     # --private-rounds 1, --rounds 2
+    assert "2 rounds without DP, 1 per private training" in printed
     ledger = json.loads((out / "train-eps8" / "ledger.json").read_text())
     purposes = {r["purpose"] for entry in ledger["ledgers"] for r in entry["records"]}
     assert purposes == {"descriptor", "weight_change", "encoder_gradient"}
@@ -97,6 +99,15 @@ def test_user_errors_exit_2(tmp_path, capsys, extra, needle):
     assert main(TINY + ["--out", str(tmp_path / "s")] + extra) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_private_trainings_run_private_rounds_and_the_full_grid_runs_them_as_long_as_the_clean_one():
+    config = SweepConfig(rounds=30, private_rounds=5)
+    assert (config.run_config(8.0).rounds, config.run_config(None).rounds) == (5, 30)
+    assert config.run_config(8.0).eval_every == 1 and config.run_config(None).eval_every == 6
+    assert SweepConfig(rounds=30, private_rounds=None).run_config(8.0).rounds == 30
+    with pytest.raises(ConfigError, match="private_rounds must be an integer >= 1 or None .*got 0"):
+        SweepConfig(private_rounds=0)
 
 
 def test_held_out_pool_is_disjoint_from_every_training_client():

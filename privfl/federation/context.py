@@ -35,7 +35,8 @@ def client_context(seed: int, client_id: int, round: int, stage: int = 0) -> Cli
     """The client's context for (round, stage) of run ``seed``, with torch's CPU generator seeded for it.
 
     Every runtime (in-process, each Flower node) builds client contexts here, so a client computes the same numbers
-    wherever it runs (invariant 7 of docs/invariants.md). Only the CPU generator is seeded: ``torch.manual_seed`` also seeds every
+    wherever it runs (invariant 7 of docs/invariants.md). Only the CPU generator is seeded: ``torch.manual_seed`` also
+    seeds every
     accelerator backend lazily, capturing a stack trace each time (about 3 ms per client, 4% of a FedAvg round).
     CUDA's generators are seeded too once CUDA is in use (a run on device 'cuda', :mod:`privfl.devices`).
     """

@@ -17,13 +17,13 @@ import json
 import math
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from accounting.files import atomic_write
-
 from privfl.errors import ConfigError
 
 
@@ -56,7 +56,7 @@ def update_json(path: Path, mutate: Callable[[Any], Any]) -> Any:
     another's rows, and a reader never sees half a file. The lock file stays: removing it would race with a process
     waiting on it.
     """
-    import fcntl   # POSIX only, and only needed here
+    import fcntl  # POSIX only, and only needed here
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

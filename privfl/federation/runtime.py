@@ -170,7 +170,7 @@ class Runtime(ABC):
         self.commit_round(round, sampled)
         return {"clients": float(len(sampled)), **metrics}
 
-    def begin_round(self, round: int, sampled: list[int]) -> None:
+    def begin_round(self, round: int, sampled: list[int]) -> None:  # noqa: B027 (an optional hook)
         """Before a round's first exchange (the in-process runtime copies the sampled clients' states here)."""
 
     @abstractmethod
@@ -225,10 +225,10 @@ class Runtime(ABC):
     def ledgers(self) -> LedgerBook:
         """Every client's ledger as it stands."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release what the engine holds beyond the run's state (worker processes); the run is over, or stopped."""
 
-    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
+    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:  # noqa: B027 (an optional hook)
         """Append each release's ledger record to ``journal`` before it is delivered; with ``replay`` (a resumed
         run), first put the journal's records that the checkpoint's ledgers lack back into them. An engine whose
         clients keep their ledgers themselves (Flower nodes) has nothing to add here."""

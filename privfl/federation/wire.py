@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 from accounting import LedgerBook, ReleaseJournal
-
 from privfl.federation.messages import Message, Release
 
 

@@ -6,14 +6,15 @@ For each stage the parent sends every sampled client its delivered message and w
 client's release and new working state; a worker runs one client at a time, in whatever order the clients finish.
 
 The numbers are those of the sequential loop: a client's computation is a function of its data, its message, its
-working state and its context (:func:`privfl.federation.context.client_context` seeds torch's generator per
-client), and the thread count, which decides the floating-point sums (:mod:`privfl.provenance`). A forked process
-cannot use OpenMP threads its parent has used (libgomp's pool does not survive a fork: the child hangs in its first
-parallel kernel), so each worker runs torch on one thread, and the parent must run on one too
-(:func:`check_threads`): the run is then the sequential run at one thread, number for number. Torch's generator is left as the sequential loop leaves it (in the state the last
-client by id left it in). The releases never pass a ledger here: the parent records them, in increasing client id as
-the sequential loop does (:meth:`privfl.federation.runtime.InProcessRuntime.exchange`), so the ledgers and the
-release journal are written in the same order.
+working state and its context (:func:`privfl.federation.context.client_context` seeds torch's generator per client),
+and the thread count, which decides the floating-point sums (:mod:`privfl.provenance`). A forked process cannot use
+OpenMP threads its parent has used (libgomp's pool does not survive a fork: the child hangs in its first parallel
+kernel), so each worker runs torch on one thread, and the parent must run on one too (:func:`check_threads`): the
+run is then the sequential run at one thread, number for number. Torch's generator is left as the sequential loop
+leaves it (in the state the last client by id left it in). The releases never pass a ledger here: the parent records
+them, in increasing client id as the sequential loop does
+(:meth:`privfl.federation.runtime.InProcessRuntime.exchange`), so the ledgers and the release journal are written in
+the same order.
 
 What crosses between the processes is tensors and plain values (:func:`_dumps`: a JSON header and the tensors' raw
 bytes, nothing that names code to run), privacy events as their JSON dicts.

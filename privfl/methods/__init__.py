@@ -21,7 +21,8 @@ from privfl.methods.base import (
 )
 
 __all__ = [
-    "METHODS", "ClientContext", "ClientProcedure", "LocalTrainingConfig", "MethodConfig", "MethodSpec", "ModelFactory", "Strategy",
+    "METHODS", "ClientContext", "ClientProcedure", "LocalTrainingConfig", "MethodConfig", "MethodSpec", "ModelFactory",
+    "Strategy",
     "get_method", "register_method",
 ]
 

@@ -77,7 +77,8 @@ class AFLConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check.require(is_finite(self.lambda_lr) and self.lambda_lr >= 0, "lambda_lr", self.lambda_lr, "a finite number >= 0")
+        check.require(is_finite(self.lambda_lr) and self.lambda_lr >= 0, "lambda_lr", self.lambda_lr,
+                      "a finite number >= 0")
         check.require(is_finite(self.loss_bound) and self.loss_bound > 0, "loss_bound", self.loss_bound,
                       "a finite number > 0 (nats)")
 

@@ -54,8 +54,9 @@ from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.local_training import ExtraLoss, local_sgd
 from privfl.models import build_model
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer, sampling_probability
-from privfl.registry import Registry
 from privfl.privacy.training import MODES, RECORD, NovelPrivacy, TrainingPrivacy, record_noise_multiplier
+from privfl.registry import Registry
+
 
 @dataclass(frozen=True)
 class MethodConfig:

@@ -77,8 +77,8 @@ from torch.func import functional_call
 
 from accounting import PrivacyEvent
 from accounting.validation import is_finite, is_int_at_least
-from privfl.errors import check
 from privfl.data import TrainingClient
+from privfl.errors import check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import ClientContext, ClientState, register_method
@@ -100,7 +100,8 @@ class FedADGConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check.require(is_finite(self.adv_weight) and 0 <= self.adv_weight < 1, "adv_weight", self.adv_weight, "in [0, 1)")
+        check.require(is_finite(self.adv_weight) and 0 <= self.adv_weight < 1, "adv_weight", self.adv_weight,
+                      "in [0, 1)")
         check.require(is_finite(self.gan_lr) and self.gan_lr > 0, "gan_lr", self.gan_lr, "a finite number > 0")
         for name in ("noise_dim", "gan_hidden"):
             value = getattr(self, name)

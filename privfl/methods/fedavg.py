@@ -6,6 +6,11 @@ Round t, for sampled clients S_t with n_i training samples (numbered steps as in
 2. client i runs ``local_steps`` minibatch SGD steps from w_t and sends Delta_i = w_i - w_t and n_i;
 3. the server sets w_{t+1} = w_t + server_lr * sum_i (n_i / sum_j n_j) Delta_i.
 
+``server_momentum`` beta > 0 makes step 3 FedAvgM (Hsu, Qi and Brown 2019, "Measuring the effects of non-identical
+data distribution"): v_{t+1} = beta v_t + Delta_t, w_{t+1} = w_t + server_lr v_{t+1}, where Delta_t is the round's
+(noisy, under client-level DP) mean change. It is post-processing of the released means, so it changes no epsilon;
+DP-FedAvg with server momentum is the setting of McMahan et al. (ICLR 2018) and Andrew et al. (NeurIPS 2021).
+
 Novel clients receive w (the model of the best validation round, or the last) and send nothing.
 """
 
@@ -18,7 +23,7 @@ import torch
 
 from privfl.data import TrainingClient
 from privfl.devices import ANY_DEVICE
-from privfl.errors import check
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
 from privfl.methods.base import (
     ClientContext,
@@ -45,9 +50,18 @@ class ServerStepConfig(LocalTrainingConfig):
 
 @dataclass(frozen=True)
 class FedAvgConfig(ServerStepConfig):
-    """FedAvg's settings: local SGD (:class:`~privfl.methods.base.LocalTrainingConfig`) and the server learning rate.
-    Its training clients are protected by the run's privacy layer (``RunConfig.privacy``): record level trains with
-    DP-SGD, each round's weight change released with that round's event."""
+    """FedAvg's settings: local SGD (:class:`~privfl.methods.base.LocalTrainingConfig`), the server learning rate and
+    server momentum (0: plain FedAvg; in [0, 1)). Its training clients are protected by the run's privacy layer
+    (``RunConfig.privacy``): record level trains with DP-SGD, each round's weight change released with that round's
+    event."""
+
+    server_momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.server_momentum, (int, float)) and 0.0 <= self.server_momentum < 1.0):
+            raise ConfigError(f"server_momentum must be a number in [0, 1) (0: plain FedAvg), got "
+                              f"{self.server_momentum!r}")
 
 
 def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -67,6 +81,21 @@ class FedAvgStrategy(Strategy):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.weights = weights_of(self.model_factory.init(self.seed))
+        self.momentum: dict[str, torch.Tensor] | None = None
+        momentum = getattr(self.config, "server_momentum", 0.0)
+        if momentum and (type(self).aggregate_train is not FedAvgStrategy.aggregate_train
+                         or type(self).apply_mean is not FedAvgStrategy.apply_mean):
+            raise ConfigError(f"server_momentum={momentum!r} is applied by FedAvg's own server step, which "
+                              f"{type(self).__name__} replaces; use server_momentum=0 with this method")
+
+    def server_step(self, change: dict[str, torch.Tensor]) -> None:
+        """w <- w + server_lr * change, through the momentum buffer when ``server_momentum`` > 0."""
+        beta = getattr(self.config, "server_momentum", 0.0)
+        if beta:
+            self.momentum = ({k: v.clone() for k, v in change.items()} if self.momentum is None
+                             else {k: beta * self.momentum[k] + change[k] for k in change})
+            change = self.momentum
+        self.weights = {k: v + self.config.server_lr * change[k].to(v.dtype) for k, v in self.weights.items()}
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         message = Message(arrays=self.weights, config=self.config.round_config(round))
@@ -78,8 +107,7 @@ class FedAvgStrategy(Strategy):
         ids = sorted(replies)
         # Private clients send no sample count (it depends on the data): their changes are averaged uniformly.
         counts = [replies[cid].metrics.get("num_examples", 1.0) for cid in ids]
-        change = weighted_mean([replies[cid].arrays for cid in ids], counts)
-        self.weights = {k: v + self.config.server_lr * change[k] for k, v in self.weights.items()}
+        self.server_step(weighted_mean([replies[cid].arrays for cid in ids], counts))
         losses = [replies[cid].metrics.get("loss", float("nan")) for cid in ids]
         return {"train_loss": weighted_mean_scalar(losses, counts)}
 
@@ -89,17 +117,19 @@ class FedAvgStrategy(Strategy):
     def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
         """w <- w + server_lr * (noisy mean weight change): step 3 with uniform weights (the sample counts are
         private)."""
-        self.weights = {k: v + self.config.server_lr * mean[k].to(v.dtype) for k, v in self.weights.items()}
+        self.server_step(mean)
         return {}
 
     def novel_request(self, client_id: int) -> Message:
         return Message(arrays=self.weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights}
+        return {"weights": self.weights} if self.momentum is None else {"weights": self.weights,
+                                                                       "momentum": self.momentum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.weights = {k: v.clone() for k, v in state["weights"].items()}
+        self.momentum = {k: v.clone() for k, v in state["momentum"].items()} if "momentum" in state else None
 
 
 def weighted_mean_scalar(values: list[float], weights: list[float]) -> float:

@@ -399,13 +399,16 @@ class FedPFTConfig(MethodConfig):
                       self.head_batch_size, "an integer >= 1")
         check.require(is_finite(self.head_weight_decay) and self.head_weight_decay >= 0, "head_weight_decay",
                       self.head_weight_decay, "a finite number >= 0")
-        check.require(is_finite(self.reg_covar) and self.reg_covar > 0, "reg_covar", self.reg_covar, "a finite number > 0")
-        check.require(isinstance(self.max_iter, int) and self.max_iter >= 1, "max_iter", self.max_iter, "an integer >= 1")
+        check.require(is_finite(self.reg_covar) and self.reg_covar > 0, "reg_covar", self.reg_covar,
+                      "a finite number > 0")
+        check.require(isinstance(self.max_iter, int) and self.max_iter >= 1, "max_iter", self.max_iter,
+                      "an integer >= 1")
         check.require(self.dp_counts in COUNTS_MODES, "dp_counts", self.dp_counts, f"one of {', '.join(COUNTS_MODES)}")
         check.require(self.dp_relation in ("replace_one", "add_or_remove_one"), "dp_relation", self.dp_relation,
                       "'replace_one' or 'add_or_remove_one'")
         check.require(not (self.dp_counts == "public" and self.dp_relation == "add_or_remove_one"), "dp_counts",
-                      self.dp_counts, "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
+                      self.dp_counts,
+                      "'noisy' with dp_relation='add_or_remove_one' (counts are private under add/remove)")
 
     def check_privacy(self, privacy: TrainingPrivacy, novel_privacy: NovelPrivacy) -> None:
         """DP-FedPFT (record level) releases one DP-GMM per client: K = 1 (EM-fitted mixtures are not DP),

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from privfl.errors import check
 from privfl.devices import ANY_DEVICE
+from privfl.errors import check
 from privfl.methods.base import ClientState, register_method
 from privfl.methods.fedavg import FEDAVG_PRIVACY, FedAvgClient, FedAvgConfig, FedAvgStrategy
 

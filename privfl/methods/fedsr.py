@@ -75,8 +75,10 @@ class FedSRConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check.require(is_finite(self.l2r_coeff) and self.l2r_coeff >= 0, "l2r_coeff", self.l2r_coeff, "a finite number >= 0")
-        check.require(is_finite(self.cmi_coeff) and self.cmi_coeff >= 0, "cmi_coeff", self.cmi_coeff, "a finite number >= 0")
+        check.require(is_finite(self.l2r_coeff) and self.l2r_coeff >= 0, "l2r_coeff", self.l2r_coeff,
+                      "a finite number >= 0")
+        check.require(is_finite(self.cmi_coeff) and self.cmi_coeff >= 0, "cmi_coeff", self.cmi_coeff,
+                      "a finite number >= 0")
         check.require(self.l2r in L2R_FORMS, "l2r", self.l2r, f"one of {', '.join(L2R_FORMS)}")
 
 

@@ -167,9 +167,11 @@ class HeteroFedTTAConfig(FedTTAConfig):
             check.require(isinstance(self.conv, (list, tuple)) and len(self.conv) == len(self.widths)
                           and all(isinstance(c, (list, tuple)) and len(c) == 2 and all(is_int_at_least(v, 1) for v in c)
                              for c in self.conv), "conv", self.conv,
-                          f"None or one pair of conv channel counts (integers >= 1) per size ({len(self.widths)} sizes)")
+                          f"None or one pair of conv channel counts (integers >= 1) per size "
+                          f"({len(self.widths)} sizes)")
             object.__setattr__(self, "conv", tuple(tuple(c) for c in self.conv))
-        check.require(self.novel_size is None or (is_int_at_least(self.novel_size, 0) and self.novel_size < len(self.widths)),
+        check.require(self.novel_size is None
+                      or (is_int_at_least(self.novel_size, 0) and self.novel_size < len(self.widths)),
                       "novel_size", self.novel_size, f"None or an integer in [0, {len(self.widths) - 1}]")
         check.require(is_int_at_least(self.public_size, 1), "public_size", self.public_size, "an integer >= 1")
         check.require(is_finite(self.public_std) and self.public_std > 0, "public_std", self.public_std,

@@ -161,14 +161,16 @@ class ITPFLHNConfig(PFedHNConfig):
         super().__post_init__()
         valid = encoder_options(self.encoder)          # raises ConfigError naming the valid encoders
         check.require(isinstance(self.encoder_options, dict) and set(self.encoder_options) <= set(valid),
-                      "encoder_options", self.encoder_options, f"a dict of options of {self.encoder!r}: {', '.join(valid)}")
+                      "encoder_options", self.encoder_options,
+                      f"a dict of options of {self.encoder!r}: {', '.join(valid)}")
         check.require(is_finite(self.encoder_lr) and self.encoder_lr > 0, "encoder_lr", self.encoder_lr,
                       "a finite number > 0")
         check.require(is_finite(self.encoder_momentum) and 0 <= self.encoder_momentum < 1, "encoder_momentum",
                       self.encoder_momentum, "in [0, 1)")
         check.require(self.encoder_weight_decay is None or (is_finite(self.encoder_weight_decay)
                                                        and self.encoder_weight_decay >= 0),
-                      "encoder_weight_decay", self.encoder_weight_decay, "None (hn_weight_decay) or a finite number >= 0")
+                      "encoder_weight_decay", self.encoder_weight_decay,
+                      "None (hn_weight_decay) or a finite number >= 0")
         check.require(isinstance(self.encoder_steps, int) and not isinstance(self.encoder_steps, bool)
                       and self.encoder_steps >= 1, "encoder_steps", self.encoder_steps, "an integer >= 1")
         check.require(isinstance(self.phase1_rounds, int) and not isinstance(self.phase1_rounds, bool)
@@ -275,7 +277,7 @@ class ITPFLHNStrategy(PFedHNStrategy):
                                         "encoder_steps")
         self.encoder_weights = {k: v + delta[k].to(v.dtype) for k, v in self.encoder_weights.items()}
 
-    # -- central DP: the hypernetwork and the encoder move from a noisy mean --------------------------------------------
+    # -- central DP: the hypernetwork and the encoder move from a noisy mean ------------------------------------------
 
     def contribution_shapes(self) -> dict[str, torch.Tensor]:
         """The hypernetwork gradient (``"hn."``) and the encoder change (``"enc."``), in both phases."""

@@ -9,11 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 from privfl.data import TrainingClient
+from privfl.devices import ANY_DEVICE
 from privfl.errors import ConfigError
 from privfl.federation.messages import Message
-from privfl.devices import ANY_DEVICE
-from privfl.methods.base import ClientContext, ClientProcedure, ClientState, LocalTrainingConfig, Strategy
-from privfl.methods.base import register_method
+from privfl.methods.base import (
+    ClientContext,
+    ClientProcedure,
+    ClientState,
+    LocalTrainingConfig,
+    Strategy,
+    register_method,
+)
 from privfl.methods.local_training import local_sgd, sgd_settings, weights_of
 
 

@@ -63,19 +63,20 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
 from privfl.methods.base import (
-    MethodConfig,
-    dp_sgd_round_event,
-    private_release,
     ClientContext,
     ClientProcedure,
     ClientState,
+    MethodConfig,
     Strategy,
+    dp_sgd_round_event,
+    private_release,
     register_method,
 )
 from privfl.methods.local_training import minibatches, weights_of
@@ -87,8 +88,6 @@ from privfl.privacy.mechanisms import GaussianMechanism
 from privfl.privacy.per_sample import ClippedGradientSum, flat_views
 from privfl.privacy.sensitivity import certify_mean_of_clipped
 from privfl.privacy.training import CENTRAL, RECORD, NovelPrivacy, TrainingPrivacy
-
-from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
 
 DESCRIPTOR_MODES = ("full", "batch_mean")
 ENCODER_PREFIX = "encoder."
@@ -105,7 +104,8 @@ class ODPFLHNConfig(MethodConfig):
     ``local_weight_decay``.
     Server: ``hn_lr``, ``hn_weight_decay``, ``encoder_lr`` (0: the encoder stays at its initialisation, and a round
     has two stages: no client computes or releases an encoder gradient), ``encoder_weight_decay`` (``None``: the
-    hypernetwork's; the paper gives no encoder optimiser), ``server_momentum`` (SGD momentum of both), ``grad_clip`` (L2 clip of each
+    hypernetwork's; the paper gives no encoder optimiser), ``server_momentum`` (SGD momentum of both), ``grad_clip``
+    (L2 clip of each
     averaged gradient, ``None`` for none).
     Architecture: ``encoder`` (a name of :data:`privfl.models.encoders.ENCODERS`), ``encoder_hidden``,
     ``encoder_clip`` (``dp_deepset``, ignored by the others: phi's outputs are projected onto the L2 ball of this

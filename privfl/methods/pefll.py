@@ -11,7 +11,8 @@ One training round is the split computation of the paper's Algorithm 2 (cited by
 every message up a release recorded in the client's ledger by the wire:
 
 1. server -> client: the embedding network eta_v (line 3). Client: draw one batch of ``descriptor_batch`` examples
-   (32; the whole training split under record-level DP, see **Privacy**), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))`` (lines 5-6; the true mean, not the authors' code's division by
+   (32; the whole training split under record-level DP, see **Privacy**), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))``
+   (lines 5-6; the true mean, not the authors' code's division by
    twice the number of batches, docs/papers.md, PeFLL, E1), keep the batch (and eta_v) for stage 3.
    **Up: v_i** (line 7, ``"descriptor"``).
 2. server: ``theta_i = h(v_i)`` (line 8). Down: theta_i (line 9). Client: ``local_steps`` (50) SGD steps with
@@ -79,7 +80,8 @@ Novel (unseen) clients: with :class:`~privfl.privacy.training.NovelPrivacy` (``R
 descriptor is an (epsilon, delta)-DP release under replace-one of a labelled record, n public
 (:func:`~privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with B the novel bound); without it,
 the descriptor is sent in the clear. The per-example clip B in training is the novel bound under record-level DP or
-when novel clients are private (so the networks train on the function novel clients release), else none. A seen client queried this way after record-level training would add a replace-one release to its
+when novel clients are private (so the networks train on the function novel clients release), else none. A seen client
+queried this way after record-level training would add a replace-one release to its
 add/remove ledger, which the ledger refuses before anything is sent (a guarantee holds under one relation): serve
 seen clients that way only without record-level DP.
 

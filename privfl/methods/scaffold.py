@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from privfl.data import TrainingClient
-from privfl.federation.messages import Message, Release, prefixed
 from privfl.devices import ANY_DEVICE
+from privfl.federation.messages import Message, Release, prefixed
 from privfl.methods.base import (
     ClientContext,
     ClientProcedure,

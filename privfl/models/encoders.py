@@ -21,8 +21,8 @@ from typing import Any
 from torch import nn
 
 from privfl.errors import ConfigError
-from privfl.registry import Registry
 from privfl.models.set_encoders import DeepSetEncoder, DPDeepSetEncoder, DSSEncoder, SetTransformerEncoder
+from privfl.registry import Registry
 
 ENCODERS: Registry[type[nn.Module]] = Registry("encoder", {
     "deepset": DeepSetEncoder,

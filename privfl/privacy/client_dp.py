@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from accounting.validation import is_finite
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, TrainingDivergedError
 
 
 def update_norm(update: Mapping[str, torch.Tensor]) -> float:
@@ -39,7 +39,9 @@ def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[di
         raise ConfigError(f"max_norm must be a finite number > 0 (L2), got {max_norm!r}")
     norm = update_norm(update)
     if not math.isfinite(norm):
-        raise ConfigError("the update to clip contains NaN or inf; its norm (and so its sensitivity) is unbounded")
+        raise TrainingDivergedError("the update to clip contains NaN or inf: local training diverged (lower the local "
+                                    "or server learning rate or momentum); its norm, and so its sensitivity, is "
+                                    "unbounded, so it is not released")
     scale = min(1.0, float(max_norm) / norm) if norm > 0 else 1.0
     return {k: v.detach() * scale for k, v in update.items()}, norm
 

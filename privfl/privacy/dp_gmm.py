@@ -106,7 +106,6 @@ import torch
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
 from accounting.validation import is_finite
-
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
 from privfl.privacy.sensitivity import check_bound, check_relation

@@ -18,7 +18,8 @@ linear and conv layers that needs no second backward pass, and generic ``torch.f
 automatically) or, as a reference, from Opacus.
 
 Invariant 5 of ``docs/invariants.md``: the privacy of a client composes over **all** its rounds. Flower's Opacus
-example builds a new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per client keeps the
+example builds a new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per
+client keeps the
 cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and is
 checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round gradient machinery is built
 around the model each round and removed afterwards, because the model's weights are reloaded from the server every

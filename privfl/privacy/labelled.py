@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
-
 from privfl.errors import ConfigError
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
 from privfl.privacy.sensitivity import (

@@ -24,7 +24,6 @@ import torch
 
 from accounting import GaussianEvent, NeighboringRelation, analytic_gaussian_sigma
 from accounting.validation import is_finite
-
 from privfl.errors import ConfigError
 from privfl.privacy.sensitivity import check_relation
 

@@ -385,7 +385,7 @@ def _conv_per_sample(x: torch.Tensor, grad_output: torch.Tensor, weight_shape: t
     if c_in < 8:
         kernels = grad_output.reshape(batch * c_out, 1, *grad_output.shape[2:])
         out = nn.functional.conv2d(x.transpose(0, 1), kernels, padding=padding, stride=dilation, dilation=stride,
-                                   groups=batch)[:, :, :kh, :kw]                                 # (c_in, B c_out, kh, kw)
+                                   groups=batch)[:, :, :kh, :kw]                          # (c_in, B c_out, kh, kw)
         return out.reshape(c_in, batch, c_out, kh * kw).permute(1, 2, 0, 3).reshape(batch, -1)
     grouped = x.reshape(1, batch * c_in, *x.shape[2:])
     shape_only = x.new_empty((batch * c_out, c_in, kh, kw))

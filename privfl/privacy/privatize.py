@@ -46,7 +46,6 @@ from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
 from accounting.validation import is_int_at_least
-
 from privfl.errors import ConfigError
 from privfl.models.set_encoders import MaxPool, MeanMaxPool, MeanPool
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from accounting import NeighboringRelation
-
 from privfl.errors import ConfigError
 
 

@@ -107,7 +107,8 @@ class TrainingPrivacy:
     Adaptive clipping (central, ``clip="adaptive"``; Andrew et al. 2021 defaults): ``clip_initial``,
     ``clip_quantile`` (gamma), ``clip_lr`` (eta), ``clip_count_noise`` (sigma_b; ``None``: the expected clients per
     round / 20, as Andrew et al. 2021, or the round's noise multiplier z when that is larger, so that the count
-    takes at most a quarter of the round's budget: z_update <= 1.155 z). ``noise``: ``"secure"`` (OS-seeded noise and, in central mode, client sampling) or ``"seeded"``
+    takes at most a quarter of the round's budget: z_update <= 1.155 z). ``noise``: ``"secure"`` (OS-seeded noise and,
+    in central mode, client sampling) or ``"seeded"``
     (from ``noise_seed``: reproducible, for research runs; whoever knows the config can subtract the noise).
     """
 

@@ -10,8 +10,18 @@ import pytest
 from scipy import stats
 
 from accounting import analytic_gaussian_sigma
-from attacks.audit import (AuditResult, audit_main, audit_mechanism, audit_privatize, audit_samples, clopper_pearson,
-                           run_audit, worst_case_pair)
+from attacks.audit import (
+    MECHANISMS,
+    AuditResult,
+    audit_main,
+    audit_mechanism,
+    audit_privatize,
+    audit_samples,
+    clopper_pearson,
+    run_audit,
+    worst_case_pair,
+)
+from privfl.registry import Registry
 
 
 @pytest.mark.parametrize(("k", "n"), [(0, 50), (3, 50), (17, 200), (200, 200), (1, 100000)])
@@ -96,7 +106,8 @@ def test_identical_mechanisms_give_no_positive_bound_often():
     (lambda: audit_privatize(1.0, 1e-5, trials=5), "trials must be an int >= 10"),
     (lambda: audit_privatize(0.0, 1e-5, trials=100), "epsilon must be a finite number > 0"),
     (lambda: audit_privatize(-2.0, 1e-5, trials=100), "got -2.0"),
-    (lambda: run_audit("laplace", 1.0, 1e-5, trials=100), "got 'laplace'"),
+    (lambda: run_audit("laplace", 1.0, 1e-5, trials=100),
+     "unknown audited mechanism 'laplace'; valid choices: classic, dp_gmm, maxpool, privatize"),
     (lambda: audit_mechanism(lambda: [0.0], lambda: [1.0], trials=9, delta=1e-5), "got 9"),
 ])
 def test_bad_input_names_the_value(call, message):
@@ -117,6 +128,17 @@ def test_cli_prints_table_writes_json_and_rejects_bad_input(tmp_path, capsys):
     assert audit_main(["--epsilon", "0"]) == 2
     assert "got 0.0" in capsys.readouterr().err
     assert audit_main(["--mechanism", "nope"]) == 2
+
+
+def test_mechanisms_are_a_registry_whose_entries_run_the_audit():
+    assert isinstance(MECHANISMS, Registry) and MECHANISMS.kind == "audited mechanism"
+    assert list(MECHANISMS) == ["privatize", "classic", "maxpool", "dp_gmm"]
+    with pytest.raises(ValueError, match="already registered"):
+        MECHANISMS.register("privatize", MECHANISMS["privatize"])
+    # run_audit is the registry's entry: the same seed gives the same bound through either door
+    direct = MECHANISMS["privatize"](1.0, 1e-5, trials=2000, bound=1.0, n=20, seed=3, confidence=0.95,
+                                     vectorised=True)
+    assert direct.epsilon_lower == run_audit("privatize", 1.0, 1e-5, trials=2000, seed=3).epsilon_lower
 
 
 def test_swapped_direction_gives_the_same_bound_as_the_mirrored_scores():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 # `.venv/bin/pytest` (unlike `python -m pytest`) does not put the repository root on sys.path, and the test folder
@@ -16,27 +17,39 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attacks.metrics import LPIPS  # noqa: E402
 from accounting import epsilon as accountant_epsilon  # noqa: E402
 from accounting import event_from_dict  # noqa: E402
-from attacks.metrics import ssim_pairs  # noqa: E402
-from attacks.reconstruct_cli import reconstruct_main  # noqa: E402
+from attacks.metrics import LPIPS, ssim_pairs  # noqa: E402
+from attacks.reconstruct_cli import (  # noqa: E402
+    PRESETS,
+    build_parser,
+    reconstruct_main,
+    reconstructor_config,
+    settings_from_args,
+)
 from attacks.reconstructor import (  # noqa: E402
     Reconstructor,
     ReconstructorConfig,
-    select_guidance_scale,
+    SamplingSettings,
+    resolve_device,
+    resolve_precision,
+    select_sampling,
     train_or_resume,
 )
 from attacks.schemes import (  # noqa: E402
     AttackerPrior,
     AttackRow,
     Release,
+    ScoredSet,
+    evaluate_decoder,
     evaluate_release,
     feature_diagnostics,
-    feature_retrieval,
     make_release,
     nearest_image_baseline,
     postprocess_release,
+    prior_only_release,
+    rows_from_scores,
+    score_reconstructions,
 )
 from attacks.selection import agreement_scores, near_duplicate_filter, nearest, top_count, top_indices  # noqa: E402
 from privfl.errors import ConfigError  # noqa: E402
@@ -46,8 +59,8 @@ torch.set_num_threads(1)
 
 
 def tiny_config(**overrides) -> ReconstructorConfig:
-    values = dict(feature_dim=4, image_size=16, channels=1, block_channels=(8, 16), norm_groups=4, batch_size=16,
-                  learning_rate=2e-3, train_timesteps=100)
+    values = dict(feature_dim=4, image_size=16, channels=1, block_channels=(8, 16), layers_per_block=1, norm_groups=4,
+                  batch_size=16, learning_rate=2e-3, train_timesteps=100)
     values.update(overrides)
     return ReconstructorConfig(**values)
 
@@ -77,6 +90,34 @@ def test_loss_decreases_on_tiny_data():
     assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
 
 
+class ZeroNet(torch.nn.Module):
+    """A network that predicts 0 and records the batch sizes and keep masks it is called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int]] = []
+
+    def forward(self, x, t, features, keep=None):
+        self.calls.append((len(x), -1 if keep is None else int(keep.sum())))
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("prediction_type", ["v_prediction", "epsilon"])
+def test_the_loss_target_is_the_velocity_or_the_noise(prediction_type):
+    features, images = tiny_data()
+    r = Reconstructor(tiny_config(prediction_type=prediction_type), seed=2)
+    r.model = ZeroNet()   # the loss is then the mean square of the target itself
+    state = r.generator.get_state()
+    loss = float(r.training_loss(images[:8], features[:8]))
+    r.generator.set_state(state)
+    t = torch.randint(0, 100, (8,), generator=r.generator)
+    eps = torch.randn((8, 1, 16, 16), generator=r.generator)
+    abar = r.noise_scheduler.alphas_cumprod[t].view(-1, 1, 1, 1)
+    x0 = images[:8] * 2 - 1
+    target = eps if prediction_type == "epsilon" else abar.sqrt() * eps - (1 - abar).sqrt() * x0   # Salimans & Ho
+    assert loss == pytest.approx(float(target.pow(2).mean()), rel=1e-5)
+
+
 def test_checkpoint_resume_gives_the_same_weights(tmp_path):
     features, images = tiny_data()
     straight = Reconstructor(tiny_config(), seed=3)
@@ -97,6 +138,10 @@ def test_checkpoint_resume_gives_the_same_weights(tmp_path):
     assert reloaded.step == 4 and reloaded.config == tiny_config()
     with pytest.raises(ConfigError, match="other"):
         resumed.fit(features + 1, images, steps=5, progress=False)
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "format": 2}, tmp_path / "old.pt")   # the 16 px eps-prediction reconstructor's format
+    with pytest.raises(ConfigError, match="format 2"):
+        Reconstructor.load(tmp_path / "old.pt")
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +190,35 @@ def test_condition_dropout_one_ignores_the_condition():
     assert float(loss_a.detach()) != float(r0.training_loss(images[:8], torch.randn(8, 4)).detach())
 
 
+def test_the_decoder_estimate_is_read_and_dropped_with_the_condition(tmp_path):
+    features, images = tiny_data()
+    guides = images.flip(-1)   # any stand-in for a decoder's estimates
+    r = Reconstructor(tiny_config(guide_image=True), seed=0)
+    assert r.model.unet.conv_in.in_channels == 2
+    x, t = torch.randn(4, 1, 16, 16), torch.tensor([3, 50, 7, 90])
+    keep, drop = torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.bool)
+    with torch.no_grad():
+        assert not torch.allclose(r.model(x, t, features[:4], keep, guide=guides[:4]),
+                                  r.model(x, t, features[:4], keep, guide=images[:4]))
+        # without the condition the estimate is not seen either: the unconditional model stays unconditional
+        assert torch.equal(r.model(x, t, features[:4], drop, guide=guides[:4]),
+                           r.model(x, t, features[:4], drop, guide=images[:4]))
+    with pytest.raises(ConfigError, match="pass guides"):
+        r.fit(features, images, steps=1, progress=False)
+    with pytest.raises(ConfigError, match=r"guides must be finite images of shape \[32, 1, 16, 16\]"):
+        r.fit(features, images, guides=guides[:5], steps=1, progress=False)
+    with pytest.raises(ConfigError, match="without guide_image"):
+        Reconstructor(tiny_config(), seed=0).fit(features, images, guides=guides, steps=1, progress=False)
+    path = tmp_path / "guided.pt"
+    r.fit(features, images, guides=guides, steps=2, checkpoint=path, progress=False)
+    out = r.sample(features[:3], guide=guides[:3], num_inference_steps=2)
+    assert out.shape == (3, 1, 16, 16) and torch.equal(out, r.sample(features[:3], guide=guides[:3],
+                                                                     num_inference_steps=2))
+    with pytest.raises(ConfigError, match="other"):   # the estimates are part of the training data's fingerprint
+        train_or_resume(tiny_config(guide_image=True), features, images, guides=images, steps=3, checkpoint=path,
+                        progress=False)
+
+
 def test_config_errors_name_the_value():
     with pytest.raises(ConfigError, match="norm_groups=3"):
         tiny_config(norm_groups=3)
@@ -152,6 +226,8 @@ def test_config_errors_name_the_value():
         tiny_config(cond_dropout=1.5)
     with pytest.raises(ConfigError, match="beta_schedule"):
         tiny_config(beta_schedule="cubic")
+    with pytest.raises(ConfigError, match="prediction_type must be one of v_prediction, epsilon, got 'x0'"):
+        tiny_config(prediction_type="x0")
     r = Reconstructor(tiny_config(), seed=0)
     with pytest.raises(ConfigError, match=r"\[n, 4\]"):
         r.sample(torch.zeros(2, 5))
@@ -160,14 +236,20 @@ def test_config_errors_name_the_value():
 
 
 def test_default_size_and_attention_are_what_the_docstring_says():
-    r = Reconstructor(ReconstructorConfig(feature_dim=1280, image_size=16), seed=0)
-    assert r.num_parameters == 1_321_281
+    config = ReconstructorConfig(feature_dim=1280)
+    assert (config.image_size, config.block_channels, config.layers_per_block) == (28, (32, 64, 128), 2)
+    r = Reconstructor(config, seed=0)
+    assert r.num_parameters == 3_965_601
+    assert all(len(b.resnets) == 2 for b in r.model.unet.down_blocks)   # two residual blocks per level
     assert r.model.unet.mid_block.attentions[0] is not None  # diffusers' add_attention, on by default
     assert not any("Attn" in type(b).__name__ for b in r.model.unet.down_blocks)
-    whitened = Reconstructor(ReconstructorConfig(feature_dim=1280, image_size=16, condition_dims=128), seed=0)
+    assert r.model.unet(torch.zeros(1, 1, 28, 28), 5, class_labels=torch.zeros(1, 128)).sample.shape == (1, 1, 28, 28)
+    old = ReconstructorConfig(feature_dim=1280, image_size=16, block_channels=(32, 64, 64), layers_per_block=1)
+    assert Reconstructor(old, seed=0).num_parameters == 1_321_281   # the first version's default
+    whitened = Reconstructor(replace(old, condition_dims=128), seed=0)
     assert whitened.num_parameters == 1_173_825
-    plain = Reconstructor(ReconstructorConfig(feature_dim=1280, image_size=16, mid_attention=False), seed=0)
-    assert plain.model.unet.mid_block.attentions[0] is None and plain.num_parameters < r.num_parameters
+    plain = Reconstructor(replace(old, mid_attention=False), seed=0)
+    assert plain.model.unet.mid_block.attentions[0] is None and plain.num_parameters < 1_321_281
     deep = Reconstructor(ReconstructorConfig(feature_dim=4, image_size=16, attention=True), seed=0)
     assert type(deep.model.unet.down_blocks[-1]).__name__ == "AttnDownBlock2D"
 
@@ -194,54 +276,106 @@ def test_whitening_is_pca_of_the_attackers_features():
         r.set_feature_statistics(features[:3])
 
 
-def test_guided_noise_is_unconditional_plus_w_times_the_difference():
+class Recorder(torch.nn.Module):
+    """out(x, t, f, keep) = x + t + (sum of f where kept): known conditional and unconditional outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def forward(self, x, t, features, keep):
+        self.calls.append(len(x))
+        cond = (features.sum(1) * keep.to(x.dtype)).view(-1, 1, 1, 1)
+        return x + t.view(-1, 1, 1, 1).to(x.dtype) + cond
+
+
+def test_guided_output_is_unconditional_plus_w_times_the_difference():
     r = Reconstructor(tiny_config(), seed=0)
-    calls = []
-
-    class Recorder(torch.nn.Module):
-        """eps(x, t, f, keep) = x + t + (sum of f where kept): known conditional and unconditional outputs."""
-
-        def forward(self, x, t, features, keep):
-            calls.append(len(x))
-            cond = (features.sum(1) * keep.to(x.dtype)).view(-1, 1, 1, 1)
-            return x + t.view(-1, 1, 1, 1).to(x.dtype) + cond
-
-    r.ema = Recorder()
+    r.ema = recorder = Recorder()
     x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     f = torch.tensor([[1.0, 0, 0, 0], [0, 2.0, 0, 0], [-1.0, 0, 0, 3.0]])
     t = torch.tensor(7)
     u = x + 7.0
     c = u + f.sum(1).view(-1, 1, 1, 1)
     for w in (2.5, 0.3, 7.0):
-        assert torch.allclose(r.guided_noise(x, t, f, w), u + w * (c - u), atol=1e-6)
-    assert calls == [6, 6, 6]  # one batched pass with both halves
-    assert torch.equal(r.guided_noise(x, t, f, 1.0), c) and torch.equal(r.guided_noise(x, t, f, 0.0), u)
-    assert calls[3:] == [3, 3]  # w = 1 and w = 0 need one half only
+        assert torch.allclose(r.guided_output(x, t, f, w), u + w * (c - u), atol=1e-6)
+    assert recorder.calls == [6, 6, 6]  # one batched pass with both halves
+    assert torch.equal(r.guided_output(x, t, f, 1.0), c) and torch.equal(r.guided_output(x, t, f, 0.0), u)
+    assert recorder.calls[3:] == [3, 3]  # w = 1 and w = 0 need one half only
+    # guidance rescale (Lin et al. 2024, eq. 16): phi = 1 gives the guided output at the conditional one's std
+    guided = u + 3.0 * (c - u)
+    dims = (1, 2, 3)
+    rescaled = guided * c.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True)
+    assert torch.allclose(r.guided_output(x, t, f, 3.0, 1.0), rescaled, atol=1e-5)
+    assert torch.allclose(r.guided_output(x, t, f, 3.0, 0.5), 0.5 * rescaled + 0.5 * guided, atol=1e-5)
 
 
-def test_guidance_is_chosen_on_held_out_pairs():
+def test_guidance_interval_and_decoder_guided_start():
+    r = Reconstructor(tiny_config(), seed=0)   # T = 100: trailing DDIM timesteps 99, 74, 49, 24 for 4 steps
+    r.ema = zero = ZeroNet()
+    f = torch.zeros(3, 4)
+    r.sample(f, settings=SamplingSettings(guidance_scale=2.0, guidance_interval=(0.4, 0.8), num_inference_steps=4))
+    assert zero.calls == [(3, 3), (6, 3), (6, 3), (3, 3)]   # w applies at t = 74 and 49 only (t / 99 in [0.4, 0.8])
+    zero.calls.clear()
+    init = torch.as_tensor(_blocks(), dtype=torch.float32)[:3]
+    out = r.sample(f, settings=SamplingSettings(num_inference_steps=4, init_strength=0.3), init=init,
+                   generator=torch.Generator().manual_seed(5))
+    assert zero.calls == [(3, 3)]   # SDEdit from t = 24 <= 0.3 * 99: one step
+    # v = 0: the step's x_0 estimate is sqrt(abar_24) x_24 with x_24 = sqrt(abar_24) x_init + sqrt(1 - abar_24) eps,
+    # and the last DDIM step returns it (alpha_prev = 1)
+    abar = r.noise_scheduler.alphas_cumprod[24]
+    eps = torch.randn((3, 1, 16, 16), generator=torch.Generator().manual_seed(5))
+    x0 = abar.sqrt() * (abar.sqrt() * (init * 2 - 1) + (1 - abar).sqrt() * eps)
+    assert torch.allclose(out, (x0.clamp(-1, 1) + 1) / 2, atol=1e-5)
+    with pytest.raises(ConfigError, match="both init images and init_strength"):
+        r.sample(f, settings=SamplingSettings(init_strength=0.3))
+    with pytest.raises(ConfigError, match="guidance_interval"):
+        SamplingSettings(guidance_interval=(0.8, 0.2))
+
+
+def test_device_and_precision_are_explicit():
+    assert resolve_device("cpu").type == "cpu" and resolve_precision("auto", torch.device("cpu")) is None
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_precision("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ConfigError, match="precision 'fp16' needs a CUDA device"):
+        resolve_precision("fp16", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="device must be one of auto, cpu, cuda, cuda:N, got 'gpu'"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device 'cuda': no CUDA device is visible"):
+            resolve_device("cuda")
+    r = Reconstructor(tiny_config(), precision="bf16", seed=0)   # bfloat16 autocast trains and samples on the CPU
+    assert r.precision_name == "bfloat16 autocast"
+    features, images = tiny_data()
+    r.fit(features, images, steps=2, progress=False)
+    assert all(p.dtype == torch.float32 for p in r.model.parameters())   # weights stay float32
+    assert r.sample(features[:2], num_inference_steps=2).dtype == torch.float32
+
+
+def test_sampling_settings_are_chosen_on_held_out_pairs():
     class Stub:
-        """Reconstructs image i exactly at w = 3 and worse the further w is from 3."""
+        """Reconstructs image i exactly at w = 3 and worse the further w is from 3; an init adds nothing."""
 
         def __init__(self, images):
             self.images = images
             self.seen = []
 
-        def sample(self, features, *, guidance_scale, num_inference_steps, generator, progress=False):
-            self.seen.append(generator.initial_seed())
+        def sample(self, features, *, settings, generator, progress=False, init=None):
+            self.seen.append((generator.initial_seed(), init is not None))
             noise = torch.rand(self.images.shape, generator=torch.Generator().manual_seed(1)) - 0.5
-            return (self.images + abs(guidance_scale - 3.0) * 0.3 * noise).clamp(0, 1)
+            return (self.images + abs(settings.guidance_scale - 3.0) * 0.3 * noise).clamp(0, 1)
 
     images = torch.as_tensor(_blocks(), dtype=torch.float32)
     stub = Stub(images)
-    best, scores = select_guidance_scale(stub, torch.zeros(4, 2), images, (1.0, 3.0, 5.0, 2.0), seed=5)
-    assert best == 3.0 and scores[3.0] == pytest.approx(1.0)
-    assert scores[1.0] == pytest.approx(scores[5.0]) and scores[2.0] > scores[1.0]
-    assert stub.seen == [5, 5, 5, 5]  # the same starting noise for every scale
-    tied, _ = select_guidance_scale(stub, torch.zeros(4, 2), images, (5.0, 1.0))
-    assert tied == 1.0  # ties go to the smaller scale
-    with pytest.raises(ConfigError, match="guidance scale"):
-        select_guidance_scale(stub, torch.zeros(4, 2), images, (-1.0,))
+    candidates = [SamplingSettings(guidance_scale=w) for w in (1.0, 3.0, 5.0, 2.0)]
+    best, scores = select_sampling(stub, torch.zeros(4, 2), images, candidates, seed=5)
+    assert best.guidance_scale == 3.0 and scores[1]["ssim"] == pytest.approx(1.0) and scores[1]["psnr"] == 100.0
+    assert scores[0]["ssim"] == pytest.approx(scores[2]["ssim"]) and scores[3]["ssim"] > scores[0]["ssim"]
+    assert [seed for seed, _ in stub.seen] == [5, 5, 5, 5]  # the same starting noise for every candidate
+    tied, _ = select_sampling(stub, torch.zeros(4, 2), images, [candidates[2], candidates[0]])
+    assert tied.guidance_scale == 5.0   # ties go to the earlier candidate
+    with pytest.raises(ConfigError, match="needs the decoder's estimates"):
+        select_sampling(stub, torch.zeros(4, 2), images, [SamplingSettings(init_strength=0.5)])
 
 
 # -- selections -----------------------------------------------------------------------------------------------------
@@ -282,6 +416,10 @@ def test_nearest_and_near_duplicate_filter_remove_an_exact_copy():
     attacker = np.concatenate([q, rng.random((6, 1, 16, 16))])
     index, best = nearest(q[[2, 0]], attacker)
     assert index.tolist() == [2, 0] and np.allclose(best, 1.0)
+    noisy = np.clip(attacker + 0.2 * rng.random(attacker.shape), 0, 1)
+    exact, exact_best = nearest(noisy, attacker)
+    fast, fast_best = nearest(noisy, attacker, fast=True)   # float32 search, float64 rescore of the winners
+    assert fast.tolist() == exact.tolist() and np.array_equal(fast_best, exact_best)
     defender = np.concatenate([rng.random((3, 1, 16, 16)), attacker[7:8], rng.random((2, 1, 16, 16))])
     kept, max_ssim = near_duplicate_filter(defender, attacker, fraction=0.0, threshold=None)
     assert kept.tolist() == [0, 1, 2, 4, 5] and max_ssim[3] == pytest.approx(1.0)
@@ -297,7 +435,7 @@ class StubReconstructor:
         self.targets = targets
         self.noise = torch.rand(targets.shape, generator=torch.Generator().manual_seed(0)) - 0.5
 
-    def sample(self, features, *, guidance_scale, num_inference_steps, generator, progress=False):
+    def sample(self, features, *, generator, settings=None, progress=False, init=None):
         i = features[:, 0].long()
         amount = features[:, 1].view(-1, 1, 1, 1)
         jitter = features[:, 2].view(-1, 1, 1, 1) * torch.randn(len(features), 1, 16, 16, generator=generator)
@@ -309,41 +447,55 @@ def lpips_metric():
     return LPIPS()
 
 
-def _rows(result):
-    return {(r.level, r.selection, r.top): r for r in result.rows}
+def _rows(result, fractions=(0.25,)):
+    rows = rows_from_scores(result.scored, top_fractions=fractions, n_boot=200)
+    return {(r.estimate, r.level, r.selection, r.top): r for r in rows}
 
 
-def test_raw_rows_score_medoids_and_say_which_use_ground_truth(lpips_metric):
+def test_raw_rows_score_medoids_and_means_and_say_which_use_ground_truth(lpips_metric):
     targets = torch.as_tensor(_blocks(), dtype=torch.float32)
     # target 2 is reconstructed exactly, every time; the others with growing error and sample-to-sample jitter.
     features = torch.tensor([[0, 0.6, 0.3], [1, 0.9, 0.3], [2, 0.0, 0.0], [3, 0.3, 0.3]])
     release = Release("raw", features, torch.arange(4), set_level=False, epsilon=math.inf)
     result = evaluate_release(release, StubReconstructor(targets), targets, lpips=lpips_metric,
-                              samples_per_feature=3, top_fractions=(0.25,))
+                              samples_per_feature=3)
     rows = _rows(result)
-    assert set(rows) == {("per-feature", "all", "all"), ("per-feature", "attacker", "25%"),
-                         ("per-feature", "oracle", "25%"), ("set-level", "all", "all"),
-                         ("set-level", "attacker", "25%"), ("set-level", "oracle", "25%")}
-    truth = {k: r.ground_truth for k, r in rows.items()}
+    medoid = {k[1:]: r for k, r in rows.items() if k[0] == "medoid of 3"}
+    assert set(medoid) == {("per-feature", "all", "all"), ("per-feature", "attacker", "25%"),
+                           ("per-feature", "oracle", "25%"), ("set-level", "all", "all"),
+                           ("set-level", "attacker", "25%"), ("set-level", "oracle", "25%")}
+    assert {k[0] for k in rows} == {"medoid of 3", "mean of 3"}
+    truth = {k: r.ground_truth for k, r in medoid.items()}
     assert truth[("per-feature", "all", "all")] == "none" and truth[("per-feature", "attacker", "25%")] == "none"
     assert truth[("per-feature", "oracle", "25%")] == "selection"
     assert truth[("set-level", "all", "all")] == "matching" and truth[("set-level", "attacker", "25%")] == "matching"
     assert truth[("set-level", "oracle", "25%")] == "matching+selection"
-    # n counts scored defender images the same way everywhere: all = 4, a top 25 % = ceil(0.25 * 4) = 1.
-    assert [rows[k].n for k in sorted(rows)] == [4, 1, 1, 4, 1, 1]
-    oracle, attacker = rows[("per-feature", "oracle", "25%")], rows[("per-feature", "attacker", "25%")]
+    # n counts scored pairs the same way everywhere: all = 4, a top 25 % = ceil(0.25 * 4) = 1.
+    assert [medoid[k].n for k in sorted(medoid)] == [4, 1, 1, 4, 1, 1]
+    oracle, attacker = medoid[("per-feature", "oracle", "25%")], medoid[("per-feature", "attacker", "25%")]
     assert oracle.ssim == pytest.approx(1.0) and oracle.psnr == 100.0 and oracle.lpips == pytest.approx(0, abs=1e-6)
     assert attacker.ssim == pytest.approx(1.0)  # agreement 1 only for the noise-free feature
-    assert rows[("per-feature", "all", "all")].ssim < 0.99
-    # the per-feature reconstruction is the medoid of the samples: recompute it independently
-    samples = StubReconstructor(targets).sample(features.repeat_interleave(3, 0), guidance_scale=2.0,
-                                                num_inference_steps=20, generator=torch.Generator().manual_seed(0))
-    _, medoid = agreement_scores(samples.reshape(4, 3, 1, 16, 16).numpy())
-    medoids = samples.reshape(4, 3, 1, 16, 16)[torch.arange(4), torch.as_tensor(medoid)]
-    assert torch.equal(result.reconstructions, medoids) and torch.equal(result.shown, medoids)
-    assert rows[("per-feature", "all", "all")].ssim == pytest.approx(float(ssim_pairs(targets, medoids).mean()))
+    # the interval redoes the selection in every resample: a resample without the exact copy picks a worse image
+    assert oracle.ssim_high == pytest.approx(1.0) and oracle.ssim_low < 0.99 and oracle.seed == "0"
+    everything = medoid[("per-feature", "all", "all")]
+    assert everything.ssim < 0.99 and everything.ssim_low < everything.ssim < everything.ssim_high
+    # the per-feature reconstruction is the medoid of the samples, and the mean their average: recompute both
+    samples = StubReconstructor(targets).sample(features.repeat_interleave(3, 0),
+                                                generator=torch.Generator().manual_seed(0)).reshape(4, 3, 1, 16, 16)
+    _, index = agreement_scores(samples.numpy())
+    medoids = samples[torch.arange(4), torch.as_tensor(index)]
+    assert torch.equal(result.reconstructions["medoid of 3"], medoids) and torch.equal(result.shown["medoid of 3"],
+                                                                                       medoids)
+    assert torch.allclose(result.reconstructions["mean of 3"], samples.mean(1))
+    assert everything.ssim == pytest.approx(float(ssim_pairs(targets, medoids).mean()))
+    mean_row = rows[("mean of 3", "per-feature", "all", "all")]
+    assert mean_row.ssim == pytest.approx(float(ssim_pairs(targets, samples.mean(1)).mean()))
     # set-level all can only match better than per-feature all (each target may pick any reconstruction)
-    assert rows[("set-level", "all", "all")].ssim >= rows[("per-feature", "all", "all")].ssim - 1e-12
+    assert medoid[("set-level", "all", "all")].ssim >= everything.ssim - 1e-12
+    # the per-image scores behind the rows
+    per_feature = next(s for s in result.scored if s.level == "per-feature" and s.estimate == "medoid of 3")
+    assert per_feature.index.tolist() == [0, 1, 2, 3] and per_feature.matched.tolist() == [0, 1, 2, 3]
+    assert len(per_feature.records()) == 4 and per_feature.records()[2]["ssim"] == pytest.approx(1.0)
 
 
 def test_set_level_matches_each_target_to_its_closest_reconstruction(lpips_metric):
@@ -352,41 +504,77 @@ def test_set_level_matches_each_target_to_its_closest_reconstruction(lpips_metri
     features = torch.tensor([[1, 0.0, 0.0], [3, 0.8, 0.2], [3, 0.9, 0.0]])
     release = Release("fedpft", features, torch.zeros(3, dtype=torch.long), set_level=True, epsilon=math.inf)
     result = evaluate_release(release, StubReconstructor(targets), targets, lpips=lpips_metric,
-                              samples_per_feature=2, top_fractions=(0.25,))
-    rows = _rows(result)
+                              samples_per_feature=2)
+    rows = {k[1:]: r for k, r in _rows(result).items() if k[0] == "medoid of 2"}
     assert not any(level == "per-feature" for level, _, _ in rows)
     assert rows[("set-level", "oracle", "25%")].ssim == pytest.approx(1.0)
     assert rows[("set-level", "oracle", "25%")].set_size == 3
-    assert torch.equal(result.shown[1], targets[1])
+    assert torch.equal(result.shown["medoid of 2"][1], targets[1])
     assert rows[("set-level", "all", "all")].n == 4 and rows[("set-level", "all", "all")].ssim < 0.9
-    # the attacker's most confident reconstruction is the exact copy (its two samples agree), paired with target 1
+    # the attacker's most confident reconstruction is the exact copy (its two samples agree), paired with target 1;
+    # its top 25 % is of the 3 reconstructions: 1
     attacker = rows[("set-level", "attacker", "25%")]
     assert attacker.n == 1 and attacker.ssim == pytest.approx(1.0)
-    baseline, matched = nearest_image_baseline(targets[:2], targets, lpips=lpips_metric, top_fractions=(0.5,))
+    scored, matched = nearest_image_baseline(targets[:2], targets, lpips=lpips_metric)
+    baseline = rows_from_scores(scored, top_fractions=(0.5,), n_boot=100)
     assert [(r.selection, r.ground_truth) for r in baseline] == [("all", "matching"),
                                                                  ("oracle", "matching+selection")]
     assert baseline[0].ssim == pytest.approx(1.0) and baseline[0].attack == "nearest image by SSIM"
     assert isinstance(baseline[0], AttackRow) and torch.equal(matched, targets[:2])
 
 
-def test_feature_retrieval_returns_the_attacker_image_with_the_closest_feature(lpips_metric):
+def test_a_raw_release_of_every_image_scores_the_kept_targets_against_their_own_features(lpips_metric):
+    q = torch.as_tensor(_blocks(), dtype=torch.float32)
+    reconstructions = q[[3, 0, 1, 2]]         # release order: feature j is of image (j + 3) mod 4
+    kept = np.array([1, 2])                    # targets q[0] and q[1] (images 2 and 3 were filtered out)
+    sets, shown = score_reconstructions(q[:2], reconstructions, np.arange(4.0), linked=kept, lpips=lpips_metric,
+                                        seed=1, source="raw", epsilon=math.inf, attack="x")
+    per_feature, targets, recons = sets
+    assert (per_feature.level, targets.unit, recons.unit) == ("per-feature", "target", "reconstruction")
+    assert np.allclose(per_feature.ssim, 1.0) and per_feature.matched.tolist() == [1, 2]
+    assert per_feature.confidence.tolist() == [1.0, 2.0] and torch.equal(shown, q[:2])
+    assert recons.set_size == 4 and len(recons.index) == 4   # the whole released set is the set-level candidates
+    with pytest.raises(ConfigError, match="one reconstruction index"):
+        score_reconstructions(q[:2], reconstructions, np.arange(4.0), linked=np.array([0, 9]), lpips=lpips_metric,
+                              seed=1, source="raw", epsilon=math.inf, attack="x")
+
+
+def test_rows_pool_the_seeds_and_select_within_each():
+    def scored(seed, ssim, confidence):
+        n = len(ssim)
+        return ScoredSet(seed, "raw", math.inf, "x", "-", "per-feature", "target", n, np.arange(n), np.arange(n),
+                         np.full(n, 20.0), np.zeros(n), np.asarray(ssim, float), np.asarray(confidence, float))
+
+    sets = [scored(0, [0.1, 0.2, 0.3, 0.9], [4, 3, 2, 1]), scored(1, [0.5, 0.6, 0.7, 0.8], [1, 2, 3, 4])]
+    rows = {(r.selection, r.seed): r for r in rows_from_scores(sets, top_fractions=(0.5,), n_boot=300)}
+    assert set(rows) == {(s, seed) for s in ("all", "attacker", "oracle") for seed in ("0", "1", "all")}
+    assert rows[("all", "all")].ssim == pytest.approx(0.5125) and rows[("all", "all")].n == 8
+    assert rows[("oracle", "0")].ssim == pytest.approx(0.6) and rows[("oracle", "1")].ssim == pytest.approx(0.75)
+    assert rows[("oracle", "all")].ssim == pytest.approx(0.675) and rows[("oracle", "all")].n == 4
+    assert rows[("attacker", "0")].ssim == pytest.approx(0.15)   # its two most confident are its two worst
+    assert rows[("attacker", "all")].ssim == pytest.approx((0.15 + 0.75) / 2)
+    assert rows[("all", "0")].psnr_low == rows[("all", "0")].psnr_high == 20.0
+
+
+def test_decoders_are_scored_on_the_same_sets(lpips_metric):
+    from attacks.decoders import KNNDecoder
+
     targets = torch.as_tensor(_blocks(), dtype=torch.float32)
     attacker_images = torch.flip(targets, dims=(0,))  # attacker image j = target 3 - j
     attacker_features = torch.eye(4)
+    decoder = KNNDecoder(ks=(1,), name="nn").fit(attacker_features, attacker_images, torch.arange(4),
+                                                 attacker_features, attacker_images, torch.arange(4))
     # released features: target i's feature is near attacker feature 3 - i, with decreasing clarity
     released = torch.eye(4)[[3, 2, 1, 0]] + torch.tensor([0.0, 0.3, 0.6, 0.9])[:, None]
     release = Release("raw", released, torch.arange(4), set_level=False, epsilon=math.inf)
-    result = feature_retrieval(release, attacker_features, attacker_images, targets, lpips=lpips_metric,
-                               top_fractions=(0.25,))
-    assert torch.equal(result.reconstructions, targets)
-    rows = _rows(result)
-    assert all(r.attack == "feature NN" for r in result.rows)
+    result = evaluate_decoder(release, decoder, targets, lpips=lpips_metric, attacker_features=attacker_features)
+    assert torch.equal(result.reconstructions["-"], targets)
+    rows = {k[1:]: r for k, r in _rows(result).items()}
+    assert all(r.attack == "nn" and r.estimate == "-" for r in rows.values())
     assert rows[("per-feature", "all", "all")].ssim == pytest.approx(1.0)
-    assert rows[("per-feature", "attacker", "25%")].n == 1
-    # retrieval from a wrong attacker image scores lower than from the right one
-    wrong = Release("raw", torch.eye(4), torch.arange(4), set_level=False, epsilon=math.inf)
-    worse = feature_retrieval(wrong, attacker_features, attacker_images, targets, lpips=lpips_metric)
-    assert _rows(worse)[("per-feature", "all", "all")].ssim < 0.5
+    # the attacker's confidence is each feature's best cosine similarity to its own: highest for the clearest
+    per_feature = next(s for s in result.scored if s.level == "per-feature")
+    assert per_feature.confidence[0] == pytest.approx(1.0) and np.all(np.diff(per_feature.confidence) < 0)
 
 
 # -- schemes --------------------------------------------------------------------------------------------------------
@@ -497,62 +685,158 @@ def test_spherical_postprocessing_derives_the_variance_from_the_estimated_mean()
     truth = [float(torch.pdist(features[:60][labels[:60] == c]).mean()) for c in range(3)]
     assert all(s > 0.3 * t for s, t in zip(spread, truth))
 
+def test_full_covariance_postprocessing_weighs_the_release_along_the_class_directions():
+    features, labels = _unit_data(n=90)
+    diag = AttackerPrior.fit(features, labels, num_classes=3)
+    full = AttackerPrior.fit(features, labels, num_classes=3, full_covariance=True)
+    assert diag.class_eigenvectors is None and full.class_eigenvalues.shape == (3, 6)
+    release = make_release("dp-fedpft", features[:60], labels[:60], num_classes=3, epsilon=8.0, delta=1e-5)
+    post = postprocess_release(release, full, seed=0)
+    sigma = release.details["ledger"]["metadata"]["sigmas"]["sum"]
+    for delivered, estimate in zip(release.mixtures, post.mixtures):
+        c, n_c = delivered.label, delivered.count
+        x = features[:90][labels[:90] == c].double()
+        covariance = (x - x.mean(0)).T @ (x - x.mean(0)) / len(x)
+        m = torch.as_tensor(delivered.means[0], dtype=torch.float64)
+        if float(m.norm()) >= 1 - 2e-3:
+            m = m * math.sqrt(float(x.mean(0) @ x.mean(0)) + 6 * (sigma / n_c) ** 2) / float(m.norm())
+        # the Gaussian posterior mean: mu + (S / n)(S / n + s^2 I)^-1 (m - mu)
+        gain = covariance / n_c @ torch.linalg.inv(covariance / n_c + (sigma / n_c) ** 2 * torch.eye(6,
+                                                                                                 dtype=torch.float64))
+        assert torch.allclose(torch.as_tensor(estimate.means[0]), x.mean(0) + gain @ (m - x.mean(0)), atol=1e-9)
+    info = post.details["postprocessing"]
+    assert "full covariance" in info["method"] and info["top_direction_mean_weight"] > info["mean_release_weight"]
+    assert postprocess_release(release, diag).details["postprocessing"]["mean_release_weight"] < \
+        info["top_direction_mean_weight"]
+
+
+def test_prior_only_ignores_the_release_but_its_counts():
+    features, labels = _unit_data(n=90)
+    prior = AttackerPrior.fit(features, labels, num_classes=3)
+    low = make_release("dp-fedpft", features[:60], labels[:60], num_classes=3, epsilon=1.0, delta=1e-5)
+    high = make_release("dp-fedpft", features[:60], labels[:60], num_classes=3, epsilon=10.0, delta=1e-5, seed=3)
+    a, b = prior_only_release(low, prior, seed=4), prior_only_release(high, prior, seed=4)
+    assert torch.equal(a.features, b.features) and a.label == "prior only (release ignored)" and a.epsilon == 0.0
+    assert [m.count for m in a.mixtures] == [m.count for m in low.mixtures] == [20, 20, 20]
+    for mixture in a.mixtures:
+        assert np.allclose(mixture.means[0], prior.class_means[mixture.label].numpy())
+    # the post-processed reading of the same draw differs only by the moments
+    post = postprocess_release(high, prior, seed=4)
+    assert post.features.shape == a.features.shape and not torch.equal(post.features, a.features)
+    with pytest.raises(ConfigError, match="dp-fedpft releases"):
+        prior_only_release(make_release("fedpft", features[:60], labels[:60], num_classes=3, components=2), prior)
+
+
 # -- the command line -----------------------------------------------------------------------------------------------
 
 def test_cli_rejects_bad_values_before_any_work(tmp_path, capsys):
-    assert reconstruct_main(["--out", str(tmp_path), "--schemes", "raw,gan"]) == 2
-    assert "valid: raw, fedpft, dp-fedpft" in capsys.readouterr().err
-    assert reconstruct_main(["--out", str(tmp_path), "--schemes", "dp-fedpft", "--eps", "0"]) == 2
-    assert "--eps" in capsys.readouterr().err
-    assert reconstruct_main(["--out", str(tmp_path), "--image-size", "8"]) == 2
-    assert "--image-size" in capsys.readouterr().err
-    assert reconstruct_main(["--out", str(tmp_path), "--covariance", "banana"]) == 2
-    assert "full, diag or spherical" in capsys.readouterr().err
-    assert reconstruct_main(["--out", str(tmp_path), "--guidance", "1,-2"]) == 2
-    assert "--guidance" in capsys.readouterr().err
-    assert reconstruct_main(["--out", str(tmp_path), "--validation-images", "0"]) == 2
-    assert "--validation-images" in capsys.readouterr().err
-    assert reconstruct_main(["--out", str(tmp_path), "--dp-noise", "weak"]) == 2
-    assert "--dp-noise" in capsys.readouterr().err
+    cases = [(["--schemes", "raw,gan"], "valid: raw, fedpft, dp-fedpft"), (["--schemes", "dp-fedpft", "--eps", "0"],
+                                                                           "--eps"),
+             (["--image-size", "8"], "--image-size"), (["--covariance", "banana"], "full, diag or spherical"),
+             (["--guidance", "1,-2"], "--guidance"), (["--validation-images", "0"], "--validation-images"),
+             (["--dp-noise", "weak"], "--dp-noise"), (["--readings", "raw"], "--readings must be one of post"),
+             (["--baselines", "mlp,gan"], "unknown baseline(s) ['gan']"), (["--precision", "fp8"], "--precision"),
+             (["--device", "tpu"], "device must be one of auto, cpu, cuda, cuda:N, got 'tpu'"),
+             (["--seeds", "1,1"], "--seeds must be distinct"), (["--guidance-intervals", "0.9:0.1"],
+                                                                "guidance_interval")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no CUDA device is visible"))
+    for extra, needle in cases:
+        assert reconstruct_main(["--out", str(tmp_path)] + extra) == 2, extra
+        assert needle in capsys.readouterr().err, extra
+    assert not any(tmp_path.iterdir())   # nothing was written
+
+
+def test_presets_and_help_show_what_runs(capsys):
+    settings, _ = settings_from_args(["--out", "x", "--preset", "quick", "--steps", "7"])
+    assert settings.steps == 7 and settings.attacker_images == PRESETS["quick"]["attacker_images"]
+    assert settings.block_channels == (16, 32, 32) and settings.seeds == (0,)
+    bench, _ = settings_from_args(["--out", "x", "--preset", "benchmark"])
+    assert bench.seeds == (0, 1, 2) and bench.attacker_images is None and bench.eps == (1.0, 4.0, 10.0)
+    assert bench.image_size == 28 and bench.layers_per_block == 2
+    # the reduced preset evaluates the benchmark's reconstructor: same training pairs and model, so one checkpoint
+    reduced, _ = settings_from_args(["--out", "x", "--preset", "reduced"])
+    assert reconstructor_config(reduced, 1280, 1) == reconstructor_config(bench, 1280, 1)
+    same = ("dataset", "backbone", "input_size", "attacker_images", "validation_images", "seed", "guide_decoder",
+            "steps", "precision", "eps", "schemes", "seeds")
+    assert [getattr(reduced, k) for k in same] == [getattr(bench, k) for k in same]
+    assert reduced.defender_images == 250 < bench.defender_images and reduced.samples_per_feature == 4
+    plain, _ = settings_from_args(["--out", "x", "--no-progress"])
+    assert plain.progress is False and plain.steps == 8000 and plain.device == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: 1,4,10)" in text and "(default: auto)" in text and "(default: all)" in text
+    assert "quick: --attacker-images 2000" in text and "benchmark:" in text
 
 
 def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch, capsys):
     import csv
     import json
 
+    import attacks.reconstruct_cli as cli
+
     monkeypatch.setenv("PRIVFL_CACHE_DIR", str(tmp_path / "cache"))  # backbone features cached here
+    panels = []
+    save_grid = cli.save_grid
+    monkeypatch.setattr(cli, "save_grid", lambda path, shown, **k: (panels.append([n for n, _ in shown]),
+                                                                     save_grid(path, shown, **k))[1])
     out = tmp_path / "run"
     argv = ["--out", str(out), "--dataset", "digits", "--input-size", "32", "--attacker-images", "100",
-            "--validation-images", "8", "--defender-images", "20", "--image-size", "16", "--block-channels", "8,16",
-            "--condition-dims", "8", "--steps", "3", "--batch-size", "8", "--guidance", "1,2", "--ddim-steps", "2",
-            "--samples-per-feature", "2", "--top-fractions", "0.1", "--eps", "1", "--components", "2",
-            "--checkpoint-every", "2", "--near-duplicate-fraction", "0.1", "--no-progress", "--threads", "1"]
+            "--validation-images", "10", "--defender-images", "20", "--seeds", "0,1", "--image-size", "16",
+            "--block-channels", "8,16", "--layers-per-block", "1", "--condition-dims", "8", "--steps", "3",
+            "--batch-size", "8", "--guidance", "1,2", "--guidance-rescales", "0", "--guidance-intervals", "0:1",
+            "--init-strengths", "0.5", "--selection-images", "6", "--ddim-steps", "2", "--samples-per-feature", "2",
+            "--set-samples-per-feature", "2", "--mlp-hidden", "16", "--mlp-epochs", "2", "--top-fractions", "0.1",
+            "--eps", "1,4", "--components", "2", "--checkpoint-every", "2", "--bootstrap", "100", "--device", "cpu",
+            "--baselines", "mlp,nn,class-mean", "--prior-covariance", "diag", "--no-progress", "--threads", "1"]
     assert reconstruct_main(argv) == 0
     printed = capsys.readouterr().out
-    assert "ground truth used" in printed and "3 steps" in printed
+    assert "ground truth used" in printed and "3 steps" in printed and "device: cpu (float32)" in printed
     summary = json.loads((out / "attack_results.json").read_text())
     with open(out / "attack_results.csv", newline="") as stream:
         table = list(csv.DictReader(stream))
-    assert len(table) == len(summary["rows"]) > 0
+    with open(out / "per_image_scores.csv", newline="") as stream:
+        scores = list(csv.DictReader(stream))
+    assert len(table) == len(summary["rows"]) > 0 and summary["device"]["device"] == "cpu"
     assert (out / "attack_results.md").read_text().count("\n") == len(table) + 2
-    assert (out / "attack_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for figure in ("attack_grid.png", "attack_metrics.png"):
+        assert (out / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "reconstructor.pt").is_file()
     sources = {row["source"] for row in table}
-    assert sources == {"raw", "fedpft, naive", "fedpft, post-processed", "dp-fedpft, naive",
-                       "dp-fedpft, post-processed", "no release", "no release (20 attacker images)"}
-    assert {row["attack"] for row in table} == {"diffusion", "feature NN", "nearest image by SSIM"}
-    evaluated = summary["protocol"]["evaluated_defender_images"]
-    assert evaluated == 18  # 10 % of 20 removed as near-duplicates
-    assert {int(row["n"]) for row in table if row["top"] == "all"} == {evaluated}
-    assert {int(row["n"]) for row in table if row["top"] == "10%"} == {2}
-    assert summary["reconstructor"]["steps"] == 3 and summary["reconstructor"]["checkpoint"] == "reconstructor.pt"
-    assert summary["guidance"]["chosen"] in (1.0, 2.0) and set(summary["guidance"]["held_out_mean_ssim"]) == {"1",
-                                                                                                              "2"}
-    dp = [r for r in summary["releases"] if r["scheme"] == "dp-fedpft"]
-    assert len(dp) == 2 and all(r["epsilon"] == r["ledger"]["epsilon"] and r["requested_epsilon"] == 1.0 for r in dp)
-    assert {row["epsilon"] for row in table if row["source"].startswith("dp-fedpft")} == {str(dp[0]["epsilon"])}
+    assert sources == {"raw", "fedpft, post-processed", "dp-fedpft, post-processed", "prior only (release ignored)",
+                       "no release"}
+    assert {row["attack"] for row in table} == {"diffusion", "mlp", "nn", "class-mean", "nearest image by SSIM"}
+    assert {row["estimate"] for row in table if row["attack"] == "diffusion"} == {"medoid of 2", "mean of 2"}
+    assert {row["seed"] for row in table} == {"0", "1", "all"}
+    evaluated = [s["evaluated"] for s in summary["protocol"]["seeds"]]
+    assert evaluated == [18, 18]  # 10 % of 20 removed as near-duplicates, per seed
+    assert {int(row["n"]) for row in table if row["top"] == "all" and row["seed"] == "0"} == {18}
+    assert {int(row["n"]) for row in table if row["top"] == "all" and row["seed"] == "all"} == {36}
+    assert all(float(r["psnr_low"]) <= float(r["psnr"]) <= float(r["psnr_high"]) for r in table)
+    # every release has the same defender set behind it: 20 released features per seed
+    assert {r["features"] for r in summary["releases"]} == {20}
+    dp = [r for r in summary["releases"] if r["scheme"] == "dp-fedpft" and r["source"] != "prior only (release "
+                                                                                          "ignored)"]
+    assert len(dp) == 4 and {r["requested_epsilon"] for r in dp} == {1.0, 4.0}
+    assert {row["epsilon"] for row in table if row["source"].startswith("prior only")} == {"0.0"}
+    # the per-image scores give back every "all" row's mean
+    row = next(r for r in table if (r["source"], r["attack"], r["level"], r["selection"], r["seed"]) ==
+               ("raw", "mlp", "per-feature", "all", "0"))
+    mine = [float(s["ssim"]) for s in scores if (s["source"], s["attack"], s["level"], s["unit"], s["seed"]) ==
+            ("raw", "mlp", "per-feature", "target", "0")]
+    assert len(mine) == 18 and float(row["ssim"]) == pytest.approx(np.mean(mine))
+    assert all(int(s["defender_image"]) >= 0 for s in scores)
+    # the grid says which reconstructions were matched to the defender's images with ground truth
+    (names,) = panels
+    assert names[0] == "defender image" and any(n.startswith("raw: diffusion, medoid") for n in names)
+    assert all(n.endswith("oracle-matched") for n in names if n.startswith(("fedpft", "dp-fedpft", "prior",
+                                                                            "no release")))
+    assert summary["sampling"]["guidance_candidates"] and summary["sampling"]["init_decoder"] == "knn"
+    assert summary["guide_decoder"]["name"] == "knn" and summary["reconstructor"]["config"]["guide_image"]
     # A second call finds the checkpoint at the requested steps and trains nothing.
     monkeypatch.setattr(Reconstructor, "training_loss", lambda *a, **k: pytest.fail("trained again"))
-    assert reconstruct_main(argv) == 0
+    assert reconstruct_main(argv + ["--train-only"]) == 0
     again = json.loads((out / "attack_results.json").read_text())
-    assert again["rows"] == summary["rows"] and again["reconstructor"]["steps"] == 3
+    assert "rows" not in again and again["reconstructor"]["steps"] == 3
+    assert again["reconstructor"]["train_seconds"] == summary["reconstructor"]["train_seconds"]

@@ -24,20 +24,19 @@ from flwr.app import Context, Error, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 
 from accounting import PrivacyLedger  # noqa: E402
-from privfl.data import build_federation  # noqa: E402
-from privfl.errors import ConfigError, PublicConfigError  # noqa: E402
 from privfl.config import RunConfig  # noqa: E402
+from privfl.data import build_federation  # noqa: E402
+from privfl.engine import flower_main, flower_runtime_factory  # noqa: E402
+from privfl.engine import run as run_on_engine  # noqa: E402
+from privfl.errors import ConfigError, PublicConfigError  # noqa: E402
 from privfl.experiment import build_runtime, train  # noqa: E402
 from privfl.federation import Message, RunDirectory  # noqa: E402
 from privfl.federation.context import client_context  # noqa: E402
-from privfl.federation.flower import FlowerOptions, from_records, to_records  # noqa: E402
-from privfl.federation.flower import client_app, launch, server_app  # noqa: E402
+from privfl.federation.flower import FlowerOptions, client_app, from_records, launch, server_app, to_records  # noqa: E402  # noqa: E402
 from privfl.federation.flower import protocol as p  # noqa: E402
 from privfl.federation.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
-from privfl.engine import flower_main, flower_runtime_factory  # noqa: E402
-from privfl.engine import run as run_on_engine  # noqa: E402
-from privfl.federation.flower.transport import FlowerClientError  # noqa: E402
 from privfl.federation.flower.simulation import num_clients  # noqa: E402
+from privfl.federation.flower.transport import FlowerClientError  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy  # noqa: E402
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from privfl.data import FederationSpec
 from privfl.config import RunConfig
+from privfl.data import FederationSpec
 from privfl.experiment import train
 
 

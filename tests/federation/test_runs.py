@@ -272,7 +272,7 @@ def _add_keys(path: str, worker: int, count: int) -> None:
     from privfl.federation.rundir import update_json
 
     for i in range(count):
-        def add(stored: dict, key=f"{worker}-{i}") -> dict:
+        def add(stored: dict, key=f"{worker}-{i}", i=i) -> dict:
             time.sleep(0.001)   # widen the read-write window an unlocked merge would lose rows in
             return {**stored, key: float("inf") if i == 0 else i}
         update_json(path, add)

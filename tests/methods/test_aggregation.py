@@ -58,6 +58,26 @@ def test_fedavg_server_lr_scales_the_mean_change():
         assert torch.allclose(strategy.weights[k], before[k] + 1.0)
 
 
+def test_fedavg_server_momentum_accumulates_the_mean_changes_and_is_kept_in_the_checkpoint_state():
+    strategy, _ = make("fedavg", server_lr=0.5, server_momentum=0.9)
+    before = {k: v.clone() for k, v in strategy.weights.items()}
+    strategy.apply_mean(0, const_like(before, 2.0), 3.0)            # v = 2, w += 0.5 * 2
+    strategy.apply_mean(1, const_like(before, 1.0), 3.0)            # v = 0.9 * 2 + 1 = 2.8, w += 0.5 * 2.8
+    for k in before:
+        assert torch.allclose(strategy.weights[k], before[k] + 1.0 + 1.4)
+    resumed, _ = make("fedavg", server_lr=0.5, server_momentum=0.9)
+    resumed.load_state_dict(strategy.state_dict())
+    for s in (strategy, resumed):                                   # v = 2.52, w += 1.26 on both
+        s.aggregate_train(2, {0: Message(arrays=const_like(before, 0.0), metrics={"num_examples": 1.0})})
+    for k in before:
+        assert torch.allclose(resumed.weights[k], before[k] + 1.0 + 1.4 + 1.26)
+        assert torch.equal(resumed.weights[k], strategy.weights[k])
+    with pytest.raises(ConfigError, match=r"server_momentum must be a number in \[0, 1\).*got 1.0"):
+        get_method("fedavg").make_config(server_momentum=1.0)
+    with pytest.raises(ConfigError, match="server_momentum=0.5 is applied by FedAvg's own server step"):
+        make("fedgma", server_momentum=0.5)
+
+
 def test_fedavg_client_update_is_the_sgd_weight_change():
     strategy, client = make("fedavg", lr=0.05, local_steps=1, batch_size=8)
     data = client_data()

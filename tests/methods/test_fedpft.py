@@ -10,17 +10,15 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from torch import nn
 
 from accounting import GaussianEvent, epsilon
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import score_model
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime
 from privfl.federation.messages import Message
-from privfl.privacy.training import TrainingPrivacy
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.fedpft import (
     ClassMixture,
@@ -41,6 +39,7 @@ from privfl.methods.fedpft_baselines import (
     pooled_validation,
     select_on_validation,
 )
+from privfl.privacy.training import TrainingPrivacy
 
 DIM, CLASSES = 12, 4
 HEAD = {"head_lr": 5.0, "head_epochs": 10.0}

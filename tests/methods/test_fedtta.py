@@ -17,9 +17,9 @@ from accounting import (
     NonPrivateEvent,
     analytic_gaussian_sigma,
 )
+from privfl.config import RunConfig
 from privfl.data import build_federation
 from privfl.errors import ConfigError
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime
 from privfl.federation import ClientContext, Message
 from privfl.methods import ModelFactory, get_method

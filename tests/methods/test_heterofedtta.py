@@ -5,14 +5,13 @@ import json
 import math
 
 import numpy as np
-
 import pytest
 import torch
 from torch import nn
 
+from privfl.config import RunConfig
 from privfl.data import build_federation
 from privfl.errors import ConfigError
-from privfl.config import RunConfig
 from privfl.experiment import RunInterrupted, build_runtime, train
 from privfl.federation import ClientContext, Message
 from privfl.methods import ModelFactory, get_method

@@ -5,9 +5,11 @@ import math
 import pytest
 import torch
 
+from accounting import ComposedEvent, analytic_gaussian_sigma  # noqa: E402  (after privfl, as in test_pefll)
+from accounting import epsilon as accounting_epsilon  # noqa: E402
+from privfl.config import RunConfig
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, TrainingDivergedError
-from privfl.config import RunConfig
 from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime, Message, RunDirectory
 from privfl.federation.context import client_context
@@ -16,9 +18,6 @@ from privfl.methods.itpflhn import make_encoder
 from privfl.methods.private import protect
 from privfl.models import DeepSetEncoder, DPDeepSetEncoder, functional_forward
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
-
-from accounting import ComposedEvent, analytic_gaussian_sigma  # noqa: E402  (after privfl, as in test_pefll)
-from accounting import epsilon as accounting_epsilon  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +198,10 @@ def test_bad_settings_raise_naming_the_value(bad, match):
 DP = {"encoder": "dp_deepset", "grad_clip": None}
 
 
-def private_runtime(clients, privacy, rounds=2, novel_privacy=NovelPrivacy(bound=0.5), **settings):
+NOVEL_PRIVACY = NovelPrivacy(bound=0.5)
+
+
+def private_runtime(clients, privacy, rounds=2, novel_privacy=NOVEL_PRIVACY, **settings):
     """IT-PFL-HN under ``privacy`` as :func:`privfl.config.build_method` builds it (every client every round)."""
     spec = get_method("itpflhn")
     config = spec.make_config(**{**SMALL, **DP, **settings})

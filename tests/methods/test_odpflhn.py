@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
+from privfl.config import RunConfig
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, TrainingDivergedError
-from privfl.federation.context import client_context
-from privfl.config import RunConfig
 from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime
+from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.odpflhn import ODPFLHNClient, ODPFLHNConfig, ODPFLHNStrategy, client_descriptor
-from privfl.models import backprop_weight_change, functional_forward
 from privfl.methods.private import PrivateClient
+from privfl.models import backprop_weight_change, functional_forward
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 FACTORY = ModelFactory("mlp2nn", (6,), 3)
@@ -52,8 +52,9 @@ def _runtime(config: ODPFLHNConfig, clients: list[TrainingClient], *, novel_priv
 @pytest.mark.parametrize("encoder,descriptor", [("dp_deepset", "full"), ("dp_deepset", "batch_mean"),
                                                 ("dss", "full")])
 def test_one_plain_sgd_step_gives_lr_times_the_true_gradients(encoder, descriptor):
-    """Digest 3.1: with one local plain-SGD step on one batch, no momentum and no weight decay, the hypernetwork and
-    encoder updates equal lr_local x the gradients of L(theta, gamma) back-propagated straight through w and e."""
+    """Algorithm 1 (docs/papers.md, "Training: Algorithm 1"): with one local plain-SGD step on one batch, no momentum
+    and no weight decay, the hypernetwork and encoder updates equal lr_local x the gradients of L(theta, gamma)
+    back-propagated straight through w and e."""
     lr_local, hn_lr, encoder_lr = 0.1, 0.5, 0.3
     config = ODPFLHNConfig(lr=lr_local, local_steps=1, batch_size=64, local_momentum=0.0, local_weight_decay=0.0,
                            hn_lr=hn_lr, hn_weight_decay=0.0, encoder_lr=encoder_lr, encoder_weight_decay=0.0,
@@ -99,8 +100,8 @@ def test_a_diverging_round_is_refused_naming_the_rates_and_leaves_the_models_fin
     config = ODPFLHNConfig(lr=1e6, local_steps=5, batch_size=8, encoder_hidden=8, embed_dim=4, hn_hidden=16,
                            hn_lr=0.05, encoder_lr=0.05, grad_clip=None)
     runtime = _runtime(config, [_client(i, seed=3) for i in range(3)])
-    with pytest.raises(TrainingDivergedError, match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr "
-                                          r"\(now 1000000.0\)"):
+    with pytest.raises(TrainingDivergedError,
+                       match=r"round 0: ODPFL-HN training diverged.*hn_lr \(now 0.05\).*local lr \(now 1000000.0\)"):
         runtime.run_round(0)
     for module in (runtime.strategy.hnet, runtime.strategy.encoder):
         assert all(bool(torch.isfinite(p).all()) for p in module.parameters())

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from privfl.privacy.training import NovelPrivacy
+from privfl.config import RunConfig
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.evaluation.metrics import score_model
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime
+from privfl.privacy.training import NovelPrivacy
 from privfl.sweep import DEFAULT_METHOD
 
 SPEC = FederationSpec(source="synthetic", source_options={"num_samples": 2400, "dim": 10, "num_classes": 6,

@@ -6,22 +6,19 @@ import pytest
 import torch
 from torch import nn
 
+from accounting import ComposedEvent, NeighboringRelation, analytic_gaussian_sigma  # noqa: E402  (after privfl: tests/accounting would shadow it)
+from privfl.config import RunConfig
 from privfl.data import NovelClient, TrainingClient, build_federation
 from privfl.errors import ConfigError, TrainingDivergedError
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime, train
 from privfl.federation import InProcessRuntime
-from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
-from privfl.methods.private import protect
-from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.methods.pefll import PeFLLConfig, descriptor_of, unseen_clients_with_labels
+from privfl.methods.private import protect
 from privfl.models import functional_forward
 from privfl.models.hypernetwork import backprop_weight_change
 from privfl.models.pefll import EmbeddingNetwork
-
-from accounting import ComposedEvent, NeighboringRelation, analytic_gaussian_sigma  # noqa: E402  (after privfl: tests/accounting would shadow it)
-from accounting import epsilon as accounting_epsilon  # noqa: E402
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 torch.set_num_threads(1)
 
@@ -323,7 +320,8 @@ def test_central_dp_steps_both_networks_from_the_noisy_mean_and_never_serves_ano
     torch.optim.Adam([{"params": list(groups[0].values())}, {"params": list(groups[1].values())}],
                      lr=cfg.server_lr).step()
     strategy.apply_mean(0, mean, 1.5)
-    for name, p in [*strategy.hnet.named_parameters(prefix="hnet"), *strategy.embedding.named_parameters(prefix="embed")]:
+    named = [*strategy.hnet.named_parameters(prefix="hnet"), *strategy.embedding.named_parameters(prefix="embed")]
+    for name, p in named:
         assert torch.allclose(p, groups[0].get(name, groups[1].get(name)), atol=1e-7), name
     # a training client that never trained gets h(0), not h(mean of the others' descriptors)
     assert strategy.descriptors_confidential
@@ -375,8 +373,9 @@ def test_a_diverged_round_is_refused_before_the_server_steps_so_the_networks_sta
     runtime = InProcessRuntime(strategy=strategy, client=spec.client(model_factory=factory, config=cfg),
                                training_clients=[client(0, 1), client(1, 2)], seed=0)
     before = runtime.strategy.state_dict()
-    with pytest.raises(TrainingDivergedError, match=r"round 0: PeFLL training diverged \(non-finite gradients from clients "
-                                          r"\[0, 1\]\); lower lr \(now 50.0\)"):
+    with pytest.raises(TrainingDivergedError,
+                       match=r"round 0: PeFLL training diverged \(non-finite gradients from clients \[0, 1\]\); "
+                             r"lower lr \(now 50.0\)"):
         runtime.run_round(0)
     after = runtime.strategy.state_dict()
     for part in ("hypernetwork", "embedding"):

@@ -7,22 +7,22 @@ import pytest
 import torch
 from torch import nn
 
+from accounting import ComposedEvent  # noqa: E402  (after privfl, as in test_pefll)
+from accounting import epsilon as accounting_epsilon
+from privfl.config import RunConfig
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, TrainingDivergedError
 from privfl.evaluation.metrics import ExpectedModel, score_model
-from privfl.config import RunConfig
 from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime, RunDirectory, sample_clients
 from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.local_training import sgd_settings
 from privfl.methods.pfl_baselines import LogitEnsemble, proxy_a_distance
-from privfl.models import functional_forward
 from privfl.methods.private import protect
+from privfl.models import functional_forward
 from privfl.models.hypernetwork import backprop_weight_change
 from privfl.privacy.training import TrainingPrivacy
-
-from accounting import ComposedEvent, epsilon as accounting_epsilon  # noqa: E402  (after privfl, as in test_pefll)
 
 
 @pytest.fixture(autouse=True)
@@ -363,7 +363,8 @@ def test_a_target_epsilon_is_spent_exactly_over_the_planned_rounds():
 @pytest.mark.parametrize("name", ["pfedhn", "pfl_sampled", "pfl_ensemble"])
 def test_record_level_refuses_the_batch_clip_before_the_run(name, make_spec):
     record = TrainingPrivacy(mode="record", noise_multiplier=1.0)
-    refusal = "grad_clip=50.0 clips each local step's batch gradient.*set grad_clip to None .* with privacy mode 'record'"
+    refusal = ("grad_clip=50.0 clips each local step's batch gradient.*set grad_clip to None .* "
+               "with privacy mode 'record'")
     with pytest.raises(ConfigError, match=refusal):
         RunConfig(federation=make_spec(), method=name, privacy=record, select="last")
     with pytest.raises(ConfigError, match=refusal):

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from accounting import ComposedEvent, GaussianEvent, NeighboringRelation
+from privfl.config import RunConfig
 from privfl.data import NovelClient, build_federation
 from privfl.errors import ConfigError
-from privfl.config import RunConfig
 from privfl.experiment import build_runtime
 from privfl.federation import ClientContext, Message
 from privfl.federation.context import client_context

@@ -6,8 +6,7 @@ from torch.nn import functional as F
 
 from privfl.errors import ConfigError
 from privfl.models import build_model, functional_forward
-from privfl.models.hypernetwork import (HyperNetwork, RoundGradientMean, backprop_weight_change,
-                                        embedding_dim)
+from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, backprop_weight_change, embedding_dim
 
 
 @pytest.mark.parametrize("name,shape", [("mlp2nn", (1, 28, 28)), ("lenet", (3, 32, 32)), ("feature_mlp", (64,))])

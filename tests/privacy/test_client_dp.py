@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from accounting import GaussianEvent, NeighboringRelation, SelfComposedEvent, analytic_gaussian_sigma, epsilon
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, TrainingDivergedError
 from privfl.privacy.client_dp import clip_update, update_norm
 from privfl.privacy.training import TrainingPrivacy, client_level_noise, share_epsilon
 
@@ -65,6 +65,6 @@ def test_bad_settings_name_the_value(settings, name):
         TrainingPrivacy(**settings)
 
 
-def test_non_finite_update_is_refused():
-    with pytest.raises(ConfigError, match="NaN or inf"):
+def test_non_finite_update_is_refused_as_a_diverged_training_with_the_settings_to_lower():
+    with pytest.raises(TrainingDivergedError, match="NaN or inf: local training diverged .*learning rate"):
         clip_update({"a": torch.tensor([float("nan")])}, 1.0)

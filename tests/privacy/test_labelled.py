@@ -4,11 +4,10 @@ import pytest
 import torch
 from torch import nn
 
+from accounting import NeighboringRelation, analytic_gaussian_sigma  # noqa: E402  (after privfl, see test_pefll)
 from privfl.errors import ConfigError
 from privfl.models.pefll import EmbeddingNetwork
 from privfl.privacy.labelled import certify_labelled_mean, release_labelled_mean
-
-from accounting import NeighboringRelation, analytic_gaussian_sigma  # noqa: E402  (after privfl, see test_pefll)
 
 torch.set_num_threads(1)
 

@@ -120,4 +120,5 @@ def test_central_dp_clips_each_contribution_and_adapts_the_clip(make_spec):
     # the count's noise default leaves the update most of the budget even when the round's noise is large
     loud = build_runtime(_fedavg(spec, TrainingPrivacy(mode="central", noise_multiplier=12.0, clip="adaptive")),
                          federation)
-    assert loud.strategy.count_noise == 12.0 and loud.strategy.update_multiplier == pytest.approx(12.0 / math.sqrt(0.75))
+    assert loud.strategy.count_noise == 12.0
+    assert loud.strategy.update_multiplier == pytest.approx(12.0 / math.sqrt(0.75))

@@ -57,7 +57,7 @@ def generate_certificates(directory: str | os.PathLike, *, hosts: tuple[str, ...
         raise ConfigError(f"nodes must be an integer >= 0, got {nodes!r}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days))
 
     def write_private(path: Path, data: bytes) -> None:
@@ -159,7 +159,7 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
 
 
 def _parse_node_config(text: str) -> dict:
-    from flwr.common.config import parse_config_args       # as flower-supernode reads --node-config
+    from flwr.common.config import parse_config_args  # as flower-supernode reads --node-config
 
     return parse_config_args([text])
 

@@ -1,0 +1,308 @@
+"""Decoder baselines of the reconstruction attack: maps from a feature to an image, fitted on the attacker's pairs.
+
+A diffusion reconstructor is credible only when it beats these on every metric: each is trained on the same
+``(E(x), x)`` pairs of the attacker's own data and has its hyperparameters chosen on the attacker's held-out pairs
+(mean squared error; never the defender's images). All return images ``[n, C, H, W]`` on [0, 1].
+
+- :class:`RidgeDecoder`: linear least squares from standardised features to pixels with an L2 penalty alpha
+  (closed form through the eigendecomposition of ``X^T X``, float64).
+- :class:`MLPDecoder`: a two-hidden-layer MLP (SiLU, sigmoid output) trained with MSE by AdamW; the epoch with the
+  lowest held-out MSE is kept (early stopping).
+- :class:`KNNDecoder`: the average of the k attacker images whose features are most similar (cosine) to the
+  released one; with ``ks=(1,)`` it is the nearest attacker image by feature (``"nn"``; a sharp image, as a
+  generator's sample is, where the average is a blurred one).
+- :class:`ClassMeanDecoder`: the attacker's mean image of the released label (what the label alone gives).
+
+Regression decoders estimate the posterior mean ``E[x | E(x)]``, which is what PSNR rewards; that is why the
+diffusion reconstructor reports the mean of its samples beside their medoid.
+
+Example:
+    >>> import torch
+    >>> f, x = torch.eye(4), torch.rand(4, 1, 2, 2)
+    >>> d = KNNDecoder(ks=(1,)).fit(f, x, torch.arange(4), f, x, torch.arange(4))
+    >>> bool(torch.equal(d.decode(f, torch.arange(4)), x))
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from privfl.errors import ConfigError
+
+__all__ = ["DECODERS", "ClassMeanDecoder", "KNNDecoder", "MLPDecoder", "RidgeDecoder", "feature_similarity",
+           "fit_decoders", "make_decoder"]
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x, dtype=torch.float32)
+
+
+def _check(features: Any, images: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    f, x = _tensor(features), _tensor(images)
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    if f.ndim != 2 or x.ndim != 4 or len(f) != len(x) or len(f) != len(y) or len(f) == 0:
+        raise ConfigError(f"need [n, d] features, [n, C, H, W] images and [n] labels (n >= 1), got "
+                          f"{tuple(f.shape)}, {tuple(x.shape)} and {tuple(y.shape)}")
+    if not (torch.isfinite(f).all() and torch.isfinite(x).all()):
+        raise ConfigError("features and images must be finite")
+    return f, x, y
+
+
+def _mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.double() - b.double()) ** 2).mean())
+
+
+def _unit(f: torch.Tensor) -> torch.Tensor:
+    return f / torch.linalg.vector_norm(f, dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def feature_similarity(features: Any, attacker_features: Any, *, chunk: int = 4096) -> torch.Tensor:
+    """``[n, m]`` cosine similarities between released features and the attacker's (computed in chunks)."""
+    f, a = _unit(_tensor(features)), _unit(_tensor(attacker_features))
+    return torch.cat([f[i:i + chunk] @ a.T for i in range(0, len(f), chunk)]) if len(f) else f.new_zeros(0, len(a))
+
+
+class _Standardiser:
+    """Per-dimension standardisation with the attacker's training statistics (std floored at 1 % of its mean)."""
+
+    def __init__(self, features: torch.Tensor) -> None:
+        f = features.double()
+        self.mean = f.mean(0)
+        std = f.std(0, unbiased=False)
+        self.std = std.clamp_min(max(float(std.mean()) * 1e-2, 1e-8))
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        return (features.double() - self.mean) / self.std
+
+
+class RidgeDecoder:
+    """Ridge regression from standardised features to pixels; alpha chosen on the held-out pairs.
+
+    Args:
+        alphas: candidate penalties, as multiples of the number of training pairs n (the diagonal of ``X^T X`` of
+            standardised features is n).
+    """
+
+    name = "ridge"
+
+    def __init__(self, alphas: Sequence[float] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)) -> None:
+        if not alphas or any(isinstance(a, bool) or not isinstance(a, numbers.Real) or not a > 0 for a in alphas):
+            raise ConfigError(f"alphas must be one or more numbers > 0, got {alphas!r}")
+        self.alphas = tuple(float(a) for a in alphas)
+        self.details: dict[str, Any] = {}
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> RidgeDecoder:
+        f, x, _ = _check(features, images, labels)
+        hf, hx, _ = _check(held_features, held_images, held_labels)
+        self.shape = tuple(x.shape[1:])
+        self.standardise = _Standardiser(f)
+        z = self.standardise(f)
+        y = x.reshape(len(x), -1).double()
+        self.image_mean = y.mean(0)
+        gram = z.T @ z
+        cross = z.T @ (y - self.image_mean)
+        values, vectors = torch.linalg.eigh(gram)
+        rotated = vectors.T @ cross
+        held = self.standardise(hf)
+        scores = {}
+        best = None
+        for a in self.alphas:
+            weights = vectors @ (rotated / (values + a * len(z))[:, None])
+            mse = _mse(self._predict(held, weights), hx)
+            scores[a] = mse
+            if best is None or mse < scores[best[0]]:
+                best = (a, weights)
+        self.alpha, self.weights = best
+        self.details = {"alpha_over_n": self.alpha, "held_out_mse": {f"{a:g}": v for a, v in scores.items()}}
+        return self
+
+    def _predict(self, z: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = z @ weights + self.image_mean
+        return out.float().clamp(0, 1).reshape(len(z), *self.shape)
+
+    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
+        return self._predict(self.standardise(_tensor(features)), self.weights)
+
+
+class MLPDecoder:
+    """A two-hidden-layer MLP (standardised feature -> ``hidden`` -> ``hidden`` -> pixels, SiLU, sigmoid), MSE.
+
+    Trains up to ``epochs`` epochs (AdamW, batch ``batch_size``) and keeps the weights of the epoch with the lowest
+    held-out MSE; stops after ``patience`` epochs without improvement.
+    """
+
+    name = "mlp"
+
+    def __init__(self, *, hidden: int = 1024, epochs: int = 30, learning_rate: float = 1e-3,
+                 weight_decay: float = 1e-4, batch_size: int = 256, patience: int = 4, seed: int = 0,
+                 device: str | torch.device = "cpu", progress: bool = False) -> None:
+        for name, value in (("hidden", hidden), ("epochs", epochs), ("batch_size", batch_size),
+                            ("patience", patience)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(learning_rate, numbers.Real) and learning_rate > 0):
+            raise ConfigError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+        self.hidden, self.epochs, self.learning_rate = int(hidden), int(epochs), float(learning_rate)
+        self.weight_decay, self.batch_size, self.patience = float(weight_decay), int(batch_size), int(patience)
+        self.seed, self.device, self.progress = int(seed), torch.device(device), progress
+        self.details: dict[str, Any] = {}
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> MLPDecoder:
+        from tqdm.auto import tqdm
+
+        f, x, _ = _check(features, images, labels)
+        hf, hx, _ = _check(held_features, held_images, held_labels)
+        self.shape = tuple(x.shape[1:])
+        self.standardise = _Standardiser(f)
+        z = self.standardise(f).float().to(self.device)
+        y = x.reshape(len(x), -1).to(self.device)
+        held = self.standardise(hf).float().to(self.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self.model = nn.Sequential(nn.Linear(z.shape[1], self.hidden), nn.SiLU(),
+                                       nn.Linear(self.hidden, self.hidden), nn.SiLU(),
+                                       nn.Linear(self.hidden, y.shape[1]), nn.Sigmoid()).to(self.device)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
+        generator = torch.Generator().manual_seed(self.seed)
+        history, best_state, best, waited = [], None, math.inf, 0
+        for _ in tqdm(range(self.epochs), desc="mlp decoder", unit="epoch", disable=not self.progress,
+                      dynamic_ncols=True):
+            self.model.train()
+            order = torch.randperm(len(z), generator=generator).to(self.device)
+            for start in range(0, len(z), self.batch_size):
+                index = order[start:start + self.batch_size]
+                loss = nn.functional.mse_loss(self.model(z[index]), y[index])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            self.model.eval()
+            mse = _mse(self._predict(held).cpu(), hx)
+            history.append(mse)
+            if mse < best:
+                best, best_state, waited = mse, copy.deepcopy(self.model.state_dict()), 0
+            else:
+                waited += 1
+                if waited >= self.patience:
+                    break
+        self.model.load_state_dict(best_state)
+        self.model.eval()
+        self.details = {"hidden": self.hidden, "epochs_run": len(history), "best_epoch": int(np.argmin(history)) + 1,
+                        "held_out_mse_per_epoch": history}
+        return self
+
+    @torch.no_grad()
+    def _predict(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.model(z[i:i + 4096]) for i in range(0, len(z), 4096)]).reshape(len(z), *self.shape)
+
+    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
+        z = self.standardise(_tensor(features)).float().to(self.device)
+        return self._predict(z).float().cpu()
+
+
+class KNNDecoder:
+    """The mean of the k attacker images with the most similar features (cosine); k chosen on the held-out pairs."""
+
+    def __init__(self, ks: Sequence[int] = (1, 2, 4, 8, 16, 32), *, name: str = "knn") -> None:
+        if not ks or any(isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1 for k in ks):
+            raise ConfigError(f"ks must be one or more integers >= 1, got {ks!r}")
+        self.ks = tuple(int(k) for k in ks)
+        self.name = name
+        self.details: dict[str, Any] = {}
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> KNNDecoder:
+        f, x, _ = _check(features, images, labels)
+        hf, hx, _ = _check(held_features, held_images, held_labels)
+        if max(self.ks) > len(f):
+            raise ConfigError(f"k = {max(self.ks)} needs at least that many attacker pairs, got {len(f)}")
+        self.features, self.images = f, x
+        neighbours = feature_similarity(hf, f).topk(max(self.ks), dim=1).indices
+        scores = {k: _mse(x[neighbours[:, :k]].mean(1), hx) for k in self.ks}
+        self.k = min(self.ks, key=lambda k: (scores[k], k))
+        self.details = {"k": self.k, "held_out_mse": {str(k): v for k, v in scores.items()}}
+        return self
+
+    def decode(self, features: Any, labels: Any = None, *, exclude: Any = None, chunk: int = 1024) -> torch.Tensor:
+        """The mean of the k nearest attacker images of each feature.
+
+        ``exclude``: ``[n]`` for each feature, one of the decoder's own pairs to leave out (``-1``: none); decoding
+        the decoder's own training features with ``exclude=arange(n)`` is the leave-one-out estimate, what a feature
+        of an image outside the attacker's data gets.
+        """
+        f = _tensor(features)
+        skip = None if exclude is None else torch.as_tensor(np.asarray(exclude), dtype=torch.long)
+        if skip is not None and skip.shape != (len(f),):
+            raise ConfigError(f"exclude must hold one index (or -1) per feature, got shape {tuple(skip.shape)}")
+        out = []
+        for start in range(0, len(f), chunk):
+            similarity = feature_similarity(f[start:start + chunk], self.features)
+            if skip is not None:
+                rows = skip[start:start + chunk]
+                mine = rows >= 0
+                similarity[torch.arange(len(rows))[mine], rows[mine]] = -math.inf
+            out.append(self.images[similarity.topk(self.k, dim=1).indices].mean(1))
+        return torch.cat(out) if out else self.images[:0]
+
+
+class ClassMeanDecoder:
+    """The attacker's mean training image of each label (needs the released labels)."""
+
+    name = "class-mean"
+
+    def __init__(self) -> None:
+        self.details: dict[str, Any] = {}
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> ClassMeanDecoder:
+        _, x, y = _check(features, images, labels)
+        _, hx, hy = _check(held_features, held_images, held_labels)
+        self.classes = int(y.max()) + 1
+        self.means = torch.stack([x[y == c].mean(0) if (y == c).any() else x.mean(0) for c in range(self.classes)])
+        self.details = {"held_out_mse": _mse(self.decode(None, hy), hx)}
+        return self
+
+    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
+        if labels is None:
+            raise ConfigError("the class-mean decoder needs the released labels")
+        y = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= self.classes):
+            raise ConfigError(f"labels must lie in [0, {self.classes}), got {int(y.min())}..{int(y.max())}")
+        return self.means[y]
+
+
+#: Names of :func:`make_decoder`, in table order.
+DECODERS = ("ridge", "mlp", "knn", "nn", "class-mean")
+
+
+def make_decoder(name: str, *, seed: int = 0, device: str | torch.device = "cpu", mlp_hidden: int = 1024,
+                 mlp_epochs: int = 30, progress: bool = False) -> Any:
+    """A fresh decoder by name (one of :data:`DECODERS`)."""
+    if name == "ridge":
+        return RidgeDecoder()
+    if name == "mlp":
+        return MLPDecoder(hidden=mlp_hidden, epochs=mlp_epochs, seed=seed, device=device, progress=progress)
+    if name == "knn":
+        return KNNDecoder()
+    if name == "nn":
+        return KNNDecoder(ks=(1,), name="nn")
+    if name == "class-mean":
+        return ClassMeanDecoder()
+    raise ConfigError(f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}")
+
+
+def fit_decoders(names: Sequence[str], features: Any, images: Any, labels: Any, held_features: Any,
+                 held_images: Any, held_labels: Any, **options: Any) -> dict[str, Any]:
+    """Fit every named decoder on the attacker's training pairs, choosing hyperparameters on its held-out pairs."""
+    return {name: make_decoder(name, **options).fit(features, images, labels, held_features, held_images,
+                                                    held_labels) for name in names}

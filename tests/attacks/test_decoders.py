@@ -1,0 +1,153 @@
+"""The decoder baselines of the reconstruction attack and the bootstrap intervals of its tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:   # see test_reconstruction.py: the real `accounting` package must win
+    sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attacks.decoders import (  # noqa: E402
+    ClassMeanDecoder,
+    KNNDecoder,
+    MLPDecoder,
+    RidgeDecoder,
+    feature_similarity,
+    fit_decoders,
+    make_decoder,
+)
+from attacks.statistics import bootstrap_cell, separated  # noqa: E402
+from privfl.errors import ConfigError  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def linear_pairs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2 x 2 images that are an affine function of 6-d features (inside [0, 1])."""
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(n, 6, generator=g) * torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0, 1.0])
+    mixing = torch.randn(6, 4, generator=torch.Generator().manual_seed(99))
+    images = (0.5 + 0.03 * features @ mixing).reshape(n, 1, 2, 2)
+    return features, images, torch.zeros(n, dtype=torch.long)
+
+
+def clustered_pairs(n_per_class: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three classes: features near a class direction, images a class prototype plus pixel noise."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(3).repeat_interleave(n_per_class)
+    features = torch.eye(3)[labels] + 0.05 * torch.randn(len(labels), 3, generator=g)
+    prototypes = torch.tensor([[0.2, 0.8, 0.2, 0.8], [0.9, 0.1, 0.5, 0.5], [0.5, 0.5, 0.9, 0.1]])
+    images = (prototypes[labels] + 0.1 * torch.randn(len(labels), 4, generator=g)).clamp(0, 1)
+    return features, images.reshape(-1, 1, 2, 2), labels
+
+
+def test_ridge_recovers_an_affine_map_and_picks_the_smallest_penalty():
+    f, x, y = linear_pairs(300, 0)
+    hf, hx, hy = linear_pairs(50, 1)
+    ridge = RidgeDecoder(alphas=(1e-6, 1e-1, 10.0)).fit(f, x, y, hf, hx, hy)
+    assert ridge.alpha == 1e-6 and set(ridge.details["held_out_mse"]) == {"1e-06", "0.1", "10"}
+    assert torch.allclose(ridge.decode(hf), hx, atol=1e-4)
+    # a heavy penalty shrinks towards the mean image: worse held-out error
+    mse = ridge.details["held_out_mse"]
+    assert mse["1e-06"] < mse["0.1"] < mse["10"]
+
+
+def test_mlp_learns_and_keeps_its_best_epoch():
+    f, x, y = linear_pairs(256, 0)
+    hf, hx, hy = linear_pairs(64, 1)
+    mlp = MLPDecoder(hidden=32, epochs=15, batch_size=32, learning_rate=3e-3, seed=0).fit(f, x, y, hf, hx, hy)
+    history = mlp.details["held_out_mse_per_epoch"]
+    best = min(history)
+    assert mlp.details["best_epoch"] == history.index(best) + 1 and len(history) <= 15
+    baseline = float(((hx - x.mean(0)) ** 2).mean())   # predicting the mean image
+    assert best < 0.2 * baseline
+    assert float(((mlp.decode(hf) - hx) ** 2).mean()) == pytest.approx(best, rel=1e-4)
+    again = MLPDecoder(hidden=32, epochs=15, batch_size=32, learning_rate=3e-3, seed=0).fit(f, x, y, hf, hx, hy)
+    assert torch.equal(again.decode(hf), mlp.decode(hf))   # seeded
+
+
+def test_knn_averages_more_neighbours_when_that_lowers_held_out_error():
+    f, x, y = clustered_pairs(20, 0)
+    hf, hx, hy = clustered_pairs(5, 1)
+    knn = KNNDecoder(ks=(1, 2, 4, 8)).fit(f, x, y, hf, hx, hy)
+    assert knn.k == 8 and knn.details["held_out_mse"]["1"] > knn.details["held_out_mse"]["8"]
+    similarity = feature_similarity(hf[:1], f)
+    nearest8 = similarity.topk(8, dim=1).indices[0]
+    assert torch.allclose(knn.decode(hf[:1])[0], x[nearest8].mean(0))
+    nn = make_decoder("nn").fit(f, x, y, hf, hx, hy)
+    assert nn.name == "nn" and nn.k == 1 and torch.equal(nn.decode(f[5:6]), x[5:6])
+
+
+def test_knn_leave_one_out_never_returns_the_pair_itself():
+    f, x, y = clustered_pairs(10, 0)
+    nn = KNNDecoder(ks=(1,), name="nn").fit(f, x, y, f, x, y)
+    assert torch.equal(nn.decode(f), x)   # each training feature finds its own image
+    own = torch.arange(len(f))
+    loo = nn.decode(f, exclude=own)
+    similarity = feature_similarity(f, f)
+    similarity[own, own] = -float("inf")
+    assert torch.equal(loo, x[similarity.argmax(1)]) and not torch.equal(loo, x)
+    partly = nn.decode(f[:2], exclude=[-1, 1], chunk=1)   # -1: nothing left out
+    assert torch.equal(partly[0], x[0]) and torch.equal(partly[1], loo[1])
+    with pytest.raises(ConfigError, match="one index"):
+        nn.decode(f[:2], exclude=[0])
+
+
+def test_class_mean_decodes_the_label():
+    f, x, y = clustered_pairs(10, 0)
+    decoder = ClassMeanDecoder().fit(f, x, y, f, x, y)
+    out = decoder.decode(None, torch.tensor([2, 0]))
+    assert torch.allclose(out[0], x[y == 2].mean(0)) and torch.allclose(out[1], x[y == 0].mean(0))
+    with pytest.raises(ConfigError, match="needs the released labels"):
+        decoder.decode(f)
+    with pytest.raises(ConfigError, match=r"labels must lie in \[0, 3\)"):
+        decoder.decode(None, torch.tensor([3]))
+
+
+def test_decoder_errors_name_the_value():
+    f, x, y = clustered_pairs(2, 0)
+    with pytest.raises(ConfigError, match="unknown decoder 'gan'; valid decoders: ridge, mlp, knn, nn, class-mean"):
+        make_decoder("gan")
+    with pytest.raises(ConfigError, match="k = 8 needs at least that many"):
+        KNNDecoder(ks=(8,)).fit(f, x, y, f, x, y)
+    with pytest.raises(ConfigError, match="ks must be"):
+        KNNDecoder(ks=(0,))
+    with pytest.raises(ConfigError, match="hidden must be an integer >= 1, got 0"):
+        MLPDecoder(hidden=0)
+    with pytest.raises(ConfigError, match="need"):
+        RidgeDecoder().fit(f, x[:2], y, f, x, y)
+    fitted = fit_decoders(("class-mean", "nn"), f, x, y, f, x, y)
+    assert list(fitted) == ["class-mean", "nn"]
+
+
+# -- bootstrap intervals --------------------------------------------------------------------------------------------
+
+def test_bootstrap_interval_of_a_mean_has_the_normal_width():
+    values = np.random.default_rng(0).normal(3.0, 1.0, size=(400, 1))
+    estimate, low, high = bootstrap_cell([(values, None)], n_boot=2000, seed=1)
+    assert estimate[0] == pytest.approx(values.mean())
+    assert low[0] < estimate[0] < high[0]
+    assert high[0] - low[0] == pytest.approx(2 * 1.96 * values.std() / 20, rel=0.15)   # 1.96 sd / sqrt(n) each side
+    constant = bootstrap_cell([(np.full((5, 2), 7.0), None)], n_boot=100)
+    assert np.all(constant[1] == 7.0) and np.all(constant[2] == 7.0)
+
+
+def test_bootstrap_redoes_the_top_selection_and_averages_the_seeds():
+    values = np.array([[1.0], [2.0], [3.0], [10.0]])
+    rank = np.array([0.1, 0.2, 0.3, 0.9])
+    estimate, low, high = bootstrap_cell([(values, rank)], fraction=0.25, n_boot=500, seed=0)
+    assert estimate[0] == 10.0 and high[0] == 10.0 and low[0] < 10.0   # resamples without image 3 pick another
+    other = np.array([[4.0], [6.0]])
+    estimate, _, _ = bootstrap_cell([(values, None), (other, None)], n_boot=100)
+    assert estimate[0] == pytest.approx((4.0 + 5.0) / 2)   # the mean of the seeds' means
+    with pytest.raises(ConfigError, match="one score per image"):
+        bootstrap_cell([(values, rank[:2])], fraction=0.5)
+    with pytest.raises(ConfigError, match="n_boot must be an integer >= 1"):
+        bootstrap_cell([(values, None)], n_boot=0)
+    assert separated((0.0, 1.0), (1.5, 2.0)) and not separated((0.0, 1.6), (1.5, 2.0))
