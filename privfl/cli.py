@@ -319,17 +319,34 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     if not path.exists():
         raise PrivflError(f"{path} does not exist; a run writes its ledger when it finishes")
     book = LedgerBook.load(path)
-    print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases")
-    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  {'mode':<11}  {'relation':<32}  purposes")
-    for client_id in sorted(book, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
-        ledger = book[client_id]
-        purposes = Counter(record.purpose for record in ledger.records)
+    # A Flower run's clients keep their ledgers on their nodes across runs: ledger.json holds this run's releases,
+    # the summary each client's lifetime epsilon (every run its node ledger holds) and the earlier runs it includes.
+    summary = run.read_json(RunDirectory.SUMMARY) if run.path(RunDirectory.SUMMARY).exists() else {}
+    lifetime = (summary.get("flower") or {}).get("lifetime") or {}
+    if lifetime and not math.isclose(float(lifetime["delta"]), delta):
+        print(f"lifetime epsilons are at delta={float(lifetime['delta']):g} (the run's), not --delta {delta:g}")
+    print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases"
+          + (f" in run {lifetime['run_id']}" if lifetime.get("run_id") else ""))
+    if lifetime:
+        earlier = lifetime.get("earlier_runs") or []
+        print("lifetime: every release of the client on its node, this run's and "
+              + (f"earlier runs' ({', '.join(earlier)})" if earlier else "no earlier run's"))
+    lifetime_eps = lifetime.get("epsilon_per_client", {})
+    print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  " + (f"{'lifetime':>8}  " if lifetime else "")
+          + f"{'mode':<11}  {'relation':<32}  purposes")
+    ids = set(book) | {int(c) for c in lifetime_eps}
+    for client_id in sorted(ids, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
+        records = book[client_id].records if client_id in book else []
+        purposes = Counter(record.purpose for record in records)
         listed = ", ".join(f"{name} x{count}" for name, count in sorted(purposes.items()))
-        modes = sorted({str(r.metadata["mode"]) for r in ledger.records if "mode" in r.metadata}) or ["-"]
-        relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in ledger.records
+        modes = sorted({str(r.metadata["mode"]) for r in records if "mode" in r.metadata}) or ["-"]
+        relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in records
                             if r.event.relation is not None}) or ["none (not private)"]
-        print(f"{client_id!s:>6}  {len(ledger):>8}  {format_epsilon(ledger.spent(delta).epsilon):>8}  "
-              f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
+        epsilon = book[client_id].spent(delta).epsilon if client_id in book else 0.0
+        total = lifetime_eps.get(str(client_id))
+        print(f"{client_id!s:>6}  {len(records):>8}  {format_epsilon(epsilon):>8}  "
+              + (f"{format_epsilon(float(total)) if total is not None else '-':>8}  " if lifetime else "")
+              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
     return 0
 
 
@@ -344,20 +361,22 @@ def _parse_numbers(kind):
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
-    from privfl.sweep import FULL_SIZES, SIZES, SweepConfig, format_table, run_sweep
+    from privfl.sweep import FULL_SIZES, PRIVATE_ROUNDS, SIZES, SweepConfig, format_table, run_sweep
 
+    private_rounds = None if args.full_grid else (PRIVATE_ROUNDS if args.private_rounds is None
+                                                  else args.private_rounds)
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, clients=args.clients,
                          max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
                          method=args.method, method_config=dict(args.method_option) or None,
                          train_epsilons=args.train_epsilons, train_clip=args.train_clip,
-                         private_rounds=None if args.full_grid else args.private_rounds,
+                         private_rounds=private_rounds,
                          min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
                          sizes=args.sizes or (FULL_SIZES if args.full_grid else SIZES),
                          novel_mixes=args.novel_mixes, eval_size=args.eval_size,
                          repeats=args.repeats, seed=args.seed, device=args.device)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
     rounds = (f"{args.rounds} rounds per training" if args.full_grid or args.train_epsilons == (None,) else
-              f"{args.rounds} rounds without DP, {args.private_rounds} per private training")
+              f"{args.rounds} rounds without DP, {private_rounds} per private training")
     print(f"\n{args.method} on {args.dataset}, {rounds}; novel clients' accuracy (%) +- SEM "
           f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
           f"replace-one, n public):\n")
@@ -450,8 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
                    help="training clients' record-level epsilons, one training each; inf = without DP "
                         "(1,4,8,inf)")
-    p.add_argument("--private-rounds", type=int, default=40,
-                   help="rounds of each private training (40; at a fixed epsilon fewer rounds carry less noise each)")
+    p.add_argument("--private-rounds", type=int, default=None,
+                   help="rounds of each private training (privfl.sweep.PRIVATE_ROUNDS, 20; at a fixed epsilon fewer "
+                        "rounds carry less noise each)")
     p.add_argument("--full-grid", action="store_true",
                    help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (about 30 "
                         "minutes on one core; the default grid is about 10)")

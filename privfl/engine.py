@@ -17,12 +17,14 @@ Flower is imported only when a Flower engine is used (``pip install 'privfl[flow
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from privfl.config import RunConfig, build_method
 from privfl.errors import ConfigError
 from privfl.experiment import train
+from privfl.federation.rundir import RunDirectory
 
 if TYPE_CHECKING:
     from flwr.serverapp import Grid
@@ -63,16 +65,17 @@ def _one_worker(config: RunConfig) -> None:
                           "use workers=1, or engine 'inprocess'")
 
 
-def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None):
+def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None, *, run_id: str = ""):
     """A ``runtime_factory`` for :func:`privfl.experiment.train` whose runtime runs each exchange on the nodes
-    behind ``grid`` (the same strategy and procedure objects as in-process)."""
+    behind ``grid`` (the same strategy and procedure objects as in-process). ``run_id`` names the run in every
+    message (the nodes tag their ledger records with it)."""
     from privfl.federation.flower.runtime import FlowerRuntime
 
     def factory(config: RunConfig, federation) -> FlowerRuntime:
         _one_worker(config)
         strategy, client = build_method(config, federation)
         return FlowerRuntime(grid, strategy=strategy, client=client, federation=federation, config=config,
-                             options=options)
+                             options=options, run_id=run_id)
 
     return factory
 
@@ -92,8 +95,70 @@ def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOpt
         raise ConfigError(f"run config needs {p.RUN_CONFIG!r} (the RunConfig as JSON) and {p.OUT!r} (the run "
                           f"directory on the SuperLink's machine); got {sorted(k for k, v in run_config.items() if v)}")
     config = RunConfig.from_dict(json.loads(text))
-    return train(config, out, overwrite=bool(run_config.get(p.OVERWRITE)), progress=progress,
-                 stop_after_round=stop_after_round, runtime_factory=flower_runtime_factory(grid, options))
+    run_dir = RunDirectory(out)
+    resume = bool(run_config.get(p.RESUME))
+    if resume:
+        run_id = _resumed_run_id(run_dir, config)
+    elif run_dir.path(RunDirectory.CONFIG).exists() and not run_config.get(p.OVERWRITE):
+        # before waiting for any node: an operator hears of it at once
+        raise ConfigError(f"run directory {out} already holds a run; continue it with privfl flower run --resume "
+                          f"{out}, choose another --out, or pass --overwrite")
+    else:
+        run_id = uuid.uuid4().hex[:12]
+    try:
+        return train(None if resume else config, out, resume=resume, overwrite=bool(run_config.get(p.OVERWRITE)),
+                     progress=progress, stop_after_round=stop_after_round,
+                     runtime_factory=flower_runtime_factory(grid, options, run_id=run_id))
+    except BaseException:
+        _keep_ledger(run_dir)
+        raise
+
+
+def _resumed_run_id(run_dir: RunDirectory, config: RunConfig) -> str:
+    """The run id of the run in ``run_dir`` that a resumed run continues (from its checkpoint, else from its release
+    journal; a run that made no release and saved no checkpoint gets a new one)."""
+    from accounting import ReleaseJournal
+    from privfl.federation.flower import protocol as p
+
+    if not run_dir.path(RunDirectory.CONFIG).exists():
+        raise ConfigError(f"cannot resume: {run_dir.root} holds no run ({RunDirectory.CONFIG} is missing); start it "
+                          "without --resume")
+    stored = RunConfig.from_dict(run_dir.read_json(RunDirectory.CONFIG))
+    if stored.to_dict() != config.to_dict():
+        raise ConfigError(f"cannot resume: the RunConfig given differs from {run_dir.path(RunDirectory.CONFIG)}; "
+                          f"resume with --config {run_dir.path(RunDirectory.CONFIG)}")
+    checkpoint = run_dir.load_checkpoint()
+    if checkpoint is not None:
+        run_id = ((checkpoint.get("runtime") or {}).get("wire") or {}).get("run_id")
+        if not run_id:
+            raise ConfigError(f"cannot resume {run_dir.root} on Flower: its checkpoint was not saved by a run on "
+                              "Flower nodes that names its run (resume it with privfl train --resume, or start it "
+                              "again)")
+        return str(run_id)
+    try:
+        entries = ReleaseJournal(run_dir.path(RunDirectory.RELEASES)).entries()
+    except ValueError as error:
+        raise ConfigError(f"cannot resume: {error}") from None
+    for _, record in entries:
+        if record.metadata.get(p.RUN_KEY):
+            return str(record.metadata[p.RUN_KEY])
+    return uuid.uuid4().hex[:12]
+
+
+def _keep_ledger(run_dir: RunDirectory) -> None:
+    """A run that stopped early still leaves its ``ledger.json``: this run's releases whose replies reached the
+    server (its release journal, every attempt of a resumed run), with the server's own records; the nodes' ledgers
+    hold the rest."""
+    from accounting import LedgerBook, ReleaseJournal
+
+    if not run_dir.path(RunDirectory.CONFIG).exists() or run_dir.path(RunDirectory.SUMMARY).exists():
+        return          # the run directory was never created, or the run finished
+    book = LedgerBook()
+    try:
+        ReleaseJournal(run_dir.path(RunDirectory.RELEASES)).replay_into(book)
+    except ValueError:
+        return          # a damaged journal: the error being raised is the one to report
+    book.save(run_dir.path(RunDirectory.LEDGER))
 
 
 def train_simulation(config: RunConfig, out: str, *, overwrite: bool = False, progress: bool = True,

@@ -2,7 +2,18 @@
 ``privfl/federation/flower/app/pyproject.toml``): the engine's :func:`privfl.engine.flower_main` in a Flower
 ``ServerApp``. A module of its own because importing it needs ``flwr``."""
 
+import logging
+import sys
+
 from privfl.engine import flower_main
 from privfl.federation.flower.server_app import make_server_app
+
+# The ServerApp's output is the run's log (`flwr log RUN_ID`, `privfl flower run --stream`): one line per round.
+_progress = logging.getLogger("privfl.federation.flower")
+if not _progress.handlers:
+    _handler = logging.StreamHandler(sys.stdout)
+    _handler.setFormatter(logging.Formatter("privfl: %(message)s"))
+    _progress.addHandler(_handler)
+    _progress.setLevel(logging.INFO)
 
 app = make_server_app(flower_main)

@@ -101,7 +101,12 @@ def test_user_errors_exit_2(tmp_path, capsys, extra, needle):
     assert needle in err and "Traceback" not in err
 
 
-def test_private_trainings_run_private_rounds_and_the_full_grid_runs_them_as_long_as_the_clean_one():
+def test_private_trainings_run_private_rounds_and_the_full_grid_runs_them_as_long_as_the_clean_one(capsys):
+    from privfl.sweep import PRIVATE_ROUNDS
+
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    assert f"privfl.sweep.PRIVATE_ROUNDS, {PRIVATE_ROUNDS};" in " ".join(capsys.readouterr().out.split())
     config = SweepConfig(rounds=30, private_rounds=5)
     assert (config.run_config(8.0).rounds, config.run_config(None).rounds) == (5, 30)
     assert config.run_config(8.0).eval_every == 1 and config.run_config(None).eval_every == 6

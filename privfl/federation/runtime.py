@@ -31,7 +31,7 @@ from torch import nn
 
 from accounting import LedgerBook, PrivacyBudget, PrivacyEvent, ReleaseJournal
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import InternalError
+from privfl.errors import ConfigError, InternalError
 from privfl.federation.context import ClientState, client_context
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng
@@ -405,5 +405,8 @@ class InProcessRuntime(Runtime):
         return {**self._committed, "wire": self.wire.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state.get("wire") or {}).get("ledgers_on_nodes"):
+            raise ConfigError("this run ran on Flower nodes, which keep its ledgers and client states: resume it "
+                              "there with privfl flower run --resume RUN_DIR")
         self.restore(state)
         self.wire.load_state_dict(state["wire"])

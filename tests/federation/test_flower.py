@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -287,6 +288,136 @@ def test_a_node_that_does_not_answer_is_named_when_the_exchange_times_out(tmp_pa
     assert time.monotonic() - started < 30
 
 
+def test_a_run_that_stops_early_leaves_its_release_journal_and_ledger(tmp_path, make_spec, task_identity):
+    # Node 101 answers the hello and then nothing: the first train exchange times out. Node 100's replies arrived
+    # before that; their releases are in the run's releases.jsonl and ledger.json, tagged with the run's id.
+    config = _run_config(make_spec(), "fedavg", rounds=1, client_fraction=1.0)
+    grid, federation = _loopback(config, tmp_path, [(0, 4), (5, 11)], silent={101})
+    answered = sorted(c.client_id for c in federation.training_clients[:5])
+    with pytest.raises(FlowerClientError, match="did not answer 'train'"):
+        flower_main(grid, _serve_config(config, tmp_path / "run"), options=FlowerOptions(timeout_s=0.5, node_wait_s=5))
+    run = RunDirectory(tmp_path / "run")
+    assert not run.path("summary.json").exists()
+    journal = [json.loads(line) for line in run.path("releases.jsonl").read_text().splitlines()]
+    assert sorted(e["client_id"] for e in journal) == answered
+    assert {e["record"]["purpose"] for e in journal} == {"model_update"}
+    ledger = json.loads(run.path("ledger.json").read_text())
+    assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == answered
+    (run_id,) = _run_ids(tmp_path / "run")
+    assert len(run_id) == 12 and {e["record"]["metadata"]["run"] for e in journal} == {run_id}
+    # the same records as on the nodes
+    for cid in answered:
+        on_node = PrivacyLedger.load(tmp_path / "n0" / f"ledger-client-{cid}.json")
+        assert [r.to_dict() for r in on_node.records] == [e["record"] for e in journal if e["client_id"] == cid]
+
+
+def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path, make_spec, task_identity,
+                                                                         monkeypatch):
+    # Node 100's clients fail in train; node 101's replies come back in the same pull, after node 100's error. The
+    # exchange stops, naming node 100 and its clients, but node 101's releases (made, recorded on its node) are
+    # journaled first.
+    config = _run_config(make_spec(), "fedavg", rounds=1, client_fraction=1.0)
+    grid, federation = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+    doomed = {c.client_id for c in federation.training_clients[:5]}
+    survivors = sorted(c.client_id for c in federation.training_clients[5:])
+    procedure = type(build_runtime(config, federation).client)
+    train_client = procedure.train
+
+    def refuse(self, data, body, state, ctx):
+        if data.client_id in doomed:
+            raise PublicConfigError(f"client {data.client_id} refuses")
+        return train_client(self, data, body, state, ctx)
+
+    monkeypatch.setattr(procedure, "train", refuse)
+    _restart_node()
+    with pytest.raises(FlowerClientError, match=rf"node 100 \(clients \[{', '.join(map(str, sorted(doomed)))}\]\) "
+                                                r"failed in 'train'"):
+        flower_main(grid, _serve_config(config, tmp_path / "run"), options=FlowerOptions(timeout_s=60, node_wait_s=5))
+    journal = [json.loads(line) for line in (tmp_path / "run" / "releases.jsonl").read_text().splitlines()]
+    assert sorted(e["client_id"] for e in journal) == survivors
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == survivors
+
+
+def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity):
+    # SCAFFOLD keeps control variates on the nodes and best_val pins the selected round's states there: the resumed
+    # run (a new Flower run, the same privfl run id) must find them and end with the in-process numbers.
+    from privfl.experiment import RunInterrupted
+
+    config = _run_config(make_spec(), "scaffold")
+    options = FlowerOptions(timeout_s=60, node_wait_s=5)
+    out = tmp_path / "flower"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = train(config, str(tmp_path / "inprocess"), progress=False)
+        grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+        with pytest.raises(RunInterrupted):
+            flower_main(grid, _serve_config(config, out), options=options, stop_after_round=1)
+        # the in-process engine cannot continue it (the nodes hold its states and ledgers), and says so
+        with pytest.raises(ConfigError, match="ran on Flower nodes.*privfl flower run --resume"):
+            train(None, str(out), resume=True, progress=False)
+        # nor does a new run replace it by mistake
+        with pytest.raises(ConfigError, match="already holds a run; continue it with privfl flower run --resume"):
+            flower_main(grid, _serve_config(config, out), options=options)
+        _restart_node()
+        grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+        got = flower_main(grid, {**_serve_config(config, out), "resume": True}, options=options)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("novel", "training_val", "selected_round", "rounds_completed", "privacy", "communication"):
+        assert json.dumps(got[key], sort_keys=True) == json.dumps(expected[key], sort_keys=True), key
+    assert _comparable(out)[:2] == _comparable(tmp_path / "inprocess")[:2]
+    assert _equal_states(_comparable(out)[3], _comparable(tmp_path / "inprocess")[3])
+    assert _run_ids(out) == {got["flower"]["lifetime"]["run_id"]}
+
+
+def test_a_run_on_nodes_that_served_an_earlier_run_reports_its_spend_and_the_lifetime_apart(
+        tmp_path, make_spec, task_identity, capsys):
+    # The same node directories serve a non-private run, then a DP-SGD run. The node ledgers keep each client's
+    # lifetime (epsilon inf since the first run); the DP run reports its own finite epsilons, as in-process, and the
+    # lifetime beside them, naming the earlier run.
+    from privfl.cli import main as privfl_main
+
+    settings = {"lr": 0.1, "local_steps": 2, "batch_size": 16}
+    plain = RunConfig(federation=make_spec(), method="fedavg", method_config=settings, rounds=1, select="last", seed=3)
+    private = RunConfig(federation=make_spec(), method="fedavg", method_config=settings, rounds=2, select="last",
+                        seed=3, privacy=TrainingPrivacy(mode="record", noise_multiplier=1.5))
+    options = FlowerOptions(timeout_s=60, node_wait_s=5)
+    grid, federation = _loopback(plain, tmp_path, [(0, 11)])
+    first = flower_main(grid, _serve_config(plain, tmp_path / "first"), options=options)
+    _restart_node()
+    grid, _ = _loopback(private, tmp_path, [(0, 11)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        second = flower_main(grid, _serve_config(private, tmp_path / "second"), options=options)
+        expected = train(private, str(tmp_path / "inprocess"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    training = [str(c.client_id) for c in federation.training_clients]
+    assert first["privacy"]["epsilon_max_training"] == math.inf
+    # this run's spend: the in-process run's epsilons, exactly
+    assert second["privacy"]["epsilon_per_client"] == expected["privacy"]["epsilon_per_client"]
+    assert 0 < second["privacy"]["epsilon_max_training"] < math.inf
+    lifetime = second["flower"]["lifetime"]
+    earlier = first["flower"]["lifetime"]["run_id"]
+    assert lifetime["earlier_runs"] == [earlier] and lifetime["run_id"] != earlier
+    assert all(lifetime["epsilon_per_client"][cid] == math.inf for cid in training)
+    assert lifetime["earlier_runs_per_client"] == {cid: [earlier] for cid in training}
+    # ledger.json holds this run's releases only; the node ledgers hold both runs'
+    assert _run_ids(tmp_path / "second") == {lifetime["run_id"]}
+    node_ledger = PrivacyLedger.load(tmp_path / "n0" / f"ledger-client-{training[0]}.json")
+    assert [r.metadata["run"] for r in node_ledger.records] == [earlier] + [lifetime["run_id"]] * 2
+    capsys.readouterr()
+    assert privfl_main(["ledger", str(tmp_path / "second")]) == 0
+    out = capsys.readouterr().out
+    assert f"in run {lifetime['run_id']}" in out and f"earlier runs' ({earlier})" in out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == [training[0]])
+    assert row[1] == "2" and float(row[2]) == pytest.approx(second["privacy"]["epsilon_per_client"][training[0]],
+                                                            rel=1e-2) and row[3] == "inf"
+
+
 def test_the_hello_compares_parsed_run_configs(tmp_path, make_spec, task_identity):
     config = _run_config(make_spec(), "fedavg")
     # the same config written differently (other key order, indentation) is the same config
@@ -330,10 +461,21 @@ def _comparable(run_dir):
     run = RunDirectory(run_dir)
     ledger = json.loads(run.path("ledger.json").read_text())
     records = sorted((entry["client_id"],
-                      [(r["purpose"], r["round"], r["event"], r["metadata"]) for r in entry["records"]])
+                      [(r["purpose"], r["round"], r["event"], _without_run(r["metadata"])) for r in entry["records"]])
                      for entry in ledger["ledgers"])
     strategy = torch.load(run.path("checkpoint.pt"), weights_only=True)["runtime"]["strategy"]
     return run.read_metrics(), run.read_clients(), records, strategy
+
+
+def _without_run(metadata):
+    """A record's metadata without the run id a Flower node adds (an in-process run has none)."""
+    return {k: v for k, v in metadata.items() if k != p.RUN_KEY}
+
+
+def _run_ids(run_dir):
+    """The run ids of the records in a run directory's ledger.json."""
+    ledger = json.loads(RunDirectory(run_dir).path("ledger.json").read_text())
+    return {r["metadata"].get(p.RUN_KEY) for entry in ledger["ledgers"] for r in entry["records"]}
 
 
 def _equal_states(a, b):
@@ -363,6 +505,15 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     metrics_in, clients_in, ledgers_in, strategy_in = _comparable(tmp_path / "inprocess")
     assert metrics == metrics_in and clients == clients_in and ledgers == ledgers_in
     assert _equal_states(strategy, strategy_in)
+    # every record names this run (the nodes tag theirs; the run's ledger.json holds this run's releases only)
+    run_id = got["flower"]["lifetime"]["run_id"]
+    assert len(run_id) == 12 and _run_ids(tmp_path / "flower") == {run_id}
+    assert got["flower"]["lifetime"]["earlier_runs"] == []
+    assert got["flower"]["lifetime"]["epsilon_per_client"] == got["privacy"]["epsilon_per_client"]
+    # the release journal got each release as its reply arrived: the same records as ledger.json
+    journal = [json.loads(line) for line in (tmp_path / "flower" / "releases.jsonl").read_text().splitlines()]
+    assert sorted((e["client_id"], e["record"]["purpose"], e["record"]["round"]) for e in journal) == sorted(
+        (cid, purpose, round) for cid, records in ledgers for purpose, round, _, _ in records)
     # the nodes, not the server, hold the ledgers: one file per client that released something
     node_ledgers = sorted((tmp_path / "flower" / "nodes").glob("partition-*/ledger-client-*.json"))
     assert len(node_ledgers) == len(ledgers)
@@ -562,61 +713,246 @@ def test_a_node_keeps_an_error_text_that_may_describe_its_data_and_the_server_he
         client_app.handle(_train_message(message, 0, 0, 999, -1), context)
 
 
-# -- deployment engine on loopback: SuperLink + two SuperNodes, TLS and node authentication ---------------------------
+# -- deployment engine on loopback: SuperLink + SuperNodes, TLS and node authentication -------------------------------
+
+
+def test_certs_keep_the_ca_key_refuse_to_overwrite_and_add_nodes(tmp_path, capsys):
+    certs = tmp_path / "certs"
+    assert launch.main(["certs", str(certs), "--nodes", "2"]) == 0
+    ca_key = (certs / launch.CA_KEY).read_bytes()
+    assert (certs / launch.CA_KEY).stat().st_mode & 0o777 == 0o600
+    assert (certs / launch.SERVER_KEY).stat().st_mode & 0o777 == 0o600
+    assert launch.node_indices(certs) == [0, 1]
+    node_0 = (certs / "node-0.pub").read_bytes()
+    # a second `certs` on the directory would replace the CA and every registered node key: refused, one line
+    capsys.readouterr()
+    assert launch.main(["certs", str(certs), "--nodes", "2"]) == 2
+    error = capsys.readouterr().err
+    assert "already holds certificates or keys" in error and "--overwrite" in error and len(error.splitlines()) == 1
+    assert (certs / launch.CA_KEY).read_bytes() == ca_key and (certs / "node-0.pub").read_bytes() == node_0
+    # a node added later gets the next index; nothing else changes
+    assert launch.main(["certs", str(certs), "--add-node", "1"]) == 0
+    assert launch.node_indices(certs) == [0, 1, 2] and (certs / "node-2.key").stat().st_mode & 0o777 == 0o600
+    assert (certs / launch.CA_KEY).read_bytes() == ca_key and (certs / "node-0.pub").read_bytes() == node_0
+    # --overwrite replaces all of it (the old node keys too)
+    assert launch.main(["certs", str(certs), "--nodes", "1", "--overwrite"]) == 0
+    assert (certs / launch.CA_KEY).read_bytes() != ca_key and launch.node_indices(certs) == [0]
+    # the SuperLink keeps its state in the certs directory unless told otherwise
+    command = launch.superlink_command(certs, "127.0.0.1:9093")
+    assert command[command.index("--database") + 1] == str((certs / launch.DATABASE).resolve())
+    assert "--database" not in launch.superlink_command(certs, "127.0.0.1:9093", ":memory:")
+    # a missing key file is one line naming it, not a traceback
+    capsys.readouterr()
+    assert launch.main(["supernode", "--certs", str(certs), "--node", "5", "--partition-id", "0",
+                        "--num-partitions", "2", "--node-dir", str(tmp_path / "n")]) == 2
+    error = capsys.readouterr().err
+    assert f"missing {certs / 'node-5.key'}" in error and len(error.splitlines()) == 1
+    (certs / launch.SERVER_KEY).unlink()
+    with pytest.raises(ConfigError, match=rf"missing {certs / launch.SERVER_KEY}"):
+        launch.superlink_command(certs, "127.0.0.1:9093")
+
+
+def test_waiting_for_a_superlink_that_does_not_listen_ends_with_a_clear_message():
+    address = f"127.0.0.1:{launch.free_port()}"      # nothing listens there
+    with pytest.raises(ConfigError, match=rf"the SuperLink at {address} did not accept connections within 0.3 s "
+                                          r"\(--wait-s; last: Connection refused\); start it first"):
+        launch.wait_for_superlink(address, 0.3, poll_s=0.1)
+
+
+def test_a_refused_supernode_is_started_again_until_it_joins_or_rejoin_s_passes(tmp_path, capsys):
+    # A stand-in for flower-supernode that the SuperLink refuses twice (exit 1), then runs and ends (exit 0).
+    marker = tmp_path / "attempts"
+    script = (f"import pathlib, sys; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) if p.exists() else 0; "
+              "p.write_text('x' * (n + 1)); sys.exit(0 if n >= 2 else 1)")
+    assert launch.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60,
+                                      retry_s=0.05) == 0
+    assert marker.read_text() == "xxx"
+    assert capsys.readouterr().err.count("starting it again") == 2
+    # one that keeps being refused: given up after rejoin_s, with its exit status
+    refused = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    assert launch.supervise_supernode(refused, dict(os.environ), rejoin_s=0.0, retry_s=0.05) == 3
+    assert "stopped retrying after 0 s (--rejoin-s)" in capsys.readouterr().err
+
+
+LAUNCH = [sys.executable, "-m", "privfl.federation.flower.launch"]
+
+
+def _flower_log(tmp_path):
+    return (tmp_path / "flower.log").read_text()[-3000:] if (tmp_path / "flower.log").exists() else ""
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process clean-up reads /proc")
-def test_deployment_engine_on_loopback_with_tls_and_node_auth_gives_the_in_process_numbers(tmp_path, make_spec):
-    # One training client and one novel client: one round, then the novel node is served through the Grid.
+def test_a_deployment_run_that_does_not_complete_exits_non_zero_with_the_server_apps_error(tmp_path, make_spec):
+    # Two runs on one SuperLink with no SuperNode: one into a run directory that holds a run already, one whose
+    # nodes never come (node-wait-s 1). `privfl flower run` waits for each run's end and reports its failure.
     config = RunConfig(federation=make_spec(num_clients=2, novel_fraction=0.5), method="fedavg", rounds=1,
                        method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16}, select="last", seed=3)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text(json.dumps(config.to_dict()))
+    certs = launch.generate_certificates(tmp_path / "certs", nodes=1)
+    env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
+    address = f"127.0.0.1:{launch.free_port()}"
+    log = open(tmp_path / "flower.log", "w")
+    processes: list[subprocess.Popen] = []
+    try:
+        processes.append(subprocess.Popen(LAUNCH + ["superlink", "--certs", str(certs), "--address", address],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+        launch.wait_for_superlink(address, 120)
+        runs = {}
+        for name in ("taken", "nodeless"):
+            runs[name] = subprocess.Popen(
+                LAUNCH + ["run", "--certs", str(certs), "--superlink", address, "--config",
+                          str(tmp_path / "config.json"), "--out", str(tmp_path / name), "--node-wait-s", "1",
+                          "--timeout-s", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            processes.append(runs[name])
+        ended = {name: (run.communicate(timeout=400), run.returncode) for name, run in runs.items()}
+    finally:
+        launch.end_processes(processes)
+        log.close()
+    for name, ((stdout, stderr), code) in ended.items():
+        assert code == 1, (name, stdout, stderr, _flower_log(tmp_path))
+        assert "privfl flower: started run" in stdout and "flwr log" in stdout        # where to watch it
+        assert "did not complete (finished:failed): ServerApp failed with exception:" in stderr, stderr
+    assert f"run directory {tmp_path / 'taken'} already holds a run" in ended["taken"][0][1]
+    assert "clients the run needs have no connected node after 1 s (node-wait-s): clients [0] (partitions [0] of " \
+           "2)" in ended["nodeless"][0][1]
+    assert not (tmp_path / "nodeless" / "summary.json").exists()
+
+
+def _readme_session(name):
+    """The bash block under ``name`` in the Flower README, as an operator copies it."""
+    text = (Path(launch.__file__).parent / "README.md").read_text()
+    block = text[text.index(name):]
+    return block[block.index("```bash\n") + len("```bash\n"):block.index("```\n", block.index("```bash\n") + 8)]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process clean-up reads /proc")
+def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_numbers(tmp_path):
+    # The README's block, run by bash as written: `register` right after the SuperLink starts, the SuperNodes, an
+    # in-process template run, `privfl flower run --stream`. Only the ports change (free ones), and `privfl` is this
+    # checkout's. The deployment run (TLS, node authentication) must give the template's numbers.
+    session = _readme_session("On loopback, one training and one novel client")
+    ports = {"9093": launch.free_port(), "9100": launch.free_port(), "9101": launch.free_port()}
+    for old, new in ports.items():
+        assert old in session
+        session = session.replace(old, str(new))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "privfl").write_text(f"#!/bin/sh\nexec {sys.executable} -m privfl.cli \"$@\"\n")
+    (bin_dir / "privfl").chmod(0o755)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**launch.flower_env(tmp_path), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": root}
+    env.pop("FLWR_HOME")                            # the block sets its own
+    log = open(tmp_path / "flower.log", "w")
+    processes: list[subprocess.Popen] = []
+    try:
+        processes.append(subprocess.Popen(["bash", "-e", "-c", session], cwd=tmp_path, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+        code = processes[0].wait(timeout=800)
+    finally:
+        launch.end_processes(processes)
+        log.close()
+    output = (tmp_path / "flower.log").read_text()
+    assert code == 0, output[-3000:]
+    assert "registered node 0" in output and "registered node 1" in output
+    assert "completed; results in runs/deployed" in output
+    assert "privfl: round 1 of 1 done in" in output           # --stream shows the rounds
+    got = RunDirectory(tmp_path / "runs" / "deployed").read_json("summary.json")
+    expected = RunDirectory(tmp_path / "runs" / "template").read_json("summary.json")
+    for key in ("novel", "training_val", "selected_round", "privacy", "communication"):
+        assert got[key] == expected[key], key
+    assert got["novel"]["num_clients"] == 1 and got["flower"]["nodes"] == 2
+    # the training client's node recorded its releases (model update; its validation score, which select=best_val,
+    # the CLI's default, reports to the server) in its own directory, under the run's id
+    ledger = PrivacyLedger.load(next((tmp_path / "nodes" / "0").glob("ledger-client-*.json")))
+    assert [r.purpose for r in ledger.records] == ["model_update", "validation_metrics"]
+    assert {r.metadata["run"] for r in ledger.records} == {got["flower"]["lifetime"]["run_id"]}
+    assert (tmp_path / "runs" / "deployed" / "releases.jsonl").read_text().count("\n") == 2
+    assert not any((tmp_path / "nodes" / "1").glob("ledger-client-*.json"))   # FedAvg's novel client sends nothing
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process clean-up reads /proc")
+def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_uninterrupted_numbers(tmp_path, make_spec):
+    # Two training clients on two SuperNodes, two rounds, a checkpoint every round. SuperNode 1 is killed (-9, its
+    # whole process tree) once its client has released; the run fails naming that node's client. The node is
+    # started again on its key and directory, `privfl flower run --resume` continues from the last checkpoint, and
+    # the run ends with the numbers of an uninterrupted in-process run.
+    import signal
+
+    config = RunConfig(federation=make_spec(num_clients=3, novel_fraction=0.34), method="fedavg", rounds=2,
+                       checkpoint_every=1, eval_every=2, method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16},
+                       select="last", seed=3)
+    federation = build_federation(config.federation, seed=config.seed)
+    first, second = (c.client_id for c in federation.training_clients)       # partitions 0 and 1
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     certs = launch.generate_certificates(tmp_path / "certs", nodes=2)
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
     address = f"127.0.0.1:{launch.free_port()}"
-    command = [sys.executable, "-m", "privfl.federation.flower.launch"]
     log = open(tmp_path / "flower.log", "w")
     processes: list[subprocess.Popen] = []
+    out = tmp_path / "run"
+
+    def supernode(node):
+        processes.append(subprocess.Popen(
+            LAUNCH + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
+                      "--partition-id", str(node), "--num-partitions", "2",
+                      "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(launch.free_port())],
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+        return processes[-1]
+
+    def flower_run(*how):
+        processes.append(subprocess.Popen(
+            LAUNCH + ["run", "--certs", str(certs), "--superlink", address, "--timeout-s", "300", *how],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return processes[-1]
+
     try:
-        processes.append(subprocess.Popen(command + ["superlink", "--certs", str(certs), "--address", address],
+        processes.append(subprocess.Popen(LAUNCH + ["superlink", "--certs", str(certs), "--address", address],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
-        register = command + ["register", "--certs", str(certs), "--superlink", address, "0", "1"]
-        deadline = time.monotonic() + 60
-        while subprocess.run(register, env=env, capture_output=True).returncode != 0:   # until the link listens
-            assert time.monotonic() < deadline, "the SuperLink did not accept registrations within 60 s"
-            time.sleep(1)
-        for node in range(2):
-            processes.append(subprocess.Popen(
-                command + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
-                           "--partition-id", str(node), "--num-partitions", "2",
-                           "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(launch.free_port())],
-                env=env, stdout=log, stderr=subprocess.STDOUT))
-        out = tmp_path / "run"
-        started = subprocess.run(command + ["run", "--certs", str(certs), "--superlink", address, "--config",
-                                            str(tmp_path / "config.json"), "--out", str(out), "--timeout-s", "300"],
-                                 env=env, capture_output=True, text=True)
-        assert started.returncode == 0, started.stdout + started.stderr
-        deadline = time.monotonic() + 360
-        while not (out / "summary.json").exists():
-            assert time.monotonic() < deadline, (tmp_path / "flower.log").read_text()[-3000:]
-            assert all(p.poll() is None for p in processes), (tmp_path / "flower.log").read_text()[-3000:]
-            time.sleep(1)
+        assert subprocess.run(LAUNCH + ["register", "--certs", str(certs), "--superlink", address, "0", "1"],
+                              env=env, capture_output=True, timeout=180).returncode == 0
+        supernode(0)
+        doomed = supernode(1)
+        failing = flower_run("--config", str(tmp_path / "config.json"), "--out", str(out))
+        ledger = tmp_path / "node-1" / f"ledger-client-{second}.json"
+        deadline = time.monotonic() + 600
+        while not ledger.exists():
+            assert time.monotonic() < deadline and failing.poll() is None, _flower_log(tmp_path)
+            time.sleep(0.2)
+        for pid in [doomed.pid] + launch.descendants(doomed.pid):
+            os.kill(pid, signal.SIGKILL)
+        stdout, stderr = failing.communicate(timeout=600)
+        assert failing.returncode == 1, stdout + stderr + _flower_log(tmp_path)
+        assert "did not complete (finished:failed)" in stderr
+        assert f"(clients [{second}])" in stderr and f"(clients [{first}])" not in stderr, stderr
+        assert (out / "ledger.json").exists() and (out / "releases.jsonl").exists()
+        supernode(1)                                        # the same key and node directory
+        resumed = flower_run("--resume", str(out))
+        stdout, stderr = resumed.communicate(timeout=900)
+        assert resumed.returncode == 0, stdout + stderr + _flower_log(tmp_path)
     finally:
         launch.end_processes(processes)
         log.close()
-    got = json.loads((out / "summary.json").read_text())
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)                    # as the ClientApps (OMP_NUM_THREADS=1): the same reductions, exactly
+    torch.set_num_threads(1)
     try:
-        train(config, str(tmp_path / "inprocess"), progress=False)
+        expected = train(config, str(tmp_path / "inprocess"), progress=False)
     finally:
         torch.set_num_threads(threads)
-    expected = RunDirectory(tmp_path / "inprocess").read_json("summary.json")
-    for key in ("novel", "training_val", "selected_round", "privacy", "communication"):
+    got = RunDirectory(out).read_json("summary.json")
+    for key in ("training_val", "selected_round", "rounds_completed"):     # the novel client is not in this run
         assert got[key] == expected[key], key
-    assert got["novel"]["num_clients"] == 1
-    # the training client's node recorded its releases (model update) in its own directory
-    ledger = PrivacyLedger.load(next((tmp_path / "node-0").glob("ledger-client-*.json")))
-    assert [r.purpose for r in ledger.records] == ["model_update"]
-    assert not any((tmp_path / "node-1").glob("ledger-client-*.json"))   # FedAvg's novel client sends nothing
+    assert got["flower"]["novel_not_served"] == [c.client_id for c in federation.novel_clients]
+    assert RunDirectory(out).read_metrics() == RunDirectory(tmp_path / "inprocess").read_metrics()
+    # one run id across both attempts; the repeated round's release stays recorded (as an in-process resume keeps it)
+    run_id = got["flower"]["lifetime"]["run_id"]
+    assert _run_ids(out) == {run_id} and got["flower"]["lifetime"]["earlier_runs"] == []
+    on_node = PrivacyLedger.load(tmp_path / "node-1" / f"ledger-client-{second}.json")
+    assert {r.metadata["run"] for r in on_node.records} == {run_id}
+    updates = [r.round for r in on_node.records if r.purpose == "model_update"]
+    assert sorted(set(updates)) == [0, 1] and len(updates) >= 2

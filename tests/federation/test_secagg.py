@@ -170,7 +170,8 @@ def _loopback(config, root, ranges, **kwargs):
 
 def _ledgers(run_dir):
     ledger = json.loads((run_dir / "ledger.json").read_text())
-    return sorted((entry["client_id"], [(r["purpose"], r["round"], r["event"], r["metadata"])
+    return sorted((entry["client_id"], [(r["purpose"], r["round"], r["event"],
+                                         {k: v for k, v in r["metadata"].items() if k != "run"})   # Flower's run id
                                         for r in entry["records"]]) for entry in ledger["ledgers"])
 
 

@@ -79,16 +79,23 @@ class NodeClient:
             return ledger
         return PrivacyLedger(self.client_id)
 
-    def send(self, release: Release, *, round: int | None) -> tuple[Message, dict[str, Any]]:
+    def send(self, release: Release, *, round: int | None, run: str = "") -> tuple[Message, dict[str, Any]]:
         """The choke point: record ``release`` and save the ledger, then hand back what may leave the node.
 
-        Raises :class:`accounting.BudgetExceededError` (and sends nothing) when the release would exceed the budget.
+        The record names the privfl run ``run`` (metadata ``"run"``, when the server gives one): the ledger keeps the
+        client's lifetime across runs, and the server tells this run's releases from earlier runs' by it. The reply
+        header carries the record itself, for the run directory's release journal. Raises
+        :class:`accounting.BudgetExceededError` (and sends nothing) when the release would exceed the budget.
         """
         ledger = self.ledger()
-        ledger.record(release.event, purpose=release.purpose, round=round, metadata=release.ledger_metadata(),
-                      calibrated_for=release.calibrated_for, audience=release.audience)
+        metadata = release.ledger_metadata()
+        if run:
+            metadata = {**metadata, p.RUN_KEY: run}
+        record = ledger.record(release.event, purpose=release.purpose, round=round, metadata=metadata,
+                               calibrated_for=release.calibrated_for, audience=release.audience)
         ledger.save(self.ledger_path)
-        return release.message, {"kind": p.RELEASE, "purpose": release.purpose}
+        return release.message, {"kind": p.RELEASE, "purpose": release.purpose,
+                                 "record": json.dumps(record.to_dict(), allow_nan=False)}
 
     @property
     def state_path(self) -> Path:
@@ -359,7 +366,7 @@ def _protocol(message: FlowerMessage, context: Context, defaults: Mapping[str, A
         return FlowerMessage(pack({}, reply_header), reply_to=message)
     if op not in _OPERATIONS:
         raise PublicConfigError(f"unknown privfl operation {op!r}; valid: {', '.join(p.MESSAGE_TYPES)}")
-    run = f"{context.run_id}-{node.config_key}"
+    run = f"{header.get(p.RUN_KEY) or context.run_id}-{node.config_key}"
     replies = {}
     for cid, (body, own_header) in items.items():
         client = node.client(cid)
@@ -418,7 +425,7 @@ def _train(node: Node, client: NodeClient, body: Message, header: dict[str, Any]
     store.save()
     if release is None:
         return Message(), {"kind": p.NOTHING}
-    return client.send(release, round=round)
+    return client.send(release, round=round, run=header.get(p.RUN_KEY, ""))
 
 
 def _evaluate(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
@@ -449,14 +456,16 @@ def _evaluate(node: Node, client: NodeClient, body: Message, header: dict[str, A
     if header.get("report"):
         report = Message(metrics={"num_samples": float(score.num_samples), "correct": float(score.correct),
                                   "loss_sum": float(score.loss_sum)})
-        return client.send(Release.non_private(report, "validation_metrics"), round=_optional_round(header["round"]))
+        return client.send(Release.non_private(report, "validation_metrics"), round=_optional_round(header["round"]),
+                           run=header.get(p.RUN_KEY, ""))
     return _score_reply(score)
 
 
 def _novel_request(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
     client.expect("novel", "novel_request")
     release = node.procedure.novel_query(client.data, body)
-    return (Message(), {"kind": p.NOTHING}) if release is None else client.send(release, round=None)
+    return (Message(), {"kind": p.NOTHING}) if release is None else \
+        client.send(release, round=None, run=header.get(p.RUN_KEY, ""))
 
 
 def _novel_model(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):

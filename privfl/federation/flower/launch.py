@@ -8,11 +8,16 @@
   not installed at run time (they are installed already: privfl itself);
 * ``register``: ``flwr supernode register`` of nodes' public keys (only registered nodes may connect);
 * ``supernode``: ``flower-supernode`` with TLS, its private key, and a node config naming its partition (or range of
-  partitions) and the directory that keeps its clients' ledgers and states;
+  partitions) and the directory that keeps its clients' ledgers and states, started again while the SuperLink
+  refuses it (a node restarted after it died);
 * ``run``: ``flwr run`` of the privfl app (``app/`` beside this file) with a RunConfig JSON (e.g. the ``config.json``
-  of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves.
+  of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves, or with
+  ``--resume`` a failed run, continued from its last checkpoint; it waits for the run's end, and its exit status
+  says whether the run completed.
 
-The daemons are started with ``exec``: the process id you start is the daemon's, so you can end it by that id.
+``register`` and ``supernode`` wait for the SuperLink to listen. The SuperLink is started with ``exec``: the process
+id you start is the daemon's. ``supernode`` stays as the SuperNode's parent and passes SIGTERM and SIGINT on to it,
+so ``kill PID`` ends it too.
 Commands use ``$FLWR_HOME`` when set, else ``CERTS/flwr-home``; they set ``FLWR_DISABLE_UPDATE_CHECK=1`` and
 ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``. See ``README.md`` for a full session.
 """
@@ -27,7 +32,9 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from privfl.errors import ConfigError
 from privfl.federation.flower import protocol as p
@@ -42,27 +49,71 @@ def node_key(certs: Path, index: int) -> Path:
     return Path(certs) / f"node-{index}.key"
 
 
-def generate_certificates(directory: str | os.PathLike, *, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
-                          nodes: int = 2, days: int = 30) -> Path:
-    """Write a CA, the SuperLink's certificate for ``hosts`` and ``nodes`` SuperNode key pairs into ``directory``.
+CA_KEY = "ca.key"
+DATABASE = "superlink.db"
 
-    Private keys are written with mode 0600. Nothing here is meant to be committed: generate them where they are used.
+
+def node_indices(certs: Path) -> list[int]:
+    """The indices of the SuperNode key pairs in ``certs``, in increasing order."""
+    found = []
+    for path in Path(certs).glob("node-*.key"):
+        index = path.stem.removeprefix("node-")
+        if index.isdigit():
+            found.append(int(index))
+    return sorted(found)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a private key readable and writable by its owner only (mode 0600 from the first byte)."""
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as f:
+        f.write(data)
+    path.chmod(0o600)
+
+
+def _write_node_keys(out: Path, indices: list[int]) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    for index in indices:
+        key = ec.generate_private_key(ec.SECP384R1())
+        path = node_key(out, index)
+        _write_private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                               serialization.NoEncryption()))
+        path.with_suffix(".pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                                            serialization.PublicFormat.OpenSSH))
+
+
+def generate_certificates(directory: str | os.PathLike, *, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+                          nodes: int = 2, days: int = 30, overwrite: bool = False) -> Path:
+    """Write a CA (its certificate, and its private key ``ca.key`` kept for the operator), the SuperLink's
+    certificate for ``hosts`` and ``nodes`` SuperNode key pairs into ``directory``.
+
+    Private keys are written with mode 0600. A directory that already holds a CA is refused unless ``overwrite``:
+    replacing it would replace every node key the SuperLink has registered (add nodes with :func:`add_nodes`).
+    Nothing here is meant to be committed: generate them where they are used.
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    from cryptography.hazmat.primitives.asymmetric import rsa
     from cryptography.x509.oid import NameOID
 
     if not isinstance(nodes, int) or nodes < 0:
         raise ConfigError(f"nodes must be an integer >= 0, got {nodes!r}")
     out = Path(directory)
+    existing = [name for name in (CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY) if (out / name).exists()]
+    if (existing or node_indices(out)) and not overwrite:
+        raise ConfigError(f"{out} already holds certificates or keys ({', '.join(existing) or 'node keys'}); "
+                          "pass --overwrite to replace all of them (every SuperNode must then be registered again), "
+                          "or --add-node N to add node key pairs")
     out.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        for index in node_indices(out):
+            node_key(out, index).unlink()
+            node_key(out, index).with_suffix(".pub").unlink(missing_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days))
-
-    def write_private(path: Path, data: bytes) -> None:
-        path.write_bytes(data)
-        path.chmod(0o600)
 
     ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "privfl test CA")])
@@ -86,18 +137,35 @@ def generate_certificates(directory: str | os.PathLike, *, hosts: tuple[str, ...
                    .add_extension(x509.SubjectAlternativeName(names), critical=False)
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                    .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
+    pem, traditional = serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL
     (out / CA_CERT).write_bytes(ca_cert.public_bytes(pem))
+    _write_private(out / CA_KEY, ca_key.private_bytes(pem, traditional, serialization.NoEncryption()))
     (out / SERVER_CERT).write_bytes(server_cert.public_bytes(pem))
-    write_private(out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.TraditionalOpenSSL,
-                                                             serialization.NoEncryption()))
-    for index in range(nodes):
-        key = ec.generate_private_key(ec.SECP384R1())
-        path = node_key(out, index)
-        write_private(path, key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
-        path.with_suffix(".pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                                            serialization.PublicFormat.OpenSSH))
+    _write_private(out / SERVER_KEY, server_key.private_bytes(pem, traditional, serialization.NoEncryption()))
+    _write_node_keys(out, list(range(nodes)))
     return out
+
+
+def add_nodes(directory: str | os.PathLike, count: int) -> list[int]:
+    """Add ``count`` SuperNode key pairs to the certificates in ``directory``, numbered after the last one; return
+    their indices. The CA, the SuperLink's certificate and the existing keys stay as they are."""
+    out = Path(directory)
+    if not isinstance(count, int) or count < 1:
+        raise ConfigError(f"--add-node must be an integer >= 1 (key pairs to add), got {count!r}")
+    if not (out / CA_CERT).exists():
+        raise ConfigError(f"{out / CA_CERT} does not exist: create the certificates first (privfl flower certs {out})")
+    first = max(node_indices(out), default=-1) + 1
+    indices = list(range(first, first + count))
+    _write_node_keys(out, indices)
+    return indices
+
+
+def require_files(*paths: Path) -> None:
+    """Refuse, in one line, when a certificate or key file a command needs is missing."""
+    missing = [str(path) for path in paths if not Path(path).is_file()]
+    if missing:
+        raise ConfigError(f"missing {', '.join(missing)}: create the certificates with privfl flower certs DIR "
+                          "(--add-node N for more node keys), or pass the --certs directory that holds them")
 
 
 def flower_env(certs: str | os.PathLike | None = None) -> dict[str, str]:
@@ -134,12 +202,39 @@ def _tool(name: str) -> str:
 
 
 def superlink_command(certs: Path, address: str, database: str | None = None) -> list[str]:
+    """``flower-superlink`` with TLS and SuperNode authentication; its state (registered nodes, runs) in the SQLite
+    file ``database`` (default ``CERTS/superlink.db``, kept across restarts; ``:memory:`` keeps nothing)."""
+    require_files(certs / CA_CERT, certs / SERVER_CERT, certs / SERVER_KEY)
     host, _, port = address.rpartition(":")
+    if database is None:
+        database = str((certs / DATABASE).resolve())
     command = [_tool("flower-superlink"), "--ssl-ca-certfile", str(certs / CA_CERT),
                "--ssl-certfile", str(certs / SERVER_CERT), "--ssl-keyfile", str(certs / SERVER_KEY),
                "--enable-supernode-auth", "--disable-runtime-dependency-installation",
                "--host", host, "--port", port]
-    return command + (["--database", database] if database else [])
+    return command + ([] if database == ":memory:" else ["--database", database])
+
+
+def wait_for_superlink(address: str, wait_s: float, *, poll_s: float = 0.5) -> float:
+    """Wait until the SuperLink at ``address`` accepts TCP connections, at most ``wait_s`` seconds; return the
+    seconds waited. A SuperLink started a moment ago takes a few seconds to listen."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--superlink must be HOST:PORT, got {address!r}")
+    started = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(2.0, max(wait_s, 0.1))):
+                return time.monotonic() - started
+        except OSError as error:
+            reason = error.strerror or type(error).__name__
+        if time.monotonic() - started >= wait_s:
+            raise ConfigError(f"the SuperLink at {address} did not accept connections within {wait_s:g} s "
+                              f"(--wait-s; last: {reason}); start it first (privfl flower superlink --address "
+                              f"{address}), or check the address")
+        time.sleep(poll_s)
 
 
 def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions: int, node_dir: str, port: int,
@@ -153,6 +248,7 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
         f'{p.PARTITION_RANGE}="{partition_range}"'
     config = f'{held} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}"'
     p.node_partitions(_parse_node_config(config))        # refuse a bad range here, not in the ClientApp
+    require_files(certs / CA_CERT, node_key(certs, node))
     return [_tool("flower-supernode"), "--superlink", superlink, "--root-certificates", str(certs / CA_CERT),
             "--auth-supernode-private-key", str(node_key(certs, node)), "--node-config", config,
             "--host", host, "--port", str(port)]
@@ -165,32 +261,249 @@ def _parse_node_config(text: str) -> dict:
 
 
 def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
-                timeout_s: float = p.DEFAULT_TIMEOUT_S, node_wait_s: float = 120, stream: bool = False,
-                serve_from: str | None = None, serve_clients: str = "") -> list[str]:
+                timeout_s: float = p.DEFAULT_TIMEOUT_S, node_wait_s: float = 120,
+                serve_from: str | None = None, serve_clients: str = "", resume: bool = False) -> list[str]:
     """``flwr run`` of the privfl app: train the RunConfig in ``config_path``, or, with ``serve_from`` (a finished
     training run directory on the SuperLink's machine), serve its novel clients (``serve_clients``: ids, "" = all;
-    the RunConfig defaults to ``serve_from/config.json``)."""
+    the RunConfig defaults to ``serve_from/config.json``), or, with ``resume``, continue the run in ``out`` from its
+    last checkpoint (the RunConfig defaults to ``out/config.json``)."""
     from privfl.config import RunConfig
 
+    if resume and (serve_from is not None or overwrite):
+        raise ConfigError("--resume continues a training run: it takes neither --serve-from nor --overwrite")
     if config_path is None:
-        if serve_from is None:
+        if resume:
+            config_path = str(Path(out) / "config.json")
+        elif serve_from is None:
             raise ConfigError("give --config (a RunConfig JSON), or --serve-from a finished training run")
-        config_path = str(Path(serve_from) / "config.json")
+        else:
+            config_path = str(Path(serve_from) / "config.json")
     if not timeout_s > 0:
         raise ConfigError(f"--timeout-s must be > 0 seconds (a limit for one exchange's replies), got {timeout_s!r}")
-    config = json.loads(Path(config_path).read_text())
+    try:
+        config = json.loads(Path(config_path).read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read the RunConfig {config_path}: {error.strerror}; give --config a RunConfig "
+                          "JSON (e.g. a run directory's config.json)") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{config_path} is not JSON ({error.msg} at line {error.lineno}); give --config a "
+                          "RunConfig JSON (e.g. a run directory's config.json)") from None
     RunConfig.from_dict(config)        # refuse a bad config here, not in the ServerApp on the SuperLink's machine
     text = json.dumps(config).replace("'", "\\u0027")    # one TOML literal string
     settings = [f"{p.RUN_CONFIG}='{text}'", f'{p.OUT}="{Path(out).resolve()}"',
                 f"{p.OVERWRITE}={'true' if overwrite else 'false'}", f"{p.TIMEOUT}={float(timeout_s)}",
-                f"{p.NODE_WAIT}={float(node_wait_s)}"]
+                f"{p.NODE_WAIT}={float(node_wait_s)}", f"{p.RESUME}={'true' if resume else 'false'}"]
     if serve_from is not None:
         settings += [f'{p.SERVE_FROM}="{Path(serve_from).resolve()}"', f'{p.SERVE_CLIENTS}="{serve_clients}"']
     command = [_tool("flwr"), "run", str(APP_DIR), CONNECTION]
     for setting in settings:
         command += ["--run-config", setting]
-    return command + (["--stream"] if stream else [])
+    return command
 
+
+
+def _flower_message(text: str) -> str:
+    """The message of a Flower CLI's output (its error box, or its last line), on one line."""
+    lines = [line.strip(" \t│╭╮╰╯─") for line in text.splitlines()]
+    lines = [line.strip() for line in lines if line.strip() and not line.strip().startswith("Using SuperLink")]
+    for line in lines:
+        if "code:" in line or "rror" in line:
+            return line
+    return lines[-1] if lines else "no output"
+
+
+def register_nodes(env: dict[str, str], certs: Path, superlink: str, indices: list[int], *,
+                   wait_s: float = 60.0) -> None:
+    """``flwr supernode register`` of the public keys of nodes ``indices``, once the SuperLink listens (at most
+    ``wait_s`` seconds, retrying a refused registration meanwhile). A key the SuperLink already knows (a SuperLink
+    restarted on its database) counts as registered."""
+    keys = [node_key(certs, index).with_suffix(".pub") for index in indices]
+    require_files(certs / CA_CERT, *keys)
+    write_connection(env, superlink, certs)
+    deadline = time.monotonic() + wait_s
+    wait_for_superlink(superlink, wait_s)
+    for index, key in zip(indices, keys, strict=True):
+        while True:
+            done = subprocess.run([_tool("flwr"), "supernode", "register", str(key), CONNECTION], env=env,
+                                  capture_output=True, text=True)
+            message = _flower_message(done.stdout + done.stderr)
+            if done.returncode == 0:
+                print(f"registered node {index} ({key})")
+                break
+            if "already in use" in message:
+                print(f"node {index} ({key}) is registered already")
+                break
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the SuperLink at {superlink} refused to register node {index} ({key}) for "
+                                  f"{wait_s:g} s (--wait-s): {message}")
+            time.sleep(1.0)
+
+
+def run_id_of(output: str) -> int:
+    """The run id ``flwr run --format json`` printed."""
+    for line in reversed(output.splitlines()):
+        try:
+            payload = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(payload, dict) and payload.get("run-id"):
+            return int(payload["run-id"])
+    try:
+        payload = json.loads(output)
+        return int(payload["run-id"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise ConfigError(f"flwr run did not start a run: {_flower_message(output)}") from None
+
+
+class RunWatcher:
+    """Asks the SuperLink for the status of runs through the Control API, as ``flwr ls --run-id`` does, over one
+    connection (made again after an error)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self._client = None
+
+    def _connect(self):
+        import contextlib
+        import io
+
+        from flwr.cli.flower_config import read_superlink_connection
+        from flwr.cli.utils import init_http_client_from_connection
+
+        previous = os.environ.get("FLWR_HOME")
+        os.environ["FLWR_HOME"] = self.env["FLWR_HOME"]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                return init_http_client_from_connection(read_superlink_connection(CONNECTION))
+        finally:
+            if previous is None:
+                os.environ.pop("FLWR_HOME", None)
+            else:
+                os.environ["FLWR_HOME"] = previous
+
+    def status(self, run_id: int) -> tuple[str, str]:
+        """The status of Flower run ``run_id`` (``running``, ``finished:completed``, ``finished:failed``, ...) and
+        its details (a failed ServerApp's exception)."""
+        from flwr.proto.control_pb2 import ListRunsRequest
+
+        if self._client is None:
+            self._client = self._connect()
+        try:
+            response = self._client.ListRuns(ListRunsRequest(run_id=run_id))
+        except BaseException:
+            self.close()
+            raise
+        run = response.run_dict[run_id]
+        return run.status.status + (f":{run.status.sub_status}" if run.status.sub_status else ""), \
+            run.status.details
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def wait(self, run_id: int, *, poll_s: float = 2.0, lost_s: float = 60.0) -> tuple[str, str]:
+        """Poll the status of run ``run_id`` until it is finished; return its status and details. A SuperLink that
+        cannot be asked for ``lost_s`` seconds running gives the status ``unknown``."""
+        failing_since = None
+        try:
+            while True:
+                try:
+                    state, details = self.status(run_id)
+                    failing_since = None
+                except Exception as error:          # the SuperLink restarting, or gone: retry, within lost_s
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since > lost_s:
+                        return "unknown", (f"the SuperLink did not answer for {lost_s:g} s "
+                                           f"({type(error).__name__}: {error})")
+                else:
+                    if state.startswith("finished"):
+                        return state, details
+                time.sleep(poll_s)
+        finally:
+            self.close()
+
+
+def run_and_wait(command: list[str], env: dict[str, str], *, out: str, stream: bool) -> int:
+    """Start ``command`` (``flwr run``), say where to watch, follow the run's log with ``stream``, and wait until
+    the run ends. Exit status: 0 when the run completed, 1 when it failed or stopped (the ServerApp's error is
+    printed), 130 on Ctrl-C (the run goes on)."""
+    started = subprocess.run(command + ["--format", "json"], env=env, capture_output=True, text=True)
+    if started.returncode != 0:
+        print(f"privfl flower: error: flwr run failed: {_flower_message(started.stdout + started.stderr)}",
+              file=sys.stderr)
+        return started.returncode or 1
+    run_id = run_id_of(started.stdout)
+    print(f"privfl flower: started run {run_id}; its run directory: {out} (on the SuperLink's machine); follow its "
+          f"log with: FLWR_HOME={env['FLWR_HOME']} flwr log {run_id} {CONNECTION} --stream", flush=True)
+    follower = None
+    if stream:
+        follower = subprocess.Popen([_tool("flwr"), "log", str(run_id), CONNECTION, "--stream"], env=env)
+    try:
+        state, details = RunWatcher(env).wait(run_id)
+    except KeyboardInterrupt:
+        print(f"privfl flower: stopped waiting; run {run_id} goes on on the SuperLink (stop it with: flwr stop "
+              f"{run_id} {CONNECTION})", file=sys.stderr)
+        return 130
+    finally:
+        if follower is not None:
+            try:
+                follower.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                follower.terminate()
+                follower.wait(timeout=10)
+    if state == "finished:completed":
+        print(f"privfl flower: run {run_id} completed; results in {out}")
+        return 0
+    print(f"privfl flower: error: run {run_id} did not complete ({state}): {details or 'no details'}",
+          file=sys.stderr)
+    return 1
+
+
+def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: float, retry_s: float = 5.0) -> int:
+    """Run the SuperNode ``command`` and start it again when it exits with an error within ``rejoin_s`` seconds of
+    the first start: a node restarted after it died is refused while the SuperLink still counts its previous
+    connection as online (until about two missed 30 s heartbeats), and Flower's SuperNode then exits. SIGTERM and
+    SIGINT are passed on to the SuperNode, which ends this process too. Returns the SuperNode's exit status."""
+    import signal
+
+    started = time.monotonic()
+    state: dict[str, Any] = {"child": None, "stopping": False}
+
+    def forward(signum: int, frame: Any) -> None:
+        state["stopping"] = True
+        child = state["child"]
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _supervise(command, env, state, started=started, rejoin_s=rejoin_s, retry_s=retry_s)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _supervise(command: list[str], env: dict[str, str], state: dict[str, Any], *, started: float, rejoin_s: float,
+               retry_s: float) -> int:
+    attempt = 0
+    while True:
+        attempt += 1
+        state["child"] = child = subprocess.Popen(command, env=env)
+        code = child.wait()
+        if state["stopping"] or code == 0:
+            return code
+        if time.monotonic() - started > rejoin_s:
+            print(f"privfl flower: error: the SuperNode exited with status {code} (attempt {attempt}); stopped "
+                  f"retrying after {rejoin_s:g} s (--rejoin-s)", file=sys.stderr, flush=True)
+            return code
+        print(f"privfl flower: the SuperNode exited with status {code}; the SuperLink may still count this node's "
+              f"previous connection as online (it lets go about 60 s after the node died): starting it again in "
+              f"{retry_s:g} s", file=sys.stderr, flush=True)
+        time.sleep(retry_s)
+        if state["stopping"]:
+            return code
 
 
 # -- local sessions: what a test or benchmark needs to start a deployment on one machine and end it ------------------
@@ -248,6 +561,17 @@ def end_processes(processes: list[subprocess.Popen]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``privfl flower COMMAND``; a user error prints one line and gives exit status 2."""
+    from privfl.errors import PrivflError
+
+    try:
+        return _main(argv)
+    except PrivflError as error:
+        print(f"privfl flower: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="privfl flower", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("certs",
@@ -255,17 +579,29 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("directory")
     c.add_argument("--nodes", type=int, default=2)
     c.add_argument("--host", action="append", default=None, help="SuperLink host name or IP (repeatable)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace the CA, the SuperLink's certificate and every node key in DIRECTORY")
+    c.add_argument("--add-node", type=int, default=None, metavar="N",
+                   help="add N node key pairs to DIRECTORY, numbered after the last; nothing else changes")
     s = sub.add_parser("superlink", help="start a SuperLink (TLS, node authentication); exec, so PID = daemon")
     s.add_argument("--certs", required=True)
     s.add_argument("--address", default="127.0.0.1:9093", help="host:port of the SuperLink's APIs")
-    s.add_argument("--database", default=None, help="SQLite file to keep the SuperLink's state (default: memory)")
+    s.add_argument("--database", default=None,
+                   help=f"SQLite file that keeps the SuperLink's state across restarts (registered nodes, runs); "
+                        f"default CERTS/{DATABASE}; :memory: keeps nothing")
     r = sub.add_parser("register", help="register SuperNode public keys with the SuperLink")
     r.add_argument("--certs", required=True)
     r.add_argument("--superlink", default="127.0.0.1:9093")
+    r.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
     r.add_argument("nodes", type=int, nargs="+", help="node indices (keys CERTS/node-<i>.pub)")
-    n = sub.add_parser("supernode", help="start a SuperNode holding one partition or a range; exec, so PID = daemon")
+    n = sub.add_parser("supernode", help="start a SuperNode holding one partition or a range, and start it again "
+                                         "if the SuperLink refuses it at first (kill PID ends it)")
     n.add_argument("--certs", required=True)
     n.add_argument("--superlink", default="127.0.0.1:9093")
+    n.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
+    n.add_argument("--rejoin-s", type=float, default=120.0,
+                   help="start the SuperNode again while it exits with an error within this many seconds (a node "
+                        "restarted after it died is refused until the SuperLink lets its previous connection go)")
     n.add_argument("--node", type=int, required=True, help="index of its key pair in CERTS")
     held = n.add_mutually_exclusive_group(required=True)
     held.add_argument("--partition-id", type=int, help="the one partition this node holds")
@@ -273,11 +609,15 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--num-partitions", type=int, required=True)
     n.add_argument("--node-dir", required=True, help="directory that keeps this node's ledgers")
     n.add_argument("--port", type=int, default=None, help="its local runtime API port (default 9100 + node)")
-    f = sub.add_parser("run", help="flwr run of the privfl app: train a RunConfig JSON, or serve novel clients")
+    f = sub.add_parser("run", help="flwr run of the privfl app: train a RunConfig JSON, or serve novel clients; "
+                                   "waits for the run's end (exit status 0 only when it completed)")
     f.add_argument("--certs", required=True)
     f.add_argument("--superlink", default="127.0.0.1:9093")
     f.add_argument("--config", default=None, help="RunConfig JSON (e.g. a run directory's config.json)")
-    f.add_argument("--out", required=True, help="run (or serving) directory, on the SuperLink's machine")
+    f.add_argument("--out", default=None, help="run (or serving) directory, on the SuperLink's machine")
+    f.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (on the SuperLink's machine) from its last checkpoint, after a "
+                        "failure: restart the nodes that died first (same key and node directory)")
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--timeout-s", type=float, default=p.DEFAULT_TIMEOUT_S,
                    help=f"limit for one exchange's replies, > 0 ({p.DEFAULT_TIMEOUT_S:g} s)")
@@ -286,15 +626,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="a finished training run directory (on the SuperLink's machine): serve its novel clients "
                         "in a run of their own instead of training")
     f.add_argument("--serve-clients", default="", help="with --serve-from: novel client ids, e.g. 9,10 (all)")
-    f.add_argument("--stream", action="store_true", help="show the run's log until it ends")
+    f.add_argument("--stream", action="store_true", help="show the run's log (one line per round) until it ends")
+    f.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
     args = parser.parse_args(argv)
 
     if args.command == "certs":
+        if args.add_node is not None:
+            added = add_nodes(args.directory, args.add_node)
+            print(f"added node key pairs {', '.join(map(str, added))} to {args.directory} (register them: "
+                  f"privfl flower register --certs {args.directory} {' '.join(map(str, added))})")
+            return 0
         out = generate_certificates(args.directory, hosts=tuple(args.host or ("127.0.0.1", "localhost")),
-                                    nodes=args.nodes)
-        print(f"wrote {CA_CERT}, {SERVER_CERT}, {SERVER_KEY} and {args.nodes} node key pairs to {out}")
+                                    nodes=args.nodes, overwrite=args.overwrite)
+        print(f"wrote {CA_CERT}, {CA_KEY}, {SERVER_CERT}, {SERVER_KEY} and {args.nodes} node key pairs to {out} "
+              f"(keep {CA_KEY} and the node keys private)")
         return 0
     certs = Path(args.certs)
+    if not certs.is_dir():
+        raise ConfigError(f"--certs {certs} is not a directory; create it with privfl flower certs {certs}")
     env = flower_env(certs)
     if args.command == "superlink":
         command = superlink_command(certs, args.address, args.database)
@@ -303,18 +652,23 @@ def main(argv: list[str] | None = None) -> int:
                                     partition_range=args.partition_range, num_partitions=args.num_partitions,
                                     node_dir=str(Path(args.node_dir).resolve()),
                                     port=args.port if args.port is not None else 9100 + args.node)
+        wait_for_superlink(args.superlink, args.wait_s)
+        return supervise_supernode(command, env, rejoin_s=args.rejoin_s)
     elif args.command == "register":
-        write_connection(env, args.superlink, certs)
-        for index in args.nodes:
-            subprocess.run([_tool("flwr"), "supernode", "register", str(node_key(certs, index).with_suffix(".pub")),
-                            CONNECTION], env=env, check=True)
+        register_nodes(env, certs, args.superlink, args.nodes, wait_s=args.wait_s)
         return 0
     else:
+        if (args.out is None) == (args.resume is None):
+            raise ConfigError(f"give --out (a new run's directory) or --resume RUN_DIR (a failed run's), got --out "
+                              f"{args.out!r} and --resume {args.resume!r}")
+        require_files(certs / CA_CERT)
         write_connection(env, args.superlink, certs)
-        command = run_command(args.config, args.out, overwrite=args.overwrite, timeout_s=args.timeout_s,
-                              node_wait_s=args.node_wait_s, stream=args.stream, serve_from=args.serve_from,
-                              serve_clients=args.serve_clients)
-        return subprocess.run(command, env=env).returncode
+        wait_for_superlink(args.superlink, args.wait_s)
+        out = args.out or args.resume
+        command = run_command(args.config, out, overwrite=args.overwrite, timeout_s=args.timeout_s,
+                              node_wait_s=args.node_wait_s, serve_from=args.serve_from,
+                              serve_clients=args.serve_clients, resume=args.resume is not None)
+        return run_and_wait(command, env, out=out, stream=args.stream)
     os.execve(command[0], command, env)      # the daemon takes this process id
 
 

@@ -55,6 +55,11 @@ MESSAGE_TYPES = {
     "ledger": "query.ledger",
 }
 
+#: The header key (and node ledger record metadata key) of the privfl run a message belongs to: the server names
+#: its run in every message, and the node writes it into every record it makes, so a client's ledger (its lifetime,
+#: across runs) tells each run's releases apart. A resumed run keeps its run id.
+RUN_KEY = "run"
+
 # reply kinds
 RELEASE, NOTHING, TELEMETRY = "release", "nothing", "telemetry"
 
@@ -73,6 +78,7 @@ OUTSIDE_LEDGER = {
 RUN_CONFIG = "privfl-config"        # the RunConfig as JSON
 OUT = "out"                          # the run directory (server side)
 OVERWRITE = "overwrite"
+RESUME = "resume"                    # continue the run in ``out`` from its checkpoint (same privfl run id)
 NODES_ROOT = "nodes-root"            # default parent of node directories ("" = each node names its own)
 THREADS = "threads"                  # torch threads per ClientApp process (0 = leave torch's choice)
 TIMEOUT = "timeout-s"                # seconds to wait for the replies of one exchange (> 0)

@@ -21,6 +21,7 @@ used. The summary's ``privacy.secure_aggregation`` gives the protocol's paramete
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
-from accounting import LedgerBook, PrivacyLedger
+from accounting import LedgerBook, PrivacyLedger, ReleaseJournal, ReleaseRecord
 from privfl.config import RunConfig
 from privfl.errors import ConfigError, InternalError
 from privfl.evaluation.metrics import ClientScore
@@ -37,6 +38,8 @@ from privfl.federation.flower.nodes import connect
 from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
 from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum
+
+logger = logging.getLogger(__name__)
 
 #: The summary section a Flower run adds (``summary.json``): nodes, timings, and clients left out.
 SUMMARY_KEY = "flower"
@@ -50,7 +53,7 @@ class FlowerRuntime(Runtime):
     """
 
     def __init__(self, grid: Grid, *, strategy, client, federation, config: RunConfig,
-                 options: p.FlowerOptions | None = None, serve: list[int] | None = None) -> None:
+                 options: p.FlowerOptions | None = None, serve: list[int] | None = None, run_id: str = "") -> None:
         super().__init__(strategy=strategy, client=client,
                          training_ids=[c.client_id for c in federation.training_clients], seed=config.seed,
                          client_fraction=config.client_fraction)
@@ -58,6 +61,10 @@ class FlowerRuntime(Runtime):
         self.options = options or p.FlowerOptions()
         self.novel_ids = sorted(c.client_id for c in federation.novel_clients)
         self.transport = GridTransport(grid, self.options)
+        self.run_id = self.transport.run_id = run_id     # named in every message; the nodes tag their records
+        self._journal: ReleaseJournal | None = None
+        self._lifetime = LedgerBook()              # the node ledgers as reported at the end: every run's releases
+        self.transport.on_reply = self._arrived
         self._bytes_down: dict[int, int] = defaultdict(int)
         self._bytes_up: dict[int, int] = defaultdict(int)
         self._ledgers: dict[int, str] = {}        # client id -> its ledger (JSON) as its node last reported it
@@ -106,6 +113,17 @@ class FlowerRuntime(Runtime):
                 self._ledgers.pop(cid, None)                       # a release since the last report
         return replies
 
+    def _arrived(self, node: int, content) -> None:
+        """A node's reply as it arrives (before the exchange is complete, so a later failure keeps it): journal the
+        records of the releases it carries, read from the clients' reply headers (no payload is decoded)."""
+        for key in content.keys():
+            if not (key.startswith("h") and key[1:].isdigit()):
+                continue
+            header = content[key]
+            if header.get("kind") == p.RELEASE and header.get("record"):
+                if self._journal is not None:
+                    self._journal.append(int(key[1:]), ReleaseRecord.from_dict(json.loads(str(header["record"]))))
+
     def _delivered(self, replies: dict[int, tuple[Message, dict[str, Any]]]) -> dict[int, Message]:
         """The releases among ``replies`` (what the server may use), counted as bytes up."""
         delivered = {}
@@ -152,8 +170,11 @@ class FlowerRuntime(Runtime):
     def record_for_everyone(self, release: RoundRelease, round: int) -> None:
         """Central DP: the server is the trusted aggregator, so it keeps the ledger of its aggregates itself (every
         training client's); :meth:`ledgers` adds them to what the nodes report."""
-        self._server_book.record_for(self.training_ids, release.event, purpose=release.purpose, round=round,
-                                     metadata=release.metadata, calibrated_for=release.calibrated_for)
+        metadata = {**release.metadata, **({p.RUN_KEY: self.run_id} if self.run_id else {})}
+        record = self._server_book.record_for(self.training_ids, release.event, purpose=release.purpose,
+                                              round=round, metadata=metadata, calibrated_for=release.calibrated_for)
+        if self._journal is not None:
+            self._journal.append_for(self.training_ids, record)
 
     def commit_round(self, round: int, sampled: list[int]) -> None:
         self.completed_rounds = self._rounds_done = round + 1
@@ -161,6 +182,8 @@ class FlowerRuntime(Runtime):
         self._state_round = -1
         self._committed = self._state(self.completed_rounds)
         self.round_seconds.append(time.perf_counter() - self._round_started)
+        logger.info("round %d of %d done in %.1f s (%d clients)", round + 1, self.config.rounds,
+                    self.round_seconds[-1], len(sampled))
 
     def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
                                   round: int | None) -> dict[int, ClientScore]:
@@ -201,25 +224,61 @@ class FlowerRuntime(Runtime):
     # -- ledgers, bytes, state --------------------------------------------------------------------------------------
 
     def ledgers(self, ids: list[int] | None = None) -> LedgerBook:
-        """A book of the ledgers the nodes reported; nodes whose last report predates a release are asked again."""
+        """A book of this run's releases, from the ledgers the nodes reported (nodes whose last report predates a
+        release are asked again) and the server's own records.
+
+        A node's ledger is the client's lifetime: with a run id, its records of other runs (tagged with theirs, or
+        untagged from before run ids) are left out here and kept in :attr:`lifetime`, whose epsilons the summary
+        reports beside this run's."""
         ids = sorted(self.nodes) if ids is None else ids
         stale = [cid for cid in ids if cid not in self._ledgers]
         self._send({cid: (Message(), {}) for cid in stale}, "ledger", {}, count=False)
-        book = LedgerBook()
+        book, lifetime = LedgerBook(), LedgerBook()
         for cid in ids:
             ledger = None
             if self._ledgers.get(cid):
-                ledger = PrivacyLedger.from_state_dict(json.loads(self._ledgers[cid]))
-                if ledger.client_id != cid:
+                reported = PrivacyLedger.from_state_dict(json.loads(self._ledgers[cid]))
+                if reported.client_id != cid:
                     raise FlowerClientError(f"the node of client {cid} reported the ledger of client "
-                                            f"{ledger.client_id!r}")
-            if cid in self._server_book:
-                ledger = ledger or PrivacyLedger(cid)
-                for record in self._server_book[cid].records:
-                    ledger._append_history(record)
-            if ledger is not None:
+                                            f"{reported.client_id!r}")
+                lifetime.add(reported)
+                ledger = PrivacyLedger(cid)
+                for record in reported.records:
+                    if not self.run_id or record.metadata.get(p.RUN_KEY) == self.run_id:
+                        ledger._append_history(record)
+            ledger = self._with_server_records(cid, ledger)
+            if ledger is not None and (len(ledger) or cid in self._server_book):
                 book.add(ledger)
+        self._lifetime = lifetime
         return book
+
+    def _with_server_records(self, cid: int, ledger: PrivacyLedger | None) -> PrivacyLedger | None:
+        if cid in self._server_book:
+            ledger = ledger or PrivacyLedger(cid)
+            for record in self._server_book[cid].records:
+                ledger._append_history(record)
+        return ledger
+
+    def lifetime(self, delta: float) -> dict[str, Any]:
+        """Each client's lifetime epsilon at ``delta`` (every run its node ledger holds, with this run's server
+        records) and the earlier runs it includes, from the ledgers the nodes reported last (:meth:`ledgers`)."""
+        book = LedgerBook()
+        runs: dict[int, list[str]] = {}
+        for cid in sorted(set(self._lifetime) | set(self._server_book)):
+            reported = self._lifetime[cid].records if cid in self._lifetime else []
+            ledger = PrivacyLedger(cid)
+            for record in reported:
+                ledger._append_history(record)
+            book.add(self._with_server_records(cid, ledger))
+            others = {str(r.metadata.get(p.RUN_KEY) or "untagged") for r in reported} - {self.run_id}
+            if others and self.run_id:
+                runs[cid] = sorted(others)
+        epsilons = book.epsilons(delta)
+        everyone = sorted(set(self.nodes) | set(epsilons))
+        return {"run_id": self.run_id, "delta": delta,
+                "epsilon_per_client": {str(cid): float(epsilons.get(cid, 0.0)) for cid in everyone},
+                "earlier_runs": sorted({run for found in runs.values() for run in found}),
+                "earlier_runs_per_client": {str(cid): found for cid, found in sorted(runs.items())}}
 
     @property
     def bytes_up(self) -> Mapping[int, int]:
@@ -248,11 +307,48 @@ class FlowerRuntime(Runtime):
     def committed_state_dict(self) -> dict[str, Any]:
         return {**self._committed, "wire": {"ledgers_on_nodes": True, "server_book": self._server_book.state_dict(),
                                             "bytes_down": [[k, v] for k, v in self._bytes_down.items()],
-                                            "bytes_up": [[k, v] for k, v in self._bytes_up.items()]}}
+                                            "bytes_up": [[k, v] for k, v in self._bytes_up.items()],
+                                            "run_id": self.run_id,
+                                            "state_of": [[k, v] for k, v in sorted(self._state_of.items())]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise ConfigError("resuming a run on Flower is not supported yet: resume it with --engine inprocess, "
-                          "or start it again")
+        """Continue from a checkpoint of a run on Flower (``privfl flower run --resume``): the server state, the
+        round each client's node holds its state of, the server's own records and the byte counts. The nodes keep
+        their ledgers (a round run again releases again, recorded under the same run id) and their client states
+        (each refuses to go on unless it holds the state of the round the server expects)."""
+        wire = state.get("wire") or {}
+        if not wire.get("ledgers_on_nodes") or "state_of" not in wire:
+            raise ConfigError("the checkpoint is not one of a run on Flower nodes that can be resumed there (it was "
+                              "run in-process, or by a privfl without resume on Flower): resume it with privfl train "
+                              "--resume, or start it again")
+        if wire.get("run_id") != self.run_id:
+            raise InternalError(f"resuming run {wire.get('run_id')!r} with the run id {self.run_id!r}")
+        self.strategy.load_state_dict(state["strategy"])
+        self.completed_rounds = self._rounds_done = int(state["completed_rounds"])
+        self._server_book = LedgerBook.from_state_dict(wire["server_book"])
+        self._bytes_down = defaultdict(int, {int(k): int(v) for k, v in wire["bytes_down"]})
+        self._bytes_up = defaultdict(int, {int(k): int(v) for k, v in wire["bytes_up"]})
+        self._state_of = {int(k): int(v) for k, v in wire["state_of"]}
+        self._state_round = -1
+        self._committed = self._state(self.completed_rounds)
+
+    def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:
+        """Append each release's record to ``journal`` (the run directory's ``releases.jsonl``) as its reply arrives
+        (:meth:`_arrived`), and the server's own records as it makes them. The nodes keep their ledgers, so a
+        resumed run (``replay``) puts back only the server's records made after the checkpoint (the journal's lines
+        for several clients)."""
+        self._journal = journal
+        if replay and journal.path.exists():
+            lines = journal.path.read_text(encoding="utf-8").split("\n")[:-1]   # the last: empty, or cut short
+            shared = [json.loads(line) for line in lines if '"client_ids"' in line]
+            held = {cid: len(self._server_book[cid]) for cid in self._server_book}
+            seen: Counter[int] = Counter()
+            for entry in (e for e in shared if "client_ids" in e):
+                record = ReleaseRecord.from_dict(entry["record"])
+                for cid in entry["client_ids"]:
+                    seen[cid] += 1
+                    if seen[cid] > held.get(cid, 0):
+                        self._server_book[cid]._append_history(record)
 
     def summary(self) -> dict[str, Any]:
         """What the run's ``summary.json`` records about Flower: nodes, timings, and novel clients left out."""
@@ -263,6 +359,8 @@ class FlowerRuntime(Runtime):
             "connect_s": directory.connect_seconds, "round_seconds": list(self.round_seconds),
             "novel_not_served": directory.novel_not_served.get("clients", []),
             "novel_not_served_reason": directory.novel_not_served.get("reason", ""),
+            # this run's epsilons are privacy.epsilon_per_client; a node ledger holds the client's lifetime
+            "lifetime": self.lifetime(self.config.delta),
             # data-dependent replies the epsilons do not cover (protocol.OUTSIDE_LEDGER): count and content
             "outside_ledger": {kind: {"replies": count, "carries": p.OUTSIDE_LEDGER[kind]}
                                for kind, count in sorted(self.outside_ledger.items())}}}

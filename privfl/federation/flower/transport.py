@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flwr.app import Message as FlowerMessage
@@ -45,6 +45,8 @@ class GridTransport:
         self.options = options
         self.node_clients: dict[int, list[int]] = {}
         self.node_of: dict[int, int] = {}          # client id -> node id
+        self.run_id = ""                           # the privfl run every message names (protocol.RUN_KEY)
+        self.on_reply: Callable[[int, RecordDict], None] | None = None   # each reply's content as it arrives
 
     def who(self, node_ids: list[int]) -> str:
         """``node 3 (clients [4, 5])``, ...: the nodes and the clients they hold, for error messages."""
@@ -80,14 +82,27 @@ class GridTransport:
         delay = self.options.poll_min_s
         while pending:
             arrived = False
+            failed: list[str] = []
             for reply in self.grid.pull_messages(pending):
                 message_id = reply.metadata.reply_to_message_id
-                pending.discard(message_id)
-                nid = node_of.get(message_id, reply.metadata.src_node_id)
                 arrived = True
+                if message_id not in node_of:
+                    # an error the SuperLink made without naming the message it answers: the node is one of those
+                    # still silent (the reply's source is the SuperLink itself, never the node)
+                    silent = sorted(node_of[mid] for mid in pending)
+                    failed.append(f"one of {self.who(silent)} failed in {op!r}: "
+                                  f"{reply.error.reason if reply.has_error() else 'an unexpected reply'}")
+                    continue
+                pending.discard(message_id)
+                nid = node_of[message_id]
                 if reply.has_error():
-                    raise FlowerClientError(f"{self.who([nid])} failed in {op!r}: {reply.error.reason}")
+                    failed.append(f"{self.who([nid])} failed in {op!r}: {reply.error.reason}")
+                    continue
                 replies[nid] = reply
+                if self.on_reply is not None:          # even when another node's failure stops the exchange
+                    self.on_reply(nid, reply.content)
+            if failed:
+                raise FlowerClientError("; ".join(failed))
             if pending:
                 if deadline is not None and time.monotonic() > deadline:
                     silent = sorted(node_of[mid] for mid in pending)
@@ -104,7 +119,8 @@ class GridTransport:
         of the clients it holds, packed with the common ``header``. A message object several clients get is
         converted once."""
         converted: dict[int, dict[str, Any]] = {}
-        return {nid: pack(items, {"op": op, **header}, converted=converted)
+        common = {"op": op, **header, **({p.RUN_KEY: self.run_id} if self.run_id else {})}
+        return {nid: pack(items, common, converted=converted)
                 for nid, items in self.by_node(outgoing).items()}
 
     def by_node(self, outgoing: Mapping[int, Any]) -> dict[int, dict[int, Any]]:
