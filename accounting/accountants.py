@@ -21,12 +21,7 @@ import math
 import numbers
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
-
-import dp_accounting
-import numpy as np
-from dp_accounting.pld import PLDAccountant
-from dp_accounting.rdp import RdpAccountant
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from accounting.events import (
     GaussianEvent,
@@ -35,6 +30,9 @@ from accounting.events import (
     SamplingMethod,
     SubsampledGaussianEvent,
 )
+
+if TYPE_CHECKING:   # imported where used: importing dp-accounting (and scipy with it) takes about a second
+    import dp_accounting
 
 AccountantName = Literal["pld", "rdp", "prv"]
 ACCOUNTANTS: tuple[str, ...] = get_args(AccountantName)
@@ -107,6 +105,10 @@ def _dp_accounting_backend(leaves: Counter[PrivacyEvent], accountant: str, *, co
     Unsampled leaves carry noise per unit of their own relation's sensitivity, which is exact under both (see
     :meth:`PrivacyEvent.to_dp_event`); PLD is never run under replace-one, where it would double that sensitivity.
     """
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+    from dp_accounting.rdp import RdpAccountant
+
     relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     if any(_is_without_replacement(leaf) for leaf in leaves):
         if accountant == "pld":
@@ -150,6 +152,7 @@ def _prv_history(leaves: Counter[PrivacyEvent]) -> list[tuple[float, float, int]
 def _prv_epsilon(leaves: Counter[PrivacyEvent], delta: float) -> float:
     history = _prv_history(leaves)
     # Imported here: importing opacus imports torch, and the rest of this package must stay torch-free.
+    import numpy as np
     from opacus.accountants import PRVAccountant
 
     prv = PRVAccountant()
@@ -223,6 +226,7 @@ def _pld_of(leaves: Counter[PrivacyEvent]) -> Any:
     built once and remembered (:func:`_subsampled_gaussian_pld`): a run prices the same step at a new count every
     round, and building that PLD is what costs (about half a second). ``None`` for leaves this does not cover (the
     caller then asks the accountant itself)."""
+    import dp_accounting
     from dp_accounting.pld import privacy_loss_distribution as PLD
 
     relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -249,6 +253,7 @@ def _pld_of(leaves: Counter[PrivacyEvent]) -> Any:
 @functools.lru_cache(maxsize=256)
 def _subsampled_gaussian_pld(noise_multiplier: float, sampling_probability: float) -> Any:
     """One Poisson-subsampled Gaussian step's PLD (add or remove one), as ``PLDAccountant`` builds it."""
+    import dp_accounting
     from dp_accounting.pld import privacy_loss_distribution as PLD
 
     return PLD.from_gaussian_mechanism(standard_deviation=noise_multiplier,

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Callable
-
-import numpy as np
-from scipy.optimize import brentq
-from scipy.special import log_ndtr
 
 from accounting.accountants import AccountantName
 from accounting.accountants import epsilon as accountant_epsilon
@@ -54,6 +51,8 @@ def _log_gaussian_delta(sigma: float, epsilon: float, sensitivity: float) -> flo
                                      - e^epsilon Phi(-Delta/(2 sigma) - epsilon sigma/Delta).
     Both terms are taken in log space (log_ndtr) so that e^epsilon never overflows and tiny tails keep their digits.
     """
+    from scipy.special import log_ndtr  # here: importing scipy takes a noticeable part of a second
+
     a = sensitivity / (2.0 * sigma)
     b = epsilon * sigma / sensitivity
     log_first = float(log_ndtr(a - b))
@@ -121,7 +120,9 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1
     while excess(hi) > 0:
         hi += 1.0
     # 2. Brent's method; the root is unique because delta(sigma) is strictly decreasing.
-    x = brentq(excess, lo, hi, xtol=1e-14, rtol=4 * np.finfo(float).eps)
+    from scipy.optimize import brentq
+
+    x = brentq(excess, lo, hi, xtol=1e-14, rtol=4 * sys.float_info.epsilon)
     # 3. Round towards more noise so the guarantee holds, not just approximately.
     sigma = math.exp(x)
     while _log_gaussian_delta(sigma, epsilon, 1.0) > log_delta:

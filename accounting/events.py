@@ -25,9 +25,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dp_accounting
+if TYPE_CHECKING:   # imported where used: importing dp-accounting (and scipy with it) takes about a second
+    import dp_accounting
 
 
 class NeighboringRelation(str, Enum):
@@ -161,6 +162,8 @@ class GaussianEvent(PrivacyEvent):
         return self.sigma / self.sensitivity
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         return dp_accounting.GaussianDpEvent(noise_multiplier=self.noise_multiplier)
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,6 +191,8 @@ class LaplaceEvent(PrivacyEvent):
         object.__setattr__(self, "relation", _enum_member(NeighboringRelation, "relation", self.relation))
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         return dp_accounting.LaplaceDpEvent(noise_multiplier=self.scale / self.sensitivity)
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,6 +273,8 @@ class SubsampledGaussianEvent(PrivacyEvent):
         return round(self.sampling_probability * self.population_size)
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         gaussian = dp_accounting.GaussianDpEvent(noise_multiplier=self.noise_multiplier)
         if self.sampling_method is SamplingMethod.POISSON:
             return dp_accounting.PoissonSampledDpEvent(sampling_probability=self.sampling_probability, event=gaussian)
@@ -298,6 +305,8 @@ class NonPrivateEvent(PrivacyEvent):
         return None
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         return dp_accounting.NonPrivateDpEvent()
 
     def to_dict(self) -> dict[str, Any]:
@@ -328,6 +337,8 @@ class SelfComposedEvent(PrivacyEvent):
         return self.event.relation
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         return dp_accounting.SelfComposedDpEvent(event=self.event.to_dp_event(), count=self.count)
 
     def to_dict(self) -> dict[str, Any]:
@@ -358,6 +369,8 @@ class ComposedEvent(PrivacyEvent):
         return _common_relation(self.events)
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
+        import dp_accounting
+
         return dp_accounting.ComposedDpEvent(events=[e.to_dp_event() for e in self.events])
 
     def to_dict(self) -> dict[str, Any]:

@@ -94,7 +94,14 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is reported")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine)")
+                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine, "
+                        "and 1 with --workers above 1)")
+    g.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help="where the models compute: cpu (default), cuda, or auto (CUDA where present and the method "
+                        "runs there)")
+    g.add_argument("--workers", type=int, default=1,
+                   help="processes that train a round's clients, one thread each (1); the numbers are the "
+                        "one-thread run's")
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -211,7 +218,7 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
-        privacy=privacy, novel_privacy=novel_privacy,
+        privacy=privacy, novel_privacy=novel_privacy, workers=args.workers, device=args.device,
     )
 
 
@@ -381,7 +388,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                          min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
                          sizes=args.sizes or (FULL_SIZES if args.full_grid else SIZES),
                          novel_mixes=args.novel_mixes, eval_size=args.eval_size,
-                         repeats=args.repeats, seed=args.seed)
+                         repeats=args.repeats, seed=args.seed, device=args.device)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
     rounds = (f"{args.rounds} rounds per training" if args.full_grid or args.train_epsilons == (None,) else
               f"{args.rounds} rounds without DP, {private_rounds} per private training")
@@ -501,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help="where the trainings compute: cpu (default), cuda, or auto (CUDA where present and the "
+                        "method runs there)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into an OUT that holds another sweep's results, retraining trainings of other settings")
     p.add_argument("--no-progress", action="store_true")
@@ -563,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reuse_freed_memory()   # large per-round tensors from the heap, not fresh page-faulted mmaps (privfl.memory)
     threads = getattr(args, "threads", None)
+    if threads is None and getattr(args, "workers", 1) > 1:
+        threads = 1   # each worker computes on one thread, and this process must too (privfl.federation.workers)
     if threads is not None:
         if threads < 1:
             print(f"privfl: error: --threads must be an integer >= 1, got {threads}", file=sys.stderr)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from privfl.data import FederatedDataset, FederationSpec
+from privfl.devices import check_device, resolve_device
 from privfl.errors import ConfigError
 from privfl.federation.runtime import sample_clients
-from privfl.methods import ClientProcedure, MethodConfig, ModelFactory, Strategy, get_method
+from privfl.methods import METHODS, ClientProcedure, MethodConfig, ModelFactory, Strategy, get_method
 from privfl.methods.private import planned_participations, protect, support
 from privfl.privacy.training import DISTRIBUTED, LOCAL, NovelPrivacy, TrainingPrivacy
 
@@ -34,6 +35,14 @@ class RunConfig:
     every method, :class:`~privfl.privacy.training.TrainingPrivacy`); ``novel_privacy`` the novel clients' release,
     for methods whose novel clients send one (:class:`~privfl.privacy.training.NovelPrivacy`). In central
     client-level DP, ``client_fraction`` is the Poisson sampling rate q.
+
+    ``workers`` is how many processes train a round's clients on the in-process engine (1: one after another in
+    this process); with more, torch must run on one thread (``torch.set_num_threads(1)``, ``--threads 1``) and the
+    numbers are those of the one-thread run with ``workers=1`` (:mod:`privfl.federation.workers`).
+
+    ``device`` is where the models compute (:mod:`privfl.devices`): ``"cpu"`` (the default), ``"cuda"`` (refused
+    where torch finds no CUDA device, or for a method that runs on the CPU only, or with ``workers > 1``), or
+    ``"auto"``: CUDA where present and the method runs there with one worker, else the CPU (:func:`run_device`).
     """
 
     federation: FederationSpec = field(default_factory=FederationSpec)
@@ -49,6 +58,8 @@ class RunConfig:
     delta: float = 1e-5
     privacy: TrainingPrivacy = field(default_factory=TrainingPrivacy)
     novel_privacy: NovelPrivacy = field(default_factory=NovelPrivacy)
+    workers: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         spec = get_method(self.method)
@@ -70,10 +81,16 @@ class RunConfig:
             ("select", self.select, self.select in SELECTIONS, f"one of {', '.join(SELECTIONS)}"),
             ("seed", self.seed, isinstance(self.seed, int) and self.seed >= 0, "an integer >= 0"),
             ("delta", self.delta, isinstance(self.delta, float) and 0 < self.delta < 1, "a probability in (0, 1)"),
+            ("workers", self.workers, isinstance(self.workers, int) and not isinstance(self.workers, bool)
+             and self.workers >= 1, "an integer >= 1 (processes that train a round's clients)"),
         ]
         for name, value, ok, valid in checks:
             if not ok:
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
+        check_device(self.device)
+        if self.device == "cuda" and self.workers > 1:
+            raise ConfigError(f"device 'cuda' with workers={self.workers}: worker processes train on the CPU; use "
+                              "workers=1 on CUDA, or device 'cpu'")
         support(spec, self.privacy.mode)
         if isinstance(method_config, MethodConfig):
             method_config.check_privacy(self.privacy, self.novel_privacy)
@@ -121,8 +138,22 @@ def model_name_for(config: RunConfig, input_shape: tuple[int, ...]) -> str:
     return "lenet" if len(shape) == 3 and shape[0] == 3 else "mlp2nn"
 
 
+def run_device(config: RunConfig) -> str:
+    """Where ``config``'s models compute here, ``"cpu"`` or ``"cuda"`` (:func:`privfl.devices.resolve_device`):
+    ``"auto"`` takes CUDA only for a method registered to run there and one worker; ``"cuda"`` for a method that runs
+    on the CPU only is refused by name."""
+    spec = get_method(config.method)
+    device = resolve_device(config.device, runs_on=spec.devices if config.workers == 1 else ("cpu",))
+    if device not in spec.devices:
+        runs = ", ".join(name for name, other in sorted(METHODS.items()) if device in other.devices)
+        raise ConfigError(f"method {config.method!r} runs on the CPU only, not on device {config.device!r} (device "
+                          f"'cuda' runs {runs}); use device 'cpu' or 'auto'")
+    return device
+
+
 def model_factory(config: RunConfig, input_shape: tuple[int, ...], num_classes: int) -> ModelFactory:
-    return ModelFactory(model_name_for(config, input_shape), tuple(input_shape), num_classes)
+    return ModelFactory(model_name_for(config, input_shape), tuple(input_shape), num_classes,
+                        device=run_device(config))
 
 
 def participations(config: RunConfig, num_training_clients: int) -> int:

@@ -52,8 +52,17 @@ def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume
         raise ConfigError("--resume is not supported with --engine flower-sim yet; resume with --engine inprocess")
     if config is None:
         raise ConfigError("a Flower run needs a RunConfig")
+    _one_worker(config)
     return train_simulation(config, out, overwrite=overwrite, progress=progress, stop_after_round=stop_after_round,
                             options=flower_options)
+
+
+def _one_worker(config: RunConfig) -> None:
+    """Refuse ``workers > 1`` on a Flower engine, whose nodes are its processes."""
+    if config.workers != 1:
+        raise ConfigError(f"workers={config.workers} spreads clients over processes of the in-process engine; "
+                          "on Flower the nodes are the processes (--flower-actors, --flower-clients-per-node): "
+                          "use workers=1, or engine 'inprocess'")
 
 
 def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None, *, run_id: str = ""):
@@ -63,6 +72,7 @@ def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None, *, 
     from privfl.federation.flower.runtime import FlowerRuntime
 
     def factory(config: RunConfig, federation) -> FlowerRuntime:
+        _one_worker(config)
         strategy, client = build_method(config, federation)
         return FlowerRuntime(grid, strategy=strategy, client=client, federation=federation, config=config,
                              options=options, run_id=run_id)

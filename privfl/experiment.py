@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from accounting import JournalDamaged, JournalMismatch, JournalPosition, ReleaseJournal
-from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations
+from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations, run_device
 from privfl.data import FederatedDataset, build_federation, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
@@ -78,7 +78,7 @@ def build_runtime(config: RunConfig, federation: FederatedDataset) -> InProcessR
     """The method's strategy and client procedure for ``federation``, wired into an in-process runtime."""
     strategy, client = build_method(config, federation)
     return InProcessRuntime(strategy=strategy, client=client, training_clients=federation.training_clients,
-                            seed=config.seed, client_fraction=config.client_fraction)
+                            seed=config.seed, client_fraction=config.client_fraction, workers=config.workers)
 
 
 #: The checkpoint format :func:`train` writes and resumes: 2 records the journal position it saw.
@@ -171,7 +171,7 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     runtime = runtime_factory(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
     elapsed = 0.0
-    digest = hashlib.sha256(dumps(config.to_dict()).encode()).hexdigest()   # ties each checkpoint to its config
+    digest = hashlib.sha256(dumps(run_identity(config)).encode()).hexdigest()   # ties each checkpoint to its config
     served, checkpoint = None, None
     if resume:
         run_dir.remove_leftovers()
@@ -249,6 +249,7 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     finally:
         interrupt.restore()
         bar.close()
+        runtime.close()
     wall = elapsed + time.perf_counter() - started
     return finish(config, federation, runtime, run_dir, best, wall, journal=journal, served=served)
 
@@ -331,10 +332,28 @@ def check_room(run_dir: RunDirectory, checkpoint_bytes: int) -> None:
                            "free space or choose another --out, then run it again: nothing was released")
 
 
+def run_identity(config: RunConfig) -> dict[str, Any]:
+    """What makes two configs the same run: every setting but ``workers``, which changes no number, and ``device``
+    left at ``"cpu"`` (so runs written before the setting existed stay the same runs)."""
+    values = config.to_dict()
+    values.pop("workers")
+    if values["device"] == "cpu":
+        values.pop("device")
+    return values
+
+
+def _stored_identity(run_dir: RunDirectory) -> dict[str, Any] | None:
+    try:
+        return json.loads(dumps(run_identity(RunConfig.from_dict(run_dir.read_json(RunDirectory.CONFIG)))))
+    except ValueError:   # a config.json this version cannot read (a ConfigError) is another run
+        return None
+
+
 def train_once(config: RunConfig, out: str, *, overwrite: bool = False, **kwargs: Any) -> dict[str, Any]:
     """The summary of ``config`` run in ``out``, computed at most once: read back when ``out`` holds this very run
     finished, continued from its checkpoint when it holds this run interrupted, trained afresh when it holds nothing.
-    "This very run" means the stored ``config.json`` equals ``config``: a directory that holds another configuration
+    "This very run" means the stored ``config.json`` is ``config`` (:func:`run_identity`: a run continued keeps its
+    stored ``workers``): a directory that holds another configuration
     (other rounds, settings or seed) is refused, never mistaken for this one, unless ``overwrite`` (it is then
     retrained). For scripts that rerun many settings and must lose nothing on interruption; ``kwargs`` go to
     :func:`train`."""
@@ -348,11 +367,12 @@ def train_once(config: RunConfig, out: str, *, overwrite: bool = False, **kwargs
 
 
 def check_reusable(config: RunConfig, run_dir: RunDirectory, *, overwrite: bool = False) -> bool:
-    """Whether ``run_dir`` holds this very run (its ``config.json`` equals ``config``), finished or not; refuses a
+    """Whether ``run_dir`` holds this very run (its ``config.json`` is ``config``: :func:`run_identity`), finished or
+    not; refuses a
     directory holding another run or a sweep (:meth:`RunDirectory.occupant`) unless ``overwrite``. What
     :func:`train_once` checks, for commands that run several trainings to check every one before the first."""
     stored = run_dir.path(RunDirectory.CONFIG)
-    if stored.exists() and run_dir.read_json(RunDirectory.CONFIG) == json.loads(dumps(config.to_dict())):
+    if stored.exists() and _stored_identity(run_dir) == json.loads(dumps(run_identity(config))):
         return True
     occupant = run_dir.occupant()
     if occupant is not None and not overwrite:
@@ -415,7 +435,8 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
                           "bytes_down_total": sum(runtime.bytes_down.values())},
         "wall_time_s": wall_time_s,
         "peak_memory_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-        "numerics": numerics(),   # of the process that finished the run (a resumed run may have begun elsewhere)
+        # of the process that finished the run (a resumed run may have begun elsewhere), and where its models computed
+        "numerics": {**numerics(), "device": run_device(config)},
     }
     if config.privacy.mode == CENTRAL:
         against = ledgers.epsilons_against_aggregator(config.delta)

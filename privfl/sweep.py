@@ -111,7 +111,8 @@ class SweepConfig:
     without DP), with ``train_clip`` (per-record L2 clip) and ``min_samples`` (a public lower bound on each training
     client's size); ``private_rounds``: rounds of each private training (``None``: ``rounds``, as the non-private
     one; see :data:`PRIVATE_ROUNDS`). ``epsilons``: the novel clients' epsilons (the method's novel release; a method
-    whose novel clients send nothing is served without one). ``delta`` is the delta of both sides.
+    whose novel clients send nothing is served without one). ``delta`` is the delta of both sides. ``device``: where
+    the trainings compute (:attr:`privfl.config.RunConfig.device`).
     """
 
     dataset: str = "mnist"
@@ -139,6 +140,7 @@ class SweepConfig:
     tolerance: float = 1.0
     min_margin: float = 2.0
     seed: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.method_config is None:
@@ -196,7 +198,8 @@ class SweepConfig:
         return RunConfig(federation=self.federation(), method=self.method, method_config=dict(self.method_config),
                          rounds=rounds, client_fraction=self.client_fraction, eval_every=max(1, rounds // 5),
                          checkpoint_every=max(1, rounds // 2), select="last", seed=self.seed, delta=self.delta,
-                         privacy=privacy, novel_privacy=NovelPrivacy(delta=self.delta, bound=self.bound))
+                         privacy=privacy, novel_privacy=NovelPrivacy(delta=self.delta, bound=self.bound),
+                         device=self.device)
 
 
 def train_key(epsilon: float | None) -> str:

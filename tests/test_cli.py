@@ -27,6 +27,8 @@ BASE = ["train", "--dataset", "synthetic", "--clients", "8", "--partition", "iid
     (["--method-option", 'lr="fast"'], "method 'fedavg' setting lr must be a number, got 'fast', a string"),
     (["--method-option", "local_steps=true"],
      "setting local_steps must be an integer, got True, a boolean (true or false)"),
+    (["--workers", "0"], "workers must be an integer >= 1"),
+    (["--workers", "2", "--threads", "2"], "call torch.set_num_threads(1) (privfl --threads 1)"),
 ])
 def test_user_errors_exit_2_with_a_message(tmp_path, capsys, extra, needle):
     args = BASE[:1] + ["--out", str(tmp_path / "r")] + BASE[1:] + extra
@@ -36,6 +38,28 @@ def test_user_errors_exit_2_with_a_message(tmp_path, capsys, extra, needle):
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_workers_train_the_clients_of_a_one_thread_run(tmp_path):
+    import json
+
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        runs = {}
+        for workers in ("1", "2"):
+            out = tmp_path / workers
+            assert main(BASE[:1] + ["--out", str(out)] + BASE[1:] + ["--local-steps", "2", "--workers", workers,
+                                                                     "--threads", "1"]) == 0
+            assert json.loads((out / "config.json").read_text())["workers"] == int(workers)
+            runs[workers] = (out / "metrics.jsonl").read_text()
+        args = BASE[:1] + ["--out", str(tmp_path / "t")] + BASE[1:] + ["--local-steps", "2", "--workers", "2"]
+        assert main(args) == 0
+        assert torch.get_num_threads() == 1     # --workers above 1 without --threads: one thread
+    finally:
+        torch.set_num_threads(before)
+    assert runs["1"] == runs["2"] == (tmp_path / "t" / "metrics.jsonl").read_text()
 
 
 def test_nan_in_client_data_exits_2(tmp_path, capsys):

@@ -35,8 +35,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import functional as tvf
 
 from privfl.data.partition import partition_dirichlet, partition_iid, partition_pathological
 from privfl.data.sources import SOURCE_NAMES, SourceData, load_source
@@ -547,6 +545,10 @@ def _draw_angles(
 
 def _shift_images(x: np.ndarray, rotation: float, blur_sigma: float, blur_kernel: int) -> np.ndarray:
     """Rotate (degrees counter-clockwise, bilinear, black fill) then blur raw [0, 1] images ``[N, C, H, W]``."""
+    # imported only for a shift: torchvision's import (its models, torch._dynamo) takes seconds most runs need not pay
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as tvf
+
     images = torch.from_numpy(x)
     if rotation:
         images = tvf.rotate(images, rotation, interpolation=InterpolationMode.BILINEAR, fill=0.0)

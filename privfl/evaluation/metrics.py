@@ -63,9 +63,10 @@ def score_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_siz
     was_training = model.training
     model.eval()
     correct, loss_sum = 0, 0.0
+    device = next(iter(model.parameters()), torch.empty(0)).device   # the data goes where the model computes
     for start in range(0, len(y), batch_size):
-        logits = model(x[start:start + batch_size])
-        target = y[start:start + batch_size]
+        logits = model(x[start:start + batch_size].to(device))
+        target = y[start:start + batch_size].to(device)
         correct += int((logits.argmax(dim=1) == target).sum())
         loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
     model.train(was_training)

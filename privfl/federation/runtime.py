@@ -36,6 +36,7 @@ from privfl.federation.context import ClientState, client_context
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng
 from privfl.federation.wire import Wire
+from privfl.federation.workers import ClientWorkers, check_threads, check_workers
 
 if TYPE_CHECKING:   # the methods sit above this module: only their interfaces are named here
     from privfl.data import FederatedDataset
@@ -224,6 +225,9 @@ class Runtime(ABC):
     def ledgers(self) -> LedgerBook:
         """Every client's ledger as it stands."""
 
+    def close(self) -> None:  # noqa: B027 (an optional hook)
+        """Release what the engine holds beyond the run's state (worker processes); the run is over, or stopped."""
+
     def use_journal(self, journal: ReleaseJournal, *, replay: bool) -> None:  # noqa: B027 (an optional hook)
         """Append each release's ledger record to ``journal`` before it is delivered; with ``replay`` (a resumed
         run), first put the journal's records that the checkpoint's ledgers lack back into them. An engine whose
@@ -262,7 +266,7 @@ class InProcessRuntime(Runtime):
     """Runs a method's rounds on the training clients of one federation, all in this process."""
 
     def __init__(self, *, strategy, client, training_clients: list[TrainingClient], seed: int,
-                 client_fraction: float = 1.0, wire: Wire | None = None) -> None:
+                 client_fraction: float = 1.0, wire: Wire | None = None, workers: int = 1) -> None:
         super().__init__(strategy=strategy, client=client, training_ids=[c.client_id for c in training_clients],
                          seed=seed, client_fraction=client_fraction)
         self.clients = {c.client_id: c for c in training_clients}
@@ -270,6 +274,9 @@ class InProcessRuntime(Runtime):
         self.client_states: dict[int, ClientState] = {cid: {} for cid in self.clients}
         self._working: dict[int, ClientState] = {}
         self._committed = self.snapshot()
+        self.workers = check_workers(workers)
+        check_threads(self.workers)
+        self._pool: ClientWorkers | None = None
         with torch.random.fork_rng(devices=[]):
             client.workspace_model()   # built outside any client's seeded stream, as on a Flower node
 
@@ -277,6 +284,11 @@ class InProcessRuntime(Runtime):
         self._working = {cid: dict(self.client_states[cid]) for cid in sampled}
 
     def exchange(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
+        """The clients one after another in increasing id, or with ``workers > 1`` spread over worker processes
+        (:class:`~privfl.federation.workers.ClientWorkers`): the same numbers, and the releases recorded here in
+        the same order."""
+        if self.workers > 1 and len(messages) > 1:
+            return self._exchange_in_workers(round, stage, messages)
         replies = {}
         for cid in sorted(messages):
             delivered = self.wire.server_to_client(cid, messages[cid])
@@ -288,6 +300,28 @@ class InProcessRuntime(Runtime):
             if release is not None:
                 replies[cid] = self.wire.client_to_server(cid, release, round=round)
         return replies
+
+    def _exchange_in_workers(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:
+        if self._pool is None:   # forked once, holding the clients' data and the procedure
+            self._pool = ClientWorkers(self.workers, self.client, self.clients)
+        for cid in sorted(messages):   # the workers read their own copies from bytes
+            self.wire.count_down(cid, messages[cid])
+        results = self._pool.run(seed=self.seed, round=round, stage=stage, messages=messages,
+                                 states={cid: self._working[cid] for cid in messages})
+        replies = {}
+        for cid in sorted(results):
+            result = results[cid]
+            if isinstance(result, Exception):
+                raise result
+            release, self._working[cid] = result
+            if release is not None:
+                replies[cid] = self.wire.client_to_server(cid, release, round=round)
+        return replies
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def secure_sum(self, round: int, stage: int, messages: dict[int, Message], secure: SecureSum) -> ReleaseSum:
         """Simulated: the releases come to this process, recorded by the wire, and are added here."""

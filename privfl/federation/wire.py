@@ -27,8 +27,13 @@ class Wire:
 
     def server_to_client(self, client_id: int, message: Message) -> Message:
         """Deliver ``message`` to a client (a copy: the client cannot touch the server's tensors)."""
-        self.bytes_down[client_id] += message.num_bytes()
+        self.count_down(client_id, message)
         return message.copy()
+
+    def count_down(self, client_id: int, message: Message) -> None:
+        """Count ``message`` as sent to a client that gets its own copy another way (a worker process reads it from
+        bytes, :mod:`privfl.federation.workers`)."""
+        self.bytes_down[client_id] += message.num_bytes()
 
     def client_to_server(self, client_id: int, release: Release, *, round: int | None) -> Message:
         """Record ``release`` in the client's ledger, then deliver a copy of its message to the server.

@@ -115,14 +115,16 @@ class LocalTrainingConfig(MethodConfig):
 
 @dataclass(frozen=True)
 class ModelFactory:
-    """Builds the target network; ``init(seed)`` gives the same initial weights for the same seed everywhere."""
+    """Builds the target network on ``device``; ``init(seed)`` gives the same initial weights for the same seed
+    everywhere (built on the CPU, then moved: :mod:`privfl.devices`)."""
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
+    device: str = "cpu"
 
     def __call__(self) -> nn.Module:
-        return build_model(self.name, self.input_shape, self.num_classes)
+        return build_model(self.name, self.input_shape, self.num_classes).to(self.device)
 
     def init(self, seed: int) -> nn.Module:
         return seeded_init(self, seed)
@@ -341,7 +343,8 @@ class MethodSpec:
     clip among them; 0 for a method whose training clients send nothing). ``novel_privacy``: ``None`` when the
     method's novel-client release honours :class:`~privfl.privacy.training.NovelPrivacy`, else why there is none
     to protect. ``smoke_settings``: settings for a fast run on a small synthetic federation (the conformance tests
-    run every method with them).
+    run every method with them). ``devices``: where its models compute (``"cpu"``, and ``"cuda"`` for a method whose
+    client and server keep every tensor they combine on the model's device, :mod:`privfl.devices`).
     """
 
     name: str
@@ -353,6 +356,7 @@ class MethodSpec:
     releases_per_round: int = 1
     novel_privacy: str | None = "its novel clients send nothing"
     smoke_settings: Mapping[str, Any] = field(default_factory=dict)
+    devices: tuple[str, ...] = ("cpu",)
 
     def make_config(self, **values: Any) -> Any:
         """The method's config from ``values``; unknown names raise :class:`ConfigError` listing the valid ones."""
@@ -408,7 +412,8 @@ METHODS: Registry[MethodSpec] = Registry("method")
 def register_method(name: str, *, strategy: type[Strategy], client: type[ClientProcedure], config: type,
                     description: str, privacy: Mapping[str, str | None] | None = None,
                     releases_per_round: int = 1, novel_privacy: str | None = "its novel clients send nothing",
-                    smoke_settings: Mapping[str, Any] | None = None) -> MethodSpec:
+                    smoke_settings: Mapping[str, Any] | None = None,
+                    devices: tuple[str, ...] = ("cpu",)) -> MethodSpec:
     """Add a method to the registry under ``name`` (one call per method module). ``privacy``: each mode of
     :data:`~privfl.privacy.training.MODES` -> ``None`` (supported) or why it is refused; a mode left out is refused
     with :data:`UNDECLARED`."""
@@ -421,7 +426,7 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
     spec = MethodSpec(name=name, strategy=strategy, client=client, config=config, description=description,
                       privacy={mode: declared.get(mode, UNDECLARED) for mode in MODES},
                       releases_per_round=releases_per_round, novel_privacy=novel_privacy,
-                      smoke_settings=dict(smoke_settings or {}))
+                      smoke_settings=dict(smoke_settings or {}), devices=tuple(devices))
     return METHODS.register(name, spec)
 
 

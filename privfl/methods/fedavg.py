@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from privfl.data import TrainingClient
+from privfl.devices import ANY_DEVICE
 from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
 from privfl.methods.base import (
@@ -162,5 +163,5 @@ FEDAVG_PRIVACY = {"record": None, "central": None, "distributed": None, "local":
 register_method(
     "fedavg", strategy=FedAvgStrategy, client=FedAvgClient, config=FedAvgConfig,
     description="FedAvg: sample-size weighted average of local SGD updates; novel clients get the global model",
-    privacy=FEDAVG_PRIVACY,
+    privacy=FEDAVG_PRIVACY, devices=ANY_DEVICE,
 )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from privfl.devices import ANY_DEVICE
 from privfl.errors import check
 from privfl.methods.base import ClientState, register_method
 from privfl.methods.fedavg import FEDAVG_PRIVACY, FedAvgClient, FedAvgConfig, FedAvgStrategy
@@ -33,7 +34,7 @@ class FedProxClient(FedAvgClient):
 
     def local_objective(self, global_weights: dict[str, torch.Tensor], state: ClientState):
         mu = self.config.mu
-        anchor = {k: v.detach() for k, v in global_weights.items()}
+        anchor = {k: v.detach().to(self.model_factory.device) for k, v in global_weights.items()}
 
         def proximal(params: dict[str, torch.Tensor]) -> torch.Tensor:
             return 0.5 * mu * sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
@@ -44,5 +45,5 @@ class FedProxClient(FedAvgClient):
 register_method(
     "fedprox", strategy=FedAvgStrategy, client=FedProxClient, config=FedProxConfig,
     description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2 in the local objective",
-    privacy=FEDAVG_PRIVACY,
+    privacy=FEDAVG_PRIVACY, devices=ANY_DEVICE,
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from privfl.data import TrainingClient
+from privfl.devices import ANY_DEVICE
 from privfl.errors import ConfigError
 from privfl.federation.messages import Message
 from privfl.methods.base import (
@@ -72,4 +73,5 @@ register_method(
     privacy={"record": None, "local": None,
              "central": "its training clients send nothing, so there is no aggregate to make private",
              "distributed": "its training clients send nothing, so there is no aggregate to make private"},
+    devices=ANY_DEVICE,
 )

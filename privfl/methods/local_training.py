@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from privfl.devices import device_of
+
 ExtraLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
@@ -56,10 +58,11 @@ def local_sgd(
     model.train()
     params = dict(model.named_parameters())
     optimizer = torch.optim.SGD(params.values(), lr=lr, weight_decay=weight_decay, momentum=momentum)
+    device = device_of(model)
     total = 0.0
     for index in minibatches(len(y), batch_size, steps, rng):
         batch = torch.from_numpy(index)
-        loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+        loss = nn.functional.cross_entropy(model(x[batch].to(device)), y[batch].to(device))
         total += loss.item()
         if extra_loss is not None:
             loss = loss + extra_loss(params)
@@ -72,8 +75,8 @@ def local_sgd(
 
 
 def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of the model's state dict (what a client keeps or sends)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A detached copy of the model's state dict on the CPU (what a client keeps or sends, wherever it computes)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def difference(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

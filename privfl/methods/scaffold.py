@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from privfl.data import TrainingClient
+from privfl.devices import ANY_DEVICE
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.methods.base import (
     ClientContext,
@@ -100,7 +101,7 @@ class ScaffoldClient(ClientProcedure):
         x, c = message.subset("x."), message.subset("c.")
         c_i = {k[len("c_i."):]: v for k, v in state.items() if k.startswith("c_i.")} or zeros_like(c)
         lr, steps = float(message.config["lr"]), int(message.config["local_steps"])
-        correction = {k: (c[k] - c_i[k]).detach() for k in c}
+        correction = {k: (c[k] - c_i[k]).detach().to(self.model_factory.device) for k in c}
 
         def control_term(params: dict[str, torch.Tensor]) -> torch.Tensor:
             return sum((correction[name] * p).sum() for name, p in params.items())
@@ -121,5 +122,5 @@ class ScaffoldClient(ClientProcedure):
 register_method(
     "scaffold", strategy=ScaffoldStrategy, client=ScaffoldClient, config=ScaffoldConfig,
     description="SCAFFOLD: control variates correct client drift; local lr and global (server) lr",
-    privacy={"record": None, "central": None, "distributed": None, "local": None},
+    privacy={"record": None, "central": None, "distributed": None, "local": None}, devices=ANY_DEVICE,
 )

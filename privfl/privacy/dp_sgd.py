@@ -484,6 +484,8 @@ def _dp_sgd_steps(
     tensors = list(params.values())
     first = tensors[0]
     flat = torch.empty(sum(p.numel() for p in tensors), dtype=first.dtype, device=first.device)
+    # the noise is drawn on the CPU generator wherever the model computes (the same numbers), then copied over
+    drawn = flat if flat.device.type == "cpu" else torch.empty(flat.shape, dtype=flat.dtype)
     views = flat_views(params, flat)
     optimizer = torch.optim.SGD(tensors, lr=lr, weight_decay=weight_decay, momentum=momentum)
     std = noise_multiplier * max_grad_norm
@@ -492,9 +494,12 @@ def _dp_sgd_steps(
         # 1. Poisson sampling.
         index = torch.nonzero(torch.rand(n, generator=sampling_gen) < q).flatten()
         # 2. noise, plus the clipped per-sample gradients of the sampled records.
-        _gaussian_noise(flat, std, noise_gen, hardened=hardened)
+        _gaussian_noise(drawn, std, noise_gen, hardened=hardened)
+        if drawn is not flat:
+            flat.copy_(drawn)
         if index.numel() > 0:
-            losses.append(clipped_sum(x[index], y[index], max_grad_norm, views).mean().item())
+            batch_x, batch_y = x[index].to(first.device), y[index].to(first.device)
+            losses.append(clipped_sum(batch_x, batch_y, max_grad_norm, views).mean().item())
         # 3. the public divisor.
         flat.div_(batch_size)
         # 4. the data-independent term, unclipped and un-noised.
