@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt requirements/offline-asset
 	$(PY) -c "import privfl, accounting, torch, opacus, dp_accounting"
 	touch $(STAMP)
 
-# The main job: train ODPFL-HN on MNIST, serve novel clients private descriptors, print the privacy-utility table
-# (about 4 minutes on one core).
+# The main job: train ODPFL-HN on MNIST without DP and with private training clients (epsilon 1, 4, 8), serve novel
+# clients private descriptors, print the privacy-utility tables (about 5 minutes of CPU on one core).
 demo: $(STAMP)
 	$(VENV)/bin/privfl sweep --out runs/sweep --threads 1
 

@@ -492,8 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds of each private training (privfl.sweep.PRIVATE_ROUNDS, 20; at a fixed epsilon fewer "
                         "rounds carry less noise each)")
     p.add_argument("--full-grid", action="store_true",
-                   help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (about 30 "
-                        "minutes on one core; the default grid is about 10)")
+                   help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (estimated "
+                        "15 to 20 minutes of CPU on one core; the default grid measured about 5)")
     p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip (1.0)")
     p.add_argument("--min-samples", type=int, default=200,
                    help="public lower bound on a training client's training split (200)")
