@@ -140,11 +140,14 @@ def test_a_first_ctrl_c_finishes_the_round_in_progress_so_resuming_repeats_no_re
 
     cfg = config(rounds=4, checkpoint_every=10, eval_every=10, select="last")
     full = train(cfg, str(tmp_path / "full"), progress=False)
+    # a shell's background job starts with SIGINT ignored, which train() respects; a terminal's Ctrl-C is the default
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     # the user presses Ctrl-C while round 1's replies are being aggregated
     undo = _on_aggregate(monkeypatch, FedAvgStrategy, 1, lambda: os.kill(os.getpid(), signal.SIGINT))
     with pytest.raises(RunInterrupted, match="interrupted after 2 of 4 rounds"):
         train(cfg, str(tmp_path / "cut"), progress=False)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # the handler was restored
+    signal.signal(signal.SIGINT, previous)
     undo()
     resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
     assert resumed["novel"] == full["novel"]
