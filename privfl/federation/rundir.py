@@ -103,7 +103,9 @@ class RunDirectory:
             return "a sweep"
         recorded = [name for name in (self.SUMMARY, self.LEDGER, self.METRICS, self.RELEASES, self.CLIENTS)
                     if self.path(name).exists() and self.path(name).stat().st_size > 0]
-        if recorded or (self.root / "nodes").is_dir():   # nodes/: the ledgers of a Flower run's nodes
+        # nodes/ beside a config: a Flower run whose releases its nodes' ledgers hold. Without a config it is the
+        # nodes of a simulation about to start here (they keep their state before the server creates the run).
+        if recorded or ((self.root / "nodes").is_dir() and self.path(self.CONFIG).exists()):
             return "a run"
         inner = sorted(child.name for child in self.root.iterdir()
                        if child.is_dir() and (child / self.CONFIG).exists())
