@@ -872,7 +872,8 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
     ledger = PrivacyLedger.load(next((tmp_path / "nodes" / "0").glob("ledger-client-*.json")))
     assert [r.purpose for r in ledger.records] == ["model_update", "validation_metrics"]
     assert {r.metadata["run"] for r in ledger.records} == {got["flower"]["lifetime"]["run_id"]}
-    assert (tmp_path / "runs" / "deployed" / "releases.jsonl").read_text().count("\n") == 2
+    journal = (tmp_path / "runs" / "deployed" / "releases.jsonl").read_text().splitlines()
+    assert [json.loads(line).get("mark") for line in journal] == [None, None, "novel_clients_served"]  # 2 releases
     assert not any((tmp_path / "nodes" / "1").glob("ledger-client-*.json"))   # FedAvg's novel client sends nothing
 
 
