@@ -63,3 +63,25 @@ def _balle_wang_sigma(eps: float, delta: float, sensitivity: float) -> float:
 def balle_wang_sigma():
     """The analytic Gaussian's sigma computed without the package (an oracle for calibration tests)."""
     return _balle_wang_sigma
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, restored after it: the machine may be shared (OpenMP threads spin badly when
+    it is oversubscribed), and worker and Flower client processes compute with one thread each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tensors_by_name(state, prefix=""):
+    """Every tensor in a nested dict of state, by dotted name."""
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            found[prefix + str(key)] = value
+        elif isinstance(value, dict):
+            found.update(tensors_by_name(value, f"{prefix}{key}."))
+    return found
+

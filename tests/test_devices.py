@@ -25,15 +25,10 @@ def _config(make_spec, **overrides):
     return RunConfig(**values)
 
 
-def _tensors(state, prefix=""):
-    """Every tensor in a nested dict of state, by dotted name."""
-    found = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            found[prefix + str(key)] = value
-        elif isinstance(value, dict):
-            found.update(_tensors(value, f"{prefix}{key}."))
-    return found
+def _tensors(state):
+    from conftest import tensors_by_name
+
+    return tensors_by_name(state)
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:0", "", None, 0])

@@ -153,14 +153,6 @@ def task_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, value, raising=False)
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)          # the Flower client processes compute with one thread too
-    yield
-    torch.set_num_threads(threads)
-
-
 def _loopback(config, root, ranges, **kwargs):
     total = num_clients(config)
     nodes = {100 + i: {"partition-range": f"{a}-{b}", "num-partitions": total, "privfl-dir": str(root / f"n{i}")}

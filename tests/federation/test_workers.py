@@ -13,14 +13,7 @@ from privfl.experiment import build_runtime, train
 from privfl.federation import RunDirectory
 from privfl.privacy.training import TrainingPrivacy
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Workers compute on one thread each, and the parent must too (privfl.federation.workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def _dp_fedavg(make_spec, **overrides):
@@ -32,15 +25,10 @@ def _dp_fedavg(make_spec, **overrides):
     return RunConfig(**values)
 
 
-def _tensors(state, prefix=""):
-    """Every tensor in a nested dict of state, by dotted name."""
-    found = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            found[prefix + str(key)] = value
-        elif isinstance(value, dict):
-            found.update(_tensors(value, f"{prefix}{key}."))
-    return found
+def _tensors(state):
+    from conftest import tensors_by_name
+
+    return tensors_by_name(state)
 
 
 def _untimed(text: str) -> str:

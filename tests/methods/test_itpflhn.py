@@ -19,14 +19,7 @@ from privfl.methods.private import protect
 from privfl.models import DeepSetEncoder, DPDeepSetEncoder, functional_forward
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: the machine is shared, and OpenMP threads spin badly when it is oversubscribed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 FACTORY = ModelFactory("mlp2nn", (3,), 2)

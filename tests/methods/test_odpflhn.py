@@ -25,13 +25,7 @@ from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 FACTORY = ModelFactory("mlp2nn", (6,), 3)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine two threads per process oversubscribe badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def _client(cid: int, n: int = 24, seed: int = 0) -> TrainingClient:

@@ -24,14 +24,7 @@ from privfl.models import functional_forward
 from privfl.models.hypernetwork import backprop_weight_change
 from privfl.privacy.training import TrainingPrivacy
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: the machine is shared, and OpenMP threads spin badly when it is oversubscribed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 FACTORY = ModelFactory("mlp2nn", (3,), 2)
