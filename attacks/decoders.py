@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, check
 
 __all__ = ["DECODERS", "ClassMeanDecoder", "KNNDecoder", "MLPDecoder", "RidgeDecoder", "feature_similarity",
            "fit_decoders", "make_decoder"]
@@ -71,6 +71,19 @@ def feature_similarity(features: Any, attacker_features: Any, *, chunk: int = 40
     return torch.cat([f[i:i + chunk] @ a.T for i in range(0, len(f), chunk)]) if len(f) else f.new_zeros(0, len(a))
 
 
+class _StandardisingDecoder:
+    """A decoder that reads standardised features: ``fit`` checks both sets of pairs, then keeps the image shape
+    and the attacker features' standardiser."""
+
+    def _standardised_pairs(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+                            held_labels: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        f, x, _ = _check(features, images, labels)
+        hf, hx, _ = _check(held_features, held_images, held_labels)
+        self.shape = tuple(x.shape[1:])
+        self.standardise = _Standardiser(f)
+        return f, x, hf, hx
+
+
 class _Standardiser:
     """Per-dimension standardisation with the attacker's training statistics (std floored at 1 % of its mean)."""
 
@@ -84,7 +97,7 @@ class _Standardiser:
         return (features.double() - self.mean) / self.std
 
 
-class RidgeDecoder:
+class RidgeDecoder(_StandardisingDecoder):
     """Ridge regression from standardised features to pixels; alpha chosen on the held-out pairs.
 
     Args:
@@ -102,10 +115,7 @@ class RidgeDecoder:
 
     def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
             held_labels: Any) -> RidgeDecoder:
-        f, x, _ = _check(features, images, labels)
-        hf, hx, _ = _check(held_features, held_images, held_labels)
-        self.shape = tuple(x.shape[1:])
-        self.standardise = _Standardiser(f)
+        f, x, hf, hx = self._standardised_pairs(features, images, labels, held_features, held_images, held_labels)
         z = self.standardise(f)
         y = x.reshape(len(x), -1).double()
         self.image_mean = y.mean(0)
@@ -134,7 +144,7 @@ class RidgeDecoder:
         return self._predict(self.standardise(_tensor(features)), self.weights)
 
 
-class MLPDecoder:
+class MLPDecoder(_StandardisingDecoder):
     """A two-hidden-layer MLP (standardised feature -> ``hidden`` -> ``hidden`` -> pixels, SiLU, sigmoid), MSE.
 
     Trains up to ``epochs`` epochs (AdamW, batch ``batch_size``) and keeps the weights of the epoch with the lowest
@@ -148,10 +158,8 @@ class MLPDecoder:
                  device: str | torch.device = "cpu", progress: bool = False) -> None:
         for name, value in (("hidden", hidden), ("epochs", epochs), ("batch_size", batch_size),
                             ("patience", patience)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(learning_rate, numbers.Real) and learning_rate > 0):
-            raise ConfigError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+            check.integer(value, name)
+        check.positive(learning_rate, "learning_rate")
         self.hidden, self.epochs, self.learning_rate = int(hidden), int(epochs), float(learning_rate)
         self.weight_decay, self.batch_size, self.patience = float(weight_decay), int(batch_size), int(patience)
         self.seed, self.device, self.progress = int(seed), torch.device(device), progress
@@ -161,10 +169,7 @@ class MLPDecoder:
             held_labels: Any) -> MLPDecoder:
         from tqdm.auto import tqdm
 
-        f, x, _ = _check(features, images, labels)
-        hf, hx, _ = _check(held_features, held_images, held_labels)
-        self.shape = tuple(x.shape[1:])
-        self.standardise = _Standardiser(f)
+        f, x, hf, hx = self._standardised_pairs(features, images, labels, held_features, held_images, held_labels)
         z = self.standardise(f).float().to(self.device)
         y = x.reshape(len(x), -1).to(self.device)
         held = self.standardise(hf).float().to(self.device)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from accounting.validation import is_real
 from privfl.data import TrainingClient
 from privfl.devices import ANY_DEVICE
 from privfl.errors import ConfigError, check
@@ -59,9 +60,8 @@ class FedAvgConfig(ServerStepConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (isinstance(self.server_momentum, (int, float)) and 0.0 <= self.server_momentum < 1.0):
-            raise ConfigError(f"server_momentum must be a number in [0, 1) (0: plain FedAvg), got "
-                              f"{self.server_momentum!r}")
+        check.require(is_real(self.server_momentum) and 0.0 <= self.server_momentum < 1.0, "server_momentum",
+                      self.server_momentum, "a number in [0, 1) (0: plain FedAvg)")
 
 
 def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
