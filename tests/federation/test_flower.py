@@ -624,6 +624,32 @@ def test_a_node_that_restarts_keeps_its_ledger_and_epsilon_keeps_growing(tmp_pat
     assert after_two.spent(1e-5).epsilon > after_one.spent(1e-5).epsilon > 0
 
 
+def test_a_long_lived_clientapp_process_reads_the_ledger_from_disk_for_every_release(tmp_path, make_spec,
+                                                                                     task_identity):
+    # A ClientApp process that serves many messages (process isolation) keeps data and procedures, never a ledger:
+    # a record added to the ledger file between two messages (another tool, a restored file) is kept by the next
+    # release, so nothing recorded on disk is dropped and the spend is not under-recorded.
+    config = RunConfig(federation=make_spec(), method="fedavg", rounds=2, seed=3,
+                       method_config={"lr": 0.1, "local_steps": 2, "batch_size": 16}, select="last",
+                       privacy=TrainingPrivacy(mode="record", noise_multiplier=1.5))
+    reference = build_runtime(config, build_federation(config.federation, seed=config.seed))
+    client_id = sorted(reference.clients)[0]
+    node_dir = tmp_path / "node-0"
+    path = node_dir / f"ledger-client-{client_id}.json"
+    context = _node_context(config, node_dir, 0, len(reference.clients))
+    message = reference.strategy.configure_train(0, [client_id])[client_id]
+    _reply(client_app.app(_train_message(message, 0, 0, client_id, -1), context), client_id)
+    on_disk = PrivacyLedger.load(path)
+    on_disk.record(on_disk.records[0].event, purpose="recorded elsewhere", round=None)
+    on_disk.save(path)
+    message = reference.strategy.configure_train(1, [client_id])[client_id]       # same process, nothing cleared
+    _reply(client_app.app(_train_message(message, 1, 1, client_id, 0), context), client_id)
+    after = PrivacyLedger.load(path)
+    assert [(r.purpose, r.round) for r in after.records] == [("model_update", 0), ("recorded elsewhere", None),
+                                                             ("model_update", 1)]
+    assert after.spent(1e-5).epsilon > on_disk.spent(1e-5).epsilon > 0
+
+
 def test_a_client_keeps_its_ledger_when_a_later_run_groups_the_nodes_differently(tmp_path, make_spec, task_identity):
     # Without an explicit node directory each client has its own NODES_ROOT/partition-<i>, whatever clients-per-node
     # the simulation uses: a run with 3 clients per virtual node, then one with a node per client, add to one ledger.
@@ -773,6 +799,75 @@ def test_a_refused_supernode_is_started_again_until_it_joins_or_rejoin_s_passes(
     refused = [sys.executable, "-c", "import sys; sys.exit(3)"]
     assert launch.supervise_supernode(refused, dict(os.environ), rejoin_s=0.0, retry_s=0.05) == 3
     assert "stopped retrying after 0 s (--rejoin-s)" in capsys.readouterr().err
+
+
+_SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
+
+
+def _children_of(pid, count, timeout=60):
+    """The ``count`` processes ``pid`` started, once they are all there."""
+    deadline = time.monotonic() + timeout
+    while len(found := launch.descendants(pid)) < count:
+        assert time.monotonic() < deadline, found
+        time.sleep(0.05)
+    return found
+
+
+def _gone(pids, timeout=30):
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the SIGKILL case needs Linux")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_supernode_in_process_isolation_leaves_no_process_behind(how):
+    # Stand-ins for flower-supernode and its long-lived ClientApp process under `privfl flower supernode`'s
+    # supervisor: ending the supervisor (SIGTERM, passed on; SIGKILL, which it cannot see) ends both.
+    import signal
+
+    script = ("import os, sys; from privfl.federation.flower.launch import supervise_supernode; "
+              f"sys.exit(supervise_supernode({_SLEEP!r}, dict(os.environ), rejoin_s=0, worker={_SLEEP!r}))")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        children = _children_of(parent.pid, 2)
+        parent.send_signal(getattr(signal, how))
+        parent.wait(timeout=60)
+        assert _gone(children), [(pid, _state(pid)) for pid in children]
+    finally:
+        launch.end_processes([parent])
+
+
+def test_a_clientapp_process_that_exits_is_started_again_and_one_that_keeps_exiting_stops_the_supernode(tmp_path,
+                                                                                                      capsys):
+    marker = tmp_path / "starts"
+    worker = [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(marker)!r}); "
+                                    "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); raise SystemExit(5)"]
+    assert launch.supervise_supernode(_SLEEP, dict(os.environ), rejoin_s=60, worker=worker, worker_restarts=2) == 1
+    assert marker.read_text() == "xxx"                  # the first start and 2 restarts, then the SuperNode stopped
+    err = capsys.readouterr().err
+    assert err.count("the ClientApp process exited with status 5; starting it again") == 2
+    assert "exited with status 5, 3 times within a minute; stopping the SuperNode" in err
+    # the commands: the SuperNode in process isolation runs no ClientApp; the worker asks its Runtime API for tasks
+    certs = launch.generate_certificates(tmp_path / "certs", nodes=1)
+    command = launch.supernode_command(certs, "127.0.0.1:9093", node=0, num_partitions=1, node_dir="n", port=9100,
+                                       partition_id=0)
+    assert command[command.index("--isolation") + 1] == "process"
+    assert launch.worker_command("127.0.0.1", 9100, 7)[-4:] == ["--runtime-api-address", "127.0.0.1:9100",
+                                                               "--parent-pid", "7"]
+    with pytest.raises(ConfigError, match="--isolation must be one of process, subprocess, got 'thread'"):
+        launch.supernode_command(certs, "127.0.0.1:9093", node=0, num_partitions=1, node_dir="n", port=9100,
+                                 partition_id=0, isolation="thread")
 
 
 LAUNCH = [sys.executable, "-m", "privfl.federation.flower.launch"]

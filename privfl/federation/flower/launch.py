@@ -9,15 +9,17 @@
 * ``register``: ``flwr supernode register`` of nodes' public keys (only registered nodes may connect);
 * ``supernode``: ``flower-supernode`` with TLS, its private key, and a node config naming its partition (or range of
   partitions) and the directory that keeps its clients' ledgers and states, started again while the SuperLink
-  refuses it (a node restarted after it died);
+  refuses it (a node restarted after it died); in process isolation (the default) with one long-lived ClientApp
+  process beside it (:mod:`privfl.federation.flower.worker`) that runs every message, or, with ``--isolation
+  subprocess``, Flower's fresh ClientApp process per message;
 * ``run``: ``flwr run`` of the privfl app (``app/`` beside this file) with a RunConfig JSON (e.g. the ``config.json``
   of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves, or with
   ``--resume`` a failed run, continued from its last checkpoint; it waits for the run's end, and its exit status
   says whether the run completed.
 
 ``register`` and ``supernode`` wait for the SuperLink to listen. The SuperLink is started with ``exec``: the process
-id you start is the daemon's. ``supernode`` stays as the SuperNode's parent and passes SIGTERM and SIGINT on to it,
-so ``kill PID`` ends it too.
+id you start is the daemon's. ``supernode`` stays as the parent of the SuperNode and its ClientApp process and passes
+SIGTERM and SIGINT on to them, so ``kill PID`` ends them too (on Linux so does ``kill -9 PID``).
 Commands use ``$FLWR_HOME`` when set, else ``CERTS/flwr-home``; they set ``FLWR_DISABLE_UPDATE_CHECK=1`` and
 ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1``. See ``README.md`` for a full session.
 """
@@ -237,10 +239,20 @@ def wait_for_superlink(address: str, wait_s: float, *, poll_s: float = 0.5) -> f
         time.sleep(poll_s)
 
 
+#: How a SuperNode runs its ClientApp: ``process`` (the default), in one long-lived ClientApp process that
+#: :func:`supervise_supernode` starts beside it and that keeps its imports and data between messages
+#: (:mod:`privfl.federation.flower.worker`); ``subprocess``, Flower's default, in a fresh process per message.
+ISOLATIONS = ("process", "subprocess")
+
+
 def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions: int, node_dir: str, port: int,
                       partition_id: int | None = None, partition_range: str | None = None,
-                      host: str = "127.0.0.1") -> list[str]:
-    """``flower-supernode`` for one partition (``partition_id``) or several (``partition_range="FIRST-LAST"``)."""
+                      host: str = "127.0.0.1", isolation: str = "process") -> list[str]:
+    """``flower-supernode`` for one partition (``partition_id``) or several (``partition_range="FIRST-LAST"``), in
+    Flower's ``isolation`` mode (one of :data:`ISOLATIONS`; with ``process`` the SuperNode runs no ClientApp itself:
+    start :func:`worker_command` beside it)."""
+    if isolation not in ISOLATIONS:
+        raise ConfigError(f"--isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     if (partition_id is None) == (partition_range is None):
         raise ConfigError(f"give exactly one of --partition-id and --partition-range, got {partition_id!r} and "
                           f"{partition_range!r}")
@@ -251,7 +263,14 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
     require_files(certs / CA_CERT, node_key(certs, node))
     return [_tool("flower-supernode"), "--superlink", superlink, "--root-certificates", str(certs / CA_CERT),
             "--auth-supernode-private-key", str(node_key(certs, node)), "--node-config", config,
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port), "--isolation", isolation]
+
+
+def worker_command(host: str, port: int, parent_pid: int | None = None) -> list[str]:
+    """The long-lived ClientApp process of a SuperNode in process isolation whose Runtime API listens at
+    ``host:port`` (:mod:`privfl.federation.flower.worker`); it ends when ``parent_pid`` ends."""
+    command = [sys.executable, "-m", "privfl.federation.flower.worker", "--runtime-api-address", f"{host}:{port}"]
+    return command + ([] if parent_pid is None else ["--parent-pid", str(parent_pid)])
 
 
 def _parse_node_config(text: str) -> dict:
@@ -461,39 +480,80 @@ def run_and_wait(command: list[str], env: dict[str, str], *, out: str, stream: b
     return 1
 
 
-def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: float, retry_s: float = 5.0) -> int:
+def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: float, retry_s: float = 5.0,
+                        worker: list[str] | None = None, worker_restarts: int = 3) -> int:
     """Run the SuperNode ``command`` and start it again when it exits with an error within ``rejoin_s`` seconds of
     the first start: a node restarted after it died is refused while the SuperLink still counts its previous
-    connection as online (until about two missed 30 s heartbeats), and Flower's SuperNode then exits. SIGTERM and
-    SIGINT are passed on to the SuperNode, which ends this process too. Returns the SuperNode's exit status."""
+    connection as online (until about two missed 30 s heartbeats), and Flower's SuperNode then exits. Returns the
+    SuperNode's exit status.
+
+    ``worker`` (a SuperNode in process isolation): the command of its long-lived ClientApp process
+    (:func:`worker_command`), started beside each start of the SuperNode and stopped when the SuperNode exits; a
+    ClientApp process that exits while its SuperNode runs is started again, and after ``worker_restarts`` such exits
+    within a minute the SuperNode is stopped and the status is 1.
+
+    No process is left behind: SIGTERM and SIGINT are passed on to the SuperNode and its ClientApp process, and this
+    process waits for both; on Linux both also get SIGTERM when this process dies any other way (SIGKILL included),
+    and the ClientApp process ends when this process id goes away elsewhere too."""
     import signal
 
     started = time.monotonic()
-    state: dict[str, Any] = {"child": None, "stopping": False}
+    state: dict[str, Any] = {"children": [], "stopping": False}
 
     def forward(signum: int, frame: Any) -> None:
         state["stopping"] = True
-        child = state["child"]
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        for child in state["children"]:
+            if child.poll() is None:
+                child.send_signal(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _supervise(command, env, state, started=started, rejoin_s=rejoin_s, retry_s=retry_s)
+        return _supervise(command, env, state, started=started, rejoin_s=rejoin_s, retry_s=retry_s, worker=worker,
+                          worker_restarts=worker_restarts)
     finally:
+        for child in state["children"]:
+            _stop_child(child)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
+def _die_with_parent() -> None:
+    """In a child before it runs: SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``), SIGKILL included."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)       # 1 = PR_SET_PDEATHSIG
+
+
+def _start_child(command: list[str], env: dict[str, str], state: dict[str, Any]) -> subprocess.Popen:
+    child = subprocess.Popen(command, env=env,
+                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    state["children"] = [c for c in state["children"] if c.poll() is None] + [child]
+    return child
+
+
+def _stop_child(child: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``wait_s`` seconds; reaped either way."""
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
 def _supervise(command: list[str], env: dict[str, str], state: dict[str, Any], *, started: float, rejoin_s: float,
-               retry_s: float) -> int:
+               retry_s: float, worker: list[str] | None, worker_restarts: int) -> int:
     attempt = 0
     while True:
         attempt += 1
-        state["child"] = child = subprocess.Popen(command, env=env)
-        code = child.wait()
+        node = _start_child(command, env, state)
+        code = node.wait() if worker is None else _watch(node, worker, env, state, worker_restarts)
         if state["stopping"] or code == 0:
             return code
+        if state.get("worker_failed"):
+            return 1
         if time.monotonic() - started > rejoin_s:
             print(f"privfl flower: error: the SuperNode exited with status {code} (attempt {attempt}); stopped "
                   f"retrying after {rejoin_s:g} s (--rejoin-s)", file=sys.stderr, flush=True)
@@ -504,6 +564,35 @@ def _supervise(command: list[str], env: dict[str, str], state: dict[str, Any], *
         time.sleep(retry_s)
         if state["stopping"]:
             return code
+
+
+def _watch(node: subprocess.Popen, worker: list[str], env: dict[str, str], state: dict[str, Any],
+           restarts: int) -> int:
+    """Run the ClientApp process beside the SuperNode ``node`` until the SuperNode exits; return its status."""
+    helper = _start_child(worker, env, state)
+    exits: list[float] = []
+    try:
+        while True:
+            try:
+                return node.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            code = helper.poll()
+            if code is None or state["stopping"]:
+                continue
+            now = time.monotonic()
+            exits = [t for t in exits if now - t < 60] + [now]
+            if len(exits) > restarts:
+                print(f"privfl flower: error: the ClientApp process exited with status {code}, {len(exits)} times "
+                      "within a minute; stopping the SuperNode", file=sys.stderr, flush=True)
+                state["worker_failed"] = True
+                _stop_child(node)
+                return node.wait()
+            print(f"privfl flower: the ClientApp process exited with status {code}; starting it again",
+                  file=sys.stderr, flush=True)
+            helper = _start_child(worker, env, state)
+    finally:
+        _stop_child(helper)
 
 
 # -- local sessions: what a test or benchmark needs to start a deployment on one machine and end it ------------------
@@ -609,6 +698,10 @@ def _main(argv: list[str] | None = None) -> int:
     n.add_argument("--num-partitions", type=int, required=True)
     n.add_argument("--node-dir", required=True, help="directory that keeps this node's ledgers")
     n.add_argument("--port", type=int, default=None, help="its local runtime API port (default 9100 + node)")
+    n.add_argument("--isolation", choices=ISOLATIONS, default="process",
+                   help="process (default): one long-lived ClientApp process, started and stopped with the "
+                        "SuperNode, runs every message; subprocess: Flower's default, a fresh ClientApp process per "
+                        "message (seconds of imports each)")
     f = sub.add_parser("run", help="flwr run of the privfl app: train a RunConfig JSON, or serve novel clients; "
                                    "waits for the run's end (exit status 0 only when it completed)")
     f.add_argument("--certs", required=True)
@@ -648,12 +741,14 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command == "superlink":
         command = superlink_command(certs, args.address, args.database)
     elif args.command == "supernode":
+        port = args.port if args.port is not None else 9100 + args.node
         command = supernode_command(certs, args.superlink, node=args.node, partition_id=args.partition_id,
                                     partition_range=args.partition_range, num_partitions=args.num_partitions,
-                                    node_dir=str(Path(args.node_dir).resolve()),
-                                    port=args.port if args.port is not None else 9100 + args.node)
+                                    node_dir=str(Path(args.node_dir).resolve()), port=port,
+                                    isolation=args.isolation)
         wait_for_superlink(args.superlink, args.wait_s)
-        return supervise_supernode(command, env, rejoin_s=args.rejoin_s)
+        worker = worker_command("127.0.0.1", port, os.getpid()) if args.isolation == "process" else None
+        return supervise_supernode(command, env, rejoin_s=args.rejoin_s, worker=worker)
     elif args.command == "register":
         register_nodes(env, certs, args.superlink, args.nodes, wait_s=args.wait_s)
         return 0
