@@ -231,8 +231,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--flower-actors", type=int, default=None,
                    help="client processes at once (default: half the CPU cores, at least 1)")
     g.add_argument("--flower-threads", type=int, default=1, help="torch threads per client process (1)")
-    g.add_argument("--flower-clients-per-node", type=int, default=1,
-                   help="clients each virtual SuperNode holds (1): more means fewer, larger Flower messages")
+    g.add_argument("--flower-clients-per-node", type=int, default=None,
+                   help="clients each virtual SuperNode holds: more means fewer, larger Flower messages (default: "
+                        "about 4 nodes per client process, ceil(clients / (4 x actors)); 1 with distributed DP)")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:

@@ -91,6 +91,21 @@ def test_node_config_names_one_partition_or_a_range():
         p.node_partitions({"partition-id": 0, "partition-range": "0-1", "num-partitions": 5})
 
 
+def test_the_simulation_chooses_its_clients_per_node_from_the_clients_and_the_client_processes():
+    # ceil(clients / (4 x actors)): about 4 virtual nodes per client process; one client per node under SecAgg+
+    assert [p.auto_clients_per_node(n, 1) for n in (1, 4, 5, 12, 200)] == [1, 1, 2, 3, 50]
+    assert [p.auto_clients_per_node(200, a) for a in (1, 2, 3, 8)] == [50, 25, 17, 7]
+    assert p.auto_clients_per_node(200, 2, secure=True) == 1
+    assert [p.simulated_nodes(n, p.auto_clients_per_node(n, 2)) for n in (7, 8, 200, 201)] == [7, 8, 8, 8]
+    # the option: None chooses per run, deterministically; a given value is kept
+    chosen = FlowerOptions(max_actors=2).for_clients(200)
+    assert chosen.clients_per_node == 25 and chosen == FlowerOptions(max_actors=2).for_clients(200)
+    assert FlowerOptions(max_actors=2, clients_per_node=7).for_clients(200).clients_per_node == 7
+    assert FlowerOptions(max_actors=2).for_clients(200, secure=True).clients_per_node == 1
+    with pytest.raises(ConfigError, match="num_clients >= 1 and actors >= 1"):
+        p.auto_clients_per_node(0, 1)
+
+
 def test_simulated_nodes_hold_consecutive_groups_of_clients():
     grouped = {"clients-per-node": 4, "num-clients": 10}
     assert p.simulated_nodes(10, 4) == 3 and p.simulated_nodes(8, 4) == 2 and p.simulated_nodes(10, 1) == 10
@@ -104,7 +119,8 @@ def test_simulated_nodes_hold_consecutive_groups_of_clients():
         p.node_partitions({"partition-id": 0, "num-partitions": 4}, grouped)
     with pytest.raises(ConfigError, match="num-clients=None is invalid"):
         p.node_partitions({"partition-id": 0, "num-partitions": 3}, {"clients-per-node": 4})
-    with pytest.raises(ConfigError, match="clients_per_node must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"clients_per_node must be None \(chosen per run\) or an integer >= 1, "
+                                          "got 0"):
         FlowerOptions(clients_per_node=0)
 
 
@@ -486,10 +502,12 @@ def _equal_states(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("method,per_node", [(_method("fedavg"), 1), (_method("scaffold"), 3), (_method("odpflhn"), 1)])
+@pytest.mark.parametrize("method,per_node", [(_method("fedavg"), 1), (_method("scaffold"), 3),
+                                             (_method("odpflhn"), None)])
 def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, method, per_node):
     # SCAFFOLD's control variates live on the nodes: it runs with virtual nodes of 3 clients each (the last holds
-    # fewer), whose packed messages must give the same numbers as one client per node
+    # fewer), whose packed messages must give the same numbers as one client per node; ODPFL-HN runs with the
+    # clients per node the simulation chooses itself (None, the default)
     config = _run_config(make_spec(), method)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                    # the Flower client processes compute with one thread too
@@ -501,6 +519,11 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
         torch.set_num_threads(threads)
     for key in ("novel", "training_val", "selected_round", "rounds_completed", "privacy", "communication"):
         assert json.dumps(got[key], sort_keys=True) == json.dumps(expected[key], sort_keys=True), key
+    chosen = per_node or p.auto_clients_per_node(num_clients(config), 1)
+    assert got["flower"]["clients_per_node_max"] == chosen
+    assert got["flower"]["nodes"] == -(-num_clients(config) // chosen)
+    if per_node is None:
+        assert chosen > 1          # the choice packs clients: the equal numbers above are not one client per node's
     metrics, clients, ledgers, strategy = _comparable(tmp_path / "flower")
     metrics_in, clients_in, ledgers_in, strategy_in = _comparable(tmp_path / "inprocess")
     assert metrics == metrics_in and clients == clients_in and ledgers == ledgers_in

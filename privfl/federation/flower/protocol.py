@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -122,7 +122,8 @@ class FlowerOptions:
     SuperNode with a ``partition-range`` does: the server then sends one Flower message per node and round that packs
     the messages of its selected clients, so Flower's per-message cost (a Ray task, the SuperLink's bookkeeping, the
     simulation engine scanning every node for work) is paid per node, not per client. Each client keeps its own ledger
-    and state files on its node; the numbers are the same as with one client per node.
+    and state files on its node; the numbers are the same as with one client per node. ``None`` (the default) lets
+    each run choose it from its client count and the client processes (:func:`auto_clients_per_node`).
 
     ``secagg_num_shares`` and ``secagg_reconstruction_threshold``: the SecAgg+ parameters of distributed DP's round
     sum (:mod:`privfl.federation.flower.secagg`), as Flower's ``SecAggPlusWorkflow`` takes them: an int (an odd number
@@ -140,7 +141,7 @@ class FlowerOptions:
     node_wait_s: float = 120.0
     poll_min_s: float = 0.002
     poll_max_s: float = 0.1
-    clients_per_node: int = 1
+    clients_per_node: int | None = None
     secagg_num_shares: int | float = 1.0
     secagg_reconstruction_threshold: int | float = 1.0
     verbose: bool = False
@@ -163,8 +164,9 @@ class FlowerOptions:
             ("poll_min_s", self.poll_min_s, number(self.poll_min_s) and self.poll_min_s > 0, "a number > 0"),
             ("poll_max_s", self.poll_max_s, number(self.poll_max_s) and self.poll_max_s >= self.poll_min_s,
              f"a number >= poll_min_s ({self.poll_min_s!r})"),
-            ("clients_per_node", self.clients_per_node, isinstance(self.clients_per_node, int)
-             and not isinstance(self.clients_per_node, bool) and self.clients_per_node >= 1, "an integer >= 1"),
+            ("clients_per_node", self.clients_per_node, self.clients_per_node is None or (
+                isinstance(self.clients_per_node, int) and not isinstance(self.clients_per_node, bool)
+                and self.clients_per_node >= 1), "None (chosen per run) or an integer >= 1"),
         ]
         for name, value, ok, valid in checks:
             if not ok:
@@ -208,6 +210,37 @@ class FlowerOptions:
             init_args["num_gpus"] = torch.cuda.device_count()
         return {"client_resources": {"num_cpus": self.cpus_per_client, "num_gpus": self.gpus_per_client},
                 "init_args": init_args}
+
+
+    def for_clients(self, num_clients: int, *, secure: bool = False) -> FlowerOptions:
+        """These options with ``clients_per_node`` chosen for a simulation of ``num_clients`` partitions when it is
+        ``None`` (:func:`auto_clients_per_node`; ``secure``: the run sums its releases under SecAgg+)."""
+        if self.clients_per_node is not None:
+            return self
+        return replace(self, clients_per_node=auto_clients_per_node(num_clients, self.actors, secure=secure))
+
+
+#: Virtual SuperNodes per client process that :func:`auto_clients_per_node` aims for.
+NODES_PER_ACTOR = 4
+
+
+def auto_clients_per_node(num_clients: int, actors: int, *, secure: bool = False) -> int:
+    """The clients each virtual SuperNode of a simulation holds when ``--flower-clients-per-node`` is not given.
+
+    Rule: ``ceil(num_clients / (NODES_PER_ACTOR * actors))``, so a simulation has about ``NODES_PER_ACTOR`` = 4 virtual
+    nodes per client process (``actors``, Ray's client processes): few nodes, since Flower pays its per-message cost
+    (a Ray task, the SuperLink's bookkeeping, the engine scanning every node for work every 0.1 s) per node and
+    exchange, not per client; and several per process, so a round's sampled clients spread over all the processes.
+    A run whose releases are summed under SecAgg+ (``secure``, distributed DP) keeps one client per node: its nodes
+    are the parties of the protocol, and a round needs at least two. The choice depends only on its arguments; the
+    numbers of a run do not depend on it.
+    """
+    if not isinstance(num_clients, int) or num_clients < 1 or not isinstance(actors, int) or actors < 1:
+        raise ConfigError(f"auto_clients_per_node needs num_clients >= 1 and actors >= 1 (integers), got "
+                          f"{num_clients!r} and {actors!r}")
+    if secure:
+        return 1
+    return -(-num_clients // (NODES_PER_ACTOR * actors))
 
 
 def simulated_nodes(num_clients: int, clients_per_node: int) -> int:

@@ -1,11 +1,12 @@
 """Flower's simulation engine: a whole run on virtual SuperNodes in one process tree (``--engine flower-sim``).
 
-One virtual SuperNode per client, or per ``clients_per_node`` clients (training clients, then novel clients when the
-method serves them), Ray actors
-as client processes (:class:`~privfl.federation.flower.protocol.FlowerOptions` sets how many and their resources),
-the privfl ServerApp in this process. The nodes keep their ledgers under ``RUN_DIR/nodes/partition-<i>/``.
-:func:`simulate` runs a ServerApp ``main`` against such nodes (:mod:`privfl.engine` passes one that trains);
-:func:`serve_simulation` serves novel clients of a finished training run in a simulated run of their own.
+Virtual SuperNodes holding ``clients_per_node`` consecutive clients each (training clients, then novel clients when
+the method serves them; chosen per run when not given,
+:func:`~privfl.federation.flower.protocol.auto_clients_per_node`), Ray actors as client processes
+(:class:`~privfl.federation.flower.protocol.FlowerOptions` sets how many and their resources), the privfl ServerApp
+in this process. The nodes keep their ledgers under ``RUN_DIR/nodes/partition-<i>/``. :func:`simulate` runs a
+ServerApp ``main`` against such nodes (:mod:`privfl.engine` passes one that trains); :func:`serve_simulation` serves
+novel clients of a finished training run in a simulated run of their own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from privfl.data import build_federation
 from privfl.errors import ConfigError, InternalError
 from privfl.federation.flower import protocol as p
 from privfl.federation.rundir import RunDirectory
+from privfl.privacy.training import DISTRIBUTED
 
 if TYPE_CHECKING:
     from privfl.federation.flower.server_app import ServerMain
@@ -43,7 +45,11 @@ def num_nodes(config, federation=None, clients_per_node: int = 1) -> int:
 
 
 def grouping(clients: int, options: p.FlowerOptions) -> dict[str, Any]:
-    """The run-config keys that tell each virtual node which partitions it holds (nothing for one per node)."""
+    """The run-config keys that tell each virtual node which partitions it holds (nothing for one per node);
+    ``options.clients_per_node`` must be chosen (:meth:`FlowerOptions.for_clients
+    <privfl.federation.flower.protocol.FlowerOptions.for_clients>`)."""
+    if options.clients_per_node is None:
+        raise InternalError("grouping needs the clients per node chosen (FlowerOptions.for_clients)")
     if options.clients_per_node == 1:
         return {}
     return {p.CLIENTS_PER_NODE: options.clients_per_node, p.NUM_CLIENTS: clients}
@@ -73,11 +79,14 @@ def _result(result: dict[str, Any]) -> dict[str, Any]:
 
 def simulate(main: ServerMain, run_config: dict[str, Any], partitions: int, options: p.FlowerOptions) -> dict[str, Any]:
     """Run ``main(grid, run_config)`` as the ServerApp of a simulation whose virtual nodes hold ``partitions``
-    partitions (``options.clients_per_node`` each) and run the privfl ClientApp; return what ``main`` returned, or
-    raise what it raised."""
+    partitions (``options.clients_per_node`` each; when ``None``, chosen from ``partitions`` and the client processes,
+    :func:`~privfl.federation.flower.protocol.auto_clients_per_node`) and run the privfl ClientApp; return what
+    ``main`` returned, or raise what it raised."""
     from privfl.federation.flower.client_app import make_client_app
     from privfl.federation.flower.server_app import make_server_app
 
+    config = RunConfig.from_dict(json.loads(run_config[p.RUN_CONFIG]))
+    options = options.for_clients(partitions, secure=config.privacy.mode == DISTRIBUTED)
     run_config = {**run_config, p.THREADS: options.threads, **grouping(partitions, options)}
     result: dict[str, Any] = {}
     server_app = make_server_app(main, run_config, result=result)
