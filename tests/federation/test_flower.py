@@ -70,7 +70,10 @@ def test_pack_stores_a_shared_message_once_and_gives_each_client_its_own_copy():
     shared = Message(arrays={"w": torch.arange(6.0).reshape(2, 3)}, config={"lr": 0.1})
     own = Message(arrays={"c": torch.ones(2, dtype=torch.float64)}, metrics={"n": 3})
     packed = pack({7: (shared, {"state_of": 2}), 3: (shared, {}), 5: (own, {"state_of": -1})}, {"op": "train"})
-    assert sorted(k for k in packed if k.endswith(".arrays")) == ["m0.arrays", "m1.arrays"]   # two distinct messages
+    assert sorted(k for k in packed if k.endswith(".metrics")) == ["m0.metrics", "m1.metrics"]  # 2 distinct messages
+    # every tensor in one Flower array (one object to move, not one per tensor), the shared one stored once
+    assert list(packed.array_records) == ["blob"] and len(packed["blob"]) == 1
+    assert packed["blob"]["blob"].numpy().nbytes == 6 * 4 + 2 * 8
     header, items = unpack(packed)
     assert header == {"op": "train"} and sorted(items) == [3, 5, 7]
     assert items[7][1] == {"state_of": 2} and items[3][1] == {} and items[5][1] == {"state_of": -1}
@@ -80,6 +83,14 @@ def test_pack_stores_a_shared_message_once_and_gives_each_client_its_own_copy():
     assert torch.equal(items[7][0].arrays["w"], shared.arrays["w"])
     with pytest.raises(ConfigError, match="reserved"):
         pack({1: (shared, {})}, {"op": "train", "clients": [1]})
+    # dtypes and shapes travel: a 0-d tensor, an empty one, bool, int8, bfloat16
+    odd = Message(arrays={"s": torch.tensor(2.5), "e": torch.empty(0, 3), "b": torch.tensor([True, False]),
+                          "i": torch.tensor([-3, 7], dtype=torch.int8), "h": torch.tensor([1.5], dtype=torch.bfloat16)})
+    back = unpack(pack({1: (odd, {}), 2: (Message(), {})}, {}))[1]
+    assert list(back[1][0].arrays) == ["s", "e", "b", "i", "h"] and back[2][0].arrays == {}
+    for name, tensor in odd.arrays.items():
+        got = back[1][0].arrays[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), name
 
 
 def test_node_config_names_one_partition_or_a_range():

@@ -14,8 +14,12 @@ operation, round, stage, ...) that the runtime needs and the method never sees. 
 (torch.float64, {'loss': 0.5}, {'lr': 0.1}, {'op': 'train'})
 
 A node that holds several clients gets one Flower message per exchange: :func:`pack` puts each client's message under
-prefixed keys (``m<k>.arrays``, ... for the ``k``-th distinct message, ``h<id>`` for a client's own header), storing
-a message that several clients receive (FedAvg's global model) once; :func:`unpack` gives each client its own copy.
+prefixed keys (``m<k>.metrics``, ``m<k>.config`` for the ``k``-th distinct message, ``h<id>`` for a client's own
+header), storing a message that several clients receive (FedAvg's global model) once; :func:`unpack` gives each client
+its own copy. The tensors of all the messages travel as one byte array (``blob``, each tensor's name, dtype, shape and
+place in it in the header): Flower moves every array of a message as objects of its own, one request each on every
+hop (ClientApp, SuperNode, SuperLink, ServerApp), so a node's reply of 50 model updates of 6 tensors each would be
+600 such objects; as one array it is a few chunks of at most 5 MB.
 
 >>> packed = pack({3: (message, {}), 5: (message, {"send_ledger": True})}, {"op": "train"})
 >>> header, items = unpack(packed)
@@ -25,6 +29,8 @@ a message that several clients receive (FedAvg's global model) once; :func:`unpa
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +42,7 @@ from privfl.federation.messages import Message
 
 ARRAYS, METRICS, CONFIG, HEADER = "arrays", "metrics", "config", "privfl"
 CLIENTS, MESSAGE_OF = "clients", "message_of"      # pack header: the client ids, and which message each one gets
+BLOB, TENSORS = "blob", "tensors"   # pack: the tensors' bytes, and in the header JSON [[k, name, dtype, shape], ...]
 _CONFIG_SCALARS = (bool, int, float, str, bytes)
 
 
@@ -91,9 +98,20 @@ def records_to_state(tensors: ArrayRecord, scalars: ConfigRecord) -> dict[str, A
     return {**record_to_tensors(tensors), **dict(scalars)}
 
 
+def _flat(message: Message) -> tuple[list[torch.Tensor], list[list[Any]]]:
+    """``message``'s tensors as byte tensors, and per tensor its name, dtype and shape."""
+    parts, index = [], []
+    for name, tensor in message.arrays.items():
+        tensor = tensor.detach().cpu().contiguous()
+        parts.append(tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8))
+        index.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)])
+    return parts, index
+
+
 def _message_records(message: Message) -> dict[str, Any]:
-    return {ARRAYS: tensors_to_record(message.arrays), METRICS: MetricRecord(dict(message.metrics)),
-            CONFIG: ConfigRecord(_check_config(message.config, "message config"))}
+    parts, index = _flat(message)
+    return {METRICS: MetricRecord(dict(message.metrics)),
+            CONFIG: ConfigRecord(_check_config(message.config, "message config")), BLOB: (parts, index)}
 
 
 def pack(items: Mapping[int, tuple[Message, Mapping[str, Any]]], header: Mapping[str, Any], *,
@@ -104,6 +122,8 @@ def pack(items: Mapping[int, tuple[Message, Mapping[str, Any]]], header: Mapping
     content: dict[str, Any] = {}
     index: dict[int, int] = {}
     clients, message_of = [], []
+    parts: list[torch.Tensor] = []
+    tensors: list[list[Any]] = []
     for cid in sorted(items):
         message, client_header = items[cid]
         if id(message) not in index:
@@ -113,19 +133,46 @@ def pack(items: Mapping[int, tuple[Message, Mapping[str, Any]]], header: Mapping
                 records = _message_records(message)
                 if converted is not None:
                     converted[id(message)] = records
-            content.update({f"m{k}.{name}": record for name, record in records.items()})
+            content.update({f"m{k}.{name}": records[name] for name in (METRICS, CONFIG)})
+            parts += records[BLOB][0]
+            tensors += [[k, *entry] for entry in records[BLOB][1]]
         clients.append(int(cid))
         message_of.append(index[id(message)])
         if client_header:
             content[f"h{cid}"] = ConfigRecord(_check_config(client_header, "header"))
     common = _check_config(header, "header")
-    if CLIENTS in common or MESSAGE_OF in common:
-        raise PublicConfigError(f"header keys {CLIENTS!r} and {MESSAGE_OF!r} are reserved for the pack, got "
-                                f"{sorted(common)}")
+    if CLIENTS in common or MESSAGE_OF in common or TENSORS in common:
+        raise PublicConfigError(f"header keys {CLIENTS!r}, {MESSAGE_OF!r} and {TENSORS!r} are reserved for the pack, "
+                                f"got {sorted(common)}")
     if clients:
         common.update({CLIENTS: clients, MESSAGE_OF: message_of})
+    if tensors:
+        common[TENSORS] = json.dumps(tensors)
+        content[BLOB] = ArrayRecord({BLOB: torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)})
     content[HEADER] = ConfigRecord(common)
     return RecordDict(content)
+
+
+def _unflatten(records: RecordDict, header: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+    """Per message index, its tensors (each in memory of its own), from the pack's byte array."""
+    entries = json.loads(header.pop(TENSORS, "[]"))
+    if not entries:
+        return {}
+    blob = torch.from_numpy(records[BLOB][BLOB].numpy())
+    arrays: dict[int, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for k, name, dtype, shape in entries:
+        kind = getattr(torch, dtype, None)
+        if not isinstance(kind, torch.dtype):
+            raise PublicConfigError(f"a packed message names tensor {name!r} of unknown dtype {dtype!r}")
+        size = math.prod(shape) * torch.empty(0, dtype=kind).element_size()
+        if offset + size > blob.numel():
+            raise PublicConfigError(f"a packed message's tensors need more than its {blob.numel()} bytes")
+        arrays.setdefault(int(k), {})[name] = blob[offset:offset + size].clone().view(kind).reshape(shape)
+        offset += size
+    if offset != blob.numel():
+        raise PublicConfigError(f"a packed message carries {blob.numel()} bytes of tensors, its header {offset}")
+    return arrays
 
 
 def unpack(records: RecordDict) -> tuple[dict[str, Any], dict[int, tuple[Message, dict[str, Any]]]]:
@@ -135,16 +182,17 @@ def unpack(records: RecordDict) -> tuple[dict[str, Any], dict[int, tuple[Message
     clients, message_of = header.pop(CLIENTS, []), header.pop(MESSAGE_OF, [])
     if len(clients) != len(message_of):
         raise PublicConfigError(f"a packed message lists {len(clients)} clients but {len(message_of)} message indices")
+    arrays = _unflatten(records, header)
     decoded: dict[int, Message] = {}
     used: set[int] = set()
     items: dict[int, tuple[Message, dict[str, Any]]] = {}
     for cid, k in zip(clients, message_of):
         if k not in decoded:
             prefix = f"m{k}."
-            if prefix + ARRAYS not in records:
+            if prefix + METRICS not in records:
                 raise PublicConfigError(f"a packed message names message {k} for client {cid} but does not carry it")
-            decoded[k] = Message(arrays=record_to_tensors(records[prefix + ARRAYS]),
-                                 metrics=dict(records[prefix + METRICS]), config=dict(records[prefix + CONFIG]))
+            decoded[k] = Message(arrays=arrays.get(k, {}), metrics=dict(records[prefix + METRICS]),
+                                 config=dict(records[prefix + CONFIG]))
         message = decoded[k].copy() if k in used else decoded[k]     # each client gets its own tensors
         used.add(k)
         items[int(cid)] = (message, dict(records[f"h{cid}"]) if f"h{cid}" in records else {})
