@@ -896,12 +896,37 @@ def test_a_clientapp_process_that_exits_is_started_again_and_one_that_keeps_exit
     certs = launch.generate_certificates(tmp_path / "certs", nodes=1)
     command = launch.supernode_command(certs, "127.0.0.1:9093", node=0, num_partitions=1, node_dir="n", port=9100,
                                        partition_id=0)
-    assert command[command.index("--isolation") + 1] == "process"
+    assert command[command.index("--isolation") + 1] == "process" and command[command.index("--poll-s") + 1] == "0.25"
+    assert command[1:3] == ["-m", "privfl.federation.flower.supernode"]    # Flower's SuperNode, polling every 0.25 s
     assert launch.worker_command("127.0.0.1", 9100, 7)[-4:] == ["--runtime-api-address", "127.0.0.1:9100",
                                                                "--parent-pid", "7"]
     with pytest.raises(ConfigError, match="--isolation must be one of process, subprocess, got 'thread'"):
         launch.supernode_command(certs, "127.0.0.1:9093", node=0, num_partitions=1, node_dir="n", port=9100,
                                  partition_id=0, isolation="thread")
+
+
+def test_the_supernode_asks_for_work_every_poll_s_seconds_while_idle(monkeypatch):
+    # Flower 1.41's SuperNode loop sleeps 3 s after an empty ask and 0.5 s while a reply is not ready, on the time
+    # module it imports: the two sleeps the clock shortens (a Flower that changes them fails here, not silently)
+    import inspect
+
+    from flwr.supernode import start_client_internal as loop
+
+    from privfl.federation.flower import supernode
+
+    source = inspect.getsource(loop)
+    assert source.count("time.sleep(3)") == 1 and source.count("time.sleep(0.5)") == 2 and loop.time is time
+    monkeypatch.setattr(loop, "time", loop.time)            # undone after the test
+    clock = supernode.install(0.25)
+    assert loop.time is clock and loop.time.monotonic is time.monotonic
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    for seconds in (3, 0.5, 2, 0.1):
+        clock.sleep(seconds)
+    assert slept == [0.25, 0.25, 2, 0.1]
+    assert supernode.PollingClock(3).sleep(3) is None and slept[-1] == 3 and slept[-2] == 0.1
+    with pytest.raises(ConfigError, match=r"--poll-s must be a number of seconds in \(0, 3\] .*got 0"):
+        supernode.install(0)
 
 
 LAUNCH = [sys.executable, "-m", "privfl.federation.flower.launch"]

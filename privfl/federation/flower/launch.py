@@ -11,7 +11,8 @@
   partitions) and the directory that keeps its clients' ledgers and states, started again while the SuperLink
   refuses it (a node restarted after it died); in process isolation (the default) with one long-lived ClientApp
   process beside it (:mod:`privfl.federation.flower.worker`) that runs every message, or, with ``--isolation
-  subprocess``, Flower's fresh ClientApp process per message;
+  subprocess``, Flower's fresh ClientApp process per message; it asks the SuperLink for work every ``--poll-s``
+  seconds while idle (:mod:`privfl.federation.flower.supernode`);
 * ``run``: ``flwr run`` of the privfl app (``app/`` beside this file) with a RunConfig JSON (e.g. the ``config.json``
   of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves, or with
   ``--resume`` a failed run, continued from its last checkpoint; it waits for the run's end, and its exit status
@@ -40,6 +41,7 @@ from typing import Any
 
 from privfl.errors import ConfigError
 from privfl.federation.flower import protocol as p
+from privfl.federation.flower import supernode
 
 APP_DIR = Path(__file__).resolve().parent / "app"
 CONNECTION = "privfl"
@@ -247,12 +249,15 @@ ISOLATIONS = ("process", "subprocess")
 
 def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions: int, node_dir: str, port: int,
                       partition_id: int | None = None, partition_range: str | None = None,
-                      host: str = "127.0.0.1", isolation: str = "process") -> list[str]:
+                      host: str = "127.0.0.1", isolation: str = "process",
+                      poll_s: float = supernode.DEFAULT_POLL_S) -> list[str]:
     """``flower-supernode`` for one partition (``partition_id``) or several (``partition_range="FIRST-LAST"``), in
     Flower's ``isolation`` mode (one of :data:`ISOLATIONS`; with ``process`` the SuperNode runs no ClientApp itself:
-    start :func:`worker_command` beside it)."""
+    start :func:`worker_command` beside it), asking the SuperLink for work every ``poll_s`` seconds while idle
+    (:mod:`privfl.federation.flower.supernode`; Flower's own is 3 s)."""
     if isolation not in ISOLATIONS:
         raise ConfigError(f"--isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+    poll_s = supernode.check_poll_s(poll_s)
     if (partition_id is None) == (partition_range is None):
         raise ConfigError(f"give exactly one of --partition-id and --partition-range, got {partition_id!r} and "
                           f"{partition_range!r}")
@@ -261,7 +266,9 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
     config = f'{held} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}"'
     p.node_partitions(_parse_node_config(config))        # refuse a bad range here, not in the ClientApp
     require_files(certs / CA_CERT, node_key(certs, node))
-    return [_tool("flower-supernode"), "--superlink", superlink, "--root-certificates", str(certs / CA_CERT),
+    _tool("flower-supernode")                             # Flower is installed here
+    return [sys.executable, "-m", "privfl.federation.flower.supernode", "--poll-s", f"{poll_s:g}", "--superlink",
+            superlink, "--root-certificates", str(certs / CA_CERT),
             "--auth-supernode-private-key", str(node_key(certs, node)), "--node-config", config,
             "--host", host, "--port", str(port), "--isolation", isolation]
 
@@ -493,8 +500,8 @@ def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: fl
     within a minute the SuperNode is stopped and the status is 1.
 
     No process is left behind: SIGTERM and SIGINT are passed on to the SuperNode and its ClientApp process, and this
-    process waits for both; on Linux both also get SIGTERM when this process dies any other way (SIGKILL included),
-    and the ClientApp process ends when this process id goes away elsewhere too."""
+    process waits for both; on Linux both are killed when this process dies any other way (SIGKILL included), and
+    the ClientApp process ends when this process id goes away elsewhere too."""
     import signal
 
     started = time.monotonic()
@@ -518,11 +525,13 @@ def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: fl
 
 
 def _die_with_parent() -> None:
-    """In a child before it runs: SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``), SIGKILL included."""
+    """In a child before it runs: SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``). A supervisor that is
+    killed leaves a node that was killed too: the SuperNode does not sign off from the SuperLink as on SIGTERM, and
+    the run sees a dead node, as it would had the whole node been killed."""
     import ctypes
     import signal
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)       # 1 = PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)       # 1 = PR_SET_PDEATHSIG
 
 
 def _start_child(command: list[str], env: dict[str, str], state: dict[str, Any]) -> subprocess.Popen:
@@ -698,6 +707,9 @@ def _main(argv: list[str] | None = None) -> int:
     n.add_argument("--num-partitions", type=int, required=True)
     n.add_argument("--node-dir", required=True, help="directory that keeps this node's ledgers")
     n.add_argument("--port", type=int, default=None, help="its local runtime API port (default 9100 + node)")
+    n.add_argument("--poll-s", type=float, default=supernode.DEFAULT_POLL_S,
+                   help=f"while idle, ask the SuperLink for work every this many seconds ({supernode.DEFAULT_POLL_S:g};"
+                        " Flower's own: 3)")
     n.add_argument("--isolation", choices=ISOLATIONS, default="process",
                    help="process (default): one long-lived ClientApp process, started and stopped with the "
                         "SuperNode, runs every message; subprocess: Flower's default, a fresh ClientApp process per "
@@ -745,7 +757,7 @@ def _main(argv: list[str] | None = None) -> int:
         command = supernode_command(certs, args.superlink, node=args.node, partition_id=args.partition_id,
                                     partition_range=args.partition_range, num_partitions=args.num_partitions,
                                     node_dir=str(Path(args.node_dir).resolve()), port=port,
-                                    isolation=args.isolation)
+                                    isolation=args.isolation, poll_s=args.poll_s)
         wait_for_superlink(args.superlink, args.wait_s)
         worker = worker_command("127.0.0.1", port, os.getpid()) if args.isolation == "process" else None
         return supervise_supernode(command, env, rejoin_s=args.rejoin_s, worker=worker)
