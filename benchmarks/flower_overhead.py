@@ -8,21 +8,29 @@ client process building or loading its data); evaluation excluded. Every engine 
 ratios are of medians, and per repeat to the in-process run of the same repeat.
 
 * in-process: :func:`privfl.experiment.build_runtime`, this process, 1 torch thread;
-* simulation: one virtual SuperNode per client the app would start
-  (:func:`~privfl.federation.flower.simulation.num_nodes`: 200 for FedAvg, which serves novel clients), ``--actors``
-  Ray client processes with 1 torch thread each; ``simulation_kK`` for each ``--clients-per-node`` K > 1: virtual
-  SuperNodes holding K consecutive clients each (200 / K nodes), one packed Flower message per node and round;
+* simulation: ``--actors`` Ray client processes with 1 torch thread each, and virtual SuperNodes holding as many
+  clients as the run chooses when ``--flower-clients-per-node`` is not given
+  (:func:`~privfl.federation.flower.protocol.auto_clients_per_node`: 50 with 1 actor, so 4 nodes), reported as
+  ``simulation``; ``simulation_kK`` for each ``--clients-per-node`` K: virtual SuperNodes holding K consecutive
+  clients each (200 / K nodes; K = 1, a node per client, was the default before), one packed Flower message per node
+  and round;
 * deployment: a SuperLink and 2 SuperNodes on loopback (TLS, node authentication), each SuperNode holding 50
   training clients (``partition-range``), ``flwr run`` of the privfl app; round times come from the run's summary
-  (``summary["flower"]["round_seconds"]``). Two SuperNodes train in parallel (one ClientApp process each, 1 thread),
-  so on a 2-core machine this engine may use 2 cores where the others use 1.
+  (``summary["flower"]["round_seconds"]``). ``deployment``: ``privfl flower supernode``'s defaults, process isolation
+  with one long-lived ClientApp process per SuperNode (:mod:`privfl.federation.flower.worker`) and an idle poll of
+  0.25 s (:mod:`privfl.federation.flower.supernode`); ``deployment_subprocess``: Flower's own behaviour, as before,
+  ``--isolation subprocess --poll-s 3``: a fresh ClientApp process per message, the SuperLink asked every 3 s.
+  Two SuperNodes train in parallel (one ClientApp process each, 1 thread), so on a 2-core machine this engine may
+  use 2 cores where the others use 1.
 
     nice python benchmarks/flower_overhead.py [--rounds 2] [--per-round 10 100] [--repeats 3] [--actors 1]
-        [--engines inprocess simulation deployment] [--clients-per-node 1 10] [--profile]
+        [--engines inprocess simulation deployment deployment_subprocess] [--clients-per-node default 1 10]
+        [--profile]
 
 ``--profile`` adds one profiled simulation run per setting (not timed): the ServerApp's profile, and the ClientApp's
-profile inside the Ray actor. Target: simulation within 2x of in-process at 100 clients per round. Writes
-benchmarks/results/flower_overhead.json (paths relative to the repository and the Python installation).
+profile inside the Ray actor. Targets (issue 30): simulation with the default settings within 1.5x, deployment
+within 3x of in-process at 100 clients per round. Writes benchmarks/results/flower_overhead.json (paths relative to
+the repository and the Python installation).
 """
 
 from __future__ import annotations
@@ -147,7 +155,8 @@ def _timed_client_app(defaults: dict, log_dir: str, profile: bool):
     return app
 
 
-def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, clients_per_node: int = 1) -> dict:
+def simulation(per_round: int, rounds: int, actors: int, profile: bool = False,
+               clients_per_node: int | None = None) -> dict:
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
@@ -159,8 +168,9 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, 
     from privfl.federation.flower.simulation import grouping, num_clients, num_nodes
 
     config = run_config(per_round, rounds)
-    options = FlowerOptions(max_actors=actors, threads=1, clients_per_node=clients_per_node)
     federation = build_federation(config.federation, seed=0)
+    options = FlowerOptions(max_actors=actors, threads=1, clients_per_node=clients_per_node).for_clients(
+        num_clients(config, federation))
     out: dict = {}
     app = ServerApp()
 
@@ -179,7 +189,7 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, 
     clients = num_clients(config, federation)
     client = _timed_client_app({p.RUN_CONFIG: json.dumps(config.to_dict()), p.NODES_ROOT: str(work / "nodes"),
                                 p.THREADS: 1, **grouping(clients, options)}, str(logs), profile)
-    nodes = num_nodes(config, federation, clients_per_node)
+    nodes = num_nodes(config, federation, options.clients_per_node)
     started = time.perf_counter()
     try:
         run_simulation(server_app=app, client_app=client, num_supernodes=nodes,
@@ -191,6 +201,7 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False, 
         out["client_handle_s"] = sum(h["seconds"] for h in handled)
         out["client_messages"] = len(handled)
         out["nodes"] = nodes
+        out["clients_per_node"] = options.clients_per_node
         profiles = sorted(logs.glob("*.prof"))
         if profile and profiles:
             out["client_profile"] = _stats_text(pstats.Stats(*map(str, profiles)))
@@ -233,7 +244,7 @@ def run(message, context):
     end = time.time()
     with open(os.path.join(os.environ["PRIVFL_BENCH_TIMINGS"], f"{os.getpid()}.jsonl"), "a") as f:
         f.write(json.dumps({"type": message.metadata.message_type, "group": message.metadata.group_id,
-                            "node": context.node_id, "process_started": _process_started(),
+                            "node": context.node_id, "pid": os.getpid(), "process_started": _process_started(),
                             "importing": IMPORTING, "imported": IMPORTED, "start": start, "end": end}) + "\\n")
     return reply
 
@@ -261,8 +272,12 @@ def _timed_app(directory: Path) -> Path:
 
 def _deployment_breakdown(timings: list[dict], round_seconds: list[float]) -> dict:
     """Per timed round (the train messages of groups >= 1): the round's wall time on the server, and on the nodes
-    (the slowest node's): ClientApp process start to privfl imported, handling (data, training, ledger), and what
-    is left (SuperNode and SuperExec polling, transfers)."""
+    (the slowest node's): the ClientApp process's start to privfl imported, when the process was started for this
+    message (a process per message; 0 where a long-lived process had handled an earlier message), handling (data,
+    training, ledger), and what is left (SuperNode and ClientApp polling, transfers)."""
+    first = {}
+    for t in timings:
+        first[t["pid"]] = min(first.get(t["pid"], t["start"]), t["start"])
     rows = []
     for round, wall in enumerate(round_seconds):
         if round == 0:
@@ -270,18 +285,25 @@ def _deployment_breakdown(timings: list[dict], round_seconds: list[float]) -> di
         messages = [t for t in timings if t["type"] == "train" and t["group"] == str(round)]
         if not messages:
             continue
-        slowest = max(messages, key=lambda t: t["end"] - t["process_started"])
+        for t in messages:
+            fresh = t["start"] == first[t["pid"]]
+            t["import_s"] = t["imported"] - t["process_started"] if fresh else 0.0
+            t["to_handle_s"] = t["start"] - t["imported"] if fresh else 0.0
+        slowest = max(messages, key=lambda t: t["end"] - t["start"] + t["import_s"] + t["to_handle_s"])
+        span = slowest["end"] - slowest["start"] + slowest["import_s"] + slowest["to_handle_s"]
         rows.append({"round": round, "server_round_s": wall, "messages": len(messages),
-                     "process_start_to_imported_s": slowest["imported"] - slowest["process_started"],
-                     "imported_to_handle_s": slowest["start"] - slowest["imported"],
-                     "handle_s": slowest["end"] - slowest["start"],
-                     "rest_s": wall - (slowest["end"] - slowest["process_started"])})
+                     "fresh_processes": sum(t["import_s"] > 0 for t in messages),
+                     "process_start_to_imported_s": slowest["import_s"],
+                     "imported_to_handle_s": slowest["to_handle_s"],
+                     "handle_s": slowest["end"] - slowest["start"], "rest_s": wall - span})
     return {"per_round": rows}
 
 
-def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2) -> dict:
-    """One ``flwr run`` on a fresh SuperLink and ``nodes`` SuperNodes, each holding TRAINING_CLIENTS / nodes training
-    clients; the node directories under ``work`` persist across calls, so the data is built once."""
+def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2, isolation: str = "process",
+               poll_s: float | None = None) -> dict:
+    """One ``flwr run`` on a fresh SuperLink and ``nodes`` SuperNodes (``privfl flower supernode --isolation
+    ISOLATION --poll-s POLL_S``, the launcher's default poll when None), each holding TRAINING_CLIENTS / nodes
+    training clients; the node directories under ``work`` persist across calls, so the data is built once."""
     from privfl.federation.flower import launch
 
     config = run_config(per_round, rounds)
@@ -303,21 +325,24 @@ def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2) -> dict:
     share = TRAINING_CLIENTS // nodes
     started = time.perf_counter()
     try:
-        processes.append(subprocess.Popen(command + ["superlink", "--certs", str(certs), "--address", address],
+        processes.append(subprocess.Popen(command + ["superlink", "--certs", str(certs), "--address", address,
+                                                     "--database", str(run_dir / "superlink.db")],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
         register = command + ["register", "--certs", str(certs), "--superlink", address]
         register += [str(i) for i in range(nodes)]
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while subprocess.run(register, env=env, capture_output=True).returncode != 0:
             if time.monotonic() > deadline:
-                raise RuntimeError("the SuperLink did not accept registrations within 120 s")
+                raise RuntimeError("the SuperLink did not accept registrations within 300 s: "
+                                   + (run_dir / "flower.log").read_text()[-3000:])
             time.sleep(1)
         for node in range(nodes):
             processes.append(subprocess.Popen(
                 command + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
                            "--partition-range", f"{node * share}-{(node + 1) * share - 1}",
                            "--num-partitions", str(TRAINING_CLIENTS), "--node-dir", str(work / f"node-{node}"),
-                           "--port", str(launch.free_port())],
+                           "--port", str(launch.free_port()), "--isolation", isolation,
+                           *([] if poll_s is None else ["--poll-s", str(poll_s)])],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
         launch.write_connection(env, address, certs)
         flwr_run = launch.run_command(str(run_dir / "config.json"), str(out), timeout_s=900)
@@ -357,10 +382,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--engines", nargs="+", default=["inprocess", "simulation", "deployment"],
-                        choices=["inprocess", "simulation", "deployment"])
-    parser.add_argument("--clients-per-node", type=int, nargs="+", default=[1, 10],
-                        help="simulation: clients per virtual SuperNode, one simulation engine per value (1 = a node "
-                             "per client; K > 1 is reported as simulation_kK)")
+                        choices=["inprocess", "simulation", "deployment", "deployment_subprocess"],
+                        help="deployment: SuperNodes in process isolation with one long-lived ClientApp process each "
+                             "(privfl's default); deployment_subprocess: Flower's default, a ClientApp process per "
+                             "message")
+    parser.add_argument("--clients-per-node", nargs="+", default=["default", "1", "10"],
+                        help="simulation: clients per virtual SuperNode, one simulation engine per value: 'default' "
+                             "(chosen by the run, reported as simulation) or K (reported as simulation_kK)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=str(RESULTS.relative_to(ROOT)),
                         help="results file, relative to the repository (default %(default)s)")
@@ -368,7 +396,8 @@ def main() -> None:
     if "inprocess" not in args.engines:
         parser.error("--engines must include inprocess (the ratios' denominator)")
     torch.set_num_threads(1)
-    grouped = {("simulation" if k == 1 else f"simulation_k{k}"): k for k in args.clients_per_node}
+    grouped = {("simulation" if k == "default" else f"simulation_k{int(k)}"): (None if k == "default" else int(k))
+               for k in args.clients_per_node}
     engines = [e for engine in args.engines for e in (grouped if engine == "simulation" else [engine])]
     work = Path(tempfile.mkdtemp(prefix="privfl-flower-bench-"))
     runs: dict[int, dict[str, list[dict]]] = {n: {e: [] for e in engines} for n in args.per_round}
@@ -382,7 +411,9 @@ def main() -> None:
                     elif engine in grouped:
                         result = simulation(per_round, args.rounds, args.actors, clients_per_node=grouped[engine])
                     else:
-                        result = deployment(per_round, args.rounds, work)
+                        before = engine == "deployment_subprocess"     # Flower's own: a process per message, 3 s
+                        result = deployment(per_round, args.rounds, work, isolation="subprocess" if before else
+                                            "process", poll_s=3 if before else None)
                     runs[per_round][engine].append(result)
                     print(json.dumps({"repeat": repeat, "clients_per_round": per_round, "engine": engine,
                                       **{k: v for k, v in result.items() if not k.endswith("profile")}}), flush=True)
@@ -395,7 +426,10 @@ def main() -> None:
     results = {"setting": f"FedAvg, MNIST 2NN, 20 local steps x batch 64, 200 clients (100 training), {args.rounds} "
                           f"timed rounds after 1 warm-up, torch threads 1, Ray actors {args.actors}, simulation with "
                           f"{' and '.join(map(str, args.clients_per_node))} clients per virtual node, "
-                          f"{args.repeats} interleaved repeats per engine; deployment: 2 SuperNodes x 50 clients",
+                          f"{args.repeats} interleaved repeats per engine; deployment: 2 SuperNodes x 50 clients, "
+                          "process isolation with a long-lived ClientApp process per SuperNode and a 0.25 s idle "
+                          "poll (deployment) or a ClientApp process per message and Flower's 3 s poll "
+                          "(deployment_subprocess)",
                "command": "nice python benchmarks/flower_overhead.py " + " ".join(sys.argv[1:]),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs)",
                "runs": []}
@@ -403,7 +437,7 @@ def main() -> None:
         engines = runs[per_round]
         base = [r["seconds"] for r in engines["inprocess"]]
         row: dict = {"clients_per_round": per_round, "in_process_s": base, "in_process_median_s": _median(base)}
-        for engine in [*grouped, "deployment"]:
+        for engine in [*grouped, "deployment", "deployment_subprocess"]:
             if engine not in engines:
                 row[f"{engine}_note"] = "not measured in this invocation (--engines)"
                 continue
@@ -417,15 +451,17 @@ def main() -> None:
             if engine in grouped:
                 sims = engines[engine]
                 row[f"{engine}_nodes"] = sims[0]["nodes"]
+                row[f"{engine}_clients_per_node"] = sims[0]["clients_per_node"]
                 row[f"{engine}_client_handle_s"] = [r["client_handle_s"] for r in sims]
                 row[f"{engine}_client_messages"] = sims[0]["client_messages"]
                 row[f"{engine}_outside_client_s"] = [r["seconds"] - r["client_handle_s"] for r in sims]
             if (per_round, engine) in profiles:
                 row[f"{engine}_server_profile"] = profiles[per_round, engine]["server_profile"]
                 row[f"{engine}_client_profile"] = profiles[per_round, engine].get("client_profile", "")
-        if "deployment" in engines:
-            row["deployment_warm_up_round_s"] = [r["warm_up_round_s"] for r in engines["deployment"]]
-            row["deployment_breakdown"] = [r["breakdown"]["per_round"] for r in engines["deployment"]]
+        for engine in ("deployment", "deployment_subprocess"):
+            if engine in engines:
+                row[f"{engine}_warm_up_round_s"] = [r["warm_up_round_s"] for r in engines[engine]]
+                row[f"{engine}_breakdown"] = [r["breakdown"]["per_round"] for r in engines[engine]]
         results["runs"].append(row)
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
