@@ -1,4 +1,4 @@
-"""The privfl command: train, sweep, demo, report, ledger, datasets, attack (audit, reconstruct) and flower.
+"""The privfl command: train, sweep, demo, report, ledger, features, datasets, attack (audit, reconstruct), flower.
 
 A user error (an unknown name, a value out of range, unreadable data) exits with status 2 and one message that
 names the bad value and the valid choices; it never prints a traceback. A fault inside privfl
@@ -429,6 +429,60 @@ def _parse_epsilons(text: str) -> tuple[float | None, ...]:
     return tuple(values)
 
 
+def cmd_features(args: argparse.Namespace) -> int:
+    """Write a frozen backbone's features of a data source's images to the ``.npz`` the ``features`` source reads
+    (``x``, ``y``, and ``x_test``, ``y_test`` where the source has a test split)."""
+    import io
+
+    import numpy as np
+
+    from privfl.data import load_source
+    from privfl.devices import resolve_device
+    from privfl.errors import check_writable
+    from privfl.federation.rundir import atomic_write_bytes
+    from privfl.models.backbones import ImageBackbone, extract_features, load_backbone
+
+    out = Path(args.out)
+    if out.suffix != ".npz":
+        raise PrivflError(f"--out must name a .npz file (what the features source reads), got {str(out)!r}")
+    check_writable(out, "--out")                 # before the work, not after it
+    if out.exists() and not args.overwrite:
+        raise PrivflError(f"{out} exists; choose another --out, or pass --overwrite to replace it")
+    if args.batch_size < 1:
+        raise PrivflError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise PrivflError(f"--max-samples must be an integer >= 1 (images per split), got {args.max_samples}")
+    device = resolve_device(args.device)
+    backbone = load_backbone(args.backbone, **dict(args.backbone_option))
+    if not isinstance(backbone, ImageBackbone):
+        raise PrivflError(f"backbone {args.backbone!r} embeds text, and every data source holds images or vectors; "
+                          "use an image backbone (mobilenet_v2)")
+    source = load_source(args.dataset, data_root=args.data_root, download=args.download, **dict(args.source_option))
+    if not source.is_image:
+        raise PrivflError(f"source {args.dataset!r} holds vectors of shape {source.input_shape}, not images: "
+                          f"{args.backbone} takes images (mnist, fashion_mnist, cifar10, ...; see privfl datasets)")
+    backbone.to(device)
+    rng = np.random.default_rng(args.seed)
+    arrays = {}
+    for suffix, split in (("", source.train), ("_test", source.test)):
+        if split is None:
+            continue
+        index = np.arange(len(split.y))
+        if args.max_samples is not None and len(index) > args.max_samples:
+            index = np.sort(rng.choice(len(index), size=args.max_samples, replace=False))
+        arrays["x" + suffix] = extract_features(backbone, split.x[index], dataset=f"{args.dataset}{suffix}",
+                                                use_cache=False, batch_size=args.batch_size,
+                                                progress=not args.no_progress)
+        arrays["y" + suffix] = np.asarray(split.y[index], dtype=np.int64)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(out, buffer.getvalue())
+    shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in arrays.items())
+    print(f"{out}: {args.backbone} features of {args.dataset} on {device} ({shapes}); train on them with: privfl train "
+          f"--method fedpft --dataset features --source-option path={out}")
+    return 0
+
+
 def cmd_datasets(args: argparse.Namespace) -> int:
     from privfl.data import list_sources
 
@@ -529,6 +583,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write into an OUT that holds another sweep's results, retraining trainings of other settings")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("features", help="write a frozen backbone's features of a data source to the .npz that the "
+                                        "features source reads (FedPFT's input)")
+    p.add_argument("--out", required=True, help="the .npz file to write (arrays x, y and x_test, y_test)")
+    p.add_argument("--dataset", default="mnist", help="an image source (see `privfl datasets`)")
+    p.add_argument("--backbone", default="mobilenet_v2", help="a frozen feature extractor of images")
+    p.add_argument("--backbone-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a backbone setting, e.g. input_size=64 (pixels the images are resized to; default 224, and "
+                        "64 is about ten times faster on a CPU); repeatable")
+    p.add_argument("--data-root", default=None, help="folder holding torchvision-format data")
+    p.add_argument("--download", action="store_true", help="let torchvision download missing data (needs internet)")
+    p.add_argument("--source-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a source setting, e.g. split=letters for 'emnist'; repeatable")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="at most this many images of each split, a random subset (default: every image)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --max-samples subset")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help="where the backbone computes: cpu, cuda, or auto (CUDA where present)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_features)
 
     p = sub.add_parser("datasets", help="list every data source and whether it is available here")
     p.add_argument("--data-root", default=None)
