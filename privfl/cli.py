@@ -289,13 +289,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """Each demo method's settings: the demo's own (:data:`DEMO_METHODS`) with every method setting the user gave on
+    top, for each method that has it (``--mu`` is FedProx's alone); a setting no demo method has is refused rather
+    than ignored."""
+    from privfl.methods import METHODS
+
+    given = _method_settings(args)
+    fields = {method: set(METHODS[method].config().to_dict()) for method, _ in DEMO_METHODS}
+    unknown = sorted(key for key in given if not any(key in names for names in fields.values()))
+    if unknown:
+        raise PrivflError(f"the demo's methods ({', '.join(fields)}) have no setting {', '.join(unknown)}; "
+                          f"valid: {', '.join(sorted(set().union(*fields.values())))}")
+    return [(method, {**settings, **{k: v for k, v in given.items() if k in fields[method]}})
+            for method, settings in DEMO_METHODS]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from privfl.evaluation import comparison_table
     from privfl.experiment import check_reusable, train_once
     from privfl.federation import RunDirectory
 
     out = Path(args.out)
-    configs = [(method, _run_config(args, method, settings)) for method, settings in DEMO_METHODS]
+    configs = [(method, _run_config(args, method, settings)) for method, settings in _demo_settings(args)]
     # every refusal before the first training: a run or a sweep in --out itself, or a method's directory holding
     # another run (the same settings are read back, an interrupted run continued)
     folder = RunDirectory(out)

@@ -229,6 +229,27 @@ DEMO = ["demo", "--dataset", "synthetic", "--clients", "8", "--partition", "iid"
         "2", "--no-progress"]
 
 
+def test_demo_applies_the_method_settings_it_is_given(tmp_path, capsys):
+    """The demo's own settings (the FedTTA paper's learning rates) with the user's on top, per method that has
+    them; nothing given is silently ignored."""
+    import json
+
+    from privfl.cli import DEMO_METHODS
+
+    out = tmp_path / "demo"
+    assert main(DEMO + ["--out", str(out), "--lr", "0.05", "--mu", "0.5", "--method-option", "lr_decay=0.9"]) == 0
+    capsys.readouterr()
+    stored = {m: json.loads((out / m / "config.json").read_text())["method_config"] for m, _ in DEMO_METHODS}
+    assert {m: (c["lr"], c["lr_decay"], c["local_steps"]) for m, c in stored.items()} == {
+        m: (0.05, 0.9, 2) for m in stored}
+    assert stored["fedprox"]["mu"] == 0.5
+    assert stored["scaffold"]["server_lr"] == dict(DEMO_METHODS)["scaffold"]["server_lr"]
+    assert main(DEMO + ["--out", str(tmp_path / "other"), "--method-option", "encoder=\"deepset\""]) == 2
+    err = capsys.readouterr().err
+    assert "have no setting encoder" in err and "valid:" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "other").exists()
+
+
 def test_demo_writes_over_nothing_without_overwrite(tmp_path, capsys):
     import json
 
