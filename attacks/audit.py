@@ -711,10 +711,9 @@ def format_table(results: Sequence[tuple[str, AuditResult]]) -> str:
     return "\n".join(lines)
 
 
-def audit_main(argv: Sequence[str] | None = None) -> int:
-    """``privfl attack audit``: audit one mechanism; print a table; exit 0 (2 with one line on bad input, or an
-    output path that cannot be written: checked before the audit runs)."""
-    from privfl.errors import PrivflError, check_writable, storage_message
+def audit_parser() -> argparse.ArgumentParser:
+    """The parser of ``privfl attack audit`` (its ``--help`` shows every default)."""
+    from privfl.helpformat import show_defaults
 
     parser = argparse.ArgumentParser(prog="privfl attack audit",
                                      description="Empirical lower bound on epsilon for a mechanism, beside its claim.")
@@ -729,6 +728,15 @@ def audit_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=20, help="samples per set")
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result as JSON here")
+    return show_defaults(parser)
+
+
+def audit_main(argv: Sequence[str] | None = None) -> int:
+    """``privfl attack audit``: audit one mechanism; print a table; exit 0 (2 with one line on bad input, or an
+    output path that cannot be written: checked before the audit runs)."""
+    from privfl.errors import PrivflError, check_writable, storage_message
+
+    parser = audit_parser()
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:  # argparse has printed its message (status 2 for bad input, 0 for --help)

@@ -906,7 +906,7 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--precision", default=default("precision"),
                    help="auto (mixed precision on CUDA, float32 on CPU), fp32, bf16 or fp16 (CUDA)")
     p.add_argument("--threads", type=int, default=argparse.SUPPRESS if suppress else None,
-                   help="torch CPU threads (none: torch's default)")
+                   help="torch CPU threads (none: torch's own choice)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    default=argparse.SUPPRESS if suppress else True, help="no progress bars")
     return p

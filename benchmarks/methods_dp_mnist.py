@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -49,6 +50,9 @@ METHOD_SETTINGS = {
     "fedtta_prox": FEDTTA_PROX_MNIST,
     "fedtta_pp": FEDTTA_PROX_MNIST,
     "tent": {"lr": 0.1, "adapt": "all"},
+    # IT-PFL-HN with the encoder that record-level DP can clip and noise (its default max-pooled DeepSet cannot be
+    # made private), in both rows so that they differ only by DP
+    "itpflhn": {"encoder": "dp_deepset"},
     "odpflhn": {k: v for k, v in SWEEP_METHOD.items() if k not in ("local_steps", "batch_size")},
 }
 
@@ -61,7 +65,13 @@ def settings_for(method: str) -> dict:
 
 
 def config_for(method: str, privacy: TrainingPrivacy, args) -> RunConfig:
-    return RunConfig(federation=MNIST_SPEC, method=method, method_config=settings_for(method), model="mlp2nn",
+    settings = settings_for(method)
+    if privacy.mode == "record" and METHODS[method].config().to_dict().get("grad_clip"):
+        # the batch-gradient stabiliser that DP-SGD's per-record clip replaces: None where the field is optional,
+        # 0 (off) where it is a plain number
+        optional = "None" in str(next(f.type for f in fields(METHODS[method].config()) if f.name == "grad_clip"))
+        settings["grad_clip"] = None if optional else 0.0
+    return RunConfig(federation=MNIST_SPEC, method=method, method_config=settings, model="mlp2nn",
                      rounds=args.rounds, eval_every=args.rounds, checkpoint_every=10, select="last", seed=args.seed,
                      delta=DELTA, privacy=privacy)
 

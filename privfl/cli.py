@@ -1,4 +1,4 @@
-"""The privfl command: train, sweep, demo, report, ledger, datasets, attack (audit, reconstruct) and flower.
+"""The privfl command: train, sweep, demo, report, ledger, features, datasets, attack (audit, reconstruct), flower.
 
 A user error (an unknown name, a value out of range, unreadable data) exits with status 2 and one message that
 names the bad value and the valid choices; it never prints a traceback. A fault inside privfl
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from accounting import BudgetExceededError
 from privfl.errors import InternalError, PrivflError
+from privfl.helpformat import show_defaults
 
 # (method, settings): the FedTTA paper's Table 4 learning rates for MNIST, with the stabilisers of the authors'
 # code (without them FedProx and SCAFFOLD diverge on this protocol; see benchmarks/README.md).
@@ -72,19 +73,30 @@ def _add_federation_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--novel-angles", type=_parse_angles, default=(), help="e.g. 15,45")
 
 
-def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object] | None = None) -> None:
+    """The training options; ``fixed`` gives method settings a value of the command's own (the demo's), where
+    ``None`` would leave each method its own default."""
+    fixed = fixed or {}
     g = p.add_argument_group("training")
+
+    def method_setting(flag: str, kind: type, text: str, fedavg: str) -> None:
+        dest = flag[2:].replace("-", "_")
+        if dest in fixed:
+            g.add_argument(flag, type=kind, default=fixed[dest], help=text)
+        else:
+            g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the method's; FedAvg's {fedavg})")
+
     g.add_argument("--model", default="auto", help="mlp2nn, lenet, fedtta_cnn, feature_mlp or auto")
     g.add_argument("--rounds", type=int, default=200)
     g.add_argument("--client-fraction", type=float, default=1.0, help="training clients per round, in (0, 1]")
-    g.add_argument("--local-steps", type=int, default=None, help="local minibatch SGD steps per round (20)")
-    g.add_argument("--batch-size", type=int, default=None, help="(64)")
-    g.add_argument("--lr", type=float, default=None, help="client learning rate (0.1)")
+    method_setting("--local-steps", int, "local minibatch SGD steps per round", "20")
+    method_setting("--batch-size", int, "local minibatch size", "64")
+    method_setting("--lr", float, "client learning rate", "0.1")
     g.add_argument("--mu", type=float, default=None, help="FedProx proximal coefficient")
     g.add_argument("--server-lr", type=float, default=None, help="server (global) learning rate")
-    g.add_argument("--weight-decay", type=float, default=None, help="local SGD weight decay (0)")
-    g.add_argument("--grad-clip", type=float, default=None, help="max L2 norm of each local step's gradient (none)")
-    g.add_argument("--lr-decay", type=float, default=None, help="round-r lr = lr * decay ** (r / 10) (1.0)")
+    method_setting("--weight-decay", float, "local SGD weight decay", "0")
+    method_setting("--grad-clip", float, "max L2 norm of each local step's gradient", "none")
+    method_setting("--lr-decay", float, "round-r lr = lr * decay ** (r / 10)", "1.0")
     g.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="any other field of the method's config (VALUE read as JSON, else as text), e.g. "
                         "--method-option encoder=\"dp_deepset\" --method-option adapt=\"all\"; repeatable")
@@ -97,11 +109,11 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine, "
                         "and 1 with --workers above 1)")
     g.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
-                   help="where the models compute: cpu (default), cuda, or auto (CUDA where present and the method "
-                        "runs there)")
+                   help="where the models compute: cpu, cuda, or auto (CUDA where present and the method runs "
+                        "there)")
     g.add_argument("--workers", type=int, default=1,
-                   help="processes that train a round's clients, one thread each (1); the numbers are the "
-                        "one-thread run's")
+                   help="processes that train a round's clients, one thread each; the numbers are the one-thread "
+                        "run's")
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -113,10 +125,11 @@ def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
                    help="record level: DP-SGD (and every other record-level mechanism) at this noise multiplier")
     g.add_argument("--dp-epsilon", type=float, default=None,
                    help="record level: the noise is calibrated so each training client ends the run at this epsilon")
-    g.add_argument("--dp-max-grad-norm", type=float, default=None, help="record level: per-sample L2 clip (1.0)")
+    g.add_argument("--dp-max-grad-norm", type=float, default=None,
+                   help="record level: per-sample L2 clip (default: 1.0)")
     g.add_argument("--dp-min-samples", type=int, default=None,
                    help="record level: the public lower bound on a training client's record count that bounds the "
-                        "sensitivity of its means (8); a client with fewer records is refused")
+                        "sensitivity of its means (default: 8); a client with fewer records is refused")
     g.add_argument("--client-dp", default=None, choices=("central", "distributed", "local"),
                    help="client-level DP: central (trusted aggregator, Poisson sampling at --client-fraction), "
                         "distributed (noise shares summed under secure aggregation) or local (each client adds it)")
@@ -124,19 +137,20 @@ def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--client-dp-noise-multiplier", type=float, default=None,
                    help="client level: the noise multiplier instead of a target epsilon")
     g.add_argument("--client-dp-clip", default=None,
-                   help="client level: L2 clip of a client's whole round (1.0), or 'adaptive' (central only: the clip "
+                   help="client level: L2 clip of a client's whole round (default: 1.0), or 'adaptive' (central only: "
+                        "the clip "
                         "follows the median update norm, Andrew et al. 2021)")
     g.add_argument("--client-dp-participations", type=int, default=None,
                    help="local/distributed: the most rounds a client releases in (default: from the schedule)")
     g.add_argument("--client-dp-shares", type=int, default=None,
                    help="distributed: noise shares per sum (default: the clients a round samples)")
     g.add_argument("--dp-noise", default=None, choices=("secure", "seeded", "hardened"),
-                   help="noise source: secure (default, OS-seeded), hardened (Opacus' secure-mode sampler) or seeded "
-                        "(reproducible, research only)")
+                   help="noise source (default: secure): secure (OS-seeded), hardened (Opacus' secure-mode "
+                        "sampler) or seeded (reproducible, research only)")
     g.add_argument("--novel-epsilon", type=float, default=None,
                    help="epsilon of a novel client's release (default: none, not private)")
     g.add_argument("--novel-bound", type=float, default=None,
-                   help="L2 clip of each record's contribution to a novel client's release (1.0)")
+                   help="L2 clip of each record's contribution to a novel client's release (default: 1.0)")
 
 
 def _privacy(args: argparse.Namespace):
@@ -225,14 +239,14 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--engine", default="inprocess", choices=("inprocess", "flower-sim"),
-                   help="inprocess (default) or flower-sim (Flower's simulation engine; needs privfl[flower])")
-    g.add_argument("--flower-cpus-per-client", type=float, default=1.0, help="Ray CPUs per client process (1)")
-    g.add_argument("--flower-gpus-per-client", type=float, default=0.0, help="Ray GPU share per client process (0)")
+                   help="inprocess or flower-sim (Flower's simulation engine; needs privfl[flower])")
+    g.add_argument("--flower-cpus-per-client", type=float, default=1.0, help="Ray CPUs per client process")
+    g.add_argument("--flower-gpus-per-client", type=float, default=0.0, help="Ray GPU share per client process")
     g.add_argument("--flower-actors", type=int, default=None,
                    help="client processes at once (default: half the CPU cores, at least 1)")
-    g.add_argument("--flower-threads", type=int, default=1, help="torch threads per client process (1)")
+    g.add_argument("--flower-threads", type=int, default=1, help="torch threads per client process")
     g.add_argument("--flower-clients-per-node", type=int, default=1,
-                   help="clients each virtual SuperNode holds (1): more means fewer, larger Flower messages")
+                   help="clients each virtual SuperNode holds: more means fewer, larger Flower messages")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:
@@ -275,13 +289,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_settings(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """Each demo method's settings: the demo's own (:data:`DEMO_METHODS`) with every method setting the user gave on
+    top, for each method that has it (``--mu`` is FedProx's alone); a setting no demo method has is refused rather
+    than ignored."""
+    from privfl.methods import METHODS
+
+    given = _method_settings(args)
+    fields = {method: set(METHODS[method].config().to_dict()) for method, _ in DEMO_METHODS}
+    unknown = sorted(key for key in given if not any(key in names for names in fields.values()))
+    if unknown:
+        raise PrivflError(f"the demo's methods ({', '.join(fields)}) have no setting {', '.join(unknown)}; "
+                          f"valid: {', '.join(sorted(set().union(*fields.values())))}")
+    return [(method, {**settings, **{k: v for k, v in given.items() if k in fields[method]}})
+            for method, settings in DEMO_METHODS]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from privfl.evaluation import comparison_table
     from privfl.experiment import check_reusable, train_once
     from privfl.federation import RunDirectory
 
     out = Path(args.out)
-    configs = [(method, _run_config(args, method, settings)) for method, settings in DEMO_METHODS]
+    configs = [(method, _run_config(args, method, settings)) for method, settings in _demo_settings(args)]
     # every refusal before the first training: a run or a sweep in --out itself, or a method's directory holding
     # another run (the same settings are read back, an interrupted run continued)
     folder = RunDirectory(out)
@@ -415,6 +445,60 @@ def _parse_epsilons(text: str) -> tuple[float | None, ...]:
     return tuple(values)
 
 
+def cmd_features(args: argparse.Namespace) -> int:
+    """Write a frozen backbone's features of a data source's images to the ``.npz`` the ``features`` source reads
+    (``x``, ``y``, and ``x_test``, ``y_test`` where the source has a test split)."""
+    import io
+
+    import numpy as np
+
+    from privfl.data import load_source
+    from privfl.devices import resolve_device
+    from privfl.errors import check_writable
+    from privfl.federation.rundir import atomic_write_bytes
+    from privfl.models.backbones import ImageBackbone, extract_features, load_backbone
+
+    out = Path(args.out)
+    if out.suffix != ".npz":
+        raise PrivflError(f"--out must name a .npz file (what the features source reads), got {str(out)!r}")
+    check_writable(out, "--out")                 # before the work, not after it
+    if out.exists() and not args.overwrite:
+        raise PrivflError(f"{out} exists; choose another --out, or pass --overwrite to replace it")
+    if args.batch_size < 1:
+        raise PrivflError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise PrivflError(f"--max-samples must be an integer >= 1 (images per split), got {args.max_samples}")
+    device = resolve_device(args.device)
+    backbone = load_backbone(args.backbone, **dict(args.backbone_option))
+    if not isinstance(backbone, ImageBackbone):
+        raise PrivflError(f"backbone {args.backbone!r} embeds text, and every data source holds images or vectors; "
+                          "use an image backbone (mobilenet_v2)")
+    source = load_source(args.dataset, data_root=args.data_root, download=args.download, **dict(args.source_option))
+    if not source.is_image:
+        raise PrivflError(f"source {args.dataset!r} holds vectors of shape {source.input_shape}, not images: "
+                          f"{args.backbone} takes images (mnist, fashion_mnist, cifar10, ...; see privfl datasets)")
+    backbone.to(device)
+    rng = np.random.default_rng(args.seed)
+    arrays = {}
+    for suffix, split in (("", source.train), ("_test", source.test)):
+        if split is None:
+            continue
+        index = np.arange(len(split.y))
+        if args.max_samples is not None and len(index) > args.max_samples:
+            index = np.sort(rng.choice(len(index), size=args.max_samples, replace=False))
+        arrays["x" + suffix] = extract_features(backbone, split.x[index], dataset=f"{args.dataset}{suffix}",
+                                                use_cache=False, batch_size=args.batch_size,
+                                                progress=not args.no_progress)
+        arrays["y" + suffix] = np.asarray(split.y[index], dtype=np.int64)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(out, buffer.getvalue())
+    shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in arrays.items())
+    print(f"{out}: {args.backbone} features of {args.dataset} on {device} ({shapes}); train on them with: privfl train "
+          f"--method fedpft --dataset features --source-option path={out}")
+    return 0
+
+
 def cmd_datasets(args: argparse.Namespace) -> int:
     from privfl.data import list_sources
 
@@ -446,9 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace runs of other settings in OUT/<method> (the same settings are read back)")
     _add_federation_arguments(p)
-    _add_training_arguments(p)
+    _add_training_arguments(p, fixed={"local_steps": 20, "batch_size": 64})
     _add_privacy_arguments(p)
-    p.set_defaults(func=cmd_demo, rounds=30, local_steps=20, batch_size=64)
+    p.set_defaults(func=cmd_demo, rounds=30)
 
     p = sub.add_parser("report", help="print the summary of one or more run directories")
     p.add_argument("run_dirs", nargs="+")
@@ -482,65 +566,66 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training images; the rest of the train split is the novel clients' held-out pool")
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--client-fraction", type=float, default=0.2)
-    p.add_argument("--method", default="odpflhn", help="any registered method (odpflhn)")
+    p.add_argument("--method", default="odpflhn", help="any registered method")
     p.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="a setting of the method (replaces the sweep's ODPFL-HN defaults when given)")
     p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
                    help="training clients' record-level epsilons, one training each; inf = without DP "
-                        "(1,4,8,inf)")
+                        "(default: 1,4,8,inf)")
     p.add_argument("--private-rounds", type=int, default=None,
-                   help="rounds of each private training (privfl.sweep.PRIVATE_ROUNDS, 20; at a fixed epsilon fewer "
-                        "rounds carry less noise each)")
+                   help="rounds of each private training (default: privfl.sweep.PRIVATE_ROUNDS, 20; at a fixed "
+                        "epsilon fewer rounds carry less noise each)")
     p.add_argument("--full-grid", action="store_true",
                    help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (estimated "
                         "15 to 20 minutes of CPU on one core; the default grid measured about 5)")
-    p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip (1.0)")
+    p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip")
     p.add_argument("--min-samples", type=int, default=200,
-                   help="public lower bound on a training client's training split (200)")
+                   help="public lower bound on a training client's training split")
     p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0),
-                   help="novel clients' epsilons, e.g. 0.1,0.3,1,3")
+                   help="novel clients' epsilons (default: 0.1,0.3,1,3)")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--bound", type=float, default=1.0, help="per-sample L2 clipping radius of phi")
     p.add_argument("--sizes", type=_parse_numbers(int), default=None,
-                   help="novel-client sizes (50,500,5000; with --full-grid 50,150,500,1500,5000)")
+                   help="novel-client sizes (default: 50,500,5000; with --full-grid 50,150,500,1500,5000)")
     p.add_argument("--novel-mixes", type=int, default=5, help="label mixes (novel clients) per size")
     p.add_argument("--eval-size", type=int, default=500, help="held-out test images per novel client")
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
-                   help="where the trainings compute: cpu (default), cuda, or auto (CUDA where present and the "
-                        "method runs there)")
+                   help="where the trainings compute: cpu, cuda, or auto (CUDA where present and the method "
+                        "runs there)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into an OUT that holds another sweep's results, retraining trainings of other settings")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_sweep)
 
+    p = sub.add_parser("features", help="write a frozen backbone's features of a data source to the .npz that the "
+                                        "features source reads (FedPFT's input)")
+    p.add_argument("--out", required=True, help="the .npz file to write (arrays x, y and x_test, y_test)")
+    p.add_argument("--dataset", default="mnist", help="an image source (see `privfl datasets`)")
+    p.add_argument("--backbone", default="mobilenet_v2", help="a frozen feature extractor of images")
+    p.add_argument("--backbone-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a backbone setting, e.g. input_size=64 (pixels the images are resized to; default 224, and "
+                        "64 is about ten times faster on a CPU); repeatable")
+    p.add_argument("--data-root", default=None, help="folder holding torchvision-format data")
+    p.add_argument("--download", action="store_true", help="let torchvision download missing data (needs internet)")
+    p.add_argument("--source-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a source setting, e.g. split=letters for 'emnist'; repeatable")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="at most this many images of each split, a random subset (default: every image)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --max-samples subset")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help="where the backbone computes: cpu, cuda, or auto (CUDA where present)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_features)
+
     p = sub.add_parser("datasets", help="list every data source and whether it is available here")
     p.add_argument("--data-root", default=None)
     p.set_defaults(func=cmd_datasets)
-    for command in sub.choices.values():
-        command.formatter_class = DefaultsHelp
-        for action in command._actions:      # argparse shows no default for an option without help text
-            if action.help is None and DefaultsHelp.shows(action):
-                action.help = "(default: %(default)s)"
-    return parser
-
-
-class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with each option's default, except where there is none to show (``None``, an unset flag, an empty
-    list): there the help text says what applies (the method's own default, say)."""
-
-    @staticmethod
-    def shows(action: argparse.Action) -> bool:
-        default = action.default     # by identity: 0 is a default to show, False (an unset flag) is not
-        return bool(action.option_strings) and not any(default is v for v in (None, False, argparse.SUPPRESS)) \
-            and default not in ([], ())
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if not self.shows(action):
-            return action.help or ""
-        return super()._get_help_string(action) or ""
+    return show_defaults(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

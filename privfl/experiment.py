@@ -230,7 +230,7 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
                 if config.select == "best_val" and val["accuracy_mean"] is None:
                     raise InternalError("no validation score although preflight found validation samples")
                 if config.select == "best_val" and val["accuracy_mean"] > best["score"]:
-                    best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.snapshot()}
+                    best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.serving_snapshot()}
                 record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}}
                 run_dir.append_metrics(record)
                 accuracy = val["accuracy_mean"]      # None without validation samples (val_fraction=0)

@@ -1,5 +1,8 @@
 """The command line: user errors exit 2 with one message naming the bad value; never a traceback."""
 
+import argparse
+import re
+
 import numpy as np
 import pytest
 
@@ -226,6 +229,27 @@ DEMO = ["demo", "--dataset", "synthetic", "--clients", "8", "--partition", "iid"
         "2", "--no-progress"]
 
 
+def test_demo_applies_the_method_settings_it_is_given(tmp_path, capsys):
+    """The demo's own settings (the FedTTA paper's learning rates) with the user's on top, per method that has
+    them; nothing given is silently ignored."""
+    import json
+
+    from privfl.cli import DEMO_METHODS
+
+    out = tmp_path / "demo"
+    assert main(DEMO + ["--out", str(out), "--lr", "0.05", "--mu", "0.5", "--method-option", "lr_decay=0.9"]) == 0
+    capsys.readouterr()
+    stored = {m: json.loads((out / m / "config.json").read_text())["method_config"] for m, _ in DEMO_METHODS}
+    assert {m: (c["lr"], c["lr_decay"], c["local_steps"]) for m, c in stored.items()} == {
+        m: (0.05, 0.9, 2) for m in stored}
+    assert stored["fedprox"]["mu"] == 0.5
+    assert stored["scaffold"]["server_lr"] == dict(DEMO_METHODS)["scaffold"]["server_lr"]
+    assert main(DEMO + ["--out", str(tmp_path / "other"), "--method-option", "encoder=\"deepset\""]) == 2
+    err = capsys.readouterr().err
+    assert "have no setting encoder" in err and "valid:" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "other").exists()
+
+
 def test_demo_writes_over_nothing_without_overwrite(tmp_path, capsys):
     import json
 
@@ -308,6 +332,66 @@ def test_attack_audit_refuses_an_output_it_cannot_write_before_the_audit(tmp_pat
         err = capsys.readouterr().err
         assert f"--json {path} cannot be written ({why}" in err and "choose another path" in err
         assert len(err.strip().splitlines()) == 1
+
+
+def _parsers():
+    """(name, parser) of every privfl command that builds its parser here, sub-commands included (``privfl flower``
+    builds its own inside privfl.federation.flower.launch and shows no default it does not write in its text)."""
+    from attacks.audit import audit_parser
+    from attacks.reconstruct_cli import build_parser as reconstruct_parser
+    from privfl.cli import build_parser
+
+    root = build_parser()
+    found = [("privfl", root)]
+    for action in root._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found += [(f"privfl {name}", parser) for name, parser in action.choices.items()]
+    return found + [("privfl attack audit", audit_parser()), ("privfl attack reconstruct", reconstruct_parser())]
+
+
+def default_mentions(text: str, default: object) -> int:
+    """How often the rendered help ``text`` of an option states its default: each "default", and each value of it
+    in parentheses, "(20)", the way help texts wrote it before the formatter added "(default: 20)"."""
+    text = " ".join(text.split())
+    values = {str(default)}
+    if isinstance(default, float):
+        values |= {f"{default:g}", f"{default:.1f}"}
+    if isinstance(default, (tuple, list)):
+        values.add(",".join(f"{v:g}" if isinstance(v, float) else "inf" if v is None else str(v) for v in default))
+    bare = sum(text.count(f"({v}{end}") for v in values if v not in ("", "None") for end in ");")
+    return len(re.findall(r"\bdefault\b", text, flags=re.IGNORECASE)) + bare
+
+
+def test_default_mentions_counts_the_doubles_this_guards_against():
+    assert default_mentions("processes, one thread each (1); the numbers (default: 1)", 1) == 2
+    assert default_mentions("where: cpu (default), cuda (default: cpu)", "cpu") == 2
+    assert default_mentions("training clients' clip (1.0) (default: 1.0)", 1.0) == 2
+    assert default_mentions("epsilons (default: 1,4,8,inf)", (1.0, 4.0, 8.0, None)) == 1
+    assert default_mentions("a set of defaults (listed below) (default: none)", None) == 1
+
+
+def test_every_help_shows_each_default_once_and_the_one_that_applies(capsys):
+    checked = 0
+    for name, parser in _parsers():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+                continue
+            shown = formatter._expand_help(action)
+            flag = f"{name} {action.option_strings[-1]}"
+            assert default_mentions(shown, action.default) <= 1, f"{flag} states its default twice: {shown!r}"
+            stated = re.search(r"\(default: ([^;)]*)", shown)
+            if stated and action.default is not None and not isinstance(action.default, (tuple, list)):
+                assert stated.group(1).strip() in {str(action.default), f"{action.default}".lower()}, \
+                    f"{flag} states default {stated.group(1)!r}, but its default is {action.default!r}"
+            checked += 1
+    assert checked > 150     # train's, sweep's, demo's, audit's, reconstruct's options ...
+    # and the formatter shows a default once in the printed help, where the text did not state it
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--train-clip TRAIN_CLIP training clients' per-record L2 clip (default: 1.0) --min-samples" in shown
+    assert "cpu (default)" not in shown and "--method METHOD any registered method (default: odpflhn)" in shown
 
 
 def test_help_shows_each_default_that_applies(capsys):

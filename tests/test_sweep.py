@@ -199,3 +199,19 @@ def test_a_sweep_writes_over_nothing_without_overwrite(tmp_path, capsys):
         claim(SweepConfig(**settings), out, overwrite=False)
     claim(SweepConfig(**{**settings, "repeats": 2}), out, overwrite=True)
     assert json.loads((out / "sweep-config.json").read_text())["repeats"] == 2
+
+
+def test_sweep_passes_its_source_options_to_the_source(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    synthetic = ["--dataset", "synthetic", "--source-option", "num_samples=3000", "--source-option", "dim=12",
+                 "--train-epsilons", "inf", "--epsilons", "3"]
+    assert main(TINY + synthetic + ["--out", str(out)]) == 0
+    config = json.loads((out / "train" / "config.json").read_text())
+    assert config["federation"]["source"] == "synthetic"
+    assert config["federation"]["source_options"] == {"num_samples": 3000, "dim": 12}
+    spec = RunConfig.from_dict(config).federation
+    assert build_federation(spec, seed=0).input_shape == (12,)       # dim=12 reached the data, not the default 20
+    capsys.readouterr()
+    assert main(TINY + synthetic[:2] + ["--source-option", "colour=red", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "source 'synthetic' has no option colour" in err and len(err.strip().splitlines()) == 1

@@ -158,6 +158,7 @@ class Runtime(ABC):
         self.seed = seed
         self.client_fraction = client_fraction
         self.completed_rounds = 0
+        self.serving_only = False    # restored to a serving snapshot: for scoring and serving, no more rounds
 
     # -- the one round loop ---------------------------------------------------------------------------------------
 
@@ -169,6 +170,9 @@ class Runtime(ABC):
         """
         if round != self.completed_rounds:
             raise InternalError(f"round {round} requested but {self.completed_rounds} rounds are completed")
+        if self.serving_only:
+            raise InternalError(f"round {round} requested after a serving snapshot was restored: it holds no "
+                                "optimiser state, so training cannot continue from it")
         sampled = self.strategy.sample_clients(round, self.training_ids, self.client_fraction, self.seed)
         self.begin_round(round, sampled)
         secure = self.strategy.secure_sum()
@@ -268,9 +272,17 @@ class Runtime(ABC):
     def snapshot(self) -> dict[str, Any]:
         """The server state and client states now (by reference: they are replaced, never mutated in place)."""
 
+    def serving_snapshot(self) -> dict[str, Any]:
+        """:meth:`snapshot` without the strategy's training-only state
+        (:meth:`~privfl.methods.base.Strategy.serving_state`: momentum, optimiser moments): what a best-validation
+        snapshot is restored for, scoring training clients and serving novel ones, needs nothing more."""
+        snapshot = self.snapshot()
+        return {**snapshot, "strategy": self.strategy.serving_state(snapshot["strategy"]), "serving_only": True}
+
     @abstractmethod
     def restore(self, snapshot: dict[str, Any]) -> None:
-        """Return server and client states to ``snapshot``; the ledgers are untouched."""
+        """Return server and client states to ``snapshot``; the ledgers are untouched. After a
+        :meth:`serving_snapshot` no round runs (:attr:`serving_only`)."""
 
     @abstractmethod
     def committed_state_dict(self) -> dict[str, Any]:
@@ -418,6 +430,7 @@ class InProcessRuntime(Runtime):
         self.strategy.load_state_dict(snapshot["strategy"])
         self.client_states = {int(cid): dict(s) for cid, s in snapshot["client_states"].items()}
         self.completed_rounds = int(snapshot["completed_rounds"])
+        self.serving_only = bool(snapshot.get("serving_only", False))
         self._committed = self.snapshot()
 
     def committed_state_dict(self) -> dict[str, Any]:

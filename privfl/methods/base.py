@@ -181,7 +181,18 @@ class Strategy(ABC):
         """Everything needed to resume: tensors and plain Python values only (loads with ``weights_only=True``)."""
 
     @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`, or take a :meth:`serving_state` (its training-only parts then start
+        afresh, as before round 0: it is for scoring and serving, never for more rounds)."""
+
+    #: Keys of :meth:`state_dict` that only later rounds read (server optimiser state: momentum buffers, an
+    #: optimiser's moments, control variates), never scoring a training client or serving a novel one.
+    training_only: tuple[str, ...] = ()
+
+    def serving_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (of :meth:`state_dict`) without its :attr:`training_only` parts: what a best-validation snapshot
+        keeps, since it is only ever restored to score training clients and serve novel ones."""
+        return {key: value for key, value in state.items() if key not in self.training_only}
 
     # -- the round's sample and the privacy layer's hooks -------------------------------------------------------------
 

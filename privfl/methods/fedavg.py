@@ -123,6 +123,8 @@ class FedAvgStrategy(Strategy):
     def novel_request(self, client_id: int) -> Message:
         return Message(arrays=self.weights)
 
+    training_only = ("momentum",)
+
     def state_dict(self) -> dict[str, Any]:
         return {"weights": self.weights} if self.momentum is None else {"weights": self.weights,
                                                                        "momentum": self.momentum}

@@ -509,6 +509,8 @@ class ODPFLHNStrategy(Strategy):
 
     # -- state --------------------------------------------------------------------------------------------------------
 
+    training_only = ("hnet_momentum", "encoder_momentum")
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "hnet": {k: v.detach().clone() for k, v in self.hnet.state_dict().items()},
@@ -521,8 +523,8 @@ class ODPFLHNStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hnet.load_state_dict(state["hnet"])
         self.encoder.load_state_dict(state["encoder"])
-        self.momentum = {"hnet": {k: v.clone() for k, v in state["hnet_momentum"].items()},
-                         "encoder": {k: v.clone() for k, v in state["encoder_momentum"].items()}}
+        self.momentum = {"hnet": {k: v.clone() for k, v in state.get("hnet_momentum", {}).items()},
+                         "encoder": {k: v.clone() for k, v in state.get("encoder_momentum", {}).items()}}
         self.descriptors = {str(k): v.clone() for k, v in state["descriptors"].items()}
         self._round = {}
 

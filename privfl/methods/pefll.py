@@ -457,6 +457,8 @@ class PeFLLStrategy(Strategy):
         """Algorithm 1, steps 4-5: theta = h(v) from the client's released descriptor."""
         return Message(arrays=self.generate(self._checked_descriptor(client_id, delivered)))
 
+    training_only = ("optimizer",)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "hypernetwork": {k: v.detach().clone() for k, v in self.hnet.state_dict().items()},
@@ -471,7 +473,10 @@ class PeFLLStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hnet.load_state_dict(state["hypernetwork"])
         self.embedding.load_state_dict(state["embedding"])
-        self.optimizer.load_state_dict(_clone_tree(state["optimizer"]))
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(_clone_tree(state["optimizer"]))
+        else:   # a serving state: the moments start afresh
+            self.optimizer.state.clear()
         self.descriptors = {int(c): v.clone() for c, v in zip(state["descriptor_ids"].tolist(), state["descriptors"])}
         self.descriptors_confidential = bool(state.get("descriptors_confidential", False))
         self._round = {}

@@ -379,6 +379,8 @@ class PFedHNStrategy(Strategy):
                           "'itpflhn'")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
+    training_only = ("hypernetwork_momentum", "embedding_momentum")
+
     def state_dict(self) -> dict[str, Any]:
         """Copies of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by str id)."""
         return {
@@ -390,9 +392,9 @@ class PFedHNStrategy(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hnet.load_state_dict({k: v.clone() for k, v in state["hypernetwork"].items()})
-        self.hn_momentum = {k: v.clone() for k, v in state["hypernetwork_momentum"].items()}
+        self.hn_momentum = {k: v.clone() for k, v in state.get("hypernetwork_momentum", {}).items()}
         self.embeddings = {int(k): v.clone() for k, v in state["embeddings"].items()}
-        self.embedding_momentum = {int(k): v.clone() for k, v in state["embedding_momentum"].items()}
+        self.embedding_momentum = {int(k): v.clone() for k, v in state.get("embedding_momentum", {}).items()}
         self._sent, self._row_gradients = {}, {}
 
 

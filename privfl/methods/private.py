@@ -329,6 +329,9 @@ class Aggregator(Strategy):
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "clip": self.clip}
 
+    def serving_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "inner": self.inner.serving_state(state["inner"])}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.clip = float(state["clip"])

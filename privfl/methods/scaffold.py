@@ -86,12 +86,15 @@ class ScaffoldStrategy(Strategy):
     def novel_request(self, client_id: int) -> Message:
         return Message(arrays=self.weights)
 
+    training_only = ("control",)
+
     def state_dict(self) -> dict[str, Any]:
         return {"weights": self.weights, "control": self.control}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.weights = {k: v.clone() for k, v in state["weights"].items()}
-        self.control = {k: v.clone() for k, v in state["control"].items()}
+        self.control = ({k: v.clone() for k, v in state["control"].items()} if "control" in state
+                        else zeros_like(self.weights))
 
 
 class ScaffoldClient(ClientProcedure):

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from privfl.devices import device_of
 from privfl.errors import ConfigError, DataUnavailableError
 from privfl.registry import Registry
 
@@ -475,7 +476,8 @@ def feature_cache_path(backbone: Backbone, inputs: Any, *, dataset: str, cache_d
 def extract_features(backbone: Backbone, inputs: Any, *, dataset: str = "data",
                      cache_dir: str | os.PathLike | None = None, use_cache: bool = True, batch_size: int = 256,
                      progress: bool = True) -> np.ndarray:
-    """Features ``[n, feature_dim]`` (float32) of ``inputs`` in batches, with a tqdm bar; cached on disk.
+    """Features ``[n, feature_dim]`` (float32) of ``inputs`` in batches, with a tqdm bar; cached on disk. They are
+    computed where the backbone is (``backbone.to("cuda")`` first for the GPU) and returned on the CPU.
 
     Args:
         backbone: the extractor.
@@ -497,10 +499,14 @@ def extract_features(backbone: Backbone, inputs: Any, *, dataset: str = "data",
             with np.load(path, allow_pickle=False) as archive:
                 return archive["features"]
     chunks = []
+    device = device_of(backbone)     # where the caller put the backbone: each preprocessed batch goes there
     with torch.inference_mode():
         for start in tqdm(range(0, len(inputs), batch_size), desc=f"{backbone.name} features", unit="batch",
                           disable=not progress, dynamic_ncols=True):
-            chunks.append(backbone(inputs[start:start + batch_size]).numpy().astype(np.float32))
+            batch = backbone.preprocess(inputs[start:start + batch_size])
+            if isinstance(batch, torch.Tensor):
+                batch = batch.to(device)
+            chunks.append(backbone.embed(batch).float().cpu().numpy().astype(np.float32))
     features = np.concatenate(chunks) if chunks else np.zeros((0, backbone.feature_dim), np.float32)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,38 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, config)
     assert RunDirectory(tmp_path / "full").read_metrics() == RunDirectory(tmp_path / "cut").read_metrics()
 
 
+def test_a_best_round_before_the_checkpoint_resumes_exactly_and_its_snapshot_holds_no_momentum(tmp_path):
+    # ODPFL-HN with a server momentum that overshoots: validation accuracy peaks at round 4 of 6 (15, 33, 62, 67,
+    # 36, 34 %), so the checkpoint of round 5 keeps an earlier round's snapshot beside the state it resumes from
+    from privfl.data import FederationSpec
+    from privfl.methods import METHODS
+
+    spec = FederationSpec(source="synthetic", source_options={"num_samples": 900, "dim": 8, "num_classes": 3},
+                          num_clients=8, partition="iid", novel_fraction=0.25, val_fraction=0.2)
+    cfg = RunConfig(federation=spec, method="odpflhn", rounds=6, eval_every=1, checkpoint_every=2, seed=5,
+                    select="best_val", method_config={**METHODS["odpflhn"].smoke_settings, "lr": 0.5, "hn_lr": 0.1,
+                                                      "server_momentum": 0.99})
+    full = train(cfg, str(tmp_path / "full"), progress=False)
+    with pytest.raises(RunInterrupted):
+        train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=5)
+    saved = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
+    assert saved["runtime"]["completed_rounds"] == 5 and saved["best"]["round"] == full["selected_round"] == 4
+    momentum = {"hnet_momentum", "encoder_momentum"}
+    assert momentum <= saved["runtime"]["strategy"].keys()          # resume continues the server's momentum ...
+    assert not momentum & saved["best"]["snapshot"]["strategy"].keys()   # ... serving needs none of it
+    assert saved["best"]["snapshot"]["strategy"]["hnet"].keys() == saved["runtime"]["strategy"]["hnet"].keys()
+    resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
+    for key in ("novel", "training_val", "selected_round", "rounds_completed"):
+        assert resumed[key] == full[key], key
+    from conftest import tensors_by_name
+
+    a, b = (tensors_by_name(torch.load(tmp_path / d / "checkpoint.pt", weights_only=True)) for d in ("full", "cut"))
+    strategy = [name for name in a if name.startswith(("runtime.strategy.", "best.snapshot."))]
+    assert any(".hnet_momentum." in name for name in strategy) and a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in strategy)
+    assert RunDirectory(tmp_path / "full").read_metrics() == RunDirectory(tmp_path / "cut").read_metrics()
+
+
 def test_train_once_reuses_only_the_same_run_and_resumes_an_interrupted_one(tmp_path, config):
     out = str(tmp_path / "run")
     first = train_once(config(rounds=4), out, progress=False)

@@ -10,6 +10,8 @@ For each method:
   refuses the mode and the run is refused with that reason before anything is released;
 * a run interrupted after its first round and resumed gives the same final server state as an uninterrupted run
   (seeded noise; record-level DP, where methods have the most private paths);
+* its serving snapshot (the best-validation snapshot a checkpoint keeps, without momentum or optimiser state)
+  gives training and novel clients the messages its full state gives;
 * novel clients never see labels (the object a method receives has no ``y``).
 """
 
@@ -26,9 +28,9 @@ import torch
 from accounting import LedgerBook, ReleaseJournal
 from privfl.cli import main as cli
 from privfl.config import RunConfig
-from privfl.data import FederationSpec, NovelClient
-from privfl.errors import ConfigError
-from privfl.experiment import RunInterrupted, train
+from privfl.data import FederationSpec, NovelClient, build_federation
+from privfl.errors import ConfigError, InternalError
+from privfl.experiment import RunInterrupted, build_runtime, train
 from privfl.federation import RunDirectory
 from privfl.methods import METHODS
 from privfl.privacy.training import MODES, TrainingPrivacy
@@ -118,6 +120,38 @@ def test_a_resumed_run_gives_the_uninterrupted_run_s_state(method, tmp_path):
     assert _equal(states[0]["strategy"], states[1]["strategy"])
     assert _equal(states[0]["client_states"], states[1]["client_states"])
     assert resumed["novel"] == whole["novel"]
+
+
+@pytest.mark.parametrize("method,mode", [(m, None) for m in METHOD_NAMES] + [("odpflhn", "central")])
+def test_a_serving_snapshot_scores_and_serves_as_the_full_state_does(method, mode):
+    config = smoke_config(method, mode, rounds=2)
+    federation = build_federation(config.federation, seed=config.seed)
+    runtime = build_runtime(config, federation)
+    for round in range(2):
+        runtime.run_round(round)
+    full, serving = runtime.snapshot(), runtime.serving_snapshot()
+    novel = federation.novel_clients[0].client_id
+
+    def messages():
+        sent = {cid: runtime.strategy.configure_evaluate(cid).arrays for cid in runtime.training_ids}
+        if runtime.serves_novel_clients:
+            sent["novel"] = runtime.strategy.novel_request(novel).arrays
+        return sent
+
+    runtime.restore(full)
+    expected = messages()
+    runtime.restore(serving)     # its momentum or optimiser state starts afresh: nothing the messages read
+    assert _equal(messages(), expected)
+    assert _equal(runtime.snapshot()["client_states"], full["client_states"])
+    with pytest.raises(InternalError, match="serving snapshot"):
+        runtime.run_round(2)
+    # the parts it leaves out are those the method names as training-only, and only those
+    inner = (lambda state: state["inner"]) if mode == "central" else (lambda state: state)
+    strategy = runtime.strategy.inner if mode == "central" else runtime.strategy
+    assert set(inner(full["strategy"])) - set(inner(serving["strategy"])) == \
+        set(strategy.training_only) & set(inner(full["strategy"]))
+    if method in ("odpflhn", "pfedhn", "pefll", "scaffold"):
+        assert set(strategy.training_only) <= set(inner(full["strategy"]))
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)
