@@ -25,6 +25,7 @@ from privfl.config import RunConfig, build_method
 from privfl.errors import ConfigError
 from privfl.experiment import train
 from privfl.federation.rundir import RunDirectory
+from privfl.federation.runtime import how_to_continue
 
 if TYPE_CHECKING:
     from flwr.serverapp import Grid
@@ -49,7 +50,9 @@ def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume
         return train(config, out, resume=resume, overwrite=overwrite, progress=progress,
                      stop_after_round=stop_after_round)
     if resume:
-        raise ConfigError("--resume is not supported with --engine flower-sim yet; resume with --engine inprocess")
+        raise ConfigError(f"--resume is not supported with --engine flower-sim yet: for a run of the in-process "
+                          f"engine in {out}, {how_to_continue('inprocess', out)}; for one of the simulation engine, "
+                          f"{how_to_continue('flower-sim', out)}")
     if config is None:
         raise ConfigError("a Flower run needs a RunConfig")
     _one_worker(config)
@@ -65,25 +68,30 @@ def _one_worker(config: RunConfig) -> None:
                           "use workers=1, or engine 'inprocess'")
 
 
-def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None, *, run_id: str = ""):
+def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None, *, run_id: str = "",
+                           engine: str = "flower-deployment"):
     """A ``runtime_factory`` for :func:`privfl.experiment.train` whose runtime runs each exchange on the nodes
     behind ``grid`` (the same strategy and procedure objects as in-process). ``run_id`` names the run in every
-    message (the nodes tag their ledger records with it)."""
+    message (the nodes tag their ledger records with it); ``engine`` (``flower-deployment`` or ``flower-sim``) is
+    recorded in its checkpoints, whose messages name how the run continues."""
     from privfl.federation.flower.runtime import FlowerRuntime
 
     def factory(config: RunConfig, federation) -> FlowerRuntime:
         _one_worker(config)
         strategy, client = build_method(config, federation)
         return FlowerRuntime(grid, strategy=strategy, client=client, federation=federation, config=config,
-                             options=options, run_id=run_id)
+                             options=options, run_id=run_id, engine=engine)
 
     return factory
 
 
 def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOptions | None = None,
-                progress: bool = False, stop_after_round: int | None = None) -> dict[str, Any]:
+                progress: bool = False, stop_after_round: int | None = None,
+                engine: str = "flower-deployment") -> dict[str, Any]:
     """The ServerApp's work: train the run that ``run_config`` describes (``privfl-config``, ``out``, ``overwrite``)
-    on ``grid``, or, with ``serve-from``, serve novel clients of that finished run."""
+    on ``grid``, or, with ``serve-from``, serve novel clients of that finished run. ``engine``: the Flower engine
+    this runs on (``flower-deployment``, ``flower-sim``), named by the messages that say how to continue a run that
+    stopped early."""
     from privfl.federation.flower import protocol as p
     from privfl.federation.flower.server_app import options_from_run_config, serve_from_run_config
 
@@ -101,14 +109,15 @@ def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOpt
         run_id = _resumed_run_id(run_dir, config)
     elif run_dir.path(RunDirectory.CONFIG).exists() and not run_config.get(p.OVERWRITE):
         # before waiting for any node: an operator hears of it at once
-        raise ConfigError(f"run directory {out} already holds a run; continue it with privfl flower run --resume "
-                          f"{out}, choose another --out, or pass --overwrite")
+        raise ConfigError(f"run directory {out} already holds a run; {how_to_continue(engine, out)}; or choose "
+                          "another --out, or pass --overwrite")
     else:
         run_id = uuid.uuid4().hex[:12]
     try:
         return train(None if resume else config, out, resume=resume, overwrite=bool(run_config.get(p.OVERWRITE)),
                      progress=progress, stop_after_round=stop_after_round,
-                     runtime_factory=flower_runtime_factory(grid, options, run_id=run_id))
+                     runtime_factory=flower_runtime_factory(grid, options, run_id=run_id, engine=engine),
+                     engine=engine)
     except BaseException:
         _keep_ledger(run_dir)
         raise
@@ -132,8 +141,8 @@ def _resumed_run_id(run_dir: RunDirectory, config: RunConfig) -> str:
         run_id = ((checkpoint.get("runtime") or {}).get("wire") or {}).get("run_id")
         if not run_id:
             raise ConfigError(f"cannot resume {run_dir.root} on Flower: its checkpoint was not saved by a run on "
-                              "Flower nodes that names its run (resume it with privfl train --resume, or start it "
-                              "again)")
+                              f"Flower nodes that names its run; if it ran in-process, "
+                              f"{how_to_continue('inprocess', run_dir.root)}; otherwise start it again")
         return str(run_id)
     try:
         entries = ReleaseJournal(run_dir.path(RunDirectory.RELEASES)).entries()
@@ -171,6 +180,7 @@ def train_simulation(config: RunConfig, out: str, *, overwrite: bool = False, pr
     run_config = simulation_run_config(config, out, overwrite=overwrite)
 
     def main(grid: Grid, values: Mapping[str, Any]) -> dict[str, Any]:
-        return flower_main(grid, values, options=options, progress=progress, stop_after_round=stop_after_round)
+        return flower_main(grid, values, options=options, progress=progress, stop_after_round=stop_after_round,
+                           engine="flower-sim")
 
     return simulate(main, run_config, num_clients(config), options)

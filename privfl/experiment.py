@@ -32,7 +32,7 @@ from privfl.errors import ConfigError, InternalError, StorageError, is_storage_f
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
 from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
-from privfl.federation.runtime import InProcessRuntime, Runtime
+from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
 from privfl.federation.spend import NOVEL_SERVED
 from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS
 from privfl.provenance import numerics
@@ -88,12 +88,13 @@ CHECKPOINT_FORMAT = 2
 
 def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite: bool = False,
           progress: bool = True, stop_after_round: int | None = None,
-          runtime_factory: RuntimeFactory = build_runtime) -> dict[str, Any]:
+          runtime_factory: RuntimeFactory = build_runtime, engine: str = "inprocess") -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
     ``runtime_factory(config, federation)`` builds the runtime that runs the rounds: :func:`build_runtime`
-    (in-process) by
-    default; :mod:`privfl.engine` passes Flower's. With ``resume`` the run's ``config.json`` is the config
+    (in-process) by default; :mod:`privfl.engine` passes Flower's, and names its ``engine`` (``flower-sim``,
+    ``flower-deployment``), which the messages of a run that stops early name the command to continue it by
+    (:func:`~privfl.federation.runtime.how_to_continue`). With ``resume`` the run's ``config.json`` is the config
     (``config`` may be ``None``). ``stop_after_round`` stops the run as an interruption would, after that many
     completed rounds (for tests). Resuming a finished run (its ``summary.json`` written) returns that summary and runs
     nothing. A ``KeyboardInterrupt`` saves a checkpoint of the last completed round and raises
@@ -122,12 +123,12 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
         run_dir.check_free(overwrite=overwrite)
     try:
         return _train(config, run_dir, journal, resume=resume, overwrite=overwrite, progress=progress,
-                      stop_after_round=stop_after_round, runtime_factory=runtime_factory)
+                      stop_after_round=stop_after_round, runtime_factory=runtime_factory, engine=engine)
     except OSError as error:
         if not is_storage_fault(error):
             raise
         released = journal.path.exists() and journal.path.stat().st_size > 0
-        fix = (f"free space (or make it writable), then continue the run with: privfl train --resume {run_dir.root}"
+        fix = (f"free space (or make it writable), then {how_to_continue(engine, run_dir.root)}"
                if released else "free space (or make it writable, or choose another --out), then run it again: "
                "nothing was released")
         raise StorageError(f"cannot write the run directory {run_dir.root}: {storage_message(error)}; {fix}") \
@@ -165,7 +166,8 @@ def preflight(config: RunConfig, federation: FederatedDataset) -> None:
 
 
 def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *, resume: bool, overwrite: bool,
-           progress: bool, stop_after_round: int | None, runtime_factory: RuntimeFactory) -> dict[str, Any]:
+           progress: bool, stop_after_round: int | None, runtime_factory: RuntimeFactory,
+           engine: str) -> dict[str, Any]:
     federation = build_federation(config.federation, seed=config.seed)
     preflight(config, federation)
     runtime = runtime_factory(config, federation)
@@ -245,7 +247,7 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
         checkpoint_now(runtime.committed_state_dict())
         raise RunInterrupted(
             f"run interrupted after {runtime.completed_rounds} of {config.rounds} rounds; "
-            f"continue it with: privfl train --resume {run_dir.root}") from None
+            f"{how_to_continue(engine, run_dir.root)}") from None
     finally:
         interrupt.restore()
         bar.close()

@@ -45,6 +45,25 @@ if TYPE_CHECKING:   # the methods sit above this module: only their interfaces a
 Score = Callable[[nn.Module, torch.Tensor, torch.Tensor], "ClientScore"]
 
 
+def how_to_continue(engine: str, run_dir: Any, *, certs: Any = "CERTS", superlink: str = "HOST:PORT") -> str:
+    """How a run of ``engine`` stopped before its last round (interrupted, failed, a full disk) continues from its
+    checkpoint, as the end of a message: the command that does it, where one does. ``engine``: ``inprocess``,
+    ``flower-sim`` (``privfl train --engine flower-sim``) or ``flower-deployment`` (``privfl flower run``, whose
+    ``certs`` directory and ``superlink`` address are named where known)."""
+    if engine == "inprocess":
+        return f"continue the run with: privfl train --resume {run_dir}"
+    if engine == "flower-deployment":
+        return (f"continue the run with: privfl flower run --certs {certs} --superlink {superlink} --resume {run_dir} "
+                "(on the SuperLink's machine; start any SuperNode that died again first, with its key and node "
+                "directory)")
+    if engine == "flower-sim":
+        return ("a run of Flower's simulation engine cannot be continued yet (its clients' states and ledgers are "
+                "on its nodes, and only the in-process engine resumes a run): start it again, into a new --out or "
+                "with --overwrite")
+    raise InternalError(f"no engine {engine!r}; engines: inprocess, flower-sim, flower-deployment")
+
+
+
 def sample_clients(client_ids: list[int], fraction: float, *, seed: int, round: int) -> list[int]:
     """A seeded uniform sample of ``max(1, round(fraction * len(client_ids)))`` clients for ``round``, sorted."""
     count = max(1, int(round_half_up(fraction * len(client_ids))))
@@ -418,8 +437,10 @@ class InProcessRuntime(Runtime):
         return {**self._committed, "wire": self.wire.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state.get("wire") or {}).get("ledgers_on_nodes"):
-            raise ConfigError("this run ran on Flower nodes, which keep its ledgers and client states: resume it "
-                              "there with privfl flower run --resume RUN_DIR")
+        wire = state.get("wire") or {}
+        if wire.get("ledgers_on_nodes"):     # a checkpoint that names no engine is of a deployment (sim never resumed)
+            raise ConfigError("this run ran on Flower nodes, which keep its ledgers and client states, so the "
+                              "in-process engine cannot continue it; "
+                              + how_to_continue(wire.get("engine", "flower-deployment"), "RUN_DIR"))
         self.restore(state)
         self.wire.load_state_dict(state["wire"])

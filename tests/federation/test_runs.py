@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,7 +63,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, config)
     cfg = config(method, method_config={"lr": 0.1, "local_steps": 3, "batch_size": 16}, rounds=6,
                  client_fraction=0.5, checkpoint_every=4)
     full = train(cfg, str(tmp_path / "full"), progress=False)
-    with pytest.raises(RunInterrupted, match="--resume"):
+    with pytest.raises(RunInterrupted, match=re.escape(f"3 of 6 rounds; continue the run with: privfl train --resume "
+                                                       f"{tmp_path / 'cut'}")):
         train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=3)   # between checkpoints
     resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
     for key in ("novel", "training_val", "selected_round", "rounds_completed"):

@@ -337,6 +337,75 @@ def test_a_node_that_drops_after_sharing_its_keys_stops_the_run_before_the_sum_i
     assert [(r.purpose, r.round) for r in ledger.records] == [("model_update", 0)]
 
 
+class FailingUnmaskGrid(RecordingGrid):
+    """A Grid on which the first node asked to unmask in round ``round`` (the round's SecAgg+ run, counted from 0)
+    answers with an error: every masked vector of that round has reached the server, the sum is never taken."""
+
+    def __init__(self, inner, round) -> None:
+        super().__init__(inner)
+        self.round = round
+        self.unmasks = 0
+        self.failing: dict[str, FlowerMessage] = {}
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        stages = [m.content.config_records[RECORD_KEY_CONFIGS].get(Key.STAGE)
+                  if RECORD_KEY_CONFIGS in m.content.config_records else None for m in messages]
+        if "unmask" in stages:
+            if self.unmasks == self.round:
+                first = stages.index("unmask")
+                self.failing[str(ids[first])] = messages[first]
+            self.unmasks += 1
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = list(self.inner.pull_messages(message_ids))
+        replies = [FlowerMessage(Error(code=0, reason="the node failed to unmask"),
+                                 reply_to=self.failing[r.metadata.reply_to_message_id])
+                   if r.metadata.reply_to_message_id in self.failing else r for r in replies]
+        self.pulled.extend(r for r in replies if not r.has_error())
+        return replies
+
+
+def test_a_secagg_run_that_fails_after_a_round_journals_every_release_whose_masked_vector_arrived(tmp_path,
+                                                                                               one_thread):
+    # On the simulation engine, a node fails in round 1's unmask stage: both rounds' masked vectors (and the ledger
+    # records beside them) reached the server. The run directory's journal and ledger.json hold every release the
+    # clients made, as their node ledgers do, though the server never saw a release.
+    config = _config()
+    options = FlowerOptions(max_actors=1, threads=1, timeout_s=300)
+    grids: list[FailingUnmaskGrid] = []
+
+    def main(grid, values):
+        grids.append(FailingUnmaskGrid(grid, round=1))
+        return flower_main(grids[0], values, options=options)
+
+    out = tmp_path / "flower"
+    with pytest.raises(FlowerClientError, match=r"failed in 'train \(SecAgg\+ unmask\)': .*the node failed to "
+                                                r"unmask"):
+        simulate(main, simulation_run_config(config, str(out), overwrite=False), num_clients(config), options)
+    assert grids[0].unmasks == 2 and not (out / "summary.json").exists()
+    _assert_only_masked_vectors(grids[0], 2, [5, 5])             # still no release reached the server
+
+    def listed(records):
+        return [(r["purpose"], r["round"], r["event"], r["metadata"]) for r in records]
+
+    on_nodes = {}
+    for path in sorted((out / "nodes").glob("partition-*/ledger-client-*.json")):
+        ledger = json.loads(path.read_text())
+        on_nodes[ledger["client_id"]] = listed(ledger["records"])
+    journaled: dict[int, list] = {}
+    for line in (out / "releases.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        journaled.setdefault(entry["client_id"], []).extend(listed([entry["record"]]))
+    in_ledger = {entry["client_id"]: listed(entry["records"])
+                 for entry in json.loads((out / "ledger.json").read_text())["ledgers"]}
+    rounds = sorted(r for records in on_nodes.values() for _, r, _, _ in records)
+    assert rounds == [0] * 5 + [1] * 5                           # 5 clients a round released, in both rounds
+    assert journaled == on_nodes and in_ledger == on_nodes
+
+
 def test_the_secagg_parameters_and_the_quantization_range_are_checked():
     with pytest.raises(ConfigError, match="secagg_num_shares=4 must be odd"):
         FlowerOptions(secagg_num_shares=4)

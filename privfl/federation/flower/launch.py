@@ -487,6 +487,14 @@ def run_and_wait(command: list[str], env: dict[str, str], *, out: str, stream: b
     return 1
 
 
+def _resumable(out: Path) -> bool:
+    """Whether ``out`` (when it is on this machine) holds a run that stopped after its first checkpoint."""
+    from privfl.federation.rundir import RunDirectory
+
+    run = RunDirectory(out)
+    return run.path(RunDirectory.CHECKPOINT).is_file() and not run.path(RunDirectory.SUMMARY).exists()
+
+
 def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: float, retry_s: float = 5.0,
                         worker: list[str] | None = None, worker_restarts: int = 3) -> int:
     """Run the SuperNode ``command`` and start it again when it exits with an error within ``rejoin_s`` seconds of
@@ -775,7 +783,13 @@ def _main(argv: list[str] | None = None) -> int:
         command = run_command(args.config, out, overwrite=args.overwrite, timeout_s=args.timeout_s,
                               node_wait_s=args.node_wait_s, serve_from=args.serve_from,
                               serve_clients=args.serve_clients, resume=args.resume is not None)
-        return run_and_wait(command, env, out=out, stream=args.stream)
+        code = run_and_wait(command, env, out=out, stream=args.stream)
+        if code == 1 and args.serve_from is None and _resumable(Path(out)):
+            from privfl.federation.runtime import how_to_continue
+
+            print(f"privfl flower: {how_to_continue('flower-deployment', out, certs=certs, superlink=args.superlink)}",
+                  file=sys.stderr)
+        return code
     os.execve(command[0], command, env)      # the daemon takes this process id
 
 

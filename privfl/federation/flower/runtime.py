@@ -37,7 +37,7 @@ from privfl.federation.flower import protocol as p
 from privfl.federation.flower.nodes import connect
 from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
-from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum
+from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum, how_to_continue
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class FlowerRuntime(Runtime):
     """
 
     def __init__(self, grid: Grid, *, strategy, client, federation, config: RunConfig,
-                 options: p.FlowerOptions | None = None, serve: list[int] | None = None, run_id: str = "") -> None:
+                 options: p.FlowerOptions | None = None, serve: list[int] | None = None, run_id: str = "",
+                 engine: str = "flower-deployment") -> None:
         super().__init__(strategy=strategy, client=client,
                          training_ids=[c.client_id for c in federation.training_clients], seed=config.seed,
                          client_fraction=config.client_fraction)
@@ -62,6 +63,7 @@ class FlowerRuntime(Runtime):
         self.novel_ids = sorted(c.client_id for c in federation.novel_clients)
         self.transport = GridTransport(grid, self.options)
         self.run_id = self.transport.run_id = run_id     # named in every message; the nodes tag their records
+        self.engine = engine                       # flower-deployment or flower-sim, in checkpoints (how_to_continue)
         self._journal: ReleaseJournal | None = None
         self._lifetime = LedgerBook()              # the node ledgers as reported at the end: every run's releases
         self.transport.on_reply = self._arrived
@@ -308,7 +310,7 @@ class FlowerRuntime(Runtime):
         return {**self._committed, "wire": {"ledgers_on_nodes": True, "server_book": self._server_book.state_dict(),
                                             "bytes_down": [[k, v] for k, v in self._bytes_down.items()],
                                             "bytes_up": [[k, v] for k, v in self._bytes_up.items()],
-                                            "run_id": self.run_id,
+                                            "run_id": self.run_id, "engine": self.engine,
                                             "state_of": [[k, v] for k, v in sorted(self._state_of.items())]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -319,8 +321,8 @@ class FlowerRuntime(Runtime):
         wire = state.get("wire") or {}
         if not wire.get("ledgers_on_nodes") or "state_of" not in wire:
             raise ConfigError("the checkpoint is not one of a run on Flower nodes that can be resumed there (it was "
-                              "run in-process, or by a privfl without resume on Flower): resume it with privfl train "
-                              "--resume, or start it again")
+                              "run in-process, or by a privfl without resume on Flower): if it ran in-process, "
+                              f"{how_to_continue('inprocess', 'RUN_DIR')}; otherwise start it again")
         if wire.get("run_id") != self.run_id:
             raise InternalError(f"resuming run {wire.get('run_id')!r} with the run id {self.run_id!r}")
         self.strategy.load_state_dict(state["strategy"])

@@ -12,10 +12,13 @@ ledger before anything leaves the node) and masks the sum of their releases (:fu
 on privfl's transport (:class:`_Grid`); its legacy-strategy side is a receiver of the sum (:class:`_Receiver`).
 
 What the server learns: the sum of each round's releases (from which the Aggregator takes the mean), the number of
-values quantization clipped (summed securely as well), which nodes took part, their public keys, and ciphertexts it
-cannot read. No single release, unless it colludes with the nodes holding ``reconstruction_threshold`` shares of a
-node's secrets. A node that holds several clients adds their releases itself before masking (it holds their data
-already); the server sees a masked vector per node.
+values quantization clipped (summed securely as well), which nodes took part, their public keys, ciphertexts it
+cannot read, and, beside each masked vector, the ledger record of each release it sums (purpose, round, privacy
+event: what an unmasked reply carries too), which the server appends to the run's release journal as the reply
+arrives, so a run that fails later still accounts for every release whose vector reached it. No single release,
+unless it colludes with the nodes holding ``reconstruction_threshold`` shares of a node's secrets. A node that
+holds several clients adds their releases itself before masking (it holds their data already); the server sees a
+masked vector per node.
 
 Dropouts. SecAgg+ tolerates nodes that drop after sharing their keys: it reconstructs their masks, and the sum then
 lacks their releases. A sum short of a share carries less noise than its calibration (the ledgers record the event
@@ -88,6 +91,9 @@ CLIP_DELTA_FRACTION = 1e-3
 SECURE_ARRAYS = "secure_arrays"      # JSON [[name, shape], ...]: what each release is, in the order summed
 CLIPPING_RANGE = "clipping_range"    # R
 COUNT_CAP = "count_cap"              # a node reports its clipped count in units of R / COUNT_CAP, at most COUNT_CAP
+#: What the masked-vector reply carries of each client's reply header beside the masked sum: the release's kind,
+#: purpose and ledger record (the server journals it as it does an unmasked reply's, ``FlowerRuntime._arrived``).
+RELEASE_HEADER = ("kind", "purpose", "record")
 
 
 def quantization_sigmas(secure: SecureSum, values: int) -> float:
@@ -285,4 +291,7 @@ def _summed_release(message: FlowerMessage, context: Context,
     values.append(np.array([min(clipped, cap) * bound / cap], dtype=np.float64))
     fitres = FitRes(status=Status(code=Code.OK, message=""), parameters=ndarrays_to_parameters(values),
                     num_examples=1, metrics={})
-    return FlowerMessage(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=message)
+    content = compat.fitres_to_recorddict(fitres, keep_input=False)
+    for cid, (_, reply_header) in replies.items():     # each release's ledger record, as an unmasked reply has it
+        content[f"h{cid}"] = ConfigRecord({key: reply_header[key] for key in RELEASE_HEADER})
+    return FlowerMessage(content, reply_to=message)
