@@ -335,17 +335,19 @@ def test_attack_audit_refuses_an_output_it_cannot_write_before_the_audit(tmp_pat
 
 
 def _parsers():
-    """(name, parser) of every privfl command that builds its parser here, sub-commands included (``privfl flower``
-    builds its own inside privfl.federation.flower.launch and shows no default it does not write in its text)."""
+    """(name, parser) of every privfl command, sub-commands included (``privfl flower`` builds its own parser in
+    privfl.federation.flower.launch)."""
     from attacks.audit import audit_parser
     from attacks.reconstruct_cli import build_parser as reconstruct_parser
     from privfl.cli import build_parser
+    from privfl.federation.flower.launch import build_parser as flower_parser
 
-    root = build_parser()
-    found = [("privfl", root)]
-    for action in root._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            found += [(f"privfl {name}", parser) for name, parser in action.choices.items()]
+    found = []
+    for prefix, root in (("privfl", build_parser()), ("privfl flower", flower_parser())):
+        found.append((prefix, root))
+        for action in root._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                found += [(f"{prefix} {name}", parser) for name, parser in action.choices.items()]
     return found + [("privfl attack audit", audit_parser()), ("privfl attack reconstruct", reconstruct_parser())]
 
 
@@ -385,7 +387,7 @@ def test_every_help_shows_each_default_once_and_the_one_that_applies(capsys):
                 assert stated.group(1).strip() in {str(action.default), f"{action.default}".lower()}, \
                     f"{flag} states default {stated.group(1)!r}, but its default is {action.default!r}"
             checked += 1
-    assert checked > 150     # train's, sweep's, demo's, audit's, reconstruct's options ...
+    assert checked > 180     # train's, sweep's, demo's, flower's, audit's, reconstruct's options ...
     # and the formatter shows a default once in the printed help, where the text did not state it
     with pytest.raises(SystemExit):
         main(["sweep", "--help"])

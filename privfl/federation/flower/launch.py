@@ -677,7 +677,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``privfl flower`` command line: certs, superlink, register, supernode, run."""
+    from privfl.helpformat import show_defaults
+
     parser = argparse.ArgumentParser(prog="privfl flower", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("certs",
@@ -698,13 +701,13 @@ def _main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("register", help="register SuperNode public keys with the SuperLink")
     r.add_argument("--certs", required=True)
     r.add_argument("--superlink", default="127.0.0.1:9093")
-    r.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
+    r.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen, in seconds")
     r.add_argument("nodes", type=int, nargs="+", help="node indices (keys CERTS/node-<i>.pub)")
     n = sub.add_parser("supernode", help="start a SuperNode holding one partition or a range, and start it again "
                                          "if the SuperLink refuses it at first (kill PID ends it)")
     n.add_argument("--certs", required=True)
     n.add_argument("--superlink", default="127.0.0.1:9093")
-    n.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
+    n.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen, in seconds")
     n.add_argument("--rejoin-s", type=float, default=120.0,
                    help="start the SuperNode again while it exits with an error within this many seconds (a node "
                         "restarted after it died is refused until the SuperLink lets its previous connection go)")
@@ -716,12 +719,11 @@ def _main(argv: list[str] | None = None) -> int:
     n.add_argument("--node-dir", required=True, help="directory that keeps this node's ledgers")
     n.add_argument("--port", type=int, default=None, help="its local runtime API port (default 9100 + node)")
     n.add_argument("--poll-s", type=float, default=supernode.DEFAULT_POLL_S,
-                   help=f"while idle, ask the SuperLink for work every this many seconds ({supernode.DEFAULT_POLL_S:g};"
-                        " Flower's own: 3)")
+                   help="while idle, ask the SuperLink for work every this many seconds (Flower's own: 3)")
     n.add_argument("--isolation", choices=ISOLATIONS, default="process",
                    help="process (default): one long-lived ClientApp process, started and stopped with the "
-                        "SuperNode, runs every message; subprocess: Flower's default, a fresh ClientApp process per "
-                        "message (seconds of imports each)")
+                        "SuperNode, runs every message; subprocess: as Flower does unless told otherwise, a fresh "
+                        "ClientApp process per message (seconds of imports each)")
     f = sub.add_parser("run", help="flwr run of the privfl app: train a RunConfig JSON, or serve novel clients; "
                                    "waits for the run's end (exit status 0 only when it completed)")
     f.add_argument("--certs", required=True)
@@ -733,15 +735,21 @@ def _main(argv: list[str] | None = None) -> int:
                         "failure: restart the nodes that died first (same key and node directory)")
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--timeout-s", type=float, default=p.DEFAULT_TIMEOUT_S,
-                   help=f"limit for one exchange's replies, > 0 ({p.DEFAULT_TIMEOUT_S:g} s)")
-    f.add_argument("--node-wait-s", type=float, default=120, help="wait this long for the nodes the run needs")
+                   help="limit for one exchange's replies, in seconds, > 0")
+    f.add_argument("--node-wait-s", type=float, default=120,
+                   help="wait this long for the nodes the run needs, in seconds")
     f.add_argument("--serve-from", default=None,
                    help="a finished training run directory (on the SuperLink's machine): serve its novel clients "
                         "in a run of their own instead of training")
-    f.add_argument("--serve-clients", default="", help="with --serve-from: novel client ids, e.g. 9,10 (all)")
+    f.add_argument("--serve-clients", default=None,
+                   help="with --serve-from: novel client ids, e.g. 9,10 (default: all of them)")
     f.add_argument("--stream", action="store_true", help="show the run's log (one line per round) until it ends")
-    f.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen (60)")
-    args = parser.parse_args(argv)
+    f.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen, in seconds")
+    return show_defaults(parser)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command == "certs":
         if args.add_node is not None:
@@ -782,7 +790,7 @@ def _main(argv: list[str] | None = None) -> int:
         out = args.out or args.resume
         command = run_command(args.config, out, overwrite=args.overwrite, timeout_s=args.timeout_s,
                               node_wait_s=args.node_wait_s, serve_from=args.serve_from,
-                              serve_clients=args.serve_clients, resume=args.resume is not None)
+                              serve_clients=args.serve_clients or "", resume=args.resume is not None)
         code = run_and_wait(command, env, out=out, stream=args.stream)
         if code == 1 and args.serve_from is None and _resumable(Path(out)):
             from privfl.federation.runtime import how_to_continue
