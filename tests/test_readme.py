@@ -79,6 +79,7 @@ def test_privfl_lines_parse_and_the_cheap_ones_run(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)
     from attacks.audit import audit_parser
     from attacks.reconstruct_cli import build_parser as reconstruct_parser
+    from privfl.federation.flower.launch import build_parser as flower_parser
 
     ran = 0
     for words in privfl_lines():
@@ -86,7 +87,7 @@ def test_privfl_lines_parse_and_the_cheap_ones_run(tmp_path, monkeypatch, capsys
             assert main(words) == 0, words
             ran += 1
         elif words[:1] == ["flower"]:
-            continue      # its own parser and README (privfl/federation/flower/README.md, tested in test_flower.py)
+            flower_parser().parse_args(words[1:])     # run as written in test_flower.py's loopback session
         elif words[:2] == ["attack", "reconstruct"]:
             reconstruct_parser().parse_args(words[2:])
         elif words[:2] == ["attack", "audit"]:
