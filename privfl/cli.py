@@ -73,6 +73,12 @@ def _add_federation_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--novel-angles", type=_parse_angles, default=(), help="e.g. 15,45")
 
 
+def _add_device_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup, what: str, auto: str) -> None:
+    """``--device`` (:data:`privfl.devices.DEVICES`, written out here so that ``--help`` does not import torch)."""
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
+                   help=f"where {what}: cpu, cuda, or auto (CUDA {auto})")
+
+
 def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object] | None = None) -> None:
     """The training options; ``fixed`` gives method settings a value of the command's own (the demo's), where
     ``None`` would leave each method its own default."""
@@ -108,9 +114,7 @@ def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object]
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is often faster on a busy 2-core machine, "
                         "and 1 with --workers above 1)")
-    g.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
-                   help="where the models compute: cpu, cuda, or auto (CUDA where present and the method runs "
-                        "there)")
+    _add_device_argument(g, "the models compute", "where present and the method runs there")
     g.add_argument("--workers", type=int, default=1,
                    help="processes that train a round's clients, one thread each; the numbers are the one-thread "
                         "run's")
@@ -138,8 +142,7 @@ def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
                    help="client level: the noise multiplier instead of a target epsilon")
     g.add_argument("--client-dp-clip", default=None,
                    help="client level: L2 clip of a client's whole round (default: 1.0), or 'adaptive' (central only: "
-                        "the clip "
-                        "follows the median update norm, Andrew et al. 2021)")
+                        "the clip follows the median update norm, Andrew et al. 2021)")
     g.add_argument("--client-dp-participations", type=int, default=None,
                    help="local/distributed: the most rounds a client releases in (default: from the schedule)")
     g.add_argument("--client-dp-shares", type=int, default=None,
@@ -593,9 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared machine)")
-    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
-                   help="where the trainings compute: cpu, cuda, or auto (CUDA where present and the method "
-                        "runs there)")
+    _add_device_argument(p, "the trainings compute", "where present and the method runs there")
     p.add_argument("--overwrite", action="store_true",
                    help="write into an OUT that holds another sweep's results, retraining trainings of other settings")
     p.add_argument("--no-progress", action="store_true")
@@ -617,8 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this many images of each split, a random subset (default: every image)")
     p.add_argument("--seed", type=int, default=0, help="seed of the --max-samples subset")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass")
-    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"),
-                   help="where the backbone computes: cpu, cuda, or auto (CUDA where present)")
+    _add_device_argument(p, "the backbone computes", "where present")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_features)

@@ -31,6 +31,16 @@ def _tensors(state):
     return tensors_by_name(state)
 
 
+def test_every_command_offers_the_devices_a_run_accepts():
+    from privfl.cli import build_parser
+    from privfl.devices import DEVICES
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    offered = {name: next(a.choices for a in commands[name]._actions if a.dest == "device")
+               for name in ("train", "demo", "sweep", "features")}
+    assert offered == dict.fromkeys(offered, DEVICES)
+
+
 @pytest.mark.parametrize("device", ["gpu", "cuda:0", "", None, 0])
 def test_an_unknown_device_is_refused_by_name(make_spec, device):
     with pytest.raises(ConfigError, match=f"device must be one of auto, cpu, cuda, got {device!r}"):

@@ -63,7 +63,6 @@ def how_to_continue(engine: str, run_dir: Any, *, certs: Any = "CERTS", superlin
     raise InternalError(f"no engine {engine!r}; engines: inprocess, flower-sim, flower-deployment")
 
 
-
 def sample_clients(client_ids: list[int], fraction: float, *, seed: int, round: int) -> list[int]:
     """A seeded uniform sample of ``max(1, round(fraction * len(client_ids)))`` clients for ``round``, sorted."""
     count = max(1, int(round_half_up(fraction * len(client_ids))))
