@@ -149,11 +149,17 @@ def _widen(connection: Connection) -> None:
         pass   # only slower: the pipe keeps its default size
 
 
-def _serve(tasks: Connection, replies: Connection, procedure: Any, clients: Mapping[int, Any]) -> None:
+def _serve(tasks: Connection, replies: Connection, procedure: Any, clients: Mapping[int, Any],
+           inherited: list[Connection]) -> None:
     """A worker's loop: a task in, the client's release and working state out, until the parent closes the pipe.
 
+    ``inherited`` are the parent's pipe ends the fork copied into this process (its own task pipe's write end among
+    them): they are closed first, since a pipe reads end-of-file only once every copy of its write end is closed,
+    and a copy held here would keep this worker (or an earlier one) waiting after the parent closed its end.
     Ctrl-C reaches the whole process group; the parent alone decides (it finishes the round, then ends the
     workers), so a worker ignores it."""
+    for connection in inherited:
+        connection.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     last: Message | None = None   # the message of the task before, which the parent may say is this one's too
@@ -225,7 +231,9 @@ class ClientWorkers:
             reply_in, reply_out = context.Pipe(duplex=False)
             for end in (task_out, reply_out):
                 _widen(end)
-            process = context.Process(target=_serve, args=(task_in, reply_out, procedure, clients), daemon=True)
+            inherited = [task_out, reply_in, *self._connections, *self._tasks.values()]
+            process = context.Process(target=_serve, args=(task_in, reply_out, procedure, clients, inherited),
+                                      daemon=True)
             process.start()
             task_in.close()
             reply_out.close()

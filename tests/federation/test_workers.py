@@ -72,6 +72,9 @@ def test_the_clients_run_in_the_worker_processes_and_leave_torch_generator_as_se
     finally:
         runtime.close()
     assert runtime._pool is None and not any(p.is_alive() for p in processes)
+    # each worker ended on its own when its task pipe closed; a copy of a pipe end held by a worker (its own write
+    # end, or an earlier worker's) kept it waiting until close() gave up and terminated it (exit code -15)
+    assert [p.exitcode for p in processes] == [0, 0]
 
 
 def _failing_at(runtime, failing: int, error: Exception):
