@@ -107,11 +107,11 @@ def time_rounds(runtime, rounds: int, profile: bool = False) -> tuple[float, str
 # -- in-process -----------------------------------------------------------------------------------------------------
 
 
-def in_process(per_round: int, rounds: int) -> dict:
+def in_process(config, rounds: int) -> dict:
+    """``rounds`` timed rounds of ``config`` (a RunConfig) on the in-process runtime, after a warm-up round."""
     from privfl.data import build_federation
     from privfl.experiment import build_runtime
 
-    config = run_config(per_round, rounds)
     seconds, _ = time_rounds(build_runtime(config, build_federation(config.federation, seed=0)), rounds)
     return {"seconds": seconds}
 
@@ -155,19 +155,19 @@ def _timed_client_app(defaults: dict, log_dir: str, profile: bool):
     return app
 
 
-def simulation(per_round: int, rounds: int, actors: int, profile: bool = False,
+def simulation(config, rounds: int, actors: int, profile: bool = False,
                clients_per_node: int | None = None) -> dict:
+    """``rounds`` timed rounds of ``config`` on Flower's simulation engine with ``actors`` Ray actors, after a
+    warm-up round."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from privfl.data import build_federation
     from privfl.engine import flower_runtime_factory
     from privfl.federation.flower import FlowerOptions
     from privfl.federation.flower import protocol as p
-    from privfl.federation.flower.simulation import grouping, num_clients, num_nodes
+    from privfl.federation.flower.simulation import grouping, num_clients, num_nodes, run_apps
 
-    config = run_config(per_round, rounds)
     federation = build_federation(config.federation, seed=0)
     options = FlowerOptions(max_actors=actors, threads=1, clients_per_node=clients_per_node).for_clients(
         num_clients(config, federation))
@@ -183,7 +183,7 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False,
         except BaseException as error:
             out["error"] = repr(error)
 
-    work = Path(tempfile.mkdtemp(prefix=f"privfl-flower-sim-{per_round}-"))
+    work = Path(tempfile.mkdtemp(prefix="privfl-flower-sim-"))
     logs = work / "logs"
     logs.mkdir()
     clients = num_clients(config, federation)
@@ -192,8 +192,7 @@ def simulation(per_round: int, rounds: int, actors: int, profile: bool = False,
     nodes = num_nodes(config, federation, options.clients_per_node)
     started = time.perf_counter()
     try:
-        run_simulation(server_app=app, client_app=client, num_supernodes=nodes,
-                       backend_config=options.backend_config())
+        run_apps(app, client, nodes, options)     # privfl's: Ray's workers at this process's niceness
         out["total_with_startup_s"] = time.perf_counter() - started
         if "error" in out:
             raise RuntimeError(out["error"])
@@ -299,15 +298,16 @@ def _deployment_breakdown(timings: list[dict], round_seconds: list[float]) -> di
     return {"per_round": rows}
 
 
-def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2, isolation: str = "process",
-               poll_s: float | None = None) -> dict:
-    """One ``flwr run`` on a fresh SuperLink and ``nodes`` SuperNodes (``privfl flower supernode --isolation
-    ISOLATION --poll-s POLL_S``, the launcher's default poll when None), each holding TRAINING_CLIENTS / nodes
-    training clients; the node directories under ``work`` persist across calls, so the data is built once."""
+def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING_CLIENTS, nodes: int = 2,
+               isolation: str = "process", poll_s: float | None = None) -> dict:
+    """One ``flwr run`` of ``config`` (``rounds`` timed rounds after a warm-up round) on a fresh SuperLink and
+    ``nodes`` SuperNodes (``privfl flower supernode --isolation ISOLATION --poll-s POLL_S``, the launcher's default
+    poll when None), each holding ``training_clients / nodes`` of the federation's training clients; the node
+    directories under ``work`` persist across calls, so the data is built once (every call with one ``work`` must
+    use one federation)."""
     from privfl.federation.flower import launch
 
-    config = run_config(per_round, rounds)
-    run_dir = Path(tempfile.mkdtemp(prefix=f"privfl-flower-deploy-{per_round}-", dir=work))
+    run_dir = Path(tempfile.mkdtemp(prefix="privfl-flower-deploy-", dir=work))
     (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
     certs = work / "certs"
     if not certs.exists():
@@ -322,7 +322,7 @@ def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2, isolatio
     log = open(run_dir / "flower.log", "w")
     processes: list[subprocess.Popen] = []
     out = run_dir / "run"
-    share = TRAINING_CLIENTS // nodes
+    share = training_clients // nodes
     started = time.perf_counter()
     try:
         processes.append(subprocess.Popen(command + ["superlink", "--certs", str(certs), "--address", address,
@@ -340,7 +340,7 @@ def deployment(per_round: int, rounds: int, work: Path, nodes: int = 2, isolatio
             processes.append(subprocess.Popen(
                 command + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
                            "--partition-range", f"{node * share}-{(node + 1) * share - 1}",
-                           "--num-partitions", str(TRAINING_CLIENTS), "--node-dir", str(work / f"node-{node}"),
+                           "--num-partitions", str(training_clients), "--node-dir", str(work / f"node-{node}"),
                            "--port", str(launch.free_port()), "--isolation", isolation,
                            *([] if poll_s is None else ["--poll-s", str(poll_s)])],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -406,18 +406,20 @@ def main() -> None:
             for per_round in args.per_round:
                 order = engines[repeat % len(engines):] + engines[:repeat % len(engines)]
                 for engine in order:
+                    config = run_config(per_round, args.rounds)
                     if engine == "inprocess":
-                        result = in_process(per_round, args.rounds)
+                        result = in_process(config, args.rounds)
                     elif engine in grouped:
-                        result = simulation(per_round, args.rounds, args.actors, clients_per_node=grouped[engine])
+                        result = simulation(config, args.rounds, args.actors, clients_per_node=grouped[engine])
                     else:
                         before = engine == "deployment_subprocess"     # Flower's own: a process per message, 3 s
-                        result = deployment(per_round, args.rounds, work, isolation="subprocess" if before else
+                        result = deployment(config, args.rounds, work, isolation="subprocess" if before else
                                             "process", poll_s=3 if before else None)
                     runs[per_round][engine].append(result)
                     print(json.dumps({"repeat": repeat, "clients_per_round": per_round, "engine": engine,
                                       **{k: v for k, v in result.items() if not k.endswith("profile")}}), flush=True)
-        profiles = {(n, e): simulation(n, args.rounds, args.actors, profile=True, clients_per_node=k)
+        profiles = {(n, e): simulation(run_config(n, args.rounds), args.rounds, args.actors, profile=True,
+                                       clients_per_node=k)
                     for n in args.per_round for e, k in grouped.items()} \
             if args.profile and "simulation" in args.engines else {}
     finally:

@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from privfl.federation.flower import FlowerOptions  # noqa: E402
-from privfl.federation.flower.simulation import RAY_NICENESS, _simulate  # noqa: E402
+from privfl.federation.flower.simulation import RAY_NICENESS, run_apps  # noqa: E402
 
 
 def _niceness_of_the_client_processes(monkeypatch, setting: str | None) -> list[int]:
@@ -46,7 +46,7 @@ def _niceness_of_the_client_processes(monkeypatch, setting: str | None) -> list[
             assert reply.content["m"]["pid"] != os.getpid()        # answered by a Ray worker process
             seen.append(int(reply.content["m"]["niceness"]))
 
-    _simulate(server, client, 2, FlowerOptions(max_actors=1, threads=1))
+    run_apps(server, client, 2, FlowerOptions(max_actors=1, threads=1))
     assert len(seen) == 2, "the ServerApp got no reply from the two virtual nodes (see Flower's log)"
     return seen
 
@@ -64,5 +64,5 @@ def test_a_niceness_the_user_set_for_ray_is_kept(monkeypatch):
     seen = []
     monkeypatch.setattr(flwr.simulation, "run_simulation", lambda **_: seen.append(os.environ.get(RAY_NICENESS)))
     monkeypatch.setenv(RAY_NICENESS, "7")
-    _simulate(ServerApp(), ClientApp(), 2, FlowerOptions(max_actors=1, threads=1))
+    run_apps(ServerApp(), ClientApp(), 2, FlowerOptions(max_actors=1, threads=1))
     assert seen == ["7"] and os.environ[RAY_NICENESS] == "7"

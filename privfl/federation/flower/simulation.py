@@ -63,9 +63,10 @@ def grouping(clients: int, options: p.FlowerOptions) -> dict[str, Any]:
 RAY_NICENESS = "RAY_worker_niceness"
 
 
-def _simulate(server_app, client_app, nodes: int, options: p.FlowerOptions) -> None:
-    """Flower's ``run_simulation`` with Ray's workers at the niceness of this process (:data:`RAY_NICENESS`; a value
-    the user set is kept)."""
+def run_apps(server_app, client_app, nodes: int, options: p.FlowerOptions) -> None:
+    """Run ``server_app`` against ``nodes`` virtual SuperNodes running ``client_app``: Flower's ``run_simulation``
+    with the resources of ``options``, Flower's log quiet unless ``options.verbose``, and Ray's workers at the
+    niceness of this process (:data:`RAY_NICENESS`; a value the user set is kept)."""
     from flwr.simulation import run_simulation
 
     flwr_logger = logging.getLogger("flwr")
@@ -105,7 +106,7 @@ def simulate(main: ServerMain, run_config: dict[str, Any], partitions: int, opti
     run_config = {**run_config, p.THREADS: options.threads, **grouping(partitions, options)}
     result: dict[str, Any] = {}
     server_app = make_server_app(main, run_config, result=result)
-    _simulate(server_app, make_client_app(run_config), p.simulated_nodes(partitions, options.clients_per_node),
+    run_apps(server_app, make_client_app(run_config), p.simulated_nodes(partitions, options.clients_per_node),
               options)
     return _result(result)
 
