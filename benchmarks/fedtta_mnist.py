@@ -70,6 +70,8 @@ SETTINGS = {
 FAMILY_PAPER = {"fedavg": 94.69, "tent": 98.51, "fedtta": 98.47, "fedtta_prox": 98.64, "fedtta_pp": 98.66}
 FEDTTA_MNIST = {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01}              # the paper's MNIST Table 4, FedTTA
 FEDTTA_PROX_MNIST = {**FEDTTA_MNIST, "adapt_lr": 0.001, "mu": 0.01}        # and FedTTA-Prox
+# what only the authors' code applies (``--code-stabilisers``): local weight decay, gradient-norm clip, lr decay
+CODE_STABILISERS = {"weight_decay": 1e-4, "grad_clip": 10.0, "lr_decay": 0.99}
 FAMILY_TRAINING = {
     "fedtta": ("fedtta", FEDTTA_MNIST),
     "fedtta_prox": ("fedtta_prox", FEDTTA_PROX_MNIST),
@@ -371,7 +373,7 @@ def main() -> None:
         parser.error(f"--eval-every must be >= 1 and --eval-from >= 0; got {args.eval_every} and {args.eval_from}")
     torch.set_num_threads(args.threads)
     reuse_freed_memory()
-    extras = {"weight_decay": 1e-4, "grad_clip": 10.0, "lr_decay": 0.99} if args.code_stabilisers else {}
+    extras = CODE_STABILISERS if args.code_stabilisers else {}
     suffix = "_code" if args.code_stabilisers else ""
     if args.part == "timing":
         return part_timing(args)
