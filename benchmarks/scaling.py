@@ -131,16 +131,21 @@ def tables(args) -> str:
 
     def cell(engine, n, model, privacy) -> str:
         row = runs.get(key_of(engine, n, model, privacy, args.rounds))
-        return "not run" if row is None else f"{row['seconds_per_round']:.2f}"
+        if row is None:
+            return "not run" if measured(engine, n, model, privacy) else "-"
+        return "failed" if "failed" in row else f"{row['seconds_per_round']:.2f}"
 
     def ratio(engine, n, model, privacy) -> str:
         row = runs.get(key_of(engine, n, model, privacy, args.rounds))
         base = runs.get(key_of("inprocess", n, model, privacy, args.rounds))
-        return "" if row is None or base is None else f" ({row['seconds_per_round'] / base['seconds_per_round']:.2f}x)"
+        if row is None or base is None or "failed" in row or "failed" in base:
+            return ""
+        return f" ({row['seconds_per_round'] / base['seconds_per_round']:.2f}x)"
 
     head = "| {} | " + " | ".join(f"{e}, {p}" for e in ENGINES for p in PRIVACY) + " |"
     rule = "|---|" + "---|" * (len(ENGINES) * len(PRIVACY))
-    lines = ["Seconds per round against clients per round (MNIST 2NN; in brackets: against in-process, same privacy)",
+    lines = ["Seconds per round against clients per round (MNIST 2NN; in brackets: against in-process, same privacy; "
+             "-: not in the default grid)",
              "", head.format("clients per round"), rule]
     for n in args.per_round:
         lines.append(f"| {n} | " + " | ".join(cell(e, n, "mlp2nn", p) + ratio(e, n, "mlp2nn", p)
@@ -167,16 +172,22 @@ def plot(args) -> Path:
         for privacy, style in zip(PRIVACY, ("-", "--")):
             label = f"{engine}{', DP-SGD' if privacy == 'dp' else ''}"
             points = [(n, runs[k]["seconds_per_round"]) for n in sorted(args.per_round)
-                      if (k := key_of(engine, n, "mlp2nn", privacy, args.rounds)) in runs]
+                      if "seconds_per_round" in runs.get(k := key_of(engine, n, "mlp2nn", privacy, args.rounds), {})]
             if points:
                 left.plot(*zip(*points), style, marker="o", color=colours[engine], label=label)
             points = [(parameters(m), runs[k]["seconds_per_round"]) for m in MODELS
-                      if (k := key_of(engine, MODEL_AXIS_PER_ROUND, m, privacy, args.rounds)) in runs]
+                      if "seconds_per_round" in runs.get(k := key_of(engine, MODEL_AXIS_PER_ROUND, m, privacy,
+                                                                         args.rounds), {})]
             if points:
                 right.plot(*zip(*sorted(points)), style, marker="o", color=colours[engine], label=label)
+    for m in MODELS:   # the models differ in layers too (LeNet and the FedTTA CNN are convolutional): name them
+        row = runs.get(key_of("inprocess", MODEL_AXIS_PER_ROUND, m, "none", args.rounds), {})
+        if "seconds_per_round" in row:
+            right.annotate(m, (parameters(m), row["seconds_per_round"]), textcoords="offset points", xytext=(4, -12),
+                           fontsize=8)
     left.set(xscale="log", yscale="log", xlabel="clients per round", ylabel="seconds per round",
              title="FedAvg round, MNIST 2NN")
-    right.set(xscale="log", yscale="log", xlabel="model parameters (LeNet, 2NN, FedTTA CNN)",
+    right.set(xscale="log", yscale="log", xlabel="model parameters",
               ylabel="seconds per round", title=f"{MODEL_AXIS_PER_ROUND} clients per round")
     for axis in (left, right):
         axis.grid(True, which="both", alpha=0.3)
@@ -218,7 +229,10 @@ def main() -> None:
                 if key in stored(args.out):
                     print(f"{key}: stored; skipped", flush=True)
                     continue
-                row = measure(engine, n, model, privacy, args.rounds, work)
+                try:
+                    row = measure(engine, n, model, privacy, args.rounds, work)
+                except RuntimeError as error:   # a run that failed (flower_overhead raises with the log's tail)
+                    row = {"failed": str(error)[-1500:]}
                 store(args.out, key, {**row, "command": "nice python benchmarks/scaling.py " + " ".join(sys.argv[1:])})
                 print(f"{key}: {json.dumps(row)}", flush=True)
         finally:
