@@ -299,12 +299,13 @@ def _deployment_breakdown(timings: list[dict], round_seconds: list[float]) -> di
 
 
 def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING_CLIENTS, nodes: int = 2,
-               isolation: str = "process", poll_s: float | None = None) -> dict:
+               isolation: str = "process", poll_s: float | None = None, database: str | None = None) -> dict:
     """One ``flwr run`` of ``config`` (``rounds`` timed rounds after a warm-up round) on a fresh SuperLink and
     ``nodes`` SuperNodes (``privfl flower supernode --isolation ISOLATION --poll-s POLL_S``, the launcher's default
     poll when None), each holding ``training_clients / nodes`` of the federation's training clients; the node
     directories under ``work`` persist across calls, so the data is built once (every call with one ``work`` must
-    use one federation)."""
+    use one federation). ``database``: the SuperLink's state, a fresh SQLite file in the run's directory when None
+    (as ``privfl flower superlink`` keeps it), or ``:memory:``."""
     from privfl.federation.flower import launch
 
     run_dir = Path(tempfile.mkdtemp(prefix="privfl-flower-deploy-", dir=work))
@@ -326,7 +327,7 @@ def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING
     started = time.perf_counter()
     try:
         processes.append(subprocess.Popen(command + ["superlink", "--certs", str(certs), "--address", address,
-                                                     "--database", str(run_dir / "superlink.db")],
+                                                     "--database", database or str(run_dir / "superlink.db")],
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
         register = command + ["register", "--certs", str(certs), "--superlink", address]
         register += [str(i) for i in range(nodes)]
