@@ -32,6 +32,7 @@ resumes; ``--plot-only`` redraws ``scaling.png`` and prints the tables from the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -120,6 +121,7 @@ def store(results: Path, key: str, row: dict) -> None:
     update_json(results, add)
 
 
+@functools.cache
 def parameters(model: str) -> int:
     from privfl.models import build_model
 

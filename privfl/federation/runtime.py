@@ -63,6 +63,14 @@ def how_to_continue(engine: str, run_dir: Any, *, certs: Any = "CERTS", superlin
     raise InternalError(f"no engine {engine!r}; engines: inprocess, flower-sim, flower-deployment")
 
 
+def engine_of(state: Mapping[str, Any]) -> str:
+    """The engine that saved the runtime ``state`` of a checkpoint: ``inprocess`` unless its wire keeps the ledgers
+    on Flower nodes, then the engine it names (a checkpoint that names none is of a deployment: the simulation engine
+    never resumed, and its checkpoints name it)."""
+    wire = state.get("wire") or {}
+    return str(wire.get("engine", "flower-deployment")) if wire.get("ledgers_on_nodes") else "inprocess"
+
+
 def sample_clients(client_ids: list[int], fraction: float, *, seed: int, round: int) -> list[int]:
     """A seeded uniform sample of ``max(1, round(fraction * len(client_ids)))`` clients for ``round``, sorted."""
     count = max(1, int(round_half_up(fraction * len(client_ids))))
@@ -436,10 +444,9 @@ class InProcessRuntime(Runtime):
         return {**self._committed, "wire": self.wire.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        wire = state.get("wire") or {}
-        if wire.get("ledgers_on_nodes"):     # a checkpoint that names no engine is of a deployment (sim never resumed)
+        engine = engine_of(state)
+        if engine != "inprocess":
             raise ConfigError("this run ran on Flower nodes, which keep its ledgers and client states, so the "
-                              "in-process engine cannot continue it; "
-                              + how_to_continue(wire.get("engine", "flower-deployment"), "RUN_DIR"))
+                              "in-process engine cannot continue it; " + how_to_continue(engine, "RUN_DIR"))
         self.restore(state)
         self.wire.load_state_dict(state["wire"])

@@ -24,7 +24,7 @@ from privfl.federation.flower import protocol as p
 from privfl.federation.flower.runtime import FlowerRuntime
 from privfl.federation.flower.transport import ids_text
 from privfl.federation.rundir import RunDirectory, atomic_write_bytes, dumps
-from privfl.federation.runtime import how_to_continue
+from privfl.federation.runtime import engine_of, how_to_continue
 
 ServerMain = Callable[[Grid, Mapping[str, Any]], dict[str, Any]]
 
@@ -90,10 +90,8 @@ def serve_novel_clients(grid: Grid, train_dir: str | Path, out: str | Path, *, c
                           "directory with its checkpoint")
     state = checkpoint["runtime"]
     if int(state["completed_rounds"]) != config.rounds:
-        wire = state.get("wire") or {}
-        engine = wire.get("engine", "flower-deployment") if wire.get("ledgers_on_nodes") else "inprocess"
         raise ConfigError(f"the run in {run.root} completed {state['completed_rounds']} of {config.rounds} rounds: "
-                          f"finish it before serving its novel clients; {how_to_continue(engine, run.root)}")
+                          f"finish it before serving its novel clients; {how_to_continue(engine_of(state), run.root)}")
     best = checkpoint.get("best") or {}
     if config.select == "best_val" and best.get("snapshot") is not None:
         selected, selected_round = best["snapshot"], int(best["round"])
