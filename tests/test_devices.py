@@ -71,7 +71,8 @@ def test_which_methods_take_cuda_where_it_exists(make_spec, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on_cuda = {"fedavg", "fedprox", "local", "scaffold", "pfedhn", "itpflhn", "odpflhn", "pefll", "pfl_sampled",
-               "pfl_ensemble", "pfl_nearest", "fedadg", "fedgma", "afl", "tent"}
+               "pfl_ensemble", "pfl_nearest", "fedadg", "fedgma", "afl", "tent", "fedtta", "fedtta_prox", "fedtta_pp",
+               "heterofedtta"}
     assert {name for name, spec in METHODS.items() if "cuda" in spec.devices} == on_cuda
     assert run_device(_config(make_spec, device="cuda")) == "cuda"
     assert run_device(_config(make_spec, device="auto")) == "cuda"
@@ -81,8 +82,9 @@ def test_which_methods_take_cuda_where_it_exists(make_spec, monkeypatch):
     assert run_device(_config(make_spec, device="auto", workers=2)) == "cpu"    # workers train on the CPU
     assert run_device(_config(make_spec, method="fedpft", method_config={}, device="auto")) == "cpu"
     with pytest.raises(ConfigError, match=r"method 'fedpft' runs on the CPU only.*runs afl, fedadg, fedavg, fedgma, "
-                                          r"fedprox, itpflhn, local, odpflhn, pefll, pfedhn, pfl_ensemble, "
-                                          r"pfl_nearest, pfl_sampled, scaffold, tent\); use device 'cpu' or 'auto'"):
+                                          r"fedprox, fedtta, fedtta_pp, fedtta_prox, heterofedtta, itpflhn, local, "
+                                          r"odpflhn, pefll, pfedhn, pfl_ensemble, pfl_nearest, pfl_sampled, scaffold, "
+                                          r"tent\); use device 'cpu' or 'auto'"):
         run_device(_config(make_spec, method="fedpft", method_config={}, device="cuda"))
     with pytest.raises(ConfigError, match="device 'cuda' with workers=2"):
         _config(make_spec, device="cuda", workers=2)
@@ -94,6 +96,9 @@ _HN = {"hidden_dim": 8, "n_hidden": 1, "embed_dim": 2, "grad_clip": None, "lr": 
 _ODPFLHN = {"lr": 0.05, "local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8, "hn_layers": 1}
 _PEFLL = {"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3, "grad_clip": 0.0, "descriptor_batch": 8, "local_steps": 4,
           "batch_size": 16}
+_FEDTTA = {"adapt_hidden": 4, "adapt_layers": 1}
+_HETEROFEDTTA = {"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
+                 "distill_batch": 8}
 _RECORD = TrainingPrivacy(mode="record", noise_multiplier=1.1, clip=1.0, noise="seeded", min_samples=4)
 _NOVEL = NovelPrivacy(epsilon=4.0, noise="seeded")
 
@@ -125,6 +130,13 @@ _NOVEL = NovelPrivacy(epsilon=4.0, noise="seeded")
     ("fedgma", TrainingPrivacy(), NovelPrivacy(), {}),
     ("afl", _RECORD, NovelPrivacy(), {}),
     ("tent", TrainingPrivacy(), NovelPrivacy(), {"adapt": "all"}),
+    # the FedTTA family: the meta-loss per record (DP-SGD's vmap), the proxy term's teacher, early-stopped test-time
+    # adaptation, HeteroFedTTA's public-set logits and distillation
+    ("fedtta", _RECORD, NovelPrivacy(), _FEDTTA),
+    ("fedtta_prox", TrainingPrivacy(), NovelPrivacy(), _FEDTTA),
+    ("fedtta_pp", TrainingPrivacy(), NovelPrivacy(), {**_FEDTTA, "tta_steps": 3}),
+    ("heterofedtta", _RECORD, NovelPrivacy(), _HETEROFEDTTA),
+    ("heterofedtta", TrainingPrivacy(), NovelPrivacy(), _HETEROFEDTTA),
 ])
 def test_cuda_gives_the_cpu_numbers_within_float_tolerance(make_spec, tmp_path, method, privacy, novel_privacy,
                                                            settings):

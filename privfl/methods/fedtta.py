@@ -104,6 +104,7 @@ from torch.func import functional_call
 from accounting import PrivacyEvent
 from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
+from privfl.devices import ANY_DEVICE, device_of, on_device
 from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
@@ -494,7 +495,8 @@ class FedTTAClient(ClientProcedure):
     def adapter_from(self, weights: dict[str, torch.Tensor]) -> nn.Module:
         """The workspace adaptation model loaded with ``weights``."""
         if self._adapter is None:
-            self._adapter = adaptation_factory(self.model_factory.num_classes, self.config)()
+            self._adapter = adaptation_factory(self.model_factory.num_classes, self.config)().to(
+                self.model_factory.device)
         self._adapter.load_state_dict(weights)
         return self._adapter
 
@@ -503,7 +505,7 @@ class FedTTAClient(ClientProcedure):
         is (Delta psi, Delta phi); see the module docstring for what each privacy mode protects."""
         start_psi, start_phi = message.subset(PSI), message.subset(PHI)
         f, g = self.model_from(start_psi), self.adapter_from(start_phi)
-        teacher = start_psi if self.config.mu > 0 else None
+        teacher = on_device(start_psi, self.model_factory.device) if self.config.mu > 0 else None
         if self.record_level:
             loss, event = self.meta_fit(f, g, data, message.config, ctx.rng, teacher=teacher)
         else:
@@ -584,6 +586,7 @@ class FedTTAClient(ClientProcedure):
     def adaptation(self, f: nn.Module, g: nn.Module, x: torch.Tensor, message: Message) -> Adaptation:
         """The test-time adaptation of this method's settings on ``x`` (see :func:`adapt`)."""
         cfg = self.config
+        x = x.to(device_of(f))      # the inputs go where the models compute
         result = adapt(f, g, dict(f.named_parameters()), dict(g.named_parameters()), x,
                        inner_lr=float(message.config.get("inner_lr", cfg.inner_lr)), steps=cfg.tta_steps,
                        patience=cfg.patience, chunk=self.tta_chunk, weight_decay=cfg.weight_decay,
@@ -617,11 +620,12 @@ def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, rou
         {"params": list(psi.values()), "lr": lr},
         {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},
     ], lr=lr, weight_decay=weight_decay)
-    teacher = None if teacher is None else {k: v.detach() for k, v in teacher.items()}
+    device = device_of(f)      # the batches and the teacher go where the models compute
+    teacher = None if teacher is None else {k: v.detach().to(device) for k, v in teacher.items()}
     total = 0.0
     for index in minibatches(len(y), batch_size, steps, rng):
         batch = torch.from_numpy(index)
-        xb, yb = x[batch], y[batch]
+        xb, yb = x[batch].to(device), y[batch].to(device)
         teacher_logits = None
         if teacher is not None:   # the frozen server model predicts as a served model does: in eval mode
             f.eval()
@@ -650,16 +654,16 @@ register_method(
     "fedtta", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAConfig,
     description="FedTTA: meta-learned prediction and adaptation models, averaged; novel clients adapt locally "
                 "with the learned unsupervised loss (one step) and send nothing",
-    privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE,
+    privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE, devices=ANY_DEVICE,
 )
 register_method(
     "fedtta_prox", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAProxConfig,
     description="FedTTA-Prox: FedTTA plus mu * KL to the frozen server model's outputs",
-    privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE,
+    privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE, devices=ANY_DEVICE,
 )
 register_method(
     "fedtta_pp", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAPPConfig,
     description="FedTTA++: FedTTA-Prox with entropy early-stopped test-time adaptation (up to 50 steps, keeps "
                 "the lowest-entropy model)",
-    privacy=FEDTTA_PRIVACY, smoke_settings={**SMOKE, "tta_steps": 3},
+    privacy=FEDTTA_PRIVACY, smoke_settings={**SMOKE, "tta_steps": 3}, devices=ANY_DEVICE,
 )

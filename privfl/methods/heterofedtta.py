@@ -92,6 +92,7 @@ from torch.func import functional_call
 
 from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
+from privfl.devices import ANY_DEVICE, device_of
 from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release, prefixed
@@ -268,9 +269,11 @@ def distill(f: nn.Module, g: nn.Module, x: torch.Tensor, teacher_base: torch.Ten
         {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},
     ], lr=lr, weight_decay=weight_decay)
     total, steps = 0.0, 0
+    device = device_of(f)      # each batch and its teachers go where the models compute
     for _ in range(epochs):
         for batch in torch.from_numpy(rng.permutation(len(x))).split(config.distill_batch):
-            loss = distillation_loss(f, g, psi, phi, x[batch], teacher_base[batch], teacher_per[batch],
+            loss = distillation_loss(f, g, psi, phi, x[batch].to(device), teacher_base[batch].to(device),
+                                     teacher_per[batch].to(device),
                                      inner_lr=inner_lr, kd_lambda=config.kd_lambda, weight_decay=weight_decay,
                                      kl_direction=config.kl_direction)
             optimizer.zero_grad(set_to_none=True)
@@ -368,10 +371,11 @@ class HeteroFedTTAClient(FedTTAClient):
         return self._workspaces[size]
 
     def build(self, size: int) -> tuple[nn.Module, nn.Module]:
-        """A fresh (f, g) of size index ``size``."""
+        """A fresh (f, g) of size index ``size`` on the model factory's device (built on the CPU, then moved)."""
         cfg = self.config
-        return (prediction_model(self.model_factory, cfg.widths[size], cfg.conv_of(size)),
-                AdaptationModel(self.model_factory.num_classes, cfg.adapt_widths[size], cfg.adapt_layers))
+        device = self.model_factory.device
+        return (prediction_model(self.model_factory, cfg.widths[size], cfg.conv_of(size)).to(device),
+                AdaptationModel(self.model_factory.num_classes, cfg.adapt_widths[size], cfg.adapt_layers).to(device))
 
     def initial(self, size: int, seed: int, purpose: str, client_id: int) -> tuple[nn.Module, nn.Module]:
         """The workspace (f, g) of ``size`` loaded with weights seeded by (``seed``, ``purpose``, ``client_id``)."""
@@ -394,12 +398,13 @@ class HeteroFedTTAClient(FedTTAClient):
 
     def public_logits(self, f: nn.Module, g: nn.Module, x: torch.Tensor, message: Message
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(f(D_p; psi), f(D_p; psi~)) with psi~ = psi adapted on D_p by the test-time procedure."""
+        """(f(D_p; psi), f(D_p; psi~)) with psi~ = psi adapted on D_p by the test-time procedure, on the CPU."""
         f.eval()
         g.eval()
+        x = x.to(device_of(f))
         adapted = self.adaptation(f, g, x, message)
         with torch.no_grad():
-            return f(x).detach(), functional_call(f, adapted.weights, (x,)).detach()
+            return f(x).detach().cpu(), functional_call(f, adapted.weights, (x,)).detach().cpu()
 
     def train(self, data: TrainingClient, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
         """Steps 2-4 (record level: the Revisit step is DP-SGD on the per-record meta-loss); the release is the
@@ -466,4 +471,5 @@ register_method(
     privacy={"record": None, "central": None, "distributed": None, "local": None},
     smoke_settings={"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
                     "distill_batch": 8},
+    devices=ANY_DEVICE,
 )
