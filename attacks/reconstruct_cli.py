@@ -12,7 +12,10 @@ Protocol (FedPFT paper, App. E):
 3. The attacker holds ``--validation-images`` of its own pairs out. The reconstructor (:mod:`attacks.reconstructor`)
    trains on the rest at ``--image-size`` (MNIST's native 28 px by default), checkpointed to
    ``OUT/reconstructor.pt`` (``--checkpoint``) every ``--checkpoint-every`` steps and resumed from there when it
-   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. By default it
+   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. ``--checkpoint``
+   may also name weights exported from a reconstructor trained elsewhere (``Reconstructor.export``, e.g. on a GPU),
+   which are evaluated as they are (``--steps`` as trained; the features may differ by a device's rounding,
+   :mod:`attacks.reconstructor`, "Exported weights"). By default it
    also reads, beside x_t, the mean of the attacker images with the nearest features (``--guide-decoder knn``; for
    a training pair computed without the pair itself).
 4. Decoder baselines (:mod:`attacks.decoders`): ridge, MLP, kNN average and nearest attacker image by feature, and
@@ -881,7 +884,8 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
                    help="reconstructor learning rate (AdamW)")
     p.add_argument("--cond-dropout", type=float, default=default("cond_dropout"), help="condition dropout probability")
     p.add_argument("--checkpoint", default=default("checkpoint"),
-                   help="reconstructor checkpoint (none: OUT/reconstructor.pt); resumed when it exists")
+                   help="reconstructor checkpoint (none: OUT/reconstructor.pt); resumed when it exists; or weights "
+                        "exported elsewhere (Reconstructor.export: evaluated, not trained; --steps as trained)")
     p.add_argument("--checkpoint-every", type=int, default=default("checkpoint_every"),
                    help="save the checkpoint every this many steps")
     p.add_argument("--train-only", action="store_true", default=argparse.SUPPRESS if suppress else False,

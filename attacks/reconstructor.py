@@ -55,6 +55,17 @@ Training is checkpointed atomically (write to a temporary file, then ``os.replac
 ``torch.load(weights_only=True)`` and resumes exactly: the data sampler's random state is part of the checkpoint,
 so training k steps, saving, loading and training k more gives the weights of 2k uninterrupted steps.
 
+Exported weights (:meth:`Reconstructor.export`): what sampling needs and nothing more (the EMA weights with the
+feature statistics, the settings, the step and the losses; no optimiser state, no training weights), for attacking on
+one machine with a reconstructor trained on another (train on a GPU, attack on a CPU). :meth:`Reconstructor.load`
+reads either file; a reconstructor loaded from exported weights samples but does not train on. A full checkpoint is
+resumed only on bit-identical training data (:func:`data_fingerprint`), but features computed by the same backbone on
+another device differ in their last bits, so exported weights are accepted on data whose images are bit-identical,
+with as many pairs, and whose features have per-dimension means and standard deviations within
+:data:`FEATURE_TOLERANCE` of the training features' (features from another backbone, input size or image set differ
+by orders of magnitude more). The estimates a guided reconstructor read while training are not compared: sampling
+reads the estimates of the features it is given, computed at attack time.
+
 Example (a tiny model on random data):
     >>> import torch
     >>> config = ReconstructorConfig(feature_dim=4, image_size=16, block_channels=(8, 8), layers_per_block=1,
@@ -82,11 +93,18 @@ from torch import nn
 
 from privfl.errors import ConfigError
 
-__all__ = ["CHECKPOINT_FORMAT", "DEVICES", "PRECISIONS", "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
+__all__ = ["CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS", "PREDICTION_TYPES",
+           "FeatureConditionedUNet", "Reconstructor",
            "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "resolve_device", "resolve_precision",
            "select_sampling", "train_or_resume"]
 
 CHECKPOINT_FORMAT = 3
+#: The ``format`` of :meth:`Reconstructor.export`'s file.
+EXPORT_FORMAT = "ema-weights-1"
+#: Largest difference allowed between the per-dimension means, and between the per-dimension standard deviations,
+#: of the features exported weights were trained on and the features they are evaluated with (absolute; unit-norm
+#: features of a few hundred dimensions have entries of order 0.03, a device's rounding differences are about 1e-6).
+FEATURE_TOLERANCE = 1e-4
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("v_prediction", "epsilon")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -406,6 +424,10 @@ class Reconstructor:
         self.step = 0
         self.losses: list[float] = []
         self.fingerprint: str | None = None
+        # What exported weights are checked against (``fit``): the training images' fingerprint, the number of
+        # pairs and the training features' per-dimension mean and standard deviation (float64).
+        self.data_summary: dict[str, Any] | None = None
+        self.exported = False
         self.train_seconds = 0.0
 
     # -- properties -------------------------------------------------------------------------------------------------
@@ -543,12 +565,19 @@ class Reconstructor:
         if self.step == 0:
             self.set_feature_statistics(f)
             self.fingerprint = fingerprint
+            self.data_summary = _data_summary(f, x)
+        elif self.exported:
+            self._check_exported_data(f, x)
         elif self.fingerprint != fingerprint:
             raise ConfigError("this reconstructor was trained on other (feature, image) pairs; resume it only on the "
                               "same data, or train a new one (another checkpoint path)")
         losses: list[float] = []
         if self.step >= steps:
             return losses
+        if self.exported:
+            raise ConfigError(f"this reconstructor was loaded from exported weights trained for {self.step} steps, "
+                              f"which hold no optimiser state: it samples but cannot train on to {steps} steps; ask "
+                              f"for steps={self.step}, or resume its full checkpoint")
         f, x = f.to(self.device), x.to(self.device)   # the whole training set once, not one batch at a time
         g = None if g is None else g.to(self.device)
         self.model.train()
@@ -763,43 +792,75 @@ class Reconstructor:
 
     # -- state ------------------------------------------------------------------------------------------------------
 
+    def _check_exported_data(self, f: torch.Tensor, x: torch.Tensor) -> None:
+        """Refuse data other than the exported weights' training data (module docstring, "Exported weights")."""
+        trained = self.data_summary
+        if trained is None:
+            raise ConfigError("these exported weights carry no summary of their training data to check against")
+        given = _data_summary(f, x)
+        if given["pairs"] != trained["pairs"] or given["images"] != trained["images"]:
+            raise ConfigError(f"these exported weights were trained on {trained['pairs']} other images than the "
+                              f"{given['pairs']} given (the images must be bit-identical); evaluate them on their "
+                              "training data's attacker split")
+        gap = max(float((given[k] - trained[k]).abs().max()) for k in ("feature_mean", "feature_std"))
+        if gap > FEATURE_TOLERANCE:
+            raise ConfigError(f"the features given differ from the exported weights' training features by {gap:.3g} "
+                              f"in a per-dimension mean or standard deviation (at most {FEATURE_TOLERANCE:g} is a "
+                              "device's rounding): another backbone, input size or feature cache")
+
     def state_dict(self) -> dict[str, Any]:
+        if self.exported:
+            raise ConfigError("a reconstructor loaded from exported weights has no optimiser state to checkpoint")
         return {"format": CHECKPOINT_FORMAT, "config": self.config.to_dict(), "seed": self.seed, "step": self.step,
                 "model": self.model.state_dict(), "ema": self.ema.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "generator": self.generator.get_state(), "losses": list(self.losses),
-                "fingerprint": self.fingerprint, "train_seconds": self.train_seconds}
+                "fingerprint": self.fingerprint, "data_summary": self.data_summary,
+                "train_seconds": self.train_seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != CHECKPOINT_FORMAT:
+        if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
             raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} "
-                              f"(this code reads {CHECKPOINT_FORMAT}; train a new reconstructor)")
+                              f"(this code reads {CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new "
+                              "reconstructor)")
         if ReconstructorConfig.from_dict(state["config"]) != self.config:
             raise ConfigError("the checkpoint's reconstructor settings differ from this one's")
-        self.model.load_state_dict(state["model"])
+        self.exported = state["format"] == EXPORT_FORMAT
+        self.model.load_state_dict(state["ema" if self.exported else "model"])
         self.ema.load_state_dict(state["ema"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.generator.set_state(state["generator"])
+        if not self.exported:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.generator.set_state(state["generator"])
         self.step = int(state["step"])
         self.losses = [float(v) for v in state["losses"]]
         self.fingerprint = state["fingerprint"]
+        self.data_summary = state.get("data_summary")
         self.train_seconds = float(state.get("train_seconds", 0.0))
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the checkpoint atomically (a temporary file in the same folder, then ``os.replace``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        torch.save(self.state_dict(), temporary)
-        os.replace(temporary, path)
-        return path
+        return _atomic_save(self.state_dict(), path)
+
+    def export(self, path: str | os.PathLike) -> Path:
+        """Write the exported weights (module docstring, "Exported weights") atomically; :meth:`load` reads them.
+
+        Refused for a reconstructor whose checkpoint predates the training-data summary the file is checked with.
+        """
+        if self.data_summary is None:
+            raise ConfigError("this reconstructor has no summary of its training data (trained before it was kept, or "
+                              "not trained): train it, or resume it for one step, before exporting")
+        return _atomic_save({"format": EXPORT_FORMAT, "config": self.config.to_dict(), "seed": self.seed,
+                             "step": self.step, "ema": self.ema.state_dict(), "losses": list(self.losses),
+                             "fingerprint": self.fingerprint, "data_summary": self.data_summary,
+                             "train_seconds": self.train_seconds}, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
              precision: str = "auto") -> Reconstructor:
-        """Rebuild a reconstructor from :meth:`save`'s file (``torch.load(weights_only=True)``), on any device."""
+        """Rebuild a reconstructor from :meth:`save`'s or :meth:`export`'s file (``torch.load(weights_only=True)``),
+        on any device."""
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or "config" not in state:
             raise ConfigError(f"{path} is not a reconstructor checkpoint")
@@ -807,6 +868,26 @@ class Reconstructor:
                             seed=int(state["seed"]))
         reconstructor.load_state_dict(state)
         return reconstructor
+
+
+def _data_summary(features: torch.Tensor, images: torch.Tensor) -> dict[str, Any]:
+    """What exported weights are checked against: the images' fingerprint, the pair count and the features'
+    per-dimension mean and (population) standard deviation in float64."""
+    f = features.double()
+    pixels = np.ascontiguousarray(images.detach().cpu().numpy())
+    fingerprint = hashlib.sha256(f"{pixels.dtype}{pixels.shape}".encode() + pixels.tobytes()).hexdigest()
+    return {"pairs": len(features), "images": fingerprint,
+            "feature_mean": f.mean(0), "feature_std": f.std(0, unbiased=False)}
+
+
+def _atomic_save(state: dict[str, Any], path: str | os.PathLike) -> Path:
+    """``torch.save`` to a temporary file in the same folder, then ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+    return path
 
 
 def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, steps: int,

@@ -144,6 +144,39 @@ def test_checkpoint_resume_gives_the_same_weights(tmp_path):
         Reconstructor.load(tmp_path / "old.pt")
 
 
+def test_exported_weights_sample_like_the_trained_model_and_accept_only_its_data(tmp_path):
+    """Train on one machine, attack on another: the exported EMA weights sample exactly as the trained model does,
+    are accepted on the same images with features that differ by a device's rounding, and refuse anything else."""
+    features, images = tiny_data()
+    trained = train_or_resume(tiny_config(), features, images, steps=3, checkpoint=tmp_path / "full.pt", seed=1,
+                              progress=False)
+    exported = Reconstructor.load(trained.export(tmp_path / "weights.pt"))
+    assert exported.exported and exported.step == 3 and exported.losses == trained.losses
+    assert (tmp_path / "weights.pt").stat().st_size < 0.6 * (tmp_path / "full.pt").stat().st_size  # no optimiser
+    draw = dict(guidance_scale=1.5, num_inference_steps=3)
+    assert torch.equal(exported.sample(features[:5], **draw), trained.sample(features[:5], **draw))
+
+    rounding = features + 1e-6 * torch.randn(features.shape, generator=torch.Generator().manual_seed(0))
+    assert exported.fit(rounding, images, steps=3, progress=False) == []   # accepted, nothing trained
+    again = train_or_resume(tiny_config(), rounding, images, steps=3, checkpoint=tmp_path / "weights.pt",
+                            progress=False)
+    assert again.exported and again.step == 3
+    with pytest.raises(ConfigError, match=r"differ from the exported weights' training features by 0\.01\d* "
+                                          r"in a per-dimension mean"):
+        exported.fit(features + 0.01, images, steps=3, progress=False)
+    with pytest.raises(ConfigError, match="trained on 32 other images than the 32 given"):
+        exported.fit(features, images.flip(-1), steps=3, progress=False)
+    with pytest.raises(ConfigError, match="trained on 32 other images than the 31 given"):
+        exported.fit(features[:31], images[:31], steps=3, progress=False)
+    with pytest.raises(ConfigError, match="exported weights trained for 3 steps.*cannot train on to 4 steps; ask for "
+                                          "steps=3"):
+        exported.fit(features, images, steps=4, progress=False)
+    with pytest.raises(ConfigError, match="no optimiser state to checkpoint"):
+        exported.save(tmp_path / "again.pt")
+    with pytest.raises(ConfigError, match="no summary of its training data"):
+        Reconstructor(tiny_config(), seed=0).export(tmp_path / "untrained.pt")
+
+
 @pytest.fixture(scope="module")
 def conditioned() -> Reconstructor:
     features, images = tiny_data()
