@@ -71,7 +71,7 @@ def test_which_methods_take_cuda_where_it_exists(make_spec, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on_cuda = {"fedavg", "fedprox", "local", "scaffold", "pfedhn", "itpflhn", "odpflhn", "pefll", "pfl_sampled",
-               "pfl_ensemble", "pfl_nearest"}
+               "pfl_ensemble", "pfl_nearest", "fedadg", "fedgma", "afl", "tent"}
     assert {name for name, spec in METHODS.items() if "cuda" in spec.devices} == on_cuda
     assert run_device(_config(make_spec, device="cuda")) == "cuda"
     assert run_device(_config(make_spec, device="auto")) == "cuda"
@@ -79,11 +79,11 @@ def test_which_methods_take_cuda_where_it_exists(make_spec, monkeypatch):
     assert run_device(_config(make_spec, method="pfedhn", method_config={}, device="auto")) == "cuda"
     assert run_device(_config(make_spec, method="odpflhn", method_config={}, device="cuda")) == "cuda"
     assert run_device(_config(make_spec, device="auto", workers=2)) == "cpu"    # workers train on the CPU
-    assert run_device(_config(make_spec, method="fedsr", method_config={}, device="auto")) == "cpu"
-    with pytest.raises(ConfigError, match=r"method 'fedsr' runs on the CPU only.*runs fedavg, fedprox, itpflhn, "
-                                          r"local, odpflhn, pefll, pfedhn, pfl_ensemble, pfl_nearest, pfl_sampled, "
-                                          r"scaffold\); use device 'cpu' or 'auto'"):
-        run_device(_config(make_spec, method="fedsr", method_config={}, device="cuda"))
+    assert run_device(_config(make_spec, method="fedpft", method_config={}, device="auto")) == "cpu"
+    with pytest.raises(ConfigError, match=r"method 'fedpft' runs on the CPU only.*runs afl, fedadg, fedavg, fedgma, "
+                                          r"fedprox, itpflhn, local, odpflhn, pefll, pfedhn, pfl_ensemble, "
+                                          r"pfl_nearest, pfl_sampled, scaffold, tent\); use device 'cpu' or 'auto'"):
+        run_device(_config(make_spec, method="fedpft", method_config={}, device="cuda"))
     with pytest.raises(ConfigError, match="device 'cuda' with workers=2"):
         _config(make_spec, device="cuda", workers=2)
 
@@ -119,6 +119,12 @@ _NOVEL = NovelPrivacy(epsilon=4.0, noise="seeded")
     ("pfl_sampled", TrainingPrivacy(), NovelPrivacy(), _HN),
     ("pfl_ensemble", TrainingPrivacy(), NovelPrivacy(), _HN),
     ("pfl_nearest", TrainingPrivacy(), NovelPrivacy(), {**_HN, "nearest_max_inputs": 16}),
+    # FedADG's draws inside the per-record loss (DP-SGD's vmap) and in plain training, AFL's private loss
+    ("fedadg", _RECORD, NovelPrivacy(), {"gan_hidden": 8}),
+    ("fedadg", TrainingPrivacy(), NovelPrivacy(), {"gan_hidden": 8}),
+    ("fedgma", TrainingPrivacy(), NovelPrivacy(), {}),
+    ("afl", _RECORD, NovelPrivacy(), {}),
+    ("tent", TrainingPrivacy(), NovelPrivacy(), {"adapt": "all"}),
 ])
 def test_cuda_gives_the_cpu_numbers_within_float_tolerance(make_spec, tmp_path, method, privacy, novel_privacy,
                                                            settings):
