@@ -8,7 +8,7 @@ on the CPU, and differs from it only by the floating-point sums of the kernels. 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -49,3 +49,14 @@ def device_of(module: torch.nn.Module) -> torch.device:
     """The device of ``module``'s first parameter (or buffer); the CPU for a module with neither."""
     first = next(iter((*module.parameters(), *module.buffers())), None)
     return torch.device("cpu") if first is None else first.device
+
+
+def on_cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies of ``tensors`` on the CPU: what a message, a client's state or a checkpoint holds, wherever
+    the tensors were computed."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
+def on_device(tensors: Mapping[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` on ``device``: a saved state brought back where its owner computes."""
+    return {k: v.to(device, copy=True) for k, v in tensors.items()}

@@ -52,6 +52,7 @@ from torch import nn
 from accounting import ComposedEvent, NeighboringRelation, PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import TrainingClient
+from privfl.devices import ANY_DEVICE, device_of
 from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
 from privfl.methods.base import ClientContext, ClientState, register_method
@@ -175,7 +176,7 @@ class AFLClient(FedAvgClient):
         else:
             loss_at_start = torch.tensor(float(record_losses(model, data).mean()))
         _, fit_event = self.fit(model, data, sgd_settings(message.config), ctx.rng)
-        arrays = {**difference(weights_of(model), start), LOSS: loss_at_start.to(torch.float32)}
+        arrays = {**difference(weights_of(model), start), LOSS: loss_at_start.to("cpu", torch.float32)}
         events = None if fit_event is None else ComposedEvent((fit_event, loss_event))
         return update_release(self, arrays, events, {"num_examples": float(data.num_train)})
 
@@ -212,9 +213,11 @@ def record_losses(model: nn.Module, data: TrainingClient) -> torch.Tensor:
     restored)."""
     training = model.training
     model.eval()
+    device = device_of(model)
     try:
         with torch.no_grad():
-            return nn.functional.cross_entropy(model(data.x_train), data.y_train, reduction="none")
+            return nn.functional.cross_entropy(model(data.x_train.to(device)), data.y_train.to(device),
+                                               reduction="none")
     finally:
         model.train(training)
 
@@ -230,4 +233,5 @@ register_method(
                         "server learns only from who is sampled)",
              "distributed": "its lambda step needs each client's own loss and its server step each client's own "
                             "lambda_k, which secure aggregation hides (only the sum is seen)"},
+    devices=ANY_DEVICE,
 )

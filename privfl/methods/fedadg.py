@@ -78,6 +78,7 @@ from torch.func import functional_call
 from accounting import PrivacyEvent
 from accounting.validation import is_finite, is_int_at_least
 from privfl.data import TrainingClient
+from privfl.devices import ANY_DEVICE, device_of
 from privfl.errors import check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_seed, seeded_init
@@ -125,8 +126,8 @@ class FedADGModel(nn.Module):
         return self.target(x)
 
     def reference(self, onehot: torch.Tensor) -> torch.Tensor:
-        """Reference features G(xi, e_y), xi ~ U[0, 1)^noise_dim."""
-        noise = torch.rand(len(onehot), self.noise_dim)
+        """Reference features G(xi, e_y), xi ~ U[0, 1)^noise_dim (drawn on the CPU generator wherever G computes)."""
+        noise = torch.rand(len(onehot), self.noise_dim).to(onehot.device)
         return self.generator(torch.cat([noise, onehot], dim=1))
 
     def discriminate(self, features: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
@@ -194,7 +195,7 @@ def generator_steps(model: FedADGModel, *, steps: int, batch_size: int, lr: floa
     optimizer = torch.optim.SGD(model.generator.parameters(), lr=lr)
     total = 0.0
     for _ in range(steps):
-        labels = torch.from_numpy(rng.integers(model.num_classes, size=batch_size))
+        labels = torch.from_numpy(rng.integers(model.num_classes, size=batch_size)).to(device_of(model))
         onehot = nn.functional.one_hot(labels, model.num_classes).float()
         loss = (model.discriminate(model.reference(onehot), onehot) ** 2).mean()
         optimizer.zero_grad(set_to_none=True)
@@ -209,7 +210,9 @@ LOCAL = "discriminator."   # the prefix of the networks a client keeps to itself
 
 
 def _build(factory, config) -> FedADGModel:
-    return FedADGModel(factory(), factory.num_classes, noise_dim=config.noise_dim, hidden=config.gan_hidden)
+    """F and C from ``factory``, G and D, all on the factory's device (built on the CPU, then moved)."""
+    return FedADGModel(factory(), factory.num_classes, noise_dim=config.noise_dim,
+                       hidden=config.gan_hidden).to(factory.device)
 
 
 class FedADGStrategy(FedAvgStrategy):
@@ -270,9 +273,10 @@ class FedADGClient(FedAvgClient):
         }
         totals: dict[str, float] = {}
         steps = settings["steps"]
+        device = self.model_factory.device
         for index in minibatches(data.num_train, settings["batch_size"], steps, rng):
             batch = torch.from_numpy(index)
-            losses = adversarial_step(model, data.x_train[batch], data.y_train[batch], optimizers,
+            losses = adversarial_step(model, data.x_train[batch].to(device), data.y_train[batch].to(device), optimizers,
                                       adv_weight=self.config.adv_weight, grad_clip=settings["grad_clip"])
             for name, value in losses.items():
                 totals[name] = totals.get(name, 0.0) + value / steps
@@ -315,5 +319,5 @@ register_method(
     # every mode (module docstring): F, C and D by DP-SGD and G as post-processing at record level; the server step
     # is FedAvg's mean over F, C and G (central, distributed); local DP is the layer's
     privacy={"record": None, "central": None, "distributed": None, "local": None},
-    smoke_settings={"gan_hidden": 8},
+    smoke_settings={"gan_hidden": 8}, devices=ANY_DEVICE,
 )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from accounting.validation import is_finite
+from privfl.devices import ANY_DEVICE
 from privfl.errors import check
 from privfl.federation.messages import Message
 from privfl.methods.base import register_method
@@ -77,4 +78,5 @@ register_method(
                         "not a function of the clients' noisy mean",
              "distributed": "its server step needs each client's update signs, which secure aggregation hides "
                             "(only the sum is seen)"},
+    devices=ANY_DEVICE,
 )

@@ -100,6 +100,7 @@ from torch import nn
 from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent, SelfComposedEvent
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
+from privfl.devices import ANY_DEVICE, on_cpu, on_device
 from privfl.errors import ConfigError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
@@ -244,7 +245,7 @@ class ITPFLHNStrategy(PFedHNStrategy):
             messages = {}
             for cid in sorted(replies):
                 message = self._encoder_message(**config)
-                message.arrays["embedding"] = self._sent[cid].clone()
+                message.arrays["embedding"] = self._sent[cid].to("cpu", copy=True)
                 messages[cid] = message
             return messages
         self._descriptors = {cid: m.arrays["descriptor"] for cid, m in replies.items()}   # step 6
@@ -329,14 +330,14 @@ class ITPFLHNStrategy(PFedHNStrategy):
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "encoder": {k: v.clone() for k, v in self.encoder_weights.items()}}
         if self.pre_finetune is not None:
-            state["pre_finetune"] = {k: v.clone() for k, v in self.pre_finetune.items()}
+            state["pre_finetune"] = on_cpu(self.pre_finetune)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.encoder_weights = {k: v.clone() for k, v in state["encoder"].items()}
         pre = state.get("pre_finetune")
-        self.pre_finetune = None if pre is None else {k: v.clone() for k, v in pre.items()}
+        self.pre_finetune = None if pre is None else on_device(pre, self.device)
         self._weight_changes, self._descriptors = {}, {}
 
 
@@ -346,17 +347,19 @@ class ITPFLHNClient(PFedHNClient):
     serves_novel_clients = True
 
     def encoder_from(self, message: Message) -> nn.Module:
-        """The encoder built on the client from the configured architecture and the weights in ``message``."""
+        """The encoder built on the client from the configured architecture and the weights in ``message``, on the
+        model factory's device."""
         encoder = make_encoder(self.config, self.model_factory.input_shape, int(message.config["embed_dim"]))
         encoder.load_state_dict(message.subset(_ENCODER))
-        return encoder
+        return encoder.to(self.model_factory.device)
 
     @torch.no_grad()
     def descriptor(self, message: Message, x: torch.Tensor) -> torch.Tensor:
-        """``g_gamma(X)`` over the whole sample set (one batch, the default of Amosy et al., App. B.1)."""
+        """``g_gamma(X)`` over the whole sample set (one batch, the default of Amosy et al., App. B.1), on the
+        CPU."""
         encoder = self.encoder_from(message)
         encoder.eval()
-        return encoder(x).detach()
+        return encoder(x.to(self.model_factory.device)).detach().cpu()
 
     # -- record level ---------------------------------------------------------------------------------------------
 
@@ -403,7 +406,7 @@ class ITPFLHNClient(PFedHNClient):
                                        purpose="descriptor")
         descriptor, event = self._record_encoder(self.encoder_from(message), data, ctx,
                                                  "itpflhn_descriptor").release(data.x_train)
-        return private_release(Message(arrays={"descriptor": descriptor.to(torch.get_default_dtype())}),
+        return private_release(Message(arrays={"descriptor": descriptor.to("cpu", torch.get_default_dtype())}),
                                "descriptor", event, metadata=self._metadata())
 
     def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
@@ -428,17 +431,18 @@ class ITPFLHNClient(PFedHNClient):
         encoder = self.encoder_from(message)
         encoder.train()
         before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
-        target = message.arrays["embedding"]
+        device = self.model_factory.device
+        target, x = message.arrays["embedding"].to(device), data.x_train.to(device)
         optimizer = self._regression_optimizer(encoder, cfg)
         total = 0.0
         steps = int(cfg["encoder_steps"])
         for _ in range(steps):
-            loss = (encoder(data.x_train) - target).pow(2).sum()
+            loss = (encoder(x) - target).pow(2).sum()
             total += float(loss.detach())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        change = {k: v.detach() - before[k] for k, v in encoder.state_dict().items()}
+        change = {k: (v.detach() - before[k]).cpu() for k, v in encoder.state_dict().items()}
         return Release.non_private(
             Message(arrays=change, metrics={"num_examples": float(data.num_train), "encoder_loss": total / steps}),
             purpose="encoder_update")
@@ -451,10 +455,10 @@ class ITPFLHNClient(PFedHNClient):
         private = self._record_encoder(encoder, data, ctx, "itpflhn_encoder_regression")
         source = {"noise": private.noise, "generator": private.generator}   # one stream for every draw
         before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
-        target = message.arrays["embedding"]
+        target = message.arrays["embedding"].to(self.model_factory.device)
         phi, psi = encoder.phi, encoder.psi
         optimizer = self._regression_optimizer(encoder, cfg)
-        x, n = data.x_train, data.num_train
+        x, n = data.x_train, data.num_train      # privatize and the gradient mean move the records to the encoder
         unlabelled = torch.zeros(n, dtype=torch.int64)
         bound, clip, z = private.bound, float(self.privacy.clip), private.noise_multiplier
         events = []
@@ -481,7 +485,7 @@ class ITPFLHNClient(PFedHNClient):
                 p.grad = phi_grads[name]
             optimizer.step()
             events.append(ComposedEvent((mechanism.event, gradient_event)))
-        change = {k: v.detach() - before[k] for k, v in encoder.state_dict().items()}
+        change = {k: (v.detach() - before[k]).cpu() for k, v in encoder.state_dict().items()}
         event = SelfComposedEvent(events[0], len(events)) if len(set(events)) == 1 else ComposedEvent(tuple(events))
         return private_release(Message(arrays=change), "encoder_update", event, metadata=self._metadata())
 
@@ -499,7 +503,8 @@ class ITPFLHNClient(PFedHNClient):
         private = privatize(self.encoder_from(message), setting.epsilon, setting.delta, bound=setting.bound,
                             noise=setting.noise, generator=generator)
         descriptor, event = private.release(novel.x)
-        return Release(Message(arrays={"descriptor": descriptor.to(torch.get_default_dtype())}), purpose="descriptor",
+        return Release(Message(arrays={"descriptor": descriptor.to("cpu", torch.get_default_dtype())}),
+                       purpose="descriptor",
                        event=event, metadata={"noise": setting.noise, "bound": setting.bound, "n": len(novel.x),
                                               "relation": "replace one sample; n public"})
 
@@ -519,4 +524,5 @@ register_method(
     releases_per_round=2, novel_privacy=None,
     smoke_settings={**SMOKE_SETTINGS, "encoder": "dp_deepset", "encoder_options": {"hidden": 8},
                     "encoder_steps": 2, "phase1_rounds": 1},
+    devices=ANY_DEVICE,
 )

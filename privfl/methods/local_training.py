@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from privfl.devices import device_of
+from privfl.devices import device_of, on_cpu
 
 ExtraLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
@@ -76,7 +76,7 @@ def local_sgd(
 
 def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of the model's state dict on the CPU (what a client keeps or sends, wherever it computes)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return on_cpu(model.state_dict())
 
 
 def difference(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

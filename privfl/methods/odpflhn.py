@@ -66,6 +66,7 @@ from torch import nn
 from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
+from privfl.devices import ANY_DEVICE, device_of, on_cpu, on_device
 from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
@@ -274,17 +275,18 @@ def client_descriptor(encoder: nn.Module, x: torch.Tensor, config: ODPFLHNConfig
     descriptor, so
     stage 2 recomputes exactly what stage 0 released.
     """
+    device = device_of(encoder)         # the batches go where the encoder computes; the noise is drawn on the CPU
     if config.descriptor == "full":
-        sets = [x]
+        sets = [x.to(device)]
     else:
         order = torch.from_numpy(derive_rng(seed, "descriptor_batches").permutation(len(x)))
-        sets = [x[index] for index in torch.split(order, config.descriptor_batch_size)]
+        sets = [x[index].to(device) for index in torch.split(order, config.descriptor_batch_size)]
     if config.train_mean_noise > 0:
         generator = torch.Generator().manual_seed(derive_seed(seed, "descriptor_noise"))
         outputs = []
         for batch in sets:
             mean = encoder.pool(encoder.phi(batch))
-            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(mean.device)
             outputs.append(encoder.psi(mean + config.train_mean_noise * noise))
     else:
         outputs = [encoder(batch) for batch in sets]
@@ -322,12 +324,15 @@ class ODPFLHNStrategy(Strategy):
         self.embed_dim = descriptor_dim(config, self.num_training_clients)
         target = self.model_factory.init(self.seed)
         input_shape = tuple(self.model_factory.input_shape)
+        #: Where the hypernetwork, the encoder, their momentum and the descriptors live (messages and the saved state
+        #: are on the CPU).
+        self.device = torch.device(self.model_factory.device)
         self.hnet = seeded_init(lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=config.hn_hidden,
                                                      n_hidden=config.hn_layers,
                                                      standardize=config.standardize_descriptors),
-                                derive_seed(self.seed, "hnet_init"))
+                                derive_seed(self.seed, "hnet_init")).to(self.device)
         self.encoder = seeded_init(lambda: make_encoder(config, input_shape, self.embed_dim),
-                                   derive_seed(self.seed, "encoder_init"))
+                                   derive_seed(self.seed, "encoder_init")).to(self.device)
         self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}}
         self.descriptors: dict[str, torch.Tensor] = {}
         self._round: dict[str, Any] = {}
@@ -358,7 +363,7 @@ class ODPFLHNStrategy(Strategy):
         config: ODPFLHNConfig = self.config
         messages = {}
         for cid, reply in replies.items():
-            descriptor = reply.arrays["descriptor"].to(torch.get_default_dtype())
+            descriptor = reply.arrays["descriptor"].to(self.device, torch.get_default_dtype())
             self._round["descriptors"][cid] = descriptor
             self.descriptors[str(cid)] = descriptor.clone()
         if self.hnet.standardizer is not None and self.descriptors:
@@ -366,7 +371,7 @@ class ODPFLHNStrategy(Strategy):
             self.hnet.standardizer.fit(torch.stack([self.descriptors[k] for k in sorted(self.descriptors)]))
         for cid in replies:
             with torch.no_grad():
-                weights = {k: v.detach().clone() for k, v in self.hnet(self._round["descriptors"][cid]).items()}
+                weights = on_cpu(self.hnet(self._round["descriptors"][cid]))
             messages[cid] = Message(arrays=weights, config={
                 "lr": config.lr, "local_steps": config.local_steps, "local_epochs": config.local_epochs or 0,
                 "batch_size": config.batch_size, "momentum": config.local_momentum,
@@ -392,7 +397,7 @@ class ODPFLHNStrategy(Strategy):
         messages = {}
         for cid, descriptor_grad in descriptor_grads.items():
             message = self._encoder_message(stage=2)
-            message.arrays["descriptor_grad"] = descriptor_grad
+            message.arrays["descriptor_grad"] = descriptor_grad.cpu()
             messages[cid] = message
         return messages
 
@@ -421,25 +426,26 @@ class ODPFLHNStrategy(Strategy):
                 if cid in self._round.get("descriptors", {}):
                     hn_grads, _ = backprop_weight_change(self.hnet, self._round["descriptors"][cid],
                                                          replies[cid].arrays)
-                    yield cid, prefixed(HN_PREFIX, hn_grads)
+                    yield cid, prefixed(HN_PREFIX, on_cpu(hn_grads))     # the privacy layer's, on the CPU
             return
         kept = self._round.get("hn_grads")
         for cid in sorted(replies):
             if kept is None or cid not in kept:
                 continue
             hn_grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
-            yield cid, {**prefixed(HN_PREFIX, hn_grads), **prefixed(ENCODER_PREFIX, replies[cid].arrays)}
+            yield cid, {**prefixed(HN_PREFIX, on_cpu(hn_grads)), **prefixed(ENCODER_PREFIX, replies[cid].arrays)}
 
     def contribution_shapes(self) -> dict[str, torch.Tensor]:
-        shapes = {HN_PREFIX + k: torch.zeros_like(p) for k, p in self.hnet.named_parameters()}
+        """Zeros shaped like a contribution, on the CPU (where the privacy layer clips, sums and noises)."""
+        shapes = {HN_PREFIX + k: torch.zeros(p.shape, dtype=p.dtype) for k, p in self.hnet.named_parameters()}
         if not self.config.frozen_encoder:
-            shapes.update({ENCODER_PREFIX + k: torch.zeros_like(p) for k, p in self.encoder.named_parameters()
-                           if p.requires_grad})
+            shapes.update({ENCODER_PREFIX + k: torch.zeros(p.shape, dtype=p.dtype)
+                           for k, p in self.encoder.named_parameters() if p.requires_grad})
         return shapes
 
     def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
         """The server step of :meth:`aggregate_train` from the noisy mean of the contributions."""
-        message = Message(arrays=mean)
+        message = Message(arrays=on_device(mean, self.device))
         self._round = {}
         return self._step(round, message.subset(HN_PREFIX), message.subset(ENCODER_PREFIX))
 
@@ -474,7 +480,7 @@ class ODPFLHNStrategy(Strategy):
             for name, param in module.named_parameters():
                 if name not in grads:
                     continue
-                g = grads[name].to(param.dtype) + wd * param
+                g = grads[name].to(param.device, param.dtype) + wd * param
                 if mu > 0:
                     g = g if name not in buffers else mu * buffers[name] + g
                     new_buffers[name] = g
@@ -484,9 +490,9 @@ class ODPFLHNStrategy(Strategy):
     # -- evaluation and novel clients ---------------------------------------------------------------------------------
 
     def generated_weights(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """f_theta(descriptor), detached."""
+        """f_theta(descriptor), detached, on the CPU."""
         with torch.no_grad():
-            return {k: v.detach().clone() for k, v in self.hnet(descriptor.to(torch.get_default_dtype())).items()}
+            return on_cpu(self.hnet(descriptor.to(self.device, torch.get_default_dtype())))
 
     def configure_evaluate(self, client_id: int) -> Message:
         """A training client's model from the last descriptor it released (the mean of all known descriptors, or 0,
@@ -513,19 +519,19 @@ class ODPFLHNStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "hnet": {k: v.detach().clone() for k, v in self.hnet.state_dict().items()},
-            "encoder": {k: v.detach().clone() for k, v in self.encoder.state_dict().items()},
-            "hnet_momentum": {k: v.clone() for k, v in self.momentum["hnet"].items()},
-            "encoder_momentum": {k: v.clone() for k, v in self.momentum["encoder"].items()},
-            "descriptors": {k: v.clone() for k, v in self.descriptors.items()},
+            "hnet": on_cpu(self.hnet.state_dict()),
+            "encoder": on_cpu(self.encoder.state_dict()),
+            "hnet_momentum": on_cpu(self.momentum["hnet"]),
+            "encoder_momentum": on_cpu(self.momentum["encoder"]),
+            "descriptors": on_cpu(self.descriptors),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hnet.load_state_dict(state["hnet"])
         self.encoder.load_state_dict(state["encoder"])
-        self.momentum = {"hnet": {k: v.clone() for k, v in state.get("hnet_momentum", {}).items()},
-                         "encoder": {k: v.clone() for k, v in state.get("encoder_momentum", {}).items()}}
-        self.descriptors = {str(k): v.clone() for k, v in state["descriptors"].items()}
+        self.momentum = {"hnet": on_device(state.get("hnet_momentum", {}), self.device),
+                         "encoder": on_device(state.get("encoder_momentum", {}), self.device)}
+        self.descriptors = {str(k): v for k, v in on_device(state["descriptors"], self.device).items()}
         self._round = {}
 
 
@@ -537,10 +543,11 @@ def local_sgd_momentum(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, lr
     """``steps`` minibatch SGD steps (momentum, weight decay) of the mean cross-entropy; returns the mean loss."""
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    device = device_of(model)
     total = 0.0
     for index in minibatches(len(y), batch_size, steps, rng):
         batch = torch.from_numpy(index)
-        loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+        loss = nn.functional.cross_entropy(model(x[batch].to(device)), y[batch].to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -560,7 +567,8 @@ class ODPFLHNClient(ClientProcedure):
         """The workspace encoder loaded with the weights in ``message``."""
         embed_dim = int(message.config["embed_dim"])
         if embed_dim not in self._encoders:
-            self._encoders[embed_dim] = make_encoder(self.config, tuple(self.model_factory.input_shape), embed_dim)
+            self._encoders[embed_dim] = make_encoder(self.config, tuple(self.model_factory.input_shape),
+                                                     embed_dim).to(self.model_factory.device)
         encoder = self._encoders[embed_dim]
         encoder.load_state_dict(message.subset(ENCODER_PREFIX))
         return encoder
@@ -578,13 +586,13 @@ class ODPFLHNClient(ClientProcedure):
         if not self.record_level:
             with torch.no_grad():
                 descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
-            return Release.non_private(Message(arrays={"descriptor": descriptor}), purpose="descriptor")
+            return Release.non_private(Message(arrays={"descriptor": descriptor.cpu()}), purpose="descriptor")
         private = self._private_encoder(encoder, data, ctx)
         mechanism = private.mechanism(data.num_train)      # refuses a client below min_samples, naming no n
         noisy_mean = mechanism.add_noise(private.clipped_mean(data.x_train))
-        state[NOISY_MEAN] = noisy_mean
+        state[NOISY_MEAN] = noisy_mean.cpu()
         with torch.no_grad():
-            descriptor = encoder.psi(noisy_mean.to(_psi_dtype(encoder))).to(torch.get_default_dtype())
+            descriptor = encoder.psi(noisy_mean.to(_psi_dtype(encoder))).to("cpu", torch.get_default_dtype())
         return private_release(Message(arrays={"descriptor": descriptor}), "descriptor", mechanism.event,
                                metadata={"noise": self.privacy.noise, "bound": self.novel_privacy.bound,
                                          "min_samples": self.privacy.min_samples})
@@ -613,7 +621,7 @@ class ODPFLHNClient(ClientProcedure):
                     "weight_decay": float(config["weight_decay"])}
         loss, event = self.fit(model, data, settings, ctx.rng)
         after = dict(model.named_parameters())
-        change = {k: start[k] - after[k].detach() for k in start}
+        change = {k: start[k] - after[k].detach().cpu() for k in start}
         metrics = {} if event is not None else {"loss": loss, "num_examples": float(data.num_train)}
         return private_release(Message(arrays=change, metrics=metrics), "weight_change", event,
                                metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
@@ -629,7 +637,7 @@ class ODPFLHNClient(ClientProcedure):
         """Stage 2 (ClientBackprop of Algorithm 1): release (de_i/dgamma)^T de_i; under record-level DP, its phi
         part as a noisy mean of per-record contributions clipped to ``privacy.clip`` (see the module docstring)."""
         encoder = self.encoder_from(message)
-        descriptor_grad = message.arrays["descriptor_grad"]
+        descriptor_grad = message.arrays["descriptor_grad"].to(self.model_factory.device)
         if self.record_level:
             return self._private_backprop(encoder, data, descriptor_grad, state, ctx)
         descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
@@ -638,7 +646,7 @@ class ODPFLHNClient(ClientProcedure):
         grads = torch.autograd.grad(descriptor, params, grad_outputs=descriptor_grad, allow_unused=True)
         arrays = {n: torch.zeros_like(p) if g is None else g.detach() for n, p, g in zip(names, params, grads,
                                                                                         strict=True)}
-        return Release.non_private(Message(arrays=arrays), purpose="encoder_gradient")
+        return Release.non_private(Message(arrays=on_cpu(arrays)), purpose="encoder_gradient")
 
     def _private_backprop(self, encoder: nn.Module, data: TrainingClient, descriptor_grad: torch.Tensor,
                           state: ClientState, ctx: ClientContext) -> Release:
@@ -651,7 +659,8 @@ class ODPFLHNClient(ClientProcedure):
             raise InternalError("ODPFL-HN stage 2 under record-level DP found no stage-0 release in the client state")
         noisy_mean = state[NOISY_MEAN]
         psi_params = {n: p for n, p in encoder.psi.named_parameters() if p.requires_grad}
-        mean = noisy_mean.detach().to(_psi_dtype(encoder)).requires_grad_(True)
+        device = device_of(encoder)
+        mean = noisy_mean.detach().to(device, _psi_dtype(encoder)).requires_grad_(True)
         out = encoder.psi(mean)
         grads = torch.autograd.grad(out, [mean, *psi_params.values()], grad_outputs=descriptor_grad.to(out.dtype),
                                     allow_unused=True)
@@ -669,14 +678,15 @@ class ODPFLHNClient(ClientProcedure):
             rows = rows * torch.clamp(bound / norms, max=1.0)       # privatize's projection onto the ball
             return (rows * v.to(rows.dtype)).sum(dim=1)
 
-        total = torch.zeros(sum(p.numel() for p in phi_params.values()), dtype=next(iter(phi_params.values())).dtype)
+        total = torch.zeros(sum(p.numel() for p in phi_params.values()), dtype=next(iter(phi_params.values())).dtype,
+                            device=device)
         views = flat_views(phi_params, total)
         engine = ClippedGradientSum(phi, phi_params, contribution)
         encoder.eval()
-        dummy = torch.zeros(data.num_train, dtype=torch.long)
+        dummy = torch.zeros(data.num_train, dtype=torch.long, device=device)
         for start in range(0, data.num_train, CONTRIBUTION_CHUNK):
             stop = start + CONTRIBUTION_CHUNK
-            engine(data.x_train[start:stop], dummy[start:stop], clip, views)
+            engine(data.x_train[start:stop].to(device), dummy[start:stop], clip, views)
         # 3. the noisy mean
         mechanism = self._gradient_mechanism(data, ctx)
         noisy = mechanism.add_noise(total.double() / data.num_train)
@@ -684,7 +694,7 @@ class ODPFLHNClient(ClientProcedure):
         for name, p in phi_params.items():
             arrays[f"phi.{name}"] = noisy[offset:offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-        arrays = {n: arrays[n] for n, p in encoder.named_parameters() if p.requires_grad}
+        arrays = on_cpu({n: arrays[n] for n, p in encoder.named_parameters() if p.requires_grad})
         return private_release(Message(arrays=arrays), "encoder_gradient", mechanism.event,
                                metadata={"noise": self.privacy.noise, "clip": clip,
                                          "min_samples": self.privacy.min_samples})
@@ -734,7 +744,7 @@ class ODPFLHNClient(ClientProcedure):
             with torch.no_grad():
                 seed = derive_seed(novel_privacy.noise_seed, "novel_descriptor", novel.client_id)
                 descriptor = client_descriptor(encoder, novel.x, _noiseless(config), seed=seed)
-            return Release.non_private(Message(arrays={"descriptor": descriptor}), purpose="descriptor")
+            return Release.non_private(Message(arrays={"descriptor": descriptor.cpu()}), purpose="descriptor")
         generator = None
         if novel_privacy.noise == "seeded":
             generator = torch.Generator().manual_seed(derive_seed(novel_privacy.noise_seed, "novel_noise",
@@ -745,7 +755,7 @@ class ODPFLHNClient(ClientProcedure):
             descriptor, event = private.release_batched(novel.x, batch_size=config.descriptor_batch_size)
         else:
             descriptor, event = private.release(novel.x)
-        descriptor = descriptor.to(torch.get_default_dtype())
+        descriptor = descriptor.to("cpu", torch.get_default_dtype())
         return Release(Message(arrays={"descriptor": descriptor}), purpose="descriptor", event=event,
                        metadata={"noise": novel_privacy.noise, "bound": novel_privacy.bound, "n": len(novel.x),
                                  "relation": "replace one sample; n public"})
@@ -781,4 +791,5 @@ register_method(
                             "secure aggregation hides (only sums are seen)"},
     releases_per_round=3, novel_privacy=None,
     smoke_settings={"local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8, "hn_layers": 1},
+    devices=ANY_DEVICE,
 )

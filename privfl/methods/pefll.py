@@ -105,6 +105,7 @@ from torch import nn
 from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import FederatedDataset, TrainingClient
+from privfl.devices import ANY_DEVICE, device_of, on_cpu
 from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
@@ -236,8 +237,9 @@ def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor,
         raise ConfigError("a descriptor needs at least one labelled example, got none")
     embedding.check_labels(y)
     total = None
+    device = device_of(embedding)      # each chunk goes where the embedding network computes
     for start in range(0, n, chunk):
-        rows = embedding(x[start:start + chunk], y[start:start + chunk])
+        rows = embedding(x[start:start + chunk].to(device), y[start:start + chunk].to(device))
         if bound is not None:
             rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True).clamp_min(1e-12), max=1.0)
         part = rows.sum(dim=0)
@@ -246,9 +248,10 @@ def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor,
 
 
 def _clone_tree(value: Any) -> Any:
-    """A deep copy of nested dicts/lists/tuples, cloning tensors (optimizer state without shared storage)."""
+    """A deep copy of nested dicts/lists/tuples, tensors copied to the CPU (optimizer state without shared storage;
+    ``Optimizer.load_state_dict`` moves it to the parameters' device)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {k: _clone_tree(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -301,12 +304,14 @@ class PeFLLStrategy(Strategy):
         self.embed_dim = cfg.embed_dim or embedding_dim(self.num_training_clients, rule="pfedhn")
         self.embed_kind = resolve_kind(cfg.embed_kind, tuple(factory.input_shape))
         target = factory.init(self.seed)
+        #: Where both networks and the optimiser's state live (messages and the saved state are on the CPU).
+        self.device = torch.device(factory.device)
         self.hnet = seeded_init(lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=cfg.hidden_dim,
                                                      n_hidden=cfg.n_hidden),
-                                derive_seed(self.seed, "pefll_hypernetwork"))
+                                derive_seed(self.seed, "pefll_hypernetwork")).to(self.device)
         self.embedding = seeded_init(lambda: EmbeddingNetwork(tuple(factory.input_shape), factory.num_classes,
                                                               embed_dim=self.embed_dim, kind=self.embed_kind),
-                                     derive_seed(self.seed, "pefll_embedding"))
+                                     derive_seed(self.seed, "pefll_embedding")).to(self.device)
         groups = [{"params": list(self.hnet.parameters())}, {"params": list(self.embedding.parameters())}]
         if cfg.server_optimizer == "adam":
             self.optimizer = torch.optim.Adam(groups, lr=cfg.server_lr)
@@ -322,15 +327,15 @@ class PeFLLStrategy(Strategy):
 
     def _embedding_message(self, client_id: int) -> Message:
         cfg: PeFLLConfig = self.config
-        weights = {k: v.detach().clone() for k, v in self.embedding.state_dict().items()}
+        weights = on_cpu(self.embedding.state_dict())
         config = {"embed_dim": self.embed_dim, "embed_kind": self.embed_kind, "descriptor_batch": cfg.descriptor_batch,
                   "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0)}
         return Message(arrays=prefixed(EMBED, weights), config=config)
 
     @torch.no_grad()
     def generate(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """theta = h(v): the generated target weights (detached)."""
-        return {k: v.detach().clone() for k, v in self.hnet(descriptor.to(torch.float32)).items()}
+        """theta = h(v): the generated target weights (detached, on the CPU)."""
+        return on_cpu(self.hnet(descriptor.to(self.device, torch.float32)))
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         """Stage 0 (line 3): the embedding network to each sampled client."""
@@ -354,7 +359,7 @@ class PeFLLStrategy(Strategy):
             for cid in sorted(replies):   # ascending: the order the hypernetwork gradients are summed in
                 dv = self._round["hnet_grads"].add(cid, self._round["descriptor"][cid], replies[cid].arrays)
                 self._round["loss"][cid] = float(replies[cid].metrics.get("loss", float("nan")))
-                messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach()})
+                messages[cid] = Message(arrays={DESCRIPTOR_GRAD: dv.detach().cpu()})
             return messages
         raise InternalError(f"PeFLL has stages 0, 1, 2; got stage {stage}")
 
@@ -377,7 +382,8 @@ class PeFLLStrategy(Strategy):
             self._round = {}
             return {}
         hnet_grads = self._round["hnet_grads"].mean(done)
-        embed_grads = {name: sum(replies[cid].arrays[EMBED + name].to(param.dtype) for cid in done) / len(done)
+        embed_grads = {name: sum(replies[cid].arrays[EMBED + name].to(param.device, param.dtype) for cid in done)
+                       / len(done)
                        for name, param in self.embedding.named_parameters()}
         losses = [self._round["loss"][cid] for cid in done]
         metrics = self._server_step(round, hnet_grads, embed_grads, f"clients {done}")
@@ -391,9 +397,9 @@ class PeFLLStrategy(Strategy):
         hnet_params = dict(self.hnet.named_parameters())
         embed_params = dict(self.embedding.named_parameters())
         for name, param in hnet_params.items():
-            param.grad = hnet_grads[name] + 2 * cfg.lambda_h * param.detach()
+            param.grad = hnet_grads[name].to(param.device) + 2 * cfg.lambda_h * param.detach()
         for name, param in embed_params.items():
-            param.grad = embed_grads[name] + 2 * cfg.lambda_v * param.detach()
+            param.grad = embed_grads[name].to(param.device) + 2 * cfg.lambda_v * param.detach()
         params = [*hnet_params.values(), *embed_params.values()]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
         if not math.isfinite(float(norm)):
@@ -414,9 +420,10 @@ class PeFLLStrategy(Strategy):
     # -- central DP: both networks move from a noisy mean ----------------------------------------------------------
 
     def contribution_shapes(self) -> dict[str, torch.Tensor]:
-        """A contribution: the hypernetwork gradient (``"hnet."``) and the embedding-network gradient (``"embed."``)."""
-        return {**{HNET + name: torch.zeros_like(p) for name, p in self.hnet.named_parameters()},
-                **{EMBED + name: torch.zeros_like(p) for name, p in self.embedding.named_parameters()}}
+        """A contribution: the hypernetwork gradient (``"hnet."``) and the embedding-network gradient (``"embed."``),
+        zeros on the CPU (where the privacy layer clips, sums and noises)."""
+        return {**{HNET + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.hnet.named_parameters()},
+                **{EMBED + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.embedding.named_parameters()}}
 
     def contributions(self, round: int, replies: dict[int, Message]):
         """Client i's contribution (module docstring): ``Delta eta_h^i``, chain-ruled here from its weight change at
@@ -425,7 +432,7 @@ class PeFLLStrategy(Strategy):
         kept = self._round.get("hnet_grads", ())
         for cid in sorted(cid for cid in replies if cid in kept):
             grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
-            yield cid, {**prefixed(HNET, grads),
+            yield cid, {**prefixed(HNET, on_cpu(grads)),
                         **{EMBED + name: replies[cid].arrays[EMBED + name] for name, _ in
                            self.embedding.named_parameters()}}
 
@@ -461,9 +468,9 @@ class PeFLLStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "hypernetwork": {k: v.detach().clone() for k, v in self.hnet.state_dict().items()},
-            "embedding": {k: v.detach().clone() for k, v in self.embedding.state_dict().items()},
-            "optimizer": _clone_tree(self.optimizer.state_dict()),
+            "hypernetwork": on_cpu(self.hnet.state_dict()),
+            "embedding": on_cpu(self.embedding.state_dict()),
+            "optimizer": _clone_tree(self.optimizer.state_dict()),    # on the CPU; loading moves it to the params
             "descriptor_ids": torch.tensor(sorted(self.descriptors), dtype=torch.int64),
             "descriptors": (torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]) if self.descriptors
                             else torch.zeros(0, self.embed_dim)),
@@ -503,7 +510,7 @@ class PeFLLClient(ClientProcedure):
         if key not in self._embeddings:
             factory = self.model_factory
             self._embeddings[key] = EmbeddingNetwork(tuple(factory.input_shape), factory.num_classes,
-                                                     embed_dim=key[1], kind=key[0])
+                                                     embed_dim=key[1], kind=key[0]).to(factory.device)
         net = self._embeddings[key]
         net.load_state_dict(weights)
         return net
@@ -551,14 +558,14 @@ class PeFLLClient(ClientProcedure):
                                                 relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
                                                 min_samples=self.privacy.min_samples,
                                                 **self.noise_source(ctx, "pefll_descriptor"))
-            release = private_release(Message(arrays={DESCRIPTOR: v.to(torch.get_default_dtype())}), "descriptor",
-                                      event, metadata=self._metadata())
+            release = private_release(Message(arrays={DESCRIPTOR: v.to("cpu", torch.get_default_dtype())}),
+                                      "descriptor", event, metadata=self._metadata())
         else:
             size = min(int(message.config["descriptor_batch"]), data.num_train)
             batch = torch.from_numpy(ctx.rng.permutation(data.num_train)[:size]).to(torch.int64)
             with torch.no_grad():
                 v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=self.embedding_bound)
-            release = Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
+            release = Release.non_private(Message(arrays={DESCRIPTOR: v.cpu()}), purpose="descriptor")
         state[_STATE_BATCH] = batch
         state["pefll.embed_dim"] = torch.tensor(int(message.config["embed_dim"]))
         state["pefll.embed_kind"] = torch.tensor(EMBEDDING_KINDS.index(str(message.config["embed_kind"])))
@@ -583,7 +590,7 @@ class PeFLLClient(ClientProcedure):
                     "momentum": float(cfg["momentum"]), "weight_decay": float(cfg["weight_decay"]),
                     "grad_clip": float(cfg["grad_clip"])}
         loss, event = self.fit(model, data, settings, ctx.rng)
-        change = {k: start[k] - p.detach() for k, p in model.named_parameters()}
+        change = {k: start[k] - p.detach().cpu() for k, p in model.named_parameters()}
         return private_release(Message(arrays=change, metrics={} if event is not None else {"loss": loss}),
                                "weight_change", event, metadata=self._metadata())
 
@@ -598,7 +605,7 @@ class PeFLLClient(ClientProcedure):
         net = self.embedding_from({"embed_kind": kind, "embed_dim": d}, weights)
         names = [n for n, _ in net.named_parameters()]
         params = [p for _, p in net.named_parameters()]
-        cotangent = message.arrays[DESCRIPTOR_GRAD]
+        cotangent = message.arrays[DESCRIPTOR_GRAD].to(self.model_factory.device)
         bound = self.embedding_bound
         if self.record_level:
             def per_record(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -609,11 +616,11 @@ class PeFLLClient(ClientProcedure):
                                                     min_samples=self.privacy.min_samples,
                                                     noise_multiplier=self.noise_multiplier(data),
                                                     **self.noise_source(ctx, "pefll_embedding_gradient"))
-            return private_release(Message(arrays={EMBED + n: grads[n] for n in names}), "embedding_gradient", event,
-                                   metadata=self._metadata())
+            return private_release(Message(arrays={EMBED + n: grads[n].cpu() for n in names}), "embedding_gradient",
+                                   event, metadata=self._metadata())
         v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound)
         grads = torch.autograd.grad(v, params, grad_outputs=cotangent.to(v.dtype), allow_unused=True)
-        update = {EMBED + n: (torch.zeros_like(p) if g is None else g.detach())
+        update = {EMBED + n: (torch.zeros_like(p) if g is None else g.detach()).cpu()
                   for n, p, g in zip(names, params, grads, strict=True)}
         return Release.non_private(Message(arrays=update), purpose="embedding_gradient")
 
@@ -634,7 +641,7 @@ class PeFLLClient(ClientProcedure):
         if not setting.private:
             with torch.no_grad():
                 v = descriptor_of(net, x, y, bound=self.embedding_bound)
-            return Release.non_private(Message(arrays={DESCRIPTOR: v}), purpose="descriptor")
+            return Release.non_private(Message(arrays={DESCRIPTOR: v.cpu()}), purpose="descriptor")
         generator = None
         if setting.noise == "seeded":   # the client's own seed: nothing in the server's message sets it
             generator = torch.Generator().manual_seed(derive_seed(setting.noise_seed, "pefll_descriptor_noise",
@@ -642,7 +649,7 @@ class PeFLLClient(ClientProcedure):
         v, event, _ = release_labelled_mean(net, x, y, epsilon=setting.epsilon, delta=setting.delta,
                                             bound=setting.bound, num_classes=self.model_factory.num_classes,
                                             noise=setting.noise, generator=generator)
-        return Release(Message(arrays={DESCRIPTOR: v}), purpose="descriptor", event=event,
+        return Release(Message(arrays={DESCRIPTOR: v.cpu()}), purpose="descriptor", event=event,
                        metadata={"noise": setting.noise, "bound": float(setting.bound),
                                  "relation": "replace one labelled record (x, y); n public"})
 
@@ -664,4 +671,5 @@ register_method(
                             "client's messages, while secure aggregation shows only sums"},
     releases_per_round=3, novel_privacy=None,
     smoke_settings={"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3, "grad_clip": 0.0, "descriptor_batch": 8},
+    devices=ANY_DEVICE,
 )

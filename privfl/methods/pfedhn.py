@@ -69,6 +69,7 @@ from torch import nn
 
 from accounting.validation import is_finite
 from privfl.data import TrainingClient
+from privfl.devices import ANY_DEVICE, on_cpu, on_device
 from privfl.errors import ConfigError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
@@ -207,10 +208,12 @@ class PFedHNStrategy(Strategy):
         cfg = self.config
         self.embed_dim = cfg.embed_dim or embedding_dim(self.num_training_clients, rule=cfg.embed_dim_rule)
         target = self.model_factory.init(self.seed)
+        #: Where the hypernetwork, the rows and their momentum live; what leaves the strategy is on the CPU.
+        self.device = torch.device(self.model_factory.device)
         self.hnet = seeded_init(
             lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=cfg.hidden_dim, n_hidden=cfg.n_hidden,
                                  spectral_norm=cfg.spectral_norm, chunked=cfg.hn_chunked),
-            derive_seed(self.seed, "pfedhn_hypernetwork"))
+            derive_seed(self.seed, "pfedhn_hypernetwork")).to(self.device)
         self.hn_momentum: dict[str, torch.Tensor] = {}
         self.embeddings: dict[int, torch.Tensor] = {}
         self.embedding_momentum: dict[int, torch.Tensor] = {}
@@ -220,9 +223,10 @@ class PFedHNStrategy(Strategy):
 
     # -- embeddings and generation -------------------------------------------------------------------------------
     def initial_embedding(self, client_id: int) -> torch.Tensor:
-        """Client ``client_id``'s row before training: N(0, 1) from a stream keyed by (seed, client id)."""
+        """Client ``client_id``'s row before training: N(0, 1) from a stream keyed by (seed, client id), drawn on
+        the CPU and moved to the strategy's device."""
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "pfedhn_embedding", client_id))
-        return torch.randn(self.embed_dim, generator=generator)
+        return torch.randn(self.embed_dim, generator=generator).to(self.device)
 
     def embedding(self, client_id: int) -> torch.Tensor:
         """Client ``client_id``'s current embedding row (its initial row if it has not trained yet)."""
@@ -232,12 +236,14 @@ class PFedHNStrategy(Strategy):
     @torch.no_grad()
     def generate(self, descriptor: torch.Tensor, hn_state: dict[str, torch.Tensor] | None = None
                  ) -> dict[str, torch.Tensor]:
-        """Target weights ``f_theta(descriptor)`` (detached), from the current hypernetwork or from ``hn_state``."""
+        """Target weights ``f_theta(descriptor)`` (detached, on the CPU: what a message carries), from the current
+        hypernetwork or from ``hn_state``."""
+        descriptor = descriptor.to(self.device)
         if hn_state is None:
             out = self.hnet(descriptor)
         else:
             out = torch.func.functional_call(self.hnet, hn_state, (descriptor,))
-        return {k: v.detach().clone() for k, v in out.items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in out.items()}
 
     def hypernetwork_state(self) -> dict[str, torch.Tensor]:
         """A copy of the hypernetwork's state (parameters and any buffers)."""
@@ -270,7 +276,7 @@ class PFedHNStrategy(Strategy):
         count = len(ids)
         hn_grad: dict[str, torch.Tensor] = {}
         row_grads: dict[int, torch.Tensor] = {}
-        divisor = torch.tensor(float(count))
+        divisor = torch.tensor(float(count), device=self.device)
         for cid in ids:                                      # step 3
             grads, descriptor_grad = backprop_weight_change(self.hnet, descriptors[cid], replies[cid].arrays)
             for name, g in grads.items():
@@ -333,18 +339,19 @@ class PFedHNStrategy(Strategy):
         for cid in sorted(changes):
             grads, descriptor_grad = backprop_weight_change(self.hnet, descriptors[cid], changes[cid].arrays)
             self._row_gradients[cid] = descriptor_grad
-            yield cid, prefixed(HN, grads)
+            yield cid, prefixed(HN, {name: g.cpu() for name, g in grads.items()})   # the privacy layer's, on the CPU
 
     def hypernetwork_shapes(self) -> dict[str, torch.Tensor]:
-        """Zeros shaped like a contribution's hypernetwork gradient (prefixed ``"hn."``)."""
-        return {HN + name: torch.zeros_like(p) for name, p in self.hnet.named_parameters() if p.requires_grad}
+        """Zeros shaped like a contribution's hypernetwork gradient (prefixed ``"hn."``), on the CPU."""
+        return {HN + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.hnet.named_parameters()
+                if p.requires_grad}
 
     def apply_hypernetwork_mean(self, mean: dict[str, torch.Tensor], count: float, *, update_embeddings: bool,
                                 lr: float) -> dict[str, float]:
         """Step 4 from the noisy mean: ``theta`` from ``mean``'s ``"hn."`` tensors alone (clipped to
         ``server_grad_clip`` on its own), and, with ``update_embeddings``, each contributing client's row from its
         own ``g_e_i / count`` (clipped on its own). Returns the noisy mean's norm before clipping (post-processing)."""
-        hn_grad = {name[len(HN):]: g.clone() for name, g in mean.items() if name.startswith(HN)}
+        hn_grad = {name[len(HN):]: g.to(self.device, copy=True) for name, g in mean.items() if name.startswith(HN)}
         rows, self._row_gradients = self._row_gradients, {}
         norm = self._clip_(list(hn_grad.values()), "the noisy mean of the clients' hypernetwork gradients", lr)
         row_grads = {}
@@ -382,19 +389,21 @@ class PFedHNStrategy(Strategy):
     training_only = ("hypernetwork_momentum", "embedding_momentum")
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by str id)."""
+        """Copies on the CPU of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by
+        str id)."""
         return {
-            "hypernetwork": self.hypernetwork_state(),
-            "hypernetwork_momentum": {k: v.clone() for k, v in self.hn_momentum.items()},
-            "embeddings": {str(k): v.clone() for k, v in self.embeddings.items()},
-            "embedding_momentum": {str(k): v.clone() for k, v in self.embedding_momentum.items()},
+            "hypernetwork": on_cpu(self.hnet.state_dict()),
+            "hypernetwork_momentum": on_cpu(self.hn_momentum),
+            "embeddings": on_cpu({str(k): v for k, v in self.embeddings.items()}),
+            "embedding_momentum": on_cpu({str(k): v for k, v in self.embedding_momentum.items()}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hnet.load_state_dict({k: v.clone() for k, v in state["hypernetwork"].items()})
-        self.hn_momentum = {k: v.clone() for k, v in state.get("hypernetwork_momentum", {}).items()}
-        self.embeddings = {int(k): v.clone() for k, v in state["embeddings"].items()}
-        self.embedding_momentum = {int(k): v.clone() for k, v in state.get("embedding_momentum", {}).items()}
+        self.hn_momentum = on_device(state.get("hypernetwork_momentum", {}), self.device)
+        self.embeddings = {int(k): v for k, v in on_device(state["embeddings"], self.device).items()}
+        self.embedding_momentum = {int(k): v for k, v in
+                                   on_device(state.get("embedding_momentum", {}), self.device).items()}
         self._sent, self._row_gradients = {}, {}
 
 
@@ -428,7 +437,7 @@ class PFedHNClient(ClientProcedure):
         model = self.load_generated(start)
         loss, event = self.fit(model, data, sgd_settings(message.config), ctx.rng)
         after = dict(model.named_parameters())
-        change = {name: start[name] - after[name].detach() for name in start}
+        change = {name: start[name] - after[name].detach().cpu() for name in start}
         metrics = {} if event is not None else {"num_examples": float(data.num_train), "loss": loss}
         return private_release(Message(arrays=change, metrics=metrics), "weight_change", event,
                                metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
@@ -457,5 +466,5 @@ register_method(
     description="pFedHN: a server hypernetwork maps learned client embeddings to personal models (training clients "
                 "only; see pfl_sampled / pfl_nearest / pfl_ensemble for novel clients)",
     privacy=PFEDHN_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
-    novel_privacy="it serves no novel client (it has no encoder)",
+    novel_privacy="it serves no novel client (it has no encoder)", devices=ANY_DEVICE,
 )

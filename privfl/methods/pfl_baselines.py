@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from privfl.data import NovelClient, TrainingClient
+from privfl.devices import ANY_DEVICE
 from privfl.errors import ConfigError, check
 from privfl.evaluation.metrics import ExpectedModel
 from privfl.federation.messages import Message, Release, prefixed
@@ -285,12 +286,12 @@ RAW_INPUTS = ("its training clients send a sample of their raw inputs to the ser
 register_method(
     "pfl_sampled", strategy=PFLPoolStrategy, client=PFLSampledClient, config=PFedHNConfig,
     description="PFL-sampled: pFedHN; a novel client is scored by the mean accuracy of all training-client models",
-    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
+    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS, devices=ANY_DEVICE,
 )
 register_method(
     "pfl_ensemble", strategy=PFLPoolStrategy, client=PFLEnsembleClient, config=PFedHNConfig,
     description="PFL-ensemble: pFedHN; a novel client averages the logits of all training-client models",
-    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
+    privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS, devices=ANY_DEVICE,
 )
 register_method(
     "pfl_nearest", strategy=PFLNearestStrategy, client=PFLNearestClient, config=PFLNearestConfig,
@@ -301,5 +302,5 @@ register_method(
     releases_per_round=2,
     novel_privacy="its novel clients send a sample of their raw inputs for the proxy A-distance, which no mechanism "
                   "can make private",
-    smoke_settings={**SMOKE_SETTINGS, "nearest_max_inputs": 16},
+    smoke_settings={**SMOKE_SETTINGS, "nearest_max_inputs": 16}, devices=ANY_DEVICE,
 )

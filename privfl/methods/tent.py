@@ -38,6 +38,7 @@ from torch import nn
 
 from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
+from privfl.devices import ANY_DEVICE, device_of
 from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message
 from privfl.methods.base import ClientState, register_method
@@ -139,6 +140,7 @@ def tent_adapt(model: nn.Module, x: torch.Tensor, *, adapt: str = "norm", steps:
     Only the parameters of :func:`adapted_parameters` change; the others are frozen. Returns ``model`` in eval mode.
     """
     params = adapted_parameters(model, adapt)
+    x = x.to(device_of(model))        # the inputs go where the model computes
     if adapt == "norm":
         if len(x) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise ConfigError(f"TENT with adapt='norm' normalises with each batch's own statistics, which need at "
@@ -203,5 +205,5 @@ register_method(
     "tent", strategy=TentStrategy, client=TentClient, config=TentConfig,
     description="TENT: FedAvg training; a new client minimises its prediction entropy on its unlabelled data "
                 "(normalisation affine parameters, or all parameters with adapt='all'); it sends nothing",
-    privacy=FEDAVG_PRIVACY, smoke_settings={"adapt": "all"},
+    privacy=FEDAVG_PRIVACY, smoke_settings={"adapt": "all"}, devices=ANY_DEVICE,
 )

@@ -233,9 +233,11 @@ def backprop_weight_change(hnet: HyperNetwork, descriptor: torch.Tensor, change:
     through ``w = hnet(e)``, it plays the role of dL/dw: after one plain SGD step at learning rate eta it is exactly
     ``eta * dL/dw``, so the returned gradients are ``eta`` times the true gradients of L(hnet(e)).
 
-    Returns ``({parameter name: gradient}, gradient with respect to the descriptor)``; nothing is modified.
+    Returns ``({parameter name: gradient}, gradient with respect to the descriptor)``, on the hypernetwork's device
+    (``descriptor`` and ``change`` may be on the CPU); nothing is modified.
     """
-    leaf = descriptor.detach().requires_grad_(True)
+    device = next(iter(hnet.parameters())).device      # the inputs go where the hypernetwork computes
+    leaf = descriptor.detach().to(device).requires_grad_(True)
     generated = hnet(leaf)
     missing = sorted(set(generated) - set(change))
     if missing:
@@ -243,7 +245,7 @@ def backprop_weight_change(hnet: HyperNetwork, descriptor: torch.Tensor, change:
     names = [n for n, p in hnet.named_parameters() if p.requires_grad]
     params = [p for p in hnet.parameters() if p.requires_grad]
     grads = torch.autograd.grad(list(generated.values()), [*params, leaf],
-                                grad_outputs=[change[k].to(v.dtype) for k, v in generated.items()],
+                                grad_outputs=[change[k].to(v.device, v.dtype) for k, v in generated.items()],
                                 allow_unused=True)
     param_grads = {n: torch.zeros_like(p) if g is None else g
                    for n, p, g in zip(names, params, grads[:-1], strict=True)}

@@ -38,6 +38,7 @@ from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation
 from accounting.validation import is_finite, is_int_at_least
+from privfl.devices import device_of
 from privfl.errors import ConfigError
 from privfl.privacy.dp_sgd import check_dp_compatible
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_noise
@@ -111,12 +112,13 @@ def release_gradient_mean(model: nn.Module, per_sample_loss: PerSampleLoss, x: t
         model.train(was_training)
     trained = trained_parameters(model, params)
     dtype = next(iter(trained.values())).dtype if trained else torch.get_default_dtype()
-    flat = torch.zeros(sum(p.numel() for p in trained.values()), dtype=dtype)
+    device = device_of(model)   # the sum is kept, and the records are moved, where the model computes
+    flat = torch.zeros(sum(p.numel() for p in trained.values()), dtype=dtype, device=device)
     views = flat_views(trained, flat)
     engine = ClippedGradientSum(model, trained, per_sample_loss)
     with torch.enable_grad():
         for start in range(0, n, CHUNK):
-            engine(x[start:start + CHUNK], y[start:start + CHUNK], float(clip), views)
+            engine(x[start:start + CHUNK].to(device), y[start:start + CHUNK].to(device), float(clip), views)
     noisy = mechanism.add_noise(flat.double() / n)
     out, offset = {}, 0
     for name, p in trained.items():

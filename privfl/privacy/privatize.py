@@ -46,6 +46,7 @@ from torch import nn
 
 from accounting import GaussianEvent, NeighboringRelation, PrivacyLedger
 from accounting.validation import is_int_at_least
+from privfl.devices import device_of
 from privfl.errors import ConfigError
 from privfl.models.set_encoders import MaxPool, MeanMaxPool, MeanPool
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource, check_epsilon_delta, check_noise
@@ -193,6 +194,7 @@ class PrivateEncoder(nn.Module):
         self.encoder.eval()          # a caller holding the encoder may have switched it back to train mode
         phi = self._stage("phi")
         # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
+        x = x.to(device_of(self.encoder))      # where the encoder computes (psi's device too)
         return clipped_rows(phi, lambda s: phi(s.unsqueeze(0)).reshape(-1), (x,), self.bound,
                             name="encoder.phi").mean(dim=0)
 

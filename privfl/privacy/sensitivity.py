@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from accounting import NeighboringRelation
+from privfl.devices import device_of
 from privfl.errors import ConfigError
 
 
@@ -225,6 +226,8 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
     Plain tensor and Python attributes are not seen, and arbitrary code can still escape vmap: the code is trusted,
     its weights need not be.
     """
+    device = device_of(module)
+    inputs = tuple(t.to(device) for t in inputs)     # the records go where the module computes
     kinds = _tensor_state(module)
     for key, (kind, tensor) in kinds.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
