@@ -12,7 +12,10 @@ Protocol (FedPFT paper, App. E):
 3. The attacker holds ``--validation-images`` of its own pairs out. The reconstructor (:mod:`attacks.reconstructor`)
    trains on the rest at ``--image-size`` (MNIST's native 28 px by default), checkpointed to
    ``OUT/reconstructor.pt`` (``--checkpoint``) every ``--checkpoint-every`` steps and resumed from there when it
-   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. By default it
+   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. ``--checkpoint``
+   may also name weights exported from a reconstructor trained elsewhere (``Reconstructor.export``, e.g. on a GPU),
+   which are evaluated as they are (``--steps`` as trained; the features may differ by a device's rounding,
+   :mod:`attacks.reconstructor`, "Exported weights"). By default it
    also reads, beside x_t, the mean of the attacker images with the nearest features (``--guide-decoder knn``; for
    a training pair computed without the pair itself).
 4. Decoder baselines (:mod:`attacks.decoders`): ridge, MLP, kNN average and nearest attacker image by feature, and
@@ -24,9 +27,10 @@ Protocol (FedPFT paper, App. E):
    which records it in the defender's ledger (:func:`attacks.schemes.make_release`). Mixture releases are read after
    the attacker's post-processing (``--readings``), and every DP-FedPFT release has a **prior-only** twin: the same
    counts, the attacker's prior moments, the release ignored (:func:`attacks.schemes.prior_only_release`). Every
-   release is reconstructed by the diffusion model (medoid of its samples for the perceptual metrics, their mean as
-   the posterior-mean estimate for PSNR) and by every decoder, and scored with PSNR / LPIPS (AlexNet) / SSIM under
-   the rows of :mod:`attacks.schemes`, beside the oracle nearest-attacker-image-by-SSIM baseline.
+   release is reconstructed by the diffusion model (medoid of its samples for the perceptual metrics, their mean,
+   and the network's one-step posterior mean from pure noise averaged over ``--one-step-draws`` draws) and by every
+   decoder, and scored with PSNR / LPIPS (AlexNet) / SSIM under the rows of :mod:`attacks.schemes`, beside the
+   oracle nearest-attacker-image-by-SSIM baseline.
 7. Statistics (:mod:`attacks.statistics`): every cell is a mean with a percentile-bootstrap 95 % interval
    (``--bootstrap`` resamples of the scored images, stratified by seed, top-k selections redone in every resample);
    rows over all seeds pool the seeds.
@@ -112,6 +116,7 @@ class AttackSettings:
     ddim_steps: int = 10
     samples_per_feature: int = 8
     set_samples_per_feature: int = 4
+    one_step_draws: int = 4
     baselines: tuple[str, ...] = BASELINES
     guide_decoder: str | None = "knn"
     mlp_hidden: int = 1024
@@ -159,6 +164,14 @@ class AttackSettings:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
         if self.attacker_images is not None and self.attacker_images < 2:
             raise ConfigError(f"--attacker-images must be an integer >= 2 or 'all', got {self.attacker_images}")
+        if isinstance(self.one_step_draws, bool) or not isinstance(self.one_step_draws, int) \
+                or self.one_step_draws < 0:
+            raise ConfigError(f"--one-step-draws must be an integer >= 0 (noise draws the one-step posterior mean "
+                              f"averages; 0: not scored), got {self.one_step_draws!r}")
+        if self.one_step_draws and self.prediction_type == "epsilon":
+            raise ConfigError("--one-step-draws needs --prediction-type v_prediction (an eps-prediction gives the "
+                              "one-step x_0 only by dividing by sqrt(abar_T), about 0); use v_prediction or "
+                              "--one-step-draws 0")
         for name in ("samples_per_feature", "set_samples_per_feature"):
             if getattr(self, name) < 2:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 2 (the attacker selection and the medoid "
@@ -648,7 +661,8 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
             index = None if release.set_level else kept
             k = settings.set_samples_per_feature if release.set_level else settings.samples_per_feature
             diffusion = evaluate_release(release, reconstructor, targets, lpips=lpips, seed=seed,
-                                         samples_per_feature=k, sampling=best, init_decoder=init_decoder,
+                                         samples_per_feature=k, one_step_draws=settings.one_step_draws,
+                                         sampling=best, init_decoder=init_decoder,
                                          guide_decoder=guide_decoder, target_index=index,
                                          progress=settings.progress)
             scored += diffusion.scored
@@ -662,7 +676,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
             matched = "" if not release.set_level else ", oracle-matched"
             if first:
                 for estimate, images in diffusion.shown.items():
-                    if release.set_level and estimate.startswith("mean"):
+                    if release.set_level and not estimate.startswith("medoid"):
                         continue
                     panels.append((f"{shown}: diffusion, {estimate}{matched}", images))
                 for name in ("mlp", "nn"):
@@ -870,7 +884,8 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
                    help="reconstructor learning rate (AdamW)")
     p.add_argument("--cond-dropout", type=float, default=default("cond_dropout"), help="condition dropout probability")
     p.add_argument("--checkpoint", default=default("checkpoint"),
-                   help="reconstructor checkpoint (none: OUT/reconstructor.pt); resumed when it exists")
+                   help="reconstructor checkpoint (none: OUT/reconstructor.pt); resumed when it exists; or weights "
+                        "exported elsewhere (Reconstructor.export: evaluated, not trained; --steps as trained)")
     p.add_argument("--checkpoint-every", type=int, default=default("checkpoint_every"),
                    help="save the checkpoint every this many steps")
     p.add_argument("--train-only", action="store_true", default=argparse.SUPPRESS if suppress else False,
@@ -890,6 +905,9 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
                    help="samples per raw feature (medoid, mean, agreement; the paper: 10)")
     p.add_argument("--set-samples-per-feature", type=int, default=default("set_samples_per_feature"),
                    help="samples per feature of a set-level (mixture) release")
+    p.add_argument("--one-step-draws", type=int, default=default("one_step_draws"),
+                   help="pure-noise draws averaged by the diffusion's one-step posterior mean (its x_0 prediction "
+                        "at t = T - 1; scored beside the medoid and the mean of the samples; 0: not scored)")
     p.add_argument("--baselines", type=_names, default=default("baselines"),
                    help="decoder baselines: ridge,mlp,knn,nn,class-mean")
     p.add_argument("--guide-decoder", type=_optional, default=default("guide_decoder"),

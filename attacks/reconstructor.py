@@ -39,6 +39,10 @@ Model (what the paper states, App. E.3, and the unstated choices):
    dropout drops it together with the feature (the null input is zero), so the unconditional model stays
    unconditional.
 7. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
+8. The one-step posterior mean (:meth:`Reconstructor.posterior_mean`): the network's x_0 prediction at t = T - 1
+   from pure noise, averaged over a few noise draws, estimates ``E[x_0 | feature]`` directly, the quantity an
+   MSE-trained decoder estimates; a mean of N samples is behind it by the factor ``1 + 1/N`` on the expected
+   squared error.
 
 Device and precision: ``device`` is ``"cpu"``, ``"cuda"``/``"cuda:N"`` or ``"auto"`` (:func:`resolve_device`: CUDA
 when visible, else the CPU; asking for CUDA where there is none is an error, never a silent CPU run). ``precision``
@@ -50,6 +54,17 @@ every device.
 Training is checkpointed atomically (write to a temporary file, then ``os.replace``), loads with
 ``torch.load(weights_only=True)`` and resumes exactly: the data sampler's random state is part of the checkpoint,
 so training k steps, saving, loading and training k more gives the weights of 2k uninterrupted steps.
+
+Exported weights (:meth:`Reconstructor.export`): what sampling needs and nothing more (the EMA weights with the
+feature statistics, the settings, the step and the losses; no optimiser state, no training weights), for attacking on
+one machine with a reconstructor trained on another (train on a GPU, attack on a CPU). :meth:`Reconstructor.load`
+reads either file; a reconstructor loaded from exported weights samples but does not train on. A full checkpoint is
+resumed only on bit-identical training data (:func:`data_fingerprint`), but features computed by the same backbone on
+another device differ in their last bits, so exported weights are accepted on data whose images are bit-identical,
+with as many pairs, and whose features have per-dimension means and standard deviations within
+:data:`FEATURE_TOLERANCE` of the training features' (features from another backbone, input size or image set differ
+by orders of magnitude more). The estimates a guided reconstructor read while training are not compared: sampling
+reads the estimates of the features it is given, computed at attack time.
 
 Example (a tiny model on random data):
     >>> import torch
@@ -78,11 +93,18 @@ from torch import nn
 
 from privfl.errors import ConfigError
 
-__all__ = ["CHECKPOINT_FORMAT", "DEVICES", "PRECISIONS", "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
+__all__ = ["CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS", "PREDICTION_TYPES",
+           "FeatureConditionedUNet", "Reconstructor",
            "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "resolve_device", "resolve_precision",
            "select_sampling", "train_or_resume"]
 
 CHECKPOINT_FORMAT = 3
+#: The ``format`` of :meth:`Reconstructor.export`'s file.
+EXPORT_FORMAT = "ema-weights-1"
+#: Largest difference allowed between the per-dimension means, and between the per-dimension standard deviations,
+#: of the features exported weights were trained on and the features they are evaluated with (absolute; unit-norm
+#: features of a few hundred dimensions have entries of order 0.03, a device's rounding differences are about 1e-6).
+FEATURE_TOLERANCE = 1e-4
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("v_prediction", "epsilon")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -402,6 +424,10 @@ class Reconstructor:
         self.step = 0
         self.losses: list[float] = []
         self.fingerprint: str | None = None
+        # What exported weights are checked against (``fit``): the training images' fingerprint, the number of
+        # pairs and the training features' per-dimension mean and standard deviation (float64).
+        self.data_summary: dict[str, Any] | None = None
+        self.exported = False
         self.train_seconds = 0.0
 
     # -- properties -------------------------------------------------------------------------------------------------
@@ -539,12 +565,19 @@ class Reconstructor:
         if self.step == 0:
             self.set_feature_statistics(f)
             self.fingerprint = fingerprint
+            self.data_summary = _data_summary(f, x)
+        elif self.exported:
+            self._check_exported_data(f, x)
         elif self.fingerprint != fingerprint:
             raise ConfigError("this reconstructor was trained on other (feature, image) pairs; resume it only on the "
                               "same data, or train a new one (another checkpoint path)")
         losses: list[float] = []
         if self.step >= steps:
             return losses
+        if self.exported:
+            raise ConfigError(f"this reconstructor was loaded from exported weights trained for {self.step} steps, "
+                              f"which hold no optimiser state: it samples but cannot train on to {steps} steps; ask "
+                              f"for steps={self.step}, or resume its full checkpoint")
         f, x = f.to(self.device), x.to(self.device)   # the whole training set once, not one batch at a time
         g = None if g is None else g.to(self.device)
         self.model.train()
@@ -686,45 +719,148 @@ class Reconstructor:
             return torch.zeros(0, c.channels, c.image_size, c.image_size)
         return torch.cat(out)
 
+    @torch.no_grad()
+    def posterior_mean(self, features: Any, *, draws: int = 4, guide: Any = None,
+                       generator: torch.Generator | None = None, batch_size: int = 256,
+                       guidance_scale: float = 1.0) -> torch.Tensor:
+        """The network's one-step estimate of the posterior mean ``E[x_0 | feature]``; ``[n, C, H, W]`` on [0, 1]
+        (CPU).
+
+        Trained with the squared denoising loss, the network's x_0 prediction at timestep t is an estimate of
+        ``E[x_0 | x_t, c]``. At the last timestep t = T - 1, ``x_T = sqrt(abar_T) x_0 + sqrt(1 - abar_T) eps`` carries
+        almost nothing of x_0 (cosine schedule: abar_T about 2e-9 at T = 1000), so one pass from ``x_T ~ N(0, I)``
+        estimates ``E[x_0 | c]`` itself; averaging over ``draws`` independent x_T removes what is left of its
+        dependence on x_T (``E[E[x_0 | x_T, c] | c] = E[x_0 | c]``). Unlike the mean of N samples, whose expected
+        squared error is ``V (1 + 1/N)`` for posterior variance V, this estimates the posterior mean directly (error
+        V for an exact network), in ``draws`` network passes and no sampling chain.
+
+        With v-prediction, ``x_0 = sqrt(abar) x_t - sqrt(1 - abar) v`` (Salimans and Ho 2022, sec. 4), stable at
+        any abar. An eps-prediction network gives ``x_0 = (x_t - sqrt(1 - abar) eps) / sqrt(abar)``: at T - 1 that
+        divides the network's error by sqrt(abar_T) (about 5e-5 with the cosine schedule, 6e-3 with the linear one),
+        and the eps loss weighs x_0 errors there by abar / (1 - abar), almost nothing, so the estimate would be
+        noise; it is refused (:class:`~privfl.errors.ConfigError`) rather than computed.
+
+        The predictions of the draws are averaged, then clamped to [-1, 1] (a projection onto the pixel range, which
+        never moves an estimate away from an image in it) and mapped to [0, 1] as :meth:`sample` does.
+
+        Args:
+            features: ``[n, feature_dim]``.
+            draws: independent x_T per feature whose predictions are averaged (>= 1).
+            guide: ``[n, C, H, W]`` the decoder's estimates the network reads (``guide_image`` only).
+            generator: the x_T noise's random stream (CPU); ``None`` uses a fresh seed-0 stream. Per batch of
+                features, draw d takes ``randn([batch, C, H, W])`` from it in turn.
+            batch_size: features per network batch.
+            guidance_scale: w of :meth:`guided_output`; 1 (the conditional model) is the posterior mean, other
+                values estimate something else.
+        """
+        c = self.config
+        if c.prediction_type != "v_prediction":
+            abar = float(self.noise_scheduler.alphas_cumprod[c.train_timesteps - 1])
+            raise ConfigError(f"posterior_mean needs prediction_type 'v_prediction', got {c.prediction_type!r}: an "
+                              f"eps-prediction gives x_0 at t = T - 1 only by dividing by sqrt(abar_T) = "
+                              f"{math.sqrt(abar):.2g}; train the reconstructor with v_prediction "
+                              f"(--prediction-type v_prediction)")
+        draws = _positive_int("draws", draws)
+        batch_size = _positive_int("batch_size", batch_size)
+        guidance_scale = _real("guidance_scale", guidance_scale, 0.0, 1e3)
+        f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
+                            dtype=torch.float32)
+        if f.ndim != 2 or f.shape[1] != c.feature_dim:
+            raise ConfigError(f"features must have shape [n, {c.feature_dim}], got {tuple(f.shape)}")
+        if not torch.isfinite(f).all():
+            raise ConfigError("features must be finite")
+        guides = self._check_guides(guide, len(f))
+        generator = torch.Generator().manual_seed(0) if generator is None else generator
+        last = c.train_timesteps - 1
+        abar = self.noise_scheduler.alphas_cumprod[last].double()
+        a, s = float(abar.sqrt()), float((1 - abar).sqrt())
+        t = torch.tensor(last, device=self.device)
+        out = []
+        for start in range(0, len(f), batch_size):
+            cond = f[start:start + batch_size].to(self.device)
+            guide_batch = None if guides is None else guides[start:start + batch_size].to(self.device)
+            total = torch.zeros((len(cond), c.channels, c.image_size, c.image_size), device=self.device)
+            for _ in range(draws):
+                x = torch.randn((len(cond), c.channels, c.image_size, c.image_size), generator=generator)
+                x = x.to(self.device)
+                v = self.guided_output(x, t, cond, guidance_scale, guide=guide_batch)
+                total += a * x - s * v
+            out.append(((total / draws).clamp(-1, 1) + 1) / 2)
+        if not out:
+            return torch.zeros(0, c.channels, c.image_size, c.image_size)
+        return torch.cat(out).float().cpu()
+
     # -- state ------------------------------------------------------------------------------------------------------
 
+    def _check_exported_data(self, f: torch.Tensor, x: torch.Tensor) -> None:
+        """Refuse data other than the exported weights' training data (module docstring, "Exported weights")."""
+        trained = self.data_summary
+        if trained is None:
+            raise ConfigError("these exported weights carry no summary of their training data to check against")
+        given = _data_summary(f, x)
+        if given["pairs"] != trained["pairs"] or given["images"] != trained["images"]:
+            raise ConfigError(f"these exported weights were trained on {trained['pairs']} other images than the "
+                              f"{given['pairs']} given (the images must be bit-identical); evaluate them on their "
+                              "training data's attacker split")
+        gap = max(float((given[k] - trained[k]).abs().max()) for k in ("feature_mean", "feature_std"))
+        if gap > FEATURE_TOLERANCE:
+            raise ConfigError(f"the features given differ from the exported weights' training features by {gap:.3g} "
+                              f"in a per-dimension mean or standard deviation (at most {FEATURE_TOLERANCE:g} is a "
+                              "device's rounding): another backbone, input size or feature cache")
+
     def state_dict(self) -> dict[str, Any]:
+        if self.exported:
+            raise ConfigError("a reconstructor loaded from exported weights has no optimiser state to checkpoint")
         return {"format": CHECKPOINT_FORMAT, "config": self.config.to_dict(), "seed": self.seed, "step": self.step,
                 "model": self.model.state_dict(), "ema": self.ema.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "generator": self.generator.get_state(), "losses": list(self.losses),
-                "fingerprint": self.fingerprint, "train_seconds": self.train_seconds}
+                "fingerprint": self.fingerprint, "data_summary": self.data_summary,
+                "train_seconds": self.train_seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != CHECKPOINT_FORMAT:
+        if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
             raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} "
-                              f"(this code reads {CHECKPOINT_FORMAT}; train a new reconstructor)")
+                              f"(this code reads {CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new "
+                              "reconstructor)")
         if ReconstructorConfig.from_dict(state["config"]) != self.config:
             raise ConfigError("the checkpoint's reconstructor settings differ from this one's")
-        self.model.load_state_dict(state["model"])
+        self.exported = state["format"] == EXPORT_FORMAT
+        self.model.load_state_dict(state["ema" if self.exported else "model"])
         self.ema.load_state_dict(state["ema"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.generator.set_state(state["generator"])
+        if not self.exported:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.generator.set_state(state["generator"])
         self.step = int(state["step"])
         self.losses = [float(v) for v in state["losses"]]
         self.fingerprint = state["fingerprint"]
+        self.data_summary = state.get("data_summary")
         self.train_seconds = float(state.get("train_seconds", 0.0))
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the checkpoint atomically (a temporary file in the same folder, then ``os.replace``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        torch.save(self.state_dict(), temporary)
-        os.replace(temporary, path)
-        return path
+        return _atomic_save(self.state_dict(), path)
+
+    def export(self, path: str | os.PathLike) -> Path:
+        """Write the exported weights (module docstring, "Exported weights") atomically; :meth:`load` reads them.
+
+        Refused for a reconstructor whose checkpoint predates the training-data summary the file is checked with.
+        """
+        if self.data_summary is None:
+            raise ConfigError("this reconstructor has no summary of its training data (trained before it was kept, or "
+                              "not trained): train it, or resume it for one step, before exporting")
+        return _atomic_save({"format": EXPORT_FORMAT, "config": self.config.to_dict(), "seed": self.seed,
+                             "step": self.step, "ema": self.ema.state_dict(), "losses": list(self.losses),
+                             "fingerprint": self.fingerprint, "data_summary": self.data_summary,
+                             "train_seconds": self.train_seconds}, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
              precision: str = "auto") -> Reconstructor:
-        """Rebuild a reconstructor from :meth:`save`'s file (``torch.load(weights_only=True)``), on any device."""
+        """Rebuild a reconstructor from :meth:`save`'s or :meth:`export`'s file (``torch.load(weights_only=True)``),
+        on any device."""
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or "config" not in state:
             raise ConfigError(f"{path} is not a reconstructor checkpoint")
@@ -732,6 +868,26 @@ class Reconstructor:
                             seed=int(state["seed"]))
         reconstructor.load_state_dict(state)
         return reconstructor
+
+
+def _data_summary(features: torch.Tensor, images: torch.Tensor) -> dict[str, Any]:
+    """What exported weights are checked against: the images' fingerprint, the pair count and the features'
+    per-dimension mean and (population) standard deviation in float64."""
+    f = features.double()
+    pixels = np.ascontiguousarray(images.detach().cpu().numpy())
+    fingerprint = hashlib.sha256(f"{pixels.dtype}{pixels.shape}".encode() + pixels.tobytes()).hexdigest()
+    return {"pairs": len(features), "images": fingerprint,
+            "feature_mean": f.mean(0), "feature_std": f.std(0, unbiased=False)}
+
+
+def _atomic_save(state: dict[str, Any], path: str | os.PathLike) -> Path:
+    """``torch.save`` to a temporary file in the same folder, then ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+    return path
 
 
 def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, steps: int,

@@ -21,11 +21,11 @@ the attacker may also **post-process** (:func:`postprocess_release`): anything c
 data is free under DP's post-processing theorem.
 
 The attacker reconstructs from every feature it holds with the diffusion reconstructor (:func:`evaluate_release`:
-the medoid of its samples and their mean) and with decoder baselines trained on the same pairs
-(:func:`evaluate_decoder`; :mod:`attacks.decoders`), beside :func:`nearest_image_baseline` (the attacker image most
-similar to each defender image by true SSIM: an oracle, since it needs the defender's images to choose). For
-DP-FedPFT, :func:`prior_only_release` is the attacker's reading with the release ignored (its public counts and the
-attacker's prior moments): what the attacker gets without the release.
+the medoid of its samples, their mean, and the network's one-step posterior mean) and with decoder baselines trained
+on the same pairs (:func:`evaluate_decoder`; :mod:`attacks.decoders`), beside :func:`nearest_image_baseline` (the
+attacker image most similar to each defender image by true SSIM: an oracle, since it needs the defender's images to
+choose). For DP-FedPFT, :func:`prior_only_release` is the attacker's reading with the release ignored (its public
+counts and the attacker's prior moments): what the attacker gets without the release.
 
 Every attack is scored per image (:class:`ScoredSet`, the lines of ``per_image_scores.csv``), and the table rows are
 means over those with bootstrap intervals (:func:`rows_from_scores`).
@@ -485,10 +485,10 @@ class AttackRow:
     percentile-bootstrap interval of every metric (:func:`attacks.statistics.bootstrap_cell`).
 
     ``source`` is the release (or ``"no release"``), ``attack`` what turns it into images, ``estimate`` which of a
-    generator's samples is scored (``"medoid of k"``, ``"mean of k"``; ``"-"`` for decoders), ``level`` and
-    ``selection`` as in the module docstring, ``seed`` the evaluation seed (``"all"``: the seeds pooled),
-    ``ground_truth`` one of :data:`GROUND_TRUTH`, ``n`` the scored pairs (summed over seeds), ``set_size`` the
-    reconstructions (or candidate images) the attacker holds per seed.
+    generator's samples is scored (``"medoid of k"``, ``"mean of k"``, ``"one-step mean of d"``; ``"-"`` for
+    decoders), ``level`` and ``selection`` as in the module docstring, ``seed`` the evaluation seed (``"all"``: the
+    seeds pooled), ``ground_truth`` one of :data:`GROUND_TRUTH`, ``n`` the scored pairs (summed over seeds),
+    ``set_size`` the reconstructions (or candidate images) the attacker holds per seed.
     """
 
     source: str
@@ -627,22 +627,29 @@ class ReleaseEvaluation:
 
 
 def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpips: LPIPS, seed: int = 0,
-                     samples_per_feature: int = 8, sampling: Any = None, init_decoder: Any = None,
-                     guide_decoder: Any = None, target_index: Any = None, progress: bool = False) -> ReleaseEvaluation:
+                     samples_per_feature: int = 8, one_step_draws: int = 4, sampling: Any = None,
+                     init_decoder: Any = None, guide_decoder: Any = None, target_index: Any = None,
+                     progress: bool = False) -> ReleaseEvaluation:
     """Reconstruct from ``release`` with the diffusion reconstructor and score against ``targets``.
 
-    Every released feature is sampled ``samples_per_feature`` times (DDIM from independent starting noise). Two
-    estimates are scored: the **medoid** of its samples (a sample: sharp, for LPIPS and SSIM) and their **mean** (the
+    Every released feature is sampled ``samples_per_feature`` times (DDIM from independent starting noise). Three
+    estimates are scored: the **medoid** of its samples (a sample: sharp, for LPIPS and SSIM), their **mean** (the
     Monte-Carlo posterior mean ``E[x | feature]``, which minimises the expected squared error, hence PSNR's
-    estimate). The attacker's confidence in a feature is the mean pairwise SSIM among its samples
-    (:func:`attacks.selection.agreement_scores`; the paper's attacker selection), for both.
+    estimate; its expected squared error is ``V (1 + 1/k)`` for posterior variance V), and the **one-step mean**
+    (:meth:`~attacks.reconstructor.Reconstructor.posterior_mean`: the network's x_0 prediction from pure noise at
+    t = T - 1, averaged over ``one_step_draws`` noise draws; an estimate of ``E[x | feature]`` without the
+    ``1 + 1/k`` factor, at w = 1, from its own noise stream so the samples do not change). The attacker's
+    confidence in a feature is the mean pairwise SSIM among its samples (:func:`attacks.selection.agreement_scores`;
+    the paper's attacker selection), for all three.
 
     Args:
         release: from :func:`make_release`, :func:`postprocess_release` or :func:`prior_only_release`.
-        reconstructor: a trained :class:`~attacks.reconstructor.Reconstructor` (anything with its ``sample``).
+        reconstructor: a trained :class:`~attacks.reconstructor.Reconstructor` (anything with its ``sample`` and
+            ``posterior_mean``).
         targets: ``[N, C, H, W]`` defender images on [0, 1] (after filtering).
         target_index: for a raw release, ``[N]`` the position of each target's feature in the release (default:
             target i is feature i).
+        one_step_draws: noise draws averaged by the one-step posterior mean (0: not scored).
         sampling: :class:`~attacks.reconstructor.SamplingSettings` (default: w = 1, 20 DDIM steps).
         init_decoder: the decoder whose estimates start the draws when ``sampling.init_strength`` is set.
         guide_decoder: the decoder whose estimates a ``guide_image`` reconstructor reads.
@@ -654,6 +661,10 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 2:
         raise ConfigError(f"samples_per_feature must be an integer >= 2 (the attacker selection compares samples), "
                           f"got {samples_per_feature!r}")
+    draws = one_step_draws
+    if isinstance(draws, bool) or not isinstance(draws, numbers.Integral) or draws < 0:
+        raise ConfigError(f"one_step_draws must be an integer >= 0 (noise draws averaged by the one-step posterior "
+                          f"mean; 0: not scored), got {one_step_draws!r}")
     linked = _linked(release, t, target_index)
     sampling = SamplingSettings() if sampling is None else sampling
     init = None
@@ -661,9 +672,10 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
         if init_decoder is None:
             raise ConfigError("sampling with init_strength needs the init_decoder whose estimates start the draws")
         init = init_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
-    extra = {}
+    extra, one_step_extra = {}, {}
     if guide_decoder is not None:
-        extra["guide"] = guide_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
+        one_step_extra["guide"] = guide_decoder.decode(release.features, release.labels)
+        extra["guide"] = one_step_extra["guide"].repeat_interleave(int(k), dim=0)
     m = len(release.features)
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
@@ -671,8 +683,10 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
                                    generator=generator, progress=progress, init=init, **extra)
     samples = samples.reshape(m, int(k), *samples.shape[1:])
     agreement, medoid = agreement_scores(samples.numpy())
-    estimates = {f"medoid of {k}": samples[torch.arange(m), torch.as_tensor(medoid)],
-                 f"mean of {k}": samples.mean(1)}
+    estimates = {f"medoid of {k}": samples[torch.arange(m), torch.as_tensor(medoid)], f"mean of {k}": samples.mean(1)}
+    if draws:
+        estimates[f"one-step mean of {draws}"] = reconstructor.posterior_mean(
+            release.features, draws=int(draws), generator=torch.Generator().manual_seed(seed), **one_step_extra)
     scored, shown = [], {}
     for name, images in estimates.items():
         sets, shown[name] = score_reconstructions(t, images, agreement, linked=linked, lpips=lpips,

@@ -14,7 +14,8 @@ The FedPFT paper's Tables 3, 6 and 7 (PSNR up, LPIPS down, SSIM up) at CPU scale
   (leave-one-out for its training pairs), 8,000 steps at batch 32 in bfloat16 autocast on one CPU thread; DDIM 10
   steps; guidance (scale, interval, rescale) and decoder-guided initialisation chosen on 256
   held-out attacker pairs; 8 samples per raw feature and 4 per mixture feature (medoid for LPIPS and SSIM, mean as
-  the posterior-mean estimate for PSNR);
+  a posterior-mean estimate for PSNR), and the network's one-step posterior mean (its x_0 prediction from pure noise
+  at t = T - 1, averaged over 4 noise draws);
 - baselines on the same pairs: ridge, MLP (1280-1024-1024-784), kNN average, nearest attacker image by feature,
   class-mean image; the oracle nearest attacker image by SSIM;
 - releases made by FedPFT's client procedure and recorded by the wire in the defender's ledger, all from the same
@@ -122,7 +123,7 @@ def comparisons(scores: dict, rows: list[dict], *, n_boot: int, seed: int) -> di
                     key=lambda k: -float(k[1]))
     order += sorted({(r["source"], str(r["epsilon"])) for r in rows if r["source"].startswith("prior only")})
     ordering = []
-    kinds = [("diffusion", kind) for kind in ("medoid", "mean")] + [(d, "-") for d in DECODERS]
+    kinds = [("diffusion", kind) for kind in ("medoid", "mean", "one-step")] + [(d, "-") for d in DECODERS]
     for attack, kind in kinds:
         for first, second in zip(order, order[1:]):
             a, b = _key(scores, *first, attack, kind), _key(scores, *second, attack, kind)
@@ -135,7 +136,8 @@ def comparisons(scores: dict, rows: list[dict], *, n_boot: int, seed: int) -> di
 
 
 def _key(scores: dict, source: str, epsilon: str, attack: str, kind: str) -> tuple | None:
-    """The set-level target scores of (source, epsilon, attack) whose estimate is of ``kind`` (medoid, mean, -)."""
+    """The set-level target scores of (source, epsilon, attack) whose estimate is of ``kind`` (medoid, mean,
+    one-step, -)."""
     for key in scores:
         if key[:3] == (source, epsilon, attack) and key[4:] == ("set-level", "target") and key[3].startswith(kind):
             return key

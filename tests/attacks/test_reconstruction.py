@@ -144,6 +144,39 @@ def test_checkpoint_resume_gives_the_same_weights(tmp_path):
         Reconstructor.load(tmp_path / "old.pt")
 
 
+def test_exported_weights_sample_like_the_trained_model_and_accept_only_its_data(tmp_path):
+    """Train on one machine, attack on another: the exported EMA weights sample exactly as the trained model does,
+    are accepted on the same images with features that differ by a device's rounding, and refuse anything else."""
+    features, images = tiny_data()
+    trained = train_or_resume(tiny_config(), features, images, steps=3, checkpoint=tmp_path / "full.pt", seed=1,
+                              progress=False)
+    exported = Reconstructor.load(trained.export(tmp_path / "weights.pt"))
+    assert exported.exported and exported.step == 3 and exported.losses == trained.losses
+    assert (tmp_path / "weights.pt").stat().st_size < 0.6 * (tmp_path / "full.pt").stat().st_size  # no optimiser
+    draw = dict(guidance_scale=1.5, num_inference_steps=3)
+    assert torch.equal(exported.sample(features[:5], **draw), trained.sample(features[:5], **draw))
+
+    rounding = features + 1e-6 * torch.randn(features.shape, generator=torch.Generator().manual_seed(0))
+    assert exported.fit(rounding, images, steps=3, progress=False) == []   # accepted, nothing trained
+    again = train_or_resume(tiny_config(), rounding, images, steps=3, checkpoint=tmp_path / "weights.pt",
+                            progress=False)
+    assert again.exported and again.step == 3
+    with pytest.raises(ConfigError, match=r"differ from the exported weights' training features by 0\.01\d* "
+                                          r"in a per-dimension mean"):
+        exported.fit(features + 0.01, images, steps=3, progress=False)
+    with pytest.raises(ConfigError, match="trained on 32 other images than the 32 given"):
+        exported.fit(features, images.flip(-1), steps=3, progress=False)
+    with pytest.raises(ConfigError, match="trained on 32 other images than the 31 given"):
+        exported.fit(features[:31], images[:31], steps=3, progress=False)
+    with pytest.raises(ConfigError, match="exported weights trained for 3 steps.*cannot train on to 4 steps; ask for "
+                                          "steps=3"):
+        exported.fit(features, images, steps=4, progress=False)
+    with pytest.raises(ConfigError, match="no optimiser state to checkpoint"):
+        exported.save(tmp_path / "again.pt")
+    with pytest.raises(ConfigError, match="no summary of its training data"):
+        Reconstructor(tiny_config(), seed=0).export(tmp_path / "untrained.pt")
+
+
 @pytest.fixture(scope="module")
 def conditioned() -> Reconstructor:
     features, images = tiny_data()
@@ -214,6 +247,11 @@ def test_the_decoder_estimate_is_read_and_dropped_with_the_condition(tmp_path):
     out = r.sample(features[:3], guide=guides[:3], num_inference_steps=2)
     assert out.shape == (3, 1, 16, 16) and torch.equal(out, r.sample(features[:3], guide=guides[:3],
                                                                      num_inference_steps=2))
+    mean = r.posterior_mean(features[:3], guide=guides[:3], draws=2)
+    assert mean.shape == (3, 1, 16, 16) and not torch.allclose(mean, r.posterior_mean(features[:3],
+                                                                                       guide=images[:3], draws=2))
+    with pytest.raises(ConfigError, match="pass guides"):
+        r.posterior_mean(features[:3])
     with pytest.raises(ConfigError, match="other"):   # the estimates are part of the training data's fingerprint
         train_or_resume(tiny_config(guide_image=True), features, images, guides=images, steps=3, checkpoint=path,
                         progress=False)
@@ -333,6 +371,61 @@ def test_guidance_interval_and_decoder_guided_start():
         SamplingSettings(guidance_interval=(0.8, 0.2))
 
 
+class VelocityNet(torch.nn.Module):
+    """v(x, t, f) = 0.5 x + 0.01 t + sum(f) where the condition is kept: a known network output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, list[int], int]] = []
+
+    def forward(self, x, t, features, keep):
+        self.calls.append((len(x), t.tolist(), int(keep.sum())))
+        cond = (features.sum(1) * keep.to(x.dtype)).view(-1, 1, 1, 1)
+        return 0.5 * x + 0.01 * t.view(-1, 1, 1, 1).to(x.dtype) + cond
+
+
+def test_posterior_mean_is_the_v_prediction_x0_at_the_last_timestep():
+    # linear betas 1e-4..0.02 over T = 100: abar_99 = 0.366, so sqrt(abar) and sqrt(1 - abar) are far apart and a
+    # wrong timestep (abar_98 = 0.373), an eps/v swap or a missing clamp changes the value
+    r = Reconstructor(tiny_config(beta_schedule="linear"), seed=0)
+    r.ema = net = VelocityNet()
+    abar = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 100, dtype=torch.float64), 0)
+    assert float(r.noise_scheduler.alphas_cumprod[99]) == pytest.approx(float(abar[99]), rel=1e-6)
+    a, s = float(abar[99].sqrt()), float((1 - abar[99]).sqrt())
+    f = torch.tensor([[-0.8, 0.0, 0.0, 0.0], [0.0, -1.2, 0.1, 0.0], [-1.0, -1.0, 0.0, 0.5]])
+
+    def hand(x: torch.Tensor) -> torch.Tensor:   # x_0 = sqrt(abar) x_T - sqrt(1 - abar) v (Salimans and Ho, sec. 4)
+        v = 0.5 * x + 0.99 + f.sum(1).view(-1, 1, 1, 1)
+        return a * x - s * v
+
+    noise = torch.randn((3, 1, 16, 16), generator=torch.Generator().manual_seed(3))
+    one = r.posterior_mean(f, draws=1, generator=torch.Generator().manual_seed(3))
+    expected = (hand(noise).clamp(-1, 1) + 1) / 2
+    assert one.shape == (3, 1, 16, 16) and one.device.type == "cpu"
+    assert torch.allclose(one, expected, atol=1e-6)
+    assert 0.05 < float(expected.std()) and float(((hand(noise) > -1) & (hand(noise) < 1)).float().mean()) > 0.9
+    assert net.calls == [(3, [99, 99, 99], 3)]   # one conditional pass at t = T - 1
+    # draws: the predictions of successive noise draws averaged, then clamped
+    g = torch.Generator().manual_seed(4)
+    draws = [torch.randn((3, 1, 16, 16), generator=g) for _ in range(3)]
+    three = r.posterior_mean(f, draws=3, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(three, (torch.stack([hand(x) for x in draws]).mean(0).clamp(-1, 1) + 1) / 2, atol=1e-6)
+    # the same generator gives the same estimate, also in other batches; another seed another one
+    again = r.posterior_mean(f, draws=3, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(three, again)
+    assert not torch.allclose(three, r.posterior_mean(f, draws=3, generator=torch.Generator().manual_seed(5)))
+    single = r.posterior_mean(f[:1], draws=1, generator=torch.Generator().manual_seed(3), batch_size=1)
+    assert torch.allclose(single, expected[:1], atol=1e-6)
+    with pytest.raises(ConfigError, match="draws must be an integer >= 1, got 0"):
+        r.posterior_mean(f, draws=0)
+    with pytest.raises(ConfigError, match=r"\[n, 4\]"):
+        r.posterior_mean(torch.zeros(2, 5))
+    # an eps-prediction network is refused: x_0 would be (x_T - sqrt(1 - abar) eps) / sqrt(abar_T) at abar_T ~ 0
+    eps = Reconstructor(tiny_config(prediction_type="epsilon"), seed=0)
+    with pytest.raises(ConfigError, match="needs prediction_type 'v_prediction', got 'epsilon'.*sqrt"):
+        eps.posterior_mean(f)
+
+
 def test_device_and_precision_are_explicit():
     assert resolve_device("cpu").type == "cpu" and resolve_precision("auto", torch.device("cpu")) is None
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -441,6 +534,12 @@ class StubReconstructor:
         jitter = features[:, 2].view(-1, 1, 1, 1) * torch.randn(len(features), 1, 16, 16, generator=generator)
         return (self.targets[i] + amount * self.noise[i] + jitter).clamp(0, 1)
 
+    def posterior_mean(self, features, *, draws, generator, guide=None):
+        """The samples' expectation before clamping (no jitter), recording the draws asked for."""
+        self.draws = draws
+        i = features[:, 0].long()
+        return (self.targets[i] + features[:, 1].view(-1, 1, 1, 1) * self.noise[i]).clamp(0, 1)
+
 
 @pytest.fixture(scope="module")
 def lpips_metric():
@@ -457,14 +556,14 @@ def test_raw_rows_score_medoids_and_means_and_say_which_use_ground_truth(lpips_m
     # target 2 is reconstructed exactly, every time; the others with growing error and sample-to-sample jitter.
     features = torch.tensor([[0, 0.6, 0.3], [1, 0.9, 0.3], [2, 0.0, 0.0], [3, 0.3, 0.3]])
     release = Release("raw", features, torch.arange(4), set_level=False, epsilon=math.inf)
-    result = evaluate_release(release, StubReconstructor(targets), targets, lpips=lpips_metric,
-                              samples_per_feature=3)
+    stub = StubReconstructor(targets)
+    result = evaluate_release(release, stub, targets, lpips=lpips_metric, samples_per_feature=3, one_step_draws=2)
     rows = _rows(result)
     medoid = {k[1:]: r for k, r in rows.items() if k[0] == "medoid of 3"}
     assert set(medoid) == {("per-feature", "all", "all"), ("per-feature", "attacker", "25%"),
                            ("per-feature", "oracle", "25%"), ("set-level", "all", "all"),
                            ("set-level", "attacker", "25%"), ("set-level", "oracle", "25%")}
-    assert {k[0] for k in rows} == {"medoid of 3", "mean of 3"}
+    assert {k[0] for k in rows} == {"medoid of 3", "mean of 3", "one-step mean of 2"} and stub.draws == 2
     truth = {k: r.ground_truth for k, r in medoid.items()}
     assert truth[("per-feature", "all", "all")] == "none" and truth[("per-feature", "attacker", "25%")] == "none"
     assert truth[("per-feature", "oracle", "25%")] == "selection"
@@ -490,6 +589,14 @@ def test_raw_rows_score_medoids_and_means_and_say_which_use_ground_truth(lpips_m
     assert everything.ssim == pytest.approx(float(ssim_pairs(targets, medoids).mean()))
     mean_row = rows[("mean of 3", "per-feature", "all", "all")]
     assert mean_row.ssim == pytest.approx(float(ssim_pairs(targets, samples.mean(1)).mean()))
+    one_step = stub.posterior_mean(features, draws=2, generator=None)
+    assert torch.equal(result.reconstructions["one-step mean of 2"], one_step)
+    assert rows[("one-step mean of 2", "per-feature", "all", "all")].ssim == pytest.approx(
+        float(ssim_pairs(targets, one_step).mean()))
+    without = evaluate_release(release, stub, targets, lpips=lpips_metric, samples_per_feature=2, one_step_draws=0)
+    assert set(without.reconstructions) == {"medoid of 2", "mean of 2"}   # 0: not scored
+    with pytest.raises(ConfigError, match="one_step_draws must be an integer >= 0 .*got -1"):
+        evaluate_release(release, stub, targets, lpips=lpips_metric, one_step_draws=-1)
     # set-level all can only match better than per-feature all (each target may pick any reconstruction)
     assert medoid[("set-level", "all", "all")].ssim >= everything.ssim - 1e-12
     # the per-image scores behind the rows
@@ -738,7 +845,10 @@ def test_cli_rejects_bad_values_before_any_work(tmp_path, capsys):
              (["--baselines", "mlp,gan"], "unknown baseline(s) ['gan']"), (["--precision", "fp8"], "--precision"),
              (["--device", "tpu"], "device must be one of auto, cpu, cuda, cuda:N, got 'tpu'"),
              (["--seeds", "1,1"], "--seeds must be distinct"), (["--guidance-intervals", "0.9:0.1"],
-                                                                "guidance_interval")]
+                                                                "guidance_interval"),
+             (["--one-step-draws", "-2"], "--one-step-draws must be an integer >= 0 (noise draws the one-step "
+                                          "posterior mean averages; 0: not scored), got -2"),
+             (["--prediction-type", "epsilon"], "--one-step-draws needs --prediction-type v_prediction")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no CUDA device is visible"))
     for extra, needle in cases:
@@ -768,6 +878,9 @@ def test_presets_and_help_show_what_runs(capsys):
     text = capsys.readouterr().out
     assert "(default: 1,4,10)" in text and "(default: auto)" in text and "(default: all)" in text
     assert "quick: --attacker-images 2000" in text and "benchmark:" in text
+    assert "one-step posterior mean (its x_0 prediction at t = T - 1" in " ".join(text.split())
+    assert plain.one_step_draws == 4 and settings_from_args(["--out", "x", "--one-step-draws", "2"])[0] \
+        .one_step_draws == 2
 
 
 def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch, capsys):
@@ -787,7 +900,8 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
             "--block-channels", "8,16", "--layers-per-block", "1", "--condition-dims", "8", "--steps", "3",
             "--batch-size", "8", "--guidance", "1,2", "--guidance-rescales", "0", "--guidance-intervals", "0:1",
             "--init-strengths", "0.5", "--selection-images", "6", "--ddim-steps", "2", "--samples-per-feature", "2",
-            "--set-samples-per-feature", "2", "--mlp-hidden", "16", "--mlp-epochs", "2", "--top-fractions", "0.1",
+            "--set-samples-per-feature", "2", "--one-step-draws", "3", "--mlp-hidden", "16", "--mlp-epochs", "2",
+            "--top-fractions", "0.1",
             "--eps", "1,4", "--components", "2", "--checkpoint-every", "2", "--bootstrap", "100", "--device", "cpu",
             "--baselines", "mlp,nn,class-mean", "--prior-covariance", "diag", "--no-progress", "--threads", "1"]
     assert reconstruct_main(argv) == 0
@@ -807,7 +921,15 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     assert sources == {"raw", "fedpft, post-processed", "dp-fedpft, post-processed", "prior only (release ignored)",
                        "no release"}
     assert {row["attack"] for row in table} == {"diffusion", "mlp", "nn", "class-mean", "nearest image by SSIM"}
-    assert {row["estimate"] for row in table if row["attack"] == "diffusion"} == {"medoid of 2", "mean of 2"}
+    assert {row["estimate"] for row in table if row["attack"] == "diffusion"} == {"medoid of 2", "mean of 2",
+                                                                                  "one-step mean of 3"}
+    # the one-step posterior mean is scored per image for raw and mixture releases alike
+    one_step = {(s["source"], s["level"], s["unit"]) for s in scores if s["estimate"] == "one-step mean of 3"}
+    assert {("raw", "per-feature", "target"), ("raw", "set-level", "target"),
+            ("fedpft, post-processed", "set-level", "target"), ("dp-fedpft, post-processed", "set-level", "target"),
+            ("prior only (release ignored)", "set-level", "reconstruction")} <= one_step
+    assert sum(1 for s in scores if (s["estimate"], s["source"], s["level"], s["seed"]) ==
+               ("one-step mean of 3", "raw", "per-feature", "0")) == 18
     assert {row["seed"] for row in table} == {"0", "1", "all"}
     evaluated = [s["evaluated"] for s in summary["protocol"]["seeds"]]
     assert evaluated == [18, 18]  # 10 % of 20 removed as near-duplicates, per seed
@@ -830,6 +952,7 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     # the grid says which reconstructions were matched to the defender's images with ground truth
     (names,) = panels
     assert names[0] == "defender image" and any(n.startswith("raw: diffusion, medoid") for n in names)
+    assert "raw: diffusion, one-step mean of 3" in names
     assert all(n.endswith("oracle-matched") for n in names if n.startswith(("fedpft", "dp-fedpft", "prior",
                                                                             "no release")))
     assert summary["sampling"]["guidance_candidates"] and summary["sampling"]["init_decoder"] == "knn"
