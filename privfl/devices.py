@@ -4,6 +4,10 @@ Models are built and initialised on the CPU, from the CPU generator, then moved,
 (minibatch order, Poisson sampling, DP noise) comes from a CPU generator: a run on CUDA draws the numbers of the run
 on the CPU, and differs from it only by the floating-point sums of the kernels. What crosses a message boundary
 (weights, updates, client state) is kept on the CPU (:func:`privfl.methods.local_training.weights_of`).
+
+One exception: a model with dropout layers (:class:`privfl.models.targets.FeatureMLP`, the head for ``features``
+data) draws its masks where it computes, from the device's own seeded generator. Such a run on CUDA reproduces
+itself, but not the CPU run's numbers; the synthetic and image targets have no dropout and give the CPU numbers.
 """
 
 from __future__ import annotations
