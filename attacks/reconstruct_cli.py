@@ -600,6 +600,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
         "device": _device_info(device, reconstructor),
         "reconstructor": {"parameters": reconstructor.num_parameters, "config": config.to_dict(),
                           "steps": reconstructor.step, "train_seconds": reconstructor.train_seconds,
+                          "exported": reconstructor.exported,   # trained elsewhere, its exported weights loaded
                           "first_loss_mean_100": float(np.mean(losses[:100])) if losses else None,
                           "final_loss_mean_100": float(np.mean(losses[-100:])) if losses else None,
                           "loss_mean_per_1000_steps": [float(np.mean(losses[i:i + 1000]))

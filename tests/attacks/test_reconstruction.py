@@ -963,3 +963,13 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     again = json.loads((out / "attack_results.json").read_text())
     assert "rows" not in again and again["reconstructor"]["steps"] == 3
     assert again["reconstructor"]["train_seconds"] == summary["reconstructor"]["train_seconds"]
+    assert summary["reconstructor"]["exported"] is False
+    # Trained elsewhere: its exported weights are evaluated as they are, and say so; more steps are refused.
+    weights = Reconstructor.load(out / "reconstructor.pt").export(tmp_path / "weights.pt")
+    elsewhere = argv + ["--checkpoint", str(weights), "--train-only"]
+    assert reconstruct_main(elsewhere) == 0
+    exported = json.loads((out / "attack_results.json").read_text())["reconstructor"]
+    assert exported["exported"] is True and exported["steps"] == 3
+    capsys.readouterr()
+    assert reconstruct_main([*elsewhere, "--steps", "4"]) == 2
+    assert "cannot train on to 4 steps; ask for steps=3" in capsys.readouterr().err
