@@ -327,11 +327,11 @@ class FeatureConditionedUNet(nn.Module):
         return self.unet(x, t, class_labels=self.condition_embedding(features, keep)).sample
 
 
-def data_fingerprint(features: Any, images: Any, *more: Any) -> str:
-    """sha256 of the training pairs (shapes, dtypes and bytes; and of any further arrays, e.g. the decoder's
-    estimates): a checkpoint is reused only on the same data."""
+def data_fingerprint(*arrays: Any) -> str:
+    """sha256 of ``arrays`` in order (shapes, dtypes and bytes; ``None`` skipped), e.g. the training pairs and the
+    decoder's estimates: a checkpoint is reused only on the same data."""
     hasher = hashlib.sha256()
-    for array in (features, images) + tuple(a for a in more if a is not None):
+    for array in (a for a in arrays if a is not None):
         a = np.ascontiguousarray(array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else array)
         hasher.update(f"{a.dtype}{a.shape}".encode())
         hasher.update(a.tobytes())
@@ -463,6 +463,17 @@ class Reconstructor:
         if not (torch.isfinite(f).all() and torch.isfinite(x).all()):
             raise ConfigError("features and images must be finite")
         return f, x
+
+    def _check_features(self, features: Any) -> torch.Tensor:
+        """``features`` as a finite float32 ``[n, feature_dim]`` tensor (what :meth:`sample` and
+        :meth:`posterior_mean` read), else a ConfigError naming what is wrong."""
+        f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
+                            dtype=torch.float32)
+        if f.ndim != 2 or f.shape[1] != self.config.feature_dim:
+            raise ConfigError(f"features must have shape [n, {self.config.feature_dim}], got {tuple(f.shape)}")
+        if not torch.isfinite(f).all():
+            raise ConfigError("features must be finite")
+        return f
 
     def _check_guides(self, guides: Any, n: int) -> torch.Tensor | None:
         c = self.config
@@ -672,13 +683,8 @@ class Reconstructor:
             raise ConfigError(f"num_inference_steps must be <= train_timesteps={self.config.train_timesteps}, "
                               f"got {settings.num_inference_steps}")
         batch_size = _positive_int("batch_size", batch_size)
-        f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
-                            dtype=torch.float32)
+        f = self._check_features(features)
         c = self.config
-        if f.ndim != 2 or f.shape[1] != c.feature_dim:
-            raise ConfigError(f"features must have shape [n, {c.feature_dim}], got {tuple(f.shape)}")
-        if not torch.isfinite(f).all():
-            raise ConfigError("features must be finite")
         if (init is None) != (settings.init_strength is None):
             raise ConfigError("decoder-guided initialisation needs both init images and init_strength (or neither)")
         start_images = None
@@ -763,12 +769,7 @@ class Reconstructor:
         draws = _positive_int("draws", draws)
         batch_size = _positive_int("batch_size", batch_size)
         guidance_scale = _real("guidance_scale", guidance_scale, 0.0, 1e3)
-        f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
-                            dtype=torch.float32)
-        if f.ndim != 2 or f.shape[1] != c.feature_dim:
-            raise ConfigError(f"features must have shape [n, {c.feature_dim}], got {tuple(f.shape)}")
-        if not torch.isfinite(f).all():
-            raise ConfigError("features must be finite")
+        f = self._check_features(features)
         guides = self._check_guides(guide, len(f))
         generator = torch.Generator().manual_seed(0) if generator is None else generator
         last = c.train_timesteps - 1
@@ -811,11 +812,15 @@ class Reconstructor:
     def state_dict(self) -> dict[str, Any]:
         if self.exported:
             raise ConfigError("a reconstructor loaded from exported weights has no optimiser state to checkpoint")
-        return {"format": CHECKPOINT_FORMAT, "config": self.config.to_dict(), "seed": self.seed, "step": self.step,
-                "model": self.model.state_dict(), "ema": self.ema.state_dict(),
+        return {**self._sampling_state(), "format": CHECKPOINT_FORMAT, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "generator": self.generator.get_state(), "losses": list(self.losses),
-                "fingerprint": self.fingerprint, "data_summary": self.data_summary,
+                "generator": self.generator.get_state()}
+
+    def _sampling_state(self) -> dict[str, Any]:
+        """What a checkpoint and exported weights both hold: the settings, the EMA weights, the step, the losses and
+        the training data's fingerprint and summary."""
+        return {"config": self.config.to_dict(), "seed": self.seed, "step": self.step, "ema": self.ema.state_dict(),
+                "losses": list(self.losses), "fingerprint": self.fingerprint, "data_summary": self.data_summary,
                 "train_seconds": self.train_seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -851,10 +856,7 @@ class Reconstructor:
         if self.data_summary is None:
             raise ConfigError("this reconstructor has no summary of its training data (trained before it was kept, or "
                               "not trained): train it, or resume it for one step, before exporting")
-        return _atomic_save({"format": EXPORT_FORMAT, "config": self.config.to_dict(), "seed": self.seed,
-                             "step": self.step, "ema": self.ema.state_dict(), "losses": list(self.losses),
-                             "fingerprint": self.fingerprint, "data_summary": self.data_summary,
-                             "train_seconds": self.train_seconds}, path)
+        return _atomic_save({**self._sampling_state(), "format": EXPORT_FORMAT}, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
@@ -874,9 +876,7 @@ def _data_summary(features: torch.Tensor, images: torch.Tensor) -> dict[str, Any
     """What exported weights are checked against: the images' fingerprint, the pair count and the features'
     per-dimension mean and (population) standard deviation in float64."""
     f = features.double()
-    pixels = np.ascontiguousarray(images.detach().cpu().numpy())
-    fingerprint = hashlib.sha256(f"{pixels.dtype}{pixels.shape}".encode() + pixels.tobytes()).hexdigest()
-    return {"pairs": len(features), "images": fingerprint,
+    return {"pairs": len(features), "images": data_fingerprint(images),
             "feature_mean": f.mean(0), "feature_std": f.std(0, unbiased=False)}
 
 
