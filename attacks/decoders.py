@@ -149,70 +149,121 @@ class MLPDecoder(_StandardisingDecoder):
 
     Trains up to ``epochs`` epochs (AdamW, batch ``batch_size``) and keeps the weights of the epoch with the lowest
     held-out MSE; stops after ``patience`` epochs without improvement.
+
+    Cross-fitting (``folds = K >= 2``): :meth:`fit` also trains K fold models, the k-th on every training pair
+    outside the k-th of K disjoint parts (a seeded random split), with the same early stopping. ``decode(...,
+    exclude=i)`` then estimates the image of the decoder's own training pair i with the fold model that never saw it
+    (out-of-fold prediction, the "stacking" of Wolpert 1992), what a feature from outside the attacker's data gets
+    from the full model. A diffusion reconstructor that reads the MLP's estimate trains on these; the full model's
+    estimates of its own training images are far better than of any other image (MNIST benchmark: MSE 0.014 against
+    0.024 held out), and a network trained on them would learn to trust the estimate too much. The fold models see
+    (K - 1) / K of the pairs, so their estimates are slightly worse than the full model's an attack reads. The
+    standardisation is the full training set's (feature statistics only, no images).
     """
 
     name = "mlp"
 
     def __init__(self, *, hidden: int = 1024, epochs: int = 30, learning_rate: float = 1e-3,
                  weight_decay: float = 1e-4, batch_size: int = 256, patience: int = 4, seed: int = 0,
-                 device: str | torch.device = "cpu", progress: bool = False) -> None:
+                 folds: int = 0, device: str | torch.device = "cpu", progress: bool = False) -> None:
         for name, value in (("hidden", hidden), ("epochs", epochs), ("batch_size", batch_size),
                             ("patience", patience)):
             check.integer(value, name)
         check.positive(learning_rate, "learning_rate")
+        if isinstance(folds, bool) or not isinstance(folds, numbers.Integral) or folds == 1 or folds < 0:
+            raise ConfigError(f"folds must be 0 (no cross-fitting) or at least 2, got {folds}")
         self.hidden, self.epochs, self.learning_rate = int(hidden), int(epochs), float(learning_rate)
         self.weight_decay, self.batch_size, self.patience = float(weight_decay), int(batch_size), int(patience)
-        self.seed, self.device, self.progress = int(seed), torch.device(device), progress
+        self.seed, self.folds, self.device, self.progress = int(seed), int(folds), torch.device(device), progress
         self.details: dict[str, Any] = {}
+        self.fold_models: list[nn.Module] = []
 
     def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
             held_labels: Any) -> MLPDecoder:
-        from tqdm.auto import tqdm
-
         f, x, hf, hx = self._standardised_pairs(features, images, labels, held_features, held_images, held_labels)
+        if self.folds > len(f):
+            raise ConfigError(f"folds={self.folds} needs at least that many training pairs, got {len(f)}")
         z = self.standardise(f).float().to(self.device)
         y = x.reshape(len(x), -1).to(self.device)
         held = self.standardise(hf).float().to(self.device)
+        self.model, history = self._train(z, y, held, hx, "mlp decoder")
+        self.details = {"hidden": self.hidden, "epochs_run": len(history), "best_epoch": int(np.argmin(history)) + 1,
+                        "held_out_mse_per_epoch": history}
+        self.fold_models = []
+        if self.folds:
+            self.fold_of = torch.arange(len(f)) % self.folds
+            self.fold_of = self.fold_of[torch.randperm(len(f), generator=torch.Generator().manual_seed(self.seed))]
+            best = []
+            for k in range(self.folds):
+                inside = (self.fold_of != k).nonzero().squeeze(1).to(self.device)
+                model, fold_history = self._train(z[inside], y[inside], held, hx, f"mlp fold {k + 1}/{self.folds}")
+                self.fold_models.append(model)
+                best.append(min(fold_history))
+            self.details.update(folds=self.folds, fold_best_held_out_mse=best)
+        return self
+
+    def _train(self, z: torch.Tensor, y: torch.Tensor, held: torch.Tensor, hx: torch.Tensor,
+               desc: str) -> tuple[nn.Module, list[float]]:
+        """One MLP on ``(z, y)``, early-stopped on the held-out pairs: ``(model at its best epoch, held-out MSE per
+        epoch)``."""
+        from tqdm.auto import tqdm
+
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            self.model = nn.Sequential(nn.Linear(z.shape[1], self.hidden), nn.SiLU(),
-                                       nn.Linear(self.hidden, self.hidden), nn.SiLU(),
-                                       nn.Linear(self.hidden, y.shape[1]), nn.Sigmoid()).to(self.device)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
+            model = nn.Sequential(nn.Linear(z.shape[1], self.hidden), nn.SiLU(),
+                                  nn.Linear(self.hidden, self.hidden), nn.SiLU(),
+                                  nn.Linear(self.hidden, y.shape[1]), nn.Sigmoid()).to(self.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
         generator = torch.Generator().manual_seed(self.seed)
-        history, best_state, best, waited = [], None, math.inf, 0
-        for _ in tqdm(range(self.epochs), desc="mlp decoder", unit="epoch", disable=not self.progress,
-                      dynamic_ncols=True):
-            self.model.train()
+        history: list[float] = []
+        best_state, best, waited = None, math.inf, 0
+        for _ in tqdm(range(self.epochs), desc=desc, unit="epoch", disable=not self.progress, dynamic_ncols=True):
+            model.train()
             order = torch.randperm(len(z), generator=generator).to(self.device)
             for start in range(0, len(z), self.batch_size):
                 index = order[start:start + self.batch_size]
-                loss = nn.functional.mse_loss(self.model(z[index]), y[index])
+                loss = nn.functional.mse_loss(model(z[index]), y[index])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-            self.model.eval()
-            mse = _mse(self._predict(held).cpu(), hx)
+            model.eval()
+            mse = _mse(self._predict(held, model).cpu(), hx)
             history.append(mse)
             if mse < best:
-                best, best_state, waited = mse, copy.deepcopy(self.model.state_dict()), 0
+                best, best_state, waited = mse, copy.deepcopy(model.state_dict()), 0
             else:
                 waited += 1
                 if waited >= self.patience:
                     break
-        self.model.load_state_dict(best_state)
-        self.model.eval()
-        self.details = {"hidden": self.hidden, "epochs_run": len(history), "best_epoch": int(np.argmin(history)) + 1,
-                        "held_out_mse_per_epoch": history}
-        return self
+        model.load_state_dict(best_state)
+        return model.eval(), history
 
     @torch.no_grad()
-    def _predict(self, z: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.model(z[i:i + 4096]) for i in range(0, len(z), 4096)]).reshape(len(z), *self.shape)
+    def _predict(self, z: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
+        model = self.model if model is None else model
+        return torch.cat([model(z[i:i + 4096]) for i in range(0, len(z), 4096)]).reshape(len(z), *self.shape)
 
-    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
+    def decode(self, features: Any, labels: Any = None, *, exclude: Any = None) -> torch.Tensor:
+        """The full model's estimates; ``exclude``: ``[n]`` for each feature, one of the decoder's own training pairs
+        (``-1``: none) whose estimate must come from the fold model that never saw it (``folds >= 2`` only)."""
         z = self.standardise(_tensor(features)).float().to(self.device)
-        return self._predict(z).float().cpu()
+        out = self._predict(z)
+        if exclude is not None:
+            skip = torch.as_tensor(np.asarray(exclude), dtype=torch.long)
+            if skip.shape != (len(z),):
+                raise ConfigError(f"exclude must hold one index (or -1) per feature, got shape {tuple(skip.shape)}")
+            if bool((skip >= 0).any()):
+                if not self.fold_models:
+                    raise ConfigError("a leave-out estimate of the decoder's own training pairs needs cross-fitting: "
+                                      "MLPDecoder(folds=K) with K >= 2")
+                if int(skip.max()) >= len(self.fold_of):
+                    raise ConfigError(f"exclude indices must be below the {len(self.fold_of)} training pairs, got "
+                                      f"{int(skip.max())}")
+            for k, model in enumerate(self.fold_models):
+                rows = ((skip >= 0) & (self.fold_of[skip.clamp_min(0)] == k)).nonzero().squeeze(1)
+                if len(rows):
+                    out[rows] = self._predict(z[rows.to(self.device)], model)
+        return out.float().cpu()
 
 
 class KNNDecoder:
@@ -291,12 +342,13 @@ DECODERS = ("ridge", "mlp", "knn", "nn", "class-mean")
 
 
 def make_decoder(name: str, *, seed: int = 0, device: str | torch.device = "cpu", mlp_hidden: int = 1024,
-                 mlp_epochs: int = 30, progress: bool = False) -> Any:
-    """A fresh decoder by name (one of :data:`DECODERS`)."""
+                 mlp_epochs: int = 30, mlp_folds: int = 0, progress: bool = False) -> Any:
+    """A fresh decoder by name (one of :data:`DECODERS`); ``mlp_folds``: the MLP's cross-fitting folds."""
     if name == "ridge":
         return RidgeDecoder()
     if name == "mlp":
-        return MLPDecoder(hidden=mlp_hidden, epochs=mlp_epochs, seed=seed, device=device, progress=progress)
+        return MLPDecoder(hidden=mlp_hidden, epochs=mlp_epochs, seed=seed, folds=mlp_folds, device=device,
+                          progress=progress)
     if name == "knn":
         return KNNDecoder()
     if name == "nn":

@@ -72,6 +72,40 @@ def test_mlp_learns_and_keeps_its_best_epoch():
     assert torch.equal(again.decode(hf), mlp.decode(hf))   # seeded
 
 
+def test_cross_fitted_mlp_estimates_its_own_pairs_with_the_fold_model_that_never_saw_them():
+    f, x, y = linear_pairs(120, 0)
+    f = f + 0.3 * torch.randn(f.shape, generator=torch.Generator().manual_seed(5))  # noisy: an MLP overfits
+    hf, hx, hy = linear_pairs(40, 1)
+    options = dict(hidden=64, epochs=12, batch_size=16, learning_rate=3e-3, patience=12, seed=0)
+    mlp = MLPDecoder(folds=3, **options).fit(f, x, y, hf, hx, hy)
+    assert mlp.details["folds"] == 3 and len(mlp.fold_models) == 3
+    assert sorted(torch.bincount(mlp.fold_of).tolist()) == [40, 40, 40]
+    out_of_fold = mlp.decode(f, exclude=np.arange(len(f)))
+    # A pair's out-of-fold estimate never depends on its own image: replace fold 0's images by noise and refit;
+    # fold 0's estimates stay bit-identical, everything that trained on those images moves.
+    mine = mlp.fold_of == 0
+    x2 = x.clone()
+    x2[mine] = torch.rand(x2[mine].shape, generator=torch.Generator().manual_seed(9))
+    again = MLPDecoder(folds=3, **options).fit(f, x2, y, hf, hx, hy)
+    assert torch.equal(again.fold_of, mlp.fold_of)
+    moved = again.decode(f, exclude=np.arange(len(f)))
+    assert torch.equal(moved[mine], out_of_fold[mine])
+    assert not torch.allclose(moved[~mine], out_of_fold[~mine], atol=1e-3)
+    assert not torch.allclose(again.decode(f[mine]), mlp.decode(f[mine]), atol=1e-3)
+    # Rows with -1 read the full model; the full model knows its own pairs far better than the fold models do.
+    mixed = mlp.decode(f[:4], exclude=[-1, 1, -1, 3])
+    assert torch.allclose(mixed[[0, 2]], mlp.decode(f[[0, 2]]), atol=1e-6)
+    assert torch.allclose(mixed[[1, 3]], out_of_fold[[1, 3]], atol=1e-6)
+    in_sample = float(((mlp.decode(f) - x) ** 2).mean())
+    assert float(((out_of_fold - x) ** 2).mean()) > 1.5 * in_sample
+    with pytest.raises(ConfigError, match="cross-fitting"):
+        MLPDecoder(**options).fit(f, x, y, hf, hx, hy).decode(f[:2], exclude=[0, 1])
+    with pytest.raises(ConfigError, match="below the 120"):
+        mlp.decode(f[:1], exclude=[120])
+    with pytest.raises(ConfigError, match="folds must be 0"):
+        MLPDecoder(folds=1)
+
+
 def test_knn_averages_more_neighbours_when_that_lowers_held_out_error():
     f, x, y = clustered_pairs(20, 0)
     hf, hx, hy = clustered_pairs(5, 1)
