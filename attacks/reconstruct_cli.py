@@ -15,9 +15,11 @@ Protocol (FedPFT paper, App. E):
    exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. ``--checkpoint``
    may also name weights exported from a reconstructor trained elsewhere (``Reconstructor.export``, e.g. on a GPU),
    which are evaluated as they are (``--steps`` as trained; the features may differ by a device's rounding,
-   :mod:`attacks.reconstructor`, "Exported weights"). By default it
-   also reads, beside x_t, the mean of the attacker images with the nearest features (``--guide-decoder knn``; for
-   a training pair computed without the pair itself).
+   :mod:`attacks.reconstructor`, "Exported weights"); ``--init-weights`` starts a new reconstructor from such
+   weights and fine-tunes them for ``--steps`` steps. By default it also reads, beside x_t, the mean of the attacker
+   images with the nearest features (``--guide-decoder knn``; for a training pair computed without the pair itself),
+   or the MLP decoder's estimate (``--guide-decoder mlp``; for a training pair, the estimate of the one of
+   ``--guide-folds`` cross-fitted MLPs that never saw it).
 4. Decoder baselines (:mod:`attacks.decoders`): ridge, MLP, kNN average and nearest attacker image by feature, and
    the class-mean image, fitted on the same training pairs; their hyperparameters are chosen on the held-out pairs.
 5. Sampling settings: guidance scale w, guidance interval and rescale, then decoder-guided initialisation, are chosen
@@ -119,12 +121,14 @@ class AttackSettings:
     one_step_draws: int = 4
     baselines: tuple[str, ...] = BASELINES
     guide_decoder: str | None = "knn"
+    guide_folds: int = 5
     mlp_hidden: int = 1024
     mlp_epochs: int = 30
     top_fractions: tuple[float, ...] = (0.05,)
     near_duplicate_fraction: float = 0.1
     bootstrap: int = 1000
     checkpoint: str | None = None
+    init_weights: str | None = None
     checkpoint_every: int = 250
     train_only: bool = False
     device: str = "auto"
@@ -199,9 +203,15 @@ class AttackSettings:
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise ConfigError(f"--baselines: unknown baseline(s) {bad}; valid: {', '.join(BASELINES)}")
-        if self.guide_decoder not in (None, "knn", "nn"):
-            raise ConfigError(f"--guide-decoder must be knn, nn or none (decoders with a leave-one-out estimate for "
-                              f"the training pairs), got {self.guide_decoder!r}")
+        if self.guide_decoder not in GUIDE_DECODERS:
+            raise ConfigError(f"--guide-decoder must be knn, nn, mlp or none (decoders with a leave-one-out or "
+                              f"out-of-fold estimate for the training pairs), got {self.guide_decoder!r}")
+        if self.guide_folds < 2:
+            raise ConfigError(f"--guide-folds must be >= 2 (the cross-fitted MLPs of --guide-decoder mlp), got "
+                              f"{self.guide_folds}")
+        if self.init_weights is not None and not Path(self.init_weights).is_file():
+            raise ConfigError(f"--init-weights {self.init_weights!r} is not a file (a reconstructor checkpoint or "
+                              f"exported weights)")
         if self.bootstrap < 100:
             raise ConfigError(f"--bootstrap must be >= 100 resamples, got {self.bootstrap}")
         if self.dp_noise not in NOISE_SOURCES:
@@ -220,6 +230,9 @@ class AttackSettings:
 
 
 #: Settings each preset changes (everything else keeps the defaults of :class:`AttackSettings`).
+#: What ``--guide-decoder`` accepts (``None``: no estimate read).
+GUIDE_DECODERS = (None, "knn", "nn", "mlp")
+
 PRESETS: dict[str, dict[str, Any]] = {
     # A small end-to-end run: every row, table, CSV and figure, a few minutes on one CPU thread; the numbers show
     # the protocol works, not what the attack can do.
@@ -583,8 +596,9 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
         # The reconstructor reads this decoder's estimate of each image; a training pair's estimate leaves the pair
         # out, as a defender's feature never finds its own image among the attacker's.
         started = time.perf_counter()
-        guide_decoder = make_decoder(settings.guide_decoder, **options).fit(fa[train], xa[train], ya[train], fa[held],
-                                                                           xa[held], ya[held])
+        folds = settings.guide_folds if settings.guide_decoder == "mlp" else 0
+        guide_decoder = make_decoder(settings.guide_decoder, **options, mlp_folds=folds).fit(
+            fa[train], xa[train], ya[train], fa[held], xa[held], ya[held])
         guides = guide_decoder.decode(fa[train], exclude=np.arange(len(train)))
         timings["guide_decoder_s"] = time.perf_counter() - started
     config = reconstructor_config(settings, fa.shape[1], xa.shape[1])
@@ -592,7 +606,8 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     started = time.perf_counter()
     reconstructor = train_or_resume(config, fa[train], xa[train], steps=settings.steps, checkpoint=checkpoint,
                                     guides=guides, device=device, precision=settings.precision, seed=settings.seed,
-                                    checkpoint_every=settings.checkpoint_every, progress=settings.progress)
+                                    checkpoint_every=settings.checkpoint_every, init_weights=settings.init_weights,
+                                    progress=settings.progress)
     timings["reconstructor_call_s"] = time.perf_counter() - started
     losses = reconstructor.losses
     summary: dict[str, Any] = {
@@ -601,6 +616,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
         "reconstructor": {"parameters": reconstructor.num_parameters, "config": config.to_dict(),
                           "steps": reconstructor.step, "train_seconds": reconstructor.train_seconds,
                           "exported": reconstructor.exported,   # trained elsewhere, its exported weights loaded
+                          "initialised_from": reconstructor.initialised_from,   # fine-tuned from these weights
                           "first_loss_mean_100": float(np.mean(losses[:100])) if losses else None,
                           "final_loss_mean_100": float(np.mean(losses[-100:])) if losses else None,
                           "loss_mean_per_1000_steps": [float(np.mean(losses[i:i + 1000]))
@@ -887,6 +903,9 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=default("checkpoint"),
                    help="reconstructor checkpoint (none: OUT/reconstructor.pt); resumed when it exists; or weights "
                         "exported elsewhere (Reconstructor.export: evaluated, not trained; --steps as trained)")
+    p.add_argument("--init-weights", default=default("init_weights"),
+                   help="start a new reconstructor from these weights (a checkpoint or exported weights of the same "
+                        "architecture) and fine-tune them for --steps steps")
     p.add_argument("--checkpoint-every", type=int, default=default("checkpoint_every"),
                    help="save the checkpoint every this many steps")
     p.add_argument("--train-only", action="store_true", default=argparse.SUPPRESS if suppress else False,
@@ -912,7 +931,10 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--baselines", type=_names, default=default("baselines"),
                    help="decoder baselines: ridge,mlp,knn,nn,class-mean")
     p.add_argument("--guide-decoder", type=_optional, default=default("guide_decoder"),
-                   help="the decoder whose estimate the reconstructor reads beside x_t: knn, nn or none")
+                   help="the decoder whose estimate the reconstructor reads beside x_t: knn, nn, mlp or none")
+    p.add_argument("--guide-folds", type=int, default=default("guide_folds"),
+                   help="cross-fitted MLPs whose out-of-fold estimates the reconstructor trains on (--guide-decoder "
+                        "mlp)")
     p.add_argument("--mlp-hidden", type=int, default=default("mlp_hidden"), help="MLP decoder width")
     p.add_argument("--mlp-epochs", type=int, default=default("mlp_epochs"), help="MLP decoder epochs (at most)")
     p.add_argument("--top-fractions", type=_floats, default=default("top_fractions"),

@@ -44,6 +44,13 @@ Model (what the paper states, App. E.3, and the unstated choices):
    MSE-trained decoder estimates; a mean of N samples is behind it by the factor ``1 + 1/N`` on the expected
    squared error.
 
+9. Fine-tuning (:meth:`Reconstructor.initialise_from`): a new reconstructor may start from another's EMA weights
+   (a checkpoint or exported weights of the same architecture, :data:`ARCHITECTURE`) with a fresh optimiser, e.g.
+   one trained on a GPU reading one decoder's estimates, trained on here reading a better decoder's. It keeps the
+   source's feature whitening, which its conditioning MLP was learned against; its step counts the fine-tuning
+   steps, and ``initialised_from`` (saved in its checkpoint and exported weights) names the source: its weights'
+   sha256, steps, training seconds and training-data fingerprint.
+
 Device and precision: ``device`` is ``"cpu"``, ``"cuda"``/``"cuda:N"`` or ``"auto"`` (:func:`resolve_device`: CUDA
 when visible, else the CPU; asking for CUDA where there is none is an error, never a silent CPU run). ``precision``
 ``"auto"`` is mixed precision on CUDA (bfloat16 autocast where the GPU supports it, else float16 with a gradient
@@ -93,8 +100,8 @@ from torch import nn
 
 from privfl.errors import ConfigError
 
-__all__ = ["CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS", "PREDICTION_TYPES",
-           "FeatureConditionedUNet", "Reconstructor",
+__all__ = ["ARCHITECTURE", "CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS",
+           "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
            "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "resolve_device", "resolve_precision",
            "select_sampling", "train_or_resume"]
 
@@ -105,6 +112,12 @@ EXPORT_FORMAT = "ema-weights-1"
 #: of the features exported weights were trained on and the features they are evaluated with (absolute; unit-norm
 #: features of a few hundred dimensions have entries of order 0.03, a device's rounding differences are about 1e-6).
 FEATURE_TOLERANCE = 1e-4
+#: The :class:`ReconstructorConfig` fields a fine-tuned reconstructor must share with the weights it starts from:
+#: the network's shapes and what its output means (the training-only fields, learning rate, batch size, condition
+#: dropout and EMA decay, may differ).
+ARCHITECTURE = ("feature_dim", "image_size", "channels", "block_channels", "layers_per_block", "mid_attention",
+                "attention", "norm_groups", "train_timesteps", "beta_schedule", "prediction_type", "condition_dims",
+                "guide_image")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("v_prediction", "epsilon")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -429,6 +442,7 @@ class Reconstructor:
         self.data_summary: dict[str, Any] | None = None
         self.exported = False
         self.train_seconds = 0.0
+        self.initialised_from: dict[str, Any] | None = None
 
     # -- properties -------------------------------------------------------------------------------------------------
 
@@ -574,7 +588,8 @@ class Reconstructor:
         g = self._check_guides(guides, len(x))
         fingerprint = data_fingerprint(f, x, g)
         if self.step == 0:
-            self.set_feature_statistics(f)
+            if self.initialised_from is None:   # a fine-tuned one keeps its source's whitening (module docstring, 9)
+                self.set_feature_statistics(f)
             self.fingerprint = fingerprint
             self.data_summary = _data_summary(f, x)
         elif self.exported:
@@ -793,6 +808,30 @@ class Reconstructor:
 
     # -- state ------------------------------------------------------------------------------------------------------
 
+    def initialise_from(self, path: str | os.PathLike) -> None:
+        """Start this untrained reconstructor from the EMA weights in ``path`` (a checkpoint or exported weights),
+        to fine-tune them with a fresh optimiser (module docstring, 9).
+
+        Raises:
+            ConfigError: this one has trained already, the file is no reconstructor, or its architecture differs
+                (the differing :data:`ARCHITECTURE` fields are named).
+        """
+        if self.step or self.exported:
+            raise ConfigError("initialise_from starts a new reconstructor; this one has trained or was loaded already")
+        state = _read_state(path)
+        source = ReconstructorConfig.from_dict(state["config"])
+        differ = {name: (getattr(source, name), getattr(self.config, name)) for name in ARCHITECTURE
+                  if getattr(source, name) != getattr(self.config, name)}
+        if differ:
+            raise ConfigError(f"{path} holds another architecture; (its value, this one's) per differing setting: "
+                              f"{differ}")
+        self.model.load_state_dict(state["ema"])
+        self.ema.load_state_dict(state["ema"])
+        self.initialised_from = {
+            "file": Path(path).name, "weights_sha256": _weights_sha256(state),
+            "step": int(state["step"]), "train_seconds": float(state.get("train_seconds", 0.0)),
+            "fingerprint": state.get("fingerprint"), "config": state["config"]}
+
     def _check_exported_data(self, f: torch.Tensor, x: torch.Tensor) -> None:
         """Refuse data other than the exported weights' training data (module docstring, "Exported weights")."""
         trained = self.data_summary
@@ -821,7 +860,7 @@ class Reconstructor:
         the training data's fingerprint and summary."""
         return {"config": self.config.to_dict(), "seed": self.seed, "step": self.step, "ema": self.ema.state_dict(),
                 "losses": list(self.losses), "fingerprint": self.fingerprint, "data_summary": self.data_summary,
-                "train_seconds": self.train_seconds}
+                "train_seconds": self.train_seconds, "initialised_from": self.initialised_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
@@ -843,6 +882,7 @@ class Reconstructor:
         self.fingerprint = state["fingerprint"]
         self.data_summary = state.get("data_summary")
         self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.initialised_from = state.get("initialised_from")
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the checkpoint atomically (a temporary file in the same folder, then ``os.replace``)."""
@@ -863,13 +903,27 @@ class Reconstructor:
              precision: str = "auto") -> Reconstructor:
         """Rebuild a reconstructor from :meth:`save`'s or :meth:`export`'s file (``torch.load(weights_only=True)``),
         on any device."""
-        state = torch.load(Path(path), map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or "config" not in state:
-            raise ConfigError(f"{path} is not a reconstructor checkpoint")
+        state = _read_state(path)
         reconstructor = cls(ReconstructorConfig.from_dict(state["config"]), device=device, precision=precision,
                             seed=int(state["seed"]))
         reconstructor.load_state_dict(state)
         return reconstructor
+
+
+def _read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's or exported weights' contents (``torch.load(weights_only=True)``), else a ConfigError."""
+    state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or "config" not in state:
+        raise ConfigError(f"{path} is not a reconstructor checkpoint or exported weights")
+    if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
+        raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} in {path} (this code "
+                          f"reads {CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new reconstructor)")
+    return state
+
+
+def _weights_sha256(state: dict[str, Any]) -> str:
+    """The sha256 of a state's EMA weights (what a fine-tuned reconstructor names its source by)."""
+    return data_fingerprint(*state["ema"].values())
 
 
 def _data_summary(features: torch.Tensor, images: torch.Tensor) -> dict[str, Any]:
@@ -893,18 +947,26 @@ def _atomic_save(state: dict[str, Any], path: str | os.PathLike) -> Path:
 def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, steps: int,
                     checkpoint: str | os.PathLike | None, guides: Any = None, device: str | torch.device = "cpu",
                     precision: str = "auto", seed: int = 0, checkpoint_every: int = 500,
-                    progress: bool = True) -> Reconstructor:
-    """Load ``checkpoint`` if it exists (same settings and data) and train it on to ``steps``; else train anew.
+                    init_weights: str | os.PathLike | None = None, progress: bool = True) -> Reconstructor:
+    """Load ``checkpoint`` if it exists (same settings and data) and train it on to ``steps``; else train anew,
+    from ``init_weights`` when given (:meth:`Reconstructor.initialise_from`).
 
-    An interrupted run (killed, Ctrl-C) resumes from its last checkpoint: run the same call again.
+    An interrupted run (killed, Ctrl-C) resumes from its last checkpoint: run the same call again (a fine-tuning
+    checkpoint resumes only with the same ``init_weights``).
     """
     if checkpoint is not None and Path(checkpoint).is_file():
         reconstructor = Reconstructor.load(checkpoint, device=device, precision=precision)
         if reconstructor.config != config:
             raise ConfigError(f"{checkpoint} holds a reconstructor with other settings ({reconstructor.config}); "
                               "use another checkpoint path or delete it")
+        if init_weights is not None:
+            mine = (reconstructor.initialised_from or {}).get("weights_sha256")
+            if mine != _weights_sha256(_read_state(init_weights)):
+                raise ConfigError(f"{checkpoint} was not fine-tuned from {init_weights}; use another checkpoint path")
     else:
         reconstructor = Reconstructor(config, device=device, precision=precision, seed=seed)
+        if init_weights is not None:
+            reconstructor.initialise_from(init_weights)
     reconstructor.fit(features, images, steps=steps, guides=guides, checkpoint=checkpoint,
                       checkpoint_every=checkpoint_every, progress=progress)
     return reconstructor

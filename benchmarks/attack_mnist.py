@@ -202,7 +202,10 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
            f"{device['torch']}). Reconstructor: {rec['parameters']:,} parameters, {rec['steps']:,} steps, "
            f"**{rec['train_seconds'] / 60:.0f} min of training** "
            + ("(on another machine: its exported weights were loaded here)" if rec.get("exported")
-              else "(shared 2-core machine)") + "; training loss per 1,000 "
+              else "(shared 2-core machine)")
+           + (f", fine-tuned from `{rec['initialised_from']['file']}` (trained {rec['initialised_from']['step']:,} "
+              f"steps in {rec['initialised_from']['train_seconds'] / 60:.0f} min before)"
+              if rec.get("initialised_from") else "") + "; training loss per 1,000 "
            "steps: " + ", ".join(f"{v:.4f}" for v in rec["loss_mean_per_1000_steps"]) + ".",
            f"- Sampling chosen on {sampling['held_out_pairs']} held-out attacker pairs: **{sampling['label']}** "
            f"(decoder-guided start from the {sampling['init_decoder']} decoder when `init` is shown).",

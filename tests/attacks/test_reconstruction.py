@@ -177,6 +177,41 @@ def test_exported_weights_sample_like_the_trained_model_and_accept_only_its_data
         Reconstructor(tiny_config(), seed=0).export(tmp_path / "untrained.pt")
 
 
+def test_fine_tuning_starts_from_the_source_ema_keeps_its_whitening_and_names_it(tmp_path):
+    """A reconstructor fine-tuned from exported weights starts at their EMA weights with a fresh optimiser, keeps
+    the source's feature whitening, records the source, resumes only from the same source, and refuses another
+    architecture."""
+    features, images = tiny_data()
+    source = train_or_resume(tiny_config(), features, images, steps=3, checkpoint=None, seed=1, progress=False)
+    weights = source.export(tmp_path / "weights.pt")
+    tuned = Reconstructor(tiny_config(learning_rate=1e-3, batch_size=8), seed=2)   # training settings may differ
+    tuned.initialise_from(weights)
+    assert all(torch.equal(a, b) for a, b in zip(params(tuned.model), params(source.ema)))
+    assert all(torch.equal(a, b) for a, b in zip(params(tuned.ema), params(source.ema)))
+    assert tuned.initialised_from["step"] == 3 and tuned.initialised_from["file"] == "weights.pt"
+    shifted = features * 3 + 1   # other features: the whitening stays the source's
+    tuned.fit(shifted, images, steps=2, progress=False, checkpoint=tmp_path / "tuned.pt")
+    assert tuned.step == 2 and len(tuned.losses) == 2
+    assert torch.equal(tuned.ema.feature_mean, source.ema.feature_mean)
+    assert torch.equal(tuned.ema.feature_projection, source.ema.feature_projection)
+    assert not torch.equal(tuned.model.unet.conv_in.weight, source.ema.unet.conv_in.weight)   # it trained
+    # Saved and resumed with the same source; exported weights carry the source too.
+    resumed = train_or_resume(tiny_config(learning_rate=1e-3, batch_size=8), shifted, images, steps=3,
+                              checkpoint=tmp_path / "tuned.pt", init_weights=weights, progress=False)
+    assert resumed.step == 3 and resumed.initialised_from == tuned.initialised_from
+    assert Reconstructor.load(resumed.export(tmp_path / "t.pt")).initialised_from["step"] == 3
+    other = source.export(tmp_path / "other.pt")
+    source.fit(features, images, steps=4, progress=False)
+    source.export(other)
+    with pytest.raises(ConfigError, match="was not fine-tuned from"):
+        train_or_resume(tiny_config(learning_rate=1e-3, batch_size=8), shifted, images, steps=3,
+                        checkpoint=tmp_path / "tuned.pt", init_weights=other, progress=False)
+    with pytest.raises(ConfigError, match=r"another architecture.*'layers_per_block': \(1, 2\)"):
+        Reconstructor(tiny_config(layers_per_block=2), seed=0).initialise_from(weights)
+    with pytest.raises(ConfigError, match="has trained or was loaded"):
+        tuned.initialise_from(weights)
+
+
 @pytest.fixture(scope="module")
 def conditioned() -> Reconstructor:
     features, images = tiny_data()
@@ -848,7 +883,10 @@ def test_cli_rejects_bad_values_before_any_work(tmp_path, capsys):
                                                                 "guidance_interval"),
              (["--one-step-draws", "-2"], "--one-step-draws must be an integer >= 0 (noise draws the one-step "
                                           "posterior mean averages; 0: not scored), got -2"),
-             (["--prediction-type", "epsilon"], "--one-step-draws needs --prediction-type v_prediction")]
+             (["--prediction-type", "epsilon"], "--one-step-draws needs --prediction-type v_prediction"),
+             (["--guide-decoder", "ridge"], "--guide-decoder must be knn, nn, mlp or none"),
+             (["--guide-folds", "1"], "--guide-folds must be >= 2"),
+             (["--init-weights", str(tmp_path / "none.pt")], "none.pt' is not a file")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no CUDA device is visible"))
     for extra, needle in cases:
@@ -958,6 +996,7 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     assert summary["sampling"]["guidance_candidates"] and summary["sampling"]["init_decoder"] == "knn"
     assert summary["guide_decoder"]["name"] == "knn" and summary["reconstructor"]["config"]["guide_image"]
     # A second call finds the checkpoint at the requested steps and trains nothing.
+    training_loss = Reconstructor.training_loss
     monkeypatch.setattr(Reconstructor, "training_loss", lambda *a, **k: pytest.fail("trained again"))
     assert reconstruct_main(argv + ["--train-only"]) == 0
     again = json.loads((out / "attack_results.json").read_text())
@@ -973,3 +1012,11 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     capsys.readouterr()
     assert reconstruct_main([*elsewhere, "--steps", "4"]) == 2
     assert "cannot train on to 4 steps; ask for steps=3" in capsys.readouterr().err
+    # Fine-tuned from those weights, reading the cross-fitted MLP's estimates instead of the kNN average's.
+    monkeypatch.setattr(Reconstructor, "training_loss", training_loss)
+    tuned = argv + ["--guide-decoder", "mlp", "--guide-folds", "2", "--init-weights", str(weights), "--checkpoint",
+                    str(tmp_path / "tuned.pt"), "--steps", "2", "--train-only"]
+    assert reconstruct_main(tuned) == 0
+    rec = json.loads((out / "attack_results.json").read_text())["reconstructor"]
+    assert rec["steps"] == 2 and rec["initialised_from"]["step"] == 3
+    assert rec["initialised_from"]["file"] == "weights.pt" and rec["initialised_from"]["fingerprint"]
