@@ -30,6 +30,10 @@ checkpoints every 250 steps in ``--work`` and an interrupted run continues):
 
     OMP_NUM_THREADS=1 python benchmarks/attack_mnist.py --threads 1
 
+Options after ``--`` go to ``privfl attack reconstruct``: e.g. ``-- --guide-decoder mlp --init-weights w.pt --steps
+600 --batch-size 64`` fine-tunes trained weights ``w.pt`` to read the (cross-fitted) MLP decoder's estimate instead
+of the kNN average's, the run ``benchmarks/README.md`` reports first.
+
 ``--preset reduced`` evaluates the same reconstructor (its checkpoint in ``--work`` is reused) on three defender
 sets of 250 with fewer samples (``attacks/reconstruct_cli.py``, ``PRESETS``). ``--render-only`` rewrites the
 markdown from the JSON and the CSV. Results in ``benchmarks/results/`` under ``attack_mnist`` (``--preset
