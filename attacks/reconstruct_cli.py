@@ -229,10 +229,10 @@ class AttackSettings:
         # (its errors name the setting, before any work)
 
 
-#: Settings each preset changes (everything else keeps the defaults of :class:`AttackSettings`).
 #: What ``--guide-decoder`` accepts (``None``: no estimate read).
 GUIDE_DECODERS = (None, "knn", "nn", "mlp")
 
+#: Settings each preset changes (everything else keeps the defaults of :class:`AttackSettings`).
 PRESETS: dict[str, dict[str, Any]] = {
     # A small end-to-end run: every row, table, CSV and figure, a few minutes on one CPU thread; the numbers show
     # the protocol works, not what the attack can do.

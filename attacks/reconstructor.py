@@ -863,10 +863,7 @@ class Reconstructor:
                 "train_seconds": self.train_seconds, "initialised_from": self.initialised_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
-            raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} "
-                              f"(this code reads {CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new "
-                              "reconstructor)")
+        _check_format(state)
         if ReconstructorConfig.from_dict(state["config"]) != self.config:
             raise ConfigError("the checkpoint's reconstructor settings differ from this one's")
         self.exported = state["format"] == EXPORT_FORMAT
@@ -915,10 +912,15 @@ def _read_state(path: str | os.PathLike) -> dict[str, Any]:
     state = torch.load(Path(path), map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or "config" not in state:
         raise ConfigError(f"{path} is not a reconstructor checkpoint or exported weights")
-    if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
-        raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} in {path} (this code "
-                          f"reads {CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new reconstructor)")
+    _check_format(state)
     return state
+
+
+def _check_format(state: dict[str, Any]) -> None:
+    """Refuse a checkpoint or exported weights of a format this code does not read."""
+    if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
+        raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} (this code reads "
+                          f"{CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new reconstructor)")
 
 
 def _weights_sha256(state: dict[str, Any]) -> str:
