@@ -191,8 +191,8 @@ class MLPDecoder(_StandardisingDecoder):
                         "held_out_mse_per_epoch": history}
         self.fold_models = []
         if self.folds:
-            self.fold_of = torch.arange(len(f)) % self.folds
-            self.fold_of = self.fold_of[torch.randperm(len(f), generator=torch.Generator().manual_seed(self.seed))]
+            order = torch.randperm(len(f), generator=torch.Generator().manual_seed(self.seed))
+            self.fold_of = order % self.folds   # pair i is in fold order[i] mod K: K disjoint random parts
             best = []
             for k in range(self.folds):
                 inside = (self.fold_of != k).nonzero().squeeze(1).to(self.device)
@@ -247,22 +247,24 @@ class MLPDecoder(_StandardisingDecoder):
         """The full model's estimates; ``exclude``: ``[n]`` for each feature, one of the decoder's own training pairs
         (``-1``: none) whose estimate must come from the fold model that never saw it (``folds >= 2`` only)."""
         z = self.standardise(_tensor(features)).float().to(self.device)
-        out = self._predict(z)
-        if exclude is not None:
-            skip = torch.as_tensor(np.asarray(exclude), dtype=torch.long)
-            if skip.shape != (len(z),):
-                raise ConfigError(f"exclude must hold one index (or -1) per feature, got shape {tuple(skip.shape)}")
-            if bool((skip >= 0).any()):
-                if not self.fold_models:
-                    raise ConfigError("a leave-out estimate of the decoder's own training pairs needs cross-fitting: "
-                                      "MLPDecoder(folds=K) with K >= 2")
-                if int(skip.max()) >= len(self.fold_of):
-                    raise ConfigError(f"exclude indices must be below the {len(self.fold_of)} training pairs, got "
-                                      f"{int(skip.max())}")
-            for k, model in enumerate(self.fold_models):
-                rows = ((skip >= 0) & (self.fold_of[skip.clamp_min(0)] == k)).nonzero().squeeze(1)
-                if len(rows):
-                    out[rows] = self._predict(z[rows.to(self.device)], model)
+        skip = torch.full((len(z),), -1) if exclude is None else torch.as_tensor(np.asarray(exclude), dtype=torch.long)
+        if skip.shape != (len(z),):
+            raise ConfigError(f"exclude must hold one index (or -1) per feature, got shape {tuple(skip.shape)}")
+        own = skip >= 0
+        if bool(own.any()):
+            if not self.fold_models:
+                raise ConfigError("a leave-out estimate of the decoder's own training pairs needs cross-fitting: "
+                                  "MLPDecoder(folds=K) with K >= 2")
+            if int(skip.max()) >= len(self.fold_of):
+                raise ConfigError(f"exclude indices must be below the {len(self.fold_of)} training pairs, got "
+                                  f"{int(skip.max())}")
+        # Each row is predicted once: by the full model, or by the fold model that never saw its pair.
+        fold = torch.where(own, self.fold_of[skip.clamp_min(0)] if self.fold_models else skip, -1)
+        out = torch.empty(len(z), *self.shape, device=self.device)
+        for k, model in [(-1, self.model), *enumerate(self.fold_models)]:
+            rows = (fold == k).nonzero().squeeze(1).to(self.device)
+            if len(rows):
+                out[rows] = self._predict(z[rows], model)
         return out.float().cpu()
 
 
