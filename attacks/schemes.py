@@ -627,7 +627,8 @@ class ReleaseEvaluation:
 
 
 def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpips: LPIPS, seed: int = 0,
-                     samples_per_feature: int = 8, one_step_draws: int = 4, sampling: Any = None,
+                     samples_per_feature: int = 8, one_step_draws: int = 8, one_step_guidance: float = 1.0,
+                     sampling: Any = None,
                      init_decoder: Any = None, guide_decoder: Any = None, target_index: Any = None,
                      progress: bool = False) -> ReleaseEvaluation:
     """Reconstruct from ``release`` with the diffusion reconstructor and score against ``targets``.
@@ -638,7 +639,8 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
     estimate; its expected squared error is ``V (1 + 1/k)`` for posterior variance V), and the **one-step mean**
     (:meth:`~attacks.reconstructor.Reconstructor.posterior_mean`: the network's x_0 prediction from pure noise at
     t = T - 1, averaged over ``one_step_draws`` noise draws; an estimate of ``E[x | feature]`` without the
-    ``1 + 1/k`` factor, at w = 1, from its own noise stream so the samples do not change). The attacker's
+    ``1 + 1/k`` factor, at guidance scale ``one_step_guidance`` (named in the estimate when it is not 1), from its
+    own noise stream so the samples do not change). The attacker's
     confidence in a feature is the mean pairwise SSIM among its samples (:func:`attacks.selection.agreement_scores`;
     the paper's attacker selection), for all three.
 
@@ -650,6 +652,8 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
         target_index: for a raw release, ``[N]`` the position of each target's feature in the release (default:
             target i is feature i).
         one_step_draws: noise draws averaged by the one-step posterior mean (0: not scored).
+        one_step_guidance: its guidance scale w
+            (:func:`~attacks.reconstructor.select_one_step_guidance` chooses it on held-out attacker pairs).
         sampling: :class:`~attacks.reconstructor.SamplingSettings` (default: w = 1, 20 DDIM steps).
         init_decoder: the decoder whose estimates start the draws when ``sampling.init_strength`` is set.
         guide_decoder: the decoder whose estimates a ``guide_image`` reconstructor reads.
@@ -685,8 +689,10 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
     agreement, medoid = agreement_scores(samples.numpy())
     estimates = {f"medoid of {k}": samples[torch.arange(m), torch.as_tensor(medoid)], f"mean of {k}": samples.mean(1)}
     if draws:
-        estimates[f"one-step mean of {draws}"] = reconstructor.posterior_mean(
-            release.features, draws=int(draws), generator=torch.Generator().manual_seed(seed), **one_step_extra)
+        name = f"one-step mean of {draws}" + ("" if one_step_guidance == 1.0 else f", w {one_step_guidance:g}")
+        estimates[name] = reconstructor.posterior_mean(
+            release.features, draws=int(draws), guidance_scale=one_step_guidance,
+            generator=torch.Generator().manual_seed(seed), **one_step_extra)
     scored, shown = [], {}
     for name, images in estimates.items():
         sets, shown[name] = score_reconstructions(t, images, agreement, linked=linked, lpips=lpips,

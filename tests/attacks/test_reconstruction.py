@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from accounting import epsilon as accountant_epsilon  # noqa: E402
 from accounting import event_from_dict  # noqa: E402
-from attacks.metrics import LPIPS, ssim_pairs  # noqa: E402
+from attacks.metrics import LPIPS, psnr_pairs, ssim_pairs  # noqa: E402
 from attacks.reconstruct_cli import (  # noqa: E402
     PRESETS,
     build_parser,
@@ -33,6 +33,7 @@ from attacks.reconstructor import (  # noqa: E402
     SamplingSettings,
     resolve_device,
     resolve_precision,
+    select_one_step_guidance,
     select_sampling,
     train_or_resume,
 )
@@ -429,8 +430,9 @@ def test_posterior_mean_is_the_v_prediction_x0_at_the_last_timestep():
     a, s = float(abar[99].sqrt()), float((1 - abar[99]).sqrt())
     f = torch.tensor([[-0.8, 0.0, 0.0, 0.0], [0.0, -1.2, 0.1, 0.0], [-1.0, -1.0, 0.0, 0.5]])
 
-    def hand(x: torch.Tensor) -> torch.Tensor:   # x_0 = sqrt(abar) x_T - sqrt(1 - abar) v (Salimans and Ho, sec. 4)
-        v = 0.5 * x + 0.99 + f.sum(1).view(-1, 1, 1, 1)
+    def hand(x: torch.Tensor, w: float = 1.0) -> torch.Tensor:
+        # x_0 = sqrt(abar) x_T - sqrt(1 - abar) v (Salimans and Ho, sec. 4); guided v = v_u + w (v_c - v_u)
+        v = 0.5 * x + 0.99 + w * f.sum(1).view(-1, 1, 1, 1)
         return a * x - s * v
 
     noise = torch.randn((3, 1, 16, 16), generator=torch.Generator().manual_seed(3))
@@ -440,9 +442,11 @@ def test_posterior_mean_is_the_v_prediction_x0_at_the_last_timestep():
     assert torch.allclose(one, expected, atol=1e-6)
     assert 0.05 < float(expected.std()) and float(((hand(noise) > -1) & (hand(noise) < 1)).float().mean()) > 0.9
     assert net.calls == [(3, [99, 99, 99], 3)]   # one conditional pass at t = T - 1
-    # draws: the predictions of successive noise draws averaged, then clamped
+    # draws: the predictions of antithetic pairs (x, -x) of noise draws averaged, then clamped; an odd count ends
+    # with an unpaired draw
     g = torch.Generator().manual_seed(4)
-    draws = [torch.randn((3, 1, 16, 16), generator=g) for _ in range(3)]
+    first, second = (torch.randn((3, 1, 16, 16), generator=g) for _ in range(2))
+    draws = [first, -first, second]
     three = r.posterior_mean(f, draws=3, generator=torch.Generator().manual_seed(4))
     assert torch.allclose(three, (torch.stack([hand(x) for x in draws]).mean(0).clamp(-1, 1) + 1) / 2, atol=1e-6)
     # the same generator gives the same estimate, also in other batches; another seed another one
@@ -451,6 +455,11 @@ def test_posterior_mean_is_the_v_prediction_x0_at_the_last_timestep():
     assert not torch.allclose(three, r.posterior_mean(f, draws=3, generator=torch.Generator().manual_seed(5)))
     single = r.posterior_mean(f[:1], draws=1, generator=torch.Generator().manual_seed(3), batch_size=1)
     assert torch.allclose(single, expected[:1], atol=1e-6)
+    # a guidance scale w != 1: a conditional and an unconditional pass, extrapolated
+    net.calls.clear()
+    guided = r.posterior_mean(f, draws=1, guidance_scale=1.5, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(guided, (hand(noise, 1.5).clamp(-1, 1) + 1) / 2, atol=1e-6)
+    assert not torch.allclose(guided, one) and net.calls == [(6, [99] * 6, 3)]
     with pytest.raises(ConfigError, match="draws must be an integer >= 1, got 0"):
         r.posterior_mean(f, draws=0)
     with pytest.raises(ConfigError, match=r"\[n, 4\]"):
@@ -504,6 +513,36 @@ def test_sampling_settings_are_chosen_on_held_out_pairs():
     assert tied.guidance_scale == 5.0   # ties go to the earlier candidate
     with pytest.raises(ConfigError, match="needs the decoder's estimates"):
         select_sampling(stub, torch.zeros(4, 2), images, [SamplingSettings(init_strength=0.5)])
+
+
+def test_one_step_guidance_is_chosen_on_held_out_pairs_by_psnr():
+    class Stub:
+        """The one-step estimate of image i: exact at w = 1.25, off by |w - 1.25| * 0.4 * noise elsewhere."""
+
+        def __init__(self, images):
+            self.images, self.seen = images, []
+
+        def posterior_mean(self, features, *, draws, guidance_scale, generator, guide=None):
+            self.seen.append((draws, guidance_scale, generator.initial_seed(), guide is not None))
+            noise = torch.rand(self.images.shape, generator=torch.Generator().manual_seed(1)) - 0.5
+            return (self.images + abs(guidance_scale - 1.25) * 0.4 * noise).clamp(0, 1)
+
+    images = torch.as_tensor(_blocks(), dtype=torch.float32)
+    stub = Stub(images)
+    best, scores = select_one_step_guidance(stub, torch.zeros(4, 2), images, (1.0, 1.25, 1.5, 1.1), draws=6,
+                                            seed=5, guide=images)
+    assert best == 1.25 and [s["guidance_scale"] for s in scores] == [1.0, 1.25, 1.5, 1.1]
+    assert scores[1]["psnr"] == 100.0 and scores[1]["ssim"] == pytest.approx(1.0)
+    off = stub.posterior_mean(torch.zeros(4, 2), draws=6, guidance_scale=1.0, generator=torch.Generator())
+    assert scores[0]["psnr"] == pytest.approx(float(np.mean(psnr_pairs(images, off))))
+    assert scores[0]["psnr"] == pytest.approx(scores[2]["psnr"]) and scores[3]["psnr"] > scores[0]["psnr"]
+    assert stub.seen[:4] == [(6, w, 5, True) for w in (1.0, 1.25, 1.5, 1.1)]   # the same draws for every scale
+    tied, _ = select_one_step_guidance(stub, torch.zeros(4, 2), images, [1.5, 1.0], draws=2)
+    assert tied == 1.5   # ties go to the earlier scale
+    with pytest.raises(ConfigError, match="guidance scale must be a number in"):
+        select_one_step_guidance(stub, torch.zeros(4, 2), images, [1.0, -1.0], draws=2)
+    with pytest.raises(ConfigError, match="one or more guidance scales"):
+        select_one_step_guidance(stub, torch.zeros(4, 2), images, [], draws=2)
 
 
 # -- selections -----------------------------------------------------------------------------------------------------
@@ -569,9 +608,9 @@ class StubReconstructor:
         jitter = features[:, 2].view(-1, 1, 1, 1) * torch.randn(len(features), 1, 16, 16, generator=generator)
         return (self.targets[i] + amount * self.noise[i] + jitter).clamp(0, 1)
 
-    def posterior_mean(self, features, *, draws, generator, guide=None):
-        """The samples' expectation before clamping (no jitter), recording the draws asked for."""
-        self.draws = draws
+    def posterior_mean(self, features, *, draws, generator, guide=None, guidance_scale=1.0):
+        """The samples' expectation before clamping (no jitter), recording the draws and the scale asked for."""
+        self.draws, self.guidance_scale = draws, guidance_scale
         i = features[:, 0].long()
         return (self.targets[i] + features[:, 1].view(-1, 1, 1, 1) * self.noise[i]).clamp(0, 1)
 
@@ -599,6 +638,7 @@ def test_raw_rows_score_medoids_and_means_and_say_which_use_ground_truth(lpips_m
                            ("per-feature", "oracle", "25%"), ("set-level", "all", "all"),
                            ("set-level", "attacker", "25%"), ("set-level", "oracle", "25%")}
     assert {k[0] for k in rows} == {"medoid of 3", "mean of 3", "one-step mean of 2"} and stub.draws == 2
+    assert stub.guidance_scale == 1.0
     truth = {k: r.ground_truth for k, r in medoid.items()}
     assert truth[("per-feature", "all", "all")] == "none" and truth[("per-feature", "attacker", "25%")] == "none"
     assert truth[("per-feature", "oracle", "25%")] == "selection"
@@ -630,6 +670,9 @@ def test_raw_rows_score_medoids_and_means_and_say_which_use_ground_truth(lpips_m
         float(ssim_pairs(targets, one_step).mean()))
     without = evaluate_release(release, stub, targets, lpips=lpips_metric, samples_per_feature=2, one_step_draws=0)
     assert set(without.reconstructions) == {"medoid of 2", "mean of 2"}   # 0: not scored
+    guided = evaluate_release(release, stub, targets, lpips=lpips_metric, samples_per_feature=2, one_step_draws=2,
+                              one_step_guidance=1.25)
+    assert "one-step mean of 2, w 1.25" in guided.reconstructions and stub.guidance_scale == 1.25
     with pytest.raises(ConfigError, match="one_step_draws must be an integer >= 0 .*got -1"):
         evaluate_release(release, stub, targets, lpips=lpips_metric, one_step_draws=-1)
     # set-level all can only match better than per-feature all (each target may pick any reconstruction)
@@ -917,8 +960,10 @@ def test_presets_and_help_show_what_runs(capsys):
     assert "(default: 1,4,10)" in text and "(default: auto)" in text and "(default: all)" in text
     assert "quick: --attacker-images 2000" in text and "benchmark:" in text
     assert "one-step posterior mean (its x_0 prediction at t = T - 1" in " ".join(text.split())
-    assert plain.one_step_draws == 4 and settings_from_args(["--out", "x", "--one-step-draws", "2"])[0] \
+    assert plain.one_step_draws == 8 and settings_from_args(["--out", "x", "--one-step-draws", "2"])[0] \
         .one_step_draws == 2
+    assert plain.one_step_guidance == (1.0, 1.1, 1.25, 1.5) and "(default: 1,1.1,1.25,1.5)" in text
+    assert settings_from_args(["--out", "x", "--one-step-guidance", "1,2"])[0].one_step_guidance == (1.0, 2.0)
 
 
 def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch, capsys):
@@ -938,7 +983,8 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
             "--block-channels", "8,16", "--layers-per-block", "1", "--condition-dims", "8", "--steps", "3",
             "--batch-size", "8", "--guidance", "1,2", "--guidance-rescales", "0", "--guidance-intervals", "0:1",
             "--init-strengths", "0.5", "--selection-images", "6", "--ddim-steps", "2", "--samples-per-feature", "2",
-            "--set-samples-per-feature", "2", "--one-step-draws", "3", "--mlp-hidden", "16", "--mlp-epochs", "2",
+            "--set-samples-per-feature", "2", "--one-step-draws", "3", "--one-step-guidance", "1,1.5",
+            "--mlp-hidden", "16", "--mlp-epochs", "2",
             "--top-fractions", "0.1",
             "--eps", "1,4", "--components", "2", "--checkpoint-every", "2", "--bootstrap", "100", "--device", "cpu",
             "--baselines", "mlp,nn,class-mean", "--prior-covariance", "diag", "--no-progress", "--threads", "1"]
@@ -959,15 +1005,20 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     assert sources == {"raw", "fedpft, post-processed", "dp-fedpft, post-processed", "prior only (release ignored)",
                        "no release"}
     assert {row["attack"] for row in table} == {"diffusion", "mlp", "nn", "class-mean", "nearest image by SSIM"}
-    assert {row["estimate"] for row in table if row["attack"] == "diffusion"} == {"medoid of 2", "mean of 2",
-                                                                                  "one-step mean of 3"}
+    # the one-step guidance scale with the best held-out PSNR, named in the estimate unless it is 1
+    candidates = summary["sampling"]["one_step_candidates"]
+    w = summary["sampling"]["one_step_guidance"]
+    assert [c["guidance_scale"] for c in candidates] == [1.0, 1.5] and len(summary["sampling"]["guidance_candidates"])
+    assert w == max(candidates, key=lambda c: c["psnr"])["guidance_scale"] and f"one-step w {w:g}" in printed
+    named = "one-step mean of 3" + ("" if w == 1.0 else f", w {w:g}")
+    assert {row["estimate"] for row in table if row["attack"] == "diffusion"} == {"medoid of 2", "mean of 2", named}
     # the one-step posterior mean is scored per image for raw and mixture releases alike
-    one_step = {(s["source"], s["level"], s["unit"]) for s in scores if s["estimate"] == "one-step mean of 3"}
+    one_step = {(s["source"], s["level"], s["unit"]) for s in scores if s["estimate"] == named}
     assert {("raw", "per-feature", "target"), ("raw", "set-level", "target"),
             ("fedpft, post-processed", "set-level", "target"), ("dp-fedpft, post-processed", "set-level", "target"),
             ("prior only (release ignored)", "set-level", "reconstruction")} <= one_step
     assert sum(1 for s in scores if (s["estimate"], s["source"], s["level"], s["seed"]) ==
-               ("one-step mean of 3", "raw", "per-feature", "0")) == 18
+               (named, "raw", "per-feature", "0")) == 18
     assert {row["seed"] for row in table} == {"0", "1", "all"}
     evaluated = [s["evaluated"] for s in summary["protocol"]["seeds"]]
     assert evaluated == [18, 18]  # 10 % of 20 removed as near-duplicates, per seed
@@ -990,7 +1041,7 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     # the grid says which reconstructions were matched to the defender's images with ground truth
     (names,) = panels
     assert names[0] == "defender image" and any(n.startswith("raw: diffusion, medoid") for n in names)
-    assert "raw: diffusion, one-step mean of 3" in names
+    assert f"raw: diffusion, {named}" in names
     assert all(n.endswith("oracle-matched") for n in names if n.startswith(("fedpft", "dp-fedpft", "prior",
                                                                             "no release")))
     assert summary["sampling"]["guidance_candidates"] and summary["sampling"]["init_decoder"] == "knn"
