@@ -40,9 +40,10 @@ Model (what the paper states, App. E.3, and the unstated choices):
    unconditional.
 7. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
 8. The one-step posterior mean (:meth:`Reconstructor.posterior_mean`): the network's x_0 prediction at t = T - 1
-   from pure noise, averaged over a few noise draws, estimates ``E[x_0 | feature]`` directly, the quantity an
-   MSE-trained decoder estimates; a mean of N samples is behind it by the factor ``1 + 1/N`` on the expected
-   squared error.
+   from pure noise, averaged over a few noise draws (in antithetic pairs), estimates ``E[x_0 | feature]``
+   directly, the quantity an MSE-trained decoder estimates; a mean of N samples is behind it by the factor
+   ``1 + 1/N`` on the expected squared error. Its guidance scale is chosen on held-out attacker pairs
+   (:func:`select_one_step_guidance`).
 
 9. Fine-tuning (:meth:`Reconstructor.initialise_from`): a new reconstructor may start from another's EMA weights
    (a checkpoint or exported weights of the same architecture, :data:`ARCHITECTURE`) with a fresh optimiser, e.g.
