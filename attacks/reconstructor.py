@@ -1008,11 +1008,7 @@ def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: 
     candidates = list(candidates)
     if not candidates or not all(isinstance(c, SamplingSettings) for c in candidates):
         raise ConfigError("select_sampling needs one or more SamplingSettings candidates")
-    x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images, dtype=torch.float32)
-    f = torch.as_tensor(np.asarray(features) if not isinstance(features, torch.Tensor) else features,
-                        dtype=torch.float32)
-    if len(f) == 0 or len(f) != len(x):
-        raise ConfigError(f"need as many held-out features as images (and at least one), got {len(f)} and {len(x)}")
+    f, x = _held_out_pairs(features, images)
     if init is None and any(c.init_strength is not None for c in candidates):
         raise ConfigError("a candidate with init_strength needs the decoder's estimates (init)")
     scores = []
@@ -1045,16 +1041,22 @@ def select_one_step_guidance(reconstructor: Any, features: Any, images: Any, sca
     scales = [_real("guidance scale", w, 0.0, 1e3) for w in scales]
     if not scales:
         raise ConfigError("select_one_step_guidance needs one or more guidance scales")
-    x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images, dtype=torch.float32)
-    if len(features) == 0 or len(features) != len(x):
-        raise ConfigError(f"need as many held-out features as images (and at least one), got {len(features)} and "
-                          f"{len(x)}")
+    f, x = _held_out_pairs(features, images)
     extra = {} if guide is None else {"guide": guide}
     scores = [{"guidance_scale": w, **_held_out_scores(x, reconstructor.posterior_mean(
-        features, draws=draws, guidance_scale=w, generator=torch.Generator().manual_seed(seed), **extra))}
+        f, draws=draws, guidance_scale=w, generator=torch.Generator().manual_seed(seed), **extra))}
         for w in scales]
     best = max(range(len(scales)), key=lambda i: (scores[i]["psnr"], -i))
     return scales[best], scores
+
+
+def _held_out_pairs(features: Any, images: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out attacker features and their images as float32 tensors; a ConfigError unless they pair up."""
+    f, x = (torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v, dtype=torch.float32)
+            for v in (features, images))
+    if len(f) == 0 or len(f) != len(x):
+        raise ConfigError(f"need as many held-out features as images (and at least one), got {len(f)} and {len(x)}")
+    return f, x
 
 
 def _held_out_scores(x: torch.Tensor, recon: torch.Tensor) -> dict[str, float]:
