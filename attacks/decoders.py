@@ -250,6 +250,8 @@ class MLPDecoder(_StandardisingDecoder):
         skip = torch.full((len(z),), -1) if exclude is None else torch.as_tensor(np.asarray(exclude), dtype=torch.long)
         if skip.shape != (len(z),):
             raise ConfigError(f"exclude must hold one index (or -1) per feature, got shape {tuple(skip.shape)}")
+        # Each row is predicted once: by the full model (fold -1), or by the fold model that never saw its pair.
+        fold = torch.full_like(skip, -1)
         own = skip >= 0
         if bool(own.any()):
             if not self.fold_models:
@@ -258,8 +260,7 @@ class MLPDecoder(_StandardisingDecoder):
             if int(skip.max()) >= len(self.fold_of):
                 raise ConfigError(f"exclude indices must be below the {len(self.fold_of)} training pairs, got "
                                   f"{int(skip.max())}")
-        # Each row is predicted once: by the full model, or by the fold model that never saw its pair.
-        fold = torch.where(own, self.fold_of[skip.clamp_min(0)] if self.fold_models else skip, -1)
+            fold[own] = self.fold_of[skip[own]]
         out = torch.empty(len(z), *self.shape, device=self.device)
         for k, model in [(-1, self.model), *enumerate(self.fold_models)]:
             rows = (fold == k).nonzero().squeeze(1).to(self.device)

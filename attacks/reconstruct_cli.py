@@ -654,7 +654,8 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     if init_decoder is not None and settings.init_strengths:
         candidates = [best] + [replace(best, init_strength=s) for s in settings.init_strengths]
         best, init_scores = select_sampling(reconstructor, fa[chosen], xa[chosen], candidates,
-                                            init=init_decoder.decode(fa[chosen], ya[chosen]), seed=settings.seed,
+                                            init=held_guides["guide"] if init_decoder is guide_decoder else
+                                            init_decoder.decode(fa[chosen], ya[chosen]), seed=settings.seed,
                                             progress=settings.progress, **held_guides)
     one_step_w, one_step_scores = 1.0, []
     if settings.one_step_draws:

@@ -628,9 +628,8 @@ class ReleaseEvaluation:
 
 def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpips: LPIPS, seed: int = 0,
                      samples_per_feature: int = 8, one_step_draws: int = 8, one_step_guidance: float = 1.0,
-                     sampling: Any = None,
-                     init_decoder: Any = None, guide_decoder: Any = None, target_index: Any = None,
-                     progress: bool = False) -> ReleaseEvaluation:
+                     sampling: Any = None, init_decoder: Any = None, guide_decoder: Any = None,
+                     target_index: Any = None, progress: bool = False) -> ReleaseEvaluation:
     """Reconstruct from ``release`` with the diffusion reconstructor and score against ``targets``.
 
     Every released feature is sampled ``samples_per_feature`` times (DDIM from independent starting noise). Three
@@ -640,9 +639,8 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
     (:meth:`~attacks.reconstructor.Reconstructor.posterior_mean`: the network's x_0 prediction from pure noise at
     t = T - 1, averaged over ``one_step_draws`` noise draws; an estimate of ``E[x | feature]`` without the
     ``1 + 1/k`` factor, at guidance scale ``one_step_guidance`` (named in the estimate when it is not 1), from its
-    own noise stream so the samples do not change). The attacker's
-    confidence in a feature is the mean pairwise SSIM among its samples (:func:`attacks.selection.agreement_scores`;
-    the paper's attacker selection), for all three.
+    own noise stream so the samples do not change). The attacker's confidence in a feature is the mean pairwise SSIM
+    among its samples (:func:`attacks.selection.agreement_scores`; the paper's attacker selection), for all three.
 
     Args:
         release: from :func:`make_release`, :func:`postprocess_release` or :func:`prior_only_release`.
@@ -671,15 +669,17 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
                           f"mean; 0: not scored), got {one_step_draws!r}")
     linked = _linked(release, t, target_index)
     sampling = SamplingSettings() if sampling is None else sampling
-    init = None
-    if sampling.init_strength is not None:
-        if init_decoder is None:
-            raise ConfigError("sampling with init_strength needs the init_decoder whose estimates start the draws")
-        init = init_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
     extra, one_step_extra = {}, {}
     if guide_decoder is not None:
         one_step_extra["guide"] = guide_decoder.decode(release.features, release.labels)
         extra["guide"] = one_step_extra["guide"].repeat_interleave(int(k), dim=0)
+    init = None
+    if sampling.init_strength is not None:
+        if init_decoder is None:
+            raise ConfigError("sampling with init_strength needs the init_decoder whose estimates start the draws")
+        # the guide's estimates when the same decoder starts the draws (decoded once)
+        init = extra["guide"] if init_decoder is guide_decoder else \
+            init_decoder.decode(release.features, release.labels).repeat_interleave(int(k), dim=0)
     m = len(release.features)
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
