@@ -180,15 +180,11 @@ class AFLClient(FedAvgClient):
         events = None if fit_event is None else ComposedEvent((fit_event, loss_event))
         return update_release(self, arrays, events, {"num_examples": float(data.num_train)})
 
-    def loss_mechanism(self, data: TrainingClient, noise_multiplier: float, **noise: Any) -> GaussianMechanism:
+    def loss_mechanism(self, noise_multiplier: float, **noise: Any) -> GaussianMechanism:
         """Record level: the Gaussian mechanism of the loss release at ``noise_multiplier`` (module docstring: the
         mean of per-record losses clipped to [0, B], sensitivity B / min_samples under add/remove-one with n
-        private); a client with fewer than ``privacy.min_samples`` records is refused."""
+        private). Public quantities only: the client's size is checked by :meth:`private_loss`."""
         bound, floor = float(self.config.loss_bound), int(self.privacy.min_samples)
-        if data.num_train < floor:
-            # n stays out of the message: it is private under add/remove-one
-            raise ConfigError(f"the client has fewer training records than the public lower bound privacy "
-                              f"min_samples={floor} its loss release is calibrated for; nothing released")
         certificate = certify_mean_of_clipped(bound / 2, floor, NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False)
         return GaussianMechanism(sensitivity=certificate.value, noise_multiplier=noise_multiplier,
                                  relation=NeighboringRelation.ADD_OR_REMOVE_ONE, **noise)
@@ -197,15 +193,19 @@ class AFLClient(FedAvgClient):
                      ) -> tuple[torch.Tensor, PrivacyEvent]:
         """Record level: L_k(w_t) released by :meth:`loss_mechanism` (clip, centre, noise, un-centre), and its
         event."""
-        mechanism = self.loss_mechanism(data, self.noise_multiplier(data), **self.noise_source(ctx, "afl_loss"))
+        if data.num_train < self.privacy.min_samples:
+            # n stays out of the message: it is private under add/remove-one
+            raise ConfigError(f"the client has fewer training records than the public lower bound privacy "
+                              f"min_samples={self.privacy.min_samples} its loss release is calibrated for; nothing "
+                              "released")
+        mechanism = self.loss_mechanism(self.noise_multiplier(), **self.noise_source(ctx, "afl_loss"))
         half = float(self.config.loss_bound) / 2
         centred = (record_losses(model, data).clamp(max=2 * half) - half).double().mean()
         return mechanism.add_noise(centred) + half, mechanism.event
 
-    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
         """Record level: the DP-SGD fit and the loss release, composed (what :meth:`train` records)."""
-        return ComposedEvent((super().round_event(data, noise_multiplier),
-                              self.loss_mechanism(data, noise_multiplier).event))
+        return ComposedEvent((super().round_event(noise_multiplier), self.loss_mechanism(noise_multiplier).event))
 
 
 def record_losses(model: nn.Module, data: TrainingClient) -> torch.Tensor:

@@ -56,8 +56,15 @@ from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sampl
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.local_training import ExtraLoss, local_sgd
 from privfl.models import build_model
-from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer, sampling_probability
-from privfl.privacy.training import MODES, RECORD, NovelPrivacy, TrainingPrivacy, record_noise_multiplier
+from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
+from privfl.privacy.training import (
+    MODES,
+    RECORD,
+    NovelPrivacy,
+    TrainingPrivacy,
+    record_noise_multiplier,
+    record_sampling_rate,
+)
 from privfl.registry import Registry
 
 
@@ -142,6 +149,11 @@ class Strategy(ABC):
     @abstractmethod
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         """The message for each sampled training client this round."""
+
+    #: Central DP (set by the privacy layer's aggregator, :class:`~privfl.methods.private.Aggregator`): per-client
+    #: state the server holds in the clear (ODPFL-HN's and PeFLL's descriptors, pFedHN's rows) may shape what its
+    #: owner receives only, never a message to another client, a novel client or the shared state.
+    confidential: bool = False
 
     #: Message exchanges (one down, one up) per training round. Methods whose round is a dialogue (ODPFL-HN, PeFLL:
     #: descriptor up, model down, weight change up, gradient down, ...) set this above 1 and implement
@@ -261,12 +273,23 @@ class ClientProcedure(ABC):
         """Whether training clients run record-level DP (DP-SGD and private releases)."""
         return self.privacy.mode == RECORD
 
-    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
         """Record level: the event of one round of this client's releases when every mechanism has noise multiplier
-        ``noise_multiplier``; calibrating a target epsilon composes it over the client's rounds. By default one
-        DP-SGD fit of ``local_steps`` steps at q = batch_size / n (the conformance tests check that it matches what
-        a round records)."""
-        return dp_sgd_round_event(noise_multiplier, data.num_train, self.config.batch_size, self.config.local_steps)
+        ``noise_multiplier``; calibrating a target epsilon composes it over the client's rounds. A function of public
+        quantities only (the run's settings, never the client's data or size), so neighbouring clients (n and
+        n + 1 records) make the same event. By default one DP-SGD fit of :meth:`record_steps` steps at the public
+        rate :meth:`record_sampling_rate` (the conformance tests check that it matches what a round records)."""
+        return dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps())
+
+    def record_sampling_rate(self) -> float:
+        """Record level: q, the public Poisson rate of every DP-SGD step (:func:`~privfl.privacy.training.
+        record_sampling_rate` of the privacy settings and this method's ``batch_size``)."""
+        return record_sampling_rate(self.privacy, int(self.config.batch_size))
+
+    def record_steps(self) -> int:
+        """Record level: the DP-SGD steps of one round's fit, from the method's own settings (public; by default
+        ``local_steps``). A round whose message asks for other steps is refused (:meth:`fit`)."""
+        return int(self.config.local_steps)
 
     def noise_source(self, ctx: ClientContext, purpose: str) -> dict[str, Any]:
         """Keyword arguments ``noise`` and ``generator`` for a mechanism of :mod:`privfl.privacy` that a training
@@ -278,18 +301,23 @@ class ClientProcedure(ABC):
         seed = derive_seed(self.privacy.noise_seed, purpose, ctx.round, ctx.client_id)
         return {"noise": "seeded", "generator": torch.Generator().manual_seed(seed)}
 
-    def noise_multiplier(self, data: TrainingClient) -> float:
-        """Record level: z for this client (calibrated per training-split size for a target epsilon)."""
-        return _calibrated(self, data.num_train, lambda z: self.round_event(data, z))
+    def noise_multiplier(self) -> float:
+        """Record level: z of every mechanism of every training client (the run's ``noise_multiplier``, or
+        calibrated once for a target epsilon from :meth:`round_event`, which reads public quantities only)."""
+        return _calibrated(self, self.round_event)
 
     def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
             *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,
             params: Mapping[str, nn.Parameter] | None = None) -> tuple[float, PrivacyEvent | None]:
         """Local training on the client's training split, with ``settings`` as :func:`local_sgd` takes them; DP-SGD
         (:class:`~privfl.privacy.dp_sgd.DPSGDTrainer`, per-sample clip ``privacy.clip``, noise multiplier
-        :meth:`noise_multiplier`) under record-level DP. Returns the mean loss and the DP-SGD event (``None``
-        without DP). ``extra_loss`` must not depend on the data (FedProx's proximal term, SCAFFOLD's correction):
-        its gradient is added outside the clipped, noised sum."""
+        :meth:`noise_multiplier`, the public rate :meth:`record_sampling_rate`) under record-level DP. Returns the
+        mean loss and the DP-SGD event (``None`` without DP). ``extra_loss`` must not depend on the data (FedProx's
+        proximal term, SCAFFOLD's correction): its gradient is added outside the clipped, noised sum.
+
+        Under record-level DP the step count and batch size are the client's own plan (:meth:`record_steps`, the
+        method's ``batch_size``), which its noise is calibrated for: a message that asks for others (a faulty or
+        hostile server) is refused before anything is trained, so no server can change what a release spends."""
         if not self.record_level:
             if per_sample_loss is not None or params is not None:
                 raise NotImplementedError("per_sample_loss and params apply to record-level DP-SGD only")
@@ -298,12 +326,18 @@ class ClientProcedure(ABC):
             raise ConfigError(f"grad_clip={settings['grad_clip']!r} clips each step's batch gradient, a stabiliser "
                               "DP-SGD replaces with its per-sample clip (privacy clip); leave grad_clip unset with "
                               "record-level DP")
-        trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.noise_multiplier(data),
+        steps, batch_size = self.record_steps(), int(self.config.batch_size)
+        if (settings["steps"], settings["batch_size"]) != (steps, batch_size):
+            raise ConfigError(f"the server asked for {settings['steps']!r} DP-SGD steps at batch size "
+                              f"{settings['batch_size']!r}, but this client's record-level plan, which its noise is "
+                              f"calibrated for, is {steps} steps at batch size {batch_size}; nothing was trained")
+        trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.noise_multiplier(),
                                            max_grad_norm=float(self.privacy.clip), noise=self.privacy.noise))
-        return trainer.train(model, data.x_train, data.y_train, lr=settings["lr"], steps=settings["steps"],
-                             batch_size=settings["batch_size"], rng=rng, per_sample_loss=per_sample_loss,
+        return trainer.train(model, data.x_train, data.y_train, lr=settings["lr"], steps=steps,
+                             batch_size=batch_size, rng=rng, per_sample_loss=per_sample_loss,
                              extra_loss=extra_loss, weight_decay=settings.get("weight_decay", 0.0),
-                             momentum=settings.get("momentum", 0.0), params=params)
+                             momentum=settings.get("momentum", 0.0), params=params,
+                             sampling_rate=self.record_sampling_rate())
 
     def workspace_model(self) -> nn.Module:
         """A model instance reused across calls on this client process (its weights are always overwritten)."""
@@ -446,10 +480,9 @@ def get_method(name: str) -> MethodSpec:
     return METHODS.lookup(name)
 
 
-def dp_sgd_round_event(noise_multiplier: float, num_samples: int, batch_size: int, steps: int) -> SelfComposedEvent:
-    """One DP-SGD fit: ``steps`` Poisson-subsampled Gaussian steps at q = batch_size / n."""
-    return SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, sampling_probability(num_samples, batch_size)),
-                             steps)
+def dp_sgd_round_event(noise_multiplier: float, sampling_rate: float, steps: int) -> SelfComposedEvent:
+    """One DP-SGD fit: ``steps`` Poisson-subsampled Gaussian steps at the public rate q = ``sampling_rate``."""
+    return SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, sampling_rate), steps)
 
 
 def compose(*events: PrivacyEvent | None) -> PrivacyEvent | None:
@@ -473,12 +506,12 @@ def private_release(message: Message, purpose: str, *events: PrivacyEvent | None
     return Release(message, purpose=purpose, event=event, metadata=dict(metadata or {}))
 
 
-def _calibrated(procedure: ClientProcedure, num_samples: int, round_event) -> float:
-    """Record level: the noise multiplier of ``procedure``'s clients of ``num_samples`` records (calibrated once per
-    size, settings and planned participations, then reused)."""
+def _calibrated(procedure: ClientProcedure, round_event: Callable[[float], PrivacyEvent]) -> float:
+    """Record level: the noise multiplier of every client of ``procedure`` (calibrated once per settings and planned
+    participations, then reused). The key holds the settings only: no client's size or data enters the calibration."""
     if procedure.privacy.noise_multiplier is not None:
         return float(procedure.privacy.noise_multiplier)
-    key = (type(procedure).__name__, repr(procedure.config), num_samples)
+    key = (type(procedure).__name__, repr(procedure.config), repr(procedure.novel_privacy))
     cache = _CALIBRATIONS.setdefault((procedure.privacy, procedure.participations), {})
     if key not in cache:
         cache[key] = record_noise_multiplier(procedure.privacy, round_event, procedure.participations)

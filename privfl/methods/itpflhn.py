@@ -368,7 +368,7 @@ class ITPFLHNClient(PFedHNClient):
         multiplier, per-sample clip B (the novel bound: training sees the function novel clients release), the
         privacy layer's noise source."""
         return privatize(encoder, None, None, bound=float(self.novel_privacy.bound), relation="add_or_remove_one",
-                         min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(data),
+                         min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
                          **self.noise_source(ctx, purpose))
 
     def _mean_event(self, noise_multiplier: float, bound: float) -> GaussianEvent:
@@ -380,21 +380,20 @@ class ITPFLHNClient(PFedHNClient):
         return GaussianEvent(sigma=float(noise_multiplier) * sensitivity, sensitivity=sensitivity,
                              relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
 
-    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
         """Record level: a phase-1 round, one DP-SGD fit and ``encoder_steps`` steps of two mean releases (module
         docstring). It dominates a phase-2 round (one fit and one mean release at the same noise multiplier), so it
         is what every round is calibrated for."""
         cfg = self.config
         step = ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
                               self._mean_event(noise_multiplier, self.privacy.clip)))
-        return ComposedEvent((dp_sgd_round_event(noise_multiplier, data.num_train, cfg.batch_size, cfg.local_steps),
+        return ComposedEvent((dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps()),
                               SelfComposedEvent(step, cfg.encoder_steps)))
 
-    def phase2_round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+    def phase2_round_event(self, noise_multiplier: float) -> PrivacyEvent:
         """Record level: what a phase-2 round releases (its descriptor, then its weight change)."""
-        cfg = self.config
         return ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
-                              dp_sgd_round_event(noise_multiplier, data.num_train, cfg.batch_size, cfg.local_steps)))
+                              dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps())))
 
     # -- rounds ---------------------------------------------------------------------------------------------------
 
@@ -461,8 +460,13 @@ class ITPFLHNClient(PFedHNClient):
         x, n = data.x_train, data.num_train      # privatize and the gradient mean move the records to the encoder
         unlabelled = torch.zeros(n, dtype=torch.int64)
         bound, clip, z = private.bound, float(self.privacy.clip), private.noise_multiplier
+        steps = int(self.config.encoder_steps)    # the client's own plan, which its noise is calibrated for
+        if int(cfg["encoder_steps"]) != steps:
+            raise ConfigError(f"the server asked for {cfg['encoder_steps']!r} private regression steps, but this "
+                              f"client's record-level plan, which its noise is calibrated for, is {steps}; nothing "
+                              "was released")
         events = []
-        for _ in range(int(cfg["encoder_steps"])):
+        for _ in range(steps):
             mechanism = private.mechanism(n)                          # refuses a client below min_samples
             noisy_mean = mechanism.add_noise(private.clipped_mean(x))                                       # a.
             dtype = next(iter(psi.parameters()), target).dtype

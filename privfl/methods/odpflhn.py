@@ -88,7 +88,7 @@ from privfl.privacy import privatize
 from privfl.privacy.mechanisms import GaussianMechanism
 from privfl.privacy.per_sample import ClippedGradientSum, flat_views
 from privfl.privacy.sensitivity import certify_mean_of_clipped
-from privfl.privacy.training import CENTRAL, RECORD, NovelPrivacy, TrainingPrivacy
+from privfl.privacy.training import CENTRAL, RECORD, NovelPrivacy, TrainingPrivacy, record_steps_for_epochs
 
 DESCRIPTOR_MODES = ("full", "batch_mean")
 ENCODER_PREFIX = "encoder."
@@ -495,11 +495,12 @@ class ODPFLHNStrategy(Strategy):
             return on_cpu(self.hnet(descriptor.to(self.device, torch.get_default_dtype())))
 
     def configure_evaluate(self, client_id: int) -> Message:
-        """A training client's model from the last descriptor it released (the mean of all known descriptors, or 0,
-        for a client not yet sampled)."""
+        """A training client's model from the last descriptor it released; for a client not yet sampled, the mean of
+        the known descriptors, or 0 when there are none or they are confidential (central DP: the aggregator holds
+        them in the clear, and a message to another client may carry nothing of them)."""
         descriptor = self.descriptors.get(str(client_id))
         if descriptor is None:
-            known = list(self.descriptors.values())
+            known = [] if self.confidential else list(self.descriptors.values())
             descriptor = torch.stack(known).mean(dim=0) if known else torch.zeros(self.embed_dim)
         return Message(arrays=self.generated_weights(descriptor))
 
@@ -598,7 +599,7 @@ class ODPFLHNClient(ClientProcedure):
                                          "min_samples": self.privacy.min_samples})
 
     def _private_encoder(self, encoder: nn.Module, data: TrainingClient, ctx: ClientContext):
-        return privatize(encoder, None, None, noise_multiplier=self.noise_multiplier(data),
+        return privatize(encoder, None, None, noise_multiplier=self.noise_multiplier(),
                          bound=self.novel_privacy.bound, relation="add_or_remove_one",
                          min_samples=self.privacy.min_samples, **self.noise_source(ctx, "odpflhn_descriptor"))
 
@@ -626,11 +627,21 @@ class ODPFLHNClient(ClientProcedure):
         return private_release(Message(arrays=change, metrics=metrics), "weight_change", event,
                                metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
 
-    @staticmethod
-    def _local_steps(data: TrainingClient, config: dict[str, Any]) -> int:
+    def _local_steps(self, data: TrainingClient, config: dict[str, Any]) -> int:
+        """The local steps the server's round settings ask for: ``local_steps``, or ``local_epochs`` passes over the
+        client's records (``ceil(n / batch)`` steps each without DP; under record-level DP n is private, and a pass
+        is ``ceil(epochs / q)`` steps at the public rate q, :meth:`record_steps`)."""
         batch_size, epochs = int(config["batch_size"]), int(config["local_epochs"])
-        return epochs * math.ceil(data.num_train / min(batch_size, data.num_train)) if epochs else \
-            int(config["local_steps"])
+        if not epochs:
+            return int(config["local_steps"])
+        if self.record_level:
+            return record_steps_for_epochs(epochs, self.record_sampling_rate())
+        return epochs * math.ceil(data.num_train / min(batch_size, data.num_train))
+
+    def record_steps(self) -> int:
+        """Record level: ``local_steps``, or ``local_epochs`` passes at the public rate q (``ceil(epochs / q)``)."""
+        epochs = self.config.local_epochs or 0
+        return record_steps_for_epochs(epochs, self.record_sampling_rate()) if epochs else int(self.config.local_steps)
 
     def _client_backprop(self, data: TrainingClient, message: Message, state: ClientState,
                          ctx: ClientContext) -> Release:
@@ -688,7 +699,7 @@ class ODPFLHNClient(ClientProcedure):
             stop = start + CONTRIBUTION_CHUNK
             engine(data.x_train[start:stop].to(device), dummy[start:stop], clip, views)
         # 3. the noisy mean
-        mechanism = self._gradient_mechanism(data, ctx)
+        mechanism = self._gradient_mechanism(ctx)
         noisy = mechanism.add_noise(total.double() / data.num_train)
         offset = 0
         for name, p in phi_params.items():
@@ -699,15 +710,15 @@ class ODPFLHNClient(ClientProcedure):
                                metadata={"noise": self.privacy.noise, "clip": clip,
                                          "min_samples": self.privacy.min_samples})
 
-    def _gradient_mechanism(self, data: TrainingClient, ctx: ClientContext | None) -> GaussianMechanism:
+    def _gradient_mechanism(self, ctx: ClientContext | None) -> GaussianMechanism:
         certificate = certify_mean_of_clipped(float(self.privacy.clip), self.privacy.min_samples,
                                               NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False)
         noise = {"noise": "secure", "generator": None} if ctx is None else \
             self.noise_source(ctx, "odpflhn_encoder_gradient")
-        return GaussianMechanism(sensitivity=certificate.value, noise_multiplier=self.noise_multiplier(data),
+        return GaussianMechanism(sensitivity=certificate.value, noise_multiplier=self.noise_multiplier(),
                                  relation=NeighboringRelation.ADD_OR_REMOVE_ONE, **noise)
 
-    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
         """Record level: a round's releases at noise multiplier z: the descriptor (Gaussian, sensitivity of the
         clipped mean with n private, ``2 B / min_samples``), the weight change (DP-SGD) and, unless the encoder is
         frozen, the encoder gradient (Gaussian, ``2 C / min_samples``)."""
@@ -716,11 +727,8 @@ class ODPFLHNClient(ClientProcedure):
                                              n_public=False).value
         gradient = certify_mean_of_clipped(float(self.privacy.clip), self.privacy.min_samples, relation,
                                            n_public=False).value
-        steps = self._local_steps(data, {"batch_size": self.config.batch_size,
-                                         "local_epochs": self.config.local_epochs or 0,
-                                         "local_steps": self.config.local_steps})
         events = [GaussianEvent(sigma=noise_multiplier * descriptor, sensitivity=descriptor, relation=relation),
-                  dp_sgd_round_event(noise_multiplier, data.num_train, self.config.batch_size, steps)]
+                  dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps())]
         if not self.config.frozen_encoder:
             events.append(GaussianEvent(sigma=noise_multiplier * gradient, sensitivity=gradient, relation=relation))
         return ComposedEvent(tuple(events))

@@ -320,7 +320,6 @@ class PeFLLStrategy(Strategy):
         self.descriptors: dict[int, torch.Tensor] = {}
         #: Whether the descriptors reached the server in the clear under central DP (they are then per-client state
         #: of the trusted aggregator, and none is used for another client's model).
-        self.descriptors_confidential = False
         self._round: dict[str, dict[int, Any]] = {}
 
     # -- messages down ------------------------------------------------------------------------------------------------
@@ -428,7 +427,6 @@ class PeFLLStrategy(Strategy):
     def contributions(self, round: int, replies: dict[int, Message]):
         """Client i's contribution (module docstring): ``Delta eta_h^i``, chain-ruled here from its weight change at
         its descriptor (line 12), and its ``Delta eta_v^i`` (line 15), for the clients that completed the round."""
-        self.descriptors_confidential = True
         kept = self._round.get("hnet_grads", ())
         for cid in sorted(cid for cid in replies if cid in kept):
             grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
@@ -450,7 +448,7 @@ class PeFLLStrategy(Strategy):
         the aggregator) (model selection only; see the module docstring)."""
         if client_id in self.descriptors:
             v = self.descriptors[client_id]
-        elif self.descriptors and not self.descriptors_confidential:
+        elif self.descriptors and not self.confidential:
             v = torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]).mean(dim=0)
         else:   # under central DP the others' descriptors are the aggregator's alone
             v = torch.zeros(self.embed_dim)
@@ -474,7 +472,7 @@ class PeFLLStrategy(Strategy):
             "descriptor_ids": torch.tensor(sorted(self.descriptors), dtype=torch.int64),
             "descriptors": (torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]) if self.descriptors
                             else torch.zeros(0, self.embed_dim)),
-            "descriptors_confidential": self.descriptors_confidential,
+            "descriptors_confidential": self.confidential,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -485,7 +483,7 @@ class PeFLLStrategy(Strategy):
         else:   # a serving state: the moments start afresh
             self.optimizer.state.clear()
         self.descriptors = {int(c): v.clone() for c, v in zip(state["descriptor_ids"].tolist(), state["descriptors"])}
-        self.descriptors_confidential = bool(state.get("descriptors_confidential", False))
+        self.confidential = self.confidential or bool(state.get("descriptors_confidential", False))
         self._round = {}
 
 
@@ -525,10 +523,9 @@ class PeFLLClient(ClientProcedure):
 
     # -- record level -------------------------------------------------------------------------------------------------
 
-    def round_event(self, data: TrainingClient, noise_multiplier: float) -> PrivacyEvent:
+    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
         """Record level: the three releases of a round (module docstring): the descriptor mean (``2B / min_samples``
         under add/remove-one) and the embedding gradient mean (``2C / min_samples``) around one DP-SGD fit."""
-        cfg: PeFLLConfig = self.config
         floor = self.privacy.min_samples
         descriptor = certify_labelled_mean(float(self.novel_privacy.bound), floor,
                                            relation=NeighboringRelation.ADD_OR_REMOVE_ONE).value
@@ -536,7 +533,7 @@ class PeFLLClient(ClientProcedure):
         z = float(noise_multiplier)
         return ComposedEvent((
             GaussianEvent(sigma=z * descriptor, sensitivity=descriptor, relation=NeighboringRelation.ADD_OR_REMOVE_ONE),
-            dp_sgd_round_event(z, data.num_train, cfg.batch_size, cfg.local_steps),
+            dp_sgd_round_event(z, self.record_sampling_rate(), self.record_steps()),
             GaussianEvent(sigma=z * gradient, sensitivity=gradient, relation=NeighboringRelation.ADD_OR_REMOVE_ONE)))
 
     def _metadata(self) -> dict[str, Any]:
@@ -554,7 +551,7 @@ class PeFLLClient(ClientProcedure):
             batch = torch.arange(data.num_train, dtype=torch.int64)
             v, event, _ = release_labelled_mean(net, data.x_train, data.y_train, bound=self.embedding_bound,
                                                 num_classes=self.model_factory.num_classes,
-                                                noise_multiplier=self.noise_multiplier(data),
+                                                noise_multiplier=self.noise_multiplier(),
                                                 relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
                                                 min_samples=self.privacy.min_samples,
                                                 **self.noise_source(ctx, "pefll_descriptor"))
@@ -614,7 +611,7 @@ class PeFLLClient(ClientProcedure):
             grads, event, _ = release_gradient_mean(net, per_record, data.x_train[batch], data.y_train[batch],
                                                     clip=float(self.privacy.clip),
                                                     min_samples=self.privacy.min_samples,
-                                                    noise_multiplier=self.noise_multiplier(data),
+                                                    noise_multiplier=self.noise_multiplier(),
                                                     **self.noise_source(ctx, "pefll_embedding_gradient"))
             return private_release(Message(arrays={EMBED + n: grads[n].cpu() for n in names}), "embedding_gradient",
                                    event, metadata=self._metadata())

@@ -225,6 +225,7 @@ class Aggregator(Strategy):
         self.clip = float(privacy.clip_initial) if privacy.clip == ADAPTIVE else float(privacy.clip)
         if not self.central:
             return
+        inner.confidential = True      # what the server holds of one client in the clear reaches that client only
         self.expected = self.q * self.num_training_clients            # the public divisor of the noisy sum
         self.noise_multiplier = central_noise_multiplier(privacy, sampling_probability=self.q, rounds=rounds)
         self.event = central_round_event(self.noise_multiplier, self.q)

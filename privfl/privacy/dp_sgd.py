@@ -1,14 +1,18 @@
 """DP-SGD for training clients (Abadi et al. 2016), with an accountant that lives as long as the client.
 
 A client that trains with DP-SGD releases a model update computed from ``steps`` steps of: Poisson-sample each record
-with probability q = min(1, batch_size / n), clip every per-sample gradient to L2 norm ``max_grad_norm`` (C), sum,
-add N(0, (noise_multiplier * C)^2 I), divide by ``batch_size`` and take an SGD step. Under add-or-remove-one
+with probability q, clip every per-sample gradient to L2 norm ``max_grad_norm`` (C), sum, add
+N(0, (noise_multiplier * C)^2 I), divide by ``batch_size`` and take an SGD step. Under add-or-remove-one
 neighbouring, one round is ``SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, q), steps)``.
 
-The divisor is ``batch_size``, a public setting, never a quantity of the data. For q < 1 it equals the expected batch
-size q * n. For q = 1 (a client with no more records than ``batch_size``) the expected batch size would be n itself,
-which add-or-remove-one keeps private: dividing by it scales the released noise by 1/n, so the update's norm tells n
-from n + 1 whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
+q, the step count and the divisor must be public: under add-or-remove-one a client's record count n is private, and
+n and n + 1 are neighbours. A training client of a run passes its public rate (``sampling_rate``:
+:func:`privfl.privacy.training.record_sampling_rate`, by default ``batch_size / min_samples``), so a client with more
+records gets larger expected batches, never a different event. Without ``sampling_rate`` the trainer uses
+q = min(1, batch_size / n), as Opacus does: that treats n as public, and the guarantee then holds only between
+datasets of one size. The divisor is ``batch_size``, a public setting, never a quantity of the data: dividing by the
+expected batch size q * n would scale the released noise by 1/n, so the update's norm would tell n from n + 1
+whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
 
 Every method's local training can run through :meth:`DPSGDTrainer.train`: its loss is any per-record loss
 (``per_sample_loss``), a data-independent term (FedProx's proximal term, SCAFFOLD's control-variate correction) is
@@ -244,9 +248,12 @@ class DPSGDTrainer:
         prv.history = list(self._history)
         return float(prv.get_epsilon(self.config.delta if delta is None else delta))
 
-    def noise_multiplier_for(self, num_samples: int, batch_size: int) -> float:
-        """The noise multiplier used at sampling rate ``batch_size / num_samples`` (calibrating it once if needed)."""
+    def noise_multiplier_for(self, num_samples: int, batch_size: int, sampling_rate: float | None = None) -> float:
+        """The noise multiplier used at sampling rate ``sampling_rate`` (default ``batch_size / num_samples``),
+        calibrating it once if needed."""
         q = sampling_probability(num_samples, batch_size)
+        if sampling_rate is not None:
+            q = _check_rate(sampling_rate)
         config = self.config
         if config.noise_multiplier is not None:
             return float(config.noise_multiplier)
@@ -265,8 +272,8 @@ class DPSGDTrainer:
         if not math.isclose(q, calibrated_q, rel_tol=1e-12):
             raise ConfigError(
                 f"the noise multiplier was calibrated for target_epsilon={config.target_epsilon!r} at sampling rate "
-                f"q={calibrated_q!r}, but this round has q = batch_size / n = {batch_size}/{num_samples} = {q!r}; "
-                "keep batch_size and the client's dataset fixed across rounds, or set noise_multiplier instead"
+                f"q={calibrated_q!r}, but this round has q={q!r}; keep the sampling rate (or batch_size and the "
+                "client's dataset) fixed across rounds, or set noise_multiplier instead"
             )
         return sigma
 
@@ -287,13 +294,14 @@ class DPSGDTrainer:
         weight_decay: float = 0.0,
         momentum: float = 0.0,
         params: Iterable[str | nn.Parameter] | None = None,
+        sampling_rate: float | None = None,
     ) -> tuple[float, SelfComposedEvent]:
         """Run ``steps`` DP-SGD steps on ``(x, y)`` in place on ``model``; record them.
 
-        Each step: Poisson-sample the records (probability q = min(1, batch_size / n)), clip each sampled record's
-        gradient of ``per_sample_loss`` (over all trained parameters jointly) to ``max_grad_norm``, sum, add
-        N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by ``batch_size``, add the gradient of
-        ``extra_loss`` and take an SGD step with ``weight_decay`` and ``momentum``.
+        Each step: Poisson-sample the records (probability q: ``sampling_rate``, else min(1, batch_size / n)),
+        clip each sampled record's gradient of ``per_sample_loss`` (over all trained parameters jointly) to
+        ``max_grad_norm``, sum, add N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by
+        ``batch_size``, add the gradient of ``extra_loss`` and take an SGD step with ``weight_decay`` and ``momentum``.
 
         Privacy assumption: the loss of record i depends only on record i (and on the parameters, and on randomness
         independent of the data): no batch statistics, no normalisation over the batch. One record then moves the
@@ -308,8 +316,8 @@ class DPSGDTrainer:
                 loss).
             lr: SGD learning rate (>= 0).
             steps: DP-SGD steps this round (>= 1).
-            batch_size: each record is sampled with probability q = min(1, batch_size / n), and the noisy sum of
-                clipped gradients is divided by ``batch_size`` (the expected batch size when q < 1).
+            batch_size: the noisy sum of clipped gradients is divided by ``batch_size`` (public); without
+                ``sampling_rate`` each record is sampled with probability q = min(1, batch_size / n).
             rng: the client's keyed generator; with ``noise="seeded"`` sampling and noise are drawn from it (same
                 seed, same numbers); with ``"secure"`` or ``"hardened"`` from generators seeded by the OS CSPRNG.
             per_sample_loss: ``(model, x_batch, y_batch) -> losses`` of shape (B,), one per record (default:
@@ -327,6 +335,8 @@ class DPSGDTrainer:
             momentum: SGD's heavy-ball coefficient in [0, 1), a running sum of past noisy gradients.
             params: the parameters to train, as names or the model's own parameters (default: every parameter with
                 ``requires_grad``); the others are frozen (not clipped, not noised, not changed).
+            sampling_rate: the public Poisson rate q in (0, 1]; ``None``: min(1, batch_size / n), which treats n as
+                public (see the module docstring).
 
         Returns:
             ``(mean_loss, event)``: the mean per-sample loss over the non-empty batches (nan if all were empty) and
@@ -348,7 +358,9 @@ class DPSGDTrainer:
             if function is not None and not callable(function):
                 raise ConfigError(f"{name} must be a callable or None, got {function!r:.80}")
         n = len(y)
-        q = sampling_probability(n, batch_size)
+        q = sampling_probability(n, batch_size)       # validates n and batch_size either way
+        if sampling_rate is not None:
+            q = _check_rate(sampling_rate)
         if len(x) != n:
             raise ConfigError(f"x and y must hold the same records, got {len(x)} inputs and {n} targets")
         planned = self.config.total_steps
@@ -358,7 +370,7 @@ class DPSGDTrainer:
                 f"beyond its planned total_steps={planned} (the budget the noise was calibrated for); "
                 "nothing was trained"
             )
-        sigma = self.noise_multiplier_for(n, batch_size)
+        sigma = self.noise_multiplier_for(n, batch_size, q)
         check_dp_compatible(model)
         trained = trained_parameters(model, params)
         loss = cross_entropy_losses if per_sample_loss is None else per_sample_loss
@@ -441,6 +453,13 @@ def sampling_probability(num_samples: int, batch_size: int) -> float:
     if not is_int_at_least(batch_size, 1):
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     return min(1.0, batch_size / num_samples)
+
+
+def _check_rate(sampling_rate: object) -> float:
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, numbers.Real) \
+            or not 0 < float(sampling_rate) <= 1:
+        raise ConfigError(f"sampling_rate must be a probability in (0, 1], got {sampling_rate!r}")
+    return float(sampling_rate)
 
 
 def _gaussian_noise(out: torch.Tensor, std: float, generator: torch.Generator, *, hardened: bool) -> torch.Tensor:

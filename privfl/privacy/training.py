@@ -6,8 +6,14 @@
     Every release of a training client is a DP function of its records: local training runs DP-SGD (Abadi et al.
     2016, :mod:`privfl.privacy.dp_sgd`), and a method's other data-dependent releases (ODPFL-HN's descriptor and
     encoder gradient, ...) are clipped per record and noised. Each release carries its event; the client's ledger
-    composes them. With ``epsilon`` the noise multiplier z is calibrated, per client size, so that the client's whole
-    planned schedule ends at (epsilon, delta) (:func:`record_noise_multiplier`).
+    composes them. Every noise scale, sampling rate and step count is a function of public quantities only
+    (``docs/record_level.md``): a client's record count n is private under add/remove-one, and n and n + 1 are
+    neighbours, so anything calibrated to n would differ between them. DP-SGD samples each record with the public
+    Poisson rate q (``sampling_rate``, by default ``batch_size / min_samples``, :func:`record_sampling_rate`) for a
+    fixed number of steps, and divides by the public ``batch_size``: a client with more records gets larger expected
+    batches, not less noise. Means over records are calibrated at the public lower bound ``min_samples``. With
+    ``epsilon`` the one noise multiplier z of every client is calibrated so that its whole planned schedule ends at
+    (epsilon, delta) (:func:`record_noise_multiplier`).
 
 ``local`` (client-level DP; replace one client's whole dataset; no one is trusted)
     Each release of a round is clipped to L2 norm C_s, with sum_s C_s^2 = C^2 over the round's stages, and the
@@ -101,7 +107,9 @@ class TrainingPrivacy:
     contribution; client level: of a client's whole round); ``"adaptive"`` in central mode.
     ``min_samples``: record level, a public lower bound on a training client's training-split size: means over a
     client's records (ODPFL-HN's descriptor) keep n private and are calibrated at this size; a client with fewer
-    records is refused. ``participations``: local and distributed modes, the most rounds a client may release in
+    records is refused. ``sampling_rate``: record level, the public Poisson rate q of every DP-SGD step (``None``:
+    ``min(1, batch_size / min_samples)``, the rate at which a client of ``min_samples`` records draws batches of
+    ``batch_size`` on average). ``participations``: local and distributed modes, the most rounds a client may release in
     (``None``: the most the run's public sampling schedule gives any client); each release is calibrated for it and
     the ledger refuses one beyond. ``shares``: distributed mode, M (``None``: the clients one round samples).
     Adaptive clipping (central, ``clip="adaptive"``; Andrew et al. 2021 defaults): ``clip_initial``,
@@ -118,6 +126,7 @@ class TrainingPrivacy:
     delta: float = 1e-5
     clip: float | str = 1.0
     min_samples: int = 8
+    sampling_rate: float | None = None
     participations: int | None = None
     shares: int | None = None
     clip_initial: float = 0.1
@@ -150,8 +159,12 @@ class TrainingPrivacy:
             value = getattr(self, name)
             if value is not None:
                 check.integer(value, f"privacy {name}", 1)
+        if self.sampling_rate is not None:
+            check.require(is_finite(self.sampling_rate) and 0 < self.sampling_rate <= 1, "privacy sampling_rate",
+                          self.sampling_rate, "a probability in (0, 1] (the Poisson rate of each DP-SGD step)")
         if self.mode is None:
-            given = {name: getattr(self, name) for name in ("epsilon", "noise_multiplier", "participations", "shares")
+            given = {name: getattr(self, name) for name in ("epsilon", "noise_multiplier", "participations", "shares",
+                                                            "sampling_rate")
                      if getattr(self, name) is not None}
             if given:
                 raise ConfigError(f"privacy settings {given} need a privacy mode (one of {', '.join(MODES)}); without "
@@ -170,6 +183,9 @@ class TrainingPrivacy:
                               f"releases each noise is calibrated for), got it with mode {self.mode!r}")
         if self.shares is not None and self.mode != DISTRIBUTED:
             raise ConfigError(f"privacy shares is for mode 'distributed', got it with mode {self.mode!r}")
+        if self.sampling_rate is not None and self.mode != RECORD:
+            raise ConfigError(f"privacy sampling_rate is the Poisson rate of record-level DP-SGD, for mode 'record'; "
+                              f"got it with mode {self.mode!r} (central mode samples clients at the client fraction)")
 
     @property
     def private(self) -> bool:
@@ -253,13 +269,40 @@ def _no_noise_error(privacy: TrainingPrivacy) -> ConfigError:
                        "calibrate; set exactly one of them")
 
 
+def record_sampling_rate(privacy: TrainingPrivacy, batch_size: int) -> float:
+    """Record level: q, the public Poisson rate of every DP-SGD step of every training client: ``sampling_rate``
+    when set, else ``min(1, batch_size / min_samples)``. Never a function of a client's own record count: under
+    add/remove-one n is private, and a rate ``batch_size / n`` would differ between neighbours (n and n + 1).
+
+    >>> record_sampling_rate(TrainingPrivacy(mode="record", epsilon=1.0, min_samples=200), 64)
+    0.32
+    """
+    check.integer(batch_size, "batch_size", 1)
+    if privacy.sampling_rate is not None:
+        return float(privacy.sampling_rate)
+    return min(1.0, batch_size / privacy.min_samples)
+
+
+def record_steps_for_epochs(epochs: int, sampling_rate: float) -> int:
+    """Record level: the DP-SGD steps of ``epochs`` passes at the public rate q, ``ceil(epochs / q)`` (a pass is
+    1/q steps in expectation whatever n is; counting a pass as ``ceil(n / batch)`` steps would make the step count,
+    and so the event, a function of the private n).
+
+    >>> record_steps_for_epochs(2, 0.32)
+    7
+    """
+    check.integer(epochs, "epochs", 1)
+    return math.ceil(epochs / sampling_rate - 1e-9)
+
+
 def record_noise_multiplier(privacy: TrainingPrivacy, round_event: Callable[[float], PrivacyEvent],
                             participations: int) -> float:
     """Record level: the noise multiplier z of every mechanism of a client's round.
 
     With ``privacy.noise_multiplier`` it is that value. With ``privacy.epsilon`` it is the least z for which
     ``participations`` rounds of ``round_event(z)`` (the client's every release of one round, as its procedure
-    declares it) compose to (epsilon, delta) by PLD.
+    declares it from public quantities only) compose to (epsilon, delta) by PLD. The same z for every client of a
+    run: nothing here reads a client's data or size.
     """
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
@@ -382,6 +425,7 @@ def joint_noise_multiplier(update: float, count_noise: float) -> float:
 __all__ = [
     "ADAPTIVE", "CENTRAL", "CLIENT_LEVEL", "DISTRIBUTED", "LOCAL", "MODES", "RECORD", "RELATIONS",
     "ClientLevelNoise", "NovelPrivacy", "TrainingPrivacy", "central_noise_multiplier", "central_round_event",
-    "client_level_noise", "joint_noise_multiplier", "record_noise_multiplier", "share_epsilon",
+    "client_level_noise", "joint_noise_multiplier", "record_noise_multiplier", "record_sampling_rate",
+    "record_steps_for_epochs", "share_epsilon",
     "stage_clips", "update_noise_multiplier",
 ]

@@ -488,8 +488,8 @@ def test_a_record_level_round_records_the_event_its_round_event_declares(make_sp
     runtime.run_round(0)
     for data in federation.training_clients:
         records = runtime.wire.ledgers[data.client_id].records
-        assert [r.event for r in records] == [runtime.client.inner.round_event(data, 1.3)]
-        assert records[0].event == dp_sgd_round_event(1.3, data.num_train, 8, 2)
+        assert [r.event for r in records] == [runtime.client.inner.round_event(1.3)]
+        assert records[0].event == dp_sgd_round_event(1.3, 1.0, 2)   # q = min(1, batch 8 / min_samples 8)
     # g was trained on the per-record statistic, so the test-time loss is per record too
     assert runtime.client.inner.tta_chunk == 1
     _, plain = _private_run(make_spec, TrainingPrivacy(), method="fedtta_prox")
@@ -518,4 +518,4 @@ def test_at_record_level_records_whose_meta_gradient_is_not_finite_drop_out_and_
     message.config["inner_lr"] = float("inf")
     release = runtime.client.train(data, message, {}, _context(data))
     assert all(bool(torch.isfinite(v).all()) and float(v.abs().sum()) > 0 for v in release.message.arrays.values())
-    assert release.event == runtime.client.inner.round_event(data, 1.0)   # the spent steps are recorded
+    assert release.event == runtime.client.inner.round_event(1.0)   # the spent steps are recorded

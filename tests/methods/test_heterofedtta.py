@@ -263,7 +263,7 @@ def test_record_level_rounds_record_the_event_their_round_event_declares_and_sen
     assert runtime.strategy.base is not None
     for data in federation.training_clients:
         records = runtime.wire.ledgers[data.client_id].records
-        assert [r.event for r in records] == [runtime.client.inner.round_event(data, 1.2)] * 2
+        assert [r.event for r in records] == [runtime.client.inner.round_event(1.2)] * 2
         assert all(math.isfinite(runtime.wire.ledgers.epsilons(1e-5)[data.client_id]) for _ in records)
     message = runtime.strategy.configure_train(2, [0])[0]
     data = federation.training_clients[0]

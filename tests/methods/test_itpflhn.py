@@ -217,14 +217,14 @@ def test_record_level_rounds_record_the_declared_events_phase_one_exactly_and_ph
     for c in clients:
         records = rt.wire.ledgers[c.client_id].records
         assert [r.purpose for r in records] == ["weight_change", "encoder_update", "descriptor", "weight_change"]
-        declared = proc.round_event(c, 1.2)
+        declared = proc.round_event(1.2)
         assert ComposedEvent(tuple(r.event for r in records[:2])) == declared
         # each regression step: phi's mean (2B / min_samples) and phi's gradient (2C / min_samples), both at z = 1.2
         mean, gradient = records[1].event.event.events
         assert (mean.sensitivity, mean.sigma, records[1].event.count) == pytest.approx((2 * 0.5 / 6, 1.2 / 6, 3))
         assert (gradient.sensitivity, gradient.sigma) == pytest.approx((2 * 0.7 / 6, 1.2 * 1.4 / 6))
         phase2 = ComposedEvent(tuple(r.event for r in records[2:]))
-        assert phase2 == proc.phase2_round_event(c, 1.2)
+        assert phase2 == proc.phase2_round_event(1.2)
         assert accounting_epsilon(phase2, 1e-5) < accounting_epsilon(declared, 1e-5)
         assert all(r.metadata.get("min_samples") == 6 or r.purpose == "weight_change" for r in records)
 

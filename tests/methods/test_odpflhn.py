@@ -232,10 +232,10 @@ def test_a_record_level_round_records_the_three_releases_its_procedure_declares(
     # (clipped per-record contributions): together exactly round_event, what a target epsilon is calibrated on
     runtime = _record_runtime()
     runtime.run_round(0)
-    inner, data = runtime.client.inner, runtime.clients[0]
+    inner = runtime.client.inner
     records = runtime.wire.ledgers[0].records
     assert [r.purpose for r in records] == ["descriptor", "weight_change", "encoder_gradient"]
-    declared = inner.round_event(data, 1.3).events
+    declared = inner.round_event(1.3).events
     assert tuple(r.event for r in records) == declared
     # the descriptor and gradient are means with n private, calibrated at min_samples: sensitivity 2 B / 16
     assert [r.event.sensitivity for r in records[::2]] == pytest.approx([2 / 16, 2 / 16])

@@ -229,13 +229,13 @@ def test_a_record_level_round_records_exactly_the_declared_three_releases_over_t
     for c in clients:
         records = runtime.wire.ledgers[c.client_id].records
         assert [r.purpose for r in records] == ["descriptor", "weight_change", "embedding_gradient"]
-        assert ComposedEvent(tuple(r.event for r in records)) == client.round_event(c, 1.1)
+        assert ComposedEvent(tuple(r.event for r in records)) == client.round_event(1.1)
         descriptor, fit, gradient = (r.event for r in records)
-        # add/remove-one, n private: 2B / min_samples and 2C / min_samples, whatever n; DP-SGD at q = 4/n
+        # add/remove-one, n private: 2B / min_samples and 2C / min_samples, whatever n; DP-SGD at q = 4 / min_samples
         assert (descriptor.sensitivity, gradient.sensitivity) == pytest.approx((2 * 0.5 / 6, 2 * 0.6 / 6))
         assert descriptor.sigma == pytest.approx(1.1 * 2 * 0.5 / 6)
         assert descriptor.relation is gradient.relation is NeighboringRelation.ADD_OR_REMOVE_ONE
-        assert fit.event.sampling_probability == pytest.approx(4 / c.num_train) and fit.count == 3
+        assert fit.event.sampling_probability == pytest.approx(4 / 6) and fit.count == 3
         assert all(r.metadata["min_samples"] == 6 and "n" not in r.metadata for r in records)
 
 
@@ -323,8 +323,9 @@ def test_central_dp_steps_both_networks_from_the_noisy_mean_and_never_serves_ano
     named = [*strategy.hnet.named_parameters(prefix="hnet"), *strategy.embedding.named_parameters(prefix="embed")]
     for name, p in named:
         assert torch.allclose(p, groups[0].get(name, groups[1].get(name)), atol=1e-7), name
-    # a training client that never trained gets h(0), not h(mean of the others' descriptors)
-    assert strategy.descriptors_confidential
+    # a training client that never trained gets h(0), not h(mean of the others' descriptors), once the aggregator
+    # of central DP has marked the strategy's per-client state confidential
+    strategy.confidential = True
     zero = strategy.generate(torch.zeros(strategy.embed_dim))
     assert all(torch.equal(strategy.configure_evaluate(7).arrays[k], v) for k, v in zero.items())
 

@@ -334,9 +334,9 @@ def test_a_record_level_round_records_exactly_the_declared_round_event_and_no_me
     rt.run_round(0)
     for c in clients:
         (record,) = rt.wire.ledgers[c.client_id].records
-        # one DP-SGD fit of 3 steps at q = 5/n and z = 1.3: what round_event declares for this client
-        assert record.event == proc.round_event(c, 1.3)
-        assert record.event.event.sampling_probability == pytest.approx(5 / c.num_train) and record.event.count == 3
+        # one DP-SGD fit of 3 steps at the public q = 5 / min_samples 8 and z = 1.3: what round_event declares
+        assert record.event == proc.round_event(1.3)
+        assert record.event.event.sampling_probability == pytest.approx(5 / 8) and record.event.count == 3
         assert record.purpose == "weight_change" and seen[c.client_id].metrics == {}
 
 
@@ -349,7 +349,7 @@ def test_a_target_epsilon_is_spent_exactly_over_the_planned_rounds():
     for c in clients:
         # the calibration composes round_event over the 2 planned rounds; the ledger composes what was released
         assert rt.wire.ledgers[c.client_id].spent(1e-5).epsilon == pytest.approx(3.0, rel=1e-2)
-        assert accounting_epsilon(ComposedEvent((proc.round_event(c, proc.noise_multiplier(c)),) * 2), 1e-5) \
+        assert accounting_epsilon(ComposedEvent((proc.round_event(proc.noise_multiplier()),) * 2), 1e-5) \
             == pytest.approx(3.0, rel=1e-2)
 
 

@@ -427,8 +427,8 @@ def test_afl_record_level_releases_its_loss_by_a_gaussian_of_sensitivity_b_over_
     privacy = TrainingPrivacy(mode="record", noise_multiplier=1.5, min_samples=8, **SEEDED)
     data, client, message, _, release = _round(make_spec, "afl", privacy, loss_bound=4.0)
     loss_event = GaussianEvent(sigma=1.5 * 0.5, sensitivity=0.5, relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
-    assert release.event == ComposedEvent((dp_sgd_round_event(1.5, data.num_train, 16, 2), loss_event))
-    assert release.event == client.round_event(data, 1.5)              # what the calibration composes
+    assert release.event == ComposedEvent((dp_sgd_round_event(1.5, 1.0, 2), loss_event))
+    assert release.event == client.round_event(1.5)              # what the calibration composes
     assert sorted(release.message.arrays) == sorted([*message.arrays, LOSS]) and release.message.metrics == {}
     # the noise the loss carries is the event's: std z B / min_samples = 0.75
     model = ModelFactory("mlp2nn", (10,), 4)()
@@ -455,10 +455,12 @@ def test_afl_record_level_needs_a_lower_bound_of_two_records_for_its_mean(make_s
 
 def test_afl_refuses_a_client_below_the_public_lower_bound_without_naming_its_size(make_spec):
     data = build_federation(make_spec(), seed=0).training_clients[0]
+    factory = ModelFactory("mlp2nn", (10,), 4)
     _, client = _private_client("afl", TrainingPrivacy(mode="record", noise_multiplier=1.0,
-                                                        min_samples=data.num_train + 1), VECTOR)
+                                                        min_samples=data.num_train + 1), factory)
+    ctx = ClientContext(client_id=data.client_id, round=0, run_seed=0, rng=np.random.default_rng(0))
     with pytest.raises(ConfigError, match=f"public lower bound privacy min_samples={data.num_train + 1} ") as error:
-        client.round_event(data, 1.0)
+        client.private_loss(factory.init(0), data, ctx)
     assert f"{data.num_train} " not in str(error.value).replace(f"{data.num_train + 1}", "")
 
 
@@ -482,7 +484,7 @@ def test_fedsr_per_record_objective_is_the_batch_objective_per_record():
 def test_fedsr_and_fedadg_record_level_rounds_record_the_event_their_round_event_declares(make_spec, method):
     privacy = TrainingPrivacy(mode="record", noise_multiplier=1.2, **SEEDED)
     data, client, message, state, release = _round(make_spec, method, privacy)
-    assert release.event == client.round_event(data, 1.2) == dp_sgd_round_event(1.2, data.num_train, 16, 2)
+    assert release.event == client.round_event(1.2) == dp_sgd_round_event(1.2, 1.0, 2)
     assert sorted(release.message.arrays) == sorted(message.arrays) and release.message.metrics == {}
     assert all(bool(torch.isfinite(v).all()) and float(v.abs().sum()) > 0 for v in release.message.arrays.values()
                if v.is_floating_point())
@@ -494,7 +496,7 @@ def test_fedsr_and_fedadg_record_level_rounds_record_the_event_their_round_event
 def test_a_private_client_releases_a_diverged_update_as_zeros_and_a_plain_one_as_it_is():
     update = {"w": torch.tensor([1.0, float("nan")]), "b": torch.tensor([2.0])}
     _, private = _private_client("fedsr", TrainingPrivacy(mode="record", noise_multiplier=1.0), VECTOR)
-    event = dp_sgd_round_event(1.0, 100, 16, 2)
+    event = dp_sgd_round_event(1.0, 0.16, 2)
     release = update_release(private, update, event, {"loss": 1.0})
     assert release.event == event and release.message.metrics == {}
     assert all(float(v.abs().sum()) == 0 for v in release.message.arrays.values())
