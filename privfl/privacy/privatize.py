@@ -12,13 +12,18 @@ E2-E8):
    the L2 ball of radius ``bound`` (``v * min(1, bound/||v||)``; a non-finite ``v_i`` becomes 0) by this wrapper,
    outside the encoder, so **weights** from the server, however chosen, cannot void the bound.
 
-   **Trust.** The encoder's *code* runs on the client and is trusted as the client's own: Python in phi can keep
-   state across samples, reach around ``vmap``, or hand over a tensor subclass whose arithmetic lies, and no wrapper
-   can verify arbitrary code. What is checked, and refused with nothing recorded or released: phi's parameters and
-   buffers must be unchanged by the release (a layer updating a running statistic in forward couples the samples);
-   phi's output must be a plain ``torch.Tensor``; psi must share no module with phi (a module both see would carry
-   data past the noise). Build encoders from the modules of :mod:`privfl.models.set_encoders` (what ODPFL-HN's
-   clients do, loading only the server's weights) and these are the only assumptions.
+   **Trust.** The encoder's *code* runs on the client and is trusted as the client's own: no wrapper can verify
+   arbitrary Python. What can be detected cheaply is checked, and refused with nothing recorded or released: phi's
+   parameters and buffers must be unchanged by the release (a layer updating a running statistic in forward couples
+   the samples); phi's output must be a plain ``torch.Tensor``; psi must share no module with phi (a module both see
+   would carry data past the noise); the first record and one drawn by the OS CSPRNG must give alone, outside vmap,
+   the row they gave among the others (code that reads the whole batch through vmap's wrapper, or keeps state in a
+   plain attribute from record to record, is refused). Each release runs phi and psi as fresh deep copies of the
+   encoder's (the encoder's own phi never sees data), so state kept in an instance attribute cannot carry one
+   release's data into a later release or hand a raw record to psi. What is still trusted: code that writes outside
+   its instances (a class attribute, a global, a file). Build encoders from the modules of
+   :mod:`privfl.models.set_encoders` (what ODPFL-HN's clients do, loading only the server's weights) and these are the
+   only assumptions.
 3. **Sensitivity.** Under replace-one with n public the mean of the clipped ``v_i`` moves by at most ``2 bound / n``
    (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`). n is treated as **public**: it sets the noise
    scale, so it is not protected. Under add/remove-one the noise is calibrated to a public lower bound
@@ -39,6 +44,7 @@ Units: epsilon natural-log, delta a probability, bound and sensitivity L2 in the
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -192,7 +198,9 @@ class PrivateEncoder(nn.Module):
         """
         self._check_samples(x)
         self.encoder.eval()          # a caller holding the encoder may have switched it back to train mode
-        phi = self._stage("phi")
+        # a fresh copy per release: a plain attribute of phi (a running max, a cached record) cannot carry one
+        # release's data into a later one, nor reach psi, which runs on its own copy (_record_noise_psi)
+        phi = copy.deepcopy(self._stage("phi"))
         # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
         x = x.to(device_of(self.encoder))      # where the encoder computes (psi's device too)
         return clipped_rows(phi, lambda s: phi(s.unsqueeze(0)).reshape(-1), (x,), self.bound,
@@ -252,7 +260,7 @@ class PrivateEncoder(nn.Module):
         if self.ledger is not None:
             self.ledger.record(event, purpose=PURPOSE, metadata=metadata)
         noisy_mean = mechanism.add_noise(mean)
-        psi = self._stage("psi")
+        psi = copy.deepcopy(self._stage("psi"))     # the encoder's phi never ran on data: its copy holds none
         psi_dtype = next((p.dtype for p in psi.parameters()), torch.get_default_dtype())
         descriptor = psi(noisy_mean.to(psi_dtype))
         self.last_certificate = certificate

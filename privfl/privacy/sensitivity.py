@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import secrets
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -202,6 +203,34 @@ def _restore(module: nn.Module, kinds: dict[str, tuple[str, torch.Tensor]], valu
             tensor.copy_(values[name])
 
 
+#: Records :func:`clipped_rows` computes again on their own, outside vmap: the first and one drawn by the OS CSPRNG.
+ALONE_CHECKS = 2
+
+
+def _rows_alone(one: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], v: torch.Tensor) -> int | None:
+    """The first of a few records (the first, and one drawn by the OS CSPRNG, which the code cannot predict) whose
+    output computed alone, outside vmap and after every other record ran, differs from its row ``v[i]``; ``None``
+    when they agree (to float rounding; non-finite rows agree with non-finite rows). Cheap: a few single calls."""
+    n = len(v)
+    if n < 2 or type(v) is not torch.Tensor:
+        return None
+    for i in sorted({0, 1 + secrets.randbelow(n - 1)})[:ALONE_CHECKS]:
+        row = v[i].detach().reshape(-1).to(torch.float64)
+        single = one(*(t[i] for t in inputs))
+        if type(single) is not torch.Tensor:
+            return i
+        single = single.detach().reshape(-1).to(torch.float64)
+        if single.shape != row.shape:
+            return i
+        finite = torch.isfinite(row)
+        if not torch.equal(finite, torch.isfinite(single)):
+            return i
+        scale = float(row[finite].abs().max()) if bool(finite.any()) else 0.0
+        if not torch.allclose(single[finite], row[finite], rtol=1e-4, atol=1e-5 * max(1.0, scale)):
+            return i
+    return None
+
+
 @torch.no_grad()
 def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], bound: float,
                  *, name: str) -> torch.Tensor:
@@ -221,10 +250,14 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
       ``named_buffers()``, **persistent or not** (``state_dict()`` omits non-persistent buffers, and a running maximum
       kept in one would go unseen), compared by identity (the same tensor object under the same name, none added or
       removed) and by value. The state is restored before the error;
-    - an output that is not a plain ``torch.Tensor`` (a subclass can change what the norm computes).
+    - an output that is not a plain ``torch.Tensor`` (a subclass can change what the norm computes);
+    - a row that differs from what the same record gives alone, outside vmap, after the others ran (checked for the
+      first record and one drawn by the OS CSPRNG): code that reads the whole batch through vmap's wrapper, or
+      keeps state in a plain attribute from record to record.
 
-    Plain tensor and Python attributes are not seen, and arbitrary code can still escape vmap: the code is trusted,
-    its weights need not be.
+    The code is trusted, its weights need not be: what arbitrary code can hide from these checks (state kept for a
+    later call: :class:`~privfl.privacy.privatize.PrivateEncoder` runs a fresh copy of phi and psi per release)
+    is not seen.
     """
     device = device_of(module)
     inputs = tuple(t.to(device) for t in inputs)     # the records go where the module computes
@@ -238,9 +271,11 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
     was_training = module.training
     module.eval()
     try:
-        v = torch.func.vmap(one)(*inputs)
-    except (RuntimeError, NotImplementedError):
-        v = torch.stack([one(*record) for record in zip(*inputs, strict=True)])
+        try:
+            v = torch.func.vmap(one)(*inputs)
+        except (RuntimeError, NotImplementedError):
+            v = torch.stack([one(*record) for record in zip(*inputs, strict=True)])
+        alone = _rows_alone(one, inputs, v)
     finally:
         module.train(was_training)
     after = _tensor_state(module)
@@ -255,6 +290,11 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
     if type(v) is not torch.Tensor:
         raise ConfigError(f"{name} returned a {type(v).__name__}, not a plain torch.Tensor: a tensor subclass can "
                           "change what clipping computes; nothing was released or recorded")
+    if alone is not None:
+        _restore(module, kinds, values)
+        raise ConfigError(f"{name} gave record {alone} a different output alone than among the other records: its "
+                          "output reads other records (code that reaches around vmap, or state kept from record to "
+                          "record), so their mean has no 2*bound/n sensitivity; nothing was released or recorded")
     v = v.to(torch.float64)
     v = torch.where(torch.isfinite(v).all(dim=1, keepdim=True), v, torch.zeros_like(v))
     return v * torch.clamp(bound / v.norm(dim=1, keepdim=True), max=1.0)  # norm 0 -> inf -> 1

@@ -495,3 +495,90 @@ def test_batched_budget_refusal_records_nothing_and_draws_no_noise():
         private.release_batched(torch.randn(120, 6), batch_size=50)
     assert len(ledger) == 0 and torch.equal(generator.get_state(), state)
     assert private.last_certificate is None
+
+
+# -- code that tries to get past the clipping (what can be detected cheaply is refused; docs: the trust boundary) ---
+
+
+class AttributeMax(nn.Module):
+    """Remembers the largest input of a release in plain Python attributes (no buffer) and adds it to every output of
+    the next release: within one release its rows are consistent, so only a fresh copy per release stops it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending, self.previous = 0.0, 0.0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if torch._C._functorch.is_batchedtensor(h):      # a release starts with the batched call
+            self.previous = self.pending
+        else:                                            # the per-record calls: remember the data as a float
+            self.pending = max(self.pending, float(h.abs().max()))
+        return h + self.previous
+
+
+class ReachAround(nn.Module):
+    """Under vmap, reads the whole batch through vmap's wrapper and returns its mean for every record (the mean of a
+    mean that does not shrink with n, as the audit's 14x reach-around)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if torch._C._functorch.is_batchedtensor(h):
+            whole = torch._C._functorch.get_unwrapped(h)
+            return 100.0 * whole.reshape(whole.shape[0], -1)[:, :3].mean(dim=0, keepdim=True)
+        return h[..., :3]
+
+
+class Cache(nn.Module):
+    """phi's last input, kept in a plain attribute that psi reads: a raw record handed past the noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.box: dict[str, torch.Tensor] = {}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not torch._C._functorch.is_batchedtensor(h):
+            self.box["record"] = h.detach().clone()
+        return torch.zeros(h.shape[0], 3)
+
+
+class CachedPsi(nn.Module):
+    def __init__(self, cache: Cache) -> None:
+        super().__init__()
+        object.__setattr__(self, "cache", cache)     # not a registered module: privatize's sharing check misses it
+
+    def forward(self, m: torch.Tensor) -> torch.Tensor:
+        record = self.cache.box.get("record")
+        return m if record is None else record.reshape(-1)[:3].to(m.dtype)
+
+
+def test_a_phi_that_remembers_a_release_in_a_python_attribute_does_not_carry_it_into_the_next():
+    phi = nn.Sequential(nn.Flatten(), AttributeMax())
+    enc = Stages(phi, MeanPool())
+    private = privatize(enc, EPS, DELTA, noise="seeded", generator=torch.Generator().manual_seed(0))
+    private(1000.0 * torch.ones(4, 6))                       # a first client's data: large values
+    assert phi[1].pending == 0.0                             # the encoder's own phi never ran on it
+    second = torch.rand(8, 6)
+    mean = private.clipped_mean(second)
+    fresh = privatize(Stages(nn.Sequential(nn.Flatten(), AttributeMax()), MeanPool()), EPS, DELTA,
+                      noise="seeded", generator=torch.Generator().manual_seed(0)).clipped_mean(second)
+    assert torch.equal(mean, fresh)
+
+
+def test_a_phi_that_reaches_around_vmap_is_refused_and_records_nothing():
+    enc = Stages(nn.Sequential(nn.Flatten(), ReachAround()), MeanPool())
+    ledger = PrivacyLedger(0)
+    private = privatize(enc, EPS, DELTA, ledger=ledger, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"encoder\.phi gave record \d+ a different output alone than among the "
+                                          r"other records.*nothing was released or recorded"):
+        private(torch.rand(30, 6))
+    assert len(ledger) == 0
+
+
+def test_a_psi_cannot_return_a_raw_record_phi_cached():
+    cache = Cache()
+    enc = Stages(nn.Sequential(nn.Flatten(), cache), MeanPool(), CachedPsi(cache))
+    records = torch.rand(5, 6) + 10.0
+    private = privatize(enc, 1e6, DELTA, noise="seeded", generator=torch.Generator().manual_seed(0))
+    descriptor = private(records)
+    assert "record" not in cache.box                         # the copy phi ran as cached it, not the encoder's
+    assert not any(torch.allclose(descriptor.double(), r[:3].double()) for r in records)
+    assert float(descriptor.abs().max()) < 1.0               # the noisy mean of zero rows, not a record near 10
