@@ -14,7 +14,7 @@ import numbers
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -478,13 +478,15 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         return {client_id: ledger.spent_against_aggregator(delta).epsilon
                 for client_id, ledger in self._ledgers.items()}
 
-    def relations(self) -> list[str]:
+    def relations(self, clients: Iterable[ClientId] | None = None) -> list[str]:
         """The neighbouring relations the recorded guarantees hold under, each distinct one once, sorted: a record's
         ``metadata["relation"]`` where the release described its neighbours in words (for example "replace one
         sample; n public", or a relation narrower than the event's, as DP-GMM with public class counts), else its
-        event's relation. Releases made without privacy (no relation) are left out."""
+        event's relation. Releases made without privacy (no relation) are left out. ``clients``: only these
+        clients' ledgers (default: every ledger)."""
         found = set()
-        for ledger in self._ledgers.values():
+        chosen = self._ledgers if clients is None else {c: self._ledgers[c] for c in clients if c in self._ledgers}
+        for ledger in chosen.values():
             for record in ledger.records:
                 if record.event.relation is not None:
                     words = record.metadata.get("relation")

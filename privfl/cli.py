@@ -134,6 +134,9 @@ def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-min-samples", type=int, default=None,
                    help="record level: the public lower bound on a training client's record count that bounds the "
                         "sensitivity of its means (default: 8); a client with fewer records is refused")
+    g.add_argument("--dp-sampling-rate", type=float, default=None,
+                   help="record level: the public Poisson rate of every DP-SGD step (default: batch size / "
+                        "--dp-min-samples, at most 1); never a client's own record count, which is private")
     g.add_argument("--client-dp", default=None, choices=("central", "distributed", "local"),
                    help="client-level DP: central (trusted aggregator, Poisson sampling at --client-fraction), "
                         "distributed (noise shares summed under secure aggregation) or local (each client adds it)")
@@ -162,7 +165,8 @@ def _privacy(args: argparse.Namespace):
 
     record = args.dp_noise_multiplier is not None or args.dp_epsilon is not None
     client = args.client_dp is not None
-    record_only = [name for name in ("dp_max_grad_norm", "dp_min_samples") if getattr(args, name) is not None]
+    record_only = [name for name in ("dp_max_grad_norm", "dp_min_samples", "dp_sampling_rate")
+                   if getattr(args, name) is not None]
     client_only = [name for name in ("client_dp_epsilon", "client_dp_noise_multiplier", "client_dp_clip",
                                      "client_dp_participations", "client_dp_shares") if getattr(args, name) is not None]
     if record and client:
@@ -182,7 +186,7 @@ def _privacy(args: argparse.Namespace):
         privacy = TrainingPrivacy(mode="record", epsilon=args.dp_epsilon, noise_multiplier=args.dp_noise_multiplier,
                                   clip=1.0 if args.dp_max_grad_norm is None else args.dp_max_grad_norm,
                                   **({} if args.dp_min_samples is None else {"min_samples": args.dp_min_samples}),
-                                  **common)
+                                  sampling_rate=args.dp_sampling_rate, **common)
     elif client:
         clip = args.client_dp_clip
         if clip is not None and clip != "adaptive":
@@ -382,7 +386,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     lifetime_eps = lifetime.get("epsilon_per_client", {})
     print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  " + (f"{'lifetime':>8}  " if lifetime else "")
           + f"{'mode':<11}  {'relation':<32}  purposes")
-    ids = set(book) | {int(c) for c in lifetime_eps}
+    epsilons = spend.epsilons()     # recomputed, or what summary.json states where larger (a warning says so)
+    ids = set(book) | set(epsilons) | {int(c) for c in lifetime_eps}
     for client_id in sorted(ids, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
         records = book[client_id].records if client_id in book else []
         purposes = Counter(record.purpose for record in records)
@@ -390,7 +395,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         modes = sorted({str(r.metadata["mode"]) for r in records if "mode" in r.metadata}) or ["-"]
         relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in records
                             if r.event.relation is not None}) or ["none (not private)"]
-        epsilon = book[client_id].spent(delta).epsilon if client_id in book else 0.0
+        epsilon = epsilons.get(client_id, 0.0)
         total = lifetime_eps.get(str(client_id))
         print(f"{client_id!s:>6}  {len(records):>8}  {format_epsilon(epsilon):>8}  "
               + (f"{format_epsilon(float(total)) if total is not None else '-':>8}  " if lifetime else "")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from accounting import JournalDamaged, JournalMismatch, JournalPosition, ReleaseJournal
+from accounting import JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
 from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations, run_device
 from privfl.data import FederatedDataset, build_federation, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
@@ -33,7 +33,7 @@ from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
 from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
-from privfl.federation.spend import NOVEL_SERVED
+from privfl.federation.spend import NOVEL_SERVED, run_summary
 from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS
 from privfl.provenance import numerics
 
@@ -115,7 +115,8 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
                               "directory?")
         if run_dir.path(RunDirectory.SUMMARY).exists():
             # A finished run has nothing to continue; serving its novel clients again would release their data again.
-            return run_dir.read_json(RunDirectory.SUMMARY)
+            # Its three records are cross-checked (a damaged journal is refused by name, a mismatch warned of).
+            return finished_summary(run_dir)
         config = read_config(run_dir)
     elif config is None:
         raise ConfigError("train needs a RunConfig for a new run (config=None is for resume=True only)")
@@ -431,7 +432,8 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
             "relations": ledgers.relations(),   # what the epsilons hold under: the neighbours of each kind of release
             "noise_sources": (noise := ledgers.private_metadata_counts("noise")),
             "training_mode": config.privacy.mode,
-            "training_guarantee": RELATIONS.get(config.privacy.mode, "none: training clients release without DP"),
+            "training_guarantee": training_guarantee(config.privacy.mode, ledgers,
+                                                     [c.client_id for c in federation.training_clients]),
         },
         "communication": {"bytes_up_total": sum(runtime.bytes_up.values()),
                           "bytes_down_total": sum(runtime.bytes_down.values())},
@@ -456,6 +458,30 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
     plot_run(run_dir.read_metrics(), rows, run_dir.path("plots.png"),
              title=f"{config.method} on {config.federation.source}, seed {config.seed}")
     return summary
+
+
+def finished_summary(run_dir: RunDirectory) -> dict[str, Any]:
+    """A finished run's summary, its epsilons cross-checked against the release journal and ``ledger.json``
+    (:func:`~privfl.federation.spend.run_summary`): each disagreement is printed as a warning and the largest
+    epsilon is reported; a damaged record raises :class:`ConfigError` naming it."""
+    summary = run_summary(run_dir.root)
+    for warning in summary.pop("warnings"):
+        print(f"privfl: warning: {run_dir.root}: {warning}", file=sys.stderr)
+    summary.pop("status", None)
+    summary.pop("run_dir", None)
+    return summary
+
+
+def training_guarantee(mode: str | None, ledgers: LedgerBook, training_ids: list[int]) -> str:
+    """What the training clients' epsilons hold under, in words. Record level: the relations the training clients'
+    releases were recorded under (DP-FedPFT with public class counts holds under replace-one within the public class
+    histogram, not add/remove-one), each once; client level: the mode's relation."""
+    if mode is None:
+        return "none: training clients release without DP"
+    if mode == RECORD:
+        found = ledgers.relations(training_ids)
+        return "; ".join(found) if found else RELATIONS[RECORD]
+    return RELATIONS[mode]
 
 
 def client_rows(federation: FederatedDataset, training_scores: dict[int, ClientScore],

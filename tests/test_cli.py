@@ -204,7 +204,7 @@ def test_an_internal_fault_shows_its_traceback_and_asks_for_a_report(tmp_path, c
 
 def test_privacy_options_build_the_run_privacy_and_refuse_mixes():
     from privfl.cli import _privacy, build_parser
-    from privfl.errors import PrivflError
+    from privfl.errors import ConfigError, PrivflError
 
     def privacy(*flags):
         return _privacy(build_parser().parse_args(["train", "--out", "x", *flags]))
@@ -219,6 +219,12 @@ def test_privacy_options_build_the_run_privacy_and_refuse_mixes():
     assert privacy()[0].mode is None
     with pytest.raises(PrivflError, match="--dp-min-samples needs --dp-noise-multiplier or --dp-epsilon"):
         privacy("--dp-min-samples", "32")
+    rated, _ = privacy("--dp-epsilon", "3", "--dp-sampling-rate", "0.05")
+    assert (rated.sampling_rate, privacy("--dp-epsilon", "3")[0].sampling_rate) == (0.05, None)
+    with pytest.raises(PrivflError, match="--dp-sampling-rate needs --dp-noise-multiplier or --dp-epsilon"):
+        privacy("--dp-sampling-rate", "0.05")
+    with pytest.raises(ConfigError, match=r"privacy sampling_rate must be a probability in \(0, 1\].*got 1.5"):
+        privacy("--dp-epsilon", "3", "--dp-sampling-rate", "1.5")
     with pytest.raises(PrivflError, match="not both"):
         privacy("--dp-epsilon", "8", "--client-dp", "local")
     with pytest.raises(PrivflError, match="--client-dp-clip must be a number > 0 or 'adaptive', got 'auto'"):

@@ -5,13 +5,16 @@ A run records every release in ``releases.jsonl`` before it is delivered (:mod:`
 ledgers in each checkpoint, and writes ``ledger.json`` and ``summary.json`` when it finishes. :func:`read_spend`
 rebuilds every client's ledger from the journal and sets it beside the other records present (``ledger.json``, and
 for an unfinished run the last checkpoint's ledgers and journal position): where they disagree it says so, and each
-client's epsilon is taken from the longest record, so that a damaged or cut file never lowers a reported epsilon.
-A file that cannot be read is named in one line (:class:`~privfl.errors.ConfigError`), never skipped.
+client's epsilon is taken from the longest record, so that a damaged or cut file never lowers a reported epsilon. A
+finished run's ``summary.json`` is the third record: where the epsilon it states for a client differs from the
+recomputed one, a warning names both and the larger is reported. A file that cannot be read is named in one line
+(:class:`~privfl.errors.ConfigError`), never skipped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,14 +46,20 @@ class RunSpend:
     sources: list[str]
     warnings: list[str] = field(default_factory=list)
     rounds: tuple[int | None, int | None] = (None, None)     # rounds the last checkpoint holds, rounds planned
+    #: Epsilons ``summary.json`` states above what the records give (an edited or damaged record): reported instead.
+    claimed: dict[Any, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
         return self.status == "finished"
 
     def epsilons(self) -> dict[Any, float]:
-        """Each client's epsilon at :attr:`delta`, recomputed by the accountant from the records."""
-        return self.book.epsilons(self.delta)
+        """Each client's epsilon at :attr:`delta`: recomputed by the accountant from the records, or what
+        ``summary.json`` states where that is larger (the files disagree, and a warning says so)."""
+        found = self.book.epsilons(self.delta)
+        for cid, value in self.claimed.items():
+            found[cid] = max(found.get(cid, 0.0), value)
+        return found
 
     def roles(self) -> dict[Any, str]:
         """``"training"`` for a client with a release in a round, ``"novel"`` for one whose releases have none."""
@@ -110,6 +119,7 @@ def read_spend(root: str | Path, delta: float | None = None) -> RunSpend:
                               f"{RunDirectory.RELEASES}: its releases cannot be recomputed")
         books["none"] = LedgerBook()
     book = _merge(books, warnings, finished, float(delta))
+    claimed = _cross_check_summary(run, book, float(delta), warnings) if finished else {}
     if finished:
         status = "finished"
     elif any(m.get("mark") == NOVEL_SERVED for m in marks):
@@ -117,8 +127,54 @@ def read_spend(root: str | Path, delta: float | None = None) -> RunSpend:
     else:
         done, planned = rounds
         status = "unfinished" + ("" if done is None else f": {done} of {planned} rounds in its last checkpoint")
+    if claimed:
+        sources.append(RunDirectory.SUMMARY)
     return RunSpend(root=run.root, delta=float(delta), book=book, status=status, sources=sources, warnings=warnings,
-                    rounds=rounds)
+                    rounds=rounds, claimed=claimed)
+
+
+def _cross_check_summary(run: RunDirectory, book: LedgerBook, delta: float, warnings: list[str]) -> dict[Any, float]:
+    """The third record of a finished run: each client's epsilon ``summary.json`` states, set beside the one the
+    journal and ``ledger.json`` give (at the run's delta only: the summary holds no other). Every disagreement is a
+    warning naming the client and both figures; the clients whose stated epsilon is the larger, with it (a journal
+    and ledger edited alike, hash chain recomputed, must not lower what is reported)."""
+    summary = run.read_json(RunDirectory.SUMMARY)
+    privacy = summary.get("privacy") if isinstance(summary, dict) else None
+    if not isinstance(privacy, dict) or not isinstance(privacy.get("epsilon_per_client"), dict):
+        warnings.append(f"{RunDirectory.SUMMARY} states no epsilon per client: it was changed or cut after the run "
+                        "wrote it; the epsilons are recomputed from the releases")
+        return {}
+    stated_delta = privacy.get("delta")
+    if not isinstance(stated_delta, float) or not math.isclose(stated_delta, delta, rel_tol=1e-12):
+        return {}
+    recomputed = {str(cid): eps for cid, eps in book.epsilons(delta).items()}
+    ids = {str(cid): cid for cid in book}
+    larger: dict[Any, float] = {}
+    for key, value in privacy["epsilon_per_client"].items():
+        try:
+            stated = float(value)
+        except (TypeError, ValueError):
+            warnings.append(f"{RunDirectory.SUMMARY} states epsilon {value!r} for client {key}, not a number")
+            continue
+        found = recomputed.get(str(key), 0.0)
+        if _same_epsilon(stated, found):
+            continue
+        warnings.append(f"client {key}: {RunDirectory.SUMMARY} states epsilon {stated:.6g} but the recorded releases "
+                        f"({RunDirectory.RELEASES}, {RunDirectory.LEDGER}) give {found:.6g}: the run's records "
+                        f"disagree (edited or damaged); the larger, {max(stated, found):.6g}, is reported")
+        if stated > found:
+            larger[ids.get(str(key), _client_key(str(key)))] = stated
+    return larger
+
+
+def _same_epsilon(a: float, b: float) -> bool:
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def _client_key(key: str) -> Any:
+    return int(key) if key.lstrip("-").isdigit() else key
 
 
 def _journal_book(journal: ReleaseJournal) -> LedgerBook:
@@ -196,19 +252,22 @@ def run_summary(root: str | Path) -> dict[str, Any]:
     """The run's ``summary.json`` with ``"status": "finished"`` and ``"run_dir"``; for an unfinished run, what its
     files say: its method, the last validation scores in ``metrics.jsonl``, epsilons recomputed by
     :func:`read_spend` (no novel-client results: none were written), ``"status"`` saying how far it got and
-    ``"warnings"``. A finished run whose journal records more releases than its ledger (resumed after its summary
-    was removed) gets its epsilons recomputed, and a warning."""
+    ``"warnings"``. A finished run's summary is cross-checked against its journal and ledger: where the three
+    records disagree (a journal with more releases than the ledger, a summary edited after the run) its epsilons
+    are the largest any of them gives, with a warning naming each mismatch."""
     run = RunDirectory(root)
     if run.path(RunDirectory.SUMMARY).exists():
         summary = run.read_json(RunDirectory.SUMMARY)
         if not isinstance(summary, dict):
             raise ConfigError(f"{run.path(RunDirectory.SUMMARY)} is damaged: not a run summary")
         summary = {**summary, "status": "finished", "run_dir": str(run.root), "warnings": []}
-        if _journal_counts(run) != _ledger_counts(run):
-            spend = read_spend(root)
+        # the three records cross-checked: the journal, ledger.json and the summary's own figures
+        spend = read_spend(root)
+        if spend.warnings or _journal_counts(run) != _ledger_counts(run):
             summary["privacy"] = {**summary.get("privacy", {}), **_privacy(spend)}
-            summary["warnings"] = [f"{RunDirectory.RELEASES} and {RunDirectory.LEDGER} record different releases; "
-                                   "the epsilons are recomputed from the longer", *spend.warnings]
+            summary["warnings"] = ([f"{RunDirectory.RELEASES} and {RunDirectory.LEDGER} record different releases; "
+                                    "the epsilons are recomputed from the longer"]
+                                   if _journal_counts(run) != _ledger_counts(run) else []) + spend.warnings
         return summary
     config = run.read_json(RunDirectory.CONFIG)
     spend = read_spend(root)
@@ -230,8 +289,9 @@ def _privacy(spend: RunSpend) -> dict[str, Any]:
     epsilons, roles = spend.epsilons(), spend.roles()
     return {
         "delta": spend.delta,
-        "epsilon_max_training": max((e for c, e in epsilons.items() if roles[c] == "training"), default=0.0),
-        "epsilon_max_novel": max((e for c, e in epsilons.items() if roles[c] == "novel"), default=0.0),
+        "epsilon_max_training": max((e for c, e in epsilons.items() if roles.get(c, "training") == "training"),
+                                    default=0.0),
+        "epsilon_max_novel": max((e for c, e in epsilons.items() if roles.get(c) == "novel"), default=0.0),
         "epsilon_per_client": {str(c): e for c, e in epsilons.items()},
         "noise_sources": spend.book.private_metadata_counts("noise"),
     }

@@ -101,3 +101,74 @@ def test_a_run_without_any_file_of_releases_has_spent_nothing_and_says_so(tmp_pa
     assert main(["ledger", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "unfinished" in out and "0 clients with releases" in out
+
+
+def _forge(run, client):
+    """Drop ``client``'s last release from the journal (its hash chain recomputed, so the journal reads as intact)
+    and from ledger.json alike: what a tamperer who knows the format does. summary.json is left as the run wrote it."""
+    from accounting import PrivacyLedger
+    from accounting.journal import GENESIS, line_hash
+
+    entries = [json.loads(line) for line in (run / "releases.jsonl").read_text().splitlines()]
+    last = max(i for i, e in enumerate(entries) if e.get("client_id") == client)
+    del entries[last]
+    previous, lines = GENESIS, []
+    for entry in entries:
+        line = json.dumps({**entry, "prev": previous}, allow_nan=False)
+        lines.append(line)
+        previous = line_hash(line.encode("utf-8"))
+    (run / "releases.jsonl").write_text("\n".join(lines) + "\n")
+    book = LedgerBook.load(run / "ledger.json")
+    forged = LedgerBook()
+    for cid, ledger in book.items():
+        state = ledger.state_dict()
+        if cid == client:
+            state = {**state, "records": state["records"][:-1]}
+        forged.add(PrivacyLedger.from_state_dict(state))
+    forged.save(run / "ledger.json")
+
+
+def test_a_journal_and_ledger_forged_alike_do_not_lower_the_reported_epsilon(runs, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "finished"
+    shutil.copytree(runs / "finished", run)
+    summary = json.loads((run / "summary.json").read_text())
+    client = next(int(c) for c, e in summary["privacy"]["epsilon_per_client"].items() if e > 0)
+    true = summary["privacy"]["epsilon_per_client"][str(client)]
+    _forge(run, client)
+    forged = LedgerBook()
+    ReleaseJournal(run / "releases.jsonl").replay_into(forged)           # the forged chain reads as intact
+    assert forged.epsilons(1e-5)[client] < true
+    spend = read_spend(run)
+    assert spend.epsilons()[client] == pytest.approx(true)
+    assert any(f"client {client}: summary.json states epsilon" in w for w in spend.warnings), spend.warnings
+    assert main(["ledger", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert f"client {client}: summary.json states epsilon" in captured.err and "the larger" in captured.err
+    row = next(line for line in captured.out.splitlines() if line.split() and line.split()[0] == str(client))
+    assert float(row.split()[2]) == pytest.approx(true, rel=1e-2)     # as printed, to 3 digits
+    report = run_summary(run)
+    assert report["privacy"]["epsilon_per_client"][str(client)] == pytest.approx(true)
+    assert report["warnings"]
+    # resuming the finished run cross-checks the three records too, and warns
+    resumed = train(None, str(run), resume=True, progress=False)
+    assert resumed["privacy"]["epsilon_per_client"][str(client)] == pytest.approx(true)
+    assert "summary.json states epsilon" in capsys.readouterr().err
+
+
+def test_an_edited_summary_is_caught_by_report_and_the_recorded_figure_is_shown(runs, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "finished"
+    shutil.copytree(runs / "finished", run)
+    summary = json.loads((run / "summary.json").read_text())
+    true = dict(summary["privacy"]["epsilon_per_client"])
+    summary["privacy"]["epsilon_per_client"] = {c: 0.01 for c in true}
+    summary["privacy"]["epsilon_max_training"] = 0.01
+    (run / "summary.json").write_text(json.dumps(summary))
+    report = run_summary(run)
+    assert report["privacy"]["epsilon_max_training"] == pytest.approx(max(true.values()))
+    assert any("states epsilon 0.01" in w for w in report["warnings"])
+    assert main(["report", str(run)]) == 0
+    assert "states epsilon 0.01" in capsys.readouterr().err
