@@ -471,6 +471,94 @@ def _privatize_releases(eps, delta, trials, bound, n, seed, vectorised):
     return rd, rdp
 
 
+def odpflhn_gradient_pair(n: int, bound: float = 1.0):
+    """The worst-case add/remove-one pair of ODPFL-HN's record-level encoder-gradient release (stage 2 of a round,
+    :meth:`privfl.methods.odpflhn.ODPFLHNClient._private_backprop`, the path a training client runs).
+
+    The server chooses the encoder and the descriptor gradient: phi a bias-free ``Linear(2, 1)`` with weight
+    ``[1, 0]``, psi the identity (so ``v = J_psi^T de = de``), ``de = [10]``. Record ``a = [0.9, 0]`` gives the
+    per-record contribution ``de * a = [9, 0]``, clipped to ``[C, 0]``; ``b = -a`` gives ``[-C, 0]``. ``D`` is ``n``
+    copies of ``a`` (``n`` = the public lower bound ``min_samples``), ``D'`` adds ``b``: the means of the clipped
+    contributions are ``[C, 0]`` and ``[C (n - 1) / (n + 1), 0]``, ``2 C / (n + 1)`` apart, against the certified
+    sensitivity ``2 C / n`` (n private, calibrated at ``min_samples``). Returns ``(encoder, x_d, x_dp, de)``.
+    """
+    import torch
+    from torch import nn
+
+    from privfl.models.set_encoders import DPDeepSetEncoder
+
+    encoder = DPDeepSetEncoder(input_dim=2, hidden=1, output_dim=1)
+    linear = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([[1.0, 0.0]]))
+    encoder.phi = nn.Sequential(nn.Flatten(), linear)
+    encoder.psi = nn.Identity()
+    record = torch.tensor([[0.9, 0.0]])
+    x_d = record.repeat(n, 1)
+    x_dp = torch.cat([x_d, -record])
+    return encoder, x_d, x_dp, torch.tensor([10.0])
+
+
+def _odpflhn_gradient_releases(eps, delta, trials, bound, n, seed, vectorised):
+    """Releases of ODPFL-HN's encoder gradient on the worst-case pair (:func:`odpflhn_gradient_pair`), from the
+    record-level client's own code at the noise multiplier whose single release is ``(eps, delta)``-DP
+    (``bound`` is the per-record clip C, ``n`` the public ``min_samples``). Every release on D and on D' must carry
+    the same event and the same sigma: a noise scale that depended on n would show here first."""
+    import torch
+
+    from accounting import analytic_gaussian_sigma
+    from privfl.data import TrainingClient
+    from privfl.federation.context import ClientContext
+    from privfl.methods.base import ModelFactory
+    from privfl.methods.odpflhn import NOISY_MEAN, ODPFLHNClient, ODPFLHNConfig
+    from privfl.privacy.training import TrainingPrivacy
+
+    encoder, x_d, x_dp, descriptor_grad = odpflhn_gradient_pair(n, bound)
+    z = analytic_gaussian_sigma(eps, delta, 1.0)          # one Gaussian release of noise multiplier z is (eps, delta)
+    privacy = TrainingPrivacy(mode="record", noise_multiplier=z, clip=float(bound), min_samples=n, noise="seeded",
+                              noise_seed=int(seed))
+    client = ODPFLHNClient(model_factory=ModelFactory("mlp2nn", (2,), 2), config=ODPFLHNConfig(embed_dim=1),
+                           privacy=privacy)
+
+    def release(x, round):
+        data = TrainingClient(client_id=0, x_train=x, y_train=torch.zeros(len(x), dtype=torch.int64),
+                              x_val=x[:0], y_val=torch.zeros(0, dtype=torch.int64))
+        ctx = ClientContext(client_id=0, round=round, run_seed=0, rng=np.random.default_rng(round))
+        state = {NOISY_MEAN: torch.zeros(1, dtype=torch.float64)}
+        out = client._private_backprop(encoder, data, descriptor_grad, state, ctx)
+        return out.message.arrays["phi.1.weight"].double().reshape(-1), out.event
+
+    if not vectorised:
+        rd, rdp, events = [], [], set()
+        for t in range(trials):
+            value, event = release(x_d, t)
+            rd.append(value.numpy())
+            events.add(event)
+            value, event = release(x_dp, trials + t)
+            rdp.append(value.numpy())
+            events.add(event)
+        if len(events) != 1:
+            raise AssertionError(f"the releases on D and D' carry different events: {events}")
+        return np.stack(rd), np.stack(rdp)
+    # Vectorised: one release on each input with the same seeded noise gives each data term (release minus that
+    # noise, drawn again from the same seed by the same mechanism); then `trials` draws of the mechanism's own noise
+    value_d, event_d = release(x_d, 0)
+    value_dp, event_dp = release(x_dp, 0)
+    if event_d != event_dp:
+        raise AssertionError(f"the releases on D and D' carry different events: {event_d} and {event_dp}")
+    mechanism = client._gradient_mechanism(ClientContext(client_id=0, round=0, run_seed=0,
+                                                         rng=np.random.default_rng(0)))
+    noise = mechanism.add_noise(torch.zeros_like(value_d))
+    mean_d, mean_dp = value_d - noise, value_dp - noise
+    gap = float((mean_d - mean_dp).norm())
+    if not math.isclose(gap, 2 * bound / (n + 1), rel_tol=1e-4):
+        raise AssertionError(f"worst-case pair broken: the data terms differ by {gap}, not 2 C / (n + 1)")
+    fresh = client._gradient_mechanism(None)             # secure noise, the same sigma
+    rd = fresh.add_noise(mean_d.expand(trials, -1).clone()).numpy()
+    rdp = fresh.add_noise(mean_dp.expand(trials, -1).clone()).numpy()
+    return rd, rdp
+
+
 def _classic_releases(eps, delta, trials, bound, n, seed):
     """DELIBERATELY BROKEN: the worst-case pair with noise from the classic closed form (proved only for eps < 1)."""
     encoder, x_d, x_dp = worst_case_pair(n, bound)
@@ -656,6 +744,7 @@ MECHANISMS: Registry[Callable[..., AuditResult]] = Registry("audited mechanism",
     "classic": _threshold_audit(_classic_releases),
     "maxpool": _threshold_audit(_maxpool_releases),
     "dp_gmm": _dp_gmm_audit,
+    "odpflhn_gradient": _threshold_audit(_odpflhn_gradient_releases, vectorisable=True),
 })
 
 
@@ -668,7 +757,9 @@ def run_audit(mechanism: str, eps: float, delta: float, *, trials: int, bound: f
     deliberately broken mechanisms that the audit must catch. ``"dp_gmm"`` is the DP-FedPFT release audited through
     its S1 block with the defaults of :func:`audit_dp_gmm` (diag covariance, public counts, replace-one, dim 2):
     its ``epsilon_claimed`` is the S1 block's own epsilon, the release's ``eps`` is ``epsilon_release``.
-    ``vectorised`` applies to ``"privatize"`` only.
+    ``"odpflhn_gradient"`` is ODPFL-HN's record-level encoder-gradient release on its worst-case add/remove-one pair
+    (:func:`odpflhn_gradient_pair`; ``n`` is the public ``min_samples``, ``bound`` the per-record clip).
+    ``vectorised`` applies to ``"privatize"`` and ``"odpflhn_gradient"``.
     """
     audit = MECHANISMS.lookup(mechanism)
     eps, delta, trials = _check_gaussian_audit(eps, delta, trials, n, bound, "samples per set")

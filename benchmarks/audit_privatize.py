@@ -8,7 +8,9 @@ Then the DP-FedPFT release (dp_gmm: diag covariance, public counts, replace-one,
 dim 2) at eps = 1 and 4, audited through its S1 block: the k = 2 unit-scaled blocks share one Gaussian of joint
 sensitivity sqrt(2) calibrated at the release's (eps, delta), so the claim set against the bound is the S1 block's own
 epsilon at delta (the accountant's, for that noise multiplier: 2.69 for a release at eps 4); the whole release's eps
-is in ``epsilon_release``.
+is in ``epsilon_release``. Then one record-level ODPFL-HN encoder-gradient release (the training client's own code,
+add/remove-one with n private, noise calibrated at min_samples = 20) at eps = 1 and 4 on its worst-case pair: 20
+records against the same 20 and one more, whose clipped contributions differ by 2C/21 against the certified 2C/20.
 
     .venv/bin/python benchmarks/audit_privatize.py [--trials 1000000] [--out benchmarks/results/audit_privatize.json]
 """
@@ -40,8 +42,10 @@ def main(argv=None) -> int:
             [("privatize", 4.0, args.trials, s) for s in range(args.seeds)] + \
             [("classic", 20.0, args.trials, 0), ("maxpool", 1.0, min(args.trials, 100_000), 0)] + \
             [("dp_gmm", 1.0, args.trials, s) for s in range(args.seeds)] + \
-            [("dp_gmm", 4.0, args.trials, s) for s in range(args.seeds)]
-    consistent = {"privatize", "dp_gmm"}  # the project's mechanisms; classic and maxpool are deliberately broken
+            [("dp_gmm", 4.0, args.trials, s) for s in range(args.seeds)] + \
+            [("odpflhn_gradient", 1.0, args.trials, s) for s in range(args.seeds)] + \
+            [("odpflhn_gradient", 4.0, args.trials, s) for s in range(args.seeds)]
+    consistent = {"privatize", "dp_gmm", "odpflhn_gradient"}  # the project's mechanisms; classic and maxpool are deliberately broken
     for mechanism, eps, trials, seed in cases:
         t0 = time.perf_counter()
         result = run_audit(mechanism, eps, delta, trials=trials, seed=seed)
@@ -50,7 +54,7 @@ def main(argv=None) -> int:
         table.append((f"{mechanism}/{seed}", result))
     print(format_table(table))
     ok = all((r["violated"] is False) == (r["mechanism"] in consistent) for r in rows)
-    print("expected verdicts (privatize and dp_gmm consistent, classic and maxpool violations):",
+    print("expected verdicts (privatize, dp_gmm and odpflhn_gradient consistent, classic and maxpool violations):",
           "yes" if ok else "NO")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

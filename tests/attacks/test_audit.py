@@ -107,7 +107,7 @@ def test_identical_mechanisms_give_no_positive_bound_often():
     (lambda: audit_privatize(0.0, 1e-5, trials=100), "epsilon must be a finite number > 0"),
     (lambda: audit_privatize(-2.0, 1e-5, trials=100), "got -2.0"),
     (lambda: run_audit("laplace", 1.0, 1e-5, trials=100),
-     "unknown audited mechanism 'laplace'; valid choices: classic, dp_gmm, maxpool, privatize"),
+     "unknown audited mechanism 'laplace'; valid choices: classic, dp_gmm, maxpool, odpflhn_gradient, privatize"),
     (lambda: audit_mechanism(lambda: [0.0], lambda: [1.0], trials=9, delta=1e-5), "got 9"),
 ])
 def test_bad_input_names_the_value(call, message):
@@ -132,7 +132,7 @@ def test_cli_prints_table_writes_json_and_rejects_bad_input(tmp_path, capsys):
 
 def test_mechanisms_are_a_registry_whose_entries_run_the_audit():
     assert isinstance(MECHANISMS, Registry) and MECHANISMS.kind == "audited mechanism"
-    assert list(MECHANISMS) == ["privatize", "classic", "maxpool", "dp_gmm"]
+    assert list(MECHANISMS) == ["privatize", "classic", "maxpool", "dp_gmm", "odpflhn_gradient"]
     with pytest.raises(ValueError, match="already registered"):
         MECHANISMS.register("privatize", MECHANISMS["privatize"])
     # run_audit is the registry's entry: the same seed gives the same bound through either door
@@ -225,3 +225,20 @@ def test_cli_dp_gmm_reports_block_and_release_claims(tmp_path, capsys):
     assert "dp_gmm" in text and "S1 block" in text and "eps=4" in text
     payload = json.loads(out.read_text())
     assert payload["epsilon_claimed"] == pytest.approx(2.6945, abs=1e-3) and payload["epsilon_release"] == 4.0
+
+
+def test_odpflhn_encoder_gradient_release_is_audited_from_the_client_code_on_an_add_remove_pair():
+    from attacks.audit import _odpflhn_gradient_releases, odpflhn_gradient_pair
+
+    encoder, x_d, x_dp, grad = odpflhn_gradient_pair(20)
+    assert (len(x_d), len(x_dp)) == (20, 21) and float(grad) == 10.0       # D' is D and one more record
+    # the vectorised draws come from the client's own release: same sigma (z 2C / min_samples) on both inputs
+    rd, rdp = _odpflhn_gradient_releases(1.0, 1e-5, 20_000, 1.0, 20, 0, True)
+    sigma = analytic_gaussian_sigma(1.0, 1e-5, 1.0) * 2 / 20
+    assert rd[:, 0].std(ddof=1) == pytest.approx(sigma, rel=0.05) == rdp[:, 0].std(ddof=1)
+    assert rd[:, 0].mean() - rdp[:, 0].mean() == pytest.approx(2 / 21, abs=5 * sigma / np.sqrt(20_000))
+    # the release path, one call of the client's stage-2 code per trial, agrees in distribution
+    slow, _ = _odpflhn_gradient_releases(1.0, 1e-5, 300, 1.0, 20, 1, False)
+    assert slow[:, 0].std(ddof=1) == pytest.approx(sigma, rel=0.15)
+    result = run_audit("odpflhn_gradient", 1.0, 1e-5, trials=100_000, n=20, seed=0)
+    assert not result.violated and 0.2 < result.epsilon_lower < 1.0
