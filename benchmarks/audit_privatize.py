@@ -45,7 +45,8 @@ def main(argv=None) -> int:
             [("dp_gmm", 4.0, args.trials, s) for s in range(args.seeds)] + \
             [("odpflhn_gradient", 1.0, args.trials, s) for s in range(args.seeds)] + \
             [("odpflhn_gradient", 4.0, args.trials, s) for s in range(args.seeds)]
-    consistent = {"privatize", "dp_gmm", "odpflhn_gradient"}  # the project's mechanisms; classic and maxpool are deliberately broken
+    # the project's mechanisms; classic and maxpool are deliberately broken
+    consistent = {"privatize", "dp_gmm", "odpflhn_gradient"}
     for mechanism, eps, trials, seed in cases:
         t0 = time.perf_counter()
         result = run_audit(mechanism, eps, delta, trials=trials, seed=seed)
