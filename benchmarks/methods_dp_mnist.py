@@ -11,10 +11,11 @@ to 50 rather than the paper's 200 so the whole table fits a working day on two c
 The private row: ``RunConfig(privacy=TrainingPrivacy(mode="record", epsilon=8, delta=1e-5, clip=--clip,
 min_samples=--min-samples))``; every training client of the protocol holds 595 training records (equal shards, so the
 size is public by construction), the default ``--min-samples``: DP-SGD then samples at the public rate 64 / 595 and
-every mean over records is calibrated at 595 (``docs/record_level.md``). The layer calibrates each method's noise for its participations and releases and the table reports the largest epsilon
-any training client's ledger holds at the end (it must not exceed 8). A method whose registration refuses record-level
-DP is listed with its reason. Novel-client accuracy is the mean over novel clients after each method's own serving
-(adaptation, descriptor, or the global model); the validation accuracy is the training clients' own.
+every mean over records is calibrated at 595 (``docs/record_level.md``). The layer calibrates each method's noise for
+its participations and releases and the table reports the largest epsilon any training client's ledger holds at the end
+(it must not exceed 8). A method whose registration refuses record-level DP is listed with its reason. Novel-client
+accuracy is the mean over novel clients after each method's own serving (adaptation, descriptor, or the global model);
+the validation accuracy is the training clients' own.
 
     python benchmarks/methods_dp_mnist.py [--methods fedavg fedprox ...] [--rounds 50] [--seed 0]
 

@@ -16,9 +16,9 @@ E2-E8):
    arbitrary Python. What can be detected cheaply is checked, and refused with nothing recorded or released: phi's
    parameters and buffers must be unchanged by the release (a layer updating a running statistic in forward couples
    the samples); phi's output must be a plain ``torch.Tensor``; psi must share no module with phi (a module both see
-   would carry data past the noise); the first record and one drawn by the OS CSPRNG must give alone, outside vmap,
-   the row they gave among the others (code that reads the whole batch through vmap's wrapper, or keeps state in a
-   plain attribute from record to record, is refused). Each release runs phi and psi as fresh deep copies of the
+   would carry data past the noise); the rows of the first record and of one drawn by the OS CSPRNG must not change
+   when every other record is set to zero (code that reads the whole batch through vmap's wrapper, or keeps state in
+   a plain attribute from record to record, is refused). Each release runs phi and psi as fresh deep copies of the
    encoder's (the encoder's own phi never sees data), so state kept in an instance attribute cannot carry one
    release's data into a later release or hand a raw record to psi. What is still trusted: code that writes outside
    its instances (a class attribute, a global, a file). Build encoders from the modules of

@@ -203,30 +203,40 @@ def _restore(module: nn.Module, kinds: dict[str, tuple[str, torch.Tensor]], valu
             tensor.copy_(values[name])
 
 
-#: Records :func:`clipped_rows` computes again on their own, outside vmap: the first and one drawn by the OS CSPRNG.
-ALONE_CHECKS = 2
+#: Records whose rows :func:`clipped_rows` computes again with every other record set to zero: the first and one drawn
+#: by the OS CSPRNG.
+CHECKED_RECORDS = 2
 
 
-def _rows_alone(one: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], v: torch.Tensor) -> int | None:
+def _rows_read_others(one: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], v: torch.Tensor
+                      ) -> int | None:
     """The first of a few records (the first, and one drawn by the OS CSPRNG, which the code cannot predict) whose
-    output computed alone, outside vmap and after every other record ran, differs from its row ``v[i]``; ``None``
-    when they agree (to float rounding; non-finite rows agree with non-finite rows). Cheap: a few single calls."""
+    row changes when every *other* record of the batch is set to zero, same batch size, same positions, same path
+    (vmap, or the per-record loop where vmap cannot batch); ``None`` when the rows agree. A computation that reads
+    record i alone gives the same numbers either way (the kernels see the same shapes; equal to the bit in practice,
+    compared to float rounding here); code that reaches around vmap to the whole batch, or keeps state from record to
+    record, does not. One more pass of ``one`` over the batch."""
     n = len(v)
     if n < 2 or type(v) is not torch.Tensor:
         return None
-    for i in sorted({0, 1 + secrets.randbelow(n - 1)})[:ALONE_CHECKS]:
-        row = v[i].detach().reshape(-1).to(torch.float64)
-        single = one(*(t[i] for t in inputs))
-        if type(single) is not torch.Tensor:
-            return i
-        single = single.detach().reshape(-1).to(torch.float64)
-        if single.shape != row.shape:
-            return i
+    checked = sorted({0, 1 + secrets.randbelow(n - 1)})[:CHECKED_RECORDS]
+    index = torch.tensor(checked, device=inputs[0].device)
+    masked = []
+    for t in inputs:
+        kept = torch.zeros_like(t)
+        kept[index] = t[index]
+        masked.append(kept)
+    try:
+        w = torch.func.vmap(one)(*masked)
+    except (RuntimeError, NotImplementedError):
+        w = torch.stack([one(*record) for record in zip(*masked, strict=True)])
+    if type(w) is not torch.Tensor or w.shape != v.shape:
+        return checked[0]
+    for i in checked:
+        row, again = v[i].detach().reshape(-1).double(), w[i].detach().reshape(-1).double()
         finite = torch.isfinite(row)
-        if not torch.equal(finite, torch.isfinite(single)):
-            return i
         scale = float(row[finite].abs().max()) if bool(finite.any()) else 0.0
-        if not torch.allclose(single[finite], row[finite], rtol=1e-4, atol=1e-5 * max(1.0, scale)):
+        if not torch.allclose(again, row, rtol=1e-6, atol=1e-7 * max(1.0, scale), equal_nan=True):
             return i
     return None
 
@@ -251,9 +261,9 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
       kept in one would go unseen), compared by identity (the same tensor object under the same name, none added or
       removed) and by value. The state is restored before the error;
     - an output that is not a plain ``torch.Tensor`` (a subclass can change what the norm computes);
-    - a row that differs from what the same record gives alone, outside vmap, after the others ran (checked for the
-      first record and one drawn by the OS CSPRNG): code that reads the whole batch through vmap's wrapper, or
-      keeps state in a plain attribute from record to record.
+    - a row that changes when every other record is set to zero (checked for the first record and one drawn by the
+      OS CSPRNG): code that reads the whole batch through vmap's wrapper, or keeps state in a plain attribute from
+      record to record.
 
     The code is trusted, its weights need not be: what arbitrary code can hide from these checks (state kept for a
     later call: :class:`~privfl.privacy.privatize.PrivateEncoder` runs a fresh copy of phi and psi per release)
@@ -275,7 +285,7 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
             v = torch.func.vmap(one)(*inputs)
         except (RuntimeError, NotImplementedError):
             v = torch.stack([one(*record) for record in zip(*inputs, strict=True)])
-        alone = _rows_alone(one, inputs, v)
+        alone = _rows_read_others(one, inputs, v)
     finally:
         module.train(was_training)
     after = _tensor_state(module)
@@ -292,7 +302,7 @@ def clipped_rows(module: nn.Module, one: Callable[..., torch.Tensor], inputs: tu
                           "change what clipping computes; nothing was released or recorded")
     if alone is not None:
         _restore(module, kinds, values)
-        raise ConfigError(f"{name} gave record {alone} a different output alone than among the other records: its "
+        raise ConfigError(f"{name} gave record {alone} a different output when the other records were set to zero: its "
                           "output reads other records (code that reaches around vmap, or state kept from record to "
                           "record), so their mean has no 2*bound/n sensitivity; nothing was released or recorded")
     v = v.to(torch.float64)
