@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from privfl.data import FederatedDataset, FederationSpec
+from privfl.data import FederatedDataset, FederationSpec, build_federation
 from privfl.devices import check_device, resolve_device
 from privfl.errors import ConfigError
 from privfl.federation.runtime import sample_clients
@@ -43,6 +43,10 @@ class RunConfig:
     ``device`` is where the models compute (:mod:`privfl.devices`): ``"cpu"`` (the default), ``"cuda"`` (refused
     where torch finds no CUDA device, or for a method that runs on the CPU only, or with ``workers > 1``), or
     ``"auto"``: CUDA where present and the method runs there with one worker, else the CPU (:func:`run_device`).
+
+    ``features`` names a frozen feature stage in front of the method's networks (:mod:`privfl.models.features`:
+    ``"scatter"``, ``"mobilenet_v2"``; ``None``: the raw inputs), with ``features_options``; the target network is
+    then a head on features (``model="linear"`` or ``"feature_mlp"``).
     """
 
     federation: FederationSpec = field(default_factory=FederationSpec)
@@ -60,6 +64,8 @@ class RunConfig:
     novel_privacy: NovelPrivacy = field(default_factory=NovelPrivacy)
     workers: int = 1
     device: str = "cpu"
+    features: str | None = None
+    features_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         spec = get_method(self.method)
@@ -88,6 +94,15 @@ class RunConfig:
             if not ok:
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
         check_device(self.device)
+        if self.features is not None:
+            from privfl.models.features import STAGES
+
+            if self.features not in STAGES:
+                raise ConfigError(f"features must be None (the raw inputs) or one of {', '.join(STAGES)}, got "
+                                  f"{self.features!r}")
+        if not isinstance(self.features_options, Mapping) or (self.features_options and self.features is None):
+            raise ConfigError(f"features_options {self.features_options!r} need a feature stage (features); without "
+                              "one there is nothing to set")
         if self.device == "cuda" and self.workers > 1:
             raise ConfigError(f"device 'cuda' with workers={self.workers}: worker processes train on the CPU; use "
                               "workers=1 on CUDA, or device 'cpu'")
@@ -149,6 +164,17 @@ def run_device(config: RunConfig) -> str:
         raise ConfigError(f"method {config.method!r} runs on the CPU only, not on device {config.device!r} (device "
                           f"'cuda' runs {runs}); use device 'cpu' or 'auto'")
     return device
+
+
+def run_federation(config: RunConfig, *, progress: bool = False) -> FederatedDataset:
+    """The run's federation: built from ``config.federation`` and the run seed, then mapped through the frozen
+    feature stage ``config.features`` where one is named (cached on disk: each input is transformed once)."""
+    federation = build_federation(config.federation, seed=config.seed)
+    if config.features is None:
+        return federation
+    from privfl.models.features import featurize
+
+    return featurize(federation, config.features, dict(config.features_options), progress=progress)
 
 
 def model_factory(config: RunConfig, input_shape: tuple[int, ...], num_classes: int) -> ModelFactory:

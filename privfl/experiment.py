@@ -26,8 +26,16 @@ import torch
 from tqdm.auto import tqdm
 
 from accounting import JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
-from privfl.config import RunConfig, build_method, check_participations, model_name_for, participations, run_device
-from privfl.data import FederatedDataset, build_federation, label_shift_kl
+from privfl.config import (
+    RunConfig,
+    build_method,
+    check_participations,
+    model_name_for,
+    participations,
+    run_device,
+    run_federation,
+)
+from privfl.data import FederatedDataset, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
@@ -169,7 +177,7 @@ def preflight(config: RunConfig, federation: FederatedDataset) -> None:
 def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *, resume: bool, overwrite: bool,
            progress: bool, stop_after_round: int | None, runtime_factory: RuntimeFactory,
            engine: str) -> dict[str, Any]:
-    federation = build_federation(config.federation, seed=config.seed)
+    federation = run_federation(config)
     preflight(config, federation)
     runtime = runtime_factory(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}

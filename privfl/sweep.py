@@ -57,8 +57,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from privfl.config import RunConfig, build_client
-from privfl.data import FederationSpec, NovelClient, build_federation
+from privfl.config import RunConfig, build_client, run_federation
+from privfl.data import FederationSpec, NovelClient
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
@@ -66,6 +66,7 @@ from privfl.experiment import build_runtime, check_reusable, train_once
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
 from privfl.methods import get_method
+from privfl.models.features import load_stage, map_inputs
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.provenance import numerics
 
@@ -141,6 +142,8 @@ class SweepConfig:
     min_margin: float = 2.0
     seed: int = 0
     device: str = "cpu"
+    features: str | None = None
+    model: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method_config is None:
@@ -199,7 +202,7 @@ class SweepConfig:
                          rounds=rounds, client_fraction=self.client_fraction, eval_every=max(1, rounds // 5),
                          checkpoint_every=max(1, rounds // 2), select="last", seed=self.seed, delta=self.delta,
                          privacy=privacy, novel_privacy=NovelPrivacy(delta=self.delta, bound=self.bound),
-                         device=self.device)
+                         device=self.device, features=self.features, model=self.model)
 
 
 def train_key(epsilon: float | None) -> str:
@@ -249,7 +252,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
     # the novel clients of every training: the same mixes, evaluation and descriptor sets
     pool = NovelPool(*held_out)
     rng = np.random.default_rng([config.seed, 2024])
-    federation = build_federation(config.federation(), seed=config.seed)
+    federation = run_federation(config.run_config(None), progress=progress)
     mixes = _label_mixes(federation.num_classes, config.classes_per_client, config.novel_mixes, rng)
     sets = []
     for mix in mixes:
@@ -258,6 +261,10 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
         # nested descriptor sets: the first n of one draw of the largest size (labels are never used)
         x_all, _ = pool.draw(proportions, max(config.sizes), rng)
         sets.append((x_eval, y_eval, x_all))
+    if config.features is not None:    # the novel clients' inputs pass through the run's feature stage too
+        stage = load_stage(config.features, tuple(held_out[0].shape[1:]))
+        sets = [(torch.from_numpy(map_inputs(stage, x_eval)), y_eval, torch.from_numpy(map_inputs(stage, x_all)))
+                for x_eval, y_eval, x_all in sets]
     claim(config, out, overwrite=overwrite)         # after every check of the settings and the pool, before training
     for epsilon in config.train_epsilons:
         run = config.run_config(epsilon)

@@ -25,7 +25,8 @@ from privfl.errors import ConfigError
 
 def held_out_pool(spec: FederationSpec, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, y)``: the images of ``spec``'s training pool (the train split, or the merged pool) that
-    ``build_federation(spec, seed=seed)`` left out by ``max_samples``; normalised float32 and int64 labels.
+    ``build_federation(spec, seed=seed)`` left out by ``max_samples``; with ``split="train_test"`` and every training
+    image used, the test split. Normalised float32 and int64 labels.
 
     Raises :class:`ConfigError` when the federation uses the whole pool (``max_samples`` unset or too large), or when
     ``spec`` shifts images (blur, rotation, concept-shift angles): the held-out images are returned unshifted, so they
@@ -41,6 +42,12 @@ def held_out_pool(spec: FederationSpec, *, seed: int) -> tuple[torch.Tensor, tor
         x, y = np.concatenate([s.x for s in splits]), np.concatenate([s.y for s in splits])
     else:
         x, y = source.train.x, source.train.y
+        if (spec.max_samples is None or spec.max_samples >= len(y)) and source.test is not None:
+            # every training image is a training client's: the held-out images are the test split's (the run's own
+            # few novel clients are cut from it too; they train nothing, so sharing images with them biases nothing)
+            test = source.test
+            return (torch.from_numpy(_prepare_inputs(-1, test.x, source, 0.0, (0.0, 0))),
+                    torch.from_numpy(test.y.astype(np.int64)))
     if spec.max_samples is None or spec.max_samples >= len(y):
         raise ConfigError(f"max_samples={spec.max_samples!r} leaves no held-out images: the training pool has "
                           f"{len(y)}; set max_samples below that to keep images no training client holds")

@@ -86,6 +86,18 @@ class FedTTACNN(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class Linear(nn.Module):
+    """A linear head on features (or flattened inputs): input -> classes; the ScatterNet + linear model of Tramer
+    and Boneh (2021), with the feature stage in front (:mod:`privfl.models.features`)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(_flat_size(input_shape), num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(x, 1))
+
+
 class FeatureMLP(nn.Module):
     """A head for precomputed features: input -> 500 -> 500 -> classes, ReLU and dropout 0.2."""
 
@@ -120,6 +132,7 @@ MODELS: Registry[type[nn.Module]] = Registry("model", {
     "lenet": LeNet,
     "fedtta_cnn": FedTTACNN,
     "feature_mlp": FeatureMLP,
+    "linear": Linear,
 })
 
 

@@ -38,7 +38,7 @@ from flwr.clientapp import ClientApp
 
 from accounting import PrivacyLedger
 from accounting.files import atomic_write
-from privfl.config import RunConfig, build_client
+from privfl.config import RunConfig, build_client, run_federation
 from privfl.errors import DataFreeError, ProtocolStateError, PublicConfigError
 from privfl.federation.context import client_context
 from privfl.federation.flower import protocol as p
@@ -174,7 +174,7 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
     with ``weights_only=True``); later messages, which Flower's deployment engine handles in fresh processes, read
     that file instead of building the federation again.
     """
-    from privfl.data import NovelClient, TrainingClient, build_federation
+    from privfl.data import NovelClient, TrainingClient
 
     key = json.dumps([config.federation.to_dict(), config.seed, partition, count], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -187,7 +187,7 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
         built = json.dumps([config.federation.to_dict(), config.seed], sort_keys=True)
         if built not in _FEDERATIONS:                  # a simulation process serves many nodes: build once
             _FEDERATIONS.clear()
-            _FEDERATIONS[built] = build_federation(config.federation, seed=config.seed)
+            _FEDERATIONS[built] = run_federation(config)
         federation = _FEDERATIONS[built]
         training, novel = federation.training_clients, federation.novel_clients
         valid = (len(training), len(training) + len(novel))

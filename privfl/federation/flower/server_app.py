@@ -16,8 +16,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from privfl.config import RunConfig, build_method
-from privfl.data import build_federation
+from privfl.config import RunConfig, build_method, run_federation
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import summarize_scores
 from privfl.federation.flower import protocol as p
@@ -100,7 +99,7 @@ def serve_novel_clients(grid: Grid, train_dir: str | Path, out: str | Path, *, c
     target = RunDirectory(out)
     if target.path(SERVE_SUMMARY).exists() and not overwrite:
         raise ConfigError(f"{target.path(SERVE_SUMMARY)} exists; choose another out directory or set overwrite")
-    federation = build_federation(config.federation, seed=config.seed)
+    federation = run_federation(config)
     strategy, client = build_method(config, federation)
     if not client.serves_novel_clients:
         raise ConfigError(f"method {config.method!r} does not serve novel clients (its novel clients need labels "

@@ -18,8 +18,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from privfl.config import RunConfig
-from privfl.data import build_federation
+from privfl.config import RunConfig, run_federation
 from privfl.errors import ConfigError, InternalError
 from privfl.federation.flower import protocol as p
 from privfl.federation.rundir import RunDirectory
@@ -34,7 +33,7 @@ def num_clients(config, federation=None) -> int:
     them (the ServerApp then waits for all of them, and for no other)."""
     from privfl.methods import get_method
 
-    federation = federation or build_federation(config.federation, seed=config.seed)
+    federation = federation or run_federation(config)
     novel = len(federation.novel_clients) if get_method(config.method).client.serves_novel_clients else 0
     return len(federation.training_clients) + novel
 
@@ -139,7 +138,7 @@ def serve_simulation(train_dir: str, out: str, *, clients: list[int] | None = No
 
     options = options or p.FlowerOptions()
     config = RunConfig.from_dict(RunDirectory(train_dir).read_json(RunDirectory.CONFIG))
-    federation = build_federation(config.federation, seed=config.seed)
+    federation = run_federation(config)
     partitions = len(federation.training_clients) + len(federation.novel_clients)
     run_config = {p.RUN_CONFIG: json.dumps(config.to_dict()), p.OUT: str(out), p.OVERWRITE: overwrite,
                   p.NODES_ROOT: str(nodes_root or Path(train_dir) / "nodes"),
