@@ -92,7 +92,13 @@ def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object]
         else:
             g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the method's; FedAvg's {fedavg})")
 
-    g.add_argument("--model", default="auto", help="mlp2nn, lenet, fedtta_cnn, feature_mlp or auto")
+    g.add_argument("--model", default="auto", help="mlp2nn, lenet, fedtta_cnn, feature_mlp, linear or auto")
+    g.add_argument("--features", default=None, choices=("scatter", "mobilenet_v2"),
+                   help="a frozen feature stage in front of the model: scatter (ScatterNet, J=2, L=8, per-record "
+                        "group norm) or mobilenet_v2 (ImageNet); features are computed once per input and cached; "
+                        "use --model linear or feature_mlp on them (default: none, the raw inputs)")
+    g.add_argument("--feature-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                   help="a feature-stage option (scatter: J, L, groups; mobilenet_v2: input_size), repeatable")
     g.add_argument("--rounds", type=int, default=200)
     g.add_argument("--client-fraction", type=float, default=1.0, help="training clients per round, in (0, 1]")
     method_setting("--local-steps", int, "local minibatch SGD steps per round", "20")
@@ -240,6 +246,7 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
         privacy=privacy, novel_privacy=novel_privacy, workers=args.workers, device=args.device,
+        features=args.features, features_options=dict(args.feature_option),
     )
 
 

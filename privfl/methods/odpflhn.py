@@ -82,7 +82,14 @@ from privfl.methods.base import (
 )
 from privfl.methods.local_training import minibatches, weights_of
 from privfl.models.encoders import ENCODERS, PRIVATIZABLE, build_encoder
-from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, backprop_weight_change, embedding_dim
+from privfl.models.hypernetwork import (
+    GENERATED_PARTS,
+    HyperNetwork,
+    RoundGradientMean,
+    backprop_weight_change,
+    embedding_dim,
+    generated_names,
+)
 from privfl.models.set_encoders import PHI_HEADS, PSI_KINDS
 from privfl.privacy import privatize
 from privfl.privacy.mechanisms import GaussianMechanism
@@ -93,6 +100,7 @@ from privfl.privacy.training import CENTRAL, RECORD, NovelPrivacy, TrainingPriva
 DESCRIPTOR_MODES = ("full", "batch_mean")
 ENCODER_PREFIX = "encoder."
 HN_PREFIX = "hnet."
+SHARED_PREFIX = "shared."
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,12 @@ class ODPFLHNConfig(MethodConfig):
     (mean of the descriptors of random batches of ``descriptor_batch_size``); ``train_mean_noise`` (``dp_deepset``
     only): std of Gaussian noise added to the pooled mean during training (noise-aware training, not in the paper;
     docs/papers.md, ODPFL-HN, U12).
+    Generated part: ``generated`` (:data:`~privfl.models.hypernetwork.GENERATED_PARTS`): ``"all"`` (the paper: the
+    hypernetwork emits the whole target), ``"head"`` or ``"head_bias"`` (it emits the target's last layer, or that
+    layer's bias; the rest is one shared part that every client trains locally and the server moves by the mean of
+    the clients' weight changes, FedAvg's step: ``shared -= shared_lr * m``, with ``m`` a heavy-ball average of the
+    mean change at ``shared_momentum``). Under record-level DP the shared part's noise is averaged over the round's
+    clients, and the hypernetwork reads only the few generated coordinates of each noised change.
     Privacy is the run's (``RunConfig.privacy`` for training clients, ``RunConfig.novel_privacy`` for the novel
     client's descriptor); see "Privacy" in the module docstring.
     """
@@ -158,9 +172,16 @@ class ODPFLHNConfig(MethodConfig):
     descriptor: str = "full"
     descriptor_batch_size: int = 128
     train_mean_noise: float = 0.0
+    generated: str = "all"
+    shared_lr: float = 1.0
+    shared_momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("lr", "hn_lr", "encoder_temperature"):
+        check.require(self.generated in GENERATED_PARTS, "generated", self.generated,
+                      f"one of {', '.join(GENERATED_PARTS)}")
+        check.require(is_finite(self.shared_momentum) and 0 <= self.shared_momentum < 1, "shared_momentum",
+                      self.shared_momentum, "in [0, 1)")
+        for name in ("lr", "hn_lr", "encoder_temperature", "shared_lr"):
             check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
                           "a finite number > 0")
         check.require(is_finite(self.encoder_lr) and self.encoder_lr >= 0, "encoder_lr", self.encoder_lr,
@@ -302,6 +323,11 @@ def _mean(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: v.div_(len(dicts)) for k, v in total.items()}
 
 
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors.values()]))) \
+        if tensors else 0.0
+
+
 def _clip_(grads: list[torch.Tensor], max_norm: float | None) -> float:
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
     if max_norm is not None and norm > max_norm:
@@ -327,13 +353,20 @@ class ODPFLHNStrategy(Strategy):
         #: Where the hypernetwork, the encoder, their momentum and the descriptors live (messages and the saved state
         #: are on the CPU).
         self.device = torch.device(self.model_factory.device)
+        generated = generated_names(target, config.generated)
         self.hnet = seeded_init(lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=config.hn_hidden,
                                                      n_hidden=config.hn_layers,
-                                                     standardize=config.standardize_descriptors),
+                                                     standardize=config.standardize_descriptors,
+                                                     generated=generated),
                                 derive_seed(self.seed, "hnet_init")).to(self.device)
+        #: The target's tensors in order, and the shared part (every tensor the hypernetwork does not generate), from
+        #: the target's seeded initialisation.
+        self.target_names = [name for name, _ in target.named_parameters()]
+        self.shared = {name: p.detach().clone().to(self.device) for name, p in target.named_parameters()
+                       if name not in generated}
         self.encoder = seeded_init(lambda: make_encoder(config, input_shape, self.embed_dim),
                                    derive_seed(self.seed, "encoder_init")).to(self.device)
-        self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}}
+        self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}, "shared": {}}
         self.descriptors: dict[str, torch.Tensor] = {}
         self._round: dict[str, Any] = {}
         if config.frozen_encoder:
@@ -370,8 +403,7 @@ class ODPFLHNStrategy(Strategy):
             # post-processing of non-private training releases: the latest descriptor of every client seen so far
             self.hnet.standardizer.fit(torch.stack([self.descriptors[k] for k in sorted(self.descriptors)]))
         for cid in replies:
-            with torch.no_grad():
-                weights = on_cpu(self.hnet(self._round["descriptors"][cid]))
+            weights = self.generated_weights(self._round["descriptors"][cid])
             messages[cid] = Message(arrays=weights, config={
                 "lr": config.lr, "local_steps": config.local_steps, "local_epochs": config.local_epochs or 0,
                 "batch_size": config.batch_size, "momentum": config.local_momentum,
@@ -410,11 +442,17 @@ class ODPFLHNStrategy(Strategy):
         done = sorted(cid for cid in replies if cid in self._round.get("hn_grads", ()))
         if not done:
             return {}
+        shared_grads = _mean([self._shared_part(self._round["hn_grads"].inputs(cid)[1]) for cid in done]) \
+            if self.shared else {}
         hn_grads = self._round["hn_grads"].mean(done)
         encoder_grads = {} if self.config.frozen_encoder else _mean([replies[cid].arrays for cid in done])
         losses = [self._round["losses"][cid] for cid in done]
         self._round = {}
-        return {"train_loss": float(np.mean(losses)), **self._step(round, hn_grads, encoder_grads)}
+        return {"train_loss": float(np.mean(losses)), **self._step(round, hn_grads, encoder_grads, shared_grads)}
+
+    def _shared_part(self, change: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The shared tensors of a client's weight change (what FedAvg's step averages)."""
+        return {name: change[name].to(self.device) for name in self.shared}
 
     # -- central DP: the shared networks move from the noisy mean of the clients' gradients only --------------------
 
@@ -426,18 +464,22 @@ class ODPFLHNStrategy(Strategy):
                 if cid in self._round.get("descriptors", {}):
                     hn_grads, _ = backprop_weight_change(self.hnet, self._round["descriptors"][cid],
                                                          replies[cid].arrays)
-                    yield cid, prefixed(HN_PREFIX, on_cpu(hn_grads))     # the privacy layer's, on the CPU
+                    yield cid, {**prefixed(HN_PREFIX, on_cpu(hn_grads)),     # the privacy layer's, on the CPU
+                                **prefixed(SHARED_PREFIX, on_cpu(self._shared_part(replies[cid].arrays)))}
             return
         kept = self._round.get("hn_grads")
         for cid in sorted(replies):
             if kept is None or cid not in kept:
                 continue
-            hn_grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
-            yield cid, {**prefixed(HN_PREFIX, on_cpu(hn_grads)), **prefixed(ENCODER_PREFIX, replies[cid].arrays)}
+            descriptor, change = kept.inputs(cid)
+            hn_grads, _ = backprop_weight_change(self.hnet, descriptor, change)
+            yield cid, {**prefixed(HN_PREFIX, on_cpu(hn_grads)), **prefixed(ENCODER_PREFIX, replies[cid].arrays),
+                        **prefixed(SHARED_PREFIX, on_cpu(self._shared_part(change)))}
 
     def contribution_shapes(self) -> dict[str, torch.Tensor]:
         """Zeros shaped like a contribution, on the CPU (where the privacy layer clips, sums and noises)."""
         shapes = {HN_PREFIX + k: torch.zeros(p.shape, dtype=p.dtype) for k, p in self.hnet.named_parameters()}
+        shapes.update({SHARED_PREFIX + k: torch.zeros(v.shape, dtype=v.dtype) for k, v in self.shared.items()})
         if not self.config.frozen_encoder:
             shapes.update({ENCODER_PREFIX + k: torch.zeros(p.shape, dtype=p.dtype)
                            for k, p in self.encoder.named_parameters() if p.requires_grad})
@@ -447,26 +489,33 @@ class ODPFLHNStrategy(Strategy):
         """The server step of :meth:`aggregate_train` from the noisy mean of the contributions."""
         message = Message(arrays=on_device(mean, self.device))
         self._round = {}
-        return self._step(round, message.subset(HN_PREFIX), message.subset(ENCODER_PREFIX))
+        return self._step(round, message.subset(HN_PREFIX), message.subset(ENCODER_PREFIX),
+                          message.subset(SHARED_PREFIX))
 
-    def _step(self, round: int, hn_grads: dict[str, torch.Tensor],
-              encoder_grads: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Clip each averaged gradient to ``grad_clip``, then one SGD step each (refused when one is not finite)."""
+    def _step(self, round: int, hn_grads: dict[str, torch.Tensor], encoder_grads: dict[str, torch.Tensor],
+              shared_grads: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clip each averaged gradient to ``grad_clip``, then one SGD step each (refused when one is not finite); the
+        shared part takes FedAvg's step from the mean weight change (:meth:`_shared_step`)."""
         config: ODPFLHNConfig = self.config
         hn_norm = _clip_(list(hn_grads.values()), config.grad_clip)
         encoder_norm = _clip_(list(encoder_grads.values()), config.grad_clip) if encoder_grads else 0.0
-        if not (math.isfinite(hn_norm) and math.isfinite(encoder_norm)):
+        shared_norm = _norm(shared_grads)
+        if not (math.isfinite(hn_norm) and math.isfinite(encoder_norm) and math.isfinite(shared_norm)):
             # refuse before stepping, so the hypernetwork, the encoder and the last checkpoint stay finite (a NaN
             # step would only surface a round later, as NaN descriptors)
             raise TrainingDivergedError(
                 f"round {round}: ODPFL-HN training diverged (non-finite gradients: hypernetwork norm {hn_norm}, "
-                f"encoder norm {encoder_norm}); lower hn_lr (now {config.hn_lr!r}), encoder_lr (now "
-                f"{config.encoder_lr!r}) or the local lr (now {config.lr!r})")
+                f"encoder norm {encoder_norm}, shared-part change {shared_norm}); lower hn_lr (now "
+                f"{config.hn_lr!r}), encoder_lr (now {config.encoder_lr!r}) or the local lr (now {config.lr!r})")
         encoder_wd = config.hn_weight_decay if config.encoder_weight_decay is None else config.encoder_weight_decay
         self._sgd_step("hnet", self.hnet, hn_grads, config.hn_lr, config.hn_weight_decay)
         if encoder_grads:
             self._sgd_step("encoder", self.encoder, encoder_grads, config.encoder_lr, encoder_wd)
+        if shared_grads:
+            self._shared_step(shared_grads)
         metrics = {"hn_grad_norm": hn_norm, "encoder_grad_norm": encoder_norm}
+        if self.shared:
+            metrics["shared_change_norm"] = shared_norm
         if self.hnet.standardizer is not None:
             metrics["descriptor_scale"] = float(self.hnet.standardizer.scale)
         return metrics
@@ -487,12 +536,29 @@ class ODPFLHNStrategy(Strategy):
                 param.sub_(lr * g)
         self.momentum[which] = new_buffers
 
+    def _shared_step(self, change: dict[str, torch.Tensor]) -> None:
+        """FedAvg's server step on the shared part from the mean weight change (before minus after):
+        ``b = mu b + m`` (``b = m`` at first), ``shared -= shared_lr * b``."""
+        config: ODPFLHNConfig = self.config
+        buffers, mu = self.momentum["shared"], config.shared_momentum
+        new_buffers, new_shared = {}, {}
+        for name, value in self.shared.items():
+            g = change[name].to(value.device, value.dtype)
+            if mu > 0:
+                g = g if name not in buffers else mu * buffers[name] + g
+                new_buffers[name] = g
+            new_shared[name] = value - config.shared_lr * g
+        self.shared, self.momentum["shared"] = new_shared, new_buffers
+
     # -- evaluation and novel clients ---------------------------------------------------------------------------------
 
     def generated_weights(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """f_theta(descriptor), detached, on the CPU."""
+        """The target's weights for ``descriptor``: f_theta(descriptor) for the generated part and the shared part
+        as it stands, in the target's order, detached, on the CPU."""
         with torch.no_grad():
-            return on_cpu(self.hnet(descriptor.to(self.device, torch.get_default_dtype())))
+            generated = self.hnet(descriptor.to(self.device, torch.get_default_dtype()))
+        return on_cpu({name: generated[name] if name in generated else self.shared[name]
+                       for name in self.target_names})
 
     def configure_evaluate(self, client_id: int) -> Message:
         """A training client's model from the last descriptor it released; for a client not yet sampled, the mean of
@@ -516,7 +582,7 @@ class ODPFLHNStrategy(Strategy):
 
     # -- state --------------------------------------------------------------------------------------------------------
 
-    training_only = ("hnet_momentum", "encoder_momentum")
+    training_only = ("hnet_momentum", "encoder_momentum", "shared_momentum")
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -525,13 +591,18 @@ class ODPFLHNStrategy(Strategy):
             "hnet_momentum": on_cpu(self.momentum["hnet"]),
             "encoder_momentum": on_cpu(self.momentum["encoder"]),
             "descriptors": on_cpu(self.descriptors),
+            "shared": on_cpu(self.shared),
+            "shared_momentum": on_cpu(self.momentum["shared"]),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hnet.load_state_dict(state["hnet"])
         self.encoder.load_state_dict(state["encoder"])
         self.momentum = {"hnet": on_device(state.get("hnet_momentum", {}), self.device),
-                         "encoder": on_device(state.get("encoder_momentum", {}), self.device)}
+                         "encoder": on_device(state.get("encoder_momentum", {}), self.device),
+                         "shared": on_device(state.get("shared_momentum", {}), self.device)}
+        if "shared" in state:      # a state saved before the shared part existed generated everything
+            self.shared = {k: v.clone() for k, v in on_device(state["shared"], self.device).items()}
         self.descriptors = {str(k): v for k, v in on_device(state["descriptors"], self.device).items()}
         self._round = {}
 

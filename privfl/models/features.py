@@ -26,6 +26,7 @@ features (``model="linear"`` or ``"feature_mlp"``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,10 @@ from privfl.models.backbones import BACKBONES, Backbone, ImageBackbone, extract_
 STAGES = ("scatter", "mobilenet_v2")
 
 
+@functools.lru_cache(maxsize=4)
 def _scattering(J: int, L: int, shape: tuple[int, int]) -> nn.Module:
+    """kymatio's 2-D scattering (its filter bank takes about a second to build: built once per settings; it holds
+    no state a call changes)."""
     # kymatio 0.3.0's ``kymatio.torch`` imports its 3-D frontend too, which needs ``scipy.special.sph_harm`` (gone
     # from recent SciPy); the 2-D frontend imports and runs on its own
     try:

@@ -19,6 +19,7 @@ Generated weights are a dict keyed like ``target.named_parameters()``; run the t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -35,12 +36,45 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def target_shapes(target: nn.Module) -> dict[str, torch.Size]:
-    """The trainable tensors of ``target`` by name, in ``named_parameters()`` order (what a hypernetwork emits)."""
-    shapes = {name: p.shape for name, p in target.named_parameters() if p.requires_grad}
+def target_shapes(target: nn.Module, names: Sequence[str] | None = None) -> dict[str, torch.Size]:
+    """The trainable tensors of ``target`` by name, in ``named_parameters()`` order (what a hypernetwork emits);
+    only those in ``names`` when given."""
+    shapes = {name: p.shape for name, p in target.named_parameters()
+              if p.requires_grad and (names is None or name in names)}
     if not shapes:
-        raise ConfigError(f"target {type(target).__name__} has no trainable parameters to generate")
+        raise ConfigError(f"target {type(target).__name__} has no trainable parameters to generate"
+                          + ("" if names is None else f" among {list(names)}"))
     return shapes
+
+
+#: Which part of the target a hypernetwork generates (the rest is shared by every client and trained by averaging
+#: the clients' weight changes): ``"all"``, ``"head"`` (the last layer's weight and bias), ``"head_bias"`` (the last
+#: layer's bias: a per-client shift of the logits, a learned label prior).
+GENERATED_PARTS = ("all", "head", "head_bias")
+
+
+def generated_names(target: nn.Module, part: str) -> list[str]:
+    """The names of ``target``'s trainable tensors that a hypernetwork generating ``part`` (:data:`GENERATED_PARTS`)
+    emits, in ``named_parameters()`` order. The last layer is the module owning the last trainable tensor.
+
+    >>> from privfl.models import build_model
+    >>> generated_names(build_model("mlp2nn", (1, 28, 28), 10), "head")
+    ['fc3.weight', 'fc3.bias']
+    """
+    names = list(target_shapes(target))
+    if part == "all":
+        return names
+    if part not in GENERATED_PARTS:
+        raise ConfigError(f"generated must be one of {', '.join(GENERATED_PARTS)}, got {part!r}")
+    owner = names[-1].rpartition(".")[0]
+    head = [n for n in names if n.rpartition(".")[0] == owner]
+    if part == "head":
+        return head
+    bias = [n for n in head if n.rpartition(".")[2] == "bias"]
+    if not bias:
+        raise ConfigError(f"generated='head_bias' needs a bias in the target's last layer ({owner}), which has "
+                          f"{head}; use 'head' or 'all'")
+    return bias
 
 
 def embedding_dim(num_clients: int, *, rule: str = "quarter") -> int:
@@ -162,6 +196,7 @@ class HyperNetwork(nn.Module):
         standardize: put a :class:`DescriptorStandardizer` (attribute ``standardizer``) in front of the trunk; its
             statistics are set by calling ``hnet.standardizer.fit(training_descriptors)``. Off by default (pFedHN's
             learned embeddings need none).
+        generated: the names of the target tensors to emit (:func:`generated_names`); ``None``: every trainable one.
 
     >>> from privfl.models import build_model
     >>> target = build_model("mlp2nn", (1, 28, 28), 10)
@@ -173,7 +208,8 @@ class HyperNetwork(nn.Module):
 
     def __init__(self, target: nn.Module, *, embed_dim: int, hidden_dim: int = 100, n_hidden: int = 3,
                  spectral_norm: bool = False, chunked: bool | None = None, chunk_size: int = 10_000,
-                 chunk_embed_dim: int = 16, standardize: bool = False) -> None:
+                 chunk_embed_dim: int = 16, standardize: bool = False,
+                 generated: Sequence[str] | None = None) -> None:
         super().__init__()
         self.embed_dim = _positive_int("embed_dim", embed_dim)
         self.standardizer = DescriptorStandardizer(self.embed_dim) if standardize else None
@@ -182,7 +218,7 @@ class HyperNetwork(nn.Module):
             raise ConfigError(f"n_hidden must be an int >= 0, got {n_hidden!r}")
         if chunked not in (None, True, False):
             raise ConfigError(f"chunked must be None (by size), True or False, got {chunked!r}")
-        self.shapes = target_shapes(target)
+        self.shapes = target_shapes(target, generated)
         self.num_target_params = sum(math.prod(s) for s in self.shapes.values())
         self.chunked = self.num_target_params > CHUNK_THRESHOLD if chunked is None else chunked
         wrap = nn.utils.parametrizations.spectral_norm if spectral_norm else (lambda layer: layer)
@@ -318,5 +354,5 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
-__all__ = ["CHUNK_THRESHOLD", "DescriptorStandardizer", "HyperNetwork", "RoundGradientMean", "backprop_weight_change",
-           "embedding_dim", "target_shapes"]
+__all__ = ["CHUNK_THRESHOLD", "GENERATED_PARTS", "DescriptorStandardizer", "HyperNetwork", "RoundGradientMean",
+           "backprop_weight_change", "embedding_dim", "generated_names", "target_shapes"]

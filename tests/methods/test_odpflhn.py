@@ -261,3 +261,63 @@ def test_the_private_encoder_gradient_is_the_true_one_without_noise_or_clipping(
     assert private.keys() == clean.keys()
     for name in clean:
         torch.testing.assert_close(private[name], clean[name], rtol=1e-4, atol=1e-6)
+
+
+# -- the generated part (the rest shared, FedAvg's step) --------------------------------------------------------------
+
+
+def test_generated_names_pick_the_last_layer_or_its_bias():
+    from privfl.models import build_model
+    from privfl.models.hypernetwork import generated_names
+
+    mlp = build_model("mlp2nn", (1, 28, 28), 10)
+    assert generated_names(mlp, "all") == [n for n, _ in mlp.named_parameters()]
+    assert generated_names(mlp, "head") == ["fc3.weight", "fc3.bias"]
+    assert generated_names(mlp, "head_bias") == ["fc3.bias"]
+    assert generated_names(build_model("linear", (12,), 3), "head_bias") == ["fc.bias"]
+    with pytest.raises(ConfigError, match="generated must be one of all, head, head_bias, got 'trunk'"):
+        generated_names(mlp, "trunk")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_with_a_generated_bias_the_shared_part_takes_fedavg_s_step_and_the_hypernetwork_reads_the_bias_only(momentum):
+    config = ODPFLHNConfig(encoder_hidden=8, embed_dim=4, hn_hidden=16, hn_layers=1, local_steps=2, batch_size=8,
+                           generated="head_bias", shared_lr=0.7, shared_momentum=momentum, grad_clip=None)
+    clients = [_client(0), _client(1, seed=1)]
+    runtime = _runtime(config, clients)
+    strategy = runtime.strategy
+    names = [n for n, _ in FACTORY().named_parameters()]
+    assert list(strategy.hnet.shapes) == ["fc3.bias"] and sorted(strategy.shared) == sorted(names[:-1])
+    # every message carries the whole target: the shared part as it stands, the generated bias from the descriptor
+    weights = strategy.generated_weights(torch.zeros(strategy.embed_dim))
+    assert list(weights) == names
+    assert all(torch.equal(weights[k], strategy.shared[k].cpu()) for k in strategy.shared)
+    changes = {}
+    stage = strategy.configure_stage
+
+    def spy(round, stage_index, replies):
+        if stage_index == 2:
+            changes.update({cid: dict(m.arrays) for cid, m in replies.items()})
+        return stage(round, stage_index, replies)
+
+    strategy.configure_stage = spy
+    before = {k: v.clone() for k, v in strategy.shared.items()}
+    hnet_before = copy.deepcopy(strategy.hnet)
+    runtime.run_round(0)
+    assert sorted(changes) == [0, 1]
+    mean = {k: (changes[0][k] + changes[1][k]) / 2 for k in before}
+    for k in before:   # the first step: b = mean change, shared -= shared_lr * b (momentum has no past yet)
+        assert torch.allclose(strategy.shared[k], before[k] - 0.7 * mean[k], atol=1e-6), k
+    assert (sorted(strategy.momentum["shared"]) == sorted(before)) == (momentum > 0)
+    # the hypernetwork's step is the chain rule of the bias changes alone: zeroing the shared tensors of the changes
+    # gives the same hypernetwork gradient
+    full = [backprop_weight_change(hnet_before, strategy.descriptors[str(c)].cpu(), changes[c])[0] for c in (0, 1)]
+    bias = [backprop_weight_change(hnet_before, strategy.descriptors[str(c)].cpu(),
+                                   {k: v if k == "fc3.bias" else torch.zeros_like(v) for k, v in changes[c].items()})[0]
+            for c in (0, 1)]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(full, bias, strict=True) for k in a)
+    state = strategy.state_dict()
+    assert sorted(state["shared"]) == sorted(before) and "shared_momentum" in strategy.training_only
+    again = _runtime(config, clients).strategy
+    again.load_state_dict(state)
+    assert all(torch.equal(again.shared[k], strategy.shared[k]) for k in before)

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from accounting import NeighboringRelation
-from privfl.config import RunConfig
-from privfl.data import FederationSpec, build_federation
+from privfl.config import RunConfig, run_federation
+from privfl.data import FederationSpec
 from privfl.errors import ConfigError
 from privfl.evaluation.metrics import score_model
 from privfl.experiment import build_runtime
@@ -43,19 +43,27 @@ CHANGED = 1
 ROUNDS = 2
 
 
-def config_for(method: str, mode: str, *, seed: int = 5, client_fraction: float | None = None) -> RunConfig:
-    """A 2-round run on a small synthetic federation with seeded noise. Record level calibrates z for a target
-    epsilon (the calibration is what must not read a client's size); client level takes a noise multiplier."""
+#: A federation of images (scikit-learn's 8x8 digits) for the runs with a feature stage in front of the method.
+DIGITS = FederationSpec(source="digits", num_clients=8, partition="iid", novel_fraction=0.25, val_fraction=0.2)
+
+
+def config_for(method: str, mode: str, *, seed: int = 5, client_fraction: float | None = None,
+               settings: dict | None = None, features: str | None = None) -> RunConfig:
+    """A 2-round run on a small synthetic federation with seeded noise (with ``features``, the digits through that
+    feature stage and a linear head). Record level calibrates z for a target epsilon (the calibration is what must
+    not read a client's size); client level takes a noise multiplier. ``settings`` override the method's."""
     spec = METHODS[method]
-    federation = FederationSpec(source="synthetic", source_options={"num_samples": 600, "dim": 8, "num_classes": 3},
-                                num_clients=8, partition="iid", novel_fraction=0.25, val_fraction=0.2)
+    federation = DIGITS if features else FederationSpec(
+        source="synthetic", source_options={"num_samples": 600, "dim": 8, "num_classes": 3}, num_clients=8,
+        partition="iid", novel_fraction=0.25, val_fraction=0.2)
     noise = {"epsilon": 4.0} if mode == RECORD else {"noise_multiplier": 1.0}
     privacy = TrainingPrivacy(mode=mode, clip=1.0, noise="seeded", noise_seed=11, min_samples=8, **noise)
     fields = {f.name for f in dataclasses.fields(spec.config)}
-    settings = {k: v for k, v in QUICK.items() if k in fields} | dict(spec.smoke_settings)
+    method_settings = {k: v for k, v in QUICK.items() if k in fields} | dict(spec.smoke_settings) | (settings or {})
     fraction = client_fraction if client_fraction is not None else (0.5 if mode == CENTRAL else 1.0)
-    return RunConfig(federation=federation, method=method, method_config=settings, rounds=ROUNDS, select="last",
-                     seed=seed, privacy=privacy, client_fraction=fraction)
+    stage = {} if features is None else {"features": features, "features_options": {"groups": 9}, "model": "linear"}
+    return RunConfig(federation=federation, method=method, method_config=method_settings, rounds=ROUNDS,
+                     select="last", seed=seed, privacy=privacy, client_fraction=fraction, **stage)
 
 
 def neighbour(federation, mode: str, relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE):
@@ -108,7 +116,7 @@ def run(method: str, mode: str, *, changed: NeighboringRelation | None = None, s
     :class:`Trace`. ``substitute``: replace what crosses the privacy boundary from the changed client (central: the
     noisy mean) by that trace's. ``hostile(message) -> message``: the server's messages pass through it."""
     config = config_for(method, mode, **config_options)
-    federation = build_federation(config.federation, seed=config.seed)
+    federation = run_federation(config)
     if changed is not None:
         federation = neighbour(federation, mode, changed)
     runtime = build_runtime(config, federation)
@@ -116,6 +124,7 @@ def run(method: str, mode: str, *, changed: NeighboringRelation | None = None, s
                   changed=federation.training_clients[CHANGED].client_id)
     wire = runtime.wire
 
+    spies = pytest.MonkeyPatch()      # the run's own: undone at its end, leaving the test's patches (environment)
     deliver_down = wire.server_to_client
 
     def server_to_client(cid, message):
@@ -135,8 +144,8 @@ def run(method: str, mode: str, *, changed: NeighboringRelation | None = None, s
                 return _copy(next(crossed))
         return delivered
 
-    monkeypatch.setattr(wire, "server_to_client", server_to_client)
-    monkeypatch.setattr(wire, "client_to_server", client_to_server)
+    spies.setattr(wire, "server_to_client", server_to_client)
+    spies.setattr(wire, "client_to_server", client_to_server)
     if mode == CENTRAL:
         inner = runtime.strategy.inner
         apply_mean = inner.apply_mean
@@ -147,13 +156,13 @@ def run(method: str, mode: str, *, changed: NeighboringRelation | None = None, s
                 mean = {k: v.clone() for k, v in next(crossed).items()}
             return apply_mean(round, mean, count)
 
-        monkeypatch.setattr(inner, "apply_mean", noisy_mean)
+        spies.setattr(inner, "apply_mean", noisy_mean)
     add_noise = mechanisms.GaussianMechanism.add_noise
     gaussian_noise = dp_sgd._gaussian_noise
-    monkeypatch.setattr(mechanisms.GaussianMechanism, "add_noise",
-                        lambda self, value: trace.noise.append(self.sigma) or add_noise(self, value))
-    monkeypatch.setattr(dp_sgd, "_gaussian_noise",
-                        lambda out, std, *a, **k: trace.noise.append(std) or gaussian_noise(out, std, *a, **k))
+    spies.setattr(mechanisms.GaussianMechanism, "add_noise",
+                  lambda self, value: trace.noise.append(self.sigma) or add_noise(self, value))
+    spies.setattr(dp_sgd, "_gaussian_noise",
+                  lambda out, std, *a, **k: trace.noise.append(std) or gaussian_noise(out, std, *a, **k))
     torch.manual_seed(config.seed)
     try:
         for round in range(config.rounds):
@@ -166,7 +175,7 @@ def run(method: str, mode: str, *, changed: NeighboringRelation | None = None, s
         trace.refused = str(error)
     finally:
         runtime.close()
-        monkeypatch.undo()
+        spies.undo()
     trace.events = {cid: [(r.purpose, r.event, r.audience) for r in ledger.records]
                     for cid, ledger in runtime.wire.ledgers.items()}
     return trace
@@ -206,6 +215,31 @@ def test_neighbouring_runs_make_the_same_events_and_others_see_only_noised_relea
     if METHODS[method].releases_per_round > 0 or mode == CENTRAL:
         assert on_d.events.get(on_d.changed), "the changed client made no release: the test would see nothing"
         assert any(on_d.events.get(cid) for cid in on_d.training_ids if cid != on_d.changed)
+
+
+def _modes(method: str) -> list[str]:
+    return [mode for mode in MODES if METHODS[method].privacy[mode] is None]
+
+
+@pytest.mark.parametrize("mode", _modes("odpflhn"))
+@pytest.mark.parametrize("generated", ["head", "head_bias"])
+def test_odpflhn_generating_only_its_head_keeps_the_neighbouring_guarantees(mode, generated, monkeypatch):
+    # the shared part moves by the mean of the clients' weight changes: post-processing of their releases (record,
+    # local) or of the noisy mean (central), so the same checks hold
+    _check_neighbours("odpflhn", mode, monkeypatch, settings={"generated": generated, "shared_momentum": 0.5})
+
+
+@pytest.fixture(scope="module")
+def feature_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("features"))
+
+
+@pytest.mark.parametrize("mode", _modes("fedavg"))
+def test_a_feature_stage_in_front_keeps_the_neighbouring_guarantees(mode, monkeypatch, feature_cache):
+    # the stage maps each record by itself (ScatterNet, per-record group norm): it spends nothing and couples nothing
+    monkeypatch.setenv("PRIVFL_CACHE_DIR", feature_cache)
+    on_d, _ = _check_neighbours("fedavg", mode, monkeypatch, features="scatter")
+    assert on_d.events.get(on_d.changed)
 
 
 def _zeros(message: Message) -> Message:
