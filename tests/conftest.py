@@ -85,3 +85,18 @@ def tensors_by_name(state, prefix=""):
             found.update(tensors_by_name(value, f"{prefix}{key}."))
     return found
 
+
+
+@pytest.fixture(autouse=True, scope="session")
+def feature_cache_in_a_temporary_folder(tmp_path_factory):
+    """Feature caches (the ScatterNet stage, backbones) go to a folder of the test session, never the user's
+    ~/.cache/privfl; a test that sets PRIVFL_CACHE_DIR itself overrides it."""
+    import os
+
+    before = os.environ.get("PRIVFL_CACHE_DIR")
+    os.environ["PRIVFL_CACHE_DIR"] = str(tmp_path_factory.mktemp("privfl-cache"))
+    yield
+    if before is None:
+        os.environ.pop("PRIVFL_CACHE_DIR", None)
+    else:
+        os.environ["PRIVFL_CACHE_DIR"] = before

@@ -41,6 +41,7 @@ import importlib.util
 import io
 import json
 import os
+import secrets
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -510,7 +511,12 @@ def extract_features(backbone: Backbone, inputs: Any, *, dataset: str = "data",
     features = np.concatenate(chunks) if chunks else np.zeros((0, backbone.feature_dim), np.float32)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp.npz")
-        np.savez(temporary, features=features, key=json.dumps(key, sort_keys=True))
-        os.replace(temporary, path)
+        # a temporary name of this process's own: two processes computing the same features (two runs started
+        # together) must not move each other's half-written file into place
+        temporary = path.with_suffix(f".{os.getpid()}-{secrets.token_hex(4)}.tmp.npz")
+        try:
+            np.savez(temporary, features=features, key=json.dumps(key, sort_keys=True))
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
     return features

@@ -94,3 +94,39 @@ def test_with_every_training_image_used_the_held_out_pool_is_the_test_split():
     spec = FederationSpec(source="digits", num_clients=4, partition="iid", split="train_test", novel_clients=2)
     x, y = held_out_pool(spec, seed=0)
     assert len(y) == 360 and x.shape[1:] == (1, 8, 8)                # digits' test split
+
+
+def test_two_runs_computing_the_same_features_at_once_both_get_them(tmp_path, monkeypatch):
+    # two processes (here threads) that miss the cache together each write the file: each through a temporary name
+    # of its own, so neither moves the other's half-written file into place
+    import threading
+
+    import numpy as np
+
+    from privfl.models import backbones
+
+    stage = ScatterNet(shape=(8, 8), groups=9)
+    x = torch.rand(6, 1, 8, 8)
+    both_written = threading.Barrier(2)
+    savez = np.savez
+
+    def slow_savez(path, **arrays):
+        savez(path, **arrays)
+        both_written.wait(timeout=10)          # both temporaries exist before either is moved
+
+    monkeypatch.setattr(backbones.np, "savez", slow_savez)
+    results, errors = [], []
+
+    def work():
+        try:
+            results.append(backbones.extract_features(stage, x, cache_dir=tmp_path, progress=False))
+        except Exception as error:   # noqa: BLE001 - the test reports any failure of either
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 2 and np.array_equal(results[0], results[1])
+    assert [p.name for p in (tmp_path / "features").iterdir() if "tmp" in p.name] == []
