@@ -425,20 +425,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     private_rounds = None if args.full_grid else (PRIVATE_ROUNDS if args.private_rounds is None
                                                   else args.private_rounds)
+    given = {name: getattr(args, name) for name in ("rounds", "train_clip", "min_samples", "model")
+             if getattr(args, name) is not None}
+    if args.features is not None:
+        given["features"] = None if args.features == "none" else args.features
+        given.setdefault("model", "auto" if args.features == "none" else "linear")
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, source_options=dict(args.source_option),
-                         clients=args.clients,
-                         max_samples=args.max_samples, rounds=args.rounds, client_fraction=args.client_fraction,
+                         clients=args.clients, max_samples=args.max_samples, client_fraction=args.client_fraction,
                          method=args.method, method_config=dict(args.method_option) or None,
-                         train_epsilons=args.train_epsilons, train_clip=args.train_clip,
-                         private_rounds=private_rounds,
-                         min_samples=args.min_samples, epsilons=args.epsilons, delta=args.delta, bound=args.bound,
+                         train_epsilons=args.train_epsilons, private_rounds=private_rounds,
+                         epsilons=args.epsilons, delta=args.delta, bound=args.bound,
                          sizes=args.sizes or (FULL_SIZES if args.full_grid else SIZES),
                          novel_mixes=args.novel_mixes, eval_size=args.eval_size,
-                         repeats=args.repeats, seed=args.seed, device=args.device)
+                         repeats=args.repeats, seed=args.seed, device=args.device, **given)
     result = run_sweep(config, args.out, progress=not args.no_progress, overwrite=args.overwrite)
-    rounds = (f"{args.rounds} rounds per training" if args.full_grid or args.train_epsilons == (None,) else
-              f"{args.rounds} rounds without DP, {private_rounds} per private training")
-    print(f"\n{args.method} on {args.dataset}, {rounds}; novel clients' accuracy (%) +- SEM "
+    rounds = (f"{config.rounds} rounds per training" if config.private_rounds in (None, config.rounds) else
+              f"{config.rounds} rounds without DP, {config.private_rounds} per private training")
+    stage = f" on {config.features} features ({config.model})" if config.features else ""
+    print(f"\n{args.method} on {args.dataset}{stage}, {rounds}; novel clients' accuracy (%) +- SEM "
           f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
           f"replace-one, n public):\n")
     print(format_table(result))
@@ -578,10 +582,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="a source setting, e.g. path=feats.npz for 'features'; repeatable")
     p.add_argument("--clients", type=int, default=50, help="training clients (pathological, 2 shards each)")
-    p.add_argument("--max-samples", type=int, default=20000,
-                   help="training images; the rest of the train split is the novel clients' held-out pool")
-    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="training images, a random subset of the train split whose rest is the novel clients' "
+                        "held-out pool (default: every training image; the pool is then the test split)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of each training (default: 100)")
     p.add_argument("--client-fraction", type=float, default=0.2)
+    p.add_argument("--features", default=None, choices=("scatter", "mobilenet_v2", "none"),
+                   help="the frozen feature stage in front of the networks (default: scatter; none: raw images)")
+    p.add_argument("--model", default=None,
+                   help="the target network (default: linear, a head on the features; mlp2nn without them)")
     p.add_argument("--method", default="odpflhn", help="any registered method")
     p.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="a setting of the method (replaces the sweep's ODPFL-HN defaults when given)")
@@ -589,20 +598,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training clients' record-level epsilons, one training each; inf = without DP "
                         "(default: 1,4,8,inf)")
     p.add_argument("--private-rounds", type=int, default=None,
-                   help="rounds of each private training (default: privfl.sweep.PRIVATE_ROUNDS, 20; at a fixed "
-                        "epsilon fewer rounds carry less noise each)")
+                   help="rounds of each private training (default: as --rounds)")
     p.add_argument("--full-grid", action="store_true",
-                   help="the full grid: private trainings for --rounds rounds, sizes 50,150,500,1500,5000 (estimated "
-                        "15 to 20 minutes of CPU on one core; the default grid measured about 5)")
-    p.add_argument("--train-clip", type=float, default=1.0, help="training clients' per-record L2 clip")
-    p.add_argument("--min-samples", type=int, default=200,
-                   help="public lower bound on a training client's training split")
+                   help="the full grid: private trainings for --rounds rounds, sizes 20,50,150,500,1000")
+    p.add_argument("--train-clip", type=float, default=None,
+                   help="training clients' per-record L2 clip (default: 0.1)")
+    p.add_argument("--min-samples", type=int, default=None,
+                   help="public lower bound on a training client's training split (default: 1020, what each of the "
+                        "50 clients holds of MNIST's 60,000 training images after 15%% validation: equal shards make "
+                        "it public by construction)")
     p.add_argument("--epsilons", type=_parse_numbers(float), default=(0.1, 0.3, 1.0, 3.0),
                    help="novel clients' epsilons (default: 0.1,0.3,1,3)")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--bound", type=float, default=1.0, help="per-sample L2 clipping radius of phi")
     p.add_argument("--sizes", type=_parse_numbers(int), default=None,
-                   help="novel-client sizes (default: 50,500,5000; with --full-grid 50,150,500,1500,5000)")
+                   help="novel-client sizes (default: 50,500,1000; with --full-grid 20,50,150,500,1000)")
     p.add_argument("--novel-mixes", type=int, default=5, help="label mixes (novel clients) per size")
     p.add_argument("--eval-size", type=int, default=500, help="held-out test images per novel client")
     p.add_argument("--repeats", type=int, default=2, help="noise draws per (mix, size, epsilon)")

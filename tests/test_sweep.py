@@ -50,7 +50,9 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     assert "2 rounds without DP, 1 per private training" in printed
     ledger = json.loads((out / "train-eps8" / "ledger.json").read_text())
     purposes = {r["purpose"] for entry in ledger["ledgers"] for r in entry["records"]}
-    assert purposes == {"descriptor", "weight_change", "encoder_gradient"}
+    # the default encoder stays at its initialisation (encoder_lr 0): a descriptor and a weight change a round, no
+    # encoder gradient
+    assert purposes == {"descriptor", "weight_change"}
     for training in (private, clean):
         assert list(training["table"]) == ["inf", "0.3", "3", "control_mean_training", "control_other_mix"]
         assert list(training["table"]["0.3"]) == ["20", "60"]
@@ -90,7 +92,7 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
 @pytest.mark.parametrize("extra,needle", [
     (["--epsilons", "0"], "epsilons must be finite numbers > 0"),
     (["--sizes", "1"], "sizes must be integers >= 2"),
-    (["--max-samples", "60000"], "max_samples=60000 leaves no held-out images"),
+    (["--min-samples", "5000"], "record-level privacy min_samples=5000 is the public lower bound"),
     (["--novel-mixes", "1"], "novel_mixes must be >= 2"),
     (["--train-epsilons", "0,inf"], "train_epsilons must be finite numbers > 0 or None"),
     (["--method", "fedsgd"], "unknown method 'fedsgd'"),
@@ -106,7 +108,8 @@ def test_private_trainings_run_private_rounds_and_the_full_grid_runs_them_as_lon
 
     with pytest.raises(SystemExit):
         main(["sweep", "--help"])
-    assert f"privfl.sweep.PRIVATE_ROUNDS, {PRIVATE_ROUNDS};" in " ".join(capsys.readouterr().out.split())
+    assert PRIVATE_ROUNDS is None          # every training runs --rounds rounds unless told otherwise
+    assert "rounds of each private training (default: as --rounds)" in " ".join(capsys.readouterr().out.split())
     config = SweepConfig(rounds=30, private_rounds=5)
     assert (config.run_config(8.0).rounds, config.run_config(None).rounds) == (5, 30)
     assert config.run_config(8.0).eval_every == 1 and config.run_config(None).eval_every == 6
@@ -204,7 +207,7 @@ def test_a_sweep_writes_over_nothing_without_overwrite(tmp_path, capsys):
 def test_sweep_passes_its_source_options_to_the_source(tmp_path, capsys):
     out = tmp_path / "sweep"
     synthetic = ["--dataset", "synthetic", "--source-option", "num_samples=3000", "--source-option", "dim=12",
-                 "--train-epsilons", "inf", "--epsilons", "3"]
+                 "--train-epsilons", "inf", "--epsilons", "3", "--features", "none"]
     assert main(TINY + synthetic + ["--out", str(out)]) == 0
     config = json.loads((out / "train" / "config.json").read_text())
     assert config["federation"]["source"] == "synthetic"
@@ -212,6 +215,7 @@ def test_sweep_passes_its_source_options_to_the_source(tmp_path, capsys):
     spec = RunConfig.from_dict(config).federation
     assert build_federation(spec, seed=0).input_shape == (12,)       # dim=12 reached the data, not the default 20
     capsys.readouterr()
-    assert main(TINY + synthetic[:2] + ["--source-option", "colour=red", "--out", str(tmp_path / "bad")]) == 2
+    assert main(TINY + synthetic[:2] + ["--features", "none", "--source-option", "colour=red",
+                                        "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "source 'synthetic' has no option colour" in err and len(err.strip().splitlines()) == 1
