@@ -594,9 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="odpflhn", help="any registered method")
     p.add_argument("--method-option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="a setting of the method (replaces the sweep's ODPFL-HN defaults when given)")
-    p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 4.0, 8.0, None),
+    p.add_argument("--train-epsilons", type=_parse_epsilons, default=(1.0, 3.0, 8.0, None),
                    help="training clients' record-level epsilons, one training each; inf = without DP "
-                        "(default: 1,4,8,inf)")
+                        "(default: 1,3,8,inf)")
     p.add_argument("--private-rounds", type=int, default=None,
                    help="rounds of each private training (default: as --rounds)")
     p.add_argument("--full-grid", action="store_true",

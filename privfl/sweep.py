@@ -93,8 +93,8 @@ DEFAULT_METHOD = {"encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hi
                   "generated": "head_bias", "shared_momentum": 0.5}
 
 
-#: The training-client epsilons of the main job (``None``: without DP): 1, 4 and 8 at delta 1e-5, and without DP.
-TRAIN_EPSILONS: tuple[float | None, ...] = (1.0, 4.0, 8.0, None)
+#: The training-client epsilons of the main job (``None``: without DP): 1, 3 and 8 at delta 1e-5, and without DP.
+TRAIN_EPSILONS: tuple[float | None, ...] = (1.0, 3.0, 8.0, None)
 
 #: Rounds of each private training by default (``None``: as many as the non-private one, ``SweepConfig.rounds``).
 #: With the feature stage and the generated bias every training runs the same 100 rounds: at training epsilon 8,
