@@ -63,8 +63,10 @@ def run_config(per_round: int, model: str, privacy: str, rounds: int):
 
     spec = FederationSpec(source="mnist", num_clients=NUM_CLIENTS, partition="pathological", shards_per_client=2,
                           novel_fraction=NOVEL_FRACTION)
+    # every training client of this protocol holds 53 training records (equal shards): public by construction, so
+    # DP-SGD samples at the public 32 / 53, the rate the per-client calibration used before it became public
     layer = TrainingPrivacy() if privacy == "none" else TrainingPrivacy(mode="record", noise_multiplier=1.0,
-                                                                        clip=1.0, delta=1e-5)
+                                                                        clip=1.0, delta=1e-5, min_samples=53)
     return RunConfig(federation=spec, method="fedavg", model=model, rounds=rounds + 1, seed=0, method_config=METHOD,
                      client_fraction=per_round / TRAINING_CLIENTS, select="last", eval_every=10_000,
                      checkpoint_every=10_000, privacy=layer, delta=1e-5)
