@@ -398,7 +398,7 @@ def test_every_help_shows_each_default_once_and_the_one_that_applies(capsys):
     with pytest.raises(SystemExit):
         main(["sweep", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert "--train-clip TRAIN_CLIP training clients' per-record L2 clip (default: 1.0) --min-samples" in shown
+    assert "--train-clip TRAIN_CLIP training clients' per-record L2 clip (default: 0.1) --min-samples" in shown
     assert "cpu (default)" not in shown and "--method METHOD any registered method (default: odpflhn)" in shown
 
 

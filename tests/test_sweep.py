@@ -110,9 +110,11 @@ def test_private_trainings_run_private_rounds_and_the_full_grid_runs_them_as_lon
         main(["sweep", "--help"])
     assert PRIVATE_ROUNDS is None          # every training runs --rounds rounds unless told otherwise
     assert "rounds of each private training (default: as --rounds)" in " ".join(capsys.readouterr().out.split())
-    config = SweepConfig(rounds=30, private_rounds=5)
-    assert (config.run_config(8.0).rounds, config.run_config(None).rounds) == (5, 30)
-    assert config.run_config(8.0).eval_every == 1 and config.run_config(None).eval_every == 6
+    config = SweepConfig(rounds=100, private_rounds=40)
+    assert (config.run_config(8.0).rounds, config.run_config(None).rounds) == (40, 100)
+    # validation every twentieth of the rounds (at least every round)
+    assert config.run_config(8.0).eval_every == 2 and config.run_config(None).eval_every == 5
+    assert SweepConfig(rounds=30, private_rounds=5).run_config(8.0).eval_every == 1
     assert SweepConfig(rounds=30, private_rounds=None).run_config(8.0).rounds == 30
     with pytest.raises(ConfigError, match="private_rounds must be an integer >= 1 or None .*got 0"):
         SweepConfig(private_rounds=0)

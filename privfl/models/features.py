@@ -128,8 +128,6 @@ def featurize(federation: Any, name: str, options: dict[str, Any] | None = None,
     """``federation`` (a :class:`~privfl.data.FederatedDataset`) with every training client's train and validation
     inputs and every novel client's inputs replaced by their features under the stage ``name``, computed in one call
     (cached on disk); labels, ids and partition unchanged, ``input_shape`` the features'."""
-    from privfl.data import NovelClient
-
     stage = load_stage(name, tuple(federation.input_shape), **dict(options or {}))
     parts: list[torch.Tensor] = []
     for client in federation.training_clients:
@@ -139,7 +137,7 @@ def featurize(federation: Any, name: str, options: dict[str, Any] | None = None,
     pieces = iter(torch.split(features, [len(p) for p in parts]))
     training = [dataclasses.replace(client, x_train=next(pieces), x_val=next(pieces))
                 for client in federation.training_clients]
-    novel = [NovelClient(client_id=c.client_id, x=next(pieces)) for c in federation.novel_clients]
+    novel = [type(c)(client_id=c.client_id, x=next(pieces)) for c in federation.novel_clients]
     return dataclasses.replace(federation, training_clients=training, novel_clients=novel,
                                input_shape=(stage.feature_dim,))
 
