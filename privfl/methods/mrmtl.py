@@ -24,6 +24,7 @@ mean) and what the server steps by (``apply_mean``: the noisy mean of the u_i is
 distributed DP step from it as they step FedAvg). Without DP and with every client in every round, releasing the
 round's change w_i^new - w_i^old instead (as the authors' code does) gives the same w_bar, since w_bar stays the mean of
 the w_i; with partial participation or clipping it does not, and u_i is what makes w_bar the mean of the models.
+How this and the code's other choices are settled: docs/papers.md, MR-MTL, U1-U5.
 
 **Privacy.** Record level: w_i is trained by DP-SGD (:meth:`~privfl.methods.base.ClientProcedure.fit`), so every
 iterate of a silo's model is post-processing of noisy clipped gradient sums, each round's recorded with the round's
