@@ -59,7 +59,9 @@ def _add_federation_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shards-per-client", type=int, default=2)
     g.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration")
     g.add_argument("--novel-fraction", type=float, default=0.5, help="fraction of clients that are novel, in (0, 1)")
-    g.add_argument("--split", default="merged", help="merged (pool train and test) or train_test")
+    g.add_argument("--split", default="merged",
+                   help="merged (pool train and test), train_test (novel clients from the test split) or client_test "
+                        "(each training client scored on its own IID part of the test split; no novel clients)")
     g.add_argument("--novel-clients", type=int, default=None, help="novel clients drawn from the test split")
     g.add_argument("--novel-partition", default=None)
     g.add_argument("--novel-alpha", type=float, default=None)
@@ -71,6 +73,8 @@ def _add_federation_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--novel-rotation", type=float, default=0.0, help="degrees")
     g.add_argument("--train-angles", type=_parse_angles, default=(), help="rotated-MNIST angles, e.g. 0,30,60")
     g.add_argument("--novel-angles", type=_parse_angles, default=(), help="e.g. 15,45")
+    g.add_argument("--angle-assignment", default="random",
+                   help="random (each client's angle drawn uniformly) or balanced (contiguous equal blocks of ids)")
 
 
 def _add_device_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup, what: str, auto: str) -> None:
@@ -92,7 +96,7 @@ def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object]
         else:
             g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the method's; FedAvg's {fedavg})")
 
-    g.add_argument("--model", default="auto", help="mlp2nn, lenet, fedtta_cnn, feature_mlp, linear or auto")
+    g.add_argument("--model", default="auto", help="mlp2nn, lenet, fedtta_cnn, small_cnn, tanh_cnn, feature_mlp, linear or auto")
     g.add_argument("--features", default=None, choices=("scatter", "mobilenet_v2"),
                    help="a frozen feature stage in front of the model: scatter (ScatterNet, J=2, L=8, per-record "
                         "group norm) or mobilenet_v2 (ImageNet); features are computed once per input and cached; "
@@ -233,7 +237,7 @@ def _federation_spec(args: argparse.Namespace):
         novel_alpha=args.novel_alpha, novel_shards_per_client=args.novel_shards_per_client,
         val_fraction=args.val_fraction, max_samples=args.max_samples, novel_blur_sigma=args.novel_blur_sigma,
         novel_blur_kernel=args.novel_blur_kernel, novel_rotation=args.novel_rotation,
-        train_angles=args.train_angles, novel_angles=args.novel_angles,
+        train_angles=args.train_angles, novel_angles=args.novel_angles, angle_assignment=args.angle_assignment,
     )
 
 

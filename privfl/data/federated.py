@@ -6,12 +6,17 @@
    test splits and partitions the whole pool, then makes a random ``novel_fraction`` of the clients novel (the
    FedTTA protocol); ``split="train_test"`` partitions the train split into training clients and the test split
    into ``novel_clients`` novel clients, each with its own partition settings (FedTTA Table 2);
+   ``split="client_test"`` partitions the train split into training clients and the test split alike (IID) into
+   one held-out part per training client, its validation split, and makes no novel clients (the cross-silo
+   protocol of Liu et al., "On Privacy and Personalization in Cross-Silo Federated Learning", NeurIPS 2022,
+   where each silo is scored on test images of its own distribution);
 2. optionally subsample each pool to ``max_samples``;
 3. partition, drop empty clients (with a warning that counts them);
-4. shift raw images: concept-shift rotations (rotated MNIST), then novel-only rotation and Gaussian blur, all with
-   black (0) fill, which is why they come before normalisation;
+4. shift raw images: concept-shift rotations (rotated MNIST; a training client's held-out part of the test split
+   is rotated by its angle too), then novel-only rotation and Gaussian blur, all with black (0) fill, which is why
+   they come before normalisation;
 5. normalise with the source's per-channel mean and std and check every value is finite;
-6. split each training client into train and validation (85/15 by default).
+6. split each training client into train and validation (85/15 by default; ``client_test``: its held-out part).
 
 Novel clients reach methods as :class:`NovelClient` objects that hold no labels and share no storage with
 anything that does; the labels live apart in :class:`NovelLabels`, for the evaluator. Every random choice comes
@@ -52,7 +57,9 @@ __all__ = [
 ]
 
 PARTITIONS = ("pathological", "dirichlet", "iid")
-SPLITS = ("merged", "train_test")
+SPLITS = ("merged", "train_test", "client_test")
+#: How concept-shift angles go to clients: drawn uniformly per client, or in equal contiguous blocks of client ids.
+ANGLE_ASSIGNMENTS = ("random", "balanced")
 # Sources whose inputs are vectors, on which image shifts are meaningless.
 _VECTOR_SOURCES = ("features", "synthetic")
 _OPTION_SCALARS = (str, int, float, bool, type(None))
@@ -128,12 +135,15 @@ class FederationSpec:
         source: data source name (see :data:`privfl.data.SOURCE_NAMES`).
         source_options: options passed to the source (e.g. ``{"path": "feats.npz"}``); stored as a FrozenOptions.
         data_root: folder with torchvision-format data; ``download``: let torchvision fetch missing files there.
-        num_clients: ``merged``: all clients (training + novel); ``train_test``: training clients only.
+        num_clients: ``merged``: all clients (training + novel); ``train_test``, ``client_test``: training clients
+            only.
         partition: ``pathological`` (``shards_per_client`` label-sorted shards each), ``dirichlet`` (per-class
             Dir(``alpha``)) or ``iid``.
         novel_fraction: ``merged`` only: fraction of the (non-empty) clients made novel, in (0, 1);
             ``round(fraction * clients)``, at least one of each kind.
-        split: ``merged`` or ``train_test`` (see the module docstring).
+        split: ``merged``, ``train_test`` or ``client_test`` (see the module docstring); ``client_test`` needs
+            ``partition="iid"`` (a label-skewed part of the test split would not match its client's training labels)
+            and ``val_fraction=0`` (the held-out part is the validation split), and has no novel clients.
         novel_clients: ``train_test`` only (required there): how many novel clients to cut from the test split.
         novel_partition, novel_alpha, novel_shards_per_client: ``train_test`` only: the novel clients' partition
             settings; ``None`` means the training value.
@@ -144,8 +154,11 @@ class FederationSpec:
             odd kernel size in pixels).
         novel_rotation: rotation of novel clients' images, degrees counter-clockwise.
         train_angles, novel_angles: concept shift (rotated MNIST): every training client's images are rotated by
-            one angle drawn uniformly from ``train_angles``, every novel client's from ``novel_angles`` (degrees);
-            give both or neither.
+            one angle from ``train_angles``, every novel client's by one from ``novel_angles`` (degrees); give both
+            or neither (``client_test``, which has no novel clients: ``train_angles`` only).
+        angle_assignment: ``random`` (each client's angle drawn uniformly from its set) or ``balanced`` (the
+            clients in increasing id are dealt the angles in order, in contiguous blocks whose sizes differ by at
+            most one: 40 clients and 4 angles give clients 0-9 the first angle, 10-19 the second, ...).
     """
 
     source: str = "mnist"
@@ -169,6 +182,7 @@ class FederationSpec:
     novel_rotation: float = 0.0
     train_angles: tuple[float, ...] = ()
     novel_angles: tuple[float, ...] = ()
+    angle_assignment: str = "random"
 
     def __post_init__(self) -> None:
         self._normalise_types()
@@ -214,13 +228,24 @@ class FederationSpec:
         _choice("split", self.split, SPLITS)
         _require(_is_number(self.novel_fraction) and 0 < self.novel_fraction < 1, "novel_fraction",
                  self.novel_fraction, "it must lie strictly between 0 and 1")
+        novel_only = ("novel_clients", "novel_partition", "novel_alpha", "novel_shards_per_client")
         if self.split == "merged":
             _require(_is_count(self.num_clients, 2), "num_clients", self.num_clients,
                      "split='merged' needs an integer >= 2 (at least one training and one novel client)")
-            novel_only = ("novel_clients", "novel_partition", "novel_alpha", "novel_shards_per_client")
             for name in novel_only:
                 _require(getattr(self, name) is None, name, getattr(self, name),
                          "it applies only to split='train_test' (in 'merged' novel clients share the partition)")
+        elif self.split == "client_test":
+            _require(_is_count(self.num_clients), "num_clients", self.num_clients, "it must be an integer >= 1")
+            for name in novel_only:
+                _require(getattr(self, name) is None, name, getattr(self, name),
+                         "it applies only to split='train_test' ('client_test' has no novel clients)")
+            _require(self.partition == "iid", "partition", self.partition,
+                     "split='client_test' needs 'iid': each training client's part of the test split is drawn "
+                     "independently of its training part, which a label-skewed partition would not match")
+            _require(self.val_fraction == 0, "val_fraction", self.val_fraction,
+                     "split='client_test' takes each training client's validation split from the test split; set "
+                     "val_fraction=0")
         else:
             _require(_is_count(self.num_clients), "num_clients", self.num_clients, "it must be an integer >= 1")
             _require(_is_count(self.novel_clients), "novel_clients", self.novel_clients,
@@ -233,8 +258,15 @@ class FederationSpec:
                  self.novel_blur_kernel, "it must be an odd integer >= 1 (pixels)")
         _require(_is_number(self.novel_rotation), "novel_rotation", self.novel_rotation,
                  "it must be a finite angle in degrees")
-        _require(bool(self.train_angles) == bool(self.novel_angles), "train_angles/novel_angles",
-                 (self.train_angles, self.novel_angles), "give both (concept shift) or neither")
+        if self.split == "client_test":
+            _require(not self.novel_angles, "novel_angles", self.novel_angles,
+                     "split='client_test' has no novel clients; give train_angles only")
+        else:
+            _require(bool(self.train_angles) == bool(self.novel_angles), "train_angles/novel_angles",
+                     (self.train_angles, self.novel_angles), "give both (concept shift) or neither")
+        _choice("angle_assignment", self.angle_assignment, ANGLE_ASSIGNMENTS)
+        _require(self.angle_assignment == "random" or bool(self.train_angles), "angle_assignment",
+                 self.angle_assignment, "it assigns concept-shift angles, and train_angles gives none")
         if self.has_image_shift and self.source in _VECTOR_SOURCES:
             raise ConfigError(
                 f"source={self.source!r} yields vectors: blur, rotation and angle shifts apply only to image sources "
@@ -465,7 +497,7 @@ def _pools(spec: FederationSpec, source: SourceData, rng: np.random.Generator) -
         pools = [_Pool(np.concatenate([s.x for s in splits]), np.concatenate([s.y for s in splits]))]
     elif source.test is None:
         raise ConfigError(
-            f"split='train_test' needs a test split, and source {source.name!r} has none; use split='merged'"
+            f"split={spec.split!r} needs a test split, and source {source.name!r} has none; use split='merged'"
         )
     else:
         pools = [_Pool(s.x, s.y) for s in splits]
@@ -508,10 +540,16 @@ def _assign_clients(
     """Partition the pool(s): ``(training parts, novel parts)`` as client id -> indices into their pool.
 
     ``merged``: ids 0..num_clients-1 in partition order; ``train_test``: training ids 0..num_clients-1, novel ids
-    num_clients..num_clients+novel_clients-1. Empty clients are dropped before novel clients are chosen.
+    num_clients..num_clients+novel_clients-1; ``client_test``: training ids 0..num_clients-1 and no novel clients.
+    Empty clients are dropped before novel clients are chosen.
     """
     training_settings = (spec.partition, spec.shards_per_client, spec.alpha)
     parts = _partition(training_pool.y, spec.num_clients, training_settings, streams.partition)
+    if spec.split == "client_test":
+        training = _drop_empty(dict(enumerate(parts)), "training clients")
+        if not training:
+            raise ConfigError("no training client received samples; lower num_clients or add samples")
+        return training, {}
     if spec.split == "merged":
         clients = _drop_empty(dict(enumerate(parts)), "clients")
         ids = sorted(clients)
@@ -532,14 +570,27 @@ def _assign_clients(
     return training, novel
 
 
+def _held_out_parts(spec: FederationSpec, test_pool: _Pool, training_ids: list[int],
+                    rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """``client_test``: the test split dealt IID into ``num_clients`` parts, part k held out for training client k
+    (indices into the test pool); the parts of dropped (empty) training clients are left unused."""
+    parts = partition_iid(len(test_pool.y), spec.num_clients, rng)
+    return {i: parts[i] for i in training_ids}
+
+
 def _draw_angles(
     spec: FederationSpec, training_ids: list[int], novel_ids: list[int], rng: np.random.Generator
 ) -> dict[int, float]:
-    """Concept shift: one angle per client, uniform over ``train_angles`` (training) or ``novel_angles`` (novel)."""
+    """Concept shift: one angle per client from ``train_angles`` (training) or ``novel_angles`` (novel), drawn
+    uniformly (``angle_assignment="random"``) or dealt in contiguous blocks of increasing id (``"balanced"``)."""
     if not spec.train_angles:
         return {}
-    angles = {i: float(rng.choice(spec.train_angles)) for i in training_ids}
-    angles.update({i: float(rng.choice(spec.novel_angles)) for i in novel_ids})
+    angles: dict[int, float] = {}
+    for ids, choices in ((training_ids, spec.train_angles), (novel_ids, spec.novel_angles)):
+        if spec.angle_assignment == "balanced":
+            angles.update({i: choices[rank * len(choices) // len(ids)] for rank, i in enumerate(sorted(ids))})
+        else:
+            angles.update({i: float(rng.choice(choices)) for i in ids})
     return angles
 
 
@@ -622,11 +673,22 @@ def build_federation(spec: FederationSpec, *, seed: int) -> FederatedDataset:
         novel_pool = training_pool
     angles = _draw_angles(spec, sorted(training_parts), sorted(novel_parts), streams.angles)
 
+    held_out = (_held_out_parts(spec, novel_pool, sorted(training_parts), streams.novel_partition)
+                if spec.split == "client_test" else {})
+
     training_clients = []
     for client_id, idx in sorted(training_parts.items()):
-        x = _prepare_inputs(client_id, training_pool.x[idx], source, angles.get(client_id, 0.0), (0.0, 0))
+        rotation = angles.get(client_id, 0.0)
+        x = _prepare_inputs(client_id, training_pool.x[idx], source, rotation, (0.0, 0))
         y = training_pool.y[idx]
-        training_clients.append(_training_client(client_id, x, y, spec.val_fraction, streams.val_split))
+        client = _training_client(client_id, x, y, spec.val_fraction, streams.val_split)
+        if client_id in held_out:     # client_test: its validation split is its part of the test split, rotated alike
+            part = held_out[client_id]
+            client = dataclasses.replace(
+                client, x_val=torch.from_numpy(_prepare_inputs(client_id, novel_pool.x[part], source, rotation,
+                                                               (0.0, 0))),
+                y_val=torch.from_numpy(novel_pool.y[part].astype(np.int64)))
+        training_clients.append(client)
 
     novel_clients, hidden = [], {}
     blur = (spec.novel_blur_sigma, spec.novel_blur_kernel)

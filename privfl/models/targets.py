@@ -106,6 +106,28 @@ class TanhCNN(nn.Module):
         return self.classifier(torch.flatten(self.features(x), 1))
 
 
+class SmallCNN(nn.Module):
+    """The MNIST CNN of Liu, Hu, Wu and Smith ("On Privacy and Personalization in Cross-Silo Federated Learning",
+    NeurIPS 2022; github kenziyuliu/private-cross-silo-fl, ``model_utils.py``): conv 3x3 32 and 64 (no padding,
+    ReLU, max-pool 2 each), then one linear layer. 34,826 parameters on 1x28x28 with 10 classes; no normalisation
+    layer, so DP-SGD can clip each record's gradient."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        channels, height, width = _image_shape(input_shape, "small_cnn")
+        self.conv1 = nn.Conv2d(channels, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        h, w = ((height - 2) // 2 - 2) // 2, ((width - 2) // 2 - 2) // 2
+        if h < 1 or w < 1:
+            raise ConfigError(f"small_cnn needs images of at least 10x10, got input shape {tuple(input_shape)}")
+        self.fc = nn.Linear(64 * h * w, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
 class Linear(nn.Module):
     """A linear head on features (or flattened inputs): input -> classes; the ScatterNet + linear model of Tramer
     and Boneh (2021), with the feature stage in front (:mod:`privfl.models.features`)."""
@@ -151,6 +173,7 @@ MODELS: Registry[type[nn.Module]] = Registry("model", {
     "mlp2nn": MLP2NN,
     "lenet": LeNet,
     "fedtta_cnn": FedTTACNN,
+    "small_cnn": SmallCNN,
     "feature_mlp": FeatureMLP,
     "linear": Linear,
     "tanh_cnn": TanhCNN,

@@ -146,6 +146,14 @@ def test_novel_fraction_outside_the_open_unit_interval_is_refused(fraction: floa
         (dict(num_clients=1), "num_clients=1"),
         (dict(source="digits", novel_blur_kernel=4), "novel_blur_kernel=4 is invalid: it must be an odd"),
         (dict(source="digits", train_angles=(0, 30)), "give both"),
+        (dict(source="digits", train_angles=(0, 30), novel_angles=(15,), angle_assignment="blocks"),
+         "angle_assignment='blocks' is invalid; valid choices: random, balanced"),
+        (dict(source="digits", angle_assignment="balanced"), "train_angles gives none"),
+        (dict(split="client_test", val_fraction=0.0), "partition='pathological' is invalid: split='client_test' needs"),
+        (dict(split="client_test", partition="iid"), "val_fraction=0.15 is invalid: .* set val_fraction=0"),
+        (dict(split="client_test", partition="iid", val_fraction=0.0, novel_clients=4), "no novel clients"),
+        (dict(split="client_test", partition="iid", val_fraction=0.0, train_angles=(0,), novel_angles=(90,)),
+         "novel_angles=\\(90.0,\\) is invalid: split='client_test' has no novel clients"),
         (dict(source="synthetic", novel_rotation=15.0), "yields vectors"),
         (dict(source_options={"path": object()}), "source option path="),
     ],
@@ -283,6 +291,33 @@ def test_concept_shift_angles_come_from_the_right_sets_and_are_applied() -> None
         expected = tvf.rotate(_raw(before, source), rotated.angles[client_id],
                               interpolation=InterpolationMode.BILINEAR, fill=0.0)
         torch.testing.assert_close(_raw(after, source), expected, atol=1e-5, rtol=0)
+
+
+def test_client_test_holds_out_a_rotated_iid_part_of_the_test_split_per_client_with_balanced_angles() -> None:
+    # the cross-silo protocol (Liu et al., NeurIPS 2022) in small: 8 silos, 2 per rotation, each scored on its own
+    # part of the test split rotated alike, every training image used, no novel clients
+    source = load_source("digits")
+    settings = dict(source="digits", split="client_test", num_clients=8, partition="iid", val_fraction=0.0)
+    plain = build_federation(FederationSpec(**settings), seed=3)
+    rotated = build_federation(FederationSpec(**settings, train_angles=(0, 90, 180, 270),
+                                              angle_assignment="balanced"), seed=3)
+    assert rotated.angles == {0: 0.0, 1: 0.0, 2: 90.0, 3: 90.0, 4: 180.0, 5: 180.0, 6: 270.0, 7: 270.0}
+    assert rotated.novel_clients == [] and len(rotated.novel_labels) == 0
+    assert sum(c.num_train for c in rotated.training_clients) == len(source.train.y)
+    assert {c.num_val for c in rotated.training_clients} == {len(source.test.y) // 8}
+    held_out = torch.cat([c.y_val for c in rotated.training_clients])
+    expected_labels = torch.from_numpy(np.bincount(source.test.y, minlength=10))
+    assert torch.equal(torch.bincount(held_out, minlength=10), expected_labels)
+    for before, after in zip(plain.training_clients, rotated.training_clients, strict=True):
+        turns = int(rotated.angles[after.client_id]) // 90     # a quarter turn is exact: the pixels move, unchanged
+        for x_plain, x_rotated in ((before.x_train, after.x_train), (before.x_val, after.x_val)):
+            expected = torch.rot90(_raw(x_plain, source), turns, dims=(2, 3))
+            torch.testing.assert_close(_raw(x_rotated, source), expected, atol=1e-5, rtol=0)
+        assert torch.equal(before.y_val, after.y_val)
+    # the random assignment still draws what the seed drew before the balanced one existed
+    drawn = build_federation(FederationSpec(source="digits", num_clients=10, partition="iid", train_angles=(0, 30, 60),
+                                            novel_angles=(15, 45)), seed=0).angles
+    assert drawn == {0: 0.0, 4: 30.0, 5: 30.0, 6: 0.0, 8: 0.0, 1: 15.0, 2: 45.0, 3: 45.0, 7: 15.0, 9: 15.0}
 
 
 def test_training_client_is_a_frozen_record() -> None:

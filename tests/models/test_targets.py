@@ -15,6 +15,8 @@ def count(model):
     ("fedtta_cnn", (3, 32, 32), 10, 2_156_490),    # and on CIFAR-10
     # conv1 3*16*25+16, conv2 16*32*25+32, fc 800*120+120, 120*84+84, 84*10+10
     ("lenet", (3, 32, 32), 10, 1216 + 12832 + 96120 + 10164 + 850),
+    # Liu et al.'s (NeurIPS 2022) MNIST CNN: conv1 1*32*9+32, conv2 32*64*9+64, fc 64*5*5*10+10
+    ("small_cnn", (1, 28, 28), 10, 320 + 18_496 + 16_010),
 ])
 def test_parameter_counts(name, shape, classes, params):
     model = build_model(name, shape, classes)
