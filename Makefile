@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.privfl-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-baselines lint test test-fast bench lock clean
+.PHONY: setup demo demo-baselines lint test test-fast check-results bench lock clean
 
 setup: $(STAMP)
 
@@ -35,12 +35,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy accounting privfl/privacy
 
-# lint, then the tests and every docstring example (pyproject.toml: --doctest-modules over the packages)
+# lint, then the tests and every docstring example (pyproject.toml: --doctest-modules over the packages), then a
+# warning (never a failure) naming the results under benchmarks/results/ whose code changed since they were made
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	-$(PY) benchmarks/check_results.py --brief
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Every result under benchmarks/results/ whose code changed after the revision that made it, or that records none
+check-results:
+	$(PYTHON) benchmarks/check_results.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/runtime_overhead.py

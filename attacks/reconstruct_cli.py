@@ -59,6 +59,7 @@ import csv
 import functools
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -566,11 +567,19 @@ def _write_csv(path: Path, columns: Sequence[str], records: Sequence[dict[str, A
         writer.writerows(records)
 
 
-def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
-    """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes."""
+def run_reconstruction_attack(settings: AttackSettings, *, command: str | None = None) -> dict[str, Any]:
+    """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes. ``command``
+    (how this run was started) is recorded in the summary and, when this run trains the reconstructor, in its
+    checkpoint, so exported weights name the command that made them."""
     from attacks.decoders import fit_decoders, make_decoder
     from attacks.metrics import LPIPS
-    from attacks.reconstructor import resolve_device, select_one_step_guidance, select_sampling, train_or_resume
+    from attacks.reconstructor import (
+        file_sha256,
+        resolve_device,
+        select_one_step_guidance,
+        select_sampling,
+        train_or_resume,
+    )
     from attacks.schemes import (
         AttackerPrior,
         evaluate_decoder,
@@ -613,7 +622,7 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
     reconstructor = train_or_resume(config, fa[train], xa[train], steps=settings.steps, checkpoint=checkpoint,
                                     guides=guides, device=device, precision=settings.precision, seed=settings.seed,
                                     checkpoint_every=settings.checkpoint_every, init_weights=settings.init_weights,
-                                    progress=settings.progress)
+                                    made_by=command, progress=settings.progress)
     timings["reconstructor_call_s"] = time.perf_counter() - started
     losses = reconstructor.losses
     summary: dict[str, Any] = {
@@ -627,8 +636,14 @@ def run_reconstruction_attack(settings: AttackSettings) -> dict[str, Any]:
                           "final_loss_mean_100": float(np.mean(losses[-100:])) if losses else None,
                           "loss_mean_per_1000_steps": [float(np.mean(losses[i:i + 1000]))
                                                        for i in range(0, len(losses), 1000)],
-                          "checkpoint": checkpoint.name},
+                          "checkpoint": checkpoint.name,
+                          # what names these weights: their EMA tensors' sha256, the file's as it is on disk, and
+                          # the command that trained them (None: weights that predate the record)
+                          "weights_sha256": reconstructor.weights_sha256(),
+                          "checkpoint_sha256": file_sha256(checkpoint) if checkpoint.is_file() else None,
+                          "made_by": reconstructor.made_by},
         "timings_s": timings,
+        "command": command,
     }
     if settings.train_only:
         summary["table"] = ""
@@ -1007,7 +1022,8 @@ def reconstruct_main(argv: Sequence[str] | None = None) -> int:
             if args.threads < 1:
                 raise ConfigError(f"--threads must be an integer >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
-        summary = run_reconstruction_attack(settings)
+        command = "privfl attack reconstruct " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+        summary = run_reconstruction_attack(settings, command=command)
     except PrivflError as error:
         print(f"privfl: error: {error}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ Model (what the paper states, App. E.3, and the unstated choices):
    one trained on a GPU reading one decoder's estimates, trained on here reading a better decoder's. It keeps the
    source's feature whitening, which its conditioning MLP was learned against; its step counts the fine-tuning
    steps, and ``initialised_from`` (saved in its checkpoint and exported weights) names the source: its weights'
-   sha256, steps, training seconds and training-data fingerprint.
+   sha256, its file's sha256, steps, training seconds, training-data fingerprint and the command that made it.
 
 Device and precision: ``device`` is ``"cpu"``, ``"cuda"``/``"cuda:N"`` or ``"auto"`` (:func:`resolve_device`: CUDA
 when visible, else the CPU; asking for CUDA where there is none is an error, never a silent CPU run). ``precision``
@@ -63,16 +63,17 @@ Training is checkpointed atomically (write to a temporary file, then ``os.replac
 ``torch.load(weights_only=True)`` and resumes exactly: the data sampler's random state is part of the checkpoint,
 so training k steps, saving, loading and training k more gives the weights of 2k uninterrupted steps.
 
-Exported weights (:meth:`Reconstructor.export`): what sampling needs and nothing more (the EMA weights with the
-feature statistics, the settings, the step and the losses; no optimiser state, no training weights), for attacking on
-one machine with a reconstructor trained on another (train on a GPU, attack on a CPU). :meth:`Reconstructor.load`
-reads either file; a reconstructor loaded from exported weights samples but does not train on. A full checkpoint is
-resumed only on bit-identical training data (:func:`data_fingerprint`), but features computed by the same backbone on
-another device differ in their last bits, so exported weights are accepted on data whose images are bit-identical,
-with as many pairs, and whose features have per-dimension means and standard deviations within
-:data:`FEATURE_TOLERANCE` of the training features' (features from another backbone, input size or image set differ
-by orders of magnitude more). The estimates a guided reconstructor read while training are not compared: sampling
-reads the estimates of the features it is given, computed at attack time.
+Exported weights (:meth:`Reconstructor.export`): what sampling needs and nothing more (the EMA weights with the feature
+statistics, the settings, the step and the losses, and ``made_by``, the command that trained them; no optimiser state,
+no training weights), for attacking on one machine with a reconstructor trained on another (train on a GPU, attack on a
+CPU); :meth:`Reconstructor.weights_sha256` names the weights, in either file. :meth:`Reconstructor.load` reads either
+file; a reconstructor loaded from exported weights samples but does not train on. A full checkpoint is resumed only on
+bit-identical training data (:func:`data_fingerprint`), but features computed by the same backbone on another device
+differ in their last bits, so exported weights are accepted on data whose images are bit-identical, with as many pairs,
+and whose features have per-dimension means and standard deviations within :data:`FEATURE_TOLERANCE` of the training
+features' (features from another backbone, input size or image set differ by orders of magnitude more). The estimates a
+guided reconstructor read while training are not compared: sampling reads the estimates of the features it is given,
+computed at attack time.
 
 Example (a tiny model on random data):
     >>> import torch
@@ -103,8 +104,8 @@ from privfl.errors import ConfigError
 
 __all__ = ["ARCHITECTURE", "CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS",
            "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
-           "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "resolve_device", "resolve_precision",
-           "select_one_step_guidance", "select_sampling", "train_or_resume"]
+           "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "file_sha256", "resolve_device",
+           "resolve_precision", "select_one_step_guidance", "select_sampling", "train_or_resume"]
 
 CHECKPOINT_FORMAT = 3
 #: The ``format`` of :meth:`Reconstructor.export`'s file.
@@ -444,12 +445,20 @@ class Reconstructor:
         self.exported = False
         self.train_seconds = 0.0
         self.initialised_from: dict[str, Any] | None = None
+        # The command that trained these weights (set by the caller, :func:`train_or_resume`): saved in the
+        # checkpoint and the exported weights, so a run that evaluates them elsewhere can name how they were made.
+        self.made_by: str | None = None
 
     # -- properties -------------------------------------------------------------------------------------------------
 
     @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    def weights_sha256(self) -> str:
+        """sha256 of the EMA weights that sample (:func:`data_fingerprint` of their tensors): the same for a
+        checkpoint and the weights exported from it, and what a fine-tuned reconstructor names its source by."""
+        return data_fingerprint(*self.ema.state_dict().values())
 
     @property
     def precision_name(self) -> str:
@@ -840,9 +849,9 @@ class Reconstructor:
         self.model.load_state_dict(state["ema"])
         self.ema.load_state_dict(state["ema"])
         self.initialised_from = {
-            "file": Path(path).name, "weights_sha256": _weights_sha256(state),
+            "file": Path(path).name, "file_sha256": file_sha256(path), "weights_sha256": _weights_sha256(state),
             "step": int(state["step"]), "train_seconds": float(state.get("train_seconds", 0.0)),
-            "fingerprint": state.get("fingerprint"), "config": state["config"]}
+            "fingerprint": state.get("fingerprint"), "config": state["config"], "made_by": state.get("made_by")}
 
     def _check_exported_data(self, f: torch.Tensor, x: torch.Tensor) -> None:
         """Refuse data other than the exported weights' training data (module docstring, "Exported weights")."""
@@ -872,7 +881,8 @@ class Reconstructor:
         the training data's fingerprint and summary."""
         return {"config": self.config.to_dict(), "seed": self.seed, "step": self.step, "ema": self.ema.state_dict(),
                 "losses": list(self.losses), "fingerprint": self.fingerprint, "data_summary": self.data_summary,
-                "train_seconds": self.train_seconds, "initialised_from": self.initialised_from}
+                "train_seconds": self.train_seconds, "initialised_from": self.initialised_from,
+                "made_by": self.made_by}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_format(state)
@@ -892,6 +902,7 @@ class Reconstructor:
         self.data_summary = state.get("data_summary")
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.initialised_from = state.get("initialised_from")
+        self.made_by = state.get("made_by")
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the checkpoint atomically (a temporary file in the same folder, then ``os.replace``)."""
@@ -935,6 +946,15 @@ def _check_format(state: dict[str, Any]) -> None:
                           f"{CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new reconstructor)")
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes (what ``sha256sum FILE`` prints): names a weight file as a user holds it."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
 def _weights_sha256(state: dict[str, Any]) -> str:
     """The sha256 of a state's EMA weights (what a fine-tuned reconstructor names its source by)."""
     return data_fingerprint(*state["ema"].values())
@@ -961,9 +981,11 @@ def _atomic_save(state: dict[str, Any], path: str | os.PathLike) -> Path:
 def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, steps: int,
                     checkpoint: str | os.PathLike | None, guides: Any = None, device: str | torch.device = "cpu",
                     precision: str = "auto", seed: int = 0, checkpoint_every: int = 500,
-                    init_weights: str | os.PathLike | None = None, progress: bool = True) -> Reconstructor:
+                    init_weights: str | os.PathLike | None = None, made_by: str | None = None,
+                    progress: bool = True) -> Reconstructor:
     """Load ``checkpoint`` if it exists (same settings and data) and train it on to ``steps``; else train anew,
-    from ``init_weights`` when given (:meth:`Reconstructor.initialise_from`).
+    from ``init_weights`` when given (:meth:`Reconstructor.initialise_from`). ``made_by`` (the command of this
+    call) is recorded in the reconstructor and its checkpoints when this call trains it.
 
     An interrupted run (killed, Ctrl-C) resumes from its last checkpoint: run the same call again (a fine-tuning
     checkpoint resumes only with the same ``init_weights``).
@@ -981,6 +1003,8 @@ def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, 
         reconstructor = Reconstructor(config, device=device, precision=precision, seed=seed)
         if init_weights is not None:
             reconstructor.initialise_from(init_weights)
+    if made_by is not None and not reconstructor.exported and reconstructor.step < steps:
+        reconstructor.made_by = made_by       # before fit: its checkpoints carry it
     reconstructor.fit(features, images, steps=steps, guides=guides, checkpoint=checkpoint,
                       checkpoint_every=checkpoint_every, progress=progress)
     return reconstructor

@@ -39,7 +39,10 @@ of the kNN average's, the run ``benchmarks/README.md`` reports first.
 sets of 250 with fewer samples (``attacks/reconstruct_cli.py``, ``PRESETS``). ``--render-only`` rewrites the
 markdown from the JSON and the CSV. Results in ``benchmarks/results/`` under ``attack_mnist`` (``--preset
 benchmark``) or ``attack_mnist_reduced``: ``.json`` / ``.md``, ``.csv`` (rows), ``_metrics.png`` and ``_grid.png``;
-every scored image in ``--work`` (``per_image_scores.csv`` and ``<stem>_scores.csv.gz``).
+every scored image in ``--work`` (``per_image_scores.csv`` and ``<stem>_scores.csv.gz``). The JSON and the markdown
+name the reconstructor's weights exactly (``reconstructor.weights_sha256``, the sha256 of the checkpoint or exported
+file as it was read, and ``made_by``, the command that trained them, which exported weights carry with them) and the
+code that made the figures (``numerics``: torch, CPU kernel, threads, code revision).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import gzip
 import json
 import math
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -64,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 from attacks.reconstruct_cli import ATTACK_NAMES, run_reconstruction_attack, settings_from_args  # noqa: E402
 from attacks.statistics import bootstrap_cell, separated  # noqa: E402
+from privfl.provenance import numerics  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 METRICS = ("psnr", "lpips", "ssim")
@@ -212,6 +217,7 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
               f"steps in {rec['initialised_from']['train_seconds'] / 60:.0f} min before)"
               if rec.get("initialised_from") else "") + "; training loss per 1,000 "
            "steps: " + ", ".join(f"{v:.4f}" for v in rec["loss_mean_per_1000_steps"]) + ".",
+           weights_line(rec),
            f"- Sampling chosen on {sampling['held_out_pairs']} held-out attacker pairs: **{sampling['label']}** "
            f"(decoder-guided start from the {sampling['init_decoder']} decoder when `init` is shown)"
            + (f"; the one-step posterior mean's guidance scale **w = {sampling['one_step_guidance']:g}** (by mean "
@@ -284,6 +290,28 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def weights_line(rec: dict) -> str:
+    """The reconstructor's weights named exactly: their sha256, the file's, the command that made them, and the
+    weights a fine-tuned one started from; what a result does not record is said."""
+    sha, note = rec.get("weights_sha256"), rec.get("weights_sha256_note")
+    line = "- Reconstructor weights: sha256 " + (
+        f"`{sha}` (of the EMA tensors, `Reconstructor.weights_sha256`" + (f"; {note})" if note else ")") if sha
+        else "not recorded" + (f" ({note})" if note else ""))
+    if rec.get("checkpoint_sha256"):
+        line += f"; file `{rec['checkpoint']}` sha256 `{rec['checkpoint_sha256']}`"
+    if rec.get("exported"):
+        line += "; exported weights trained on another machine, not in the repository"
+    made = rec.get("made_by")
+    line += (f"; made by `{made}`" if made else "; the command that made them is not recorded in the weights")
+    source = rec.get("initialised_from")
+    if source:
+        line += (f"; fine-tuned from `{source['file']}` (not in the repository; weights sha256 "
+                 f"`{source.get('weights_sha256')}`"
+                 + (f", file sha256 `{source['file_sha256']}`" if source.get("file_sha256") else "")
+                 + (f", made by `{source['made_by']}`" if source.get("made_by") else "") + ")")
+    return line + "."
+
+
 # -- the run --------------------------------------------------------------------------------------------------------
 
 def results_stem(preset: str) -> str:
@@ -320,15 +348,17 @@ def main() -> int:
     if args.no_progress:
         argv.append("--no-progress")
     settings, _ = settings_from_args(argv)
+    command = "python benchmarks/attack_mnist.py " + shlex.join(
+        ["--preset", args.preset, "--device", args.device, "--threads", str(args.threads)]
+        + (["--"] + args.extra if args.extra else []))
     started = time.perf_counter()
-    summary = run_reconstruction_attack(settings)
+    summary = run_reconstruction_attack(settings, command=command)
     summary.pop("table", None)
     work = Path(args.work)
     scores = load_scores(work / "per_image_scores.csv")
     summary["comparisons"] = comparisons(scores, summary["rows"], n_boot=settings.bootstrap, seed=settings.seed)
-    summary["command"] = "python benchmarks/attack_mnist.py " + " ".join(
-        ["--preset", args.preset, "--device", args.device, "--threads", str(args.threads)]
-        + (["--"] + args.extra if args.extra else []))
+    summary["command"] = command
+    summary["numerics"] = numerics()     # torch, CPU kernel, threads and the code revision that made the figures
     summary["wall_seconds"] = time.perf_counter() - started
     summary["settings"]["out"] = "--work (git-ignored run folder)"
     summary["machine"] = {"python": platform.python_version(), "torch": torch.__version__,

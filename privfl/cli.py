@@ -425,6 +425,9 @@ def _parse_numbers(kind):
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
+    import dataclasses
+
+    from privfl.evaluation.reference import reference_report
     from privfl.sweep import FULL_SIZES, PRIVATE_ROUNDS, SIZES, SweepConfig, format_table, run_sweep
 
     private_rounds = None if args.full_grid else (PRIVATE_ROUNDS if args.private_rounds is None
@@ -450,6 +453,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"over label mixes and noise draws (novel release: delta={args.delta:g}, bound={args.bound:g}, "
           f"replace-one, n public):\n")
     print(format_table(result))
+    # the figures stored in the repository for these settings, and whether this run reproduced them
+    print("\n" + reference_report(result, args.reference, defaults=dataclasses.asdict(SweepConfig())))
     print(f"\nwall time {result['wall_s']:.0f} s; results: {args.out}/sweep.csv, sweep.json, sweep.png; "
           f"training runs: {', '.join(t['training']['directory'] for t in result['trainings'].values())}")
     return 0
@@ -625,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_argument(p, "the trainings compute", "where present and the method runs there")
     p.add_argument("--overwrite", action="store_true",
                    help="write into an OUT that holds another sweep's results, retraining trainings of other settings")
+    p.add_argument("--reference", default=None, metavar="FILE",
+                   help="a stored sweep.json to compare this run's figures with (default: the sweep of the same "
+                        "settings under benchmarks/results/ beside the package, when there is one)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_sweep)
 

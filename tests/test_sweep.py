@@ -75,6 +75,8 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
         assert len(controls) == 2 * 2 * 2 and {r["releases"] for r in controls} == {"0"}
     assert len(rows) == 2 * 20
     assert "non-private minus best control, per n" in printed
+    # the repository's stored sweeps were made with other settings than this tiny one, and the report says so
+    assert "Reference: no reference for these settings" in printed
 
     # A sweep whose training was interrupted continues it when run again, rather than training from scratch: the
     # releases of round 0, journaled by the interrupted process, are still the journal's first lines.
@@ -83,8 +85,11 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     with pytest.raises(RunInterrupted):
         train(run, str(again / "train"), progress=False, stop_after_round=1)
     first = (again / "train" / "releases.jsonl").read_text()
-    assert main(TINY + ["--out", str(again), "--train-epsilons", "inf"]) == 0
+    capsys.readouterr()
+    assert main(TINY + ["--out", str(again), "--train-epsilons", "inf", "--reference", str(out / "sweep.json")]) == 0
     assert (again / "train" / "releases.jsonl").read_text().startswith(first)
+    # the same training and serving reproduce the first sweep's cells (those of its training without DP)
+    assert "Reproduced within tolerance (10 cells compared; 10 within tolerance)" in capsys.readouterr().out
     trained = [json.loads((d / "train" / "summary.json").read_text())["novel"] for d in (out, again)]
     assert trained[0] == trained[1]
 

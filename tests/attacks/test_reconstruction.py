@@ -31,6 +31,7 @@ from attacks.reconstructor import (  # noqa: E402
     Reconstructor,
     ReconstructorConfig,
     SamplingSettings,
+    file_sha256,
     resolve_device,
     resolve_precision,
     select_one_step_guidance,
@@ -176,6 +177,33 @@ def test_exported_weights_sample_like_the_trained_model_and_accept_only_its_data
         exported.save(tmp_path / "again.pt")
     with pytest.raises(ConfigError, match="no summary of its training data"):
         Reconstructor(tiny_config(), seed=0).export(tmp_path / "untrained.pt")
+
+
+def test_weights_carry_their_sha256_and_the_command_that_trained_them_into_exported_files(tmp_path):
+    """Exported weights evaluated elsewhere name how they were made: the training call's command travels with the
+    checkpoint and the exported file, and the EMA weights' sha256 is the same in both and in a fine-tuned
+    reconstructor's record of its source."""
+    import hashlib
+
+    features, images = tiny_data()
+    command = "privfl attack reconstruct --preset quick --steps 3"
+    trained = train_or_resume(tiny_config(), features, images, steps=3, checkpoint=tmp_path / "full.pt", seed=1,
+                              made_by=command, progress=False)
+    exported = Reconstructor.load(trained.export(tmp_path / "weights.pt"))
+    assert trained.made_by == exported.made_by == Reconstructor.load(tmp_path / "full.pt").made_by == command
+    assert exported.weights_sha256() == trained.weights_sha256() == Reconstructor.load(
+        tmp_path / "full.pt").weights_sha256()
+    # evaluating exported weights (nothing trained) keeps the command that made them
+    again = train_or_resume(tiny_config(), features, images, steps=3, checkpoint=tmp_path / "weights.pt",
+                            made_by="privfl attack reconstruct --checkpoint weights.pt", progress=False)
+    assert again.made_by == command
+    tuned = Reconstructor(tiny_config(), seed=2)
+    tuned.initialise_from(tmp_path / "weights.pt")
+    assert tuned.initialised_from["weights_sha256"] == trained.weights_sha256()
+    assert tuned.initialised_from["file_sha256"] == file_sha256(tmp_path / "weights.pt") == hashlib.sha256(
+        (tmp_path / "weights.pt").read_bytes()).hexdigest()
+    tuned.fit(features, images, steps=1, progress=False)
+    assert tuned.weights_sha256() != trained.weights_sha256()
 
 
 def test_fine_tuning_starts_from_the_source_ema_keeps_its_whitening_and_names_it(tmp_path):
@@ -1060,6 +1088,11 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     assert reconstruct_main(elsewhere) == 0
     exported = json.loads((out / "attack_results.json").read_text())["reconstructor"]
     assert exported["exported"] is True and exported["steps"] == 3
+    # named exactly: the same weights as trained, the file as read, and the command that trained them
+    made_by = "privfl attack reconstruct " + " ".join(argv)
+    assert exported["weights_sha256"] == summary["reconstructor"]["weights_sha256"]
+    assert exported["made_by"] == summary["reconstructor"]["made_by"] == made_by
+    assert exported["checkpoint_sha256"] == file_sha256(weights) and summary["command"] == made_by
     capsys.readouterr()
     assert reconstruct_main([*elsewhere, "--steps", "4"]) == 2
     assert "cannot train on to 4 steps; ask for steps=3" in capsys.readouterr().err
@@ -1071,3 +1104,4 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     rec = json.loads((out / "attack_results.json").read_text())["reconstructor"]
     assert rec["steps"] == 2 and rec["initialised_from"]["step"] == 3
     assert rec["initialised_from"]["file"] == "weights.pt" and rec["initialised_from"]["fingerprint"]
+    assert rec["initialised_from"]["made_by"] == made_by and rec["made_by"].endswith(" ".join(tuned))

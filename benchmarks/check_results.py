@@ -1,0 +1,366 @@
+"""List the results under benchmarks/results/ whose code changed after the revision that made them.
+
+A result JSON records the revision of the code that made it (``numerics.code_revision``, :mod:`privfl.provenance`,
+anywhere in the file: a file whose rows come from several runs holds several). :data:`DEPENDENCIES` declares, per
+result file (a glob under benchmarks/results/), the source paths its figures depend on: the script that wrote it,
+the method, the privacy layer, data, models and the runtime. A result is
+
+- **stale** when one of those paths differs between a recorded revision and the working tree (``git diff
+  --name-only REVISION -- PATHS``: a change made and undone since is no change; uncommitted edits count, so a
+  change about to be committed shows the results it leaves stale);
+- **unknown** when it records no revision, or one this repository's history does not hold (a shallow clone);
+- **undeclared** when no entry of :data:`DEPENDENCIES` names it (declare it: a result never passes unchecked);
+- **current** otherwise.
+
+A revision marked ``-dirty`` was made with uncommitted changes on top of that commit, which git cannot see: it is
+compared as that commit. A result is **quoted** when README.md or benchmarks/README.md names its file
+(``results/<name>``; ``{a,b}`` alternatives are expanded), so its figures are published and must be regenerated
+when it is stale.
+
+    python benchmarks/check_results.py            # every stale, unknown and undeclared result (make check-results)
+    python benchmarks/check_results.py --brief    # a few warning lines (make test)
+
+Exit status: 0, or 1 with ``--strict`` when a quoted result is stale; 2 when a declared path does not exist (the
+declaration is wrong, not the result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Where the results are, relative to the checkout's top.
+RESULTS = "benchmarks/results"
+
+#: The files that quote results: a result they name is published.
+READMES = ("README.md", "benchmarks/README.md")
+
+# Groups of source paths (a folder stands for every file under it; ``!path`` excludes one).
+#: What every federated run executes: configs, the run loop and the in-process engine, the wire, seeding, data, the
+#: local-training path every method uses, the privacy wrapper around methods, and the scoring of novel clients.
+RUNTIME = ("privfl/config.py", "privfl/experiment.py", "privfl/engine.py", "privfl/federation",
+           "!privfl/federation/flower", "privfl/data", "privfl/methods/base.py", "privfl/methods/local_training.py",
+           "privfl/methods/private.py", "privfl/evaluation/metrics.py", "privfl/evaluation/novel_pool.py",
+           "privfl/memory.py", "privfl/devices.py")
+#: Every noise, sensitivity and epsilon: the privacy layer and the accountants.
+PRIVACY = ("privfl/privacy", "accounting")
+#: Targets, encoders, hypernetworks and backbones.
+MODELS = ("privfl/models",)
+#: A federated training: all three.
+TRAINING = RUNTIME + PRIVACY + MODELS
+#: The Flower engines (simulation and deployment).
+FLOWER = ("privfl/federation/flower", "privfl/flower_server.py")
+#: The reconstruction attack: the attack code, the backbone's features, data, and the FedPFT / DP-FedPFT releases
+#: through the wire and the ledger.
+ATTACK = ("attacks", "privfl/models/backbones.py", "privfl/data", "privfl/methods/base.py", "privfl/methods/fedpft.py",
+          "privfl/federation", "!privfl/federation/flower", *PRIVACY)
+
+
+def _methods(*names: str) -> tuple[str, ...]:
+    return tuple(f"privfl/methods/{name}.py" for name in names)
+
+
+def _script(name: str) -> tuple[str, ...]:
+    return (f"benchmarks/{name}.py",)
+
+
+#: Per result file (a glob relative to benchmarks/results/): the source paths its figures depend on. A file matched
+#: by several entries depends on all of them.
+DEPENDENCIES: dict[str, tuple[str, ...]] = {
+    # the main job (`privfl sweep`, `make demo`)
+    "sweep_demo*.json": ("privfl/sweep.py", *_methods("odpflhn"), *TRAINING),
+    "odpfl_*.json": (*_script("odpfl_mnist"), *_script("fedtta_mnist"), "privfl/sweep.py",
+                     *_methods("odpflhn", "pfedhn", "itpflhn", "pfl_baselines", "fedavg", "fedprox", "fedtta"),
+                     *TRAINING),
+    "client_dp_mnist*.json": (*_script("client_dp_mnist"), *_methods("fedavg"), *TRAINING),
+    "fedtta_*_code.json": (*_script("fedtta_mnist"), "privfl/sweep.py",
+                           *_methods("fedavg", "fedprox", "scaffold", "fedtta", "heterofedtta", "tent", "local",
+                                     "odpflhn"), *TRAINING),
+    "fedtta_timing.json": (*_script("fedtta_mnist"), *_methods("fedtta"), *TRAINING),
+    "fedtta_summary.json": (*_script("fedtta_summary"), *_script("fedtta_mnist"),
+                            *_methods("fedavg", "fedprox", "fedtta", "heterofedtta", "tent", "odpflhn"), *TRAINING),
+    "tta_baselines_mnist*.json": (*_script("tta_baselines_mnist"), *_script("fedtta_mnist"),
+                                  *_methods("afl", "fedadg", "fedavg", "fedgma", "fedsr", "tent"), *TRAINING),
+    "pefll_mnist_*.json": (*_script("pefll_mnist"), "privfl/sweep.py",
+                           *_methods("pefll", "pfedhn", "fedavg", "odpflhn"), *TRAINING),
+    "methods_dp_mnist.json": (*_script("methods_dp_mnist"), "privfl/methods", *TRAINING),
+    "fedpft_mnist.json": (*_script("fedpft_mnist"), *_methods("fedpft", "fedpft_baselines", "local"), *TRAINING),
+    # attacks and audits
+    "attack_mnist*.json": (*_script("attack_mnist"), *ATTACK),
+    "mlp_guide/attack_mnist.json": (*_script("attack_mnist"), *ATTACK),
+    "attack_dp_class_size.json": (*_script("attack_dp_class_size"), *ATTACK),
+    "audit_privatize.json": (*_script("audit_privatize"), "attacks/audit.py", "attacks/statistics.py", *PRIVACY,
+                             *MODELS),
+    "accounting_table.json": (*_script("accounting_table"), "accounting"),
+    # performance: what the timed code executes
+    "runtime_overhead.json": (*_script("runtime_overhead"), *_methods("fedavg"), *TRAINING),
+    "workers.json": (*_script("workers"), *_methods("fedavg"), *TRAINING),
+    "scaling.json": (*_script("scaling"), *_methods("fedavg"), *TRAINING, *FLOWER),
+    "flower_*.json": (*_script("flower_overhead"), *_script("flower_fault"), *_methods("fedavg"), *TRAINING,
+                      *FLOWER),
+    "deployment_database.json": (*_script("deployment_database"), *_script("flower_overhead"), *_script("scaling"),
+                                 *_methods("fedavg"), *TRAINING, *FLOWER),
+    "privacy_step_time.json": (*_script("privacy_step_time"), *_methods("fedavg"), *TRAINING),
+    "dp_sgd_step_time.json": (*_script("dp_sgd_step_time"), "privfl/methods/local_training.py", *PRIVACY, *MODELS),
+    "import_time.json": (*_script("import_time"), "privfl", "accounting"),
+}
+
+
+@dataclass
+class Finding:
+    """One result file and what the check found."""
+
+    path: str                                   #: relative to the checkout's top
+    status: str                                 #: "stale", "unknown", "undeclared" or "current"
+    revisions: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)      #: dependency files that differ since a recorded revision
+    dependencies: list[str] = field(default_factory=list)  #: the declared paths
+    newest_change: str | None = None            #: the newest commit touching them since then (hash, date, subject)
+    quoted_in: list[str] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def quoted(self) -> bool:
+        return bool(self.quoted_in)
+
+
+def recorded_revisions(data: object) -> list[str]:
+    """Every ``code_revision`` string anywhere in a result's JSON, in order of first appearance."""
+    found: list[str] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "code_revision" and isinstance(value, str) and value and value not in found:
+                    found.append(value)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(data)
+    return found
+
+
+def commit_of(revision: str) -> str:
+    """The commit a recorded revision names: ``git describe --always`` output without ``-dirty`` (``v1-3-gabc1234``
+    names ``abc1234``)."""
+    base = revision.removesuffix("-dirty")
+    match = re.fullmatch(r".+-\d+-g([0-9a-f]{4,40})", base)
+    return match.group(1) if match else base
+
+
+def pathspecs(paths: Sequence[str]) -> list[str]:
+    """git pathspecs (from the top of the checkout) for declared paths; ``!path`` excludes."""
+    return [f":(top,exclude){p[1:]}" if p.startswith("!") else f":(top){p}" for p in paths]
+
+
+def dependencies_of(name: str, declared: Mapping[str, Sequence[str]]) -> list[str] | None:
+    """The union of the declared paths of every entry whose glob matches ``name`` (relative to the results folder),
+    or ``None`` when none does."""
+    paths: list[str] = []
+    matched = False
+    for pattern, deps in declared.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            matched = True
+            paths += [p for p in deps if p not in paths]
+    return paths if matched else None
+
+
+def missing_declarations(root: Path, declared: Mapping[str, Sequence[str]]) -> list[str]:
+    """Declared paths that do not exist in the checkout (a typo would otherwise never see a change)."""
+    return sorted({p for deps in declared.values() for p in deps if not (root / p.removeprefix("!")).exists()})
+
+
+def quoting(root: Path, readmes: Sequence[str] = READMES) -> dict[str, list[str]]:
+    """``{"results/<name>": [readme, ...]}`` for every ``results/...`` name the READMEs write, ``{a,b}``
+    expanded (a folder's name quotes the files in it)."""
+    quoted: dict[str, list[str]] = {}
+    for readme in readmes:
+        path = root / readme
+        if not path.exists():
+            continue
+        for token in re.findall(r"results/[\w./{},*-]+", path.read_text()):
+            for name in _expand_braces(token.rstrip(".,")):
+                quoted.setdefault(name.rstrip("/."), [])
+                if readme not in quoted[name.rstrip("/.")]:
+                    quoted[name.rstrip("/.")].append(readme)
+    return quoted
+
+
+def _expand_braces(text: str) -> Iterator[str]:
+    match = re.search(r"\{([^{}]*)\}", text)
+    if not match:
+        yield text
+        return
+    for option in match.group(1).split(","):
+        yield from _expand_braces(text[:match.start()] + option + text[match.end():])
+
+
+def check(root: Path = ROOT, declared: Mapping[str, Sequence[str]] = DEPENDENCIES, *, results: str = RESULTS,
+          readmes: Sequence[str] = READMES) -> list[Finding]:
+    """One :class:`Finding` per JSON file under ``root/results``, sorted by path."""
+    quoted = quoting(root, readmes)
+    findings = []
+    for file in sorted((root / results).rglob("*.json")):
+        name = file.relative_to(root / results).as_posix()
+        where = f"{results}/{name}"
+        quoted_in = sorted({r for key, rs in quoted.items() for r in rs
+                            if key == f"results/{name}" or f"results/{name}".startswith(key + "/")
+                            and "*" not in key})
+        deps = dependencies_of(name, declared)
+        if deps is None:
+            findings.append(Finding(where, "undeclared", quoted_in=quoted_in,
+                                    note="no entry of DEPENDENCIES in benchmarks/check_results.py names it"))
+            continue
+        try:
+            revisions = recorded_revisions(json.loads(file.read_text()))
+        except (OSError, ValueError) as error:
+            findings.append(Finding(where, "unknown", quoted_in=quoted_in, note=f"unreadable: {error}"))
+            continue
+        if not revisions:
+            findings.append(Finding(where, "unknown", quoted_in=quoted_in, note="records no code revision"))
+            continue
+        findings.append(_compare(root, where, revisions, deps, quoted_in))
+    return findings
+
+
+def _compare(root: Path, where: str, revisions: list[str], deps: list[str], quoted_in: list[str]) -> Finding:
+    changed: list[str] = []
+    newest = None
+    unknown = []
+    for revision in revisions:
+        commit = commit_of(revision)
+        if _git(root, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}") is None:
+            unknown.append(revision)
+            continue
+        diff = _git(root, "diff", "--name-only", commit, "--", *pathspecs(deps))
+        if diff is None:
+            unknown.append(revision)
+            continue
+        changed += [p for p in diff.splitlines() if p and p not in changed]
+        if diff:
+            log = _git(root, "log", "-1", "--format=%h %cs %s", f"{commit}..HEAD", "--", *pathspecs(deps))
+            newest = newest or (log if log else "uncommitted changes")
+    dirty = [r for r in revisions if r.endswith("-dirty")]
+    note = (f"made with uncommitted changes on {', '.join(commit_of(r) for r in dirty)} (compared as those commits)"
+            if dirty else "")
+    if changed:
+        return Finding(where, "stale", revisions, sorted(changed), deps, newest, quoted_in, note)
+    if unknown:
+        return Finding(where, "unknown", revisions, quoted_in=quoted_in,
+                       note=f"revision {', '.join(unknown)} is not in this repository's history")
+    return Finding(where, "current", revisions, quoted_in=quoted_in, note=note)
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+# -- report ---------------------------------------------------------------------------------------------------------
+
+def changed_areas(changed: Sequence[str], dependencies: Sequence[str]) -> list[str]:
+    """The changed files grouped by the declared path that holds them: ``["privfl/sweep.py", "accounting (3
+    files)"]``, single files first."""
+    counts: dict[str, int] = {}
+    for file in changed:
+        holders = [p for p in dependencies if not p.startswith("!") and (file == p or file.startswith(p + "/"))]
+        area = max(holders, key=len) if holders else file
+        counts[area] = counts.get(area, 0) + 1
+    singles = sorted(area for area in counts if area in changed)
+    return singles + [f"{area} ({n} file{'s' if n > 1 else ''})" for area, n in sorted(counts.items())
+                      if area not in changed]
+
+
+def describe(finding: Finding, *, brief: bool = False) -> str:
+    """One line per finding; ``brief``: a stale one's changed files counted, not named."""
+    where = finding.path + (f" [quoted in {', '.join(finding.quoted_in)}]" if finding.quoted else "")
+    if finding.status == "stale":
+        newest = finding.newest_change or ""
+        if brief:
+            return (f"{where}: made at {', '.join(finding.revisions)}; {len(finding.changed)} of its dependency "
+                    f"files changed since, newest change {' '.join(newest.split()[:2])}")
+        newest = newest if len(newest) <= 90 else newest[:87] + "..."
+        text = (f"{where}: made at {', '.join(finding.revisions)}; changed since: "
+                f"{', '.join(changed_areas(finding.changed, finding.dependencies))}; newest change {newest}")
+    elif finding.status == "current":
+        text = f"{where}: made at {', '.join(finding.revisions)}"
+    else:
+        text = f"{where}: {finding.note}"
+    return text + (f"; {finding.note}" if finding.status == "stale" and finding.note else "")
+
+
+def report(findings: list[Finding], *, brief: bool) -> str:
+    """The full listing, or (``brief``) the quoted stale results by name and counts of the rest."""
+    groups: dict[tuple[str, bool], list[Finding]] = {}
+    for f in findings:
+        groups.setdefault((f.status, f.quoted), []).append(f)
+    lines = []
+    if brief:
+        quoted_stale = groups.get(("stale", True), [])
+        if quoted_stale:
+            lines.append(f"check-results: WARNING: {len(quoted_stale)} result(s) quoted by the READMEs are STALE "
+                         "(code they depend on changed after the revision that made them); regenerate before "
+                         "quoting them:")
+            lines += [f"  STALE {describe(f, brief=True)}" for f in quoted_stale]
+        counts = [(n, label) for n, label in (
+            (len(groups.get(("unknown", True), [])), "quoted results of unknown revision"),
+            (len(groups.get(("stale", False), [])), "unquoted stale"),
+            (len(groups.get(("unknown", False), [])), "unquoted of unknown revision"),
+            (len(groups.get(("undeclared", True), [])) + len(groups.get(("undeclared", False), [])),
+             "undeclared (no dependencies declared)")) if n]
+        current = len(groups.get(("current", True), [])) + len(groups.get(("current", False), []))
+        lines.append(f"check-results: warning: {len(findings)} results, {current} current"
+                     + "".join(f", {n} {label}" for n, label in counts) + ("; `make check-results` lists them"
+                                                                           if counts else ""))
+        return "\n".join(lines)
+    titles = {"stale": "STALE (code they depend on changed after the revision that made them)",
+              "unknown": "UNKNOWN (no recorded revision, or one not in this history)",
+              "undeclared": "UNDECLARED (add them to DEPENDENCIES)", "current": "current"}
+    for status in ("stale", "unknown", "undeclared", "current"):
+        for quoted in (True, False):
+            chosen = groups.get((status, quoted), [])
+            if chosen:
+                lines.append(f"\n{titles[status]}, {'quoted by the READMEs' if quoted else 'not quoted'}: "
+                             f"{len(chosen)}")
+                lines += [f"  {describe(f)}" for f in chosen]
+    return "\n".join(lines).lstrip("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--brief", action="store_true", help="the quoted stale results and counts of the rest")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a quoted result is stale")
+    parser.add_argument("--root", default=str(ROOT), help="the checkout's top (default: this script's checkout)")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    missing = missing_declarations(root, DEPENDENCIES)
+    if missing:
+        print(f"check-results: error: DEPENDENCIES declares paths that do not exist: {', '.join(missing)}",
+              file=sys.stderr)
+        return 2
+    if _git(root, "rev-parse", "--show-toplevel") is None:
+        print(f"check-results: warning: {root} is not a git checkout (or git is missing): no revision can be "
+              "compared, nothing checked")
+        return 0
+    findings = check(root, DEPENDENCIES)
+    print(report(findings, brief=args.brief))
+    return 1 if args.strict and any(f.status == "stale" and f.quoted for f in findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""benchmarks/check_results.py on a git repository the test makes: a result made at revision A is stale once a file
+it depends on changes at B, and not after a change to anything else."""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from privfl.provenance import numerics
+
+ROOT = Path(__file__).resolve().parents[1]
+GIT = ["git", "-c", "user.name=privfl", "-c", "user.email=privfl@example.org", "-c", "commit.gpgsign=false"]
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+
+def load_checker():
+    spec = importlib.util.spec_from_file_location("check_results", ROOT / "benchmarks" / "check_results.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module       # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+checker = load_checker()
+
+#: The repository the tests build: a method, the code beside it, and results that depend on the method.
+DECLARED = {"made_*.json": ("src/method", "!src/method/notes.md"), "other.json": ("src/other.py",)}
+
+
+def commit(repo: Path, message: str, files: dict[str, str] | None = None) -> None:
+    for name, text in (files or {}).items():
+        path = repo / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    subprocess.run([*GIT, "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run([*GIT, "-C", str(repo), "commit", "-q", "-m", message], check=True)
+
+
+def result(repo: Path, name: str, revision: str | None) -> None:
+    """A result as the benchmarks write one: the numerics of the process beside its figures."""
+    path = repo / "benchmarks" / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": [{"accuracy": 97.0, "numerics": {"code_revision": revision}}]}))
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    repo = tmp_path / "repo"
+    subprocess.run([*GIT, "init", "-q", str(repo)], check=True)
+    commit(repo, "A", {"src/method/fit.py": "def fit(): return 1\n", "src/method/notes.md": "notes\n",
+                       "src/other.py": "x = 1\n", "README.md": "Figures: `benchmarks/results/made_{quoted,x}.json`.\n"})
+    return repo
+
+
+def findings(repo: Path, declared=DECLARED) -> dict[str, object]:
+    return {Path(f.path).name: f for f in checker.check(repo, declared)}
+
+
+def test_a_dependency_changed_after_the_result_makes_it_stale_and_an_unrelated_change_does_not(repo):
+    made_at_a = numerics(repo)["code_revision"]
+    assert made_at_a and not made_at_a.endswith("-dirty")
+    result(repo, "made_quoted.json", made_at_a)
+    result(repo, "made_unquoted.json", made_at_a)
+    commit(repo, "the results")
+    # unrelated changes: other code, an excluded file inside the dependency's folder, the results themselves
+    commit(repo, "B0", {"src/other.py": "x = 2\n", "src/method/notes.md": "more notes\n"})
+    result(repo, "made_unquoted.json", made_at_a)
+    assert {name: f.status for name, f in findings(repo).items()} == {"made_quoted.json": "current",
+                                                                       "made_unquoted.json": "current"}
+    commit(repo, "B: the method changes", {"src/method/fit.py": "def fit(): return 2\n"})
+    found = findings(repo)
+    assert {name: f.status for name, f in found.items()} == {"made_quoted.json": "stale",
+                                                              "made_unquoted.json": "stale"}
+    stale = found["made_quoted.json"]
+    assert stale.changed == ["src/method/fit.py"] and stale.revisions == [made_at_a]
+    assert stale.newest_change.endswith("B: the method changes") and stale.quoted_in == ["README.md"]
+    assert found["made_unquoted.json"].quoted_in == []
+    brief = checker.report(list(found.values()), brief=True)
+    assert "STALE benchmarks/results/made_quoted.json [quoted in README.md]" in brief
+    assert "made_unquoted" not in brief and "1 unquoted stale" in brief
+    # undone since: the dependency is as it was at A again, so the result is current
+    commit(repo, "undo B", {"src/method/fit.py": "def fit(): return 1\n"})
+    assert findings(repo)["made_quoted.json"].status == "current"
+
+
+def test_uncommitted_changes_count_and_a_dirty_revision_is_compared_as_its_commit(repo):
+    (repo / "src" / "method" / "fit.py").write_text("def fit(): return 3\n")
+    dirty = numerics(repo)["code_revision"]
+    assert dirty.endswith("-dirty")
+    result(repo, "made_dirty.json", dirty)
+    found = findings(repo)["made_dirty.json"]
+    assert found.status == "stale" and found.newest_change == "uncommitted changes"
+    assert f"uncommitted changes on {dirty.removesuffix('-dirty')}" in found.note
+
+
+def test_results_without_a_revision_one_not_in_history_and_undeclared_ones_are_listed(repo):
+    result(repo, "made_none.json", None)
+    result(repo, "made_elsewhere.json", "0123456789abcdef")
+    result(repo, "made_v1.json", "v1.0-3-g" + numerics(repo)["code_revision"])   # git describe with a tag
+    result(repo, "nobody_declared.json", numerics(repo)["code_revision"])
+    found = findings(repo)
+    assert found["made_none.json"].status == "unknown" and "no code revision" in found["made_none.json"].note
+    assert found["made_elsewhere.json"].status == "unknown" and "not in this" in found["made_elsewhere.json"].note
+    assert found["made_v1.json"].status == "current"
+    assert found["nobody_declared.json"].status == "undeclared"
+    listing = checker.report(list(found.values()), brief=False)
+    assert "UNDECLARED" in listing and "nobody_declared.json" in listing
+
+
+def test_main_warns_and_fails_only_when_asked(repo, monkeypatch, capsys):
+    result(repo, "made_quoted.json", numerics(repo)["code_revision"])
+    commit(repo, "B", {"src/method/fit.py": "def fit(): return 2\n"})
+    monkeypatch.setattr(checker, "DEPENDENCIES", DECLARED)
+    assert checker.main(["--root", str(repo), "--brief"]) == 0
+    assert "WARNING: 1 result(s) quoted" in capsys.readouterr().out
+    assert checker.main(["--root", str(repo), "--strict"]) == 1
+    monkeypatch.setattr(checker, "DEPENDENCIES", {**DECLARED, "x.json": ("src/nothing_here.py",)})
+    assert checker.main(["--root", str(repo)]) == 2
+    assert "src/nothing_here.py" in capsys.readouterr().err
+
+
+def test_the_repository_declares_only_paths_that_exist():
+    assert checker.missing_declarations(ROOT, checker.DEPENDENCIES) == []
