@@ -46,7 +46,7 @@ test-fast: $(STAMP)
 
 # Every result under benchmarks/results/ whose code changed after the revision that made it, or that records none
 check-results:
-	$(PYTHON) benchmarks/check_results.py
+	$(PY) benchmarks/check_results.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/runtime_overhead.py
