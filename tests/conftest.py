@@ -45,6 +45,16 @@ def tiny_dp_config(method: str = "fedavg", val_fraction: float = 0.2, **override
 
 
 @pytest.fixture
+def noise_floor_lifted(monkeypatch):
+    """Lets a test build and record releases with noise below the floor the accountants price
+    (``accounting.limits.NOISE_MULTIPLIER_FLOOR``): for tests of a mechanism's arithmetic as its noise vanishes,
+    which never price what they record."""
+    import accounting.limits
+
+    monkeypatch.setattr(accounting.limits, "NOISE_MULTIPLIER_FLOOR", 0.0)
+
+
+@pytest.fixture
 def tiny_config():
     """:func:`tiny_dp_config`: ``tiny_config(method="fedavg", **overrides)``."""
     return tiny_dp_config
