@@ -201,11 +201,14 @@ def calibrate_noise_multiplier(event_at: Callable[[float], PrivacyEvent], target
     if hi == 1.0:
         while (spent := eps_at(lo)) <= target_epsilon:
             if lo <= NOISE_MULTIPLIER_FLOOR:
+                valid = (f"a target epsilon below {spent:.4g}, or" if spent > 0 else
+                         "a larger sampling rate (at this one a record is sampled with probability below delta, "
+                         "which epsilon 0 prices), or")
                 raise ValueError(
                     f"epsilon={target_epsilon!r} at delta={delta!r} cannot be calibrated for {what}: even the least "
                     f"noise the accountants price (noise multiplier {NOISE_MULTIPLIER_FLOOR:g}) spends only epsilon "
-                    f"{spent:.4g}, so no noise multiplier is the least that meets it; give a target epsilon below "
-                    f"{spent:.4g}, or a noise multiplier >= {NOISE_MULTIPLIER_FLOOR:g} instead of a target")
+                    f"{spent:.4g}, so no noise multiplier is the least that meets it; give {valid} a noise "
+                    f"multiplier >= {NOISE_MULTIPLIER_FLOOR:g} instead of a target")
             lo, hi = max(lo / 2.0, NOISE_MULTIPLIER_FLOOR), lo
     # 2. Bisection in log space, keeping the invariant.
     while hi / lo - 1.0 > rtol:

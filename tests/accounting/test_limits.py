@@ -108,7 +108,7 @@ def test_a_target_that_even_the_floor_meets_is_refused_naming_what_would_be_vali
     monkeypatch.setattr(accounting.calibration, "NOISE_MULTIPLIER_FLOOR", 0.4)
     with pytest.raises(ValueError, match=r"epsilon=1\.0 at delta=1e-05 cannot be calibrated for the schedule: even "
                                          r"the least noise the accountants price \(noise multiplier 0\.4\) spends only "
-                                         r"epsilon 0, .*give a target epsilon below 0, or a noise multiplier >= 0\.4"):
+                                         r"epsilon 0, .*give a larger sampling rate .* or a noise multiplier >= 0\.4"):
         calibrate_noise_multiplier(lambda z: SelfComposedEvent(SubsampledGaussianEvent(z, 1e-9), 3), 1.0, DELTA)
     # a target the floor cannot meet is calibrated as before, above the floor
     z = calibrate_noise_multiplier(lambda z: SelfComposedEvent(GaussianEvent(z), 4), 1.0, DELTA, accountant="rdp")
