@@ -156,11 +156,17 @@ def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--novel-epsilon", type=float, default=None,
                    help="epsilon of a novel client's release (default: none, not private)")
     g.add_argument("--novel-bound", type=float, default=None,
-                   help="L2 clip of each record's contribution to a novel client's release (default: 1.0)")
+                   help="L2 clip of each record's contribution to a novel client's release (default: 1.0); with "
+                        "record-level DP also the descriptor bound of ODPFL-HN, IT-PFL-HN and PeFLL training clients")
+    g.add_argument("--allow-large-delta", action="store_true",
+                   help="run with a --delta at least one over the records of the smallest client (record level) or "
+                        "over the training clients (client level), a guarantee that does not keep one of them from "
+                        "being exposed whole (refused without this flag)")
 
 
 def _privacy(args: argparse.Namespace):
     """The run's TrainingPrivacy and NovelPrivacy from the command line."""
+    from privfl.errors import check
     from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
     record = args.dp_noise_multiplier is not None or args.dp_epsilon is not None
@@ -177,6 +183,7 @@ def _privacy(args: argparse.Namespace):
     if record_only and not record:
         raise PrivflError(f"--{record_only[0].replace('_', '-')} needs --dp-noise-multiplier or --dp-epsilon "
                           "(without them training clients release without DP)")
+    check.delta(args.delta, "--delta")     # before the settings that take it, which would name it as their own
     common = {"delta": args.delta}
     if args.dp_noise is not None:
         if not (record or client):
@@ -233,13 +240,23 @@ def _federation_spec(args: argparse.Namespace):
 
 def _run_config(args: argparse.Namespace, method: str, settings: dict):
     from privfl.config import RunConfig
+    from privfl.methods import get_method
+    from privfl.privacy.training import RECORD
 
     privacy, novel_privacy = _privacy(args)
+    spec = get_method(method)
+    if args.novel_bound is not None and not (spec.novel_privacy is None and (
+            novel_privacy.private or privacy.mode == RECORD)):
+        raise PrivflError(f"--novel-bound {args.novel_bound:g} would do nothing in this run of {method}: it clips what "
+                          "a novel client releases with --novel-epsilon (ODPFL-HN, IT-PFL-HN; PeFLL's unseen clients), "
+                          "and with record-level DP the descriptors of those methods' training clients; give "
+                          "--novel-epsilon or record-level DP with one of them, or drop --novel-bound")
     return RunConfig(
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
         privacy=privacy, novel_privacy=novel_privacy, workers=args.workers, device=args.device,
+        allow_large_delta=args.allow_large_delta,
     )
 
 
@@ -274,7 +291,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.resume:
         # the run continues as its config.json says: an option that would change it is refused, not ignored
-        kept = {"resume", "no_progress", "threads", "func", "defaults_of", "command"}
+        kept = {"resume", "no_progress", "threads", "func", "defaults_of", "command", "allow_overshoot"}
         given = sorted(f"--{name.replace('_', '-')}" for name, value in vars(args).items()
                        if name not in kept and value != args.defaults_of(name))
         if given:
@@ -283,9 +300,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         if RunDirectory(args.resume).path(RunDirectory.SUMMARY).exists():
             print(f"{args.resume} holds a finished run: nothing to resume (its novel clients are not served again, "
                   "which would release their data again); its summary:")
-        summary = run(None, args.resume, resume=True, progress=not args.no_progress)
+        summary = run(None, args.resume, resume=True, progress=not args.no_progress,
+                      allow_overshoot=args.allow_overshoot)
         out = args.resume
     else:
+        if args.allow_overshoot:
+            raise PrivflError("--allow-overshoot lets a resumed run (--resume RUN_DIR) pass its target epsilon; a new "
+                              "run plans its noise for the target and cannot pass it: drop it")
         if not args.out:
             raise PrivflError("--out RUN_DIR is required for a new run (or --resume RUN_DIR to continue one)")
         config = _run_config(args, args.method, _method_settings(args))
@@ -416,6 +437,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Train a method at each training epsilon, serve novel clients at several (epsilon, n); print the tables."""
     from privfl.sweep import FULL_SIZES, PRIVATE_ROUNDS, SIZES, SweepConfig, format_table, run_sweep
 
+    if args.full_grid and args.private_rounds is not None:
+        raise PrivflError(f"--private-rounds {args.private_rounds} would be ignored: under --full-grid every private "
+                          "training runs --rounds rounds; drop one of them")
     private_rounds = None if args.full_grid else (PRIVATE_ROUNDS if args.private_rounds is None
                                                   else args.private_rounds)
     config = SweepConfig(dataset=args.dataset, data_root=args.data_root, source_options=dict(args.source_option),
@@ -528,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue an interrupted run (its config.json sets everything; other run options are refused)")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--allow-overshoot", action="store_true",
+                   help="with --resume: continue even where running again the rounds after the last checkpoint "
+                        "takes a training client past its target epsilon (refused without it, saying by how much)")
     _add_federation_arguments(p)
     _add_training_arguments(p)
     _add_privacy_arguments(p)

@@ -17,6 +17,7 @@ from privfl.devices import check_device, resolve_device
 from privfl.errors import ConfigError
 from privfl.federation.runtime import sample_clients
 from privfl.methods import METHODS, ClientProcedure, MethodConfig, ModelFactory, Strategy, get_method
+from privfl.methods.plan import Plan, plan
 from privfl.methods.private import planned_participations, protect, support
 from privfl.privacy.training import DISTRIBUTED, LOCAL, NovelPrivacy, TrainingPrivacy
 
@@ -43,6 +44,12 @@ class RunConfig:
     ``device`` is where the models compute (:mod:`privfl.devices`): ``"cpu"`` (the default), ``"cuda"`` (refused
     where torch finds no CUDA device, or for a method that runs on the CPU only, or with ``workers > 1``), or
     ``"auto"``: CUDA where present and the method runs there with one worker, else the CPU (:func:`run_device`).
+
+    ``delta`` must be the delta of ``privacy`` and of ``novel_privacy`` where they are private (each epsilon is
+    reported at the delta its noise is calibrated for). A delta at least one over what a guarantee protects (the
+    records of the smallest training client at record level, the training clients at client level, the records of
+    the smallest novel client) is refused before the run starts unless ``allow_large_delta``
+    (:func:`~privfl.privacy.training.delta_meaning` says why).
     """
 
     federation: FederationSpec = field(default_factory=FederationSpec)
@@ -60,6 +67,7 @@ class RunConfig:
     novel_privacy: NovelPrivacy = field(default_factory=NovelPrivacy)
     workers: int = 1
     device: str = "cpu"
+    allow_large_delta: bool = False
 
     def __post_init__(self) -> None:
         spec = get_method(self.method)
@@ -83,11 +91,18 @@ class RunConfig:
             ("delta", self.delta, isinstance(self.delta, float) and 0 < self.delta < 1, "a probability in (0, 1)"),
             ("workers", self.workers, isinstance(self.workers, int) and not isinstance(self.workers, bool)
              and self.workers >= 1, "an integer >= 1 (processes that train a round's clients)"),
+            ("allow_large_delta", self.allow_large_delta, isinstance(self.allow_large_delta, bool), "True or False"),
         ]
         for name, value, ok, valid in checks:
             if not ok:
                 raise ConfigError(f"{name} must be {valid}, got {value!r}")
         check_device(self.device)
+        for name, setting in (("privacy", self.privacy), ("novel_privacy", self.novel_privacy)):
+            if setting.private and setting.delta != self.delta:
+                raise ConfigError(f"delta={self.delta!r} (the delta every epsilon of the run is reported at) differs "
+                                  f"from {name} delta={setting.delta!r} (the delta its noise is calibrated for): the "
+                                  f"summary would state another guarantee than the one the noise gives (at a large "
+                                  f"delta it reads epsilon 0); give both the same delta")
         if self.device == "cuda" and self.workers > 1:
             raise ConfigError(f"device 'cuda' with workers={self.workers}: worker processes train on the CPU; use "
                               "workers=1 on CUDA, or device 'cpu'")
@@ -97,6 +112,11 @@ class RunConfig:
         if self.novel_privacy.private and spec.novel_privacy is not None:
             raise ConfigError(f"novel_privacy epsilon={self.novel_privacy.epsilon!r} has nothing to protect in method "
                               f"{self.method!r}: {spec.novel_privacy}")
+        if self.novel_privacy.private and not spec.client.serves_novel_clients:
+            raise ConfigError(f"novel_privacy epsilon={self.novel_privacy.epsilon!r} would go unused: a run of method "
+                              f"{self.method!r} serves no novel client (its procedure says why: "
+                              f"{spec.client.__module__}.{spec.client.__name__}); leave it unset, and set it where "
+                              "the novel clients are served")
         if self.privacy.private and self.select == "best_val":
             raise ConfigError(f"select='best_val' with {self.privacy.describe()}: choosing the round on validation "
                               "makes every training client report its validation accuracy, a release no mechanism "
@@ -167,6 +187,16 @@ def _client(config: RunConfig, factory: ModelFactory, num_training_clients: int)
     return get_method(config.method).client(
         model_factory=factory, config=config.method_settings(), privacy=config.privacy,
         novel_privacy=config.novel_privacy, participations=participations(config, num_training_clients))
+
+
+def run_plan(config: RunConfig, federation: FederatedDataset) -> Plan:
+    """What the run's releases will spend (:func:`privfl.methods.plan.plan`), before any is made: the noise is
+    calibrated and the schedule priced here, and a run the accountant cannot price is refused."""
+    n = len(federation.training_clients)
+    client = build_client(config, federation.input_shape, federation.num_classes, n)
+    return plan(get_method(config.method), client, config.privacy, config.novel_privacy, delta=config.delta,
+                rounds=config.rounds, client_fraction=config.client_fraction, seed=config.seed,
+                num_training_clients=n)
 
 
 def build_client(config: RunConfig, input_shape: tuple[int, ...], num_classes: int,

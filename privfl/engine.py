@@ -37,10 +37,12 @@ ENGINES = ("inprocess", "flower-sim")
 
 def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume: bool = False,
         overwrite: bool = False, progress: bool = True, stop_after_round: int | None = None,
-        flower_options: FlowerOptions | None = None) -> dict[str, Any]:
+        flower_options: FlowerOptions | None = None, allow_overshoot: bool = False) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` into run directory ``out`` on ``engine``; return the summary.
 
     ``flower_options`` (a :class:`privfl.federation.flower.FlowerOptions`) set the simulation's resources and limits.
+    ``allow_overshoot``: resume even where finishing the run takes a client past its target epsilon
+    (:func:`privfl.experiment.check_overshoot`).
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -48,7 +50,7 @@ def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume
         if flower_options is not None:
             raise ConfigError("flower_options apply to engine='flower-sim' only, got them with engine='inprocess'")
         return train(config, out, resume=resume, overwrite=overwrite, progress=progress,
-                     stop_after_round=stop_after_round)
+                     stop_after_round=stop_after_round, allow_overshoot=allow_overshoot)
     if resume:
         raise ConfigError(f"--resume is not supported with --engine flower-sim yet: for a run of the in-process "
                           f"engine in {out}, {how_to_continue('inprocess', out)}; for one of the simulation engine, "

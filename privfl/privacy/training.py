@@ -282,6 +282,21 @@ def _from_dict(cls: type[_Settings], values: object, what: str) -> _Settings:
     return cls(**values)
 
 
+def delta_meaning(delta: float, count: int, what: str) -> str | None:
+    """What a guarantee at ``delta`` means when it protects one of ``count`` units (``what``: records of a client,
+    clients), where ``delta >= 1 / count``: a mechanism that publishes one unit chosen at random, outright, is
+    (0, 1/count)-DP, so such a delta admits releases that expose a unit whole. ``None`` for a smaller delta.
+
+    >>> delta_meaning(1e-5, 100, "training clients") is None
+    True
+    """
+    if delta < 1.0 / count:
+        return None
+    return (f"delta={delta:g} is at least 1/{count} (one over the {count} {what}): at that delta a mechanism that "
+            f"publishes one of the {what} chosen at random, outright, is (0, 1/{count})-DP, so an (epsilon, "
+            f"{delta:g}) guarantee does not keep any one of them from being exposed whole")
+
+
 # -- calibration ------------------------------------------------------------------------------------------------------
 
 
@@ -418,10 +433,11 @@ def central_round_event(noise_multiplier: float, sampling_probability: float) ->
     return SubsampledGaussianEvent(noise_multiplier, sampling_probability)
 
 
+@functools.lru_cache(maxsize=32)
 def central_noise_multiplier(privacy: TrainingPrivacy, *, sampling_probability: float, rounds: int) -> float:
     """Central mode: z of the round's release (count and update together, see the module docstring): the given
     ``noise_multiplier``, or the least z for which ``rounds`` Poisson-subsampled Gaussian rounds at q compose to
-    (epsilon, delta)."""
+    (epsilon, delta). Remembered: the run's plan and its aggregator ask for the same one."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     check.integer(rounds, "rounds", 1)
@@ -451,7 +467,7 @@ def joint_noise_multiplier(update: float, count_noise: float) -> float:
 __all__ = [
     "ADAPTIVE", "CENTRAL", "CLIENT_LEVEL", "DISTRIBUTED", "LOCAL", "MODES", "RECORD", "RELATIONS",
     "ClientLevelNoise", "NovelPrivacy", "TrainingPrivacy", "central_noise_multiplier", "central_round_event",
-    "check_epsilon_target", "check_noise_multiplier",
+    "check_epsilon_target", "check_noise_multiplier", "delta_meaning",
     "client_level_noise", "joint_noise_multiplier", "record_noise_multiplier", "record_sampling_rate",
     "record_steps_for_epochs", "share_epsilon",
     "stage_clips", "update_noise_multiplier",
