@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from privfl.config import RunConfig, build_method
 from privfl.errors import ConfigError
 from privfl.experiment import train
+from privfl.federation.lock import RunBusyError
 from privfl.federation.rundir import RunDirectory
 from privfl.federation.runtime import how_to_continue
 
@@ -119,7 +120,9 @@ def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOpt
         return train(None if resume else config, out, resume=resume, overwrite=bool(run_config.get(p.OVERWRITE)),
                      progress=progress, stop_after_round=stop_after_round,
                      runtime_factory=flower_runtime_factory(grid, options, run_id=run_id, engine=engine),
-                     engine=engine)
+                     engine=engine, run_id=run_id)
+    except RunBusyError:
+        raise           # another process writes the run directory: this one wrote nothing and must not
     except BaseException:
         _keep_ledger(run_dir)
         raise

@@ -10,9 +10,11 @@ served once, at the end, with the selected model, and scored with labels the met
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import resource
 import shutil
 import signal
@@ -41,6 +43,7 @@ from privfl.data import FederatedDataset, build_federation, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
+from privfl.federation.lock import hold
 from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
 from privfl.federation.spend import NOVEL_SERVED, run_summary
@@ -100,7 +103,7 @@ CHECKPOINT_FORMAT = 2
 def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite: bool = False,
           progress: bool = True, stop_after_round: int | None = None,
           runtime_factory: RuntimeFactory = build_runtime, engine: str = "inprocess",
-          allow_overshoot: bool = False) -> dict[str, Any]:
+          allow_overshoot: bool = False, run_id: str | None = None) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
     ``runtime_factory(config, federation)`` builds the runtime that runs the rounds: :func:`build_runtime`
@@ -120,36 +123,50 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     the target epsilon: the rounds after the checkpoint were released once already and are run again, so a resume
     that would end above the target is refused, saying by how much, unless ``allow_overshoot``
     (:func:`check_overshoot`). A disk that fills mid-run stops it with :class:`~privfl.errors.StorageError`; it
-    resumes from its last checkpoint.
+    resumes from its last checkpoint. The run directory has one writer: this call holds its lock
+    (:func:`privfl.federation.lock.hold`, naming ``engine`` and the engine's ``run_id``) from its first check to its
+    end, and refuses a directory another live process holds, naming the command that stops it.
     """
+    if not isinstance(out, (str, os.PathLike)) or not str(out).strip():
+        raise ConfigError(f"out must name a run directory, got {out!r} (an empty name would write the run into the "
+                          "current directory)")
     run_dir = RunDirectory(out)
     journal = ReleaseJournal(run_dir.path(RunDirectory.RELEASES))
-    if resume:
-        if not run_dir.path(RunDirectory.CONFIG).exists():
-            raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)} does not exist; is {run_dir.root} a privfl run "
-                              "directory?")
-        if run_dir.path(RunDirectory.SUMMARY).exists():
-            # A finished run has nothing to continue; serving its novel clients again would release their data again.
-            # Its three records are cross-checked (a damaged journal is refused by name, a mismatch warned of).
-            return finished_summary(run_dir)
-        config = read_config(run_dir)
-    elif config is None:
+    if resume and not run_dir.path(RunDirectory.CONFIG).exists():
+        raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)} does not exist; is {run_dir.root} a privfl run "
+                          "directory?")
+    if not resume and config is None:
         raise ConfigError("train needs a RunConfig for a new run (config=None is for resume=True only)")
-    else:
-        run_dir.check_free(overwrite=overwrite)
+    created = not run_dir.root.exists()
     try:
-        return _train(config, run_dir, journal, resume=resume, overwrite=overwrite, progress=progress,
-                      stop_after_round=stop_after_round, runtime_factory=runtime_factory, engine=engine,
-                      allow_overshoot=allow_overshoot)
-    except OSError as error:
-        if not is_storage_fault(error):
-            raise
-        released = journal.path.exists() and journal.path.stat().st_size > 0
-        fix = (f"free space (or make it writable), then {how_to_continue(engine, run_dir.root)}"
-               if released else "free space (or make it writable, or choose another --out), then run it again: "
-               "nothing was released")
-        raise StorageError(f"cannot write the run directory {run_dir.root}: {storage_message(error)}; {fix}") \
-            from None
+        with hold(run_dir.root, engine=engine, run_id=run_id):    # one writer: a second one is refused, named
+            if resume:
+                if run_dir.path(RunDirectory.SUMMARY).exists():
+                    # A finished run has nothing to continue; serving its novel clients again would release their
+                    # data again. Its three records are cross-checked (a damaged journal is refused by name, a
+                    # mismatch warned of).
+                    return finished_summary(run_dir)
+                config = read_config(run_dir)
+            else:
+                run_dir.check_free(overwrite=overwrite)
+            assert config is not None
+            try:
+                return _train(config, run_dir, journal, resume=resume, overwrite=overwrite, progress=progress,
+                              stop_after_round=stop_after_round, runtime_factory=runtime_factory, engine=engine,
+                              allow_overshoot=allow_overshoot)
+            except OSError as error:
+                if not is_storage_fault(error):
+                    raise
+                released = journal.path.exists() and journal.path.stat().st_size > 0
+                fix = (f"free space (or make it writable), then {how_to_continue(engine, run_dir.root)}"
+                       if released else "free space (or make it writable, or choose another --out), then run it "
+                       "again: nothing was released")
+                raise StorageError(f"cannot write the run directory {run_dir.root}: {storage_message(error)}; "
+                                   f"{fix}") from None
+    finally:
+        if created:   # a run refused before it wrote anything leaves no folder behind (rmdir: only an empty one)
+            with contextlib.suppress(OSError):
+                run_dir.root.rmdir()
 
 
 def read_config(run_dir: RunDirectory) -> RunConfig:
@@ -457,6 +474,7 @@ def check_reusable(config: RunConfig, run_dir: RunDirectory, *, overwrite: bool 
     not; refuses a
     directory holding another run or a sweep (:meth:`RunDirectory.occupant`) unless ``overwrite``. What
     :func:`train_once` checks, for commands that run several trainings to check every one before the first."""
+    run_dir.check_not_foreign()
     stored = run_dir.path(RunDirectory.CONFIG)
     if stored.exists() and _stored_identity(run_dir) == json.loads(dumps(run_identity(config))):
         return True
