@@ -46,11 +46,12 @@ from accounting.ledger import (
     PrivacyLedger,
     ReleaseRecord,
 )
-from accounting.limits import EPSILON_CEILING, NOISE_MULTIPLIER_FLOOR
+from accounting.limits import DELTA_FLOOR, EPSILON_CEILING, NOISE_MULTIPLIER_FLOOR
 from accounting.pld import PLD_VALUE_DISCRETIZATION_INTERVAL
 
 __all__ = [
     "ACCOUNTANTS",
+    "DELTA_FLOOR",
     "EPSILON_CEILING",
     "NOISE_MULTIPLIER_FLOOR",
     "PLD_VALUE_DISCRETIZATION_INTERVAL",

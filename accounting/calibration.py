@@ -21,7 +21,7 @@ from collections.abc import Callable
 from accounting.accountants import AccountantName
 from accounting.accountants import epsilon as accountant_epsilon
 from accounting.events import PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
-from accounting.limits import NOISE_MULTIPLIER_FLOOR, check_target_epsilon
+from accounting.limits import NOISE_MULTIPLIER_FLOOR, check_target_delta, check_target_epsilon
 from accounting.validation import is_finite, is_int_at_least
 
 
@@ -175,9 +175,9 @@ def calibrate_noise_multiplier(event_at: Callable[[float], PrivacyEvent], target
     training client's every release over a run), so its epsilon falls as z grows. Found by bisection on ln z between
     :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR` and 1e6; the returned value always meets the target under that
     accountant. Refused (``ValueError``, naming what would be valid): a target above
-    :data:`~accounting.limits.EPSILON_CEILING`, one that even noise at the floor meets (the schedule spends less
-    whatever the noise: a sampling rate so small that a record is almost never sampled, say), and one no noise
-    multiplier up to 1e6 meets.
+    :data:`~accounting.limits.EPSILON_CEILING` or at a delta below :data:`~accounting.limits.DELTA_FLOOR`, one that
+    even noise at the floor meets (the schedule spends less whatever the noise: a sampling rate so small that a
+    record is almost never sampled, say), and one no noise multiplier up to 1e6 meets.
 
     >>> from accounting.events import GaussianEvent
     >>> z = calibrate_noise_multiplier(lambda z: SelfComposedEvent(GaussianEvent(z), 4), 1.0, 1e-5)
@@ -185,7 +185,7 @@ def calibrate_noise_multiplier(event_at: Callable[[float], PrivacyEvent], target
     (7.47, True)
     """
     target_epsilon = check_target_epsilon(_check_epsilon(target_epsilon), "target_epsilon")
-    delta = _check_delta(delta)
+    delta = check_target_delta(_check_delta(delta))
     rtol = _check_positive("rtol", rtol)
 
     def eps_at(noise_multiplier: float) -> float:

@@ -9,8 +9,9 @@ file written before the floor existed) is priced as no guarantee at all, epsilon
 
 A target epsilon above :data:`EPSILON_CEILING` is refused where noise is calibrated for one by an accountant
 (:func:`accounting.calibration.calibrate_noise_multiplier`) and by a run's privacy settings: no calibration here
-needs noise below the floor to meet it at a delta up to 0.45 (a Gaussian release at the floor is
-(50, 0.46)-DP), and its guarantee (a likelihood ratio of e^50 = 5e21) is none in practice.
+needs noise below the floor to meet it at a delta up to 0.45 (a Gaussian release at the floor is (50, 0.46)-DP),
+and its guarantee (a likelihood ratio of e^50 = 5e21) is none in practice. A target delta below :data:`DELTA_FLOOR`
+is refused there too: the accountant cannot resolve it (its epsilon reads infinite whatever the noise).
 
 The PLD accountant's grid of privacy losses (:data:`~accounting.pld.PLD_VALUE_DISCRETIZATION_INTERVAL`) is
 coarsened where one distribution would hold more than :data:`PLD_MAX_POINTS` points, so every composition is priced
@@ -29,6 +30,12 @@ NOISE_MULTIPLIER_FLOOR = 0.1
 
 #: The largest target epsilon noise is calibrated for (see the module docstring).
 EPSILON_CEILING = 50.0
+
+#: The least delta a target is calibrated at: the PLD accountant cuts up to about 1e-15 of probability mass from the
+#: tails of each composition (and e^-50 from each Gaussian's noise), pessimistically counted at infinite privacy
+#: loss, so below about 1e-14 its epsilon reads infinite (one DP-SGD schedule: 3.9 at 1e-12, 8.6 at 1e-14, infinite
+#: at 1e-15). 1e-12 leaves a hundredfold margin.
+DELTA_FLOOR = 1e-12
 
 #: The most points of one privacy-loss distribution the PLD accountant builds: about 32 MiB an array, under 1 GiB at
 #: the peak of building one. The floor's single release takes 2.9 million points at the default grid.
@@ -58,6 +65,15 @@ def below_floor(event: PrivacyEvent) -> str | None:
     return None
 
 
+def check_target_delta(delta: float, name: str = "delta") -> float:
+    """``delta`` when it is at least :data:`DELTA_FLOOR`; else ``ValueError`` naming it and the floor."""
+    if not delta >= DELTA_FLOOR:
+        raise ValueError(f"{name} must be at least {DELTA_FLOOR:g} (the least delta the accountants resolve: below it "
+                         f"the mass they cut from each composition's tails exceeds delta, and epsilon reads "
+                         f"infinite), got {delta!r}")
+    return delta
+
+
 def check_target_epsilon(epsilon: float, name: str = "epsilon") -> float:
     """``epsilon`` when it is at most :data:`EPSILON_CEILING`; else ``ValueError`` naming it and the ceiling."""
     if not epsilon <= EPSILON_CEILING:
@@ -67,5 +83,5 @@ def check_target_epsilon(epsilon: float, name: str = "epsilon") -> float:
     return epsilon
 
 
-__all__ = ["EPSILON_CEILING", "NOISE_MULTIPLIER_FLOOR", "PLD_MAX_POINTS", "below_floor", "check_target_epsilon",
-           "noise_multiplier_of"]
+__all__ = ["DELTA_FLOOR", "EPSILON_CEILING", "NOISE_MULTIPLIER_FLOOR", "PLD_MAX_POINTS", "below_floor",
+           "check_target_delta", "check_target_epsilon", "noise_multiplier_of"]

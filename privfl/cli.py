@@ -166,8 +166,7 @@ def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
 
 def _privacy(args: argparse.Namespace):
     """The run's TrainingPrivacy and NovelPrivacy from the command line."""
-    from privfl.errors import check
-    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
+    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy, check_delta
 
     record = args.dp_noise_multiplier is not None or args.dp_epsilon is not None
     client = args.client_dp is not None
@@ -183,7 +182,7 @@ def _privacy(args: argparse.Namespace):
     if record_only and not record:
         raise PrivflError(f"--{record_only[0].replace('_', '-')} needs --dp-noise-multiplier or --dp-epsilon "
                           "(without them training clients release without DP)")
-    check.delta(args.delta, "--delta")     # before the settings that take it, which would name it as their own
+    check_delta(args.delta, "--delta")     # before the settings that take it, which would name it as their own
     common = {"delta": args.delta}
     if args.dp_noise is not None:
         if not (record or client):

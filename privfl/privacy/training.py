@@ -107,6 +107,15 @@ def check_epsilon_target(value: Any, name: str) -> float:
     return epsilon
 
 
+def check_delta(value: Any, name: str) -> float:
+    """A delta noise is calibrated at: a probability in (0, 1), at least :data:`~accounting.limits.DELTA_FLOOR`."""
+    delta = check.delta(value, name)
+    check.require(delta >= limits.DELTA_FLOOR, name, delta,
+                  f"a probability of at least {limits.DELTA_FLOOR:g} (the least delta the accountants resolve: below "
+                  "it the mass they cut from each composition's tails exceeds delta, and epsilon reads infinite)")
+    return delta
+
+
 def check_noise_multiplier(value: Any, name: str) -> float:
     """A noise multiplier (sigma / sensitivity) the accountants price: at least
     :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR`."""
@@ -160,7 +169,7 @@ class TrainingPrivacy:
     def __post_init__(self) -> None:
         check.require(self.mode is None or self.mode in MODES, "privacy mode", self.mode,
                       f"None (no DP for training clients) or one of {', '.join(map(repr, MODES))}")
-        check.delta(self.delta, "privacy delta")
+        check_delta(self.delta, "privacy delta")
         check.choice(self.noise, "privacy noise", NOISE_SOURCES)
         check.integer(self.noise_seed, "privacy noise_seed", 0)
         check.integer(self.min_samples, "privacy min_samples", 1)
@@ -252,7 +261,7 @@ class NovelPrivacy:
     def __post_init__(self) -> None:
         if self.epsilon is not None:
             check_epsilon_target(self.epsilon, "novel epsilon")
-        check.delta(self.delta, "novel delta")
+        check_delta(self.delta, "novel delta")
         check.positive(self.bound, "novel bound")
         check.choice(self.noise, "novel noise", NOISE_SOURCES)
         check.integer(self.noise_seed, "novel noise_seed", 0)
@@ -467,7 +476,7 @@ def joint_noise_multiplier(update: float, count_noise: float) -> float:
 __all__ = [
     "ADAPTIVE", "CENTRAL", "CLIENT_LEVEL", "DISTRIBUTED", "LOCAL", "MODES", "RECORD", "RELATIONS",
     "ClientLevelNoise", "NovelPrivacy", "TrainingPrivacy", "central_noise_multiplier", "central_round_event",
-    "check_epsilon_target", "check_noise_multiplier", "delta_meaning",
+    "check_delta", "check_epsilon_target", "check_noise_multiplier", "delta_meaning",
     "client_level_noise", "joint_noise_multiplier", "record_noise_multiplier", "record_sampling_rate",
     "record_steps_for_epochs", "share_epsilon",
     "stage_clips", "update_noise_multiplier",

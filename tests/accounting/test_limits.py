@@ -113,3 +113,12 @@ def test_a_target_that_even_the_floor_meets_is_refused_naming_what_would_be_vali
     # a target the floor cannot meet is calibrated as before, above the floor
     z = calibrate_noise_multiplier(lambda z: SelfComposedEvent(GaussianEvent(z), 4), 1.0, DELTA, accountant="rdp")
     assert z > 1.0 and epsilon(SelfComposedEvent(GaussianEvent(z), 4), DELTA, accountant="rdp") <= 1.0
+
+
+def test_a_delta_the_accountant_cannot_resolve_is_refused_as_a_target():
+    # below about 1e-14 the mass the PLD cuts from the tails exceeds delta and epsilon reads infinite whatever the
+    # noise (the property test drew delta = 1.2e-38 and a run reported epsilon inf for every client)
+    schedule = SelfComposedEvent(SubsampledGaussianEvent(1.0, 0.01), 1000)
+    assert math.isfinite(epsilon(schedule, 1e-12)) and epsilon(schedule, 1e-15) == math.inf
+    with pytest.raises(ValueError, match=r"delta must be at least 1e-12 .*got 1e-14"):
+        calibrate_noise_multiplier(lambda z: GaussianEvent(z), 1.0, 1e-14)
