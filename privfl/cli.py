@@ -477,6 +477,10 @@ def _parse_epsilons(text: str) -> tuple[float | None, ...]:
     return tuple(values)
 
 
+#: The most bytes of resized images ``privfl features`` hands the backbone at once (float32).
+FEATURE_BATCH_BYTES = 512 * 2 ** 20
+
+
 def cmd_features(args: argparse.Namespace) -> int:
     """Write a frozen backbone's features of a data source's images to the ``.npz`` the ``features`` source reads
     (``x``, ``y``, and ``x_test``, ``y_test`` where the source has a test split)."""
@@ -486,7 +490,7 @@ def cmd_features(args: argparse.Namespace) -> int:
 
     from privfl.data import load_source
     from privfl.devices import resolve_device
-    from privfl.errors import check_writable
+    from privfl.errors import StorageError, check_writable, is_storage_fault, storage_message
     from privfl.federation.rundir import atomic_write_bytes
     from privfl.models.backbones import ImageBackbone, extract_features, load_backbone
 
@@ -505,6 +509,12 @@ def cmd_features(args: argparse.Namespace) -> int:
     if not isinstance(backbone, ImageBackbone):
         raise PrivflError(f"backbone {args.backbone!r} embeds text, and every data source holds images or vectors; "
                           "use an image backbone (mobilenet_v2)")
+    batch_bytes = args.batch_size * backbone.channels * backbone.input_size ** 2 * 4
+    if batch_bytes > FEATURE_BATCH_BYTES:      # the images alone; the backbone's activations are many times more
+        most = max(1, FEATURE_BATCH_BYTES // (backbone.channels * backbone.input_size ** 2 * 4))
+        raise PrivflError(f"--batch-size {args.batch_size} images of {backbone.input_size}x{backbone.input_size} "
+                          f"pixels take {batch_bytes / 2**30:.1f} GiB a batch before the backbone's activations; use "
+                          f"--batch-size {most} or less, or a smaller input_size")
     source = load_source(args.dataset, data_root=args.data_root, download=args.download, **dict(args.source_option))
     if not source.is_image:
         raise PrivflError(f"source {args.dataset!r} holds vectors of shape {source.input_shape}, not images: "
@@ -524,7 +534,13 @@ def cmd_features(args: argparse.Namespace) -> int:
         arrays["y" + suffix] = np.asarray(split.y[index], dtype=np.int64)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    atomic_write_bytes(out, buffer.getvalue())
+    try:
+        atomic_write_bytes(out, buffer.getvalue())
+    except OSError as error:      # the disk filled (or the folder turned read-only) while the features were made
+        if not is_storage_fault(error):
+            raise
+        raise StorageError(f"cannot write --out {out}: {storage_message(error)}; free space (or choose another "
+                           "--out), then run it again") from None
     shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in arrays.items())
     print(f"{out}: {args.backbone} features of {args.dataset} on {device} ({shapes}); train on them with: privfl train "
           f"--method fedpft --dataset features --source-option path={out}")
