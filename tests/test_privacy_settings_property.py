@@ -2,10 +2,9 @@
 deltas from 0 to 1, sampling rates from 1e-12 to 1, in every mode), a run either refuses it before any release,
 leaving nothing behind, or runs and reports a finite epsilon for every private client, within a memory bound.
 
-The PLD accountant's point cap is lowered to 2^15 for this test (``accounting.pld.PLD_MAX_POINTS``, 2^22 in use), so
-that the distributions near the noise floor, which take seconds on the real cap, take milliseconds: the cap is
-what bounds each distribution's memory, and the grid is chosen by the same code whatever its value. The caches that
-would keep a value computed on the lowered cap are emptied before and after.
+The PLD accountant's point cap is lowered to 2^15 for this test (the ``small_pld_grids`` fixture of ``conftest.py``),
+so that the distributions near the noise floor, which take seconds on the real cap, take milliseconds: the cap is
+what bounds each distribution's memory, and the grid is chosen by the same code whatever its value.
 """
 
 from __future__ import annotations
@@ -14,15 +13,10 @@ import math
 import resource
 from datetime import timedelta
 
-import pytest
 from conftest import synthetic_spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import accounting.accountants
-import accounting.pld
-import privfl.methods.base
-import privfl.privacy.training
 from privfl.config import RunConfig
 from privfl.errors import ConfigError
 from privfl.experiment import train
@@ -38,28 +32,12 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # kilobytes on Linux
 
 
-import privfl.privacy.dp_sgd  # noqa: E402  (its first import, Opacus and all, is not any drawn run's memory or time)
 
 BASELINE_RSS = _peak_rss()
 
 
 def _log_uniform(low: float, high: float):
     return st.floats(math.log10(low), math.log10(high)).map(lambda e: 10.0 ** e)
-
-
-def _clear_caches() -> None:
-    accounting.accountants._epsilon_of_leaves.cache_clear()
-    accounting.pld._step_pld.cache_clear()
-    privfl.privacy.training.central_noise_multiplier.cache_clear()
-    privfl.methods.base._CALIBRATIONS.clear()
-
-
-@pytest.fixture
-def small_pld_grids(monkeypatch):
-    monkeypatch.setattr(accounting.pld, "PLD_MAX_POINTS", 2 ** 15)
-    _clear_caches()
-    yield
-    _clear_caches()
 
 
 # Each setting spans its whole range, and is drawn as often again from the values in use, so that about half the
