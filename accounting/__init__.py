@@ -7,13 +7,14 @@ torch nor privfl (Opacus, and with it torch, is imported only when the "prv" acc
   non-private), in the vocabulary of Flower's privacy module, convertible to dp-accounting events.
 - :mod:`accounting.calibration`: the analytic Gaussian mechanism (Balle and Wang 2018) and DP-SGD noise calibration.
 - :mod:`accounting.accountants`: epsilon / delta of a composition by dp-accounting's PLD and RDP or Opacus' PRV.
+- :mod:`accounting.limits`: what they price (the noise floor, the target ceiling) and in how much memory
+  (:mod:`accounting.pld`).
 - :mod:`accounting.ledger`: per-client ledgers with budgets that refuse a release before it happens, saved atomically.
 - :mod:`accounting.journal`: the release journal, each release appended as it is recorded, lines hash-chained.
 """
 
 from accounting.accountants import (
     ACCOUNTANTS,
-    PLD_VALUE_DISCRETIZATION_INTERVAL,
     RDP_ORDERS,
     AccountantName,
     PrivacySpent,
@@ -45,9 +46,14 @@ from accounting.ledger import (
     PrivacyLedger,
     ReleaseRecord,
 )
+from accounting.limits import DELTA_FLOOR, EPSILON_CEILING, NOISE_MULTIPLIER_FLOOR
+from accounting.pld import PLD_VALUE_DISCRETIZATION_INTERVAL
 
 __all__ = [
     "ACCOUNTANTS",
+    "DELTA_FLOOR",
+    "EPSILON_CEILING",
+    "NOISE_MULTIPLIER_FLOOR",
     "PLD_VALUE_DISCRETIZATION_INTERVAL",
     "RDP_ORDERS",
     "AccountantName",

@@ -3,7 +3,8 @@
 Epsilon is in natural-log units, delta is a probability. Three well-kept accountants are wrapped, not re-derived:
 
 - ``"pld"``: dp-accounting's privacy-loss-distribution accountant (tight up to its pessimistic discretisation of
-  :data:`PLD_VALUE_DISCRETIZATION_INTERVAL`; the primary accountant).
+  :data:`PLD_VALUE_DISCRETIZATION_INTERVAL`, a grid made wider where a distribution would not fit in bounded memory,
+  :mod:`accounting.pld`; the primary accountant).
 - ``"rdp"``: dp-accounting's Renyi-DP accountant over :data:`RDP_ORDERS` (a valid but looser bound; a cross-check,
   and the only one here that prices sampling without replacement).
 - ``"prv"``: Opacus' privacy-random-variable accountant (Gopi et al. 2021), Opacus' default for DP-SGD. It prices
@@ -12,6 +13,10 @@ Epsilon is in natural-log units, delta is a probability. Three well-kept account
 Composition is adaptive composition: the guarantee holds even when each release depends on earlier outputs.
 Before accounting, identical elementary mechanisms are grouped (``k`` equal DP-SGD steps become one k-fold
 self-composition), which gives the same guarantee and keeps long ledgers fast.
+
+Every accountant prices releases of noise multiplier at least :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR`
+only: :func:`check_supported` refuses a release below it, and :func:`epsilon` prices one it meets in a history as no
+guarantee (infinity), a sound bound found without unbounded memory.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import math
 import numbers
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from accounting.events import (
     GaussianEvent,
@@ -30,17 +35,14 @@ from accounting.events import (
     SamplingMethod,
     SubsampledGaussianEvent,
 )
+from accounting.limits import below_floor
+from accounting.pld import PLD_VALUE_DISCRETIZATION_INTERVAL, composed_pld
 
 if TYPE_CHECKING:   # imported where used: importing dp-accounting (and scipy with it) takes about a second
     import dp_accounting
 
 AccountantName = Literal["pld", "rdp", "prv"]
 ACCOUNTANTS: tuple[str, ...] = get_args(AccountantName)
-
-#: Width of the privacy-loss grid of the PLD accountant (dp-accounting's default). It reproduces the exact epsilon
-#: of 100 composed unit Gaussians (91.8173 at delta=1e-5) and the DP-SGD reference value 1.8282 to 4 decimals; a
-#: grid of 1e-3 would be 5x faster but reads 1.8289 on the latter.
-PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 
 #: RDP orders: 1.1 to 10.9 in steps of 0.1, every integer from 11 to 63, and 128, 256, 512, 1024. This is
 #: dp-accounting's default grid (Opacus uses the same without 11 and the orders above 63), written out so that results
@@ -165,10 +167,14 @@ def _prv_epsilon(leaves: Counter[PrivacyEvent], delta: float) -> float:
 def check_supported(event: PrivacyEvent, *, accountant: AccountantName = "pld") -> None:
     """Raise :class:`UnsupportedAccountingError` if ``accountant`` cannot price ``event``. Cheap: composes nothing.
 
-    A :class:`NonPrivateEvent` is supported by every accountant (its price is epsilon = inf).
+    A :class:`NonPrivateEvent` is supported by every accountant (its price is epsilon = inf); a release of noise
+    multiplier below :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR` by none.
     """
     leaves = _check_event(event).leaf_counts()
     accountant = _check_accountant(accountant)
+    reason = below_floor(event)
+    if reason is not None:
+        raise UnsupportedAccountingError(f"the {accountant!r} accountant cannot price it: {reason}")
     priced = Counter({leaf: n for leaf, n in leaves.items() if not isinstance(leaf, NonPrivateEvent)})
     if accountant == "prv":
         _prv_history(priced)
@@ -185,7 +191,8 @@ def epsilon(event: PrivacyEvent, delta: float, *, accountant: AccountantName = "
         accountant: "pld", "rdp" or "prv" (see the module docstring).
 
     Returns:
-        epsilon (natural log): 0.0 for an empty composition, ``inf`` if any release is a :class:`NonPrivateEvent`.
+        epsilon (natural log): 0.0 for an empty composition, ``inf`` if any release is a :class:`NonPrivateEvent` or
+        has noise below :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR` (no bound is computed for it).
 
     Raises:
         UnsupportedAccountingError: the accountant has no analysis for some release in ``event``.
@@ -198,7 +205,7 @@ def epsilon(event: PrivacyEvent, delta: float, *, accountant: AccountantName = "
     leaves = _check_event(event).leaf_counts()
     delta = _check_delta(delta)
     accountant = _check_accountant(accountant)
-    if any(isinstance(leaf, NonPrivateEvent) for leaf in leaves):
+    if any(isinstance(leaf, NonPrivateEvent) for leaf in leaves) or below_floor(event) is not None:
         return math.inf
     if not leaves:
         return 0.0
@@ -214,52 +221,10 @@ def _epsilon_of_leaves(leaves: frozenset[tuple[PrivacyEvent, int]], delta: float
     if accountant == "prv":
         return _prv_epsilon(counts, delta)
     if accountant == "pld":
-        pld = _pld_of(counts)
-        if pld is not None:
-            return float(pld.get_epsilon_for_delta(delta))
+        built = composed_pld(counts)
+        if built is not None:
+            return float(built[0].get_epsilon_for_delta(delta))
     return float(_dp_accounting_backend(counts, accountant).get_epsilon(delta))
-
-
-def _pld_of(leaves: Counter[PrivacyEvent]) -> Any:
-    """The privacy-loss distribution of ``leaves`` as dp-accounting's ``PLDAccountant`` composes it (the same
-    constructions, in the same order, from the identity), with each Poisson-subsampled Gaussian's single-step PLD
-    built once and remembered (:func:`_subsampled_gaussian_pld`): a run prices the same step at a new count every
-    round, and building that PLD is what costs (about half a second). ``None`` for leaves this does not cover (the
-    caller then asks the accountant itself)."""
-    import dp_accounting
-    from dp_accounting.pld import privacy_loss_distribution as PLD
-
-    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-    if any(_is_without_replacement(leaf) for leaf in leaves):
-        return None
-    pld = PLD.identity(value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
-    for leaf, count in leaves.items():
-        event = leaf.to_dp_event()
-        if isinstance(event, dp_accounting.GaussianDpEvent) and event.noise_multiplier > 0:
-            part = PLD.from_gaussian_mechanism(standard_deviation=event.noise_multiplier / math.sqrt(count),
-                                               value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL,
-                                               neighboring_relation=relation)
-        elif (isinstance(event, dp_accounting.PoissonSampledDpEvent)
-              and isinstance(event.event, dp_accounting.GaussianDpEvent)
-              and event.event.noise_multiplier > 0 and event.sampling_probability > 0):
-            single = _subsampled_gaussian_pld(event.event.noise_multiplier, event.sampling_probability)
-            part = single.self_compose(count)
-        else:
-            return None
-        pld = pld.compose(part)
-    return pld
-
-
-@functools.lru_cache(maxsize=256)
-def _subsampled_gaussian_pld(noise_multiplier: float, sampling_probability: float) -> Any:
-    """One Poisson-subsampled Gaussian step's PLD (add or remove one), as ``PLDAccountant`` builds it."""
-    import dp_accounting
-    from dp_accounting.pld import privacy_loss_distribution as PLD
-
-    return PLD.from_gaussian_mechanism(standard_deviation=noise_multiplier,
-                                       value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL,
-                                       sampling_prob=sampling_probability,
-                                       neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
 
 
 def delta_for_epsilon(event: PrivacyEvent, epsilon: float, *, accountant: AccountantName = "pld") -> float:
@@ -271,7 +236,8 @@ def delta_for_epsilon(event: PrivacyEvent, epsilon: float, *, accountant: Accoun
         accountant: "pld" or "rdp". Opacus' PRV accountant reports epsilon for a delta only, so "prv" raises.
 
     Returns:
-        delta in [0, 1]: 0.0 for an empty composition, 1.0 if any release is a :class:`NonPrivateEvent`.
+        delta in [0, 1]: 0.0 for an empty composition, 1.0 if any release is a :class:`NonPrivateEvent` or has noise
+        below :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR`.
     """
     leaves = _check_event(event).leaf_counts()
     epsilon = _check_epsilon(epsilon)
@@ -280,10 +246,13 @@ def delta_for_epsilon(event: PrivacyEvent, epsilon: float, *, accountant: Accoun
         raise UnsupportedAccountingError(
             "the 'prv' accountant (Opacus) reports epsilon for a given delta only; use accountant='pld' or 'rdp'"
         )
-    if any(isinstance(leaf, NonPrivateEvent) for leaf in leaves):
+    if any(isinstance(leaf, NonPrivateEvent) for leaf in leaves) or below_floor(event) is not None:
         return 1.0
     if not leaves:
         return 0.0
+    built = composed_pld(leaves) if accountant == "pld" else None
+    if built is not None:
+        return float(min(1.0, built[0].get_delta_for_epsilon(epsilon)))
     return float(min(1.0, _dp_accounting_backend(leaves, accountant).get_delta(epsilon)))
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from accounting.accountants import AccountantName
 from accounting.accountants import epsilon as accountant_epsilon
 from accounting.events import PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting.limits import NOISE_MULTIPLIER_FLOOR, check_target_delta, check_target_epsilon
 from accounting.validation import is_finite, is_int_at_least
 
 
@@ -171,22 +172,26 @@ def calibrate_noise_multiplier(event_at: Callable[[float], PrivacyEvent], target
     (target_epsilon, delta)-DP by ``accountant``.
 
     ``event_at`` describes a whole schedule of releases whose noise is z times their sensitivity (DP-SGD steps, a
-    training client's every release over a run), so its epsilon falls as z grows. Found by bisection on ln z; the
-    returned value always meets the target under that accountant (or is 1e-4 if even that little noise meets it).
+    training client's every release over a run), so its epsilon falls as z grows. Found by bisection on ln z between
+    :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR` and 1e6; the returned value always meets the target under that
+    accountant. Refused (``ValueError``, naming what would be valid): a target above
+    :data:`~accounting.limits.EPSILON_CEILING` or at a delta below :data:`~accounting.limits.DELTA_FLOOR`, one that
+    even noise at the floor meets (the schedule spends less whatever the noise: a sampling rate so small that a
+    record is almost never sampled, say), and one no noise multiplier up to 1e6 meets.
 
     >>> from accounting.events import GaussianEvent
     >>> z = calibrate_noise_multiplier(lambda z: SelfComposedEvent(GaussianEvent(z), 4), 1.0, 1e-5)
     >>> round(z, 2), accountant_epsilon(SelfComposedEvent(GaussianEvent(z), 4), 1e-5) <= 1.0
     (7.47, True)
     """
-    target_epsilon = _check_epsilon(target_epsilon)
-    delta = _check_delta(delta)
+    target_epsilon = check_target_epsilon(_check_epsilon(target_epsilon), "target_epsilon")
+    delta = check_target_delta(_check_delta(delta))
     rtol = _check_positive("rtol", rtol)
 
     def eps_at(noise_multiplier: float) -> float:
         return accountant_epsilon(event_at(noise_multiplier), delta, accountant=accountant)
 
-    # 1. Bracket: eps_at(hi) <= target < eps_at(lo). The search stops where noise stops being a sane answer.
+    # 1. Bracket: eps_at(hi) <= target < eps_at(lo), between the floor the accountants price and 1e6.
     lo, hi = 0.5, 1.0
     while eps_at(hi) > target_epsilon:
         lo, hi = hi, 2.0 * hi
@@ -194,10 +199,17 @@ def calibrate_noise_multiplier(event_at: Callable[[float], PrivacyEvent], target
             raise ValueError(f"no noise multiplier up to 1e6 reaches epsilon={target_epsilon!r} at delta={delta!r} "
                              f"for {what}")
     if hi == 1.0:
-        while eps_at(lo) <= target_epsilon:
-            lo, hi = lo / 2.0, lo
-            if lo < 1e-4:  # below this the noise is negligible and accountants lose precision
-                return hi
+        while (spent := eps_at(lo)) <= target_epsilon:
+            if lo <= NOISE_MULTIPLIER_FLOOR:
+                valid = (f"a target epsilon below {spent:.4g}, or" if spent > 0 else
+                         "a larger sampling rate (at this one a record is sampled with probability below delta, "
+                         "which epsilon 0 prices), or")
+                raise ValueError(
+                    f"epsilon={target_epsilon!r} at delta={delta!r} cannot be calibrated for {what}: even the least "
+                    f"noise the accountants price (noise multiplier {NOISE_MULTIPLIER_FLOOR:g}) spends only epsilon "
+                    f"{spent:.4g}, so no noise multiplier is the least that meets it; give {valid} a noise "
+                    f"multiplier >= {NOISE_MULTIPLIER_FLOOR:g} instead of a target")
+            lo, hi = max(lo / 2.0, NOISE_MULTIPLIER_FLOOR), lo
     # 2. Bisection in log space, keeping the invariant.
     while hi / lo - 1.0 > rtol:
         mid = math.sqrt(lo * hi)

@@ -509,9 +509,11 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
                    calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
         """Record one release made on behalf of every client of ``client_ids`` (central DP's noisy aggregate, which
         every training client's guarantee composes each round) in each of their ledgers, as one record object.
-        Every ledger is checked before any records it, so a refusal records nothing for anyone."""
+        Every ledger is checked before any records it, so a refusal records nothing for anyone (an event the book's
+        accountant cannot price, :func:`~accounting.check_supported`, included)."""
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
                                 metadata={} if metadata is None else dict(metadata))
+        check_supported(event, accountant=self._accountant)
         checked: set[tuple[Any, ...]] = set()
         for client_id in client_ids:   # clients with the same public releases and budget have one answer: ask once
             ledger = self[client_id]

@@ -96,7 +96,8 @@ def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object]
         else:
             g.add_argument(flag, type=kind, default=None, help=f"{text} (default: the method's; FedAvg's {fedavg})")
 
-    g.add_argument("--model", default="auto", help="mlp2nn, lenet, fedtta_cnn, small_cnn, tanh_cnn, feature_mlp, linear or auto")
+    g.add_argument("--model", default="auto",
+                   help="mlp2nn, lenet, fedtta_cnn, small_cnn, tanh_cnn, feature_mlp, linear or auto")
     g.add_argument("--features", default=None, choices=("scatter", "mobilenet_v2"),
                    help="a frozen feature stage in front of the model: scatter (ScatterNet, J=2, L=8, per-record "
                         "group norm) or mobilenet_v2 (ImageNet); features are computed once per input and cached; "
@@ -166,12 +167,17 @@ def _add_privacy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--novel-epsilon", type=float, default=None,
                    help="epsilon of a novel client's release (default: none, not private)")
     g.add_argument("--novel-bound", type=float, default=None,
-                   help="L2 clip of each record's contribution to a novel client's release (default: 1.0)")
+                   help="L2 clip of each record's contribution to a novel client's release (default: 1.0); with "
+                        "record-level DP also the descriptor bound of ODPFL-HN, IT-PFL-HN and PeFLL training clients")
+    g.add_argument("--allow-large-delta", action="store_true",
+                   help="run with a --delta at least one over the records of the smallest client (record level) or "
+                        "over the training clients (client level), a guarantee that does not keep one of them from "
+                        "being exposed whole (refused without this flag)")
 
 
 def _privacy(args: argparse.Namespace):
     """The run's TrainingPrivacy and NovelPrivacy from the command line."""
-    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
+    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy, check_delta
 
     record = args.dp_noise_multiplier is not None or args.dp_epsilon is not None
     client = args.client_dp is not None
@@ -187,6 +193,7 @@ def _privacy(args: argparse.Namespace):
     if record_only and not record:
         raise PrivflError(f"--{record_only[0].replace('_', '-')} needs --dp-noise-multiplier or --dp-epsilon "
                           "(without them training clients release without DP)")
+    check_delta(args.delta, "--delta")     # before the settings that take it, which would name it as their own
     common = {"delta": args.delta}
     if args.dp_noise is not None:
         if not (record or client):
@@ -243,14 +250,24 @@ def _federation_spec(args: argparse.Namespace):
 
 def _run_config(args: argparse.Namespace, method: str, settings: dict):
     from privfl.config import RunConfig
+    from privfl.methods import get_method
+    from privfl.privacy.training import RECORD
 
     privacy, novel_privacy = _privacy(args)
+    spec = get_method(method)
+    if args.novel_bound is not None and not (spec.novel_privacy is None and (
+            novel_privacy.private or privacy.mode == RECORD)):
+        raise PrivflError(f"--novel-bound {args.novel_bound:g} would do nothing in this run of {method}: it clips what "
+                          "a novel client releases with --novel-epsilon (ODPFL-HN, IT-PFL-HN; PeFLL's unseen clients), "
+                          "and with record-level DP the descriptors of those methods' training clients; give "
+                          "--novel-epsilon or record-level DP with one of them, or drop --novel-bound")
     return RunConfig(
         federation=_federation_spec(args), method=method, method_config=settings, model=args.model,
         rounds=args.rounds, client_fraction=args.client_fraction, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
         privacy=privacy, novel_privacy=novel_privacy, workers=args.workers, device=args.device,
         features=args.features, features_options=dict(args.feature_option),
+        allow_large_delta=args.allow_large_delta,
     )
 
 
@@ -285,7 +302,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.resume:
         # the run continues as its config.json says: an option that would change it is refused, not ignored
-        kept = {"resume", "no_progress", "threads", "func", "defaults_of", "command"}
+        kept = {"resume", "no_progress", "threads", "func", "defaults_of", "command", "allow_overshoot"}
         given = sorted(f"--{name.replace('_', '-')}" for name, value in vars(args).items()
                        if name not in kept and value != args.defaults_of(name))
         if given:
@@ -294,9 +311,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         if RunDirectory(args.resume).path(RunDirectory.SUMMARY).exists():
             print(f"{args.resume} holds a finished run: nothing to resume (its novel clients are not served again, "
                   "which would release their data again); its summary:")
-        summary = run(None, args.resume, resume=True, progress=not args.no_progress)
+        summary = run(None, args.resume, resume=True, progress=not args.no_progress,
+                      allow_overshoot=args.allow_overshoot)
         out = args.resume
     else:
+        if args.allow_overshoot:
+            raise PrivflError("--allow-overshoot lets a resumed run (--resume RUN_DIR) pass its target epsilon; a new "
+                              "run plans its noise for the target and cannot pass it: drop it")
         if not args.out:
             raise PrivflError("--out RUN_DIR is required for a new run (or --resume RUN_DIR to continue one)")
         config = _run_config(args, args.method, _method_settings(args))
@@ -430,6 +451,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from privfl.evaluation.reference import reference_report
     from privfl.sweep import FULL_SIZES, PRIVATE_ROUNDS, SIZES, SweepConfig, format_table, run_sweep
 
+    if args.full_grid and args.private_rounds is not None:
+        raise PrivflError(f"--private-rounds {args.private_rounds} would be ignored: under --full-grid every private "
+                          "training runs --rounds rounds; drop one of them")
     private_rounds = None if args.full_grid else (PRIVATE_ROUNDS if args.private_rounds is None
                                                   else args.private_rounds)
     given = {name: getattr(args, name) for name in ("rounds", "train_clip", "min_samples", "model")
@@ -474,6 +498,10 @@ def _parse_epsilons(text: str) -> tuple[float | None, ...]:
     return tuple(values)
 
 
+#: The most bytes of resized images ``privfl features`` hands the backbone at once (float32).
+FEATURE_BATCH_BYTES = 512 * 2 ** 20
+
+
 def cmd_features(args: argparse.Namespace) -> int:
     """Write a frozen backbone's features of a data source's images to the ``.npz`` the ``features`` source reads
     (``x``, ``y``, and ``x_test``, ``y_test`` where the source has a test split)."""
@@ -483,7 +511,7 @@ def cmd_features(args: argparse.Namespace) -> int:
 
     from privfl.data import load_source
     from privfl.devices import resolve_device
-    from privfl.errors import check_writable
+    from privfl.errors import StorageError, check_writable, is_storage_fault, storage_message
     from privfl.federation.rundir import atomic_write_bytes
     from privfl.models.backbones import ImageBackbone, extract_features, load_backbone
 
@@ -502,6 +530,12 @@ def cmd_features(args: argparse.Namespace) -> int:
     if not isinstance(backbone, ImageBackbone):
         raise PrivflError(f"backbone {args.backbone!r} embeds text, and every data source holds images or vectors; "
                           "use an image backbone (mobilenet_v2)")
+    batch_bytes = args.batch_size * backbone.channels * backbone.input_size ** 2 * 4
+    if batch_bytes > FEATURE_BATCH_BYTES:      # the images alone; the backbone's activations are many times more
+        most = max(1, FEATURE_BATCH_BYTES // (backbone.channels * backbone.input_size ** 2 * 4))
+        raise PrivflError(f"--batch-size {args.batch_size} images of {backbone.input_size}x{backbone.input_size} "
+                          f"pixels take {batch_bytes / 2**30:.1f} GiB a batch before the backbone's activations; use "
+                          f"--batch-size {most} or less, or a smaller input_size")
     source = load_source(args.dataset, data_root=args.data_root, download=args.download, **dict(args.source_option))
     if not source.is_image:
         raise PrivflError(f"source {args.dataset!r} holds vectors of shape {source.input_shape}, not images: "
@@ -521,7 +555,13 @@ def cmd_features(args: argparse.Namespace) -> int:
         arrays["y" + suffix] = np.asarray(split.y[index], dtype=np.int64)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    atomic_write_bytes(out, buffer.getvalue())
+    try:
+        atomic_write_bytes(out, buffer.getvalue())
+    except OSError as error:      # the disk filled (or the folder turned read-only) while the features were made
+        if not is_storage_fault(error):
+            raise
+        raise StorageError(f"cannot write --out {out}: {storage_message(error)}; free space (or choose another "
+                           "--out), then run it again") from None
     shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in arrays.items())
     print(f"{out}: {args.backbone} features of {args.dataset} on {device} ({shapes}); train on them with: privfl train "
           f"--method fedpft --dataset features --source-option path={out}")
@@ -548,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue an interrupted run (its config.json sets everything; other run options are refused)")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--allow-overshoot", action="store_true",
+                   help="with --resume: continue even where running again the rounds after the last checkpoint "
+                        "takes a training client past its target epsilon (refused without it, saying by how much)")
     _add_federation_arguments(p)
     _add_training_arguments(p)
     _add_privacy_arguments(p)

@@ -17,6 +17,7 @@ from privfl.devices import check_device, resolve_device
 from privfl.errors import ConfigError
 from privfl.federation.runtime import sample_clients
 from privfl.methods import METHODS, ClientProcedure, MethodConfig, ModelFactory, Strategy, get_method
+from privfl.methods.plan import Plan, plan
 from privfl.methods.private import planned_participations, protect, support
 from privfl.privacy.training import DISTRIBUTED, LOCAL, NovelPrivacy, TrainingPrivacy
 
@@ -47,6 +48,12 @@ class RunConfig:
     ``features`` names a frozen feature stage in front of the method's networks (:mod:`privfl.models.features`:
     ``"scatter"``, ``"mobilenet_v2"``; ``None``: the raw inputs), with ``features_options``; the target network is
     then a head on features (``model="linear"`` or ``"feature_mlp"``).
+
+    ``delta`` must be the delta of ``privacy`` and of ``novel_privacy`` where they are private (each epsilon is
+    reported at the delta its noise is calibrated for). A delta at least one over what a guarantee protects (the
+    records of the smallest training client at record level, the training clients at client level, the records of
+    the smallest novel client) is refused before the run starts unless ``allow_large_delta``
+    (:func:`~privfl.privacy.training.delta_meaning` says why).
     """
 
     federation: FederationSpec = field(default_factory=FederationSpec)
@@ -66,6 +73,7 @@ class RunConfig:
     device: str = "cpu"
     features: str | None = None
     features_options: dict[str, Any] = field(default_factory=dict)
+    allow_large_delta: bool = False
 
     def __post_init__(self) -> None:
         spec = get_method(self.method)
@@ -89,6 +97,7 @@ class RunConfig:
             ("delta", self.delta, isinstance(self.delta, float) and 0 < self.delta < 1, "a probability in (0, 1)"),
             ("workers", self.workers, isinstance(self.workers, int) and not isinstance(self.workers, bool)
              and self.workers >= 1, "an integer >= 1 (processes that train a round's clients)"),
+            ("allow_large_delta", self.allow_large_delta, isinstance(self.allow_large_delta, bool), "True or False"),
         ]
         for name, value, ok, valid in checks:
             if not ok:
@@ -103,6 +112,12 @@ class RunConfig:
         if not isinstance(self.features_options, Mapping) or (self.features_options and self.features is None):
             raise ConfigError(f"features_options {self.features_options!r} need a feature stage (features); without "
                               "one there is nothing to set")
+        for name, setting in (("privacy", self.privacy), ("novel_privacy", self.novel_privacy)):
+            if setting.private and setting.delta != self.delta:
+                raise ConfigError(f"delta={self.delta!r} (the delta every epsilon of the run is reported at) differs "
+                                  f"from {name} delta={setting.delta!r} (the delta its noise is calibrated for): the "
+                                  f"summary would state another guarantee than the one the noise gives (at a large "
+                                  f"delta it reads epsilon 0); give both the same delta")
         if self.device == "cuda" and self.workers > 1:
             raise ConfigError(f"device 'cuda' with workers={self.workers}: worker processes train on the CPU; use "
                               "workers=1 on CUDA, or device 'cpu'")
@@ -112,6 +127,11 @@ class RunConfig:
         if self.novel_privacy.private and spec.novel_privacy is not None:
             raise ConfigError(f"novel_privacy epsilon={self.novel_privacy.epsilon!r} has nothing to protect in method "
                               f"{self.method!r}: {spec.novel_privacy}")
+        if self.novel_privacy.private and not spec.client.serves_novel_clients:
+            raise ConfigError(f"novel_privacy epsilon={self.novel_privacy.epsilon!r} would go unused: a run of method "
+                              f"{self.method!r} serves no novel client (its procedure says why: "
+                              f"{spec.client.__module__}.{spec.client.__name__}); leave it unset, and set it where "
+                              "the novel clients are served")
         if self.privacy.private and self.select == "best_val":
             raise ConfigError(f"select='best_val' with {self.privacy.describe()}: choosing the round on validation "
                               "makes every training client report its validation accuracy, a release no mechanism "
@@ -193,6 +213,16 @@ def _client(config: RunConfig, factory: ModelFactory, num_training_clients: int)
     return get_method(config.method).client(
         model_factory=factory, config=config.method_settings(), privacy=config.privacy,
         novel_privacy=config.novel_privacy, participations=participations(config, num_training_clients))
+
+
+def run_plan(config: RunConfig, federation: FederatedDataset) -> Plan:
+    """What the run's releases will spend (:func:`privfl.methods.plan.plan`), before any is made: the noise is
+    calibrated and the schedule priced here, and a run the accountant cannot price is refused."""
+    n = len(federation.training_clients)
+    client = build_client(config, federation.input_shape, federation.num_classes, n)
+    return plan(get_method(config.method), client, config.privacy, config.novel_privacy, delta=config.delta,
+                rounds=config.rounds, client_fraction=config.client_fraction, seed=config.seed,
+                num_training_clients=n)
 
 
 def build_client(config: RunConfig, input_shape: tuple[int, ...], num_classes: int,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from privfl.config import RunConfig, build_method
 from privfl.errors import ConfigError
 from privfl.experiment import train
+from privfl.federation.lock import RunBusyError
 from privfl.federation.rundir import RunDirectory
 from privfl.federation.runtime import how_to_continue
 
@@ -37,10 +38,12 @@ ENGINES = ("inprocess", "flower-sim")
 
 def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume: bool = False,
         overwrite: bool = False, progress: bool = True, stop_after_round: int | None = None,
-        flower_options: FlowerOptions | None = None) -> dict[str, Any]:
+        flower_options: FlowerOptions | None = None, allow_overshoot: bool = False) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` into run directory ``out`` on ``engine``; return the summary.
 
     ``flower_options`` (a :class:`privfl.federation.flower.FlowerOptions`) set the simulation's resources and limits.
+    ``allow_overshoot``: resume even where finishing the run takes a client past its target epsilon
+    (:func:`privfl.experiment.check_overshoot`).
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -48,7 +51,7 @@ def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume
         if flower_options is not None:
             raise ConfigError("flower_options apply to engine='flower-sim' only, got them with engine='inprocess'")
         return train(config, out, resume=resume, overwrite=overwrite, progress=progress,
-                     stop_after_round=stop_after_round)
+                     stop_after_round=stop_after_round, allow_overshoot=allow_overshoot)
     if resume:
         raise ConfigError(f"--resume is not supported with --engine flower-sim yet: for a run of the in-process "
                           f"engine in {out}, {how_to_continue('inprocess', out)}; for one of the simulation engine, "
@@ -117,7 +120,9 @@ def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOpt
         return train(None if resume else config, out, resume=resume, overwrite=bool(run_config.get(p.OVERWRITE)),
                      progress=progress, stop_after_round=stop_after_round,
                      runtime_factory=flower_runtime_factory(grid, options, run_id=run_id, engine=engine),
-                     engine=engine)
+                     engine=engine, run_id=run_id)
+    except RunBusyError:
+        raise           # another process writes the run directory: this one wrote nothing and must not
     except BaseException:
         _keep_ledger(run_dir)
         raise

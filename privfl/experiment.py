@@ -10,9 +10,11 @@ served once, at the end, with the selected model, and scored with labels the met
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import resource
 import shutil
 import signal
@@ -26,23 +28,28 @@ import torch
 from tqdm.auto import tqdm
 
 from accounting import JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
+from accounting.ledger import BUDGET_RTOL
 from privfl.config import (
     RunConfig,
+    build_client,
     build_method,
     check_participations,
     model_name_for,
     participations,
     run_device,
     run_federation,
+    run_plan,
 )
 from privfl.data import FederatedDataset, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
 from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
+from privfl.federation.lock import hold
 from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
 from privfl.federation.spend import NOVEL_SERVED, run_summary
-from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS
+from privfl.methods.plan import Plan, projected_spend, round_event
+from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS, delta_meaning
 from privfl.provenance import numerics
 
 RuntimeFactory = Callable[[RunConfig, FederatedDataset], Runtime]
@@ -96,7 +103,8 @@ CHECKPOINT_FORMAT = 2
 
 def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite: bool = False,
           progress: bool = True, stop_after_round: int | None = None,
-          runtime_factory: RuntimeFactory = build_runtime, engine: str = "inprocess") -> dict[str, Any]:
+          runtime_factory: RuntimeFactory = build_runtime, engine: str = "inprocess",
+          allow_overshoot: bool = False, run_id: str | None = None) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
     ``runtime_factory(config, federation)`` builds the runtime that runs the rounds: :func:`build_runtime`
@@ -112,36 +120,54 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     unless ``overwrite``), the config, the data (validation samples for ``select="best_val"``), the method and its
     privacy settings, and the disk, which must take a first checkpoint (written at round 0) and have room for the
     next. A resumed run first checks that its release journal is the one its checkpoint saw (never shorter, never
-    different), so no release it made can go unreported. A disk that fills mid-run stops it with
-    :class:`~privfl.errors.StorageError`; it resumes from its last checkpoint.
+    different), so no release it made can go unreported, and that finishing it keeps every training client within
+    the target epsilon: the rounds after the checkpoint were released once already and are run again, so a resume
+    that would end above the target is refused, saying by how much, unless ``allow_overshoot``
+    (:func:`check_overshoot`). A disk that fills mid-run stops it with :class:`~privfl.errors.StorageError`; it
+    resumes from its last checkpoint. The run directory has one writer: this call holds its lock
+    (:func:`privfl.federation.lock.hold`, naming ``engine`` and the engine's ``run_id``) from its first check to its
+    end, and refuses a directory another live process holds, naming the command that stops it.
     """
+    if not isinstance(out, (str, os.PathLike)) or not str(out).strip():
+        raise ConfigError(f"out must name a run directory, got {out!r} (an empty name would write the run into the "
+                          "current directory)")
     run_dir = RunDirectory(out)
     journal = ReleaseJournal(run_dir.path(RunDirectory.RELEASES))
-    if resume:
-        if not run_dir.path(RunDirectory.CONFIG).exists():
-            raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)} does not exist; is {run_dir.root} a privfl run "
-                              "directory?")
-        if run_dir.path(RunDirectory.SUMMARY).exists():
-            # A finished run has nothing to continue; serving its novel clients again would release their data again.
-            # Its three records are cross-checked (a damaged journal is refused by name, a mismatch warned of).
-            return finished_summary(run_dir)
-        config = read_config(run_dir)
-    elif config is None:
+    if resume and not run_dir.path(RunDirectory.CONFIG).exists():
+        raise ConfigError(f"{run_dir.path(RunDirectory.CONFIG)} does not exist; is {run_dir.root} a privfl run "
+                          "directory?")
+    if not resume and config is None:
         raise ConfigError("train needs a RunConfig for a new run (config=None is for resume=True only)")
-    else:
-        run_dir.check_free(overwrite=overwrite)
+    created = not run_dir.root.exists()
     try:
-        return _train(config, run_dir, journal, resume=resume, overwrite=overwrite, progress=progress,
-                      stop_after_round=stop_after_round, runtime_factory=runtime_factory, engine=engine)
-    except OSError as error:
-        if not is_storage_fault(error):
-            raise
-        released = journal.path.exists() and journal.path.stat().st_size > 0
-        fix = (f"free space (or make it writable), then {how_to_continue(engine, run_dir.root)}"
-               if released else "free space (or make it writable, or choose another --out), then run it again: "
-               "nothing was released")
-        raise StorageError(f"cannot write the run directory {run_dir.root}: {storage_message(error)}; {fix}") \
-            from None
+        with hold(run_dir.root, engine=engine, run_id=run_id):    # one writer: a second one is refused, named
+            if resume:
+                if run_dir.path(RunDirectory.SUMMARY).exists():
+                    # A finished run has nothing to continue; serving its novel clients again would release their
+                    # data again. Its three records are cross-checked (a damaged journal is refused by name, a
+                    # mismatch warned of).
+                    return finished_summary(run_dir)
+                config = read_config(run_dir)
+            else:
+                run_dir.check_free(overwrite=overwrite)
+            assert config is not None
+            try:
+                return _train(config, run_dir, journal, resume=resume, overwrite=overwrite, progress=progress,
+                              stop_after_round=stop_after_round, runtime_factory=runtime_factory, engine=engine,
+                              allow_overshoot=allow_overshoot)
+            except OSError as error:
+                if not is_storage_fault(error):
+                    raise
+                released = journal.path.exists() and journal.path.stat().st_size > 0
+                fix = (f"free space (or make it writable), then {how_to_continue(engine, run_dir.root)}"
+                       if released else "free space (or make it writable, or choose another --out), then run it "
+                       "again: nothing was released")
+                raise StorageError(f"cannot write the run directory {run_dir.root}: {storage_message(error)}; "
+                                   f"{fix}") from None
+    finally:
+        if created:   # a run refused before it wrote anything leaves no folder behind (rmdir: only an empty one)
+            with contextlib.suppress(OSError):
+                run_dir.root.rmdir()
 
 
 def read_config(run_dir: RunDirectory) -> RunConfig:
@@ -159,8 +185,10 @@ def read_config(run_dir: RunDirectory) -> RunConfig:
                           f"({type(error).__name__}: {error})") from None
 
 
-def preflight(config: RunConfig, federation: FederatedDataset) -> None:
-    """The checks of ``config`` against the data that would otherwise refuse the run after releases were made."""
+def preflight(config: RunConfig, federation: FederatedDataset) -> Plan:
+    """The checks of ``config`` against the data that would otherwise refuse the run after releases were made, and
+    the run's :class:`~privfl.methods.plan.Plan`: every client's spend priced before the first release
+    (:func:`~privfl.config.run_plan`), refused where the accountant cannot price it."""
     if config.select == "best_val" and not any(len(c.y_val) for c in federation.training_clients):
         raise ConfigError(f"select='best_val' needs validation samples, but no training client has any at "
                           f"val_fraction={config.federation.val_fraction} (each keeps floor(val_fraction * n)); use "
@@ -172,13 +200,35 @@ def preflight(config: RunConfig, federation: FederatedDataset) -> None:
                               f"bound on every training client's records, but training clients {small[:10]} hold "
                               f"fewer (down to {min(c.num_train for c in federation.training_clients)}); lower "
                               "min_samples, or give the clients more data (fewer clients, a larger source)")
+    check_delta_meaning(config, federation)
+    return run_plan(config, federation)
+
+
+def check_delta_meaning(config: RunConfig, federation: FederatedDataset) -> None:
+    """Refuse a delta at least one over what each guarantee of the run protects (:func:`delta_meaning`), unless
+    ``config.allow_large_delta``; then say what it means, once, on stderr."""
+    units = []
+    if config.privacy.mode == RECORD and federation.training_clients:
+        units.append((min(c.num_train for c in federation.training_clients), "records of the smallest training client"))
+    elif config.privacy.client_level:
+        units.append((len(federation.training_clients), "training clients"))
+    if config.novel_privacy.private and federation.novel_clients:
+        units.append((min(c.num_samples for c in federation.novel_clients), "records of the smallest novel client"))
+    for count, what in units:
+        meaning = delta_meaning(config.delta, count, what)
+        if meaning is None:
+            continue
+        if not config.allow_large_delta:
+            raise ConfigError(f"{meaning}; choose a delta well below 1/{count}, or pass --allow-large-delta "
+                              "(RunConfig.allow_large_delta) to run with it as stated")
+        print(f"privfl: warning: {meaning} (--allow-large-delta)", file=sys.stderr)
 
 
 def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *, resume: bool, overwrite: bool,
            progress: bool, stop_after_round: int | None, runtime_factory: RuntimeFactory,
-           engine: str) -> dict[str, Any]:
+           engine: str, allow_overshoot: bool) -> dict[str, Any]:
     federation = run_federation(config)
-    preflight(config, federation)
+    plan = preflight(config, federation)
     runtime = runtime_factory(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
     elapsed = 0.0
@@ -212,6 +262,8 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
                 for cid in runtime.training_ids if cid in ledgers}
         check_participations(config, participations(config, len(runtime.training_ids)), runtime.training_ids,
                              from_round=runtime.completed_rounds, made=made)
+    if resume and served is None:
+        check_overshoot(config, federation, runtime, run_dir, allow=allow_overshoot)
 
     def checkpoint_now(state: dict[str, Any]) -> int:
         journal.sync()                       # the lines the checkpoint names are on disk before it is
@@ -221,9 +273,10 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
             "journal": journal.position().to_dict()})
 
     started = time.perf_counter()
-    if not resume or checkpoint is None:
-        # before the first release: a disk that cannot hold a checkpoint refuses the run while nothing is released
-        check_room(run_dir, checkpoint_now(runtime.committed_state_dict()))
+    # before this attempt's first release (a new run's, or a resumed run's next round): a checkpoint is written now
+    # and the disk must hold the next beside it, so a full or read-only disk refuses the attempt while it has released
+    # nothing (a resume that failed mid-round would release the rounds since the checkpoint again, for nothing)
+    check_room(run_dir, checkpoint_now(runtime.committed_state_dict()))
     bar = tqdm(total=config.rounds, initial=runtime.completed_rounds, desc=config.method, unit="round",
                disable=not progress or served is not None, dynamic_ncols=True)
     interrupt = FinishRoundOnInterrupt()
@@ -262,7 +315,44 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
         bar.close()
         runtime.close()
     wall = elapsed + time.perf_counter() - started
-    return finish(config, federation, runtime, run_dir, best, wall, journal=journal, served=served)
+    return finish(config, federation, runtime, run_dir, best, wall, journal=journal, served=served, plan=plan)
+
+
+def check_overshoot(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory, *,
+                    allow: bool) -> None:
+    """Before a resumed run's first round: each training client's epsilon once the rounds left are run (its ledger,
+    releases made after the checkpoint included, plus its rounds of the public schedule from the checkpoint on,
+    :func:`~privfl.methods.plan.projected_spend`), against the target ``config.privacy.epsilon``. Above it (beyond
+    the ledger's numerical slack), the resume is refused naming the clients and by how much, unless ``allow``; then
+    the amount is printed on stderr."""
+    privacy = config.privacy
+    if privacy.epsilon is None or privacy.mode not in (RECORD, CENTRAL):
+        return   # no target; or local and distributed, whose ledgers refuse a release past their calibration
+    client = build_client(config, federation.input_shape, federation.num_classes, len(runtime.training_ids))
+    event = round_event(client, privacy, rounds=config.rounds, client_fraction=config.client_fraction)
+    if event is None:
+        return
+    ids = runtime.training_ids
+    if privacy.mode == CENTRAL:
+        left = {cid: config.rounds - runtime.completed_rounds for cid in ids}
+    else:
+        left = dict.fromkeys(ids, 0)
+        for r in range(runtime.completed_rounds, config.rounds):
+            for cid in runtime.strategy.sample_clients(r, ids, config.client_fraction, config.seed):
+                left[cid] += 1
+    spend = projected_spend(runtime.ledgers(), left, event, config.delta)
+    over = sorted(cid for cid, eps in spend.items() if eps > privacy.epsilon * (1 + BUDGET_RTOL))
+    if not over:
+        return
+    most = max(spend.values())
+    what = (f"resuming {run_dir.root} from round {runtime.completed_rounds} would take training clients {over[:10]} "
+            f"to epsilon {most:.4f} at delta {config.delta:g}, {most - privacy.epsilon:.4f} above the target "
+            f"{privacy.epsilon:g} (the releases made after the last checkpoint stay spent, and their rounds are run "
+            "again)")
+    if not allow:
+        raise ConfigError(f"{what}; pass --allow-overshoot (allow_overshoot=True) to resume anyway, or keep the run "
+                          f"as it stands (its spend: privfl ledger {run_dir.root})")
+    print(f"privfl: warning: {what} (--allow-overshoot)", file=sys.stderr)
 
 
 def check_journal(run_dir: RunDirectory, journal: ReleaseJournal, checkpoint: dict[str, Any] | None,
@@ -334,22 +424,25 @@ def share_equal_tensors(best: dict[str, Any], state: dict[str, Any]) -> dict[str
 
 
 def check_room(run_dir: RunDirectory, checkpoint_bytes: int) -> None:
-    """Refuse a run whose disk has not room for one more checkpoint beside the first (each is written whole beside
-    the one it replaces) while nothing is released yet."""
+    """Refuse a run (or a resumed run) whose disk has not room for one more checkpoint beside the one just written
+    (each is written whole beside the one it replaces) while this attempt has released nothing."""
     free = shutil.disk_usage(run_dir.root).free
     if free < checkpoint_bytes:
         raise StorageError(f"the disk holding {run_dir.root} has {free / 2**20:.1f} MiB free, but each checkpoint of "
                            f"this run ({checkpoint_bytes / 2**20:.1f} MiB) is written beside the one it replaces; "
-                           "free space or choose another --out, then run it again: nothing was released")
+                           "free space (or choose another --out), then run it again: this attempt released nothing")
 
 
 def run_identity(config: RunConfig) -> dict[str, Any]:
     """What makes two configs the same run: every setting but ``workers``, which changes no number, and ``device``
-    left at ``"cpu"`` (so runs written before the setting existed stay the same runs)."""
+    left at ``"cpu"`` and ``allow_large_delta`` left off (so runs written before the settings existed stay the same
+    runs)."""
     values = config.to_dict()
     values.pop("workers")
     if values["device"] == "cpu":
         values.pop("device")
+    if not values["allow_large_delta"]:
+        values.pop("allow_large_delta")
     return values
 
 
@@ -382,6 +475,7 @@ def check_reusable(config: RunConfig, run_dir: RunDirectory, *, overwrite: bool 
     not; refuses a
     directory holding another run or a sweep (:meth:`RunDirectory.occupant`) unless ``overwrite``. What
     :func:`train_once` checks, for commands that run several trainings to check every one before the first."""
+    run_dir.check_not_foreign()
     stored = run_dir.path(RunDirectory.CONFIG)
     if stored.exists() and _stored_identity(run_dir) == json.loads(dumps(run_identity(config))):
         return True
@@ -395,7 +489,7 @@ def check_reusable(config: RunConfig, run_dir: RunDirectory, *, overwrite: bool 
 
 def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory,
            best: dict[str, Any], wall_time_s: float, *, journal: ReleaseJournal | None = None,
-           served: dict[str, Any] | None = None) -> dict[str, Any]:
+           served: dict[str, Any] | None = None, plan: Plan | None = None) -> dict[str, Any]:
     """Serve novel clients with the selected model, score everyone, write clients.csv, ledger.json, summary.json.
 
     Once the novel clients are served, ``journal`` gets the :data:`NOVEL_SERVED` mark with their scores, so a run
@@ -442,6 +536,8 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
             "training_mode": config.privacy.mode,
             "training_guarantee": training_guarantee(config.privacy.mode, ledgers,
                                                      [c.client_id for c in federation.training_clients]),
+            # what the accountant priced before the first release: the most each client could spend
+            **({} if plan is None else {"planned": plan.to_dict()}),
         },
         "communication": {"bytes_up_total": sum(runtime.bytes_up.values()),
                           "bytes_down_total": sum(runtime.bytes_down.values())},

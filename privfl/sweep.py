@@ -44,6 +44,7 @@ clipping on the client, delta well below 1/n), and with the training clients pri
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -59,10 +60,10 @@ from tqdm.auto import tqdm
 
 from privfl.config import RunConfig, build_client, run_federation
 from privfl.data import FederationSpec, NovelClient
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, PrivflError
 from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
-from privfl.experiment import build_runtime, check_reusable, train_once
+from privfl.experiment import build_runtime, check_reusable, preflight, train_once
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
 from privfl.methods import get_method
@@ -225,11 +226,12 @@ def train_directory(out: Path, epsilon: float | None) -> Path:
     return out / ("train" if epsilon is None else f"train-eps{epsilon:g}")
 
 
-def claim(config: SweepConfig, out: Path, *, overwrite: bool) -> None:
+def claim(config: SweepConfig, out: Path, *, overwrite: bool) -> str | None:
     """Refuse, before anything is trained, an ``out`` that holds something this sweep would write over (a run, runs
     in subdirectories other than this sweep's trainings, a sweep of other settings, a training directory of this
     sweep holding another training: :func:`~privfl.experiment.check_reusable`), unless ``overwrite``; then mark
-    ``out`` as this sweep's (:data:`~privfl.federation.rundir.SWEEP_MARK`)."""
+    ``out`` as this sweep's (:data:`~privfl.federation.rundir.SWEEP_MARK`). Returns what the claim created
+    (``"folder"``, ``"mark"``, or ``None`` when ``out`` was this sweep's already), for :func:`release_claim`."""
     folder = RunDirectory(out)
     settings = json.loads(dumps(dataclasses.asdict(config)))
     ours = {train_directory(out, e).name: e for e in config.train_epsilons}
@@ -248,8 +250,29 @@ def claim(config: SweepConfig, out: Path, *, overwrite: bool) -> None:
                               f"({', '.join(ours)}): choose another --out, or pass --overwrite")
     for name, epsilon in ours.items():
         check_reusable(config.run_config(epsilon), RunDirectory(out / name), overwrite=overwrite)
+    created = not out.exists()
+    fresh = not folder.path(SWEEP_MARK).exists()
     out.mkdir(parents=True, exist_ok=True)
     folder.write_json(SWEEP_MARK, settings)
+    return "folder" if created else "mark" if fresh else None
+
+
+def release_claim(out: Path, config: SweepConfig) -> None:
+    """Undo :func:`claim` for a sweep refused before any of its trainings recorded anything: its mark is removed
+    (and ``out``, when the claim made it and it holds nothing else), so that the corrected command is not refused as
+    another sweep's. A training that recorded a release, a metric or a result keeps the mark."""
+    if any(RunDirectory(train_directory(out, e)).occupant() for e in config.train_epsilons):
+        return
+    for e in config.train_epsilons:
+        directory = train_directory(out, e)
+        if directory.is_dir():
+            for name in RunDirectory.FILES:
+                (directory / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+    RunDirectory(out).path(SWEEP_MARK).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        out.rmdir()                            # only when empty: whatever else is there stays
 
 
 def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, overwrite: bool = False
@@ -259,7 +282,6 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
     out = Path(out)
     started = time.perf_counter()
     held_out = held_out_pool(config.federation(), seed=config.seed)   # fails fast, before training, if there is none
-    trainings, rows = {}, []
     # the novel clients of every training: the same mixes, evaluation and descriptor sets
     pool = NovelPool(*held_out)
     rng = np.random.default_rng([config.seed, 2024])
@@ -276,7 +298,24 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
         stage = load_stage(config.features, tuple(held_out[0].shape[1:]))
         sets = [(torch.from_numpy(map_inputs(stage, x_eval)), y_eval, torch.from_numpy(map_inputs(stage, x_all)))
                 for x_eval, y_eval, x_all in sets]
-    claim(config, out, overwrite=overwrite)         # after every check of the settings and the pool, before training
+    for epsilon in config.train_epsilons:           # every training's own checks and plan, before anything is written
+        preflight(config.run_config(epsilon), federation)
+    claimed = claim(config, out, overwrite=overwrite)   # after every check of the settings and pool, before training
+    try:
+        result = _train_and_serve(config, out, federation, mixes, sets, progress=progress, overwrite=overwrite)
+    except PrivflError:
+        if claimed:
+            release_claim(out, config)              # refused before any training wrote a run: leave nothing behind
+        raise
+    result["wall_s"] = time.perf_counter() - started
+    _write(out, config, result.pop("rows"), result)
+    return result
+
+
+def _train_and_serve(config: SweepConfig, out: Path, federation, mixes: list[list[int]], sets: list[tuple], *,
+                     progress: bool, overwrite: bool) -> dict[str, Any]:
+    trainings, rows = {}, []
+    started = time.perf_counter()
     for epsilon in config.train_epsilons:
         run = config.run_config(epsilon)
         train_dir = train_directory(out, epsilon)
@@ -295,9 +334,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, progress: bool = True, ov
             "training_val_accuracy": summary["training_val"]["accuracy_mean"],
             "novel_accuracy": summary["novel"]["accuracy_mean"], "rounds": summary["rounds_completed"],
             "numerics": summary.get("numerics")}   # of the training process (it may be an earlier one)
-    result = _summarise(config, rows, trainings, time.perf_counter() - started)
-    _write(out, config, rows, result)
-    return result
+    return {**_summarise(config, rows, trainings, time.perf_counter() - started), "rows": rows}
 
 
 def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mixes: list[list[int]],

@@ -45,6 +45,41 @@ def tiny_dp_config(method: str = "fedavg", val_fraction: float = 0.2, **override
 
 
 @pytest.fixture
+def noise_floor_lifted(monkeypatch):
+    """Lets a test build and record releases with noise below the floor the accountants price
+    (``accounting.limits.NOISE_MULTIPLIER_FLOOR``): for tests of a mechanism's arithmetic as its noise vanishes,
+    which never price what they record."""
+    import accounting.limits
+
+    monkeypatch.setattr(accounting.limits, "NOISE_MULTIPLIER_FLOOR", 0.0)
+
+
+def _clear_accounting_caches() -> None:
+    import accounting.accountants
+    import accounting.pld
+    import privfl.methods.base
+    import privfl.privacy.training
+
+    accounting.accountants._epsilon_of_leaves.cache_clear()
+    accounting.pld._step_pld.cache_clear()
+    privfl.privacy.training.central_noise_multiplier.cache_clear()
+    privfl.methods.base._CALIBRATIONS.clear()
+
+
+@pytest.fixture
+def small_pld_grids(monkeypatch):
+    """The PLD accountant's point cap lowered to 2^15 (``accounting.pld.PLD_MAX_POINTS``; 2^22 in use), so that
+    distributions near the noise floor take milliseconds, not seconds, on the same code; the caches that would keep
+    a value priced on the lowered cap are emptied before and after."""
+    import accounting.pld
+
+    monkeypatch.setattr(accounting.pld, "PLD_MAX_POINTS", 2 ** 15)
+    _clear_accounting_caches()
+    yield
+    _clear_accounting_caches()
+
+
+@pytest.fixture
 def tiny_config():
     """:func:`tiny_dp_config`: ``tiny_config(method="fedavg", **overrides)``."""
     return tiny_dp_config

@@ -411,3 +411,90 @@ def test_help_shows_each_default_that_applies(capsys):
         assert f"--rounds ROUNDS (default: {rounds})" in shown and "--seed SEED (default: 0)" in shown
         # no default to show where the method's own applies, nor for a flag
         assert "(default: None)" not in shown and "(default: False)" not in shown
+
+
+# -- settings no accountant could report, guarantees without meaning, options that would do nothing ------------------
+
+NO_FOLDER = [
+    # each was accepted and crashed or hung in the accountant after every release was made (35 PiB, 142 PiB, 71 PiB,
+    # 150 GiB, a hang) or ran away in memory before round 1 (9.5 GB)
+    (["--dp-noise-multiplier", "1e-6"], "privacy noise_multiplier must be a finite number >= 0.1 (the least noise "
+                                        "the accountants price"),
+    (["--dp-noise-multiplier", "0.01"], "privacy noise_multiplier must be a finite number >= 0.1"),
+    (["--client-dp", "local", "--client-dp-noise-multiplier", "1e-6"], "got 1e-06"),
+    (["--client-dp", "central", "--client-dp-noise-multiplier", "1e-6"], "got 1e-06"),
+    (["--dp-epsilon", "1e6"], "privacy epsilon must be at most 50 (the largest target noise is calibrated for"),
+    (["--method", "odpflhn", "--novel-epsilon", "1e6"], "novel epsilon must be at most 50"),
+    # a guarantee at a delta that lets one record (or client) out whole: refused, with what it means
+    (["--dp-epsilon", "1", "--delta", "0.5"], "delta=0.5 is at least 1/"),
+    (["--client-dp", "central", "--client-dp-epsilon", "1", "--delta", "0.3"],
+     "delta=0.3 is at least 1/4 (one over the 4 training clients): at that delta a mechanism that publishes one of "
+     "the training clients chosen at random, outright, is (0, 1/4)-DP"),
+    (["--delta", "1"], "--delta must be a probability in (0, 1), got 1.0"),
+    (["--delta", "1e-20"], "--delta must be a probability of at least 1e-12 (the least delta the accountants resolve"),
+    # options that do nothing where they are given
+    (["--novel-bound", "2"], "--novel-bound 2 would do nothing in this run of fedavg"),
+    (["--method", "pefll", "--novel-epsilon", "2"],
+     "novel_privacy epsilon=2.0 would go unused: a run of method 'pefll' serves no novel client"),
+    (["--allow-overshoot"], "--allow-overshoot lets a resumed run (--resume RUN_DIR) pass its target epsilon"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", NO_FOLDER)
+def test_settings_no_accountant_can_report_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys,
+                                                                                              extra, needle):
+    out = tmp_path / "r"
+    assert main(BASE[:1] + ["--out", str(out)] + BASE[1:] + ["--select", "last"] + extra) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and "novel delta" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_large_delta_runs_only_when_allowed_and_says_what_it_means_and_the_plan_is_what_the_ledgers_spend(
+        tmp_path, capsys):
+    import json
+
+    out = tmp_path / "r"
+    assert main(BASE[:1] + ["--out", str(out)] + BASE[1:] + ["--select", "last", "--local-steps", "1",
+                                                               "--dp-epsilon", "2", "--delta", "0.3",
+                                                               "--allow-large-delta"]) == 0
+    err = capsys.readouterr().err
+    assert "privfl: warning: delta=0.3 is at least 1/" in err and "(--allow-large-delta)" in err
+    summary = json.loads((out / "summary.json").read_text())
+    # every training client takes part in every round (client fraction 1): the plan priced before round 1 is what
+    # each ledger ends at, the calibrated target
+    assert summary["privacy"]["planned"]["training"] == pytest.approx(summary["privacy"]["epsilon_max_training"],
+                                                                      rel=1e-9)
+    assert 1.99 < summary["privacy"]["planned"]["training"] <= 2.0 * (1 + 1e-6)   # z to a factor 1.001
+    assert json.loads((out / "config.json").read_text())["allow_large_delta"] is True
+
+
+def test_a_refused_sweep_leaves_nothing_and_private_rounds_under_the_full_grid_are_refused(tmp_path, capsys):
+    sweep = ["sweep", "--dataset", "synthetic", "--clients", "4", "--max-samples", "400", "--rounds", "1",
+             "--client-fraction", "1", "--sizes", "10", "--novel-mixes", "2", "--eval-size", "20", "--repeats", "1",
+             "--epsilons", "1", "--train-epsilons", "1", "--threads", "1", "--no-progress"]
+    out = tmp_path / "sweep"
+    # refused by its training's own check (no client holds 500 records): it left sweep-config.json, and the corrected
+    # command was then refused as "a sweep of other settings"
+    assert main(sweep + ["--out", str(out), "--private-rounds", "1", "--min-samples", "500"]) == 2
+    err = capsys.readouterr().err
+    assert "record-level privacy min_samples=500 is the public lower bound" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    assert main(sweep + ["--out", str(out), "--full-grid", "--private-rounds", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--private-rounds 3 would be ignored: under --full-grid every private training runs --rounds rounds" in err
+    assert not out.exists()
+
+
+def test_demo_writes_over_no_file_privfl_did_not_write(tmp_path, capsys):
+    out = tmp_path / "demo"
+    (out / "fedavg").mkdir(parents=True)
+    (out / "fedavg" / "config.json").write_text('{"my": "notes"}')
+    for extra in ([], ["--overwrite"]):
+        assert main(DEMO + ["--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{out / 'fedavg'} holds config.json, not the files of a privfl run" in err
+        assert len(err.strip().splitlines()) == 1
+        assert (out / "fedavg" / "config.json").read_text() == '{"my": "notes"}'
+        assert sorted(p.name for p in out.rglob("*")) == ["config.json", "fedavg"]

@@ -61,8 +61,14 @@ def test_features_feed_fedpft_on_the_command_line(tmp_path, capsys, one_thread):
     (["--out", "{tmp}/f.txt"], "--out must name a .npz file"),
     (["--dataset", "synthetic"], "source 'synthetic' holds vectors of shape (20,), not images"),
     (["--backbone", "resnet"], "unknown backbone 'resnet'; valid choices: minilm, mobilenet_v2"),
-    (["--backbone-option", "width=2"], "backbone 'mobilenet_v2'"),
-    (["--backbone-option", "input_size=4"], "input_size must be an integer >= 8"),
+    (["--backbone-option", "width=2"],
+     "backbone 'mobilenet_v2' has no option width; valid options: input_size, weights_path, download"),
+    (["--backbone-option", "input_size=4"], "input_size must be an integer from 8 to 1024"),
+    # was a 1.2 TB allocation and a traceback
+    (["--backbone-option", "input_size=100000"], "input_size must be an integer from 8 to 1024 (pixels"),
+    (["--backbone-option", "input_size=1024", "--batch-size", "256"],
+     "--batch-size 256 images of 1024x1024 pixels take 3.0 GiB a batch before the backbone's activations; use "
+     "--batch-size 42 or less"),
     (["--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
     (["--source-option", "split=letters"], "source 'mnist' has no option split"),
     (["--out", "{tmp}/folder.npz"], "--out {tmp}/folder.npz cannot be written (it is a folder"),

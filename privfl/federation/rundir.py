@@ -92,6 +92,32 @@ class RunDirectory:
     #: Every file a run writes (``plots.png`` included).
     FILES = (CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES, "plots.png")
 
+    #: The keys every ``config.json`` privfl writes holds (a run config): a file named so without them is another's.
+    CONFIG_KEYS = frozenset({"federation", "method", "rounds", "seed", "privacy"})
+
+    def foreign(self) -> list[str]:
+        """The files here that bear a run's names but that privfl did not write: a ``config.json`` that is not a run
+        config, or any other file of a run (:attr:`FILES`) beside no ``config.json`` (privfl writes the config
+        first). No command writes over them, ``--overwrite`` or not: they may be a user's."""
+        if not self.root.is_dir():
+            return []
+        config = self.path(self.CONFIG)
+        if not config.exists():
+            return [name for name in self.FILES if self.path(name).exists()]
+        try:
+            values = json.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return [self.CONFIG]
+        return [] if isinstance(values, dict) and self.CONFIG_KEYS <= set(values) else [self.CONFIG]
+
+    def check_not_foreign(self) -> None:
+        """Refuse a directory holding files privfl did not write (:meth:`foreign`), whatever ``--overwrite`` says."""
+        foreign = self.foreign()
+        if foreign:
+            raise ConfigError(f"{self.root} holds {', '.join(foreign)}, not the files of a privfl run (beside no "
+                              "config.json, or one that is not a run config): privfl writes over no file it did not "
+                              "write, with --overwrite or without; choose another --out, or move those files")
+
     def occupant(self) -> str | None:
         """What this directory holds that a new run here would mix with or replace: ``"a run"`` (one that recorded
         a release, a metric or a result), ``"a sweep"``, ``"runs in its subdirectories a, b"``; ``None`` for nothing
@@ -116,6 +142,7 @@ class RunDirectory:
     def check_free(self, *, overwrite: bool, flag: str = "--overwrite", resume: bool = True) -> None:
         """Refuse (before anything is built) a directory that holds something a run here would replace or mix with,
         unless ``overwrite``; the message says how to resume (``resume``), pick another folder, or overwrite."""
+        self.check_not_foreign()
         occupant = self.occupant()
         if occupant is None or overwrite:
             return

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -118,9 +119,16 @@ class Backbone(nn.Module, ABC):
 # Images.
 
 
+#: The largest side images are resized to: four times MobileNetV2's 224, already 12 MiB of pixels an image before
+#: the backbone's activations (input_size=100000 asked for 12 TB a batch).
+MAX_INPUT_SIZE = 1024
+
+
 def _check_input_size(input_size: Any) -> int:
-    if isinstance(input_size, bool) or not isinstance(input_size, (int, np.integer)) or input_size < 8:
-        raise ConfigError(f"input_size must be an integer >= 8 (pixels; e.g. 64, 96 or 224), got {input_size!r}")
+    if (isinstance(input_size, bool) or not isinstance(input_size, (int, np.integer))
+            or not 8 <= input_size <= MAX_INPUT_SIZE):
+        raise ConfigError(f"input_size must be an integer from 8 to {MAX_INPUT_SIZE} (pixels; e.g. 64, 96 or 224), "
+                          f"got {input_size!r}")
     return int(input_size)
 
 
@@ -428,6 +436,11 @@ def load_backbone(name: str, **options: Any) -> Backbone:
     if name not in BACKBONES:
         raise ConfigError(f"unknown backbone {name!r}; valid choices: {', '.join(sorted(BACKBONES))} "
                           "(or wrap any nn.Module in ModuleBackbone)")
+    valid = [p.name for p in inspect.signature(BACKBONES[name]).parameters.values()
+             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(f"backbone {name!r} has no option {', '.join(unknown)}; valid options: {', '.join(valid)}")
     try:
         return BACKBONES[name](**options)
     except TypeError as error:

@@ -203,8 +203,18 @@ class PrivateEncoder(nn.Module):
         phi = copy.deepcopy(self._stage("phi"))
         # each sample alone: v_i can depend on x_i only, whatever phi does across its batch dimension
         x = x.to(device_of(self.encoder))      # where the encoder computes (psi's device too)
-        return clipped_rows(phi, lambda s: phi(s.unsqueeze(0)).reshape(-1), (x,), self.bound,
-                            name="encoder.phi").mean(dim=0)
+        try:
+            rows = clipped_rows(phi, lambda s: phi(s.unsqueeze(0)).reshape(-1), (x,), self.bound, name="encoder.phi")
+        except (RuntimeError, IndexError) as error:
+            if type(error) not in (RuntimeError, IndexError):
+                raise                          # privfl's own errors (InternalError, ...) are not about the input
+            dtype = next((p.dtype for p in phi.parameters() if p.is_floating_point()), x.dtype)
+            fix = (f"x must have the dtype phi computes in (pass x.to({dtype}))" if x.dtype != dtype else
+                   "x must be [n, *sample shape] with each sample shaped as phi was built for (one sample: x[None])")
+            raise ConfigError(
+                f"encoder.phi cannot take the samples of x ({x.shape[0]} of shape {tuple(x.shape[1:])}, dtype "
+                f"{x.dtype}): {str(error).splitlines()[0]}; {fix}; nothing was released or recorded") from None
+        return rows.mean(dim=0)
 
     # -- releases -----------------------------------------------------------------------------------------------------
 

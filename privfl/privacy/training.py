@@ -72,6 +72,7 @@ from accounting import (
     PrivacyEvent,
     SelfComposedEvent,
     SubsampledGaussianEvent,
+    limits,
 )
 from accounting import epsilon as accounting_epsilon
 from accounting.calibration import analytic_gaussian_sigma, calibrate_noise_multiplier
@@ -94,6 +95,35 @@ RELATIONS = {
     CENTRAL: "add or remove one training client; against everyone but the trusted aggregator, which sees each "
              "contribution",
 }
+
+
+def check_epsilon_target(value: Any, name: str) -> float:
+    """A target epsilon noise is calibrated for: finite, > 0 and at most
+    :data:`~accounting.limits.EPSILON_CEILING` (natural log)."""
+    epsilon = check.epsilon(value, name)
+    check.require(epsilon <= limits.EPSILON_CEILING, name, epsilon,
+                  f"at most {limits.EPSILON_CEILING:g} (the largest target noise is calibrated for: a likelihood "
+                  f"ratio of e^{limits.EPSILON_CEILING:g} protects nothing; accounting.limits)")
+    return epsilon
+
+
+def check_delta(value: Any, name: str) -> float:
+    """A delta noise is calibrated at: a probability in (0, 1), at least :data:`~accounting.limits.DELTA_FLOOR`."""
+    delta = check.delta(value, name)
+    check.require(delta >= limits.DELTA_FLOOR, name, delta,
+                  f"a probability of at least {limits.DELTA_FLOOR:g} (the least delta the accountants resolve: below "
+                  "it the mass they cut from each composition's tails exceeds delta, and epsilon reads infinite)")
+    return delta
+
+
+def check_noise_multiplier(value: Any, name: str) -> float:
+    """A noise multiplier (sigma / sensitivity) the accountants price: at least
+    :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR`."""
+    floor = limits.NOISE_MULTIPLIER_FLOOR
+    check.require(is_finite(value) and value >= floor, name, value,
+                  f"a finite number >= {floor:g} (the least noise the accountants price: one release at it is about "
+                  "(92, 1e-5)-DP; accounting.limits)")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -139,7 +169,7 @@ class TrainingPrivacy:
     def __post_init__(self) -> None:
         check.require(self.mode is None or self.mode in MODES, "privacy mode", self.mode,
                       f"None (no DP for training clients) or one of {', '.join(map(repr, MODES))}")
-        check.delta(self.delta, "privacy delta")
+        check_delta(self.delta, "privacy delta")
         check.choice(self.noise, "privacy noise", NOISE_SOURCES)
         check.integer(self.noise_seed, "privacy noise_seed", 0)
         check.integer(self.min_samples, "privacy min_samples", 1)
@@ -175,9 +205,9 @@ class TrainingPrivacy:
                               f"noise_multiplier, got epsilon={self.epsilon!r}, "
                               f"noise_multiplier={self.noise_multiplier!r}")
         if self.epsilon is not None:
-            check.epsilon(self.epsilon, "privacy epsilon")
+            check_epsilon_target(self.epsilon, "privacy epsilon")
         if self.noise_multiplier is not None:
-            check.positive(self.noise_multiplier, "privacy noise_multiplier")
+            check_noise_multiplier(self.noise_multiplier, "privacy noise_multiplier")
         if self.participations is not None and self.mode not in (LOCAL, DISTRIBUTED):
             raise ConfigError(f"privacy participations is for modes 'local' and 'distributed' (it sets how many "
                               f"releases each noise is calibrated for), got it with mode {self.mode!r}")
@@ -230,8 +260,8 @@ class NovelPrivacy:
 
     def __post_init__(self) -> None:
         if self.epsilon is not None:
-            check.epsilon(self.epsilon, "novel epsilon")
-        check.delta(self.delta, "novel delta")
+            check_epsilon_target(self.epsilon, "novel epsilon")
+        check_delta(self.delta, "novel delta")
         check.positive(self.bound, "novel bound")
         check.choice(self.noise, "novel noise", NOISE_SOURCES)
         check.integer(self.noise_seed, "novel noise_seed", 0)
@@ -261,12 +291,38 @@ def _from_dict(cls: type[_Settings], values: object, what: str) -> _Settings:
     return cls(**values)
 
 
+def delta_meaning(delta: float, count: int, what: str) -> str | None:
+    """What a guarantee at ``delta`` means when it protects one of ``count`` units (``what``: records of a client,
+    clients), where ``delta >= 1 / count``: a mechanism that publishes one unit chosen at random, outright, is
+    (0, 1/count)-DP, so such a delta admits releases that expose a unit whole. ``None`` for a smaller delta.
+
+    >>> delta_meaning(1e-5, 100, "training clients") is None
+    True
+    """
+    if delta < 1.0 / count:
+        return None
+    return (f"delta={delta:g} is at least 1/{count} (one over the {count} {what}): at that delta a mechanism that "
+            f"publishes one of the {what} chosen at random, outright, is (0, 1/{count})-DP, so an (epsilon, "
+            f"{delta:g}) guarantee does not keep any one of them from being exposed whole")
+
+
 # -- calibration ------------------------------------------------------------------------------------------------------
 
 
 def _no_noise_error(privacy: TrainingPrivacy) -> ConfigError:
     return ConfigError(f"privacy mode {privacy.mode!r} with neither epsilon nor noise_multiplier has no noise to "
                        "calibrate; set exactly one of them")
+
+
+def _calibrate(event_at: Callable[[float], PrivacyEvent], privacy: TrainingPrivacy, what: str) -> float:
+    """The least noise multiplier for which ``event_at(z)`` meets the privacy target (by PLD); a target that cannot
+    be calibrated (:func:`~accounting.calibration.calibrate_noise_multiplier` says why) is a :class:`ConfigError`."""
+    if privacy.epsilon is None:
+        raise _no_noise_error(privacy)
+    try:
+        return calibrate_noise_multiplier(event_at, privacy.epsilon, privacy.delta, what=what)
+    except ValueError as error:
+        raise ConfigError(f"privacy mode {privacy.mode!r}: {error}") from None
 
 
 def record_sampling_rate(privacy: TrainingPrivacy, batch_size: int) -> float:
@@ -307,11 +363,8 @@ def record_noise_multiplier(privacy: TrainingPrivacy, round_event: Callable[[flo
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     check.integer(participations, "participations", 1)
-    if privacy.epsilon is None:
-        raise _no_noise_error(privacy)
-    return calibrate_noise_multiplier(lambda z: SelfComposedEvent(round_event(z), participations),
-                                      privacy.epsilon, privacy.delta,
-                                      what=f"{participations} rounds of a training client's releases")
+    return _calibrate(lambda z: SelfComposedEvent(round_event(z), participations), privacy,
+                      f"{participations} rounds of a training client's releases")
 
 
 def stage_clips(clip: float, stages: int, shares: tuple[float, ...] | None = None) -> tuple[float, ...]:
@@ -389,18 +442,16 @@ def central_round_event(noise_multiplier: float, sampling_probability: float) ->
     return SubsampledGaussianEvent(noise_multiplier, sampling_probability)
 
 
+@functools.lru_cache(maxsize=32)
 def central_noise_multiplier(privacy: TrainingPrivacy, *, sampling_probability: float, rounds: int) -> float:
     """Central mode: z of the round's release (count and update together, see the module docstring): the given
     ``noise_multiplier``, or the least z for which ``rounds`` Poisson-subsampled Gaussian rounds at q compose to
-    (epsilon, delta)."""
+    (epsilon, delta). Remembered: the run's plan and its aggregator ask for the same one."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     check.integer(rounds, "rounds", 1)
-    if privacy.epsilon is None:
-        raise _no_noise_error(privacy)
-    return calibrate_noise_multiplier(
-        lambda z: SelfComposedEvent(central_round_event(z, sampling_probability), rounds), privacy.epsilon,
-        privacy.delta, what=f"{rounds} rounds at client sampling rate {sampling_probability!r}")
+    return _calibrate(lambda z: SelfComposedEvent(central_round_event(z, sampling_probability), rounds), privacy,
+                      f"{rounds} rounds at client sampling rate {sampling_probability!r}")
 
 
 def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> float:
@@ -425,6 +476,7 @@ def joint_noise_multiplier(update: float, count_noise: float) -> float:
 __all__ = [
     "ADAPTIVE", "CENTRAL", "CLIENT_LEVEL", "DISTRIBUTED", "LOCAL", "MODES", "RECORD", "RELATIONS",
     "ClientLevelNoise", "NovelPrivacy", "TrainingPrivacy", "central_noise_multiplier", "central_round_event",
+    "check_delta", "check_epsilon_target", "check_noise_multiplier", "delta_meaning",
     "client_level_noise", "joint_noise_multiplier", "record_noise_multiplier", "record_sampling_rate",
     "record_steps_for_epochs", "share_epsilon",
     "stage_clips", "update_noise_multiplier",

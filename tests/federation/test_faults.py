@@ -122,3 +122,81 @@ def test_the_seeded_points_cover_every_kind_of_fault():
     kinds = Counter(KINDS[seed % len(KINDS)] for seed in SEEDS)
     assert len(SEEDS) >= 20 and set(kinds) == set(KINDS)
     assert min(kinds[k] for k in ("journal_line", "journal_after", "write:checkpoint.pt")) >= 4
+
+
+def _hold_lock(out: str, ready) -> None:
+    import time
+
+    from privfl.federation.lock import hold
+
+    with hold(out, engine="inprocess"):
+        ready.set()
+        time.sleep(120)
+
+
+def test_a_second_writer_is_refused_naming_the_first_and_a_dead_writer_s_lock_is_taken_over(tmp_path, monkeypatch):
+    from privfl.experiment import RunInterrupted
+    from privfl.federation.lock import LOCK, RunBusyError
+
+    monkeypatch.delenv(faults.ENV, raising=False)
+    out = tmp_path / "run"
+    with pytest.raises(RunInterrupted):
+        train(_config(), str(out), progress=False, stop_after_round=2)
+    journal = (out / "releases.jsonl").read_bytes()
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    writer = context.Process(target=_hold_lock, args=(str(out), ready))
+    writer.start()
+    try:
+        assert ready.wait(30)
+        # a resume while the run goes on trained its rounds a second time (18 releases for 9): refused, naming the
+        # writer and the command that stops it, and nothing is written
+        with pytest.raises(RunBusyError, match=rf"{out} is being written by another privfl process: pid {writer.pid} "
+                                               rf"on host .*Stop it first with kill -INT {writer.pid}"):
+            train(None, str(out), resume=True, progress=False)
+        with pytest.raises(RunBusyError, match=f"pid {writer.pid}"):
+            train(_config(), str(out), overwrite=True, progress=False)
+        assert (out / "releases.jsonl").read_bytes() == journal
+    finally:
+        writer.kill()
+        writer.join()
+    # killed (-9): its lock file stays, naming a dead process; the next writer takes it over, and removes it at its end
+    assert (out / LOCK).exists()
+    summary = train(None, str(out), resume=True, progress=False)
+    assert summary["rounds_completed"] == 4 and not (out / LOCK).exists()
+
+
+def test_a_resume_that_would_pass_the_target_says_by_how_much_before_it_runs(tmp_path, monkeypatch):
+    import re
+
+    from privfl.errors import ConfigError
+    from privfl.privacy.training import TrainingPrivacy
+
+    monkeypatch.delenv(faults.ENV, raising=False)
+    privacy = TrainingPrivacy(mode="record", epsilon=3.0, clip=1.0, noise="seeded", noise_seed=1)
+    config = dataclasses.replace(_config(), privacy=privacy, checkpoint_every=2)
+
+    def killed_in_round_3(out: str) -> None:
+        import os
+
+        os.environ[faults.ENV] = "journal_after:14"    # 4 releases a round: 2 of round 3's after round 2's 4
+        torch.set_num_threads(1)
+        train(config, out, progress=False)
+
+    out = tmp_path / "run"
+    child = multiprocessing.get_context("fork").Process(target=killed_in_round_3, args=(str(out),))
+    child.start()
+    child.join()
+    assert child.exitcode == -signal.SIGKILL
+    journal = (out / "releases.jsonl").read_bytes()
+    # the checkpoint holds rounds 0-1; rounds 2 and 3 were released (in part) and would be again: above the target
+    with pytest.raises(ConfigError, match=r"resuming .* from round 2 would take training clients \[.*\] to epsilon "
+                                          r"[0-9.]+ at delta 1e-05, [0-9.]+ above the target 3 .*--allow-overshoot"
+                       ) as refusal:
+        train(None, str(out), resume=True, progress=False)
+    assert (out / "releases.jsonl").read_bytes() == journal            # refused before any release
+    projected = float(re.search(r"to epsilon ([0-9.]+)", str(refusal.value)).group(1))
+    assert projected > 3.0
+    summary = train(None, str(out), resume=True, progress=False, allow_overshoot=True)
+    # the amount said before the run is the amount the run then reports
+    assert summary["privacy"]["epsilon_max_training"] == pytest.approx(projected, abs=1e-4)

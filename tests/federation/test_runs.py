@@ -333,3 +333,32 @@ def test_update_json_merges_parallel_writers_without_losing_rows(tmp_path):
     assert sorted(stored) == sorted(f"{w}-{i}" for w in range(4) for i in range(20))
     assert stored["2-0"] == "inf" and stored["3-19"] == 19
     assert not list(tmp_path.glob(".results.json.*.tmp"))   # no temporary file left behind
+
+
+def test_the_library_refuses_an_empty_out_and_deltas_that_disagree(tmp_path, tiny_config, monkeypatch):
+    from privfl.privacy.training import TrainingPrivacy
+
+    monkeypatch.chdir(tmp_path)
+    # the command line refused --out '', the library wrote a whole run into the current directory
+    for out in ("", "  "):
+        with pytest.raises(ConfigError, match="out must name a run directory, got"):
+            train(tiny_config(), out, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    # epsilon reported at delta 0.5 for noise calibrated at 1e-5 read 0.0: the two must be the same delta
+    with pytest.raises(ConfigError, match=r"delta=0\.5 \(the delta every epsilon of the run is reported at\) differs "
+                                          r"from privacy delta=1e-05 \(the delta its noise is calibrated for\)"):
+        tiny_config(delta=0.5, privacy=TrainingPrivacy(mode="record", epsilon=1.0, delta=1e-5))
+
+
+def test_a_new_run_refused_by_its_plan_leaves_no_folder(tmp_path, tiny_config, small_pld_grids):
+    from privfl.privacy.training import TrainingPrivacy
+
+    # central DP at client fraction 1e-9: every client is sampled with probability below delta, so epsilon is 0
+    # whatever the noise and no noise multiplier is the least that meets epsilon 1 (this search used to run away
+    # in memory, ignoring Ctrl-C); refused before any release, no folder left
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"cannot be calibrated for 4 rounds at client sampling rate 1e-09: "
+                                          r"even the least noise .* spends only epsilon 0"):
+        train(tiny_config(client_fraction=1e-9, privacy=TrainingPrivacy(mode="central", epsilon=1.0)), str(out),
+              progress=False)
+    assert not out.exists()

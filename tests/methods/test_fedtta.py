@@ -453,7 +453,8 @@ def test_dp_sgd_clips_the_per_record_meta_gradient_over_psi_and_phi_by_the_torch
     assert all(float(a[start:].abs().max()) > 0 for a in alone)   # phi's gradient (through the inner step) is in it
 
 
-def test_record_level_meta_fit_moves_psi_at_eta_out_and_phi_at_eta_ad_with_their_weight_decay(make_spec):
+def test_record_level_meta_fit_moves_psi_at_eta_out_and_phi_at_eta_ad_with_their_weight_decay(make_spec,
+                                                                                            noise_floor_lifted):
     # q = 1 (batch_size >= n), noise negligible, clip never reached: one DP-SGD step is the per-record gradients summed
     # and divided by batch_size
     privacy = TrainingPrivacy(mode="record", noise_multiplier=1e-12, clip=1e3, noise="seeded")   # noise std 1e-9

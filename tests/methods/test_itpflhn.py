@@ -240,7 +240,7 @@ def test_a_target_epsilon_is_spent_exactly_over_phase_one_rounds_and_is_not_exce
         assert all(check(eps) for eps in spent), (phase1_rounds, spent)
 
 
-def test_the_private_regression_step_is_the_regression_gradient_when_noise_and_clipping_vanish():
+def test_the_private_regression_step_is_the_regression_gradient_when_noise_and_clipping_vanish(noise_floor_lifted):
     """z -> 0 and a clip no norm reaches: the two releases of each step give the exact regression gradient (the
     cotangent is taken at the noisy mean, which is then the true one)."""
     clients = [client(0, n=12)]

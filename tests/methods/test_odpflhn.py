@@ -243,7 +243,7 @@ def test_a_record_level_round_records_the_three_releases_its_procedure_declares(
     assert all(not r.metadata.get("n") for r in records)                 # n stays out of the ledger
 
 
-def test_the_private_encoder_gradient_is_the_true_one_without_noise_or_clipping():
+def test_the_private_encoder_gradient_is_the_true_one_without_noise_or_clipping(noise_floor_lifted):
     # with (almost) no noise and a clip no contribution reaches, the per-record path gives the gradient of the
     # descriptor's mean, the one the non-private client sends
     runtime = _record_runtime(clip=1e3, noise_multiplier=1e-12)

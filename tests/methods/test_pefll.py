@@ -239,7 +239,7 @@ def test_a_record_level_round_records_exactly_the_declared_three_releases_over_t
         assert all(r.metadata["min_samples"] == 6 and "n" not in r.metadata for r in records)
 
 
-def test_the_record_level_descriptor_is_the_clipped_mean_of_the_whole_split_plus_the_declared_noise():
+def test_the_record_level_descriptor_is_the_clipped_mean_of_the_whole_split_plus_the_declared_noise(noise_floor_lifted):
     clients = [_client(0, n=12)]
     tiny = TrainingPrivacy(mode="record", noise_multiplier=1e-9, clip=0.6, noise="seeded", min_samples=6)
     runtime, _ = _private_runtime(clients, tiny)
@@ -250,7 +250,7 @@ def test_the_record_level_descriptor_is_the_clipped_mean_of_the_whole_split_plus
     assert torch.allclose(replies[0].arrays["descriptor"], expected, atol=1e-6)
 
 
-def test_the_record_level_embedding_gradient_is_the_true_one_when_noise_and_clipping_vanish():
+def test_the_record_level_embedding_gradient_is_the_true_one_when_noise_and_clipping_vanish(noise_floor_lifted):
     """z -> 0, a clip no gradient reaches: the clipped, noised per-record mean is the chain rule of line 14."""
     clients = [_client(0, n=12)]
     results = []

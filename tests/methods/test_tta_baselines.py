@@ -423,7 +423,8 @@ def _round(make_spec, method, privacy, **settings):
 SEEDED = dict(noise="seeded", noise_seed=3)
 
 
-def test_afl_record_level_releases_its_loss_by_a_gaussian_of_sensitivity_b_over_min_samples(make_spec):
+def test_afl_record_level_releases_its_loss_by_a_gaussian_of_sensitivity_b_over_min_samples(make_spec,
+                                                                                          noise_floor_lifted):
     privacy = TrainingPrivacy(mode="record", noise_multiplier=1.5, min_samples=8, **SEEDED)
     data, client, message, _, release = _round(make_spec, "afl", privacy, loss_bound=4.0)
     loss_event = GaussianEvent(sigma=1.5 * 0.5, sensitivity=0.5, relation=NeighboringRelation.ADD_OR_REMOVE_ONE)

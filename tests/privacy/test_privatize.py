@@ -582,3 +582,25 @@ def test_a_psi_cannot_return_a_raw_record_phi_cached():
     assert "record" not in cache.box                         # the copy phi ran as cached it, not the encoder's
     assert not any(torch.allclose(descriptor.double(), r[:3].double()) for r in records)
     assert float(descriptor.abs().max()) < 1.0               # the noisy mean of zero rows, not a record near 10
+
+
+@pytest.mark.parametrize("x,needle", [
+    (torch.randn(6), r"\d of shape \(\), dtype torch\.float32\): Dimension out of range.*x must be \[n, \*sample "
+                     r"shape\]"),
+    (torch.randn(5, 4), r"\d of shape \(4,\), dtype torch\.float32\): mat1 and mat2 shapes cannot be multiplied"),
+    (torch.randn(5, 2, 6), r"\d of shape \(2, 6\), dtype torch\.float32\)"),
+    (torch.randn(5, 6, dtype=torch.float64),
+     r"\d of shape \(6,\), dtype torch\.float64\): .*x must have the dtype phi computes in "
+     r"\(pass x\.to\(torch\.float32\)\)"),
+])
+@pytest.mark.parametrize("call", ["release", "forward", "batched"])
+def test_inputs_phi_cannot_take_are_one_line_and_release_nothing(x, needle, call):
+    # were raw torch errors (IndexError, RuntimeError) with their tracebacks
+    ledger = PrivacyLedger(0)
+    private = privatize(encoder(), EPS, DELTA, ledger=ledger)
+    run = {"release": lambda: private.release(x), "forward": lambda: private(x),
+           "batched": lambda: private.release_batched(x, batch_size=2)}[call]
+    with pytest.raises(ConfigError, match=r"encoder\.phi cannot take the samples of x \(" + needle) as refusal:
+        run()
+    assert "\n" not in str(refusal.value) and "nothing was released or recorded" in str(refusal.value)
+    assert len(ledger) == 0

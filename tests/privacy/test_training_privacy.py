@@ -82,7 +82,7 @@ def _fedavg(spec, privacy, **overrides):
     return RunConfig(**values)
 
 
-def test_central_dp_without_noise_or_clipping_is_fedavg(make_spec):
+def test_central_dp_without_noise_or_clipping_is_fedavg(make_spec, noise_floor_lifted):
     # q = 1 samples every client and the expected count is the count; a clip no update reaches and a negligible
     # noise multiplier leave FedAvg's uniform mean
     spec = make_spec(num_clients=6, novel_fraction=0.5, partition="iid")
@@ -103,7 +103,7 @@ def test_central_dp_without_noise_or_clipping_is_fedavg(make_spec):
         assert ledgers[cid].records[1].event == SubsampledGaussianEvent(1e-7, 1.0)
 
 
-def test_central_dp_clips_each_contribution_and_adapts_the_clip(make_spec):
+def test_central_dp_clips_each_contribution_and_adapts_the_clip(make_spec, noise_floor_lifted):
     spec = make_spec(num_clients=6, novel_fraction=0.5, partition="iid")
     federation = build_federation(spec, seed=2)
     privacy = TrainingPrivacy(mode="central", noise_multiplier=1e-7, clip="adaptive", clip_initial=1e-3,
