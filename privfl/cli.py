@@ -15,7 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-from accounting import BudgetExceededError
 from privfl.errors import InternalError, PrivflError
 from privfl.helpformat import show_defaults
 
@@ -707,7 +706,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The ``privfl`` command. A Ctrl-C anywhere, even while torch is still being imported, ends it with
+    ``privfl: interrupted`` and exit status 130, never a traceback (long work saves what it has first)."""
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        print("privfl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["flower"]:
             from privfl.federation.flower.launch import main as flower_main
@@ -745,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(threads)
+    from accounting import BudgetExceededError
+
     try:
         return args.func(args)
     except RunInterrupted as interrupted:

@@ -498,3 +498,18 @@ def test_demo_writes_over_no_file_privfl_did_not_write(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1
         assert (out / "fedavg" / "config.json").read_text() == '{"my": "notes"}'
         assert sorted(p.name for p in out.rglob("*")) == ["config.json", "fedavg"]
+
+
+@pytest.mark.parametrize("where", ["build_parser", "reuse_freed_memory"])
+def test_a_ctrl_c_before_the_command_runs_ends_it_in_one_line_with_status_130(monkeypatch, capsys, where):
+    """A Ctrl-C while the parser is built or torch is imported (seconds on a loaded machine) is no traceback."""
+    import privfl.cli as cli
+    import privfl.memory as memory
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli if where == "build_parser" else memory, where, interrupted)
+    assert main(["train", "--dataset", "synthetic", "--out", "never-written"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "privfl: interrupted\n" and "Traceback" not in captured.out
