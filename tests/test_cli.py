@@ -473,7 +473,7 @@ def test_a_large_delta_runs_only_when_allowed_and_says_what_it_means_and_the_pla
 def test_a_refused_sweep_leaves_nothing_and_private_rounds_under_the_full_grid_are_refused(tmp_path, capsys):
     sweep = ["sweep", "--dataset", "synthetic", "--clients", "4", "--max-samples", "400", "--rounds", "1",
              "--client-fraction", "1", "--sizes", "10", "--novel-mixes", "2", "--eval-size", "20", "--repeats", "1",
-             "--epsilons", "1", "--train-epsilons", "1", "--threads", "1", "--no-progress"]
+             "--epsilons", "1", "--train-epsilons", "1", "--threads", "1", "--no-progress", "--features", "none"]
     out = tmp_path / "sweep"
     # refused by its training's own check (no client holds 500 records): it left sweep-config.json, and the corrected
     # command was then refused as "a sweep of other settings"

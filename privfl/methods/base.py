@@ -281,6 +281,12 @@ class ClientProcedure(ABC):
         rate :meth:`record_sampling_rate` (the conformance tests check that it matches what a round records)."""
         return dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps())
 
+    def planned_round_event(self) -> PrivacyEvent:
+        """Record level: the event one round of this client's releases will record, priced before the first release
+        (:mod:`privfl.methods.plan`): :meth:`round_event` at :meth:`noise_multiplier`. A method whose releases are
+        calibrated otherwise (DP-FedPFT's one Gaussian per message) says so here; public quantities only."""
+        return self.round_event(self.noise_multiplier())
+
     def record_sampling_rate(self) -> float:
         """Record level: q, the public Poisson rate of every DP-SGD step (:func:`~privfl.privacy.training.
         record_sampling_rate` of the privacy settings and this method's ``batch_size``)."""

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from accounting import GaussianEvent
+from accounting import GaussianEvent, PrivacyEvent
 from accounting import epsilon as accounting_epsilon
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
@@ -71,7 +71,14 @@ from privfl.methods.base import (
     register_method,
 )
 from privfl.methods.local_training import local_sgd, weights_of
-from privfl.privacy.dp_gmm import COUNTS_MODES, COVARIANCE_TYPES, check_data, release_class_gaussians
+from privfl.privacy.dp_gmm import (
+    COUNTS_MODES,
+    COVARIANCE_TYPES,
+    block_sensitivities,
+    calibrate_blocks,
+    check_data,
+    release_class_gaussians,
+)
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 __all__ = [
@@ -562,16 +569,29 @@ class FedPFTClient(ClientProcedure):
         train_head(head, data.x_train, data.y_train, rng=ctx.rng, **self.config.head_settings())
         state.update({"head." + k: v for k, v in weights_of(head).items()})
 
+    def _release_epsilon(self) -> float:
+        """The epsilon of the one DP-GMM release: the run's; with a noise multiplier z instead, the epsilon a Gaussian
+        release of noise multiplier z spends at delta (the release's blocks are calibrated jointly, as one Gaussian)."""
+        privacy = self.privacy
+        return privacy.epsilon if privacy.epsilon is not None else accounting_epsilon(
+            GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
+
+    def planned_round_event(self) -> PrivacyEvent:
+        """Record level: the one Gaussian event :func:`release_class_gaussians` records for this client's message,
+        from the settings alone (the blocks' sensitivities follow from the bound, covariance type, counts and
+        relation; no record enters)."""
+        cfg, privacy = self.config, self.privacy
+        sensitivities = block_sensitivities(bound=1.0, covariance=cfg.covariance, relation=cfg.dp_relation,
+                                            counts=cfg.dp_counts, project="sphere")
+        return calibrate_blocks(epsilon=self._release_epsilon(), delta=privacy.delta,
+                                sensitivities=sensitivities.blocks(), relation=cfg.dp_relation).event
+
     def _private_release(self, data: TrainingClient, ctx: ClientContext) -> Release:
         """DP-FedPFT: :func:`release_class_gaussians` on unit-norm features; the wire records its composed event."""
         cfg, privacy = self.config, self.privacy
-        # calibrated to the run's epsilon; with a noise multiplier z instead, to the epsilon a Gaussian release of
-        # noise multiplier z spends at delta (the release's blocks are calibrated jointly, as one Gaussian)
-        epsilon = privacy.epsilon if privacy.epsilon is not None else accounting_epsilon(
-            GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
         release = release_class_gaussians(
             _features(data.x_train, cfg), data.y_train, num_classes=self.model_factory.num_classes,
-            epsilon=epsilon, delta=privacy.delta, bound=1.0, covariance=cfg.covariance, components=1,
+            epsilon=self._release_epsilon(), delta=privacy.delta, bound=1.0, covariance=cfg.covariance, components=1,
             counts=cfg.dp_counts, relation=cfg.dp_relation, eigenvalue_floor=cfg.reg_covar, project="sphere",
             **self.noise_source(ctx, "fedpft_dp_noise"))
         mixtures = []

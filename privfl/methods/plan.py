@@ -101,7 +101,7 @@ def round_event(client: ClientProcedure, privacy: TrainingPrivacy, *, rounds: in
     ``None`` in the other modes, whose rounds are capped by the ledger itself (``calibrated_for``)."""
     if privacy.mode == RECORD:
         inner = client.inner if isinstance(client, PrivateClient) else client
-        return inner.round_event(inner.noise_multiplier())
+        return inner.planned_round_event()
     if privacy.mode == CENTRAL:
         z = central_noise_multiplier(privacy, sampling_probability=client_fraction, rounds=rounds)
         return central_round_event(z, client_fraction)

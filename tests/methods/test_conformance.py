@@ -25,7 +25,8 @@ import re
 import pytest
 import torch
 
-from accounting import LedgerBook, ReleaseJournal
+from accounting import ComposedEvent, LedgerBook, ReleaseJournal
+from accounting import epsilon as accounting_epsilon
 from privfl.cli import main as cli
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, NovelClient, build_federation
@@ -104,6 +105,34 @@ def test_every_method_runs_each_privacy_mode_with_finite_epsilons_or_refuses_it_
     for cid in training:
         if cid in book:
             assert re.search(rf"^\s*{cid}\s", listed, flags=re.M), listed
+
+
+@pytest.mark.parametrize("method", [m for m in METHOD_NAMES if METHODS[m].privacy["record"] is None
+                                    and METHODS[m].releases_per_round > 0])
+def test_the_round_a_plan_prices_bounds_every_round_a_training_client_records(method, tmp_path):
+    """Record level: the round the plan prices before the first release (``planned_round_event``) bounds every round
+    a training client then records (equal for one-release methods: DP-SGD fits, DP-FedPFT's one Gaussian)."""
+    from privfl.config import build_client
+
+    config = smoke_config(method, "record", rounds=2)
+    federation = build_federation(config.federation, seed=config.seed)
+    client = build_client(config, federation.input_shape, federation.num_classes, len(federation.training_clients))
+    planned = getattr(client, "inner", client).planned_round_event()
+    train(config, str(tmp_path / "run"), progress=False)
+    run = RunDirectory(tmp_path / "run")
+    training = {int(row["client_id"]) for row in run.read_clients() if row["role"] == "training"}
+    book = LedgerBook.load(run.path(RunDirectory.LEDGER))
+    rounds: dict[tuple, list] = {}
+    for cid in training & set(book):
+        for record in book[cid].records:
+            rounds.setdefault((cid, record.round), []).append(record.event)
+    assert rounds, "no training client recorded a release"
+    priced = accounting_epsilon(planned, DELTA)
+    for (cid, round), events in rounds.items():
+        recorded = events[0] if len(events) == 1 else ComposedEvent(tuple(events))
+        if METHODS[method].releases_per_round == 1:
+            assert recorded == planned, (method, cid, round, events, planned)
+        assert accounting_epsilon(recorded, DELTA) <= priced * (1 + 1e-9), (method, cid, round, events, planned)
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)
