@@ -49,7 +49,7 @@ READMES = ("README.md", "benchmarks/README.md")
 #: local-training path every method uses, the privacy wrapper around methods, and the scoring of novel clients.
 RUNTIME = ("privfl/config.py", "privfl/experiment.py", "privfl/engine.py", "privfl/federation",
            "!privfl/federation/flower", "privfl/data", "privfl/methods/base.py", "privfl/methods/local_training.py",
-           "privfl/methods/private.py", "privfl/evaluation/metrics.py", "privfl/evaluation/novel_pool.py",
+           "privfl/methods/private.py", "privfl/metrics.py", "privfl/evaluation/novel_pool.py",
            "privfl/memory.py", "privfl/devices.py")
 #: Every noise, sensitivity and epsilon: the privacy layer and the accountants.
 PRIVACY = ("privfl/privacy", "accounting")

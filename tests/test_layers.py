@@ -4,7 +4,7 @@ The layers, bottom to top (a module may import its own package and any lower lay
 beside it on the same layer):
 
 0. ``accounting``: pure DP mathematics (no torch, no privfl);
-1. leaves of privfl: errors, pickle loading, provenance, memory, scoring (``privfl.evaluation.metrics``), the
+1. leaves of privfl: errors, pickle loading, provenance, memory, scoring (``privfl.metrics``), the
    ``--help`` format; above
    them the device choice (``privfl.devices``) and the registry;
 2. data and models;
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("accounting",),
-    ("privfl.errors", "privfl.safe_pickle", "privfl.provenance", "privfl.memory", "privfl.evaluation.metrics",
+    ("privfl.errors", "privfl.safe_pickle", "privfl.provenance", "privfl.memory", "privfl.metrics",
      "privfl.helpformat"),
     ("privfl.devices",),
     ("privfl.registry",),

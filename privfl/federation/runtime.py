@@ -40,7 +40,7 @@ from privfl.federation.workers import ClientWorkers, check_threads, check_worker
 
 if TYPE_CHECKING:   # the methods sit above this module: only their interfaces are named here
     from privfl.data import FederatedDataset
-    from privfl.evaluation.metrics import ClientScore
+    from privfl.metrics import ClientScore
 
 Score = Callable[[nn.Module, torch.Tensor, torch.Tensor], "ClientScore"]
 

@@ -429,7 +429,7 @@ def _train(node: Node, client: NodeClient, body: Message, header: dict[str, Any]
 
 
 def _evaluate(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
-    from privfl.evaluation.metrics import score_model
+    from privfl.metrics import score_model
 
     client.expect("training", "evaluate")
     completed = int(header["completed_rounds"])
@@ -469,7 +469,7 @@ def _novel_request(node: Node, client: NodeClient, body: Message, header: dict[s
 
 
 def _novel_model(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
-    from privfl.evaluation.metrics import score_model
+    from privfl.metrics import score_model
 
     client.expect("novel", "novel_model")
     model = node.procedure.novel_model(client.data, body)

@@ -32,12 +32,12 @@ from flwr.serverapp import Grid
 from accounting import LedgerBook, PrivacyLedger, ReleaseJournal, ReleaseRecord
 from privfl.config import RunConfig
 from privfl.errors import ConfigError, InternalError
-from privfl.evaluation.metrics import ClientScore
 from privfl.federation.flower import protocol as p
 from privfl.federation.flower.nodes import connect
 from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
 from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum, how_to_continue
+from privfl.metrics import ClientScore
 
 logger = logging.getLogger(__name__)
 

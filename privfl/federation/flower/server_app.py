@@ -18,12 +18,12 @@ from flwr.serverapp import Grid, ServerApp
 
 from privfl.config import RunConfig, build_method, run_federation
 from privfl.errors import ConfigError
-from privfl.evaluation.metrics import summarize_scores
 from privfl.federation.flower import protocol as p
 from privfl.federation.flower.runtime import FlowerRuntime
 from privfl.federation.flower.transport import ids_text
 from privfl.federation.rundir import RunDirectory, atomic_write_bytes, dumps
 from privfl.federation.runtime import engine_of, how_to_continue
+from privfl.metrics import summarize_scores
 
 ServerMain = Callable[[Grid, Mapping[str, Any]], dict[str, Any]]
 
