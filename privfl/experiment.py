@@ -1,7 +1,7 @@
 """One run, end to end: data -> method -> a runtime's rounds -> evaluation -> run directory.
 
 This module sits above the engines: :func:`train` runs any :class:`~privfl.federation.runtime.Runtime` it is given
-(by default the in-process one, :func:`build_runtime`); :mod:`privfl.engine` picks the engine (in-process, or
+(by default the in-process one, :func:`build_runtime`); :mod:`privfl.engines.choice` picks the engine (in-process, or
 Flower's simulation and deployment engines) and hands the matching runtime here. A run is fully described by a
 :class:`~privfl.config.RunConfig`, which is written to ``config.json`` so ``privfl train --resume RUN_DIR`` can rebuild
 the same run and continue it. Model selection uses the validation splits of training clients only; novel clients are
@@ -108,7 +108,7 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
     ``runtime_factory(config, federation)`` builds the runtime that runs the rounds: :func:`build_runtime`
-    (in-process) by default; :mod:`privfl.engine` passes Flower's, and names its ``engine`` (``flower-sim``,
+    (in-process) by default; :mod:`privfl.engines.choice` passes Flower's, and names its ``engine`` (``flower-sim``,
     ``flower-deployment``), which the messages of a run that stops early name the command to continue it by
     (:func:`~privfl.federation.runtime.how_to_continue`). With ``resume`` the run's ``config.json`` is the config
     (``config`` may be ``None``). ``stop_after_round`` stops the run as an interruption would, after that many
