@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from privfl.data import load_source
-from privfl.evaluation.metrics import mean_sem
 from privfl.federation.rundir import update_json
+from privfl.metrics import mean_sem
 from privfl.models import build_model
 from privfl.models.features import load_stage, map_inputs
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer

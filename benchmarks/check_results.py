@@ -47,10 +47,9 @@ READMES = ("README.md", "benchmarks/README.md")
 # Groups of source paths (a folder stands for every file under it; ``!path`` excludes one).
 #: What every federated run executes: configs, the run loop and the in-process engine, the wire, seeding, data, the
 #: local-training path every method uses, the privacy wrapper around methods, and the scoring of novel clients.
-RUNTIME = ("privfl/config.py", "privfl/experiment.py", "privfl/engine.py", "privfl/federation",
-           "!privfl/federation/flower", "privfl/data", "privfl/methods/base.py", "privfl/methods/local_training.py",
-           "privfl/methods/private.py", "privfl/evaluation/metrics.py", "privfl/evaluation/novel_pool.py",
-           "privfl/memory.py", "privfl/devices.py")
+RUNTIME = ("privfl/config.py", "privfl/experiment.py", "privfl/engines/choice.py", "privfl/federation",
+           "privfl/data", "privfl/methods/base.py", "privfl/methods/local_training.py", "privfl/methods/private.py",
+           "privfl/metrics.py", "privfl/evaluation/novel_pool.py", "privfl/memory.py", "privfl/devices.py")
 #: Every noise, sensitivity and epsilon: the privacy layer and the accountants.
 PRIVACY = ("privfl/privacy", "accounting")
 #: Targets, encoders, hypernetworks and backbones.
@@ -58,11 +57,11 @@ MODELS = ("privfl/models",)
 #: A federated training: all three.
 TRAINING = RUNTIME + PRIVACY + MODELS
 #: The Flower engines (simulation and deployment).
-FLOWER = ("privfl/federation/flower", "privfl/flower_server.py")
+FLOWER = ("privfl/engines/flower",)
 #: The reconstruction attack: the attack code, the backbone's features, data, and the FedPFT / DP-FedPFT releases
 #: through the wire and the ledger.
 ATTACK = ("attacks", "privfl/models/backbones.py", "privfl/data", "privfl/methods/base.py", "privfl/methods/fedpft.py",
-          "privfl/federation", "!privfl/federation/flower", *PRIVACY)
+          "privfl/federation", *PRIVACY)
 
 
 def _methods(*names: str) -> tuple[str, ...]:

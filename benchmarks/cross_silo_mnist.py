@@ -49,12 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accounting import LedgerBook  # noqa: E402
 from privfl.config import RunConfig, build_client, run_federation  # noqa: E402
 from privfl.data import FederationSpec  # noqa: E402
-from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.experiment import train_once  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
 from privfl.federation.rundir import update_json  # noqa: E402
 from privfl.federation.seeding import derive_rng  # noqa: E402
 from privfl.methods.local_training import sgd_settings  # noqa: E402
+from privfl.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.privacy.training import TrainingPrivacy  # noqa: E402
 from privfl.provenance import numerics  # noqa: E402
 

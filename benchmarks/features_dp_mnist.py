@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from privfl.config import RunConfig
-from privfl.evaluation.metrics import mean_sem
 from privfl.experiment import train_once
 from privfl.federation.rundir import update_json
+from privfl.metrics import mean_sem
 from privfl.privacy.training import TrainingPrivacy
 from privfl.provenance import numerics
 from privfl.sweep import SweepConfig

@@ -36,7 +36,6 @@ import torch
 
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation, load_source
-from privfl.evaluation.metrics import score_model
 from privfl.experiment import build_runtime
 from privfl.federation.rundir import to_json_safe
 from privfl.methods import get_method
@@ -49,6 +48,7 @@ from privfl.methods.fedpft_baselines import (
     local_heads,
     mean_local_accuracy,
 )
+from privfl.metrics import score_model
 from privfl.models.backbones import cache_key_sha256, default_cache_dir, extract_features, mobilenet_v2
 from privfl.privacy.training import TrainingPrivacy
 

@@ -49,11 +49,11 @@ import torch
 
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, NovelClient, build_federation
-from privfl.evaluation.metrics import score_model, summarize_scores
 from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
+from privfl.metrics import score_model, summarize_scores
 from privfl.privacy.training import TrainingPrivacy, client_level_noise
 from privfl.provenance import numerics
 from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD  # ODPFL-HN: the privacy sweep's encoder and server settings

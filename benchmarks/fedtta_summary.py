@@ -29,7 +29,7 @@ from pathlib import Path
 
 from scipy import stats
 
-from privfl.evaluation.metrics import mean_sem
+from privfl.metrics import mean_sem
 
 RESULTS = Path(__file__).parent / "results"
 KEY = re.compile(r"^(?P<training>[a-z0-9_]+)-seed(?P<seed>\d+)-rounds(?P<rounds>\d+)-fraction(?P<fraction>[\d.]+)"

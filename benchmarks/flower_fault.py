@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "flower_fault.json"
 TRAINING_CLIENTS, NODES = 100, 2
-LAUNCH = [sys.executable, "-m", "privfl.federation.flower.launch"]
+LAUNCH = [sys.executable, "-m", "privfl.engines.flower.launch"]
 
 
 def run_config(rounds: int):
@@ -65,7 +65,7 @@ class Session:
     ended by :meth:`close`."""
 
     def __init__(self, work: Path) -> None:
-        from privfl.federation.flower import launch
+        from privfl.engines.flower import launch
 
         self.launch = launch
         self.work = work

@@ -10,15 +10,15 @@ ratios are of medians, and per repeat to the in-process run of the same repeat.
 * in-process: :func:`privfl.experiment.build_runtime`, this process, 1 torch thread;
 * simulation: ``--actors`` Ray client processes with 1 torch thread each, and virtual SuperNodes holding as many
   clients as the run chooses when ``--flower-clients-per-node`` is not given
-  (:func:`~privfl.federation.flower.protocol.auto_clients_per_node`: 50 with 1 actor, so 4 nodes), reported as
+  (:func:`~privfl.engines.flower.protocol.auto_clients_per_node`: 50 with 1 actor, so 4 nodes), reported as
   ``simulation``; ``simulation_kK`` for each ``--clients-per-node`` K: virtual SuperNodes holding K consecutive
   clients each (200 / K nodes; K = 1, a node per client, was the default before), one packed Flower message per node
   and round;
 * deployment: a SuperLink and 2 SuperNodes on loopback (TLS, node authentication), each SuperNode holding 50
   training clients (``partition-range``), ``flwr run`` of the privfl app; round times come from the run's summary
   (``summary["flower"]["round_seconds"]``). ``deployment``: ``privfl flower supernode``'s defaults, process isolation
-  with one long-lived ClientApp process per SuperNode (:mod:`privfl.federation.flower.worker`) and an idle poll of
-  0.25 s (:mod:`privfl.federation.flower.supernode`); ``deployment_subprocess``: Flower's own behaviour, as before,
+  with one long-lived ClientApp process per SuperNode (:mod:`privfl.engines.flower.worker`) and an idle poll of
+  0.25 s (:mod:`privfl.engines.flower.supernode`); ``deployment_subprocess``: Flower's own behaviour, as before,
   ``--isolation subprocess --poll-s 3``: a fresh ClientApp process per message, the SuperLink asked every 3 s.
   Two SuperNodes train in parallel (one ClientApp process each, 1 thread), so on a 2-core machine this engine may
   use 2 cores where the others use 1.
@@ -124,8 +124,8 @@ def _timed_client_app(defaults: dict, log_dir: str, profile: bool):
     into files under ``log_dir``, one per client process."""
     from flwr.clientapp import ClientApp
 
-    from privfl.federation.flower import protocol as p
-    from privfl.federation.flower.client_app import handle
+    from privfl.engines.flower import protocol as p
+    from privfl.engines.flower.client_app import handle
 
     app = ClientApp()
 
@@ -163,10 +163,10 @@ def simulation(config, rounds: int, actors: int, profile: bool = False,
     from flwr.serverapp import Grid, ServerApp
 
     from privfl.data import build_federation
-    from privfl.engine import flower_runtime_factory
-    from privfl.federation.flower import FlowerOptions
-    from privfl.federation.flower import protocol as p
-    from privfl.federation.flower.simulation import grouping, num_clients, num_nodes, run_apps
+    from privfl.engines.choice import flower_runtime_factory
+    from privfl.engines.flower import FlowerOptions
+    from privfl.engines.flower import protocol as p
+    from privfl.engines.flower.simulation import grouping, num_clients, num_nodes, run_apps
 
     federation = build_federation(config.federation, seed=0)
     options = FlowerOptions(max_actors=actors, threads=1, clients_per_node=clients_per_node).for_clients(
@@ -221,8 +221,8 @@ import time
 IMPORTING = time.time()
 from flwr.clientapp import ClientApp  # noqa: E402
 
-from privfl.federation.flower import protocol as p  # noqa: E402
-from privfl.federation.flower.client_app import handle  # noqa: E402
+from privfl.engines.flower import protocol as p  # noqa: E402
+from privfl.engines.flower.client_app import handle  # noqa: E402
 
 IMPORTED = time.time()
 
@@ -257,11 +257,11 @@ for message_type in set(p.MESSAGE_TYPES.values()):
 
 def _timed_app(directory: Path) -> Path:
     """The privfl Flower App with a ClientApp that times its messages (the App ships ``timed_app.py``)."""
-    from privfl.federation.flower import launch
+    from privfl.engines.flower import launch
 
     directory.mkdir(parents=True, exist_ok=True)
     text = (launch.APP_DIR / "pyproject.toml").read_text()
-    text = text.replace('clientapp = "privfl.federation.flower.client_app:app"', 'clientapp = "timed_app:app"')
+    text = text.replace('clientapp = "privfl.engines.flower.client_app:app"', 'clientapp = "timed_app:app"')
     if 'clientapp = "timed_app:app"' not in text:
         raise RuntimeError("the privfl App's pyproject.toml no longer names its ClientApp as this benchmark expects")
     (directory / "pyproject.toml").write_text(text)
@@ -306,7 +306,7 @@ def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING
     directories under ``work`` persist across calls, so the data is built once (every call with one ``work`` must
     use one federation). ``database``: the SuperLink's state, a fresh SQLite file in the run's directory when None
     (as ``privfl flower superlink`` keeps it), or ``:memory:``."""
-    from privfl.federation.flower import launch
+    from privfl.engines.flower import launch
 
     run_dir = Path(tempfile.mkdtemp(prefix="privfl-flower-deploy-", dir=work))
     (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
@@ -319,7 +319,7 @@ def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING
            "PRIVFL_BENCH_TIMINGS": str(timings)}
     app_dir = _timed_app(run_dir / "app")
     address = f"127.0.0.1:{launch.free_port()}"
-    command = [sys.executable, "-m", "privfl.federation.flower.launch"]
+    command = [sys.executable, "-m", "privfl.engines.flower.launch"]
     log = open(run_dir / "flower.log", "w")
     processes: list[subprocess.Popen] = []
     out = run_dir / "run"

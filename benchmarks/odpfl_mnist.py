@@ -48,12 +48,12 @@ from fedtta_mnist import PAPER as FEDTTA_PAPER_BASELINES  # noqa: E402
 
 from privfl.config import RunConfig  # noqa: E402
 from privfl.data import FederationSpec, build_federation  # noqa: E402
-from privfl.evaluation.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.experiment import build_runtime, train_once  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
 from privfl.federation.rundir import update_json  # noqa: E402
 from privfl.memory import reuse_freed_memory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
+from privfl.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.provenance import numerics  # noqa: E402
 from privfl.sweep import DEFAULT_METHOD  # noqa: E402
 

@@ -41,12 +41,12 @@ import torch
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, NovelClient, build_federation
 from privfl.errors import ConfigError
-from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import RunDirectory, update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.methods.pefll import unseen_clients_with_labels
+from privfl.metrics import mean_sem, score_model
 from privfl.models.hypernetwork import embedding_dim
 
 CLIENTS_PER_ROUND = 5  # the PeFLL code's default (``--clients-per-step``; docs/papers.md, PeFLL, U3), for every method

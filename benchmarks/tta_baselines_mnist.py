@@ -27,10 +27,10 @@ from fedtta_mnist import SETTINGS as FEDAVG_FAMILY_SETTINGS
 
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation
-from privfl.evaluation.metrics import score_model
 from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
+from privfl.metrics import score_model
 
 #: FedTTA paper, Table 1, MNIST "Test" column (new clients), mean over 3 seeds.
 PAPER = {"tent": 98.51, "afl": 96.01, "fedgma": 95.35, "fedadg": 95.93, "fedsr": 93.08}

@@ -287,7 +287,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def _engine_settings(args: argparse.Namespace) -> dict:
     if args.engine == "inprocess":
         return {"engine": "inprocess"}
-    from privfl.federation.flower import FlowerOptions
+    from privfl.engines.flower import FlowerOptions
 
     return {"engine": args.engine, "flower_options": FlowerOptions(
         cpus_per_client=args.flower_cpus_per_client, gpus_per_client=args.flower_gpus_per_client,
@@ -295,7 +295,7 @@ def _engine_settings(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from privfl.engine import run
+    from privfl.engines.choice import run
     from privfl.evaluation import comparison_table
     from privfl.federation import RunDirectory
 
@@ -622,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     attack.add_parser("reconstruct", help="diffusion reconstruction attack on raw / FedPFT / DP-FedPFT releases "
                       "(PSNR, LPIPS, SSIM table and image grid)")
 
-    # `privfl flower ...` is handed to privfl.federation.flower.launch in main(); listed here for --help.
+    # `privfl flower ...` is handed to privfl.engines.flower.launch in main(); listed here for --help.
     sub.add_parser("flower", help="Flower deployment engine: certs, superlink, register, supernode, run")
 
     p = sub.add_parser("sweep", help="privacy-utility sweep: train a method (ODPFL-HN) at several training-client "
@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["flower"]:
-            from privfl.federation.flower.launch import main as flower_main
+            from privfl.engines.flower.launch import main as flower_main
 
             return flower_main(argv[1:])
         if argv[:2] == ["attack", "audit"]:

@@ -2,7 +2,7 @@
 
 This module sits at the level of the methods (it imports data, models and methods, nothing that runs rounds), so every
 engine builds a run's strategy and client procedure here: the in-process runtime (:mod:`privfl.experiment`), each
-Flower node and the Flower server (:mod:`privfl.federation.flower`), the sweep and the benchmarks.
+Flower node and the Flower server (:mod:`privfl.engines.flower`), the sweep and the benchmarks.
 """
 
 from __future__ import annotations

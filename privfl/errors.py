@@ -76,7 +76,7 @@ class DataFreeError(Exception):
     """Mixin for an error whose text depends only on configuration and protocol state, never on a client's data.
 
     A Flower node forwards the text of such an error to the server; every other error text stays on the node (see
-    :func:`privfl.federation.flower.client_app.handle`), since a message such as "NaN in 3 rows" or a label range
+    :func:`privfl.engines.flower.client_app.handle`), since a message such as "NaN in 3 rows" or a label range
     describes the client's data outside any ledger.
     """
 

@@ -1,7 +1,7 @@
 """One run, end to end: data -> method -> a runtime's rounds -> evaluation -> run directory.
 
 This module sits above the engines: :func:`train` runs any :class:`~privfl.federation.runtime.Runtime` it is given
-(by default the in-process one, :func:`build_runtime`); :mod:`privfl.engine` picks the engine (in-process, or
+(by default the in-process one, :func:`build_runtime`); :mod:`privfl.engines.choice` picks the engine (in-process, or
 Flower's simulation and deployment engines) and hands the matching runtime here. A run is fully described by a
 :class:`~privfl.config.RunConfig`, which is written to ``config.json`` so ``privfl train --resume RUN_DIR`` can rebuild
 the same run and continue it. Model selection uses the validation splits of training clients only; novel clients are
@@ -42,13 +42,13 @@ from privfl.config import (
 )
 from privfl.data import FederatedDataset, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
-from privfl.evaluation.metrics import ClientScore, score_model, summarize_scores
 from privfl.evaluation.plots import plot_run
 from privfl.federation.lock import hold
 from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
 from privfl.federation.spend import NOVEL_SERVED, run_summary
 from privfl.methods.plan import Plan, projected_spend, round_event
+from privfl.metrics import ClientScore, score_model, summarize_scores
 from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS, delta_meaning
 from privfl.provenance import numerics
 
@@ -108,7 +108,7 @@ def train(config: RunConfig | None, out: str, *, resume: bool = False, overwrite
     """Run (or, with ``resume``, continue) ``config`` in run directory ``out``; return the summary.
 
     ``runtime_factory(config, federation)`` builds the runtime that runs the rounds: :func:`build_runtime`
-    (in-process) by default; :mod:`privfl.engine` passes Flower's, and names its ``engine`` (``flower-sim``,
+    (in-process) by default; :mod:`privfl.engines.choice` passes Flower's, and names its ``engine`` (``flower-sim``,
     ``flower-deployment``), which the messages of a run that stops early name the command to continue it by
     (:func:`~privfl.federation.runtime.how_to_continue`). With ``resume`` the run's ``config.json`` is the config
     (``config`` may be ``None``). ``stop_after_round`` stops the run as an interruption would, after that many

@@ -61,12 +61,12 @@ from tqdm.auto import tqdm
 from privfl.config import RunConfig, build_client, run_federation
 from privfl.data import FederationSpec, NovelClient
 from privfl.errors import ConfigError, PrivflError
-from privfl.evaluation.metrics import mean_sem, score_model
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
 from privfl.experiment import build_runtime, check_reusable, preflight, train_once
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
 from privfl.methods import get_method
+from privfl.metrics import mean_sem, score_model
 from privfl.models.features import load_stage, map_inputs
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.provenance import numerics

@@ -342,11 +342,11 @@ def test_attack_audit_refuses_an_output_it_cannot_write_before_the_audit(tmp_pat
 
 def _parsers():
     """(name, parser) of every privfl command, sub-commands included (``privfl flower`` builds its own parser in
-    privfl.federation.flower.launch)."""
+    privfl.engines.flower.launch)."""
     from attacks.audit import audit_parser
     from attacks.reconstruct_cli import build_parser as reconstruct_parser
     from privfl.cli import build_parser
-    from privfl.federation.flower.launch import build_parser as flower_parser
+    from privfl.engines.flower.launch import build_parser as flower_parser
 
     found = []
     for prefix, root in (("privfl", build_parser()), ("privfl flower", flower_parser())):

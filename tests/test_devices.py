@@ -1,7 +1,9 @@
 """Where a run computes (``RunConfig(device=...)``, ``--device``): validation, resolution, and the same numbers."""
 
+import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -12,10 +14,15 @@ from privfl.devices import resolve_device
 from privfl.errors import ConfigError
 from privfl.experiment import train
 from privfl.federation import RunDirectory
+from privfl.methods import METHODS
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+#: Where each registered method computes, as its MethodSpec declares (``devices``).
+ON_CUDA = sorted(name for name, spec in METHODS.items() if "cuda" in spec.devices)
+CPU_ONLY = sorted(set(METHODS) - set(ON_CUDA))
 
 
 def _config(make_spec, **overrides):
@@ -67,80 +74,56 @@ def test_auto_computes_on_the_cpu_here_and_the_summary_says_so(make_spec, tmp_pa
 
 
 def test_which_methods_take_cuda_where_it_exists(make_spec, monkeypatch):
-    from privfl.methods import METHODS
-
+    # each method's MethodSpec says where it computes (devices=ANY_DEVICE or the CPU only); this reads them all
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    on_cuda = {"fedavg", "fedprox", "local", "scaffold", "pfedhn", "itpflhn", "odpflhn", "pefll", "pfl_sampled",
-               "pfl_ensemble", "pfl_nearest", "fedadg", "fedgma", "afl", "tent", "fedtta", "fedtta_prox", "fedtta_pp",
-               "heterofedtta"}
-    assert {name for name, spec in METHODS.items() if "cuda" in spec.devices} == on_cuda
+    assert "fedavg" in ON_CUDA and CPU_ONLY
     assert run_device(_config(make_spec, device="cuda")) == "cuda"
-    assert run_device(_config(make_spec, device="auto")) == "cuda"
-    assert run_device(_config(make_spec, method="scaffold", method_config={}, device="auto")) == "cuda"
-    assert run_device(_config(make_spec, method="pfedhn", method_config={}, device="auto")) == "cuda"
-    assert run_device(_config(make_spec, method="odpflhn", method_config={}, device="cuda")) == "cuda"
     assert run_device(_config(make_spec, device="auto", workers=2)) == "cpu"    # workers train on the CPU
-    assert run_device(_config(make_spec, method="fedpft", method_config={}, device="auto")) == "cpu"
-    with pytest.raises(ConfigError, match=r"method 'fedpft' runs on the CPU only.*runs afl, fedadg, fedavg, fedgma, "
-                                          r"fedprox, fedtta, fedtta_pp, fedtta_prox, heterofedtta, itpflhn, local, "
-                                          r"odpflhn, pefll, pfedhn, pfl_ensemble, pfl_nearest, pfl_sampled, scaffold, "
-                                          r"tent\); use device 'cpu' or 'auto'"):
-        run_device(_config(make_spec, method="fedpft", method_config={}, device="cuda"))
+    for name in ON_CUDA:
+        for device in ("auto", "cuda"):
+            assert run_device(_config(make_spec, method=name, method_config={}, device=device)) == "cuda", name
+    for name in CPU_ONLY:
+        assert run_device(_config(make_spec, method=name, method_config={}, device="auto")) == "cpu", name
+        with pytest.raises(ConfigError, match=rf"method '{name}' runs on the CPU only.*runs "
+                                              rf"{re.escape(', '.join(ON_CUDA))}\); use device 'cpu' or 'auto'"):
+            run_device(_config(make_spec, method=name, method_config={}, device="cuda"))
     with pytest.raises(ConfigError, match="device 'cuda' with workers=2"):
         _config(make_spec, device="cuda", workers=2)
 
 
-#: Small hypernetworks, a few local steps (the batch clip off: record-level DP-SGD refuses it).
-_HN = {"hidden_dim": 8, "n_hidden": 1, "embed_dim": 2, "grad_clip": None, "lr": 0.05, "local_steps": 4,
-       "batch_size": 16}
-_ODPFLHN = {"lr": 0.05, "local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8, "hn_layers": 1}
-_PEFLL = {"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3, "grad_clip": 0.0, "descriptor_batch": 8, "local_steps": 4,
-          "batch_size": 16}
-_FEDTTA = {"adapt_hidden": 4, "adapt_layers": 1}
-_HETEROFEDTTA = {"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
-                 "distill_batch": 8}
+#: A few local steps; each method's smoke settings (small networks, the batch clip off where record-level DP-SGD
+#: refuses it) add the rest.
+_QUICK = {"lr": 0.1, "local_steps": 4, "batch_size": 16}
 _RECORD = TrainingPrivacy(mode="record", noise_multiplier=1.1, clip=1.0, noise="seeded", min_samples=4)
 _NOVEL = NovelPrivacy(epsilon=4.0, noise="seeded")
 
 
+def _cuda_cases():
+    """Every method that runs on CUDA, without DP and with record-level DP-SGD where it takes it (with its private
+    novel-client release where it has one), then paths that only some settings reach."""
+    cases = []
+    for name in ON_CUDA:
+        spec = METHODS[name]
+        cases.append(pytest.param(name, TrainingPrivacy(), NovelPrivacy(), {}, id=f"{name}-none"))
+        if spec.privacy["record"] is None:
+            novel = _NOVEL if spec.novel_privacy is None and spec.client.serves_novel_clients else NovelPrivacy()
+            cases.append(pytest.param(name, _RECORD, novel, {}, id=f"{name}-record"))
+    return cases + [
+        # central DP's contributions to a hypernetwork, ODPFL-HN's noisy training means and batch-mean descriptors
+        pytest.param("pfedhn", TrainingPrivacy(mode="central", noise_multiplier=0.5, clip=1.0, noise="seeded"),
+                     NovelPrivacy(), {}, id="pfedhn-central"),
+        pytest.param("odpflhn", TrainingPrivacy(), NovelPrivacy(),
+                     {"train_mean_noise": 0.1, "descriptor": "batch_mean", "descriptor_batch_size": 8},
+                     id="odpflhn-none-batch_mean"),
+    ]
+
+
 @needs_cuda
-@pytest.mark.parametrize("method, privacy, novel_privacy, settings", [
-    ("fedavg", TrainingPrivacy(mode="record", noise_multiplier=1.1, clip=1.0, noise="seeded"), NovelPrivacy(), {}),
-    ("fedprox", TrainingPrivacy(), NovelPrivacy(), {"mu": 0.01}),
-    ("scaffold", TrainingPrivacy(), NovelPrivacy(), {}),
-    # the hypernetwork methods: record-level DP-SGD, the private descriptor and encoder releases (privatize, the
-    # gradient mean, the labelled mean), central DP's contributions, and each method's non-private path
-    ("pfedhn", _RECORD, NovelPrivacy(), _HN),
-    ("pfedhn", TrainingPrivacy(mode="central", noise_multiplier=0.5, clip=1.0, noise="seeded"), NovelPrivacy(), _HN),
-    ("itpflhn", _RECORD, _NOVEL, {**_HN, "encoder": "dp_deepset", "encoder_options": {"hidden": 8},
-                                  "encoder_steps": 2, "phase1_rounds": 2}),
-    ("itpflhn", TrainingPrivacy(), NovelPrivacy(), {**_HN, "encoder": "dp_deepset", "encoder_options": {"hidden": 8},
-                                                    "encoder_steps": 2, "phase1_rounds": 2}),
-    ("odpflhn", _RECORD, _NOVEL, _ODPFLHN),
-    ("odpflhn", TrainingPrivacy(), NovelPrivacy(), {**_ODPFLHN, "train_mean_noise": 0.1, "descriptor": "batch_mean",
-                                                    "descriptor_batch_size": 8}),
-    ("pefll", _RECORD, NovelPrivacy(), _PEFLL),
-    ("pefll", TrainingPrivacy(), NovelPrivacy(), _PEFLL),
-    ("pfl_sampled", TrainingPrivacy(), NovelPrivacy(), _HN),
-    ("pfl_ensemble", TrainingPrivacy(), NovelPrivacy(), _HN),
-    ("pfl_nearest", TrainingPrivacy(), NovelPrivacy(), {**_HN, "nearest_max_inputs": 16}),
-    # FedADG's draws inside the per-record loss (DP-SGD's vmap) and in plain training, AFL's private loss
-    ("fedadg", _RECORD, NovelPrivacy(), {"gan_hidden": 8}),
-    ("fedadg", TrainingPrivacy(), NovelPrivacy(), {"gan_hidden": 8}),
-    ("fedgma", TrainingPrivacy(), NovelPrivacy(), {}),
-    ("afl", _RECORD, NovelPrivacy(), {}),
-    ("tent", TrainingPrivacy(), NovelPrivacy(), {"adapt": "all"}),
-    # the FedTTA family: the meta-loss per record (DP-SGD's vmap), the proxy term's teacher, early-stopped test-time
-    # adaptation, HeteroFedTTA's public-set logits and distillation
-    ("fedtta", _RECORD, NovelPrivacy(), _FEDTTA),
-    ("fedtta_prox", TrainingPrivacy(), NovelPrivacy(), _FEDTTA),
-    ("fedtta_pp", TrainingPrivacy(), NovelPrivacy(), {**_FEDTTA, "tta_steps": 3}),
-    ("heterofedtta", _RECORD, NovelPrivacy(), _HETEROFEDTTA),
-    ("heterofedtta", TrainingPrivacy(), NovelPrivacy(), _HETEROFEDTTA),
-])
+@pytest.mark.parametrize("method, privacy, novel_privacy, settings", _cuda_cases())
 def test_cuda_gives_the_cpu_numbers_within_float_tolerance(make_spec, tmp_path, method, privacy, novel_privacy,
                                                            settings):
-    settings = {"lr": 0.1, "local_steps": 4, "batch_size": 16, **settings}
+    fields = {f.name for f in dataclasses.fields(METHODS[method].config)}
+    settings = {k: v for k, v in _QUICK.items() if k in fields} | dict(METHODS[method].smoke_settings) | settings
     runs = {}
     for device in ("cpu", "cuda"):
         summary = train(_config(make_spec, method=method, method_config=settings, privacy=privacy,

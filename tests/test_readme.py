@@ -79,7 +79,7 @@ def test_privfl_lines_parse_and_the_cheap_ones_run(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)
     from attacks.audit import audit_parser
     from attacks.reconstruct_cli import build_parser as reconstruct_parser
-    from privfl.federation.flower.launch import build_parser as flower_parser
+    from privfl.engines.flower.launch import build_parser as flower_parser
 
     ran = 0
     for words in privfl_lines():

@@ -1,6 +1,8 @@
-"""Per-client metrics, their summaries, and report tables."""
+"""Reports over finished runs: comparison tables, plots, the novel-client pool and the reference results.
 
-from privfl.evaluation.metrics import ClientScore, mean_sem, score_model, summarize_scores
+The per-client scores themselves are :mod:`privfl.metrics`, a low layer that the runtimes and methods use.
+"""
+
 from privfl.evaluation.report import comparison_table
 
-__all__ = ["ClientScore", "mean_sem", "score_model", "summarize_scores", "comparison_table"]
+__all__ = ["comparison_table"]

@@ -7,7 +7,7 @@ aggregate, commit) and names what an engine must provide: how one stage's messag
 releases come back (:meth:`Runtime.exchange`), how client states are committed, evaluation, novel-client serving,
 ledgers, checkpoints, and the secure sum of a round's releases (:meth:`Runtime.secure_sum`) when the strategy may
 see only their sum. :class:`InProcessRuntime` provides them in this process;
-:class:`privfl.federation.flower.runtime.FlowerRuntime` on Flower nodes. :func:`privfl.experiment.train` runs any
+:class:`privfl.engines.flower.runtime.FlowerRuntime` on Flower nodes. :func:`privfl.experiment.train` runs any
 runtime.
 
 Rounds are transactional. A client procedure works on a copy of its state, and client states are committed only
@@ -40,7 +40,7 @@ from privfl.federation.workers import ClientWorkers, check_threads, check_worker
 
 if TYPE_CHECKING:   # the methods sit above this module: only their interfaces are named here
     from privfl.data import FederatedDataset
-    from privfl.evaluation.metrics import ClientScore
+    from privfl.metrics import ClientScore
 
 Score = Callable[[nn.Module, torch.Tensor, torch.Tensor], "ClientScore"]
 
@@ -107,7 +107,7 @@ class SecureSum:
     coordinate of a release lies in [-bound, bound] before its noise (an L2 clip C bounds each coordinate by C).
     ``noise_std``: the standard deviation of the Gaussian noise each release carries in every coordinate (its
     share). ``calibrated_for``: what each release's noise is calibrated for over its client's ledger. An engine that
-    quantizes sizes its range from these (:mod:`privfl.federation.flower.secagg`).
+    quantizes sizes its range from these (:mod:`privfl.engines.flower.secagg`).
     """
 
     like: dict[str, torch.Tensor]

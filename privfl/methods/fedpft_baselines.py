@@ -169,7 +169,7 @@ def fedavg_head_curve(federation: FederatedDataset, *, rounds: int, lr: float, l
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Top-1 accuracy in % (evaluation helper for the benchmark)."""
-    from privfl.evaluation.metrics import score_model
+    from privfl.metrics import score_model
 
     return 100.0 * score_model(model, torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)).accuracy
 

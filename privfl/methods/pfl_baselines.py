@@ -9,7 +9,7 @@ part in at least one round (the server knows no other client's id; with the pape
 * **pfl_sampled**: a uniformly random training-client model, scored by its expectation: the papers score it by the
   mean accuracy of all the personalised models on each novel client (docs/papers.md, ODPFL-HN, U11).
   1. The server sends every pool model to the novel client; 2. the client sends nothing; 3. its model is an
-  :class:`privfl.evaluation.metrics.ExpectedModel` of the pool, which ``score_model`` scores as the **mean of the
+  :class:`privfl.metrics.ExpectedModel` of the pool, which ``score_model`` scores as the **mean of the
   members' accuracies** (and losses). It has no single prediction of its own.
 * **pfl_ensemble**: the average of the pool models' **logits** (not probabilities).
   1. The server sends every pool model; 2. the client sends nothing; 3. its model is a :class:`LogitEnsemble`.
@@ -57,7 +57,6 @@ from torch import nn
 from privfl.data import NovelClient, TrainingClient
 from privfl.devices import ANY_DEVICE
 from privfl.errors import ConfigError, check
-from privfl.evaluation.metrics import ExpectedModel
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import ClientContext, ClientState, register_method
@@ -68,6 +67,7 @@ from privfl.methods.pfedhn import (
     PFedHNConfig,
     PFedHNStrategy,
 )
+from privfl.metrics import ExpectedModel
 
 
 class LogitEnsemble(nn.Module):

@@ -24,8 +24,8 @@ sum only. A share alone buys :func:`~privfl.privacy.training.share_epsilon` agai
 * In process (:class:`~privfl.federation.runtime.InProcessRuntime`) the secure aggregation is simulated: the server
   process receives each release (recorded by the wire first) and adds them itself, so the epsilons hold for an
   observer of the sums, not for this process; the run summary says so (``privacy.secure_aggregation``).
-* On Flower (:class:`~privfl.federation.flower.runtime.FlowerRuntime`) the releases are summed under Flower's
-  SecAgg+ (:mod:`privfl.federation.flower.secagg`): each node records its clients' releases, masks their sum, and
+* On Flower (:class:`~privfl.engines.flower.runtime.FlowerRuntime`) the releases are summed under Flower's
+  SecAgg+ (:mod:`privfl.engines.flower.secagg`): each node records its clients' releases, masks their sum, and
   the server unmasks the round's total only, never a single release. A node that drops or fails stops the run
   before its round's sum is used (the sum would lack a share of the noise). Values are quantized in a clipping range
   wide enough that clipping adds at most a thousandth of delta; the summary gives the protocol's parameters.

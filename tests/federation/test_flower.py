@@ -27,17 +27,17 @@ from flwr.app import Message as FlowerMessage  # noqa: E402
 from accounting import PrivacyLedger  # noqa: E402
 from privfl.config import RunConfig  # noqa: E402
 from privfl.data import build_federation  # noqa: E402
-from privfl.engine import flower_main, flower_runtime_factory  # noqa: E402
-from privfl.engine import run as run_on_engine  # noqa: E402
+from privfl.engines.choice import flower_main, flower_runtime_factory  # noqa: E402
+from privfl.engines.choice import run as run_on_engine  # noqa: E402
+from privfl.engines.flower import FlowerOptions, client_app, from_records, launch, server_app, to_records  # noqa: E402  # noqa: E402
+from privfl.engines.flower import protocol as p  # noqa: E402
+from privfl.engines.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
+from privfl.engines.flower.simulation import num_clients  # noqa: E402
+from privfl.engines.flower.transport import FlowerClientError  # noqa: E402
 from privfl.errors import ConfigError, PublicConfigError  # noqa: E402
 from privfl.experiment import build_runtime, train  # noqa: E402
 from privfl.federation import Message, RunDirectory  # noqa: E402
 from privfl.federation.context import client_context  # noqa: E402
-from privfl.federation.flower import FlowerOptions, client_app, from_records, launch, server_app, to_records  # noqa: E402  # noqa: E402
-from privfl.federation.flower import protocol as p  # noqa: E402
-from privfl.federation.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
-from privfl.federation.flower.simulation import num_clients  # noqa: E402
-from privfl.federation.flower.transport import FlowerClientError  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy  # noqa: E402
 
@@ -136,11 +136,11 @@ def test_simulated_nodes_hold_consecutive_groups_of_clients():
 
 
 def test_the_wheel_ships_the_flower_app():
-    # `privfl flower run` hands privfl/federation/flower/app/ to `flwr run`: a non-editable install needs its files.
+    # `privfl flower run` hands privfl/engines/flower/app/ to `flwr run`: a non-editable install needs its files.
     root = Path(__file__).resolve().parents[2]
     package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    patterns = package_data["privfl.federation.flower"]
-    package = root / "privfl" / "federation" / "flower"
+    patterns = package_data["privfl.engines.flower"]
+    package = root / "privfl" / "engines" / "flower"
     data_files = [f.relative_to(package).as_posix() for f in package.rglob("*")
                   if f.is_file() and f.suffix not in (".py", ".pyc")]
     assert "app/pyproject.toml" in data_files
@@ -598,7 +598,7 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
 def test_novel_clients_are_served_in_a_run_of_their_own_on_the_simulation_engine(tmp_path, make_spec, method):
     # Train in-process (its finish serves the novel clients too), then serve them again from its checkpoint on
     # Flower's simulation engine: ODPFL-HN's descriptor goes up and a model comes down; FedAvg's model comes down.
-    from privfl.federation.flower.simulation import serve_simulation
+    from privfl.engines.flower.simulation import serve_simulation
 
     config = _run_config(make_spec(), method, rounds=2)                # select best_val: the best snapshot is served
     threads = torch.get_num_threads()
@@ -902,7 +902,7 @@ def test_a_supernode_in_process_isolation_leaves_no_process_behind(how):
     # supervisor: ending the supervisor (SIGTERM, passed on; SIGKILL, which it cannot see) ends both.
     import signal
 
-    script = ("import os, sys; from privfl.federation.flower.launch import supervise_supernode; "
+    script = ("import os, sys; from privfl.engines.flower.launch import supervise_supernode; "
               f"sys.exit(supervise_supernode({_SLEEP!r}, dict(os.environ), rejoin_s=0, worker={_SLEEP!r}))")
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
@@ -929,7 +929,7 @@ def test_a_clientapp_process_that_exits_is_started_again_and_one_that_keeps_exit
     command = launch.supernode_command(certs, "127.0.0.1:9093", node=0, num_partitions=1, node_dir="n", port=9100,
                                        partition_id=0)
     assert command[command.index("--isolation") + 1] == "process" and command[command.index("--poll-s") + 1] == "0.25"
-    assert command[1:3] == ["-m", "privfl.federation.flower.supernode"]    # Flower's SuperNode, polling every 0.25 s
+    assert command[1:3] == ["-m", "privfl.engines.flower.supernode"]    # Flower's SuperNode, polling every 0.25 s
     assert launch.worker_command("127.0.0.1", 9100, 7)[-4:] == ["--runtime-api-address", "127.0.0.1:9100",
                                                                "--parent-pid", "7"]
     with pytest.raises(ConfigError, match="--isolation must be one of process, subprocess, got 'thread'"):
@@ -944,7 +944,7 @@ def test_the_supernode_asks_for_work_every_poll_s_seconds_while_idle(monkeypatch
 
     from flwr.supernode import start_client_internal as loop
 
-    from privfl.federation.flower import supernode
+    from privfl.engines.flower import supernode
 
     source = inspect.getsource(loop)
     assert source.count("time.sleep(3)") == 1 and source.count("time.sleep(0.5)") == 2 and loop.time is time
@@ -961,7 +961,7 @@ def test_the_supernode_asks_for_work_every_poll_s_seconds_while_idle(monkeypatch
         supernode.install(0)
 
 
-LAUNCH = [sys.executable, "-m", "privfl.federation.flower.launch"]
+LAUNCH = [sys.executable, "-m", "privfl.engines.flower.launch"]
 
 
 def _flower_log(tmp_path):

@@ -32,14 +32,14 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from accounting import PrivacyBudget, PrivacyLedger  # noqa: E402
 from privfl.config import RunConfig  # noqa: E402
 from privfl.data import FederationSpec, build_federation  # noqa: E402
-from privfl.engine import flower_main  # noqa: E402
+from privfl.engines.choice import flower_main  # noqa: E402
+from privfl.engines.flower import FlowerOptions, client_app, secagg  # noqa: E402
+from privfl.engines.flower.records import unpack  # noqa: E402
+from privfl.engines.flower.simulation import num_clients, simulate, simulation_run_config  # noqa: E402
+from privfl.engines.flower.transport import FlowerClientError  # noqa: E402
 from privfl.errors import ConfigError  # noqa: E402
 from privfl.experiment import train  # noqa: E402
 from privfl.federation import RunDirectory  # noqa: E402
-from privfl.federation.flower import FlowerOptions, client_app, secagg  # noqa: E402
-from privfl.federation.flower.records import unpack  # noqa: E402
-from privfl.federation.flower.simulation import num_clients, simulate, simulation_run_config  # noqa: E402
-from privfl.federation.flower.transport import FlowerClientError  # noqa: E402
 from privfl.federation.runtime import InProcessRuntime, SecureSum, sample_clients  # noqa: E402
 from privfl.methods import get_method  # noqa: E402
 from privfl.methods.base import Strategy  # noqa: E402

@@ -14,8 +14,8 @@ from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from privfl.federation.flower import FlowerOptions  # noqa: E402
-from privfl.federation.flower.simulation import RAY_NICENESS, run_apps  # noqa: E402
+from privfl.engines.flower import FlowerOptions  # noqa: E402
+from privfl.engines.flower.simulation import RAY_NICENESS, run_apps  # noqa: E402
 
 
 def _niceness_of_the_client_processes(monkeypatch, setting: str | None) -> list[int]:

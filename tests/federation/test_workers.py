@@ -130,7 +130,7 @@ def test_workers_are_refused_while_torch_runs_on_several_threads(make_spec):
 
 def test_flower_engines_refuse_workers(tmp_path, make_spec):
     from privfl.data import build_federation
-    from privfl.engine import flower_runtime_factory
+    from privfl.engines.choice import flower_runtime_factory
 
     config = _dp_fedavg(make_spec, workers=2)
     with pytest.raises(ConfigError, match="workers=2 .* use workers=1, or engine 'inprocess'"):
@@ -156,7 +156,7 @@ def test_workers_change_no_run_and_runs_from_before_the_setting_resume(tmp_path,
 
 
 def test_the_flower_simulation_refuses_workers_before_it_starts(tmp_path, make_spec):
-    from privfl.engine import run
+    from privfl.engines.choice import run
 
     with pytest.raises(ConfigError, match="workers=2 .* use workers=1, or engine 'inprocess'"):
         run(_dp_fedavg(make_spec, workers=2), str(tmp_path / "run"), engine="flower-sim", progress=False)

@@ -16,7 +16,6 @@ from accounting import GaussianEvent, epsilon
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation
 from privfl.errors import ConfigError
-from privfl.evaluation.metrics import score_model
 from privfl.experiment import build_runtime
 from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
@@ -39,6 +38,7 @@ from privfl.methods.fedpft_baselines import (
     pooled_validation,
     select_on_validation,
 )
+from privfl.metrics import score_model
 from privfl.privacy.training import TrainingPrivacy
 
 DIM, CLASSES = 12, 4

@@ -18,8 +18,8 @@ import torch
 
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, NovelClient, build_federation
-from privfl.evaluation.metrics import score_model
 from privfl.experiment import build_runtime
+from privfl.metrics import score_model
 from privfl.privacy.training import NovelPrivacy
 
 SPEC = FederationSpec(source="synthetic", source_options={"num_samples": 2400, "dim": 10, "num_classes": 6,

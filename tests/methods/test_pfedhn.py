@@ -12,7 +12,6 @@ from accounting import epsilon as accounting_epsilon
 from privfl.config import RunConfig
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, TrainingDivergedError
-from privfl.evaluation.metrics import ExpectedModel, score_model
 from privfl.experiment import RunInterrupted, train
 from privfl.federation import InProcessRuntime, RunDirectory, sample_clients
 from privfl.federation.messages import Message
@@ -20,6 +19,7 @@ from privfl.methods import ModelFactory, get_method
 from privfl.methods.local_training import sgd_settings
 from privfl.methods.pfl_baselines import LogitEnsemble, proxy_a_distance
 from privfl.methods.private import protect
+from privfl.metrics import ExpectedModel, score_model
 from privfl.models import functional_forward
 from privfl.models.hypernetwork import backprop_weight_change
 from privfl.privacy.training import TrainingPrivacy

@@ -28,10 +28,10 @@ from accounting import NeighboringRelation
 from privfl.config import RunConfig, run_federation
 from privfl.data import FederationSpec
 from privfl.errors import ConfigError
-from privfl.evaluation.metrics import score_model
 from privfl.experiment import build_runtime
 from privfl.federation.messages import Message
 from privfl.methods import METHODS
+from privfl.metrics import score_model
 from privfl.privacy import dp_sgd, mechanisms
 from privfl.privacy.training import CENTRAL, MODES, RECORD, TrainingPrivacy
 

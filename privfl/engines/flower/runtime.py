@@ -4,7 +4,7 @@
 configured by the same strategy, replies aggregated in increasing client id), so a Flower run goes through the same
 training loop, evaluation, model selection, checkpoints and run directory (:func:`privfl.experiment.train`) and ends
 with the same numbers. What differs is where the clients are: each stage of a round is one exchange with the nodes of
-the sampled clients (:class:`~privfl.federation.flower.transport.GridTransport`, one Flower message per node), and
+the sampled clients (:class:`~privfl.engines.flower.transport.GridTransport`, one Flower message per node), and
 each node computes with the same per-client context and torch seed
 (:func:`privfl.federation.context.client_context`).
 
@@ -13,7 +13,7 @@ the ledgers the nodes report (``query.ledger``); the originals stay on the nodes
 
 Distributed DP (:mod:`privfl.privacy.training`): the strategy asks for the round's releases as a secure sum
 (:meth:`~privfl.methods.base.Strategy.secure_sum`), and the last stage of each round runs under Flower's SecAgg+
-(:mod:`privfl.federation.flower.secagg`): each node masks the sum of its clients' releases, the server unmasks only
+(:mod:`privfl.engines.flower.secagg`): each node masks the sum of its clients' releases, the server unmasks only
 the total and never sees a single release; a node that fails or is silent stops the run before the round's sum is
 used. The summary's ``privacy.secure_aggregation`` gives the protocol's parameters, per round too.
 """
@@ -31,13 +31,13 @@ from flwr.serverapp import Grid
 
 from accounting import LedgerBook, PrivacyLedger, ReleaseJournal, ReleaseRecord
 from privfl.config import RunConfig
+from privfl.engines.flower import protocol as p
+from privfl.engines.flower.nodes import connect
+from privfl.engines.flower.transport import FlowerClientError, GridTransport
 from privfl.errors import ConfigError, InternalError
-from privfl.evaluation.metrics import ClientScore
-from privfl.federation.flower import protocol as p
-from privfl.federation.flower.nodes import connect
-from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
 from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum, how_to_continue
+from privfl.metrics import ClientScore
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class FlowerRuntime(Runtime):
         self.secagg = None                         # SecAgg+, when the strategy asks for a secure sum
         secure = strategy.secure_sum() if serve is None else None
         if secure is not None:
-            from privfl.federation.flower.secagg import SecAggPlus
+            from privfl.engines.flower.secagg import SecAggPlus
 
             # at most every training client's every value in every round
             values = config.rounds * len(self.training_ids) * sum(t.numel() for t in secure.like.values())

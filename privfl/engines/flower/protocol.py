@@ -1,7 +1,7 @@
 """What the privfl ServerApp and ClientApp agree on: operations, message types, run-config keys, options.
 
 Every Flower message carries the privfl :class:`~privfl.federation.messages.Message` of each client the node holds,
-plus a small header (a ``ConfigRecord`` under ``"privfl"``, see :mod:`privfl.federation.flower.records`) that names
+plus a small header (a ``ConfigRecord`` under ``"privfl"``, see :mod:`privfl.engines.flower.records`) that names
 the operation:
 
 ============== ======================= ===========================================================================
@@ -25,10 +25,10 @@ What reaches the server outside the ledger: the telemetry scores and the ledgers
 In-process they stay with the experimenter; on Flower they cross to the server process, and the epsilons do not cover
 them. The run summary counts them (``flower.outside_ledger``), so a reader sees that the server was trusted with them;
 a deployment whose server is an adversary must not send them. A node error reaches the server as who failed and in
-which operation; its text stays on the node unless it is data-free (:func:`privfl.federation.flower.client_app.handle`).
+which operation; its text stays on the node unless it is data-free (:func:`privfl.engines.flower.client_app.handle`).
 
 A node may hold several clients (node config ``partition-range``): the server then sends it one Flower message per
-exchange that packs the messages of all its clients (:func:`~privfl.federation.flower.records.pack`), and the node
+exchange that packs the messages of all its clients (:func:`~privfl.engines.flower.records.pack`), and the node
 answers with one message that packs their replies.
 """
 
@@ -126,7 +126,7 @@ class FlowerOptions:
     each run choose it from its client count and the client processes (:func:`auto_clients_per_node`).
 
     ``secagg_num_shares`` and ``secagg_reconstruction_threshold``: the SecAgg+ parameters of distributed DP's round
-    sum (:mod:`privfl.federation.flower.secagg`), as Flower's ``SecAggPlusWorkflow`` takes them: an int (an odd number
+    sum (:mod:`privfl.engines.flower.secagg`), as Flower's ``SecAggPlusWorkflow`` takes them: an int (an odd number
     of shares >= 3; a threshold below it) or a float, a fraction (of the round's nodes; of the shares). The defaults
     (1.0, 1.0) have every node share its secrets with every other and need all of them to unmask: a server colluding
     with fewer than all the other nodes learns nothing beyond the sum, and no dropout is recovered (privfl refuses a

@@ -9,7 +9,7 @@ one to at most that): the SuperLink gets one more ask per node every ``--poll-s`
 Nothing else changes. :func:`install` refuses to run against a Flower whose SuperNode no longer keeps its clock in
 that module's ``time``, so a Flower upgrade cannot silently change what is patched.
 
-    python -m privfl.federation.flower.supernode --poll-s 0.25 FLOWER-SUPERNODE-ARGUMENTS...
+    python -m privfl.engines.flower.supernode --poll-s 0.25 FLOWER-SUPERNODE-ARGUMENTS...
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def install(poll_s: float) -> PollingClock:
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] != ["--poll-s"] or len(args) < 2:
-        raise SystemExit("usage: python -m privfl.federation.flower.supernode --poll-s SECONDS FLOWER-SUPERNODE-ARGS")
+        raise SystemExit("usage: python -m privfl.engines.flower.supernode --poll-s SECONDS FLOWER-SUPERNODE-ARGS")
     try:
         install(float(args[1]))
     except (ValueError, PrivflError) as error:

@@ -8,23 +8,23 @@ no long-lived ClientApp process (``flwr-clientapp`` takes one task's token and e
 :func:`serve` claims the node's ClientApp tasks one after another (``AcquireTask``, polled every ``poll_s``) and runs
 each in this process as ``flwr-clientapp`` would (pull the message and the node's context, load the ClientApp the
 run's App names, call it, push the reply and the context), keeping its imports, and the data and procedures
-:mod:`privfl.federation.flower.client_app` builds once per process, between messages.
+:mod:`privfl.engines.flower.client_app` builds once per process, between messages.
 
 Privacy state stays on disk, as in a process per message. What this process keeps between messages is what a
 simulation's client process keeps between the virtual nodes it serves: each partition's data (built from the run's
 federation spec and seed, or read from the node directory's partition file) and the method's client procedure, which
 holds no client state. A client's ledger is not kept: :meth:`NodeClient.send
-<privfl.federation.flower.client_app.NodeClient.send>` loads it from the node directory before recording each
+<privfl.engines.flower.client_app.NodeClient.send>` loads it from the node directory before recording each
 release and saves it before the reply leaves, and a reply that carries a ledger reads it from disk too; a client's
 state (control variates, personal models) is loaded from and saved to its state file in every message. The SuperNode
 hands out one message at a time and this process runs one task at a time, so no two writers meet on a node
 directory, as before. A ledger changed on disk between two messages (restored, or appended by another tool) is the
 one the next release extends, so no spend recorded there is lost or under-recorded.
 
-Started by ``privfl flower supernode`` (:func:`privfl.federation.flower.launch.supervise_supernode`), which stops it
+Started by ``privfl flower supernode`` (:func:`privfl.engines.flower.launch.supervise_supernode`), which stops it
 with the SuperNode; it also ends when its parent process ends (``--parent-pid``).
 
-    python -m privfl.federation.flower.worker --runtime-api-address 127.0.0.1:9100 [--parent-pid PID]
+    python -m privfl.engines.flower.worker --runtime-api-address 127.0.0.1:9100 [--parent-pid PID]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 #: The ClientApp module imported when the process starts, before the first message (the App names it).
-PRELOAD = "privfl.federation.flower.client_app"
+PRELOAD = "privfl.engines.flower.client_app"
 
 _log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _heartbeat_fn(client, lost: threading.Event) -> Callable[[], bool]:
 def run_task(address: str, token: str, installed: set[str]) -> str:
     """Run the ClientApp task that ``token`` names, in this process, as ``flwr-clientapp`` runs one; return its
     sub-status (``completed`` or ``failed``). A ClientApp exception becomes the error reply Flower sends (its text, as
-    :func:`privfl.federation.flower.client_app.handle` lets it leave the node); the process goes on either way."""
+    :func:`privfl.engines.flower.client_app.handle` lets it leave the node); the process goes on either way."""
     from flwr.app import Message
     from flwr.app.error import Error
     from flwr.cli.install import install_from_fab
@@ -177,7 +177,7 @@ def _stop_on_signals() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m privfl.federation.flower.worker",
+    parser = argparse.ArgumentParser(prog="python -m privfl.engines.flower.worker",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-api-address", required=True, help="HOST:PORT of the SuperNode's Runtime API")
     parser.add_argument("--parent-pid", type=int, default=None, help="end when this process ends")

@@ -1,10 +1,10 @@
 """The server's transport on Flower: one privfl exchange as Flower messages through a Grid, one per node.
 
 :class:`GridTransport` pushes one Flower message per node (packing the privfl messages of the clients the node holds,
-:func:`~privfl.federation.flower.records.pack`), pulls every reply with exponential backoff between asks, and gives
+:func:`~privfl.engines.flower.records.pack`), pulls every reply with exponential backoff between asks, and gives
 each client's reply back. It knows nothing of rounds, strategies or ledgers: the runtime
-(:mod:`privfl.federation.flower.runtime`) says what to send, and the node directory
-(:mod:`privfl.federation.flower.nodes`) which node holds which client.
+(:mod:`privfl.engines.flower.runtime`) says what to send, and the node directory
+(:mod:`privfl.engines.flower.nodes`) which node holds which client.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from flwr.app import Message as FlowerMessage
 from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
-from privfl.federation.flower import protocol as p
-from privfl.federation.flower.records import pack, unpack
+from privfl.engines.flower import protocol as p
+from privfl.engines.flower.records import pack, unpack
 from privfl.federation.messages import Message
 
 

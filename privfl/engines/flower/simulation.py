@@ -2,11 +2,11 @@
 
 Virtual SuperNodes holding ``clients_per_node`` consecutive clients each (training clients, then novel clients when
 the method serves them; chosen per run when not given,
-:func:`~privfl.federation.flower.protocol.auto_clients_per_node`), Ray actors as client processes
-(:class:`~privfl.federation.flower.protocol.FlowerOptions` sets how many and their resources), the privfl ServerApp
+:func:`~privfl.engines.flower.protocol.auto_clients_per_node`), Ray actors as client processes
+(:class:`~privfl.engines.flower.protocol.FlowerOptions` sets how many and their resources), the privfl ServerApp
 in this process. The nodes keep their ledgers under ``RUN_DIR/nodes/partition-<i>/``. :func:`simulate` runs a
-ServerApp ``main`` against such nodes (:mod:`privfl.engine` passes one that trains); :func:`serve_simulation` serves
-novel clients of a finished training run in a simulated run of their own.
+ServerApp ``main`` against such nodes (:mod:`privfl.engines.choice` passes one that trains);
+:func:`serve_simulation` serves novel clients of a finished training run in a simulated run of their own.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from privfl.config import RunConfig, run_federation
+from privfl.engines.flower import protocol as p
 from privfl.errors import ConfigError, InternalError
-from privfl.federation.flower import protocol as p
 from privfl.federation.rundir import RunDirectory
 from privfl.privacy.training import DISTRIBUTED
 
 if TYPE_CHECKING:
-    from privfl.federation.flower.server_app import ServerMain
+    from privfl.engines.flower.server_app import ServerMain
 
 
 def num_clients(config, federation=None) -> int:
@@ -47,7 +47,7 @@ def num_nodes(config, federation=None, clients_per_node: int = 1) -> int:
 def grouping(clients: int, options: p.FlowerOptions) -> dict[str, Any]:
     """The run-config keys that tell each virtual node which partitions it holds (nothing for one per node);
     ``options.clients_per_node`` must be chosen (:meth:`FlowerOptions.for_clients
-    <privfl.federation.flower.protocol.FlowerOptions.for_clients>`)."""
+    <privfl.engines.flower.protocol.FlowerOptions.for_clients>`)."""
     if options.clients_per_node is None:
         raise InternalError("grouping needs the clients per node chosen (FlowerOptions.for_clients)")
     if options.clients_per_node == 1:
@@ -95,10 +95,10 @@ def _result(result: dict[str, Any]) -> dict[str, Any]:
 def simulate(main: ServerMain, run_config: dict[str, Any], partitions: int, options: p.FlowerOptions) -> dict[str, Any]:
     """Run ``main(grid, run_config)`` as the ServerApp of a simulation whose virtual nodes hold ``partitions``
     partitions (``options.clients_per_node`` each; when ``None``, chosen from ``partitions`` and the client processes,
-    :func:`~privfl.federation.flower.protocol.auto_clients_per_node`) and run the privfl ClientApp; return what
+    :func:`~privfl.engines.flower.protocol.auto_clients_per_node`) and run the privfl ClientApp; return what
     ``main`` returned, or raise what it raised."""
-    from privfl.federation.flower.client_app import make_client_app
-    from privfl.federation.flower.server_app import make_server_app
+    from privfl.engines.flower.client_app import make_client_app
+    from privfl.engines.flower.server_app import make_server_app
 
     config = RunConfig.from_dict(json.loads(run_config[p.RUN_CONFIG]))
     options = options.for_clients(partitions, secure=config.privacy.mode == DISTRIBUTED)
@@ -128,13 +128,13 @@ def simulation_run_config(config, out: str, *, overwrite: bool) -> dict[str, Any
 def serve_simulation(train_dir: str, out: str, *, clients: list[int] | None = None, nodes_root: str | None = None,
                      overwrite: bool = False, options: p.FlowerOptions | None = None) -> dict[str, Any]:
     """Serve novel clients of the finished training run ``train_dir`` on Flower's simulation engine, in a run of
-    their own (see :func:`privfl.federation.flower.server_app.serve_novel_clients`); results go to ``out``.
+    their own (see :func:`privfl.engines.flower.server_app.serve_novel_clients`); results go to ``out``.
 
     The simulation has a virtual node per partition (training and novel); only the novel clients to serve are sent
     anything beyond the hello. Their nodes keep their ledgers under ``nodes_root`` (default: the training run's
     ``nodes`` directory, so a novel client served again records its new release beside its earlier ones).
     """
-    from privfl.federation.flower.server_app import serve_from_run_config
+    from privfl.engines.flower.server_app import serve_from_run_config
 
     options = options or p.FlowerOptions()
     config = RunConfig.from_dict(RunDirectory(train_dir).read_json(RunDirectory.CONFIG))

@@ -7,7 +7,7 @@ of the chosen engine, and gives Flower's ServerApp the loop to run.
 
 * ``inprocess``: :func:`privfl.experiment.build_runtime`, every client in this process;
 * ``flower-sim``: Flower's simulation engine on this machine (:func:`train_simulation`);
-* deployment (``privfl flower run``): ``flwr run`` starts the ServerApp of :mod:`privfl.flower_server` on the
+* deployment (``privfl flower run``): ``flwr run`` starts the ServerApp of :mod:`privfl.engines.flower.server` on the
   SuperLink's machine, whose :func:`flower_main` trains the run its run config names, or serves novel clients of a
   finished run.
 
@@ -31,7 +31,7 @@ from privfl.federation.runtime import how_to_continue
 if TYPE_CHECKING:
     from flwr.serverapp import Grid
 
-    from privfl.federation.flower.protocol import FlowerOptions
+    from privfl.engines.flower.protocol import FlowerOptions
 
 ENGINES = ("inprocess", "flower-sim")
 
@@ -41,7 +41,7 @@ def run(config: RunConfig | None, out: str, *, engine: str = "inprocess", resume
         flower_options: FlowerOptions | None = None, allow_overshoot: bool = False) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) ``config`` into run directory ``out`` on ``engine``; return the summary.
 
-    ``flower_options`` (a :class:`privfl.federation.flower.FlowerOptions`) set the simulation's resources and limits.
+    ``flower_options`` (a :class:`privfl.engines.flower.FlowerOptions`) set the simulation's resources and limits.
     ``allow_overshoot``: resume even where finishing the run takes a client past its target epsilon
     (:func:`privfl.experiment.check_overshoot`).
     """
@@ -77,7 +77,7 @@ def flower_runtime_factory(grid: Grid, options: FlowerOptions | None = None, *, 
     behind ``grid`` (the same strategy and procedure objects as in-process). ``run_id`` names the run in every
     message (the nodes tag their ledger records with it); ``engine`` (``flower-deployment`` or ``flower-sim``) is
     recorded in its checkpoints, whose messages name how the run continues."""
-    from privfl.federation.flower.runtime import FlowerRuntime
+    from privfl.engines.flower.runtime import FlowerRuntime
 
     def factory(config: RunConfig, federation) -> FlowerRuntime:
         _one_worker(config)
@@ -95,8 +95,8 @@ def flower_main(grid: Grid, run_config: Mapping[str, Any], *, options: FlowerOpt
     on ``grid``, or, with ``serve-from``, serve novel clients of that finished run. ``engine``: the Flower engine
     this runs on (``flower-deployment``, ``flower-sim``), named by the messages that say how to continue a run that
     stopped early."""
-    from privfl.federation.flower import protocol as p
-    from privfl.federation.flower.server_app import options_from_run_config, serve_from_run_config
+    from privfl.engines.flower import protocol as p
+    from privfl.engines.flower.server_app import options_from_run_config, serve_from_run_config
 
     options = options or options_from_run_config(run_config)
     if run_config.get(p.SERVE_FROM):
@@ -132,7 +132,7 @@ def _resumed_run_id(run_dir: RunDirectory, config: RunConfig) -> str:
     """The run id of the run in ``run_dir`` that a resumed run continues (from its checkpoint, else from its release
     journal; a run that made no release and saved no checkpoint gets a new one)."""
     from accounting import ReleaseJournal
-    from privfl.federation.flower import protocol as p
+    from privfl.engines.flower import protocol as p
 
     if not run_dir.path(RunDirectory.CONFIG).exists():
         raise ConfigError(f"cannot resume: {run_dir.root} holds no run ({RunDirectory.CONFIG} is missing); start it "
@@ -178,8 +178,8 @@ def _keep_ledger(run_dir: RunDirectory) -> None:
 def train_simulation(config: RunConfig, out: str, *, overwrite: bool = False, progress: bool = True,
                      stop_after_round: int | None = None, options: FlowerOptions | None = None) -> dict[str, Any]:
     """Run ``config`` on Flower's simulation engine into run directory ``out``; return the summary."""
-    from privfl.federation.flower import protocol as p
-    from privfl.federation.flower.simulation import num_clients, simulate, simulation_run_config
+    from privfl.engines.flower import protocol as p
+    from privfl.engines.flower.simulation import num_clients, simulate, simulation_run_config
 
     options = options or p.FlowerOptions()
     run_config = simulation_run_config(config, out, overwrite=overwrite)

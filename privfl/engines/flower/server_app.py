@@ -1,9 +1,9 @@
 """The privfl ServerApp: what ``flwr run`` (deployment) and the simulation engine start on the server.
 
 :func:`make_server_app` wraps a ``main(grid, run_config)`` in a Flower ``ServerApp``. What ``main`` does is decided
-above this package, by the engine (:mod:`privfl.engine`): train a run with :func:`privfl.experiment.train` on a
-:class:`~privfl.federation.flower.runtime.FlowerRuntime`, or serve novel clients of a finished run
-(:func:`serve_novel_clients`, here). Run-config keys are in :mod:`privfl.federation.flower.protocol`.
+above this package, by the engine (:mod:`privfl.engines.choice`): train a run with :func:`privfl.experiment.train` on a
+:class:`~privfl.engines.flower.runtime.FlowerRuntime`, or serve novel clients of a finished run
+(:func:`serve_novel_clients`, here). Run-config keys are in :mod:`privfl.engines.flower.protocol`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from privfl.config import RunConfig, build_method, run_federation
+from privfl.engines.flower import protocol as p
+from privfl.engines.flower.runtime import FlowerRuntime
+from privfl.engines.flower.transport import ids_text
 from privfl.errors import ConfigError
-from privfl.evaluation.metrics import summarize_scores
-from privfl.federation.flower import protocol as p
-from privfl.federation.flower.runtime import FlowerRuntime
-from privfl.federation.flower.transport import ids_text
 from privfl.federation.rundir import RunDirectory, atomic_write_bytes, dumps
 from privfl.federation.runtime import engine_of, how_to_continue
+from privfl.metrics import summarize_scores
 
 ServerMain = Callable[[Grid, Mapping[str, Any]], dict[str, Any]]
 

@@ -39,11 +39,11 @@ from flwr.clientapp import ClientApp
 from accounting import PrivacyLedger
 from accounting.files import atomic_write
 from privfl.config import RunConfig, build_client, run_federation
+from privfl.engines.flower import protocol as p
+from privfl.engines.flower import secagg
+from privfl.engines.flower.records import pack, unpack
 from privfl.errors import DataFreeError, ProtocolStateError, PublicConfigError
 from privfl.federation.context import client_context
-from privfl.federation.flower import protocol as p
-from privfl.federation.flower import secagg
-from privfl.federation.flower.records import pack, unpack
 from privfl.federation.messages import Message, Release
 from privfl.federation.rundir import atomic_write_bytes
 
@@ -319,7 +319,7 @@ class NodeFailure(DataFreeError, RuntimeError):
 def handle(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None = None) -> FlowerMessage:
     """Run one operation of the privfl protocol for each client the message names, and return the packed replies;
     a stage of SecAgg+ (distributed DP's secure train exchange) goes through Flower's ``secaggplus_mod``, whose
-    masked-vector stage runs the train operation here (:func:`privfl.federation.flower.secagg.node_stage`).
+    masked-vector stage runs the train operation here (:func:`privfl.engines.flower.secagg.node_stage`).
 
     Errors. Flower sends the text of an exception the ClientApp raises to the server, in its error reply, outside any
     ledger. A text can describe a client's data (a count of NaN rows, a label outside the range, a value a method
@@ -429,7 +429,7 @@ def _train(node: Node, client: NodeClient, body: Message, header: dict[str, Any]
 
 
 def _evaluate(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
-    from privfl.evaluation.metrics import score_model
+    from privfl.metrics import score_model
 
     client.expect("training", "evaluate")
     completed = int(header["completed_rounds"])
@@ -469,7 +469,7 @@ def _novel_request(node: Node, client: NodeClient, body: Message, header: dict[s
 
 
 def _novel_model(node: Node, client: NodeClient, body: Message, header: dict[str, Any], run: str):
-    from privfl.evaluation.metrics import score_model
+    from privfl.metrics import score_model
 
     client.expect("novel", "novel_model")
     model = node.procedure.novel_model(client.data, body)
@@ -505,5 +505,5 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
     return app
 
 
-#: The ClientApp that ``flwr run`` loads (``privfl.federation.flower.client_app:app``).
+#: The ClientApp that ``flwr run`` loads (``privfl.engines.flower.client_app:app``).
 app = make_client_app()

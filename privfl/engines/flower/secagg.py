@@ -23,7 +23,7 @@ masked vector per node.
 Dropouts. SecAgg+ tolerates nodes that drop after sharing their keys: it reconstructs their masks, and the sum then
 lacks their releases. A sum short of a share carries less noise than its calibration (the ledgers record the event
 of the full sum), so privfl refuses it: a node that fails, or does not answer within ``timeout_s``, in any stage
-stops the run with :class:`~privfl.federation.flower.transport.FlowerClientError` naming it; the round's sum is never
+stops the run with :class:`~privfl.engines.flower.transport.FlowerClientError` naming it; the round's sum is never
 computed or used, and the releases already made stay in their ledgers. Flower's workflow never sees a dropout.
 
 Quantization. SecAgg+ adds integers modulo 2^32: each node clips every value to [-R, R] (the clipping range) and maps
@@ -74,10 +74,10 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 
+from privfl.engines.flower import protocol as p
+from privfl.engines.flower.records import unpack
+from privfl.engines.flower.transport import FlowerClientError, GridTransport
 from privfl.errors import ConfigError, InternalError, PublicConfigError
-from privfl.federation.flower import protocol as p
-from privfl.federation.flower.records import unpack
-from privfl.federation.flower.transport import FlowerClientError, GridTransport
 from privfl.federation.messages import Message
 from privfl.federation.runtime import ReleaseSum, SecureSum, add_releases
 

@@ -1,6 +1,6 @@
 """The deployment engine with the project's own commands: certificates, SuperLink, SuperNodes, ``flwr run``.
 
-``privfl flower <command>`` (or ``python -m privfl.federation.flower.launch <command>``):
+``privfl flower <command>`` (or ``python -m privfl.engines.flower.launch <command>``):
 
 * ``certs DIR``: a certificate authority, the SuperLink's TLS certificate and key (for the hosts given), and one
   EC P-384 key pair per SuperNode for node authentication (OpenSSH format, as Flower reads them);
@@ -10,9 +10,9 @@
 * ``supernode``: ``flower-supernode`` with TLS, its private key, and a node config naming its partition (or range of
   partitions) and the directory that keeps its clients' ledgers and states, started again while the SuperLink
   refuses it (a node restarted after it died); in process isolation (the default) with one long-lived ClientApp
-  process beside it (:mod:`privfl.federation.flower.worker`) that runs every message, or, with ``--isolation
+  process beside it (:mod:`privfl.engines.flower.worker`) that runs every message, or, with ``--isolation
   subprocess``, Flower's fresh ClientApp process per message; it asks the SuperLink for work every ``--poll-s``
-  seconds while idle (:mod:`privfl.federation.flower.supernode`);
+  seconds while idle (:mod:`privfl.engines.flower.supernode`);
 * ``run``: ``flwr run`` of the privfl app (``app/`` beside this file) with a RunConfig JSON (e.g. the ``config.json``
   of a run directory), or with ``--serve-from`` a finished training run whose novel clients it serves, or with
   ``--resume`` a failed run, continued from its last checkpoint; it waits for the run's end, and its exit status
@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from privfl.engines.flower import protocol as p
+from privfl.engines.flower import supernode
 from privfl.errors import ConfigError
-from privfl.federation.flower import protocol as p
-from privfl.federation.flower import supernode
 
 APP_DIR = Path(__file__).resolve().parent / "app"
 CONNECTION = "privfl"
@@ -243,7 +243,7 @@ def wait_for_superlink(address: str, wait_s: float, *, poll_s: float = 0.5) -> f
 
 #: How a SuperNode runs its ClientApp: ``process`` (the default), in one long-lived ClientApp process that
 #: :func:`supervise_supernode` starts beside it and that keeps its imports and data between messages
-#: (:mod:`privfl.federation.flower.worker`); ``subprocess``, Flower's default, in a fresh process per message.
+#: (:mod:`privfl.engines.flower.worker`); ``subprocess``, Flower's default, in a fresh process per message.
 ISOLATIONS = ("process", "subprocess")
 
 
@@ -254,7 +254,7 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
     """``flower-supernode`` for one partition (``partition_id``) or several (``partition_range="FIRST-LAST"``), in
     Flower's ``isolation`` mode (one of :data:`ISOLATIONS`; with ``process`` the SuperNode runs no ClientApp itself:
     start :func:`worker_command` beside it), asking the SuperLink for work every ``poll_s`` seconds while idle
-    (:mod:`privfl.federation.flower.supernode`; Flower's own is 3 s)."""
+    (:mod:`privfl.engines.flower.supernode`; Flower's own is 3 s)."""
     if isolation not in ISOLATIONS:
         raise ConfigError(f"--isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     poll_s = supernode.check_poll_s(poll_s)
@@ -267,7 +267,7 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
     p.node_partitions(_parse_node_config(config))        # refuse a bad range here, not in the ClientApp
     require_files(certs / CA_CERT, node_key(certs, node))
     _tool("flower-supernode")                             # Flower is installed here
-    return [sys.executable, "-m", "privfl.federation.flower.supernode", "--poll-s", f"{poll_s:g}", "--superlink",
+    return [sys.executable, "-m", "privfl.engines.flower.supernode", "--poll-s", f"{poll_s:g}", "--superlink",
             superlink, "--root-certificates", str(certs / CA_CERT),
             "--auth-supernode-private-key", str(node_key(certs, node)), "--node-config", config,
             "--host", host, "--port", str(port), "--isolation", isolation]
@@ -275,8 +275,8 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
 
 def worker_command(host: str, port: int, parent_pid: int | None = None) -> list[str]:
     """The long-lived ClientApp process of a SuperNode in process isolation whose Runtime API listens at
-    ``host:port`` (:mod:`privfl.federation.flower.worker`); it ends when ``parent_pid`` ends."""
-    command = [sys.executable, "-m", "privfl.federation.flower.worker", "--runtime-api-address", f"{host}:{port}"]
+    ``host:port`` (:mod:`privfl.engines.flower.worker`); it ends when ``parent_pid`` ends."""
+    command = [sys.executable, "-m", "privfl.engines.flower.worker", "--runtime-api-address", f"{host}:{port}"]
     return command + ([] if parent_pid is None else ["--parent-pid", str(parent_pid)])
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from privfl.config import RunConfig
+from privfl.engines.flower.records import pack, unpack
+from privfl.engines.flower.transport import FlowerClientError, GridTransport, ids_text
 from privfl.errors import ConfigError
-from privfl.federation.flower.records import pack, unpack
-from privfl.federation.flower.transport import FlowerClientError, GridTransport, ids_text
 
 logger = logging.getLogger(__name__)
 
