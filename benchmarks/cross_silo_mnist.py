@@ -122,7 +122,7 @@ def train_cell(args, method: str, settings: dict, level: str, seed: int) -> tupl
             "accuracy": val["accuracy_mean"], "accuracy_sem_over_silos": val["accuracy_sem"],
             "silos": val["num_clients"], "epsilon_max": summary["privacy"]["epsilon_max_training"],
             "delta": DELTA, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall,
-            "run_wall_s": summary["wall_time_s"], "resumed": resumed, "run_dir": str(out),
+            "run_wall_s": summary["wall_time_s"], "resumed": resumed, "run_name": out.name,
             "command": " ".join(sys.argv), "numerics": numerics()}
     return cell, config, out
 
@@ -167,7 +167,7 @@ def run_row(args, row: str, level: str, seed: int, method: str, settings: dict) 
             run_row(args, "FedAvg", level, seed, method, settings)
             base = stored(args)[key_of("FedAvg", level, seed, args.rounds)]
         config = run_config(method, settings, level, seed, args.rounds)
-        tuned = fine_tune(config, Path(base["run_dir"]), seed)
+        tuned = fine_tune(config, Path(args.out) / base["run_name"], seed)
         cell = {**base, **tuned, "cpu_s": base["cpu_s"] + tuned["fine_tune_cpu_s"],
                 "note": "cpu_s: the FedAvg run's plus the fine-tuning's; epsilon_max includes the fine-tuning epoch"}
     else:
