@@ -340,6 +340,8 @@ class PeFLLStrategy(Strategy):
         #: initialisation; FedAvg's step moves them.
         self.shared_part = SharedPart(target, [n for n in target_shapes(target) if n not in self.hnet.shapes],
                                       lr=cfg.shared_lr, momentum=cfg.shared_momentum, device=self.device)
+        if self.shared_part:      # its momentum is saved only when there is a shared part
+            self.training_only = (*type(self).training_only, "shared_momentum")
         self.embedding = seeded_init(lambda: EmbeddingNetwork(tuple(factory.input_shape), factory.num_classes,
                                                               embed_dim=self.embed_dim, kind=self.embed_kind),
                                      derive_seed(self.seed, "pefll_embedding")).to(self.device)
@@ -502,7 +504,7 @@ class PeFLLStrategy(Strategy):
         """Algorithm 1, steps 4-5: theta = h(v) from the client's released descriptor."""
         return Message(arrays=self.generate(self._checked_descriptor(client_id, delivered)))
 
-    training_only = ("optimizer", "shared_momentum")
+    training_only = ("optimizer",)
 
     def state_dict(self) -> dict[str, Any]:
         return {

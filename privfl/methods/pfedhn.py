@@ -239,6 +239,8 @@ class PFedHNStrategy(Strategy):
         #: target's seeded initialisation; FedAvg's step moves them.
         self.shared_part = SharedPart(target, [n for n in target_shapes(target) if n not in self.hnet.shapes],
                                       lr=cfg.shared_lr, momentum=cfg.shared_momentum, device=self.device)
+        if self.shared_part:      # its momentum is saved only when there is a shared part
+            self.training_only = (*type(self).training_only, "shared_momentum")
         self.hn_momentum: dict[str, torch.Tensor] = {}
         self.embeddings: dict[int, torch.Tensor] = {}
         self.embedding_momentum: dict[int, torch.Tensor] = {}
@@ -437,7 +439,7 @@ class PFedHNStrategy(Strategy):
                           "'itpflhn'")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    training_only = ("hypernetwork_momentum", "embedding_momentum", "shared_momentum")
+    training_only = ("hypernetwork_momentum", "embedding_momentum")
 
     def state_dict(self) -> dict[str, Any]:
         """Copies on the CPU of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by
