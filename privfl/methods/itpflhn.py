@@ -87,6 +87,12 @@ change (phase 1), or the descriptor and the weight change (phase 2).
   novel clients, and the model ``f_theta_pre(e_j)`` sent to client j, which depends on another client only through
   the noisy means. Rows and phase-2 descriptors stay in the clear with the aggregator.
 * ``distributed``: refused (the server answers each client's weight change and descriptor on its own).
+
+**Generating only the head** (``generated``, ``shared_lr``, ``shared_momentum``: pFedHN's settings, the same as
+ODPFL-HN's). The shared part takes FedAvg's step from the round's weight changes in both phases (in phase 2 it is
+fine-tuned with ``theta``, its momentum started afresh with the fine-tuning optimiser's), and training clients are
+served with the shared part as it stood at the end of phase 1, with the pre-fine-tune hypernetwork. Under central DP
+its tensors join each contribution, as in pFedHN.
 """
 
 from __future__ import annotations
@@ -217,6 +223,8 @@ class ITPFLHNStrategy(PFedHNStrategy):
                               derive_seed(self.seed, "itpflhn_encoder"))
         self.encoder_weights = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
         self.pre_finetune: dict[str, torch.Tensor] | None = None
+        #: The shared part at the end of phase 1 (with a shared part, from the first phase-2 round).
+        self.pre_finetune_shared: dict[str, torch.Tensor] | None = None
         self._weight_changes: dict[int, Message] = {}
         self._descriptors: dict[int, torch.Tensor] = {}
 
@@ -235,6 +243,9 @@ class ITPFLHNStrategy(PFedHNStrategy):
         if self.pre_finetune is None:                                             # step 4
             self.pre_finetune = self.hypernetwork_state()
             self.hn_momentum = {}
+            if self.shared_part:
+                self.pre_finetune_shared = self.shared_part.snapshot()
+                self.shared_part.momentum = {}
         self._descriptors = {}
         return {cid: self._encoder_message(phase=2) for cid in client_ids}        # step 5
 
@@ -311,8 +322,8 @@ class ITPFLHNStrategy(PFedHNStrategy):
         return metrics
 
     def configure_evaluate(self, client_id: int) -> Message:
-        """Training clients: the pre-fine-tune hypernetwork on their embedding row."""
-        return Message(arrays=self.generate(self.embedding(client_id), self.pre_finetune))
+        """Training clients: the pre-fine-tune hypernetwork (and shared part) on their embedding row."""
+        return Message(arrays=self.generate(self.embedding(client_id), self.pre_finetune, self.pre_finetune_shared))
 
     def novel_request(self, client_id: int) -> Message:
         return self._encoder_message()
@@ -331,6 +342,8 @@ class ITPFLHNStrategy(PFedHNStrategy):
         state = {**super().state_dict(), "encoder": {k: v.clone() for k, v in self.encoder_weights.items()}}
         if self.pre_finetune is not None:
             state["pre_finetune"] = on_cpu(self.pre_finetune)
+        if self.pre_finetune_shared is not None:
+            state["pre_finetune_shared"] = on_cpu(self.pre_finetune_shared)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -338,6 +351,8 @@ class ITPFLHNStrategy(PFedHNStrategy):
         self.encoder_weights = {k: v.clone() for k, v in state["encoder"].items()}
         pre = state.get("pre_finetune")
         self.pre_finetune = None if pre is None else on_device(pre, self.device)
+        pre_shared = state.get("pre_finetune_shared")
+        self.pre_finetune_shared = None if pre_shared is None else on_device(pre_shared, self.device)
         self._weight_changes, self._descriptors = {}, {}
 
 

@@ -81,9 +81,9 @@ from privfl.methods.base import (
     register_method,
 )
 from privfl.methods.local_training import minibatches, weights_of
+from privfl.methods.shared_part import SHARED_PREFIX, SharedPart, check_shared_settings, mean_of, norm_of
 from privfl.models.encoders import ENCODERS, PRIVATIZABLE, build_encoder
 from privfl.models.hypernetwork import (
-    GENERATED_PARTS,
     HyperNetwork,
     RoundGradientMean,
     backprop_weight_change,
@@ -100,7 +100,6 @@ from privfl.privacy.training import CENTRAL, RECORD, NovelPrivacy, TrainingPriva
 DESCRIPTOR_MODES = ("full", "batch_mean")
 ENCODER_PREFIX = "encoder."
 HN_PREFIX = "hnet."
-SHARED_PREFIX = "shared."
 
 
 @dataclass(frozen=True)
@@ -177,11 +176,8 @@ class ODPFLHNConfig(MethodConfig):
     shared_momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        check.require(self.generated in GENERATED_PARTS, "generated", self.generated,
-                      f"one of {', '.join(GENERATED_PARTS)}")
-        check.require(is_finite(self.shared_momentum) and 0 <= self.shared_momentum < 1, "shared_momentum",
-                      self.shared_momentum, "in [0, 1)")
-        for name in ("lr", "hn_lr", "encoder_temperature", "shared_lr"):
+        check_shared_settings(self.generated, self.shared_lr, self.shared_momentum)
+        for name in ("lr", "hn_lr", "encoder_temperature"):
             check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
                           "a finite number > 0")
         check.require(is_finite(self.encoder_lr) and self.encoder_lr >= 0, "encoder_lr", self.encoder_lr,
@@ -314,20 +310,6 @@ def client_descriptor(encoder: nn.Module, x: torch.Tensor, config: ODPFLHNConfig
     return torch.stack(outputs).mean(dim=0)
 
 
-def _mean(dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The tensor-by-tensor mean of ``dicts`` (summed in place into one copy; no stacking of large tensors)."""
-    total = {k: v.clone() for k, v in dicts[0].items()}
-    for other in dicts[1:]:
-        for k, v in total.items():
-            v.add_(other[k])
-    return {k: v.div_(len(dicts)) for k, v in total.items()}
-
-
-def _norm(tensors: dict[str, torch.Tensor]) -> float:
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors.values()]))) \
-        if tensors else 0.0
-
-
 def _clip_(grads: list[torch.Tensor], max_norm: float | None) -> float:
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
     if max_norm is not None and norm > max_norm:
@@ -359,18 +341,22 @@ class ODPFLHNStrategy(Strategy):
                                                      standardize=config.standardize_descriptors,
                                                      generated=generated),
                                 derive_seed(self.seed, "hnet_init")).to(self.device)
-        #: The target's tensors in order, and the shared part (every tensor the hypernetwork does not generate), from
-        #: the target's seeded initialisation.
-        self.target_names = [name for name, _ in target.named_parameters()]
-        self.shared = {name: p.detach().clone().to(self.device) for name, p in target.named_parameters()
-                       if name not in generated}
+        #: The shared part (every tensor the hypernetwork does not generate, frozen ones included: the client loads
+        #: the whole target), from the target's seeded initialisation.
+        self.shared_part = SharedPart(target, [name for name, _ in target.named_parameters() if name not in generated],
+                                      lr=config.shared_lr, momentum=config.shared_momentum, device=self.device)
         self.encoder = seeded_init(lambda: make_encoder(config, input_shape, self.embed_dim),
                                    derive_seed(self.seed, "encoder_init")).to(self.device)
-        self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}, "shared": {}}
+        self.momentum: dict[str, dict[str, torch.Tensor]] = {"hnet": {}, "encoder": {}}
         self.descriptors: dict[str, torch.Tensor] = {}
         self._round: dict[str, Any] = {}
         if config.frozen_encoder:
             self.train_stages = 2          # descriptor up, model down, weight change up: nothing to back-propagate
+
+    @property
+    def shared(self) -> dict[str, torch.Tensor]:
+        """The shared part's tensors as they stand (empty when the hypernetwork generates everything)."""
+        return self.shared_part.values
 
     # -- the round ----------------------------------------------------------------------------------------------------
 
@@ -442,17 +428,12 @@ class ODPFLHNStrategy(Strategy):
         done = sorted(cid for cid in replies if cid in self._round.get("hn_grads", ()))
         if not done:
             return {}
-        shared_grads = _mean([self._shared_part(self._round["hn_grads"].inputs(cid)[1]) for cid in done]) \
-            if self.shared else {}
+        shared_grads = self.shared_part.mean_change([self._round["hn_grads"].inputs(cid)[1] for cid in done])
         hn_grads = self._round["hn_grads"].mean(done)
-        encoder_grads = {} if self.config.frozen_encoder else _mean([replies[cid].arrays for cid in done])
+        encoder_grads = {} if self.config.frozen_encoder else mean_of([replies[cid].arrays for cid in done])
         losses = [self._round["losses"][cid] for cid in done]
         self._round = {}
         return {"train_loss": float(np.mean(losses)), **self._step(round, hn_grads, encoder_grads, shared_grads)}
-
-    def _shared_part(self, change: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The shared tensors of a client's weight change (what FedAvg's step averages)."""
-        return {name: change[name].to(self.device) for name in self.shared}
 
     # -- central DP: the shared networks move from the noisy mean of the clients' gradients only --------------------
 
@@ -465,7 +446,7 @@ class ODPFLHNStrategy(Strategy):
                     hn_grads, _ = backprop_weight_change(self.hnet, self._round["descriptors"][cid],
                                                          replies[cid].arrays)
                     yield cid, {**prefixed(HN_PREFIX, on_cpu(hn_grads)),     # the privacy layer's, on the CPU
-                                **prefixed(SHARED_PREFIX, on_cpu(self._shared_part(replies[cid].arrays)))}
+                                **self.shared_part.contribution(replies[cid].arrays)}
             return
         kept = self._round.get("hn_grads")
         for cid in sorted(replies):
@@ -474,12 +455,12 @@ class ODPFLHNStrategy(Strategy):
             descriptor, change = kept.inputs(cid)
             hn_grads, _ = backprop_weight_change(self.hnet, descriptor, change)
             yield cid, {**prefixed(HN_PREFIX, on_cpu(hn_grads)), **prefixed(ENCODER_PREFIX, replies[cid].arrays),
-                        **prefixed(SHARED_PREFIX, on_cpu(self._shared_part(change)))}
+                        **self.shared_part.contribution(change)}
 
     def contribution_shapes(self) -> dict[str, torch.Tensor]:
         """Zeros shaped like a contribution, on the CPU (where the privacy layer clips, sums and noises)."""
         shapes = {HN_PREFIX + k: torch.zeros(p.shape, dtype=p.dtype) for k, p in self.hnet.named_parameters()}
-        shapes.update({SHARED_PREFIX + k: torch.zeros(v.shape, dtype=v.dtype) for k, v in self.shared.items()})
+        shapes.update(self.shared_part.contribution_shapes())
         if not self.config.frozen_encoder:
             shapes.update({ENCODER_PREFIX + k: torch.zeros(p.shape, dtype=p.dtype)
                            for k, p in self.encoder.named_parameters() if p.requires_grad})
@@ -495,11 +476,11 @@ class ODPFLHNStrategy(Strategy):
     def _step(self, round: int, hn_grads: dict[str, torch.Tensor], encoder_grads: dict[str, torch.Tensor],
               shared_grads: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clip each averaged gradient to ``grad_clip``, then one SGD step each (refused when one is not finite); the
-        shared part takes FedAvg's step from the mean weight change (:meth:`_shared_step`)."""
+        shared part takes FedAvg's step from the mean weight change (:meth:`SharedPart.step`)."""
         config: ODPFLHNConfig = self.config
         hn_norm = _clip_(list(hn_grads.values()), config.grad_clip)
         encoder_norm = _clip_(list(encoder_grads.values()), config.grad_clip) if encoder_grads else 0.0
-        shared_norm = _norm(shared_grads)
+        shared_norm = norm_of(shared_grads)
         if not (math.isfinite(hn_norm) and math.isfinite(encoder_norm) and math.isfinite(shared_norm)):
             # refuse before stepping, so the hypernetwork, the encoder and the last checkpoint stay finite (a NaN
             # step would only surface a round later, as NaN descriptors)
@@ -512,7 +493,7 @@ class ODPFLHNStrategy(Strategy):
         if encoder_grads:
             self._sgd_step("encoder", self.encoder, encoder_grads, config.encoder_lr, encoder_wd)
         if shared_grads:
-            self._shared_step(shared_grads)
+            self.shared_part.step(shared_grads)
         metrics = {"hn_grad_norm": hn_norm, "encoder_grad_norm": encoder_norm}
         if self.shared:
             metrics["shared_change_norm"] = shared_norm
@@ -536,20 +517,6 @@ class ODPFLHNStrategy(Strategy):
                 param.sub_(lr * g)
         self.momentum[which] = new_buffers
 
-    def _shared_step(self, change: dict[str, torch.Tensor]) -> None:
-        """FedAvg's server step on the shared part from the mean weight change (before minus after):
-        ``b = mu b + m`` (``b = m`` at first), ``shared -= shared_lr * b``."""
-        config: ODPFLHNConfig = self.config
-        buffers, mu = self.momentum["shared"], config.shared_momentum
-        new_buffers, new_shared = {}, {}
-        for name, value in self.shared.items():
-            g = change[name].to(value.device, value.dtype)
-            if mu > 0:
-                g = g if name not in buffers else mu * buffers[name] + g
-                new_buffers[name] = g
-            new_shared[name] = value - config.shared_lr * g
-        self.shared, self.momentum["shared"] = new_shared, new_buffers
-
     # -- evaluation and novel clients ---------------------------------------------------------------------------------
 
     def generated_weights(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -557,8 +524,7 @@ class ODPFLHNStrategy(Strategy):
         as it stands, in the target's order, detached, on the CPU."""
         with torch.no_grad():
             generated = self.hnet(descriptor.to(self.device, torch.get_default_dtype()))
-        return on_cpu({name: generated[name] if name in generated else self.shared[name]
-                       for name in self.target_names})
+        return on_cpu(self.shared_part.complete(generated))
 
     def configure_evaluate(self, client_id: int) -> Message:
         """A training client's model from the last descriptor it released; for a client not yet sampled, the mean of
@@ -591,18 +557,15 @@ class ODPFLHNStrategy(Strategy):
             "hnet_momentum": on_cpu(self.momentum["hnet"]),
             "encoder_momentum": on_cpu(self.momentum["encoder"]),
             "descriptors": on_cpu(self.descriptors),
-            "shared": on_cpu(self.shared),
-            "shared_momentum": on_cpu(self.momentum["shared"]),
+            **self.shared_part.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hnet.load_state_dict(state["hnet"])
         self.encoder.load_state_dict(state["encoder"])
         self.momentum = {"hnet": on_device(state.get("hnet_momentum", {}), self.device),
-                         "encoder": on_device(state.get("encoder_momentum", {}), self.device),
-                         "shared": on_device(state.get("shared_momentum", {}), self.device)}
-        if "shared" in state:      # a state saved before the shared part existed generated everything
-            self.shared = {k: v.clone() for k, v in on_device(state["shared"], self.device).items()}
+                         "encoder": on_device(state.get("encoder_momentum", {}), self.device)}
+        self.shared_part.load_state_dict(state)     # a state saved before the shared part existed leaves it as is
         self.descriptors = {str(k): v for k, v in on_device(state["descriptors"], self.device).items()}
         self._round = {}
 

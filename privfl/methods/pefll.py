@@ -76,6 +76,15 @@ training client makes three releases a round: ``v_i``, ``Delta theta_i`` and ``D
 * ``distributed``: refused: the server answers each client's descriptor and weight change on its own (``h(v_i)``,
   then ``Delta v_i``), while secure aggregation shows only sums.
 
+**Generating only the head** (``generated``, ``shared_lr``, ``shared_momentum``, the same settings as ODPFL-HN's;
+:mod:`privfl.methods.shared_part`). With ``"head"`` or ``"head_bias"`` h emits only the target's last layer (or its
+bias); the rest of theta_i is one shared part sent with every generated model, trained locally by each client, and
+moved by the mean of the round's weight changes restricted to it (FedAvg's step at ``shared_lr`` with heavy-ball
+``shared_momentum``, beside the server optimiser, which moves the two networks only). Line 12 reads only the generated
+coordinates of Delta theta_i. The releases are unchanged (the whole Delta theta_i): the shared step is post-processing
+of them (record, local), and under central DP the shared tensors of a client's change join its contribution (prefix
+``"shared."``, clipped jointly), so the shared part moves from the noisy mean alone.
+
 Novel (unseen) clients: with :class:`~privfl.privacy.training.NovelPrivacy` (``RunConfig.novel_privacy``) the
 descriptor is an (epsilon, delta)-DP release under replace-one of a labelled record, n public
 (:func:`~privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with B the novel bound); without it,
@@ -120,7 +129,15 @@ from privfl.methods.base import (
     register_method,
 )
 from privfl.methods.pfedhn import refuse_batch_clip
-from privfl.models.hypernetwork import HyperNetwork, RoundGradientMean, backprop_weight_change, embedding_dim
+from privfl.methods.shared_part import SharedPart, check_shared_settings, norm_of
+from privfl.models.hypernetwork import (
+    HyperNetwork,
+    RoundGradientMean,
+    backprop_weight_change,
+    embedding_dim,
+    generated_names,
+    target_shapes,
+)
 from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, clipped_rows, resolve_kind
 from privfl.privacy.gradient_mean import certify_gradient_mean, release_gradient_mean
 from privfl.privacy.labelled import certify_labelled_mean, release_labelled_mean
@@ -156,6 +173,11 @@ class PeFLLConfig(MethodConfig):
     the whole training split, as the code evaluates). The per-example clipping radius comes from the run's privacy
     settings (the module docstring), not from here: the privacy of training clients is ``RunConfig.privacy``, that
     of unseen clients ``RunConfig.novel_privacy`` (epsilon, delta, bound B, noise source).
+    Generated part: ``generated`` (:data:`~privfl.models.hypernetwork.GENERATED_PARTS`): ``"all"`` (the paper: h
+    emits the whole target), ``"head"`` or ``"head_bias"`` (it emits the target's last layer, or that layer's bias;
+    the rest is one shared part that every client trains locally and the server moves by the mean of the clients'
+    weight changes, FedAvg's step: ``shared -= shared_lr * m``, with ``m`` a heavy-ball average of the mean change at
+    ``shared_momentum``; :mod:`privfl.methods.shared_part`).
     """
 
     lr: float = 2e-3
@@ -176,8 +198,12 @@ class PeFLLConfig(MethodConfig):
     n_hidden: int = 3
     descriptor_batch: int = 32
     eval_descriptor_samples: int | None = None
+    generated: str = "all"
+    shared_lr: float = 1.0
+    shared_momentum: float = 0.0
 
     def __post_init__(self) -> None:
+        check_shared_settings(self.generated, self.shared_lr, self.shared_momentum)
         positive = ("lr", "server_lr")
         for name in positive:
             check.require(is_finite(getattr(self, name)) and getattr(self, name) > 0, name, getattr(self, name),
@@ -306,9 +332,16 @@ class PeFLLStrategy(Strategy):
         target = factory.init(self.seed)
         #: Where both networks and the optimiser's state live (messages and the saved state are on the CPU).
         self.device = torch.device(factory.device)
+        generated = None if cfg.generated == "all" else generated_names(target, cfg.generated)
         self.hnet = seeded_init(lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=cfg.hidden_dim,
-                                                     n_hidden=cfg.n_hidden),
+                                                     n_hidden=cfg.n_hidden, generated=generated),
                                 derive_seed(self.seed, "pefll_hypernetwork")).to(self.device)
+        #: The trainable target tensors h does not generate (none with ``generated="all"``), from the target's seeded
+        #: initialisation; FedAvg's step moves them.
+        self.shared_part = SharedPart(target, [n for n in target_shapes(target) if n not in self.hnet.shapes],
+                                      lr=cfg.shared_lr, momentum=cfg.shared_momentum, device=self.device)
+        if self.shared_part:      # its momentum is saved only when there is a shared part
+            self.training_only = (*type(self).training_only, "shared_momentum")
         self.embedding = seeded_init(lambda: EmbeddingNetwork(tuple(factory.input_shape), factory.num_classes,
                                                               embed_dim=self.embed_dim, kind=self.embed_kind),
                                      derive_seed(self.seed, "pefll_embedding")).to(self.device)
@@ -333,8 +366,9 @@ class PeFLLStrategy(Strategy):
 
     @torch.no_grad()
     def generate(self, descriptor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """theta = h(v): the generated target weights (detached, on the CPU)."""
-        return on_cpu(self.hnet(descriptor.to(self.device, torch.float32)))
+        """theta = h(v): the generated target weights (detached, on the CPU), the shared part filling in the tensors h
+        does not generate."""
+        return on_cpu(self.shared_part.complete(self.hnet(descriptor.to(self.device, torch.float32))))
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         """Stage 0 (line 3): the embedding network to each sampled client."""
@@ -380,18 +414,20 @@ class PeFLLStrategy(Strategy):
         if not done:
             self._round = {}
             return {}
+        shared = self.shared_part.mean_change([self._round["hnet_grads"].inputs(cid)[1] for cid in done])
         hnet_grads = self._round["hnet_grads"].mean(done)
         embed_grads = {name: sum(replies[cid].arrays[EMBED + name].to(param.device, param.dtype) for cid in done)
                        / len(done)
                        for name, param in self.embedding.named_parameters()}
         losses = [self._round["loss"][cid] for cid in done]
-        metrics = self._server_step(round, hnet_grads, embed_grads, f"clients {done}")
+        metrics = self._server_step(round, hnet_grads, embed_grads, f"clients {done}", shared)
         return {"train_loss": sum(losses) / len(losses), **metrics}
 
     def _server_step(self, round: int, hnet_grads: dict[str, torch.Tensor], embed_grads: dict[str, torch.Tensor],
-                     source: str) -> dict[str, float]:
+                     source: str, shared: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """Line 18: ``g + 2 lambda eta`` for both networks, the joint clip to ``server_grad_clip``, one optimiser
-        step; the round's working values are dropped."""
+        step; the shared part FedAvg's step from its mean change ``shared``; the round's working values are
+        dropped."""
         cfg: PeFLLConfig = self.config
         hnet_params = dict(self.hnet.named_parameters())
         embed_params = dict(self.embedding.named_parameters())
@@ -401,7 +437,8 @@ class PeFLLStrategy(Strategy):
             param.grad = embed_grads[name].to(param.device) + 2 * cfg.lambda_v * param.detach()
         params = [*hnet_params.values(), *embed_params.values()]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        if not math.isfinite(float(norm)):
+        shared_norm = norm_of(shared or {})
+        if not (math.isfinite(float(norm)) and math.isfinite(shared_norm)):
             # refuse before stepping, so the networks, Adam's moments and the last checkpoint stay finite (a NaN step
             # would surface a round later, blamed on a client's descriptor)
             self.optimizer.zero_grad(set_to_none=True)
@@ -413,16 +450,20 @@ class PeFLLStrategy(Strategy):
             torch.nn.utils.clip_grad_norm_(params, cfg.server_grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if shared:
+            self.shared_part.step(shared)
         self._round = {}
-        return {"server_grad_norm": float(norm)}
+        return {"server_grad_norm": float(norm), **({"shared_change_norm": shared_norm} if self.shared_part else {})}
 
     # -- central DP: both networks move from a noisy mean ----------------------------------------------------------
 
     def contribution_shapes(self) -> dict[str, torch.Tensor]:
-        """A contribution: the hypernetwork gradient (``"hnet."``) and the embedding-network gradient (``"embed."``),
-        zeros on the CPU (where the privacy layer clips, sums and noises)."""
+        """A contribution: the hypernetwork gradient (``"hnet."``), the embedding-network gradient (``"embed."``) and
+        the shared tensors of the weight change (``"shared."``, none with ``generated="all"``), zeros on the CPU
+        (where the privacy layer clips, sums and noises)."""
         return {**{HNET + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.hnet.named_parameters()},
-                **{EMBED + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.embedding.named_parameters()}}
+                **{EMBED + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.embedding.named_parameters()},
+                **self.shared_part.contribution_shapes()}
 
     def contributions(self, round: int, replies: dict[int, Message]):
         """Client i's contribution (module docstring): ``Delta eta_h^i``, chain-ruled here from its weight change at
@@ -432,13 +473,14 @@ class PeFLLStrategy(Strategy):
             grads, _ = backprop_weight_change(self.hnet, *kept.inputs(cid))
             yield cid, {**prefixed(HNET, on_cpu(grads)),
                         **{EMBED + name: replies[cid].arrays[EMBED + name] for name, _ in
-                           self.embedding.named_parameters()}}
+                           self.embedding.named_parameters()},
+                        **self.shared_part.contribution(kept.inputs(cid)[1])}
 
     def apply_mean(self, round: int, mean: dict[str, torch.Tensor], count: float) -> dict[str, float]:
         """Line 18 from the noisy mean of the contributions (``count`` = q N): regularisers, clip, one step."""
         return self._server_step(round, {name: mean[HNET + name] for name, _ in self.hnet.named_parameters()},
                                  {name: mean[EMBED + name] for name, _ in self.embedding.named_parameters()},
-                                 "the noisy mean")
+                                 "the noisy mean", self.shared_part.from_mean(mean))
 
     # -- evaluation and novel clients ---------------------------------------------------------------------------------
 
@@ -473,6 +515,7 @@ class PeFLLStrategy(Strategy):
             "descriptors": (torch.stack([self.descriptors[c] for c in sorted(self.descriptors)]) if self.descriptors
                             else torch.zeros(0, self.embed_dim)),
             "descriptors_confidential": self.confidential,
+            **(self.shared_part.state_dict() if self.shared_part else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -484,6 +527,7 @@ class PeFLLStrategy(Strategy):
             self.optimizer.state.clear()
         self.descriptors = {int(c): v.clone() for c, v in zip(state["descriptor_ids"].tolist(), state["descriptors"])}
         self.confidential = self.confidential or bool(state.get("descriptors_confidential", False))
+        self.shared_part.load_state_dict(state)
         self._round = {}
 
 

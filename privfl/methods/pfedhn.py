@@ -52,6 +52,15 @@ novel client (PFL-sampled, -nearest, -ensemble), and :mod:`privfl.methods.itpflh
   its own row (its data and the past noisy means) and ``theta`` (the past noisy means), so adding or removing client
   i moves the round's sum by at most C, whatever its own row did. It does not protect client i's row, or the
   contributions in the clear, against the aggregator.
+**Generating only the head** (``generated``, the same setting as ODPFL-HN's; :mod:`privfl.methods.shared_part`).
+With ``"head"`` or ``"head_bias"`` the hypernetwork emits only the target's last layer (or its bias); the rest of the
+target is one shared part, sent with every generated model, trained locally by each client as part of the whole
+target, and moved by the server by the mean of the round's weight changes restricted to it (FedAvg's step,
+``shared_lr``, heavy-ball ``shared_momentum``). Step 3 reads only the generated coordinates of each change. Under
+every mode the released message is still the whole weight change: the shared step is post-processing of the
+releases (record, local), and under central DP the shared tensors of a client's change join its contribution
+(prefix ``"shared."``, clipped jointly with ``g_theta_i``), so the shared part moves from the noisy mean alone.
+
 * ``distributed``: refused. Step 3 chain-rules each client's weight change through the hypernetwork at that
   client's own row, and moves that row from it: it needs each change on its own, while secure aggregation shows the
   server only their sum.
@@ -83,7 +92,9 @@ from privfl.methods.base import (
     register_method,
 )
 from privfl.methods.local_training import sgd_settings
+from privfl.methods.shared_part import SharedPart, check_shared_settings, norm_of
 from privfl.models import HyperNetwork, backprop_weight_change, embedding_dim
+from privfl.models.hypernetwork import generated_names, target_shapes
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 EMBED_DIM_RULES = ("quarter", "pfedhn")
@@ -108,6 +119,11 @@ class PFedHNConfig(LocalTrainingConfig):
     N counts novel clients too: CIFAR N = 100 gives 25; set ``embed_dim=25`` to match it; docs/papers.md,
     ODPFL-HN, U5).
     ``hidden_dim``, ``n_hidden``, ``spectral_norm``, ``hn_chunked``: the hypernetwork (:class:`HyperNetwork`).
+    ``generated`` (:data:`~privfl.models.hypernetwork.GENERATED_PARTS`): ``"all"`` (the paper: the hypernetwork
+    emits the whole target), ``"head"`` or ``"head_bias"`` (it emits the target's last layer, or that layer's bias;
+    the rest is one shared part that every client trains locally and the server moves by the mean of the clients'
+    weight changes, FedAvg's step: ``shared -= shared_lr * m``, with ``m`` a heavy-ball average of the mean change at
+    ``shared_momentum``; :mod:`privfl.methods.shared_part`).
     """
 
     lr: float = 5e-3
@@ -127,9 +143,13 @@ class PFedHNConfig(LocalTrainingConfig):
     n_hidden: int = 3
     spectral_norm: bool = False
     hn_chunked: bool | None = None
+    generated: str = "all"
+    shared_lr: float = 1.0
+    shared_momentum: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_shared_settings(self.generated, self.shared_lr, self.shared_momentum)
         check.require(is_finite(self.momentum) and 0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
         check.require(is_finite(self.hn_momentum) and 0 <= self.hn_momentum < 1, "hn_momentum", self.hn_momentum,
                       "in [0, 1)")
@@ -210,10 +230,17 @@ class PFedHNStrategy(Strategy):
         target = self.model_factory.init(self.seed)
         #: Where the hypernetwork, the rows and their momentum live; what leaves the strategy is on the CPU.
         self.device = torch.device(self.model_factory.device)
+        generated = None if cfg.generated == "all" else generated_names(target, cfg.generated)
         self.hnet = seeded_init(
             lambda: HyperNetwork(target, embed_dim=self.embed_dim, hidden_dim=cfg.hidden_dim, n_hidden=cfg.n_hidden,
-                                 spectral_norm=cfg.spectral_norm, chunked=cfg.hn_chunked),
+                                 spectral_norm=cfg.spectral_norm, chunked=cfg.hn_chunked, generated=generated),
             derive_seed(self.seed, "pfedhn_hypernetwork")).to(self.device)
+        #: The trainable target tensors the hypernetwork does not generate (none with ``generated="all"``), from the
+        #: target's seeded initialisation; FedAvg's step moves them.
+        self.shared_part = SharedPart(target, [n for n in target_shapes(target) if n not in self.hnet.shapes],
+                                      lr=cfg.shared_lr, momentum=cfg.shared_momentum, device=self.device)
+        if self.shared_part:      # its momentum is saved only when there is a shared part
+            self.training_only = (*type(self).training_only, "shared_momentum")
         self.hn_momentum: dict[str, torch.Tensor] = {}
         self.embeddings: dict[int, torch.Tensor] = {}
         self.embedding_momentum: dict[int, torch.Tensor] = {}
@@ -234,16 +261,17 @@ class PFedHNStrategy(Strategy):
         return self.initial_embedding(client_id) if row is None else row
 
     @torch.no_grad()
-    def generate(self, descriptor: torch.Tensor, hn_state: dict[str, torch.Tensor] | None = None
-                 ) -> dict[str, torch.Tensor]:
+    def generate(self, descriptor: torch.Tensor, hn_state: dict[str, torch.Tensor] | None = None,
+                 shared: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Target weights ``f_theta(descriptor)`` (detached, on the CPU: what a message carries), from the current
-        hypernetwork or from ``hn_state``."""
+        hypernetwork or from ``hn_state``; the shared part (as it stands, or ``shared``) fills in the tensors the
+        hypernetwork does not generate."""
         descriptor = descriptor.to(self.device)
         if hn_state is None:
             out = self.hnet(descriptor)
         else:
             out = torch.func.functional_call(self.hnet, hn_state, (descriptor,))
-        return {k: v.detach().to("cpu", copy=True) for k, v in out.items()}
+        return self.shared_part.complete({k: v.detach().to("cpu", copy=True) for k, v in out.items()}, shared)
 
     def hypernetwork_state(self) -> dict[str, torch.Tensor]:
         """A copy of the hypernetwork's state (parameters and any buffers)."""
@@ -268,7 +296,8 @@ class PFedHNStrategy(Strategy):
         clients, clip, and step the hypernetwork (and, with ``update_embeddings``, the clients' embedding rows).
 
         Returns the round's metrics: ``train_loss`` (sample-weighted mean of the clients' local losses) and
-        ``hn_grad_norm`` (L2 norm of the averaged gradient before clipping).
+        ``hn_grad_norm`` (L2 norm of the averaged gradient before clipping); with a shared part, it takes FedAvg's
+        step from the mean of the changes' shared tensors (``shared_change_norm``, that mean's norm).
         """
         ids = sorted(replies)
         if not ids:
@@ -291,11 +320,25 @@ class PFedHNStrategy(Strategy):
             row_grads = {}
         # step 4: the clip covers everything that steps (torch.nn.utils.clip_grad_norm_'s rule)
         norm = self._clip_([*hn_grad.values(), *row_grads.values()], f"the weight changes of clients {ids}", lr)
+        shared = self.shared_part.mean_change([replies[cid].arrays for cid in ids])
+        shared_norm = self._check_shared(shared, f"the weight changes of clients {ids}")
         self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
-        self._step(hn_grad, row_grads, lr)
+        self._step(hn_grad, row_grads, lr, shared)
         weights = [float(replies[cid].metrics.get("num_examples", 1.0)) for cid in ids]
         losses = [float(replies[cid].metrics.get("loss", float("nan"))) for cid in ids]
-        return {"train_loss": sum(v * w for v, w in zip(losses, weights)) / sum(weights), "hn_grad_norm": norm}
+        metrics = {"train_loss": sum(v * w for v, w in zip(losses, weights)) / sum(weights), "hn_grad_norm": norm}
+        if self.shared_part:
+            metrics["shared_change_norm"] = shared_norm
+        return metrics
+
+    def _check_shared(self, change: dict[str, torch.Tensor], source: str) -> float:
+        """The norm of the shared part's mean change, refused before anything steps when it is not finite."""
+        norm = norm_of(change)
+        if not math.isfinite(norm):
+            raise TrainingDivergedError(f"the hypernetwork training diverged (non-finite shared-part change, norm "
+                                        f"{norm}, from {source}); lower the local lr (now {self.config.lr!r}) or "
+                                        f"shared_lr (now {self.config.shared_lr!r})")
+        return norm
 
     def _clip_(self, grads: list[torch.Tensor], source: str, lr: float) -> float:
         """Scale ``grads`` (the round's own tensors) in place to joint L2 norm at most ``server_grad_clip``; return
@@ -314,8 +357,10 @@ class PFedHNStrategy(Strategy):
                 g.mul_(scale)
         return norm
 
-    def _step(self, hn_grad: dict[str, torch.Tensor], row_grads: dict[int, torch.Tensor], lr: float) -> None:
-        """One SGD step with momentum: the hypernetwork at ``lr``, each row of ``row_grads`` at the embedding lr."""
+    def _step(self, hn_grad: dict[str, torch.Tensor], row_grads: dict[int, torch.Tensor], lr: float,
+              shared: dict[str, torch.Tensor] | None = None) -> None:
+        """One SGD step with momentum: the hypernetwork at ``lr``, each row of ``row_grads`` at the embedding lr; the
+        shared part FedAvg's step from its mean change ``shared``."""
         cfg = self.config
         params = dict(self.hnet.named_parameters())
         with torch.no_grad():
@@ -328,40 +373,48 @@ class PFedHNStrategy(Strategy):
             self.embeddings[cid], self.embedding_momentum[cid] = sgd_momentum_step(
                 self.embedding(cid), g, self.embedding_momentum.get(cid), lr=cfg.embedding_lr,
                 momentum=cfg.hn_momentum, weight_decay=cfg.embedding_weight_decay)
+        if shared:
+            self.shared_part.step(shared)
 
     # -- client-level DP: the shared hypernetwork moves from a noisy mean ----------------------------------------------
 
     def hypernetwork_contributions(self, descriptors: dict[int, torch.Tensor], changes: dict[int, Message]
                                    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Central DP, step 3 per client: ``g_theta_i`` (prefixed ``"hn."``) from the weight change ``changes[i]``
-        at ``descriptors[i]``, in increasing client id; ``g_e_i`` is kept for :meth:`apply_hypernetwork_mean`."""
+        at ``descriptors[i]``, with the change's shared tensors (prefixed ``"shared."``; none with
+        ``generated="all"``), in increasing client id; ``g_e_i`` is kept for :meth:`apply_hypernetwork_mean`."""
         self._row_gradients = {}
         for cid in sorted(changes):
             grads, descriptor_grad = backprop_weight_change(self.hnet, descriptors[cid], changes[cid].arrays)
             self._row_gradients[cid] = descriptor_grad
-            yield cid, prefixed(HN, {name: g.cpu() for name, g in grads.items()})   # the privacy layer's, on the CPU
+            yield cid, {**prefixed(HN, {name: g.cpu() for name, g in grads.items()}),   # the privacy layer's, on
+                        **self.shared_part.contribution(changes[cid].arrays)}           # the CPU
 
     def hypernetwork_shapes(self) -> dict[str, torch.Tensor]:
-        """Zeros shaped like a contribution's hypernetwork gradient (prefixed ``"hn."``), on the CPU."""
-        return {HN + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.hnet.named_parameters()
-                if p.requires_grad}
+        """Zeros shaped like a contribution's hypernetwork gradient (prefixed ``"hn."``) and shared tensors (prefixed
+        ``"shared."``), on the CPU."""
+        return {**{HN + name: torch.zeros(p.shape, dtype=p.dtype) for name, p in self.hnet.named_parameters()
+                   if p.requires_grad}, **self.shared_part.contribution_shapes()}
 
     def apply_hypernetwork_mean(self, mean: dict[str, torch.Tensor], count: float, *, update_embeddings: bool,
                                 lr: float) -> dict[str, float]:
         """Step 4 from the noisy mean: ``theta`` from ``mean``'s ``"hn."`` tensors alone (clipped to
         ``server_grad_clip`` on its own), and, with ``update_embeddings``, each contributing client's row from its
-        own ``g_e_i / count`` (clipped on its own). Returns the noisy mean's norm before clipping (post-processing)."""
+        own ``g_e_i / count`` (clipped on its own); the shared part from ``mean``'s ``"shared."`` tensors. Returns
+        the noisy mean's norm before clipping (post-processing)."""
         hn_grad = {name[len(HN):]: g.to(self.device, copy=True) for name, g in mean.items() if name.startswith(HN)}
         rows, self._row_gradients = self._row_gradients, {}
         norm = self._clip_(list(hn_grad.values()), "the noisy mean of the clients' hypernetwork gradients", lr)
+        shared = self.shared_part.from_mean(mean)
+        shared_norm = self._check_shared(shared, "the noisy mean of the clients' weight changes")
         row_grads = {}
         if update_embeddings:
             for cid, g in rows.items():
                 row_grads[cid] = g / count
                 self._clip_([row_grads[cid]], f"client {cid}'s weight change", lr)
         self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
-        self._step(hn_grad, row_grads, lr)
-        return {"hn_grad_norm": norm}
+        self._step(hn_grad, row_grads, lr, shared)
+        return {"hn_grad_norm": norm, **({"shared_change_norm": shared_norm} if self.shared_part else {})}
 
     def contributions(self, round: int, replies: dict[int, Message]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Central DP: client i contributes its hypernetwork gradient ``g_theta_i`` (see the module docstring)."""
@@ -390,12 +443,14 @@ class PFedHNStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Copies on the CPU of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by
-        str id)."""
+        str id), and the shared part with its momentum (``"shared"``, ``"shared_momentum"``; only when there is
+        one)."""
         return {
             "hypernetwork": on_cpu(self.hnet.state_dict()),
             "hypernetwork_momentum": on_cpu(self.hn_momentum),
             "embeddings": on_cpu({str(k): v for k, v in self.embeddings.items()}),
             "embedding_momentum": on_cpu({str(k): v for k, v in self.embedding_momentum.items()}),
+            **(self.shared_part.state_dict() if self.shared_part else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -404,6 +459,7 @@ class PFedHNStrategy(Strategy):
         self.embeddings = {int(k): v for k, v in on_device(state["embeddings"], self.device).items()}
         self.embedding_momentum = {int(k): v for k, v in
                                    on_device(state.get("embedding_momentum", {}), self.device).items()}
+        self.shared_part.load_state_dict(state)
         self._sent, self._row_gradients = {}, {}
 
 

@@ -13,6 +13,10 @@ For each method:
 * its serving snapshot (the best-validation snapshot a checkpoint keeps, without momentum or optimiser state)
   gives training and novel clients the messages its full state gives;
 * novel clients never see labels (the object a method receives has no ``y``).
+
+Methods with a hypernetwork that can generate only the target's head (a ``generated`` setting) run the privacy-mode
+and resume checks a second time with ``generated="head"`` (the rest of the target shared, moved by the mean weight
+change with momentum), so the shared part's release, accounting and saved state are held to the same contract.
 """
 
 from __future__ import annotations
@@ -37,20 +41,24 @@ from privfl.methods import METHODS
 from privfl.privacy.training import MODES, TrainingPrivacy
 
 METHOD_NAMES = sorted(METHODS)
+#: The methods whose hypernetwork can generate only the target's head, and the settings that make it do so.
+HEAD_METHODS = [m for m in METHOD_NAMES if "generated" in {f.name for f in dataclasses.fields(METHODS[m].config)}]
+HEAD = {"generated": "head", "shared_momentum": 0.5}
 DELTA = 1e-5
 QUICK = {"local_steps": 2, "batch_size": 16}   # for every method that has them; its smoke_settings add the rest
 
 
-def smoke_config(method: str, mode: str | None, **overrides) -> RunConfig:
-    """A 2-round run of ``method`` on a small synthetic federation, under ``mode`` with seeded noise."""
+def smoke_config(method: str, mode: str | None, settings: dict | None = None, **overrides) -> RunConfig:
+    """A 2-round run of ``method`` on a small synthetic federation, under ``mode`` with seeded noise; ``settings``
+    override the method's smoke settings."""
     spec = METHODS[method]
     federation = FederationSpec(source="synthetic", source_options={"num_samples": 900, "dim": 8, "num_classes": 3},
                                 num_clients=8, partition="iid", novel_fraction=0.25, val_fraction=0.2)
     privacy = TrainingPrivacy() if mode is None else TrainingPrivacy(
         mode=mode, noise_multiplier=1.0, clip=1.0, noise="seeded", noise_seed=11, min_samples=8)
     fields = {f.name for f in dataclasses.fields(spec.config)}
-    settings = {k: v for k, v in QUICK.items() if k in fields} | dict(spec.smoke_settings)
-    values = dict(federation=federation, method=method, method_config=settings, rounds=2,
+    method_settings = {k: v for k, v in QUICK.items() if k in fields} | dict(spec.smoke_settings) | (settings or {})
+    values = dict(federation=federation, method=method, method_config=method_settings, rounds=2,
                   eval_every=1, checkpoint_every=1, select="last", seed=5, delta=DELTA, privacy=privacy,
                   client_fraction=0.75 if mode == "central" else 1.0)
     values.update(overrides)
@@ -67,15 +75,26 @@ def test_the_config_round_trips_through_config_json(method):
 @pytest.mark.parametrize("method", METHOD_NAMES)
 def test_every_method_runs_each_privacy_mode_with_finite_epsilons_or_refuses_it_by_name(method, mode, tmp_path,
                                                                                        capsys):
+    _runs_or_refuses(method, mode, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("mode", (None, *MODES))
+@pytest.mark.parametrize("method", HEAD_METHODS)
+def test_hypernetworks_generating_only_the_head_run_each_privacy_mode_or_refuse_it_by_name(method, mode, tmp_path,
+                                                                                          capsys):
+    _runs_or_refuses(method, mode, tmp_path, capsys, HEAD)
+
+
+def _runs_or_refuses(method: str, mode: str | None, tmp_path, capsys, settings: dict | None = None) -> None:
     spec = METHODS[method]
     reason = None if mode is None else spec.privacy[mode]
     if reason is not None:
         with pytest.raises(ConfigError, match=re.escape(f"method {method!r} cannot run with privacy mode {mode!r}: "
                                                         f"{reason}")):
-            smoke_config(method, mode)
+            smoke_config(method, mode, settings)
         return
     out = tmp_path / "run"
-    summary = train(smoke_config(method, mode), str(out), progress=False)
+    summary = train(smoke_config(method, mode, settings), str(out), progress=False)
     run = RunDirectory(out)
     training = [int(row["client_id"]) for row in run.read_clients() if row["role"] == "training"]
     reported = {int(cid): eps for cid, eps in summary["privacy"]["epsilon_per_client"].items()}
@@ -135,10 +154,10 @@ def test_the_round_a_plan_prices_bounds_every_round_a_training_client_records(me
         assert accounting_epsilon(recorded, DELTA) <= priced * (1 + 1e-9), (method, cid, round, events, planned)
 
 
-@pytest.mark.parametrize("method", METHOD_NAMES)
-def test_a_resumed_run_gives_the_uninterrupted_run_s_state(method, tmp_path):
+@pytest.mark.parametrize("method,settings", [(m, None) for m in METHOD_NAMES] + [(m, HEAD) for m in HEAD_METHODS])
+def test_a_resumed_run_gives_the_uninterrupted_run_s_state(method, settings, tmp_path):
     mode = "record" if METHODS[method].privacy["record"] is None else None
-    config = smoke_config(method, mode, rounds=3)
+    config = smoke_config(method, mode, settings, rounds=3)
     whole = train(config, str(tmp_path / "whole"), progress=False)
     with pytest.raises(RunInterrupted):
         train(config, str(tmp_path / "parts"), progress=False, stop_after_round=1)

@@ -186,6 +186,65 @@ def test_bad_settings_raise_naming_the_value(bad, match):
         get_method("itpflhn").make_config(**bad)
 
 
+
+# -- generating only the head (the rest shared, FedAvg's step; privfl.methods.shared_part) ----------------------------
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_with_a_generated_head_the_shared_part_moves_by_the_mean_change_in_both_phases_and_serves_from_phase_1(
+        momentum):
+    clients = [client(0), client(1, shift=0.5)]
+    rt, strategy, proc = runtime(clients, generated="head", shared_lr=0.7, shared_momentum=momentum, grad_clip=None,
+                                 phase1_rounds=1)
+    names = [n for n, _ in FACTORY().named_parameters()]
+    assert list(strategy.hnet.shapes) == ["fc3.weight", "fc3.bias"] and list(strategy.shared_part) == names[:-2]
+    seen = {}
+    stage, aggregate = strategy.configure_stage, strategy.aggregate_train
+
+    def copies(replies):
+        return {cid: {k: v.clone() for k, v in m.arrays.items()} for cid, m in replies.items()}
+
+    def stage_spy(round, index, replies):   # phase 1: the weight changes come back before stage 1
+        if not strategy.in_phase2(round):
+            seen[round] = copies(replies)
+        return stage(round, index, replies)
+
+    def aggregate_spy(round, replies):      # phase 2: they are the round's last replies
+        if strategy.in_phase2(round):
+            seen[round] = copies(replies)
+        return aggregate(round, replies)
+
+    strategy.configure_stage, strategy.aggregate_train = stage_spy, aggregate_spy
+    start = strategy.shared_part.snapshot()
+    rt.run_round(0)
+    after_one = strategy.shared_part.snapshot()
+    rt.run_round(1)
+    m0, m1 = ({k: (seen[r][0][k] + seen[r][1][k]) / 2 for k in start} for r in (0, 1))
+    for k in start:   # phase 1: shared -= 0.7 m0; phase 2 starts its momentum afresh: shared -= 0.7 m1
+        torch.testing.assert_close(after_one[k], start[k] - 0.7 * m0[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(strategy.shared_part.values[k], after_one[k] - 0.7 * m1[k], rtol=0, atol=1e-6)
+    # training clients are served the pre-fine-tune hypernetwork with the end-of-phase-1 shared part
+    served = strategy.configure_evaluate(1).arrays
+    assert list(served) == names and all(torch.equal(served[k], after_one[k].cpu()) for k in start)
+    state = strategy.state_dict()
+    assert sorted(state["shared"]) == sorted(start) and sorted(state["pre_finetune_shared"]) == sorted(start)
+    again, _ = make(num_clients=2, generated="head", shared_lr=0.7, shared_momentum=momentum, phase1_rounds=1)
+    again.load_state_dict(state)
+    assert all(torch.equal(again.shared_part.values[k], strategy.shared_part.values[k]) for k in start)
+    assert all(torch.equal(a, b) for a, b in zip(again.configure_evaluate(1).arrays.values(), served.values(),
+                                                  strict=True))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"generated": "trunk"}, "generated must be one of all, head, head_bias, got 'trunk'"),
+    ({"shared_lr": -1.0}, "shared_lr must be a finite number > 0, got -1.0"),
+    ({"shared_momentum": -0.1}, r"shared_momentum must be in \[0, 1\), got -0.1"),
+])
+def test_bad_generated_settings_are_refused_naming_the_value_and_the_valid_ones(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        get_method("itpflhn").make_config(**bad)
+
+
 # -- the privacy layer ---------------------------------------------------------------------------------------------
 
 DP = {"encoder": "dp_deepset", "grad_clip": None}

@@ -308,7 +308,7 @@ def test_with_a_generated_bias_the_shared_part_takes_fedavg_s_step_and_the_hyper
     mean = {k: (changes[0][k] + changes[1][k]) / 2 for k in before}
     for k in before:   # the first step: b = mean change, shared -= shared_lr * b (momentum has no past yet)
         assert torch.allclose(strategy.shared[k], before[k] - 0.7 * mean[k], atol=1e-6), k
-    assert (sorted(strategy.momentum["shared"]) == sorted(before)) == (momentum > 0)
+    assert (sorted(strategy.shared_part.momentum) == sorted(before)) == (momentum > 0)
     # the hypernetwork's step is the chain rule of the bias changes alone: zeroing the shared tensors of the changes
     # gives the same hypernetwork gradient
     full = [backprop_weight_change(hnet_before, strategy.descriptors[str(c)].cpu(), changes[c])[0] for c in (0, 1)]

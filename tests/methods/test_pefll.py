@@ -381,3 +381,67 @@ def test_a_diverged_round_is_refused_before_the_server_steps_so_the_networks_sta
     after = runtime.strategy.state_dict()
     for part in ("hypernetwork", "embedding"):
         assert all(torch.equal(before[part][k], after[part][k]) for k in before[part])
+
+
+# -- generating only the head (the rest shared, FedAvg's step; privfl.methods.shared_part) ----------------------------
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_with_a_generated_head_the_shared_part_moves_by_exactly_the_mean_change_and_the_state_keeps_it(momentum):
+    clients = [_client(0), _client(1, seed=1)]
+    settings = {"generated": "head", "shared_lr": 0.7, "shared_momentum": momentum, "local_steps": 2}
+    runtime = _runtime(clients, **settings)
+    strategy = runtime.strategy
+    names = [n for n, _ in FACTORY().named_parameters()]
+    assert list(strategy.hnet.shapes) == ["fc3.weight", "fc3.bias"] and list(strategy.shared_part) == names[:-2]
+    weights = strategy.generate(torch.zeros(strategy.embed_dim))
+    assert list(weights) == names
+    assert all(torch.equal(weights[k], v.cpu()) for k, v in strategy.shared_part.values.items())
+    seen, stage = {}, strategy.configure_stage
+
+    def spy(round, index, replies):   # stage 2 answers the weight changes
+        if index == 2:
+            seen[round] = {cid: {k: v.clone() for k, v in m.arrays.items()} for cid, m in replies.items()}
+        return stage(round, index, replies)
+
+    strategy.configure_stage = spy
+    start = strategy.shared_part.snapshot()
+    hnet_before = {k: v.clone() for k, v in strategy.hnet.state_dict().items()}
+    runtime.run_round(0)
+    after_one = strategy.shared_part.snapshot()
+    runtime.run_round(1)
+    m0, m1 = ({k: (seen[r][0][k] + seen[r][1][k]) / 2 for k in start} for r in (0, 1))
+    for k in start:   # b0 = m0; shared -= 0.7 b0; b1 = mu b0 + m1; shared -= 0.7 b1 (beside Adam, which moves h)
+        torch.testing.assert_close(after_one[k], start[k] - 0.7 * m0[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(strategy.shared_part.values[k],
+                                   after_one[k] - 0.7 * (momentum * m0[k] + m1[k]), rtol=0, atol=1e-6)
+    assert (sorted(strategy.shared_part.momentum) == sorted(start)) == (momentum > 0)
+    # h reads only the head of each change
+    v = strategy.descriptors[0]
+    change = seen[1][0]
+    head_only = {k: t if k.startswith("fc3.") else torch.zeros_like(t) for k, t in change.items()}
+    full, part = (backprop_weight_change(strategy.hnet, v, c) for c in (change, head_only))
+    assert torch.equal(full[1], part[1]) and all(torch.equal(full[0][k], part[0][k]) for k in full[0])
+    assert any(not torch.equal(t, hnet_before[k]) for k, t in strategy.hnet.state_dict().items())
+    state = strategy.state_dict()
+    assert sorted(state["shared"]) == sorted(start) and "shared_momentum" in strategy.training_only
+    again = _runtime(clients, **settings).strategy
+    again.load_state_dict(state)
+    assert all(torch.equal(again.shared_part.values[k], strategy.shared_part.values[k]) for k in start)
+    assert all(torch.equal(a, b) for a, b in zip(again.configure_evaluate(0).arrays.values(),
+                                                  strategy.configure_evaluate(0).arrays.values(), strict=True))
+
+
+def test_generating_everything_is_pefll_with_no_shared_part():
+    strategy = _runtime([_client(0)]).strategy
+    assert strategy.config.generated == "all" and not strategy.shared_part and "shared" not in strategy.state_dict()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"generated": "trunk"}, "generated must be one of all, head, head_bias, got 'trunk'"),
+    ({"shared_lr": float("inf")}, "shared_lr must be a finite number > 0, got inf"),
+    ({"shared_momentum": 1.0}, r"shared_momentum must be in \[0, 1\), got 1.0"),
+])
+def test_bad_generated_settings_are_refused_naming_the_value_and_the_valid_ones(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        PeFLLConfig(**bad)

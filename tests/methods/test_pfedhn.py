@@ -450,3 +450,79 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
     b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
     assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+
+
+# -- generating only the head (the rest shared, FedAvg's step; privfl.methods.shared_part) ----------------------------
+
+
+def _changes_spy(strategy):
+    """Wrap ``strategy.aggregate_train`` to keep each round's weight changes (copies), by round."""
+    seen, aggregate = {}, strategy.aggregate_train
+
+    def spy(round, replies):
+        seen[round] = {cid: {k: v.clone() for k, v in m.arrays.items()} for cid, m in replies.items()}
+        return aggregate(round, replies)
+
+    strategy.aggregate_train = spy
+    return seen
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_with_a_generated_head_the_shared_part_moves_by_exactly_the_mean_change_and_the_state_keeps_it(momentum):
+    clients = [client(0), client(1, shift=0.5)]
+    rt, strategy = runtime("pfedhn", clients, generated="head", shared_lr=0.7, shared_momentum=momentum,
+                           grad_clip=None, local_steps=2, batch_size=4)
+    names = [n for n, _ in FACTORY().named_parameters()]
+    assert list(strategy.hnet.shapes) == ["fc3.weight", "fc3.bias"] and list(strategy.shared_part) == names[:-2]
+    # every message carries the whole target: the shared part as it stands, the head from the embedding
+    weights = strategy.generate(strategy.embedding(0))
+    assert list(weights) == names
+    assert all(torch.equal(weights[k], v.cpu()) for k, v in strategy.shared_part.values.items())
+    seen = _changes_spy(strategy)
+    start = {k: v.clone() for k, v in strategy.shared_part.values.items()}
+    rt.run_round(0)
+    after_one = {k: v.clone() for k, v in strategy.shared_part.values.items()}
+    rt.run_round(1)
+    m0, m1 = ({k: (seen[r][0][k] + seen[r][1][k]) / 2 for k in start} for r in (0, 1))
+    for k in start:   # b0 = m0; shared -= 0.7 b0; b1 = mu b0 + m1; shared -= 0.7 b1
+        torch.testing.assert_close(after_one[k], start[k] - 0.7 * m0[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(strategy.shared_part.values[k],
+                                   after_one[k] - 0.7 * (momentum * m0[k] + m1[k]), rtol=0, atol=1e-6)
+    assert (sorted(strategy.shared_part.momentum) == sorted(start)) == (momentum > 0)
+    state = strategy.state_dict()
+    assert sorted(state["shared"]) == sorted(start) and "shared_momentum" in strategy.training_only
+    again, _ = make("pfedhn", num_clients=2, generated="head", shared_lr=0.7, shared_momentum=momentum)
+    again.load_state_dict(state)
+    assert all(torch.equal(again.shared_part.values[k], strategy.shared_part.values[k]) for k in start)
+    assert all(torch.equal(a, b) for a, b in zip(again.generate(again.embedding(1)).values(),
+                                                  strategy.generate(strategy.embedding(1)).values(), strict=True))
+
+
+def test_with_a_generated_head_the_hypernetwork_reads_only_the_head_of_each_change():
+    rt, strategy = runtime("pfedhn", [client(0), client(1)], generated="head", grad_clip=None, local_steps=2)
+    seen = _changes_spy(strategy)
+    rt.run_round(0)
+    for cid, change in seen[0].items():
+        e = strategy.initial_embedding(cid)
+        head_only = {k: v if k.startswith("fc3.") else torch.zeros_like(v) for k, v in change.items()}
+        full, dfull = backprop_weight_change(strategy.hnet, e, change)
+        part, dpart = backprop_weight_change(strategy.hnet, e, head_only)
+        assert torch.equal(dfull, dpart) and all(torch.equal(full[k], part[k]) for k in full)
+
+
+def test_generating_everything_is_pfedhn_with_no_shared_part():
+    strategy, _ = make("pfedhn")
+    assert strategy.config.generated == "all" and not strategy.shared_part
+    assert "shared" not in strategy.state_dict() and list(strategy.hnet.shapes) == [n for n, _ in
+                                                                                    FACTORY().named_parameters()]
+
+
+@pytest.mark.parametrize("name", ["pfedhn", "pfl_nearest"])
+@pytest.mark.parametrize("bad, match", [
+    ({"generated": "trunk"}, "generated must be one of all, head, head_bias, got 'trunk'"),
+    ({"shared_lr": 0.0}, "shared_lr must be a finite number > 0, got 0.0"),
+    ({"shared_momentum": 1.0}, r"shared_momentum must be in \[0, 1\), got 1.0"),
+])
+def test_bad_generated_settings_are_refused_naming_the_value_and_the_valid_ones(name, bad, match):
+    with pytest.raises(ConfigError, match=match):
+        get_method(name).make_config(**bad)

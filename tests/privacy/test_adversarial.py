@@ -221,12 +221,25 @@ def _modes(method: str) -> list[str]:
     return [mode for mode in MODES if METHODS[method].privacy[mode] is None]
 
 
-@pytest.mark.parametrize("mode", _modes("odpflhn"))
-@pytest.mark.parametrize("generated", ["head", "head_bias"])
-def test_odpflhn_generating_only_its_head_keeps_the_neighbouring_guarantees(mode, generated, monkeypatch):
+#: The methods whose hypernetwork can generate only the target's head (a ``generated`` setting), with each mode they
+#: run and the part generated (every one with the head; ODPFL-HN with its bias too).
+HEAD_METHODS = [m for m in METHOD_NAMES if "generated" in {f.name for f in dataclasses.fields(METHODS[m].config)}]
+HEAD_CASES = ([(m, mode, "head") for m in HEAD_METHODS for mode in _modes(m)]
+              + [("odpflhn", mode, "head_bias") for mode in _modes("odpflhn")])
+
+
+@pytest.mark.parametrize("method, mode, generated", HEAD_CASES)
+def test_hypernetworks_generating_only_the_head_keep_the_neighbouring_guarantees(method, mode, generated,
+                                                                                monkeypatch):
     # the shared part moves by the mean of the clients' weight changes: post-processing of their releases (record,
     # local) or of the noisy mean (central), so the same checks hold
-    _check_neighbours("odpflhn", mode, monkeypatch, settings={"generated": generated, "shared_momentum": 0.5})
+    on_d, _ = _check_neighbours(method, mode, monkeypatch, settings={"generated": generated, "shared_momentum": 0.5})
+    assert on_d.events.get(on_d.changed), "the changed client made no release: the test would see nothing"
+
+
+@pytest.mark.parametrize("method, mode", [(m, mode) for m, mode, generated in HEAD_CASES if generated == "head"])
+def test_a_hostile_server_changes_no_release_s_event_when_only_the_head_is_generated(method, mode, monkeypatch):
+    _check_hostile(method, mode, monkeypatch, settings={"generated": "head", "shared_momentum": 0.5})
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +271,13 @@ def _more_work(message: Message) -> Message:
 
 @pytest.mark.parametrize("method, mode", SUPPORTED)
 def test_a_hostile_server_changes_no_release_s_event(method, mode, monkeypatch):
-    honest = run(method, mode, monkeypatch=monkeypatch)
+    _check_hostile(method, mode, monkeypatch)
+
+
+def _check_hostile(method: str, mode: str, monkeypatch, **options) -> None:
+    honest = run(method, mode, monkeypatch=monkeypatch, **options)
     for hostile in (_zeros, _more_work):
-        attacked = run(method, mode, hostile=hostile, monkeypatch=monkeypatch)
+        attacked = run(method, mode, hostile=hostile, monkeypatch=monkeypatch, **options)
         for cid, events in attacked.events.items():
             # what was released is what an honest round releases, event for event; a refusal releases nothing more
             assert events == honest.events.get(cid, [])[:len(events)], (hostile.__name__, cid)
