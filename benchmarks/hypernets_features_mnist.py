@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from privfl.config import RunConfig
-from privfl.evaluation.metrics import mean_sem
+from privfl.metrics import mean_sem
 from privfl.experiment import train_once
 from privfl.federation.rundir import update_json
 from privfl.provenance import numerics
