@@ -12,9 +12,9 @@ Each method takes the sweep's ODPFL-HN local training (one step a round of batch
 batch-gradient clip, which DP-SGD's per-record clip replaces) and ``--generated`` (default ``"head_bias"``): on the
 linear target the last layer *is* the whole target, so ``"head"`` would generate everything (the same as ``"all"``);
 ``"head_bias"`` has the hypernetwork emit the per-client bias (a label prior) while the 39,690 weights are one shared
-part moved by FedAvg's step (``shared_momentum`` 0.5), as the sweep's ODPFL-HN does. The hypernetwork's own learning
-rate is the only setting tuned (``--hn-lr``: pFedHN's and IT-PFL-HN's ``hn_lr``, PeFLL's ``server_lr``), a little, on
-seed 0. IT-PFL-HN uses the DP-ready encoder (``dp_deepset``) in both rows, with one encoder-regression step a round
+part moved by FedAvg's step (``shared_momentum`` 0.5), as the sweep's ODPFL-HN does. Nothing else is set: the stored
+cells use each method's default hypernetwork learning rate (``--hn-lr`` sets pFedHN's and IT-PFL-HN's ``hn_lr``, PeFLL's
+``server_lr``, for whoever wants to tune it; its cells are stored under a key of their own). IT-PFL-HN uses the DP-ready encoder (``dp_deepset``) in both rows, with one encoder-regression step a round
 (``encoder_steps=1``, not its default 5: each private step is two per-record releases over a client's whole split,
 which made a round about ten times pFedHN's).
 
