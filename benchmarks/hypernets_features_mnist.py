@@ -14,9 +14,9 @@ linear target the last layer *is* the whole target, so ``"head"`` would generate
 ``"head_bias"`` has the hypernetwork emit the per-client bias (a label prior) while the 39,690 weights are one shared
 part moved by FedAvg's step (``shared_momentum`` 0.5), as the sweep's ODPFL-HN does. Nothing else is set: the stored
 cells use each method's default hypernetwork learning rate (``--hn-lr`` sets pFedHN's and IT-PFL-HN's ``hn_lr``, PeFLL's
-``server_lr``, for whoever wants to tune it; its cells are stored under a key of their own). IT-PFL-HN uses the DP-ready encoder (``dp_deepset``) in both rows, with one encoder-regression step a round
-(``encoder_steps=1``, not its default 5: each private step is two per-record releases over a client's whole split,
-which made a round about ten times pFedHN's).
+``server_lr``, for whoever wants to tune it; its cells are stored under a key of their own). IT-PFL-HN uses the DP-ready
+encoder (``dp_deepset``) in both rows, with one encoder-regression step a round (``encoder_steps=1``, not its default 5:
+each private step is two per-record releases over a client's whole split, which made a round about ten times pFedHN's).
 
 Reported per cell, as ``benchmarks/methods_dp_mnist.py`` reports these methods: the training clients' validation
 accuracy (every method; pFedHN and PeFLL serve no unlabelled novel client) and, for IT-PFL-HN, the novel clients'
@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from privfl.config import RunConfig
-from privfl.metrics import mean_sem
 from privfl.experiment import train_once
 from privfl.federation.rundir import update_json
+from privfl.metrics import mean_sem
 from privfl.provenance import numerics
 from privfl.sweep import SweepConfig
 
