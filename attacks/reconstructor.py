@@ -101,6 +101,7 @@ import torch
 from torch import nn
 
 from privfl.errors import ConfigError
+from privfl.models.backbones import file_sha256
 
 __all__ = ["ARCHITECTURE", "CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS",
            "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
@@ -944,15 +945,6 @@ def _check_format(state: dict[str, Any]) -> None:
     if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
         raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} (this code reads "
                           f"{CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new reconstructor)")
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (what ``sha256sum FILE`` prints): names a weight file as a user holds it."""
-    hasher = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
 
 
 def _weights_sha256(state: dict[str, Any]) -> str:

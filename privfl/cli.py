@@ -716,22 +716,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    try:
-        if argv[:1] == ["flower"]:
-            from privfl.engines.flower.launch import main as flower_main
+    # a Ctrl-C anywhere below ends in main's one line (long work saves what it has first)
+    if argv[:1] == ["flower"]:
+        from privfl.engines.flower.launch import main as flower_main
 
-            return flower_main(argv[1:])
-        if argv[:2] == ["attack", "audit"]:
-            from attacks.audit import audit_main
+        return flower_main(argv[1:])
+    if argv[:2] == ["attack", "audit"]:
+        from attacks.audit import audit_main
 
-            return audit_main(argv[2:])
-        if argv[:2] == ["attack", "reconstruct"]:
-            from attacks.reconstruct_cli import reconstruct_main
+        return audit_main(argv[2:])
+    if argv[:2] == ["attack", "reconstruct"]:
+        from attacks.reconstruct_cli import reconstruct_main
 
-            return reconstruct_main(argv[2:])
-    except KeyboardInterrupt:   # their own long work saves what it has; no traceback for Ctrl-C
-        print("privfl: interrupted", file=sys.stderr)
-        return 130
+        return reconstruct_main(argv[2:])
     args = build_parser().parse_args(argv)
     for name in ("lr", "mu", "server_lr", "weight_decay", "grad_clip", "lr_decay", "alpha", "novel_fraction",
                  "client_fraction", "delta"):
@@ -766,9 +763,6 @@ def _main(argv: list[str]) -> int:
     except BudgetExceededError as refused:    # a release refused before it was sent: nothing was lost
         print(f"privfl: refused: {refused}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("privfl: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # output piped into a command that stopped reading (e.g. head)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -74,10 +74,9 @@ from privfl.methods.local_training import local_sgd, weights_of
 from privfl.privacy.dp_gmm import (
     COUNTS_MODES,
     COVARIANCE_TYPES,
-    block_sensitivities,
-    calibrate_blocks,
     check_data,
     release_class_gaussians,
+    release_event,
 )
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
@@ -580,11 +579,10 @@ class FedPFTClient(ClientProcedure):
         """Record level: the one Gaussian event :func:`release_class_gaussians` records for this client's message,
         from the settings alone (the blocks' sensitivities follow from the bound, covariance type, counts and
         relation; no record enters)."""
-        cfg, privacy = self.config, self.privacy
-        sensitivities = block_sensitivities(bound=1.0, covariance=cfg.covariance, relation=cfg.dp_relation,
-                                            counts=cfg.dp_counts, project="sphere")
-        return calibrate_blocks(epsilon=self._release_epsilon(), delta=privacy.delta,
-                                sensitivities=sensitivities.blocks(), relation=cfg.dp_relation).event
+        cfg = self.config
+        return release_event(epsilon=self._release_epsilon(), delta=self.privacy.delta, bound=1.0,
+                             covariance=cfg.covariance, relation=cfg.dp_relation, counts=cfg.dp_counts,
+                             project="sphere")
 
     def _private_release(self, data: TrainingClient, ctx: ClientContext) -> Release:
         """DP-FedPFT: :func:`release_class_gaussians` on unit-norm features; the wire records its composed event."""

@@ -369,6 +369,16 @@ def clipped_class_sums(features: Any, labels: Any, *, num_classes: int, bound: f
     return _class_sums(_project(x, bound, project), y, num_classes, covariance)
 
 
+def release_event(*, epsilon: float, delta: float, bound: float, covariance: CovarianceType = "full",
+                  relation: NeighboringRelation | str = NeighboringRelation.REPLACE_ONE, counts: CountsMode = "noisy",
+                  project: Projection = "ball") -> GaussianEvent:
+    """The one Gaussian event :func:`release_class_gaussians` records with these settings, from the settings alone
+    (the blocks' sensitivities follow from the structure; no record enters): what a plan prices before the release."""
+    relation = check_relation(relation)
+    sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts, project=project)
+    return calibrate_blocks(epsilon=epsilon, delta=delta, sensitivities=sens.blocks(), relation=relation).event
+
+
 def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, epsilon: float, delta: float,
                             bound: float, covariance: CovarianceType = "full", components: int = 1,
                             counts: CountsMode = "noisy", relation: NeighboringRelation | str = "replace_one",
@@ -614,4 +624,4 @@ def _as_matrix(cov: torch.Tensor | None, covariance: str, d: int) -> torch.Tenso
 
 __all__ = ["COUNTS_MODES", "COVARIANCE_TYPES", "PROJECTIONS", "PURPOSE", "BlockCalibration", "BlockSensitivities",
            "DPClassGaussian", "DPGaussianRelease", "block_sensitivities", "calibrate_blocks", "clipped_class_sums",
-           "release_class_gaussians", "sample_features"]
+           "release_class_gaussians", "release_event", "sample_features"]

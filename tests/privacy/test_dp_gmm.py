@@ -20,6 +20,7 @@ from privfl.privacy.dp_gmm import (
     calibrate_blocks,
     clipped_class_sums,
     release_class_gaussians,
+    release_event,
     sample_features,
 )
 
@@ -363,3 +364,16 @@ def test_seeded_release_reproducible():
                                 generator=torch.Generator().manual_seed(7))
     assert all(torch.equal(p.mean, q.mean) and torch.equal(p.covariance, q.covariance)
                for p, q in zip(a.classes, b.classes))
+
+
+@pytest.mark.parametrize("covariance,relation,counts,project", [
+    ("full", "replace_one", "noisy", "ball"), ("diag", "add_or_remove_one", "noisy", "sphere"),
+    ("spherical", "replace_one", "noisy", "sphere")])
+def test_the_event_priced_from_the_settings_is_the_event_the_release_records(covariance, relation, counts, project):
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(60, 5, generator=g), torch.arange(60) % 3
+    settings = {"epsilon": 2.0, "delta": 1e-5, "bound": 1.5, "covariance": covariance, "relation": relation,
+                "counts": counts, "project": project}
+    released = release_class_gaussians(x, y, num_classes=3, generator=g, **settings)
+    assert release_event(**settings) == released.event
+    assert release_event(**{**settings, "epsilon": 1.0}) != released.event
