@@ -5,32 +5,11 @@ with probability q, clip every per-sample gradient to L2 norm ``max_grad_norm`` 
 N(0, (noise_multiplier * C)^2 I), divide by ``batch_size`` and take an SGD step. Under add-or-remove-one
 neighbouring, one round is ``SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, q), steps)``.
 
-q, the step count and the divisor must be public: under add-or-remove-one a client's record count n is private, and
-n and n + 1 are neighbours. A training client of a run passes its public rate (``sampling_rate``:
-:func:`privfl.privacy.training.record_sampling_rate`, by default ``batch_size / min_samples``), so a client with more
-records gets larger expected batches, never a different event. Without ``sampling_rate`` the trainer uses
-q = min(1, batch_size / n), as Opacus does: that treats n as public, and the guarantee then holds only between
-datasets of one size. The divisor is ``batch_size``, a public setting, never a quantity of the data: dividing by the
-expected batch size q * n would scale the released noise by 1/n, so the update's norm would tell n from n + 1
-whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
+Entry points: :class:`DPSGDConfig`, :class:`DPSGDTrainer` (:meth:`DPSGDTrainer.train` runs any method's local
+training on a per-record loss), :func:`sampling_probability`, :func:`check_dp_compatible`.
 
-Every method's local training can run through :meth:`DPSGDTrainer.train`: its loss is any per-record loss
-(``per_sample_loss``), a data-independent term (FedProx's proximal term, SCAFFOLD's control-variate correction) is
-added outside the clipped and noised sum (``extra_loss``), and the step may use weight decay and momentum and train a
-subset of the parameters. The clipped per-sample sum comes from :mod:`privfl.privacy.per_sample` (a fast path for
-linear and conv layers that needs no second backward pass, and generic ``torch.func`` and per-record paths, chosen
-automatically) or, as a reference, from Opacus.
-
-Invariant 5 of ``docs/invariants.md``: the privacy of a client composes over **all** its rounds. Flower's Opacus
-example builds a new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per
-client keeps the
-cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and is
-checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round gradient machinery is built
-around the model each round and removed afterwards, because the model's weights are reloaded from the server every
-round; no accountant is created per round.
-
-Units: epsilon is natural-log, delta a probability, ``max_grad_norm`` an L2 norm, ``noise_multiplier`` is
-sigma / max_grad_norm (dimensionless).
+Why q, the step count and the divisor are public, the generic training loop and the accountant's lifetime:
+docs/privacy.md, "DP-SGD".
 """
 
 from __future__ import annotations
