@@ -26,7 +26,6 @@ LONG_FUNCTIONS = {
     "attacks/reconstruct_cli.py::run_reconstruction_attack": 226,
     "privfl/cli.py::build_parser": 126,
     "attacks/reconstruct_cli.py::build_parser": 114,
-    "privfl/privacy/dp_gmm.py::release_class_gaussians": 103,
     "benchmarks/attack_mnist.py::render_markdown": 97,
     "benchmarks/flower_overhead.py::main": 94,
     "benchmarks/attack_dp_class_size.py::main": 93,

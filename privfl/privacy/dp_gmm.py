@@ -306,7 +306,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
                             ledger: PrivacyLedger | None = None, generator: torch.Generator | None = None,
                             noise: NoiseSource | None = None, eigenvalue_floor: float | None = None,
                             round: int | None = None, project: Projection = "ball") -> DPGaussianRelease:
-    """One (epsilon, delta)-DP release of a Gaussian per class (DP-FedPFT with K = 1); see the module docstring.
+    """One (epsilon, delta)-DP release of a Gaussian per class (DP-FedPFT, K = 1; docs/privacy.md, "DP-GMM").
 
     Args:
         features: ``[n, d]`` real array or tensor; every entry finite.
@@ -341,30 +341,21 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     ([0, 1], torch.Size([3, 3]))
     """
     # 1. Validate everything; nothing is recorded on failure.
-    components = _check_positive_int("components", components)
-    if components != 1:
-        raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
-                          "private (EM iterations, k-means initialisation and component assignment all use the data; "
-                          "the DP-FedPFT theorem covers K = 1 only). Use components=1, or a DP-EM with its own "
-                          "per-iteration accounting")
+    _check_one_component(components)
     epsilon, delta = check_epsilon_delta(epsilon, delta)
     noise = check_noise(noise, generator)
     relation = check_relation(relation)
     sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts, project=project)
     bound = float(bound)
     x, y = check_data(features, labels, num_classes)
-    floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
-    if not is_finite(floor) or floor <= 0:
-        raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
+    floor = _eigenvalue_floor(eigenvalue_floor, bound)
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
 
     # 2. One analytic Gaussian over the unit-scaled released blocks, at the whole (epsilon, delta).
     calibration = calibrate_blocks(epsilon=epsilon, delta=delta, sensitivities=sens.blocks(), relation=relation,
                                    noise=noise, generator=generator)
-    sigmas = {"sum": calibration.sigmas["sum"],
-              "second_moment_sum": calibration.sigmas.get("second_moment_sum", 0.0),  # 0: follows from the counts
-              **({"count": calibration.sigmas["count"]} if "count" in calibration.sigmas else {})}
+    sigmas = _released_sigmas(calibration)
 
     # 3. Exact sums of the projected features (nothing leaves the client yet).
     s1, s2, n = _class_sums(_project(x, bound, project), y, num_classes, covariance)
@@ -379,15 +370,50 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     # 5. Noise on every released block of every class.
     noisy_s1 = calibration.add_noise("sum", s1)
     noisy_n = calibration.add_noise("count", n) if counts == "noisy" else n
-    if sens.second_moment_sum is None:  # spherical on the sphere: S2_c = n_c B^2, so S2_c / n_c = B^2 exactly
-        noisy_s2 = None
-    else:
-        noisy_s2 = calibration.add_noise("second_moment_sum", s2)
+    # spherical on the sphere: S2_c = n_c B^2, so S2_c / n_c = B^2 exactly, and no block is released
+    noisy_s2 = None if sens.second_moment_sum is None else calibration.add_noise("second_moment_sum", s2)
 
     # 6. Post-processing.
+    classes = _class_gaussians(noisy_s1, noisy_s2, noisy_n, n, counts=counts, covariance=covariance, bound=bound,
+                               floor=floor, dim=x.shape[1])
+    return DPGaussianRelease(classes=classes, covariance_type=covariance, counts=counts, relation=relation,
+                             epsilon=epsilon, delta=delta, bound=bound, dim=x.shape[1], sensitivities=sens,
+                             sigmas=sigmas, event=calibration.event, project=project)
+
+
+
+def _check_one_component(components: int) -> None:
+    """Refuse EM-fitted mixtures (K > 1): nothing in this mechanism covers EM."""
+    components = _check_positive_int("components", components)
+    if components != 1:
+        raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
+                          "private (EM iterations, k-means initialisation and component assignment all use the data; "
+                          "the DP-FedPFT theorem covers K = 1 only). Use components=1, or a DP-EM with its own "
+                          "per-iteration accounting")
+
+
+def _eigenvalue_floor(eigenvalue_floor: float | None, bound: float) -> float:
+    """The PSD projection's smallest variance: ``eigenvalue_floor``, by default ``1e-6 * bound^2``; checked > 0."""
+    floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
+    if not is_finite(floor) or floor <= 0:
+        raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
+    return floor
+
+
+def _released_sigmas(calibration: BlockCalibration) -> dict[str, float]:
+    """The noise standard deviation of each block (0 for a second moment that follows from the counts)."""
+    return {"sum": calibration.sigmas["sum"],
+            "second_moment_sum": calibration.sigmas.get("second_moment_sum", 0.0),  # 0: follows from the counts
+            **({"count": calibration.sigmas["count"]} if "count" in calibration.sigmas else {})}
+
+
+def _class_gaussians(noisy_s1: torch.Tensor, noisy_s2: torch.Tensor | None, noisy_n: torch.Tensor, n: torch.Tensor,
+                     *, counts: CountsMode, covariance: CovarianceType, bound: float, floor: float,
+                     dim: int) -> tuple[DPClassGaussian, ...]:
+    """Post-processing of the noisy blocks (no privacy cost): each class's mean (projected back into the B-ball)
+    and PSD covariance; with public counts a class with no records has neither."""
     classes = []
-    d = x.shape[1]
-    for c in range(num_classes):
+    for c in range(len(n)):
         if counts == "public" and int(n[c]) == 0:
             classes.append(DPClassGaussian(label=c, count=0, mean=None, covariance=None))
             continue
@@ -397,13 +423,10 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
         if norm > bound:
             mean = mean * (bound / norm)
         second = torch.tensor(bound * bound, dtype=torch.float64) if noisy_s2 is None else noisy_s2[c] / divisor
-        cov = _covariance_from_moments(second, mean, covariance, d, floor)
+        cov = _covariance_from_moments(second, mean, covariance, dim, floor)
         count = int(n[c]) if counts == "public" else float(noisy_n[c])
         classes.append(DPClassGaussian(label=c, count=count, mean=mean, covariance=cov))
-    return DPGaussianRelease(classes=tuple(classes), covariance_type=covariance, counts=counts, relation=relation,
-                             epsilon=epsilon, delta=delta, bound=bound, dim=d, sensitivities=sens, sigmas=sigmas,
-                             event=calibration.event, project=project)
-
+    return tuple(classes)
 
 def sample_features(release: DPGaussianRelease, num_per_class: int | Sequence[int] | Mapping[int, int] | None = None,
                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
