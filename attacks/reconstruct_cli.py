@@ -1,54 +1,18 @@
 """``privfl attack reconstruct``: train (or reuse) a diffusion reconstructor and attack raw / FedPFT / DP-FedPFT
 releases, beside decoder baselines, with per-image scores and bootstrap confidence intervals.
 
-Protocol (FedPFT paper, App. E):
+The protocol of the FedPFT paper, App. E: the attacker's images and the defenders' disjoint sets, the frozen
+embedding, the reconstructor (:mod:`attacks.reconstructor`) and decoder baselines (:mod:`attacks.decoders`),
+sampling settings chosen on held-out pairs, releases through each scheme (:mod:`attacks.schemes`), bootstrap
+statistics (:mod:`attacks.statistics`) and the outputs in ``--out``. Entry points: :func:`reconstruct_main`,
+:func:`build_parser`, :func:`run_reconstruction_attack`, :class:`AttackSettings`.
 
-1. Data: the attacker's images ``D_a`` are the source's training split (all of it by default, ``--attacker-images``
-   for a subset); the defender's images are drawn from its test split, ``--defender-images`` per evaluation seed,
-   in disjoint blocks (seed s takes block s of one fixed permutation), so the seeds' defender sets never overlap (a
-   source without a test split is cut into two disjoint halves).
-2. Embedding ``E``: the frozen backbone (e.g. the ImageNet MobileNetV2 at ``--input-size`` pixels, features cached
-   on disk) followed by L2 normalisation.
-3. The attacker holds ``--validation-images`` of its own pairs out. The reconstructor (:mod:`attacks.reconstructor`)
-   trains on the rest at ``--image-size`` (MNIST's native 28 px by default), checkpointed to
-   ``OUT/reconstructor.pt`` (``--checkpoint``) every ``--checkpoint-every`` steps and resumed from there when it
-   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. ``--checkpoint``
-   may also name weights exported from a reconstructor trained elsewhere (``Reconstructor.export``, e.g. on a GPU),
-   which are evaluated as they are (``--steps`` as trained; the features may differ by a device's rounding,
-   :mod:`attacks.reconstructor`, "Exported weights"); ``--init-weights`` starts a new reconstructor from such
-   weights and fine-tunes them for ``--steps`` steps. By default it also reads, beside x_t, the mean of the attacker
-   images with the nearest features (``--guide-decoder knn``; for a training pair computed without the pair itself),
-   or the MLP decoder's estimate (``--guide-decoder mlp``; for a training pair, the estimate of the one of
-   ``--guide-folds`` cross-fitted MLPs that never saw it).
-4. Decoder baselines (:mod:`attacks.decoders`): ridge, MLP, kNN average and nearest attacker image by feature, and
-   the class-mean image, fitted on the same training pairs; their hyperparameters are chosen on the held-out pairs.
-5. Sampling settings: guidance scale w, guidance interval and rescale, then decoder-guided initialisation, are chosen
-   on the held-out pairs by mean SSIM (:func:`attacks.reconstructor.select_sampling`; no defender data); the
-   one-step posterior mean's guidance scale (``--one-step-guidance``) by mean PSNR, the squared error it stands for
-   (:func:`attacks.reconstructor.select_one_step_guidance`).
-6. Per seed: the ``--near-duplicate-fraction`` of the defender images most similar (SSIM) to an attacker image is
-   removed (the paper: 10 %); each scheme releases ``E(D_d)`` through the method's client procedure and the wire,
-   which records it in the defender's ledger (:func:`attacks.schemes.make_release`). Mixture releases are read after
-   the attacker's post-processing (``--readings``), and every DP-FedPFT release has a **prior-only** twin: the same
-   counts, the attacker's prior moments, the release ignored (:func:`attacks.schemes.prior_only_release`). Every
-   release is reconstructed by the diffusion model (medoid of its samples for the perceptual metrics, their mean,
-   and the network's one-step posterior mean from pure noise averaged over ``--one-step-draws`` draws) and by every
-   decoder, and scored with PSNR / LPIPS (AlexNet) / SSIM under the rows of :mod:`attacks.schemes`, beside the
-   oracle nearest-attacker-image-by-SSIM baseline.
-7. Statistics (:mod:`attacks.statistics`): every cell is a mean with a percentile-bootstrap 95 % interval
-   (``--bootstrap`` resamples of the scored images, stratified by seed, top-k selections redone in every resample);
-   rows over all seeds pool the seeds.
-8. Outputs in ``--out``: ``per_image_scores.csv`` (one line per scored image), ``attack_results.csv`` / ``.md`` /
-   ``.json`` (rows with intervals; settings, device, releases with their ledger records, sampling selection,
-   timings), ``attack_grid.png`` (originals and what each attacker shows; set-level rows are labelled
-   oracle-matched) and ``attack_metrics.png`` (each metric per scheme with its intervals).
+Presets: ``--preset quick`` (a few minutes on a laptop CPU), ``--preset benchmark`` and ``--preset reduced``; options
+on the command line override the preset's. Example::
 
-Presets: ``--preset quick`` (a small run, a few minutes on a laptop CPU), ``--preset benchmark`` (the
-``benchmarks/attack_mnist.py`` setting) and ``--preset reduced`` (the benchmark's attacker and reconstructor, a
-smaller evaluation); options given on the command line override the preset's.
-
-Example:
     privfl attack reconstruct --preset quick --out runs/attack-quick
+
+The protocol step by step: docs/attacks.md, "privfl attack reconstruct".
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """``privfl sweep``: train a method at several training-client privacy levels, then serve novel clients at several
 novel-client privacy levels and dataset sizes: privacy against utility on both sides of the federation.
 
-The privacy-utility experiment of the ODPFL-HN paper (Amosy et al., section 7, Fig. 5 and 6: novel-client accuracy
-against sample-set size at several epsilon, phi on the unit sphere, delta 0.01), with the corrections of
-docs/papers.md, ODPFL-HN, E2-E9 (analytic calibration, mean pooling only, a declared neighbouring relation,
-clipping on the client, delta well below 1/n), and with the training clients private too:
+The privacy-utility experiment of the ODPFL-HN paper (Amosy et al., section 7), with the corrections of
+docs/papers.md, ODPFL-HN, E2-E9, and with the training clients private too: train once per training epsilon, serve
+fresh novel clients of nested sizes at every novel epsilon through the real protocol (each release in its ledger),
+serve two controls built without the client's own descriptor, and report accuracy per (novel epsilon, n).
 
-1. **Train** the method once per training epsilon of ``train_epsilons`` (ODPFL-HN by default, with the DP-ready
-   encoder ``dp_deepset``: phi clipped to the L2 ball of radius ``bound`` in training, mean pooling, psi, so the
-   hypernetwork sees descriptors of the kind a private release produces). A finite training epsilon runs every
-   training client under record-level DP (add or remove one record: DP-SGD for its weight change, privatize for its
-   descriptor, a clipped noisy mean for its encoder gradient; :class:`~privfl.privacy.training.TrainingPrivacy`),
-   the noise calibrated so that each client ends the run at that epsilon; ``None`` trains without DP. Each training
-   is an ordinary run directory (config, metrics, ledger, summary): ``OUT/train`` without DP,
-   ``OUT/train-eps<epsilon>`` with it; a directory that holds this very run is reused, an interrupted one continued.
-2. **Novel clients of chosen sizes.** ``novel_mixes`` label mixes are drawn (``classes_per_client`` random classes,
-   equal weights, like the pathological training clients). For each mix an evaluation set of ``eval_size`` images and
-   a descriptor set of the largest size are drawn, disjointly, from images no training client holds; the client of
-   size n holds the first n images of the latter (nested sets)
-   (:mod:`privfl.evaluation.novel_pool`; the federation caps its training pool at ``max_samples``). The same mixes
-   and sets serve every training.
-3. **Serve.** For every training, (mix, n, novel epsilon, repeat) a fresh novel client runs the real protocol:
-   request down, one release up (ODPFL-HN: its descriptor, through :func:`privfl.privacy.privatize` at (epsilon,
-   delta), replace-one, n public; or without privacy), model down. Each release is recorded in the client's ledger,
-   and the epsilon the ledger reports is written beside the one asked for. Each (epsilon, repeat) is a separate
-   hypothetical client with the same images, so each ledger holds one release: the table measures what one release
-   at each epsilon buys. A method whose novel clients send nothing is served once per (mix, n).
-4. **Controls: does the descriptor matter?** (ODPFL-HN) A flat privacy-utility curve is also what a system that
-   ignores its descriptor produces (one model for everybody is equally good at every epsilon and every n). So every
-   mix is also served, at every n, two models built *without* its own descriptor: ``control_mean_training``, the
-   model the hypernetwork generates from the mean of the training clients' last released descriptors (a model for the
-   average client; the server needs nothing from the novel client), and ``control_other_mix``, the model served
-   non-privately to the next mix at the same n (a descriptor of the wrong client). No extra release is made for
-   either. ``descriptor_margin`` is, per n, the clean (non-private) accuracy minus the better control's;
-   ``descriptor_informative`` says whether it is at least ``min_margin`` points at every n. When it is not, the
-   privacy-utility table says nothing about privacy: the noise had nothing to destroy.
-5. **Report.** Per training: mean accuracy (+- SEM over mixes: a mix's repeats share its evaluation and descriptor
-   sets and differ only in the noise, so they are averaged first) per (novel epsilon, n) and per control, the
-   smallest n from which every larger size is within ``tolerance`` points of the non-private accuracy at the same
-   size, and the largest epsilon any training client spent; a printed table per training and one across trainings,
-   ``sweep.csv`` (one row per served model, with its training epsilon), ``sweep.json`` and ``sweep.png`` in ``OUT``.
+Entry points: :class:`SweepConfig`, :func:`run_sweep`; reporting with :func:`summarise_training`,
+:func:`descriptor_margin`, :func:`smallest_size_without_loss`, :func:`format_table`, :func:`cross_table` and
+:func:`plot_sweep`.
+
+The five steps, the controls and the output files: docs/methods/hypernetworks.md, "The privacy-utility sweep".
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Federated datasets: labelled training clients, and novel clients that arrive later without labels.
 
-:func:`build_federation` turns a :class:`FederationSpec` and a seed into a :class:`FederatedDataset`:
-
-1. load the source (raw [0, 1] images or vectors) and form the pool(s): ``split="merged"`` merges the train and
-   test splits and partitions the whole pool, then makes a random ``novel_fraction`` of the clients novel (the
-   FedTTA protocol); ``split="train_test"`` partitions the train split into training clients and the test split
-   into ``novel_clients`` novel clients, each with its own partition settings (FedTTA Table 2);
-   ``split="client_test"`` partitions the train split into training clients and the test split alike (IID) into
-   one held-out part per training client, its validation split, and makes no novel clients (the cross-silo
-   protocol of Liu et al., "On Privacy and Personalization in Cross-Silo Federated Learning", NeurIPS 2022,
-   where each silo is scored on test images of its own distribution);
-2. optionally subsample each pool to ``max_samples``;
-3. partition, drop empty clients (with a warning that counts them);
-4. shift raw images: concept-shift rotations (rotated MNIST; a training client's held-out part of the test split
-   is rotated by its angle too), then novel-only rotation and Gaussian blur, all with black (0) fill, which is why
-   they come before normalisation;
-5. normalise with the source's per-channel mean and std and check every value is finite;
-6. split each training client into train and validation (85/15 by default; ``client_test``: its held-out part).
-
-Novel clients reach methods as :class:`NovelClient` objects that hold no labels and share no storage with
-anything that does; the labels live apart in :class:`NovelLabels`, for the evaluator. Every random choice comes
-from its own stream of ``np.random.SeedSequence(seed)``, so (spec, seed) fixes every tensor.
+:func:`build_federation` turns a :class:`FederationSpec` and a seed into a :class:`FederatedDataset` of
+:class:`TrainingClient` objects and :class:`NovelClient` objects, which hold no labels (the evaluator keeps them in
+:class:`NovelLabels`). The steps (pools, partition, splits, shifts) and what a novel client can see:
+docs/federation.md, "Federated datasets".
 
 Example:
     >>> spec = FederationSpec(source="synthetic", num_clients=10, partition="iid")

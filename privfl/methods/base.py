@@ -1,34 +1,14 @@
 """The shape every method has: a server strategy and client procedures, registered by name.
 
 A method is one module that defines a :class:`Strategy` subclass (server side), a :class:`ClientProcedure` subclass
-(client side), a frozen dataclass of its hyperparameters, and one :func:`register_method` call. The runtime (in-process
-today, Flower later) drives them through messages only, so the same method code runs on any runtime:
+(client side), a frozen dataclass of its hyperparameters (:class:`MethodConfig`), and one :func:`register_method`
+call. The runtime drives them through messages only, so the same method code runs on any engine; every message up is
+a release on the wire. Novel clients follow one two-down, one-up protocol (``novel_request``, ``novel_query``,
+``novel_reply``, ``novel_model``). Other entry points: :func:`get_method`, :class:`MethodSpec`,
+:func:`dp_sgd_round_event`, :func:`private_release`.
 
-* ``Strategy.configure_train`` -> one message down to each sampled training client;
-* ``ClientProcedure.train`` -> a :class:`Release` (or ``None`` when the client sends nothing), recorded by the wire;
-* ``Strategy.aggregate_train`` -> the server's update from the delivered messages.
-
-A round may be a dialogue of several such exchanges (``Strategy.train_stages``; ``Strategy.configure_stage`` and
-``ClientProcedure.train_stage`` for stages after the first). Every message up is a release on the wire.
-
-Novel clients follow a two-down, one-up protocol that covers every method in the project (FedAvg: the global model;
-ODPFL-HN: descriptor up, generated model down; TENT/FedTTA: model down, adaptation on the client):
-
-1. ``Strategy.novel_request(client_id)`` -> first message down;
-2. ``ClientProcedure.novel_query(novel, message)`` -> a release up, or ``None`` (the client reveals nothing);
-3. ``Strategy.novel_reply(client_id, delivered)`` -> the second message down (by default the request again);
-4. ``ClientProcedure.novel_model(novel, message)`` -> the client's model, built on the client.
-
-A :class:`~privfl.data.NovelClient` holds no labels, so no procedure can use them.
-
-**The privacy contract.** Every method runs under the one privacy layer (:mod:`privfl.methods.private`,
-:class:`~privfl.privacy.training.TrainingPrivacy`). Its registration says which modes it runs and why it refuses the
-others (``MethodSpec.privacy``), and how many releases a training client makes per round (``releases_per_round``).
-Record level: the procedure trains through :meth:`ClientProcedure.fit` (DP-SGD when the mode asks for it), makes
-every other data-dependent release with a mechanism of :mod:`privfl.privacy`, and declares the event of one round
-(:meth:`ClientProcedure.round_event`) so the noise can be calibrated for a target epsilon. Central mode: the strategy
-says what each client contributes to the shared state (:meth:`Strategy.contributions`) and how the shared state moves
-from their noisy mean (:meth:`Strategy.apply_mean`).
+The exchanges of a round, the novel-client protocol and the privacy contract every method keeps:
+docs/federation.md, "The shape of a method".
 """
 
 from __future__ import annotations

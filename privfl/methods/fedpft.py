@@ -1,46 +1,18 @@
 """FedPFT and DP-FedPFT (Beitollahi et al. 2024, arXiv:2402.01862): one-shot transfer of per-class Gaussian mixtures.
 
-Every party shares a frozen backbone (:mod:`privfl.models.backbones`); the federation holds its features (source
-``features``). Only a classifier head is learned (a linear layer by default). Numbered as the paper's Algorithm 1:
+Every party shares a frozen backbone (:mod:`privfl.models.backbones`); the federation holds its features. Each client
+fits a Gaussian mixture per class of its L2-normalised features and sends it (float16, with the class counts); the
+server samples synthetic features from the mixtures, trains a classifier head on them and sends it to every client
+and to novel clients. ``topology="decentralized"`` is the paper's chain. Plain FedPFT is not private; under
+record-level privacy (DP-FedPFT) each client sends the DP-GMM release of
+:func:`privfl.privacy.dp_gmm.release_class_gaussians` instead.
 
-1. each client L2-normalises its features (``normalize``; the head applies the same map at test time) and, for every
-   class c it holds, fits a Gaussian mixture g^{c} with ``K_eff = min(K, n_c)`` components by EM (scikit-learn
-   ``GaussianMixture``: k-means initialisation, ``max_iter`` 100, ``tol`` 1e-3, ``reg_covar`` 1e-6, seeded), with
-   ``"full"``, ``"diag"`` or ``"spherical"`` covariance; the cap is recorded in the release's metadata
-   (``components_effective`` per class, and ``raw_feature_classes``: those with ``n_c <= K``, whose means are the raw
-   features) and logged;
-2. it sends the mixture weights, means and covariances in float16 (full covariances as their upper triangle) and the
-   class count n_c as an int32: per client ``2 * floats + 4 * C_held`` bytes, where ``floats`` is the paper's
-   eqs. 9-11 (:func:`communication_floats`), C counting the classes the client holds;
-3. the server draws n_c synthetic features from each received g^{c} (or ``samples_per_class``), pools them over
-   clients and trains the head on them with cross-entropy (minibatch SGD,
-   :func:`privfl.methods.local_training.local_sgd`; the paper uses Adam at lr 1e-4: the optimiser differs, the
-   objective does not);
-4. the head goes back to every client, and to novel clients.
+Entry points: :class:`FedPFTConfig`, :class:`FedPFTStrategy`, :class:`FedPFTClient` (registered as ``fedpft``);
+:func:`fit_class_mixtures`, :func:`encode_mixtures`, :func:`decode_mixtures`, :func:`sample_mixtures`,
+:func:`train_head`; the cost model :func:`communication_floats` and :func:`payload_bytes`.
 
-``topology="decentralized"`` is the paper's chain (Sec. 4.2): the round has one stage per client; client s draws
-samples from the mixtures it received (as many as the counts they carry), adds its own real features, refits the
-mixtures, trains its own head on the union (kept in its state and used to score it) and sends the new mixtures on.
-The server only relays (the runtime is a star); after the last hop it trains the head the novel clients receive from
-the last client's mixtures, which summarise everyone.
-
-**Privacy.** Plain FedPFT is *not* private: every message is recorded as non-private (epsilon = infinity). When
-``K >= n_c`` the means are raw features. Under record-level privacy (``RunConfig.privacy``,
-``TrainingPrivacy(mode="record", epsilon=...)``: DP-FedPFT) each client sends the DP-GMM release
-of :func:`privfl.privacy.dp_gmm.release_class_gaussians`: K = 1 per class, features L2-normalised (so clipping to
-the unit sphere, ``project="sphere"`` with bound 1, changes nothing and the sensitivities hold), sensitivities derived
-from the per-class counts, one analytic Gaussian over the jointly calibrated blocks (the release spends exactly the
-run's epsilon), counts either noised or declared public (``dp_counts``; public means replace-one within the public
-class histogram), PSD projection. With spherical covariance no budget goes to the second moment: on the sphere it is
-``n_c``, a function of the count. The release is one message per client, accounted as one
-composed event in that client's ledger by the wire; clients hold disjoint data, so each record's guarantee is its own
-client's (epsilon, delta) (parallel composition). The server's sampling and head training are post-processing.
-Only the centralized topology is offered with DP (a hop in the chain would mix received synthetic data into the
-client's own statistics, whose sensitivity this release does not cover).
-
-Client level: ``local`` is the layer's generic clip-and-noise of the whole message, whose class counts travel as
-integers, which Gaussian noise cannot carry, so it is refused; ``central`` and ``distributed`` are refused too: the
-server samples from each client's own mixtures, not from a mean of them.
+Algorithm 1 step by step, the decentralized chain and each privacy mode: docs/methods/fedpft.md, "FedPFT and
+DP-FedPFT".
 """
 
 from __future__ import annotations

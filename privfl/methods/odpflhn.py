@@ -2,55 +2,16 @@
 hypernetwork trained end to end, so that a novel client with unlabelled data gets a personalised model from one
 descriptor (docs/papers.md, ODPFL-HN).
 
-The server holds a set encoder g_gamma and a hypernetwork f_theta. A training round is Algorithm 1 of the paper with
-the sign of pFedHN's code (docs/papers.md, ODPFL-HN, E1), as a three-stage dialogue with each sampled client i:
+The server holds a set encoder g_gamma and a hypernetwork f_theta. A training round (the paper's Algorithm 1) is a
+three-stage dialogue with each sampled client: descriptor up, generated model down and weight change up, descriptor
+gradient down and encoder gradient up; the server then steps both networks. A novel client receives gamma, releases
+its descriptor (optionally through :func:`privfl.privacy.privatize`) and receives f_theta(e).
 
-1. **Stage 0, ClientEncoding.** The server sends gamma; the client computes its descriptor e_i = g_gamma(X_i) over its
-   whole training split (or the mean of descriptors of random batches, the fallback of the paper's App. B.1) and
-   releases e_i.
-2. **Stage 1, ClientUpdate.** The server computes w_i = f_theta(e_i) and sends w_i; the client runs local SGD
-   (momentum 0.9, ``local_steps`` steps or ``local_epochs`` epochs) and releases the change d_i = w_before - w_after
-   (pFedHN's sign: after one plain SGD step it is exactly lr_local * dL/dw).
-3. **Stage 2, ClientBackprop.** The server back-propagates d_i through the hypernetwork
-   (:func:`~privfl.models.hypernetwork.backprop_weight_change`): the hypernetwork gradient stays on the server (summed
-   over the round's clients as it comes, :class:`~privfl.models.hypernetwork.RoundGradientMean`, not held one per
-   client) and the descriptor gradient de_i goes down with gamma; the client recomputes e_i, back-propagates de_i
-   through the encoder and releases the encoder gradient.
-4. **Aggregation.** The server averages the round's hypernetwork and encoder gradients over the clients that finished
-   stage 2, clips each to L2 norm ``grad_clip`` (50, pFedHN's code) and takes one SGD step each (momentum 0.9,
-   weight decay; separate learning rates for the hypernetwork and the encoder: the paper's App. C grids, and
-   docs/papers.md, ODPFL-HN, U3-U4 for what it leaves unstated).
+Entry points: :class:`ODPFLHNConfig`, :class:`ODPFLHNStrategy`, :class:`ODPFLHNClient` (registered as ``odpflhn``)
+and :func:`client_descriptor`.
 
-Training clients are evaluated with their generated model f_theta(e_i), from the descriptor they last released (the
-server keeps it; no new release is needed). A **novel client** (the paper's inference protocol) receives gamma,
-computes its
-descriptor locally and releases it -- optionally through :func:`privfl.privacy.privatize` (``novel_epsilon``), whose
-Gaussian event goes with the release into the client's ledger -- and receives f_theta(e); nothing else leaves it.
-Training clients get no privacy here: their descriptors, weight changes and encoder gradients are sent in the clear
-and recorded with epsilon = infinity (the paper's DP covers the novel client only; docs/papers.md, ODPFL-HN, E10).
-
-**Making the descriptor matter.** Trained end to end, the system can settle on one model for everybody: the
-hypernetwork is then as good as FedAvg and a flat privacy-utility curve is vacuous (noise cannot hurt a descriptor
-nobody reads). With the earlier DP default (phi on the unit sphere, a small MLP psi) that is what happened on MNIST
-with pathological 2-class clients: psi contracted the clients' differences about tenfold, generated models differed
-by 0.2% of their norm, and a novel client got the same accuracy from its own descriptor, from zeros or from another
-client's. Three changes, measured on that federation (``privfl.sweep``), fix it while keeping the DP structure
-phi (per sample, in the unit ball) -> mean (+ noise) -> psi:
-
-1. ``encoder_phi_head="softmax"``: phi ends in a softmax over learned prototypes, so the mean is a soft histogram of
-   the client's data (for label-shifted clients, close to its label mix), and every phi output is in the unit ball;
-2. ``encoder_psi="identity"``: nothing learned between the noisy mean and the hypernetwork can contract it;
-3. ``standardize_descriptors=True``: the hypernetwork sees ``(e - mu) / s``, with mu and s (one isotropic spread) from
-   the training clients' latest descriptors. Histograms of different clients differ by a few hundredths, which a
-   trunk initialised for inputs of order 1 barely resolves; without this step the descriptor was still ignored.
-   The map is post-processing of released descriptors and so costs no privacy. Because it is refitted every round,
-   the descriptor gradients sent to the encoder are taken with its statistics differentiated over the round's
-   clients (:meth:`~privfl.models.hypernetwork.DescriptorStandardizer.batch_gradients`): with the statistics held
-   fixed, the encoder drifted along the shift and scale the refit undoes until the softmax saturated on one
-   prototype and every client had the same descriptor.
-
-With these three, Algorithm 1's gradient identity (stage-2 updates = lr_local x the true gradients) holds for the
-hypernetwork; the encoder's gradient is the batch-statistics one of step 3.
+The stages in detail, serving, and the three changes that make the descriptor matter (softmax prototypes, identity
+psi, standardised descriptors): docs/methods/hypernetworks.md, "ODPFL-HN".
 """
 
 from __future__ import annotations

@@ -2,103 +2,16 @@
 learn.
 
 A client describes itself by ``v_i = mean_j phi(x_j, y_j; eta_v)`` (labels are inputs); the server's hypernetwork
-turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (the paper's eq. 1, with the mean
-over clients, docs/papers.md, PeFLL, U1)::
+turns it into the client's model ``theta_i = h(v_i; eta_h)``. A training round is the paper's Algorithm 2 in three
+stages, each ending with a release: the descriptor ``v_i``, the weight change, and the embedding-network gradient.
+Because the descriptor needs labels, an unseen client is a labelled held-out client
+(:func:`unseen_clients_with_labels`); an unlabelled novel client is refused.
 
-    lambda_h ||eta_h||^2 + lambda_v ||eta_v||^2 + (1/n) sum_i [ L_i(theta_i) + lambda_theta ||theta_i||^2 ]
+Entry points: :class:`PeFLLConfig`, :class:`PeFLLStrategy`, :class:`PeFLLClient` (registered as ``pefll``) and
+:func:`unseen_clients_with_labels`.
 
-One training round is the split computation of the paper's Algorithm 2 (cited by its line numbers), three stages here,
-every message up a release recorded in the client's ledger by the wire:
-
-1. server -> client: the embedding network eta_v (line 3). Client: draw one batch of ``descriptor_batch`` examples
-   (32; the whole training split under record-level DP, see **Privacy**), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))``
-   (lines 5-6; the true mean, not the authors' code's division by
-   twice the number of batches, docs/papers.md, PeFLL, E1), keep the batch (and eta_v) for stage 3.
-   **Up: v_i** (line 7, ``"descriptor"``).
-2. server: ``theta_i = h(v_i)`` (line 8). Down: theta_i (line 9). Client: ``local_steps`` (50) SGD steps with
-   momentum 0.9, lr 2e-3, per-step gradient clip 50 and weight decay ``2 lambda_theta`` (the gradient of
-   ``lambda_theta ||theta||^2``, as the authors' code applies it, docs/papers.md, PeFLL, U5) on fresh batches of
-   32, independent of the descriptor batch (U6) (line 10).
-   **Up: Delta theta_i = theta_i - theta~_i** (line 11, ``"weight_change"``).
-3. server: one vector-Jacobian product through h with cotangent Delta theta_i gives
-   ``Delta eta_h^i = (d theta_i/d eta_h)^T Delta theta_i`` (kept on the server) and
-   ``Delta v_i = (d theta_i/d v_i)^T Delta theta_i`` (line 12,
-   :func:`~privfl.models.hypernetwork.backprop_weight_change`).
-   Down: Delta v_i (line 13). Client: ``Delta eta_v^i = (d v_i/d eta_v)^T Delta v_i`` through phi on the **same**
-   batch (line 14). **Up: Delta eta_v^i** (line 15, ``"embedding_gradient"``); the client forgets the batch.
-4. server (lines 17-18): ``g_h = mean_i Delta eta_h^i + 2 lambda_h eta_h``, ``g_v = mean_i Delta eta_v^i +
-   2 lambda_v eta_v`` over the clients that completed the round; clip the joint norm of (g_h, g_v) to
-   ``server_grad_clip`` (50); one Adam step (lr 2e-4; ``server_optimizer="sgd"`` for plain/momentum SGD).
-
-After one plain SGD local step at learning rate eta, Delta theta_i = eta dL_i/dtheta, so (with lambdas 0) the chain
-gives exactly eta times the true gradient of L_i(h(v(S_b; eta_v); eta_h)) with respect to both networks.
-
-Unseen clients (Algorithm 1, PeFLL-predict): two down, one up, no fine-tuning: ``novel_request`` sends eta_v;
-``novel_query`` releases the descriptor of the client's **labelled** data (all of ``x_train``, or its first
-``eval_descriptor_samples``); ``novel_reply`` sends h(v); ``novel_model`` loads it. Because PeFLL's descriptor needs
-labels, an unseen client here is a labelled held-out client (any object with ``x_train``/``y_train``, such as a
-:class:`~privfl.data.TrainingClient`): :func:`unseen_clients_with_labels` builds one from each novel client of a
-:class:`~privfl.data.FederatedDataset`, splitting its data into a labelled descriptor part and a disjoint scoring part
-whose labels only the evaluator uses. An unlabelled :class:`~privfl.data.NovelClient` is refused with a ConfigError,
-so ``serves_novel_clients`` is ``False`` and :func:`privfl.experiment.train` scores no novel clients for PeFLL.
-Seen clients after training use the same protocol (their descriptor from their whole training split).
-
-**Privacy** (the one layer of :mod:`privfl.methods.private`; the modes in :mod:`privfl.privacy.training`). A sampled
-training client makes three releases a round: ``v_i``, ``Delta theta_i`` and ``Delta eta_v^i``.
-
-* ``record`` (add or remove one labelled record ``(x, y)``; n private, calibrated to the public lower bound
-  ``min_samples``; every release at the client's noise multiplier z, so the three compose in one ledger with
-  DP-SGD's relation):
-
-  1. ``v_i`` is the mean of the clipped embeddings of the client's **whole** training split (not of one batch of
-     ``descriptor_batch``: a fixed-size batch holds ``min(b, n)`` records, which depends on the private n, and the
-     same batch must serve stage 3), released by :func:`~privfl.privacy.labelled.release_labelled_mean` under
-     add/remove: each clipped ``phi(x_j, y_j)`` depends on record j alone, so the mean moves by at most
-     ``2B/min_samples`` with B the novel bound (training then sees the function novel clients release);
-  2. local training is DP-SGD (:meth:`ClientProcedure.fit`: per-record clip, momentum 0.9, weight decay
-     ``2 lambda_theta``; the per-step clip ``grad_clip`` must be 0), and ``Delta theta_i`` is post-processing of it
-     and of ``theta_i``, which the server sent;
-  3. ``Delta eta_v^i = (1/n) sum_j (d clip_B(phi(x_j, y_j)) / d eta_v)^T Delta v_i`` is the gradient of a mean over
-     the records (``Delta v_i`` came from the server): each record's term is clipped to the privacy clip C, averaged
-     and noised for ``2C/min_samples`` (:func:`~privfl.privacy.gradient_mean.release_gradient_mean`).
-
-  :meth:`PeFLLClient.round_event` declares the three (a test checks a real round against it); losses are not sent.
-* ``local``: the layer clips each of the three releases to ``C / sqrt(3)`` and noises it on the client; everything
-  the server computes from them (``h(v_i)``, ``Delta v_i``, the update) is post-processing.
-* ``central`` (trusted aggregator; DP-FedAvg's argument, McMahan et al. 2018): both networks are shared. Client i
-  contributes ``(Delta eta_h^i, Delta eta_v^i)`` (the first computed on the server from its weight change at its
-  descriptor), clipped jointly to C; the networks move only from the noisy mean (plus the regularisers and the clip
-  of step 4, which read nothing else; :meth:`PeFLLStrategy.apply_mean`). What leaves the server about a client
-  other than the receiver is a function of the networks alone: the embedding network, ``h(v)`` of a new client's
-  descriptor, and the model sent to client j, ``h(v_j)`` of j's own descriptor (a client that never trained gets
-  ``h(0)``, not the mean of the others' descriptors, which the aggregator holds in the clear). The descriptors and
-  the contributions in the clear are not protected against the aggregator.
-* ``distributed``: refused: the server answers each client's descriptor and weight change on its own (``h(v_i)``,
-  then ``Delta v_i``), while secure aggregation shows only sums.
-
-**Generating only the head** (``generated``, ``shared_lr``, ``shared_momentum``, the same settings as ODPFL-HN's;
-:mod:`privfl.methods.shared_part`). With ``"head"`` or ``"head_bias"`` h emits only the target's last layer (or its
-bias); the rest of theta_i is one shared part sent with every generated model, trained locally by each client, and
-moved by the mean of the round's weight changes restricted to it (FedAvg's step at ``shared_lr`` with heavy-ball
-``shared_momentum``, beside the server optimiser, which moves the two networks only). Line 12 reads only the generated
-coordinates of Delta theta_i. The releases are unchanged (the whole Delta theta_i): the shared step is post-processing
-of them (record, local), and under central DP the shared tensors of a client's change join its contribution (prefix
-``"shared."``, clipped jointly), so the shared part moves from the noisy mean alone.
-
-Novel (unseen) clients: with :class:`~privfl.privacy.training.NovelPrivacy` (``RunConfig.novel_privacy``) the
-descriptor is an (epsilon, delta)-DP release under replace-one of a labelled record, n public
-(:func:`~privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with B the novel bound); without it,
-the descriptor is sent in the clear. The per-example clip B in training is the novel bound under record-level DP or
-when novel clients are private (so the networks train on the function novel clients release), else none. A seen client
-queried this way after record-level training would add a replace-one release to its
-add/remove ledger, which the ledger refuses before anything is sent (a guarantee holds under one relation): serve
-seen clients that way only without record-level DP.
-
-The runtime scores training clients with one message down (``configure_evaluate``), with no way for the client to
-send a fresh descriptor; there the server generates the model from the **latest descriptor that client released in
-training** (a value it already holds; post-processing), from the mean of those if the client never trained (from
-a zero descriptor under central DP). That score serves model selection only; the benchmark scores seen clients with
-the full protocol above.
+The stages line by line, serving, each privacy mode, head-only generation and how training clients are scored:
+docs/methods/hypernetworks.md, "PeFLL".
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Set encoders: one client's sample set ``x`` of shape ``[n, ...]`` -> one descriptor vector ``[output_dim]``.
 
-Two DeepSets (Zaheer et al. 2017), both of the form ``psi(pool(phi(x_1), ..., phi(x_n)))``:
+:class:`DeepSetEncoder` (the ODPFL-HN encoder, mean and max pooling) and :class:`DPDeepSetEncoder` (phi clipped to a
+ball, mean pooling, psi: the form :func:`privfl.privacy.privatize` accepts) are DeepSets; :class:`DSSEncoder` and
+:class:`SetTransformerEncoder` model interactions between samples. Building blocks: :class:`MeanPool`,
+:class:`MaxPool`, :class:`MeanMaxPool`, :class:`ClipToBall`, :class:`PrototypeSoftmax`, :class:`DSSLayer`,
+:class:`MAB`, :class:`ISAB`, :class:`PMA`.
 
-- :class:`DeepSetEncoder` is the ODPFL-HN encoder (Amosy et al., section 6.3 and App. C):
-  a per-sample network ``phi``, then **mean** pooling over the samples on the first half of the units and **max**
-  pooling on the other half, then a set-level network ``psi``. Its max half moves by O(1) when one sample is replaced,
-  whatever n, so it cannot be made differentially private by noise that shrinks with n (docs/papers.md, ODPFL-HN,
-  E3);
-  :func:`privfl.privacy.privatize` refuses it.
-- :class:`DPDeepSetEncoder` is the DP-ready form ``phi -> mean over samples -> psi`` with the attributes ``phi``,
-  ``pool`` (a :class:`MeanPool`) and ``psi`` that :func:`privfl.privacy.privatize` inspects. Train it with the same
-  structure it will be privatised with, so the hypernetwork sees descriptors of the kind it will receive.
-
-Two encoders that model interactions between the samples (the other two the ODPFL-HN papers choose among, App. C,
-in the configurations of docs/papers.md, ODPFL-HN, U7), for the non-private path:
-
-- :class:`DSSEncoder` (Deep Sets for Symmetric elements, Maron et al. 2020): every layer is a Siamese layer on each
-  ``x_i`` plus a layer on the set aggregate (the mean of the ``x_j``), convolutional for images;
-- :class:`SetTransformerEncoder` (Lee et al. 2019): ISAB blocks (attention through inducing points) and PMA pooling.
-
-Both let every sample's features depend on the others (DSS through the aggregate at every layer, attention through
-softmax weights), so their output does not move by O(1/n) when one sample is replaced; :func:`privfl.privacy.privatize`
-refuses them by name (docs/papers.md, ODPFL-HN, E3).
-
-Image inputs are flattened inside ``phi`` (``input_shape`` like ``(1, 28, 28)``); feature inputs give ``input_dim``.
-Pooling modules reduce over dimension 0, the sample dimension.
+Each encoder's architecture and why only the DP-ready one can be privatised: docs/methods/hypernetworks.md,
+"Set encoders".
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """privfl messages <-> Flower records, written once for both directions.
 
-A :class:`~privfl.federation.messages.Message` already has Flower's shape, so a message becomes a ``RecordDict``
-with three records (``"arrays"``: :class:`flwr.app.ArrayRecord`, ``"metrics"``: :class:`flwr.app.MetricRecord`,
-``"config"``: :class:`flwr.app.ConfigRecord`) plus one ``ConfigRecord`` under ``"privfl"``: the protocol header (which
-operation, round, stage, ...) that the runtime needs and the method never sees. Tensors keep their dtype and shape
-(``ArrayRecord`` stores them as numpy arrays); metrics keep int or float; config values must be ``int``, ``float``,
-``str``, ``bool`` or ``bytes`` (or lists of one of those).
+A :class:`~privfl.federation.messages.Message` becomes a ``RecordDict`` of ``"arrays"``, ``"metrics"`` and
+``"config"`` records plus the protocol header under ``"privfl"`` (:func:`to_records`, :func:`from_records`); tensors
+keep their dtype and shape. :func:`pack` and :func:`unpack` carry the messages of a node's several clients in one
+Flower message, their tensors in one byte array. Details: docs/federation.md, "Flower records".
 
 >>> import torch
 >>> message = Message(arrays={"w": torch.ones(2, dtype=torch.float64)}, metrics={"loss": 0.5}, config={"lr": 0.1})
 >>> back, header = from_records(to_records(message, {"op": "train"}))
 >>> back.arrays["w"].dtype, back.metrics, back.config, header
 (torch.float64, {'loss': 0.5}, {'lr': 0.1}, {'op': 'train'})
-
-A node that holds several clients gets one Flower message per exchange: :func:`pack` puts each client's message under
-prefixed keys (``m<k>.metrics``, ``m<k>.config`` for the ``k``-th distinct message, ``h<id>`` for a client's own
-header), storing a message that several clients receive (FedAvg's global model) once; :func:`unpack` gives each client
-its own copy. The tensors of all the messages travel as one byte array (``blob``, each tensor's name, dtype, shape and
-place in it in the header): Flower moves every array of a message as objects of its own, one request each on every
-hop (ClientApp, SuperNode, SuperLink, ServerApp), so a node's reply of 50 model updates of 6 tensors each would be
-600 such objects; as one array it is a few chunks of at most 5 MB.
-
 >>> packed = pack({3: (message, {}), 5: (message, {"send_ledger": True})}, {"op": "train"})
 >>> header, items = unpack(packed)
 >>> header, sorted(items), items[5][1], torch.equal(items[3][0].arrays["w"], items[5][0].arrays["w"])
