@@ -68,6 +68,7 @@ from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
 from privfl.methods import get_method
 from privfl.metrics import mean_sem, score_model
 from privfl.models.features import load_stage, map_inputs
+from privfl.privacy.mechanisms import NoiseSource
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.provenance import numerics
 
@@ -155,7 +156,7 @@ class SweepConfig:
     device: str = "cpu"
     features: str | None = "scatter"
     model: str = "linear"
-    noise: str = "secure"
+    noise: NoiseSource = "secure"
 
     def __post_init__(self) -> None:
         if self.method_config is None:

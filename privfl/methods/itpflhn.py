@@ -470,7 +470,7 @@ class ITPFLHNClient(PFedHNClient):
         source = {"noise": private.noise, "generator": private.generator}   # one stream for every draw
         before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
         target = message.arrays["embedding"].to(self.model_factory.device)
-        phi, psi = encoder.phi, encoder.psi
+        phi, psi = encoder.get_submodule("phi"), encoder.get_submodule("psi")
         optimizer = self._regression_optimizer(encoder, cfg)
         x, n = data.x_train, data.num_train      # privatize and the gradient mean move the records to the encoder
         unlabelled = torch.zeros(n, dtype=torch.int64)

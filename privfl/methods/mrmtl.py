@@ -37,8 +37,9 @@ clips each u_i, noises the sum and moves w_bar by it; it keeps nothing per clien
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -91,8 +92,8 @@ def mean_regulariser(lam: float, mean: dict[str, torch.Tensor], device: str | to
     depends on the current iterate and the server's mean ``mean`` only, never on the records."""
     anchor = {name: value.detach().to(device) for name, value in mean.items()}
 
-    def regulariser(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        return 0.5 * lam * sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
+    def regulariser(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return 0.5 * lam * cast(torch.Tensor, sum(((p - anchor[name]) ** 2).sum() for name, p in params.items()))
 
     return regulariser
 

@@ -504,7 +504,7 @@ class PeFLLStrategy(Strategy):
         """Algorithm 1, steps 4-5: theta = h(v) from the client's released descriptor."""
         return Message(arrays=self.generate(self._checked_descriptor(client_id, delivered)))
 
-    training_only = ("optimizer",)
+    training_only: tuple[str, ...] = ("optimizer",)
 
     def state_dict(self) -> dict[str, Any]:
         return {
