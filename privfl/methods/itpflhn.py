@@ -401,7 +401,7 @@ class ITPFLHNClient(PFedHNClient):
         is what every round is calibrated for."""
         cfg = self.config
         step = ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
-                              self._mean_event(noise_multiplier, self.privacy.clip)))
+                              self._mean_event(noise_multiplier, float(self.privacy.clip))))
         return ComposedEvent((dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps()),
                               SelfComposedEvent(step, cfg.encoder_steps)))
 
