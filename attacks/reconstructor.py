@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting.validation import is_int_at_least, is_real
 from privfl.errors import ConfigError
 from privfl.models.backbones import file_sha256
 
@@ -111,7 +112,7 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
 
 
 def _real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+    if not is_real(value) or not math.isfinite(value) \
             or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise ConfigError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
@@ -169,7 +170,7 @@ class ReconstructorConfig:
         _positive_int("image_size", self.image_size, 8)
         _positive_int("channels", self.channels)
         blocks = tuple(self.block_channels) if isinstance(self.block_channels, (list, tuple)) else None
-        if not blocks or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1 for c in blocks):
+        if not blocks or any(not is_int_at_least(c, 1) for c in blocks):
             raise ConfigError(f"block_channels must be a non-empty sequence of positive integers, "
                               f"got {self.block_channels!r}")
         object.__setattr__(self, "block_channels", tuple(int(c) for c in blocks))
@@ -227,6 +228,9 @@ class FeatureConditionedUNet(nn.Module):
     (``guide_image`` only), zeroed with the condition.
     """
 
+    feature_mean: torch.Tensor   # buffers (register_buffer)
+    feature_projection: torch.Tensor
+
     def __init__(self, config: ReconstructorConfig) -> None:
         super().__init__()
         from diffusers import UNet2DModel
@@ -245,9 +249,10 @@ class FeatureConditionedUNet(nn.Module):
             resnet_time_scale_shift="scale_shift", class_embed_type="identity", add_attention=config.mid_attention)
         width = 4 * config.block_channels[0]  # UNet2DModel's time-embedding width
         r = config.condition_width
-        self.condition = nn.Sequential(nn.Linear(r, width), nn.SiLU(), nn.Linear(width, width))
-        nn.init.zeros_(self.condition[2].weight)
-        nn.init.zeros_(self.condition[2].bias)
+        first, last = nn.Linear(r, width), nn.Linear(width, width)
+        self.condition = nn.Sequential(first, nn.SiLU(), last)
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
         self.register_buffer("feature_mean", torch.zeros(config.feature_dim))
         self.register_buffer("feature_projection", torch.eye(config.feature_dim, r))
 

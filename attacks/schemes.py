@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from accounting.validation import is_int_at_least
 from attacks.metrics import LPIPS, psnr_pairs, ssim_matrix, ssim_pairs
 from attacks.selection import agreement_scores, nearest, top_count
 from privfl.errors import ConfigError
@@ -135,7 +136,7 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
     if (scheme == "dp-fedpft") != (epsilon is not None):
         raise ConfigError(f"epsilon is required for scheme 'dp-fedpft' and only for it (scheme {scheme!r}, "
                           f"epsilon {epsilon!r})")
-    if isinstance(components, bool) or not isinstance(components, numbers.Integral) or components < 1:
+    if not is_int_at_least(components, 1):
         raise ConfigError(f"components must be an integer >= 1, got {components!r}")
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
         raise ConfigError(f"delta must be a probability in (0, 1), got {delta!r}")
@@ -333,7 +334,7 @@ def _lmmse_moments(release: Release, prior: AttackerPrior,
         norm = float(torch.linalg.vector_norm(m))
         if norm >= bound * (1 - 2e-3):  # clipped (float16 on the wire rounds the norm)
             m = m * (math.sqrt(float(mu @ mu) + d * s2) / norm)
-        if prior.class_eigenvectors is None:
+        if prior.class_eigenvectors is None or prior.class_eigenvalues is None:   # both or neither
             t = var / n_c
             w = t / (t + s2)
             mean = mu + w * (m - mu)
@@ -378,6 +379,8 @@ def prior_only_release(release: Release, prior: AttackerPrior, *, seed: int = 0)
         raise ConfigError(f"the prior-only reading is for dp-fedpft releases, got scheme {release.scheme!r}")
     floor = float(release.details.get("reg_covar", 1e-6))
     covariance = release.details.get("covariance")
+    if covariance is None:
+        raise ConfigError("the dp-fedpft release does not name its covariance type (details['covariance'])")
     mixtures = []
     for mixture in release.mixtures:
         c = mixture.label
@@ -627,7 +630,7 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
 
     t = torch.as_tensor(np.asarray(targets), dtype=torch.float32)
     k = samples_per_feature
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 2:
+    if not is_int_at_least(k, 2):
         raise ConfigError(f"samples_per_feature must be an integer >= 2 (the attacker selection compares samples), "
                           f"got {samples_per_feature!r}")
     draws = one_step_draws

@@ -485,7 +485,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _parse_epsilons(text: str) -> tuple[float | None, ...]:
     """Comma-separated epsilons, ``inf`` (or ``none``) for a training without DP."""
-    values = []
+    values: list[float | None] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if part.lower() in ("inf", "none"):
             values.append(None)
@@ -553,7 +553,7 @@ def cmd_features(args: argparse.Namespace) -> int:
                                                 progress=not args.no_progress)
         arrays["y" + suffix] = np.asarray(split.y[index], dtype=np.int64)
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # mypy matches **arrays to the stub's allow_pickle: bool
     try:
         atomic_write_bytes(out, buffer.getvalue())
     except OSError as error:      # the disk filled (or the folder turned read-only) while the features were made

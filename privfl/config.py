@@ -245,7 +245,9 @@ def build_method(config: RunConfig, federation: FederatedDataset) -> tuple[Strat
     client = _client(config, factory, num_training)
     if config.privacy.mode in (LOCAL, DISTRIBUTED) and config.privacy.participations is not None:
         check_participations(config, config.privacy.participations, [c.client_id for c in federation.training_clients])
-    return _protect(config, strategy, client, num_training)
+    protected, client = _protect(config, strategy, client, num_training)
+    assert protected is not None   # protect wraps the strategy it is given
+    return protected, client
 
 
 def _protect(config: RunConfig, strategy: Strategy | None, client: ClientProcedure,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from accounting import JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
+from accounting import ClientId, JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
 from accounting.ledger import BUDGET_RTOL
 from privfl.config import (
     RunConfig,
@@ -334,7 +334,7 @@ def check_overshoot(config: RunConfig, federation: FederatedDataset, runtime: Ru
         return
     ids = runtime.training_ids
     if privacy.mode == CENTRAL:
-        left = {cid: config.rounds - runtime.completed_rounds for cid in ids}
+        left: dict[ClientId, int] = {cid: config.rounds - runtime.completed_rounds for cid in ids}
     else:
         left = dict.fromkeys(ids, 0)
         for r in range(runtime.completed_rounds, config.rounds):
@@ -595,7 +595,7 @@ def client_rows(federation: FederatedDataset, training_scores: dict[int, ClientS
     training_histograms = [c.label_histogram(k) for c in federation.training_clients]
     rows = []
     for client in federation.training_clients:
-        score = training_scores[client.client_id]
+        score: ClientScore | None = training_scores[client.client_id]
         rows.append(_row(client.client_id, "training", client.num_train + len(client.y_val), client.num_train,
                          len(client.y_val), client.label_histogram(k), score, float("nan"), epsilons, runtime))
     for novel in federation.novel_clients:

@@ -39,6 +39,7 @@ from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
 from privfl.methods import get_method
 from privfl.metrics import mean_sem, score_model
 from privfl.models.features import load_stage, map_inputs
+from privfl.privacy.mechanisms import NoiseSource
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.provenance import numerics
 
@@ -126,7 +127,7 @@ class SweepConfig:
     device: str = "cpu"
     features: str | None = "scatter"
     model: str = "linear"
-    noise: str = "secure"
+    noise: NoiseSource = "secure"
 
     def __post_init__(self) -> None:
         if self.method_config is None:
@@ -157,6 +158,7 @@ class SweepConfig:
             raise ConfigError(f"min_margin must be a finite number of accuracy points, got {self.min_margin!r}")
         if not (0 < self.delta < 1):
             raise ConfigError(f"delta must be a probability in (0, 1), got {self.delta!r}")
+        assert self.method_config is not None   # filled in above
         if self.method == "odpflhn" and self.method_config.get("encoder", "dp_deepset") != "dp_deepset":
             raise ConfigError(f"a privacy sweep needs encoder='dp_deepset' (the only privatizable one), got "
                               f"{self.method_config['encoder']!r}")
@@ -181,6 +183,7 @@ class SweepConfig:
             mode="record", epsilon=float(train_epsilon), delta=self.delta, clip=self.train_clip,
             min_samples=self.min_samples, noise=self.noise, noise_seed=self.seed if self.noise == "seeded" else 0)
         rounds = self.rounds if train_epsilon is None or self.private_rounds is None else self.private_rounds
+        assert self.method_config is not None   # __post_init__ fills it in
         return RunConfig(federation=self.federation(), method=self.method, method_config=dict(self.method_config),
                          rounds=rounds, client_fraction=self.client_fraction, eval_every=max(1, rounds // 20),
                          checkpoint_every=max(1, rounds // 2), select="last", seed=self.seed, delta=self.delta,
@@ -313,7 +316,10 @@ def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mix
     """Serve every (mix, n, novel epsilon, repeat) with the trained server of ``train_dir``, and the controls."""
     # 1. the trained server, as the run left it (select="last": the final checkpoint)
     runtime = build_runtime(run, federation)
-    runtime.load_state_dict(RunDirectory(train_dir).load_checkpoint()["runtime"])
+    checkpoint = RunDirectory(train_dir).load_checkpoint()
+    if checkpoint is None:
+        raise ConfigError(f"{train_dir} holds no checkpoint of the trained server to serve novel clients from")
+    runtime.load_state_dict(checkpoint["runtime"])
     if not runtime.serves_novel_clients:
         return []                             # its novel clients need labels or training: the run reports training
     base_client = runtime.client
@@ -394,7 +400,8 @@ def _label_mixes(num_classes: int, per_client: int, count: int, rng: np.random.G
     (a fresh permutation after that), so the held-out pool is shared as little as possible."""
     if per_client > num_classes:
         raise ConfigError(f"classes_per_client={per_client} exceeds the {num_classes} classes of the dataset")
-    mixes, order = [], []
+    mixes: list[list[int]] = []
+    order: list[int] = []
     while len(mixes) < count:
         if len(order) < per_client:
             order = rng.permutation(num_classes).tolist()

@@ -26,7 +26,7 @@ import torch
 
 from privfl.data.partition import partition_dirichlet, partition_iid, partition_pathological
 from privfl.data.sources import SOURCE_NAMES, SourceData, load_source
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError
 
 __all__ = [
     "FederationSpec",
@@ -97,7 +97,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_count(value: Any, minimum: int = 1) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= minimum
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and bool(value >= minimum)
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -272,6 +272,7 @@ class FederationSpec:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of every field (options as a dict, angles as lists)."""
         result = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        assert isinstance(self.source_options, FrozenOptions)   # __post_init__ made it one
         result["source_options"] = self.source_options.to_dict()
         result["train_angles"], result["novel_angles"] = list(self.train_angles), list(self.novel_angles)
         return result
@@ -544,6 +545,8 @@ def _assign_clients(
         num_novel = min(max(round(len(ids) * spec.novel_fraction), 1), len(ids) - 1)
         novel_ids = set(streams.novel_selection.permutation(ids)[:num_novel].tolist())
         return ({i: clients[i] for i in ids if i not in novel_ids}, {i: clients[i] for i in ids if i in novel_ids})
+    if novel_pool is None or spec.novel_clients is None:   # train_test: the spec requires both, _pools cuts the pool
+        raise InternalError(f"split {spec.split!r} without a novel pool or novel_clients")
     novel_parts = _partition(novel_pool.y, spec.novel_clients, spec.novel_partition_settings(), streams.novel_partition)
     training = _drop_empty(dict(enumerate(parts)), "training clients")
     novel = _drop_empty({spec.num_clients + i: idx for i, idx in enumerate(novel_parts)}, "novel clients")

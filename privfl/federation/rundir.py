@@ -83,7 +83,7 @@ class RunDirectory:
         "config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt",
         "releases.jsonl")
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
     def path(self, name: str) -> Path:
@@ -231,7 +231,8 @@ class RunDirectory:
         if not path.exists():
             return None
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+            return state
         except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
             raise ConfigError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
                               "checkpoints are written whole, so it was changed or cut afterwards: start the run "

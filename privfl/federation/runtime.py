@@ -40,6 +40,7 @@ from privfl.federation.workers import ClientWorkers, check_threads, check_worker
 
 if TYPE_CHECKING:   # the methods sit above this module: only their interfaces are named here
     from privfl.data import FederatedDataset
+    from privfl.methods.base import ClientProcedure, Strategy
     from privfl.metrics import ClientScore
 
 Score = Callable[[nn.Module, torch.Tensor, torch.Tensor], "ClientScore"]
@@ -158,7 +159,8 @@ class Runtime(ABC):
     (``bytes_up``, ``bytes_down``).
     """
 
-    def __init__(self, *, strategy, client, training_ids: list[int], seed: int, client_fraction: float) -> None:
+    def __init__(self, *, strategy: Strategy, client: ClientProcedure, training_ids: list[int], seed: int,
+                 client_fraction: float) -> None:
         self.strategy = strategy
         self.client = client
         self.training_ids = sorted(training_ids)
@@ -303,8 +305,8 @@ class Runtime(ABC):
 class InProcessRuntime(Runtime):
     """Runs a method's rounds on the training clients of one federation, all in this process."""
 
-    def __init__(self, *, strategy, client, training_clients: list[TrainingClient], seed: int,
-                 client_fraction: float = 1.0, wire: Wire | None = None, workers: int = 1) -> None:
+    def __init__(self, *, strategy: Strategy, client: ClientProcedure, training_clients: list[TrainingClient],
+                 seed: int, client_fraction: float = 1.0, wire: Wire | None = None, workers: int = 1) -> None:
         super().__init__(strategy=strategy, client=client, training_ids=[c.client_id for c in training_clients],
                          seed=seed, client_fraction=client_fraction)
         self.clients = {c.client_id: c for c in training_clients}

@@ -206,7 +206,8 @@ def _checkpoint(run: RunDirectory) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:   # mapped, not read: only the ledgers and the position are used
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return state
     except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
         raise ConfigError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
                           "checkpoints are written whole, so it was changed or cut afterwards") from None
@@ -240,11 +241,11 @@ def _copy(ledger: PrivacyLedger) -> PrivacyLedger:
     return PrivacyLedger.from_state_dict(ledger.state_dict())
 
 
-def _first_difference(a: tuple, b: tuple) -> int:
+def _first_difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _order(cid: Any) -> tuple:
+def _order(cid: Any) -> tuple[bool, int, str]:
     return (isinstance(cid, str), cid if isinstance(cid, int) else 0, str(cid))
 
 

@@ -148,7 +148,7 @@ class AFLClient(FedAvgClient):
             loss_at_start = torch.tensor(float(record_losses(model, data).mean()))
         _, fit_event = self.fit(model, data, sgd_settings(message.config), ctx.rng)
         arrays = {**difference(weights_of(model), start), LOSS: loss_at_start.to("cpu", torch.float32)}
-        events = None if fit_event is None else ComposedEvent((fit_event, loss_event))
+        events = None if fit_event is None or loss_event is None else ComposedEvent((fit_event, loss_event))
         return update_release(self, arrays, events, {"num_examples": float(data.num_train)})
 
     def loss_mechanism(self, noise_multiplier: float, **noise: Any) -> GaussianMechanism:

@@ -18,7 +18,7 @@ import numbers
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,7 +294,7 @@ class ClientProcedure(ABC):
 
     def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
             *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,
-            params: Mapping[str, nn.Parameter] | None = None) -> tuple[float, PrivacyEvent | None]:
+            params: Iterable[str | nn.Parameter] | None = None) -> tuple[float, PrivacyEvent | None]:
         """Local training on the client's training split, with ``settings`` as :func:`local_sgd` takes them; DP-SGD
         (:class:`~privfl.privacy.dp_sgd.DPSGDTrainer`, per-sample clip ``privacy.clip``, noise multiplier
         :meth:`noise_multiplier`, the public rate :meth:`record_sampling_rate`) under record-level DP. Returns the

@@ -20,7 +20,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -244,8 +244,9 @@ class FedADGClient(FedAvgClient):
                 p.div_(scale)
         weight_decay = float(settings.get("weight_decay", 0.0))
 
-        def decay(params: dict[str, torch.Tensor]) -> torch.Tensor:   # on F and C only, as step 1's optimiser has it
-            return 0.5 * weight_decay * sum((p ** 2).sum() for name, p in params.items() if name.startswith("target."))
+        def decay(params: Mapping[str, torch.Tensor]) -> torch.Tensor:   # on F and C only, as step 1's optimiser has it
+            return 0.5 * weight_decay * cast(torch.Tensor, sum((p ** 2).sum() for name, p in params.items()
+                                                               if name.startswith("target.")))
 
         trained = [name for name, _ in model.named_parameters() if not name.startswith("generator.")]
         losses = functools.partial(record_adversarial_losses, adv_weight=self.config.adv_weight, d_scale=scale)
@@ -261,6 +262,7 @@ class FedADGClient(FedAvgClient):
                     p.mul_(scale)
         generator_steps(model, steps=settings["steps"], batch_size=settings["batch_size"], lr=self.config.gan_lr,
                         rng=rng)
+        assert event is not None   # record level: fit ran DP-SGD, which returns its event
         return event
 
 

@@ -17,7 +17,7 @@ Novel clients receive w (the model of the best validation round, or the last) an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -70,7 +70,7 @@ def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) 
     if total <= 0:
         raise ValueError(f"aggregation weights must sum to > 0, got {weights}")
     return {
-        name: sum(update[name] * (w / total) for update, w in zip(updates, weights, strict=True))
+        name: cast(torch.Tensor, sum(update[name] * (w / total) for update, w in zip(updates, weights, strict=True)))
         for name in updates[0]
     }
 

@@ -30,8 +30,8 @@ from accounting import GaussianEvent, PrivacyEvent
 from accounting import epsilon as accounting_epsilon
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError, check
-from privfl.federation.messages import Message, Release
+from privfl.errors import ConfigError, InternalError, check
+from privfl.federation.messages import Message, Release, Scalar
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import (
     ClientContext,
@@ -215,11 +215,11 @@ def decode_mixtures(arrays: dict[str, torch.Tensor], *, covariance: str, floor: 
             full = torch.zeros(k, d, d, dtype=torch.float64)
             full[:, rows, cols] = cov
             full = full + full.transpose(1, 2) - torch.diag_embed(torch.diagonal(full, dim1=1, dim2=2))
-            cov = full.numpy()
+            matrices = full.numpy()
         else:
-            cov = cov.clamp_min(floor).numpy()
+            matrices = cov.clamp_min(floor).numpy()
         mixtures.append(ClassMixture(label=c, count=int(arrays[prefix + "count"][0]), weights=weights, means=means,
-                                     covariances=cov, covariance_type=covariance))
+                                     covariances=matrices, covariance_type=covariance))
     return mixtures
 
 
@@ -423,7 +423,7 @@ class FedPFTStrategy(Strategy):
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         if round > 0:  # one-shot: later rounds send nothing and release nothing
             return {}
-        config = {"round": round}
+        config: dict[str, Scalar] = {"round": round}
         if self.config.topology == "centralized":
             return {cid: Message(config=config) for cid in client_ids}
         self.chain = list(client_ids)
@@ -544,8 +544,11 @@ class FedPFTClient(ClientProcedure):
         """The epsilon of the one DP-GMM release: the run's; with a noise multiplier z instead, the epsilon a Gaussian
         release of noise multiplier z spends at delta (the release's blocks are calibrated jointly, as one Gaussian)."""
         privacy = self.privacy
-        return privacy.epsilon if privacy.epsilon is not None else accounting_epsilon(
-            GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
+        if privacy.epsilon is not None:
+            return privacy.epsilon
+        if privacy.noise_multiplier is None:   # TrainingPrivacy refuses DP with neither
+            raise InternalError("DP-FedPFT's privacy has neither epsilon nor noise_multiplier")
+        return accounting_epsilon(GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
 
     def planned_round_event(self) -> PrivacyEvent:
         """Record level: the one Gaussian event :func:`release_class_gaussians` records for this client's message,
@@ -567,7 +570,7 @@ class FedPFTClient(ClientProcedure):
         mixtures = []
         for cls in release.classes:
             count = max(0, int(round(float(cls.count))))
-            if not cls.released or count == 0:  # dropping a class from a DP output is post-processing
+            if cls.mean is None or cls.covariance is None or count == 0:  # dropping a class is post-processing
                 continue
             cov = cls.covariance.double().numpy()
             mixtures.append(ClassMixture(label=cls.label, count=count, weights=np.ones(1), means=cls.mean.numpy()[None],

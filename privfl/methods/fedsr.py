@@ -219,6 +219,7 @@ class FedSRClient(FedAvgClient):
                 warnings.simplefilter("ignore", GenericPathWarning)
                 _, event = self.fit(model, data, settings, ctx.rng, per_sample_loss=losses)
         else:
+            assert isinstance(model, FedSRModel)   # the workspace model is one
             def loss_of_batch(xb: torch.Tensor, yb: torch.Tensor):
                 return model.objective(xb, yb, l2r_coeff=config.l2r_coeff, cmi_coeff=config.cmi_coeff,
                                        squared=config.l2r == "squared")

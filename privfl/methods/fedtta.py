@@ -24,7 +24,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -200,7 +200,7 @@ def inner_step(f: nn.Module, g: nn.Module, psi: dict[str, torch.Tensor], phi: di
     loss = personalization_loss(g, phi, logits, chunk)
     grads = torch.autograd.grad(loss, tuple(psi.values()), create_graph=create_graph)
     if grad_clip > 0:
-        norm = torch.sqrt(sum((gr ** 2).sum() for gr in grads))
+        norm = torch.sqrt(cast(torch.Tensor, sum((gr ** 2).sum() for gr in grads)))
         scale = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
         grads = tuple(gr * scale for gr in grads)
     return {name: p - inner_lr * (gr + weight_decay * p) for (name, p), gr in zip(psi.items(), grads, strict=True)}
@@ -267,7 +267,7 @@ def record_meta_losses(learner: MetaLearner, x: torch.Tensor, y: torch.Tensor, *
     # refuse this loss (its batched forward would not see the per-record inner steps) and take the torch.func path
     phi = learner.phi()
     f, g = learner.f, learner.g
-    psi = dict(f.named_parameters())
+    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
     if mu > 0:
         if teacher is None:
             raise ValueError("mu > 0 needs the frozen server model's weights (teacher)")
@@ -477,9 +477,9 @@ class FedTTAClient(ClientProcedure):
                 p.div_(scale)
         learner = MetaLearner(f, g, scale)
 
-        def decay(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            return 0.5 * weight_decay * sum(((scale * p if name.startswith("g.") else p) ** 2).sum()
-                                            for name, p in params.items())
+        def decay(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            return 0.5 * weight_decay * cast(torch.Tensor, sum(((scale * p if name.startswith("g.") else p) ** 2).sum()
+                                                               for name, p in params.items()))
 
         losses = functools.partial(record_meta_losses, inner_lr=inner_lr, weight_decay=weight_decay, mu=cfg.mu,
                                    teacher=teacher, kl_direction=cfg.kl_direction)
@@ -496,6 +496,7 @@ class FedTTAClient(ClientProcedure):
             with torch.no_grad():
                 for p in g.parameters():
                     p.mul_(scale)
+        assert event is not None   # record level: fit ran DP-SGD, which returns its event
         return loss, event
 
     def adapted_model(self, x: torch.Tensor, message: Message) -> nn.Module:
@@ -545,7 +546,8 @@ def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, rou
     weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
     f.train()
     g.train()
-    psi, phi = dict(f.named_parameters()), dict(g.named_parameters())
+    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
+    phi: dict[str, torch.Tensor] = dict(g.named_parameters())
     optimizer = torch.optim.SGD([
         {"params": list(psi.values()), "lr": lr},
         {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},

@@ -200,7 +200,8 @@ def distill(f: nn.Module, g: nn.Module, x: torch.Tensor, teacher_base: torch.Ten
     weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
     f.train()
     g.train()
-    psi, phi = dict(f.named_parameters()), dict(g.named_parameters())
+    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
+    phi: dict[str, torch.Tensor] = dict(g.named_parameters())
     optimizer = torch.optim.SGD([
         {"params": list(psi.values()), "lr": lr},
         {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},
@@ -242,7 +243,7 @@ class HeteroFedTTAStrategy(Strategy):
 
     def _message(self, round: int) -> Message:
         arrays = {PUBLIC: self.public}
-        if self.base is not None:
+        if self.base is not None and self.per is not None:   # set together
             arrays.update({BASE: self.base, PER: self.per})
         return Message(arrays=arrays, config={**self.config.round_config(round), "seed": self.seed})
 

@@ -319,7 +319,7 @@ class ITPFLHNClient(PFedHNClient):
         is what every round is calibrated for."""
         cfg = self.config
         step = ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
-                              self._mean_event(noise_multiplier, self.privacy.clip)))
+                              self._mean_event(noise_multiplier, float(self.privacy.clip))))
         return ComposedEvent((dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps()),
                               SelfComposedEvent(step, cfg.encoder_steps)))
 
@@ -388,7 +388,7 @@ class ITPFLHNClient(PFedHNClient):
         source = {"noise": private.noise, "generator": private.generator}   # one stream for every draw
         before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
         target = message.arrays["embedding"].to(self.model_factory.device)
-        phi, psi = encoder.phi, encoder.psi
+        phi, psi = encoder.get_submodule("phi"), encoder.get_submodule("psi")
         optimizer = self._regression_optimizer(encoder, cfg)
         x, n = data.x_train, data.num_train      # privatize and the gradient mean move the records to the encoder
         unlabelled = torch.zeros(n, dtype=torch.int64)

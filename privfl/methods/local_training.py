@@ -6,7 +6,7 @@ does) from the client's in-memory tensors, with the order taken from the client'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 
 from privfl.devices import device_of, on_cpu
 
-ExtraLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+ExtraLoss = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
 def minibatches(num_samples: int, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[np.ndarray]:

@@ -15,8 +15,9 @@ The round, why u_i is released rather than w_i, and each privacy mode: docs/meth
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,8 +70,8 @@ def mean_regulariser(lam: float, mean: dict[str, torch.Tensor], device: str | to
     depends on the current iterate and the server's mean ``mean`` only, never on the records."""
     anchor = {name: value.detach().to(device) for name, value in mean.items()}
 
-    def regulariser(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        return 0.5 * lam * sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
+    def regulariser(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return 0.5 * lam * cast(torch.Tensor, sum(((p - anchor[name]) ** 2).sum() for name, p in params.items()))
 
     return regulariser
 

@@ -263,9 +263,9 @@ def client_descriptor(encoder: nn.Module, x: torch.Tensor, config: ODPFLHNConfig
         generator = torch.Generator().manual_seed(derive_seed(seed, "descriptor_noise"))
         outputs = []
         for batch in sets:
-            mean = encoder.pool(encoder.phi(batch))
+            mean = encoder.get_submodule("pool")(encoder.get_submodule("phi")(batch))
             noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(mean.device)
-            outputs.append(encoder.psi(mean + config.train_mean_noise * noise))
+            outputs.append(encoder.get_submodule("psi")(mean + config.train_mean_noise * noise))
     else:
         outputs = [encoder(batch) for batch in sets]
     return torch.stack(outputs).mean(dim=0)
@@ -588,7 +588,8 @@ class ODPFLHNClient(ClientProcedure):
         noisy_mean = mechanism.add_noise(private.clipped_mean(data.x_train))
         state[NOISY_MEAN] = noisy_mean.cpu()
         with torch.no_grad():
-            descriptor = encoder.psi(noisy_mean.to(_psi_dtype(encoder))).to("cpu", torch.get_default_dtype())
+            descriptor = encoder.get_submodule("psi")(noisy_mean.to(_psi_dtype(encoder))).to(
+                "cpu", torch.get_default_dtype())
         return private_release(Message(arrays={"descriptor": descriptor}), "descriptor", mechanism.event,
                                metadata={"noise": self.privacy.noise, "bound": self.novel_privacy.bound,
                                          "min_samples": self.privacy.min_samples})
@@ -664,17 +665,17 @@ class ODPFLHNClient(ClientProcedure):
         if NOISY_MEAN not in state:
             raise InternalError("ODPFL-HN stage 2 under record-level DP found no stage-0 release in the client state")
         noisy_mean = state[NOISY_MEAN]
-        psi_params = {n: p for n, p in encoder.psi.named_parameters() if p.requires_grad}
+        psi_params = {n: p for n, p in encoder.get_submodule("psi").named_parameters() if p.requires_grad}
         device = device_of(encoder)
         mean = noisy_mean.detach().to(device, _psi_dtype(encoder)).requires_grad_(True)
-        out = encoder.psi(mean)
+        out = encoder.get_submodule("psi")(mean)
         grads = torch.autograd.grad(out, [mean, *psi_params.values()], grad_outputs=descriptor_grad.to(out.dtype),
                                     allow_unused=True)
         v = grads[0].detach()
         arrays = {f"psi.{n}": torch.zeros_like(p) if g is None else g.detach()
                   for (n, p), g in zip(psi_params.items(), grads[1:], strict=True)}
         # 2. per-record contributions to phi's gradient, clipped
-        phi = encoder.phi
+        phi = encoder.get_submodule("phi")
         phi_params = {n: p for n, p in phi.named_parameters() if p.requires_grad}
         bound, clip = self.novel_privacy.bound, float(self.privacy.clip)
 
@@ -775,7 +776,7 @@ CONTRIBUTION_CHUNK = 256
 
 
 def _psi_dtype(encoder: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in encoder.psi.parameters()), torch.get_default_dtype())
+    return next((p.dtype for p in encoder.get_submodule("psi").parameters()), torch.get_default_dtype())
 
 
 def _noiseless(config: ODPFLHNConfig) -> ODPFLHNConfig:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from accounting.validation import is_finite
 from privfl.data import FederatedDataset, TrainingClient
 from privfl.devices import ANY_DEVICE, device_of, on_cpu
 from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
-from privfl.federation.messages import Message, Release, prefixed
+from privfl.federation.messages import Message, Release, Scalar, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
     ClientContext,
@@ -183,6 +183,7 @@ def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor,
             rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True).clamp_min(1e-12), max=1.0)
         part = rows.sum(dim=0)
         total = part if total is None else total + part
+    assert total is not None   # n >= 1: the loop ran
     return total / n
 
 
@@ -260,21 +261,22 @@ class PeFLLStrategy(Strategy):
                                      derive_seed(self.seed, "pefll_embedding")).to(self.device)
         groups = [{"params": list(self.hnet.parameters())}, {"params": list(self.embedding.parameters())}]
         if cfg.server_optimizer == "adam":
-            self.optimizer = torch.optim.Adam(groups, lr=cfg.server_lr)
+            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(groups, lr=cfg.server_lr)
         else:
             self.optimizer = torch.optim.SGD(groups, lr=cfg.server_lr, momentum=cfg.server_momentum)
         self.descriptors: dict[int, torch.Tensor] = {}
         #: Whether the descriptors reached the server in the clear under central DP (they are then per-client state
         #: of the trusted aggregator, and none is used for another client's model).
-        self._round: dict[str, dict[int, Any]] = {}
+        self._round: dict[str, Any] = {}
 
     # -- messages down ------------------------------------------------------------------------------------------------
 
     def _embedding_message(self, client_id: int) -> Message:
         cfg: PeFLLConfig = self.config
         weights = on_cpu(self.embedding.state_dict())
-        config = {"embed_dim": self.embed_dim, "embed_kind": self.embed_kind, "descriptor_batch": cfg.descriptor_batch,
-                  "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0)}
+        config: dict[str, Scalar] = {
+            "embed_dim": self.embed_dim, "embed_kind": self.embed_kind, "descriptor_batch": cfg.descriptor_batch,
+            "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0)}
         return Message(arrays=prefixed(EMBED, weights), config=config)
 
     @torch.no_grad()
@@ -296,8 +298,9 @@ class PeFLLStrategy(Strategy):
                 v = self._checked_descriptor(cid, reply)
                 self._round["descriptor"][cid] = v
                 self.descriptors[cid] = v
-                config = {"lr": cfg.lr, "local_steps": cfg.local_steps, "batch_size": cfg.batch_size,
-                          "momentum": cfg.momentum, "weight_decay": 2 * cfg.lambda_theta, "grad_clip": cfg.grad_clip}
+                config: dict[str, Scalar] = {
+                    "lr": cfg.lr, "local_steps": cfg.local_steps, "batch_size": cfg.batch_size,
+                    "momentum": cfg.momentum, "weight_decay": 2 * cfg.lambda_theta, "grad_clip": cfg.grad_clip}
                 messages[cid] = Message(arrays=self.generate(v), config=config)
             return messages
         if stage == 2:  # line 12-13: one VJP through h; Delta eta_h^i stays here, Delta v_i goes down
@@ -329,8 +332,8 @@ class PeFLLStrategy(Strategy):
             return {}
         shared = self.shared_part.mean_change([self._round["hnet_grads"].inputs(cid)[1] for cid in done])
         hnet_grads = self._round["hnet_grads"].mean(done)
-        embed_grads = {name: sum(replies[cid].arrays[EMBED + name].to(param.device, param.dtype) for cid in done)
-                       / len(done)
+        embed_grads = {name: cast(torch.Tensor, sum(replies[cid].arrays[EMBED + name].to(param.device, param.dtype)
+                                                    for cid in done)) / len(done)
                        for name, param in self.embedding.named_parameters()}
         losses = [self._round["loss"][cid] for cid in done]
         metrics = self._server_step(round, hnet_grads, embed_grads, f"clients {done}", shared)
@@ -417,7 +420,7 @@ class PeFLLStrategy(Strategy):
         """Algorithm 1, steps 4-5: theta = h(v) from the client's released descriptor."""
         return Message(arrays=self.generate(self._checked_descriptor(client_id, delivered)))
 
-    training_only = ("optimizer",)
+    training_only: tuple[str, ...] = ("optimizer",)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -506,7 +509,9 @@ class PeFLLClient(ClientProcedure):
         net = self.embedding_from(message.config, weights)
         if self.record_level:
             batch = torch.arange(data.num_train, dtype=torch.int64)
-            v, event, _ = release_labelled_mean(net, data.x_train, data.y_train, bound=self.embedding_bound,
+            bound = self.embedding_bound
+            assert bound is not None   # record level: the novel bound
+            v, event, _ = release_labelled_mean(net, data.x_train, data.y_train, bound=bound,
                                                 num_classes=self.model_factory.num_classes,
                                                 noise_multiplier=self.noise_multiplier(),
                                                 relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -573,9 +578,9 @@ class PeFLLClient(ClientProcedure):
             return private_release(Message(arrays={EMBED + n: grads[n].cpu() for n in names}), "embedding_gradient",
                                    event, metadata=self._metadata())
         v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound)
-        grads = torch.autograd.grad(v, params, grad_outputs=cotangent.to(v.dtype), allow_unused=True)
+        param_grads = torch.autograd.grad(v, params, grad_outputs=cotangent.to(v.dtype), allow_unused=True)
         update = {EMBED + n: (torch.zeros_like(p) if g is None else g.detach()).cpu()
-                  for n, p, g in zip(names, params, grads, strict=True)}
+                  for n, p, g in zip(names, params, param_grads, strict=True)}
         return Release.non_private(Message(arrays=update), purpose="embedding_gradient")
 
     # -- seen clients after training and unseen clients: Algorithm 1 ---------------------------------------------------

@@ -386,7 +386,7 @@ class PFedHNStrategy(Strategy):
                           "'itpflhn'")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    training_only = ("hypernetwork_momentum", "embedding_momentum")
+    training_only: tuple[str, ...] = ("hypernetwork_momentum", "embedding_momentum")
 
     def state_dict(self) -> dict[str, Any]:
         """Copies on the CPU of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by

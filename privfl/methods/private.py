@@ -150,6 +150,8 @@ class PrivateClient(ClientProcedure):
     def _client_level(self, stage: int, release: Release, ctx: ClientContext) -> Release:
         """Local and distributed modes: clip the release to its stage's clip, add the (share of the) noise."""
         noise = self.noise
+        if noise is None:
+            raise InternalError(f"{self.method}: client-level DP ({self.privacy.mode}) without its calibrated noise")
         index = stage if len(noise.clips) > 1 else 0
         if index >= len(noise.clips):
             raise InternalError(f"{self.method} released at stage {stage}, but its registration declares "
@@ -208,7 +210,8 @@ class Aggregator(Strategy):
         if privacy.clip == ADAPTIVE:
             # Andrew et al. take sigma_b = expected clients / 20; the count may take at most a quarter of the round's
             # budget here (sigma_b >= z), so a small epsilon's large z does not leave the update no budget at all
-            self.count_noise = privacy.clip_count_noise or max(self.expected / 20.0, self.noise_multiplier)
+            self.count_noise: float | None = privacy.clip_count_noise or max(self.expected / 20.0,
+                                                                             self.noise_multiplier)
             self.update_multiplier = update_noise_multiplier(self.noise_multiplier, self.count_noise)
         else:
             self.count_noise = None
@@ -246,6 +249,7 @@ class Aggregator(Strategy):
         share of noise, of standard deviation ``share_sigma``, is added."""
         if self.central:
             return None
+        assert self.noise is not None   # distributed: __init__ refuses an aggregator without it
         return SecureSum(like=self.inner.contribution_shapes(), bound=self.noise.clips[-1],
                          noise_std=self.noise.share_sigma,
                          calibrated_for=PrivacyBudget(self.noise.lifetime_epsilon, self.noise.delta))

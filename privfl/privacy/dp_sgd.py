@@ -18,7 +18,7 @@ import contextlib
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -42,7 +42,7 @@ from privfl.privacy.per_sample import (
 )
 
 #: ``(params by name) -> scalar``: a loss term whose gradient does not depend on the client's data.
-ExtraLoss = Callable[[dict[str, nn.Parameter]], torch.Tensor]
+ExtraLoss = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 #: ``(x_batch, y_batch, max_grad_norm, views) -> per-sample losses``: adds sum_i clip(g_i) to the views.
 ClippedSum = Callable[[torch.Tensor, torch.Tensor, float, dict[int, torch.Tensor]], torch.Tensor]
 

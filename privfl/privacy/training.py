@@ -37,7 +37,7 @@ from accounting import epsilon as accounting_epsilon
 from accounting.calibration import analytic_gaussian_sigma, calibrate_noise_multiplier
 from accounting.validation import is_finite
 from privfl.errors import ConfigError, check
-from privfl.privacy.mechanisms import NOISE_SOURCES
+from privfl.privacy.mechanisms import NOISE_SOURCES, NoiseSource
 
 RECORD, CENTRAL, DISTRIBUTED, LOCAL = "record", "central", "distributed", "local"
 #: The modes of :class:`TrainingPrivacy`, record level first.
@@ -122,7 +122,7 @@ class TrainingPrivacy:
     clip_quantile: float = 0.5
     clip_lr: float = 0.2
     clip_count_noise: float | None = None
-    noise: str = "secure"
+    noise: NoiseSource = "secure"
     noise_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -214,7 +214,7 @@ class NovelPrivacy:
     epsilon: float | None = None
     delta: float = 1e-5
     bound: float = 1.0
-    noise: str = "secure"
+    noise: NoiseSource = "secure"
     noise_seed: int = 0
 
     def __post_init__(self) -> None:

@@ -136,6 +136,8 @@ class Node:
             part = _partition(self.config, partition, self.num_partitions, directory)
             client = NodeClient(partition, part, directory)
             self.clients[client.client_id] = client
+        if part is None:
+            raise PublicConfigError("the node config names no partition for this node to hold")
         if text not in _PROCEDURES:
             _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"],
                                            part["num_training"])
@@ -208,6 +210,7 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         atomic_write_bytes(path, buffer.getvalue())
+    data: TrainingClient | NovelClient
     if saved["role"] == "training":
         data = TrainingClient(client_id=int(saved["client_id"]), x_train=saved["x_train"], y_train=saved["y_train"],
                               x_val=saved["x_val"], y_val=saved["y_val"])
@@ -344,7 +347,8 @@ def _run_config(context: Context, defaults: Mapping[str, Any] | None) -> dict[st
 
 
 def _node_dir(context: Context, run_config: Mapping[str, Any]) -> str | None:
-    return context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+    directory = context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+    return None if directory is None else str(directory)
 
 
 def _protocol(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None) -> FlowerMessage:

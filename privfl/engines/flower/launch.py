@@ -37,11 +37,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from privfl.engines.flower import protocol as p
 from privfl.engines.flower import supernode
 from privfl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flwr.supercore.control import ControlHttpClient
 
 APP_DIR = Path(__file__).resolve().parent / "app"
 CONNECTION = "privfl"
@@ -127,7 +130,7 @@ def generate_certificates(directory: str | os.PathLike, *, hosts: tuple[str, ...
                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
                .sign(ca_key, hashes.SHA256()))
     server_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    names = []
+    names: list[x509.GeneralName] = []
     for host in hosts:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -387,9 +390,9 @@ class RunWatcher:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
-        self._client = None
+        self._client: ControlHttpClient | None = None
 
-    def _connect(self):
+    def _connect(self) -> ControlHttpClient:
         import contextlib
         import io
 

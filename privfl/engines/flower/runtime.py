@@ -29,7 +29,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
-from accounting import LedgerBook, PrivacyLedger, ReleaseJournal, ReleaseRecord
+from accounting import ClientId, LedgerBook, PrivacyLedger, ReleaseJournal, ReleaseRecord
 from privfl.config import RunConfig
 from privfl.engines.flower import protocol as p
 from privfl.engines.flower.nodes import connect
@@ -254,7 +254,7 @@ class FlowerRuntime(Runtime):
         self._lifetime = lifetime
         return book
 
-    def _with_server_records(self, cid: int, ledger: PrivacyLedger | None) -> PrivacyLedger | None:
+    def _with_server_records(self, cid: ClientId, ledger: PrivacyLedger | None) -> PrivacyLedger | None:
         if cid in self._server_book:
             ledger = ledger or PrivacyLedger(cid)
             for record in self._server_book[cid].records:
@@ -265,13 +265,15 @@ class FlowerRuntime(Runtime):
         """Each client's lifetime epsilon at ``delta`` (every run its node ledger holds, with this run's server
         records) and the earlier runs it includes, from the ledgers the nodes reported last (:meth:`ledgers`)."""
         book = LedgerBook()
-        runs: dict[int, list[str]] = {}
+        runs: dict[ClientId, list[str]] = {}
         for cid in sorted(set(self._lifetime) | set(self._server_book)):
             reported = self._lifetime[cid].records if cid in self._lifetime else []
             ledger = PrivacyLedger(cid)
             for record in reported:
                 ledger._append_history(record)
-            book.add(self._with_server_records(cid, ledger))
+            merged = self._with_server_records(cid, ledger)
+            assert merged is not None   # given a ledger, it returns one
+            book.add(merged)
             others = {str(r.metadata.get(p.RUN_KEY) or "untagged") for r in reported} - {self.run_id}
             if others and self.run_id:
                 runs[cid] = sorted(others)

@@ -141,8 +141,9 @@ class SecAggPlus:
                              modulus_range=MODULUS_RANGE, timeout=None)
         state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: round}),
                             MAIN_PARAMS_RECORD: ArrayRecord()})
-        workflow(grid, LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}),
-                                     strategy=receiver))
+        # _Grid and _Receiver stand in for the Grid and Strategy classes Flower names, with the methods it calls
+        workflow(grid, LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}),  # type: ignore[arg-type]
+                                     strategy=receiver))  # type: ignore[arg-type]
         if receiver.mean is None or receiver.results != nodes:
             raise FlowerClientError(f"SecAgg+ stopped in round {round} without the sum of all {nodes} nodes (it "
                                     f"summed {receiver.results}): a node's keys or shares were missing (see Flower's "

@@ -30,7 +30,7 @@ ServerMain = Callable[[Grid, Mapping[str, Any]], dict[str, Any]]
 
 def options_from_run_config(run_config: Mapping[str, Any]) -> p.FlowerOptions:
     """The waiting limits a run config sets (``timeout-s`` > 0, ``node-wait-s`` >= 0; unset: the defaults)."""
-    values = {}
+    values: dict[str, Any] = {}   # FlowerOptions' float fields by name
     for key, name in ((p.TIMEOUT, "timeout_s"), (p.NODE_WAIT, "node_wait_s")):
         raw = run_config.get(key)
         if raw in (None, ""):
