@@ -6,10 +6,7 @@ import logging
 import sys
 
 from privfl.engines.choice import flower_main
-from privfl.engines.flower import pulls
 from privfl.engines.flower.server_app import make_server_app
-
-pulls.install()     # a reply's objects are asked for again after 0.05 s, not 1 s, while its node uploads them
 
 # The ServerApp's output is the run's log (`flwr log RUN_ID`, `privfl flower run --stream`): one line per round.
 _progress = logging.getLogger("privfl.engines.flower")

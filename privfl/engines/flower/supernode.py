@@ -18,7 +18,6 @@ import sys
 import time
 from typing import Any
 
-from privfl.engines.flower import pulls
 from privfl.errors import ConfigError, InternalError, PrivflError
 
 #: Flower 1.41's sleeps in ``flwr.supernode.start_client_internal``: after an empty ask, and while a reply is not ready.
@@ -72,7 +71,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m privfl.engines.flower.supernode --poll-s SECONDS FLOWER-SUPERNODE-ARGS")
     try:
         install(float(args[1]))
-        pulls.install()   # the server's message's objects are asked for again after 0.05 s, not 1 s
     except (ValueError, PrivflError) as error:
         raise SystemExit(f"privfl flower supernode: error: {error}") from None
     from flwr.supernode.cli.flower_supernode import flower_supernode
