@@ -14,9 +14,9 @@ with the registration's reason.
 
 **The held-out set.** The samples of the run's novel clients, pooled, with the hidden labels the evaluator scores
 them with (:class:`~privfl.data.NovelLabels`): data no training client holds (with ``split="train_test"`` the
-source's test split, with ``split="merged"`` the novel clients' share of the merged pool), shifted as the novel
-clients' data is. ``split="client_test"`` has no novel clients (its test split is the training clients' validation
-splits), so it is refused.
+source's test split, capped by ``max_samples`` where set; with ``split="merged"`` the novel clients' share of the
+merged pool), shifted as the novel clients' data is. ``split="client_test"`` has no novel clients (its test split is
+the training clients' validation splits), so it is refused.
 
 **Privacy.** Central evaluation is the experimenter's measurement of a released model, as scoring a novel client at
 the end is: no client computes or sends anything for it, nothing is recorded in a ledger, no method or strategy
