@@ -111,6 +111,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "scaling.json": (*_script("scaling"), *_methods("fedavg"), *TRAINING, *FLOWER),
     "flower_*.json": (*_script("flower_overhead"), *_script("flower_fault"), *_methods("fedavg"), *TRAINING,
                       *FLOWER),
+    "flower_message_cost.json": (*_script("flower_message_cost"), *FLOWER, "privfl/federation", "privfl/models"),
     "deployment_database.json": (*_script("deployment_database"), *_script("flower_overhead"), *_script("scaling"),
                                  *_methods("fedavg"), *TRAINING, *FLOWER),
     "privacy_step_time.json": (*_script("privacy_step_time"), *_methods("fedavg"), *TRAINING),

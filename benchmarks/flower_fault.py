@@ -218,15 +218,17 @@ def _equal(a, b) -> bool:
 
 
 def compare(a: Path, b: Path) -> dict:
-    """Whether two run directories end with the same numbers: every metrics row, the summary's training
+    """Whether two run directories end with the same numbers: every metrics row (but its timing), the summary's training
     validation and selected round, and the final server state (weights), bit for bit."""
     from privfl.federation import RunDirectory
+    from privfl.federation.timing import without_timing
 
     def server_state(run_dir: Path) -> dict:
         return torch.load(run_dir / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
 
     summary_a, summary_b = (json.loads((d / "summary.json").read_text()) for d in (a, b))
-    return {"metrics_equal": RunDirectory(a).read_metrics() == RunDirectory(b).read_metrics(),
+    metrics_a, metrics_b = (without_timing(RunDirectory(d).read_metrics()) for d in (a, b))
+    return {"metrics_equal": metrics_a == metrics_b,
             "training_val_equal": summary_a["training_val"] == summary_b["training_val"],
             "selected_round_equal": summary_a["selected_round"] == summary_b["selected_round"],
             "server_state_equal": _equal(server_state(a), server_state(b)),

@@ -118,6 +118,13 @@ def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object]
                         "--method-option encoder=\"dp_deepset\" --method-option adapt=\"all\"; repeatable")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
+    g.add_argument("--central-eval", action="store_true",
+                   help="at every evaluation round, also score the server model on a central held-out set: the "
+                        "novel clients' samples pooled, with the hidden labels (data no training client holds); "
+                        "adds central_accuracy (%%) and central_loss to metrics.jsonl. Server-side: no client sends "
+                        "anything for it and nothing is recorded as a release; never used for model selection. For "
+                        "methods with one server model (the model a new client gets before using its data); "
+                        "personalised methods and --split client_test are refused")
     g.add_argument("--select", default="best_val", help="best_val or last")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is reported")
@@ -266,7 +273,7 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
         privacy=privacy, novel_privacy=novel_privacy, workers=args.workers, device=args.device,
         features=args.features, features_options=dict(args.feature_option),
-        allow_large_delta=args.allow_large_delta,
+        allow_large_delta=args.allow_large_delta, central_eval=args.central_eval,
     )
 
 

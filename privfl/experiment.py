@@ -42,11 +42,13 @@ from privfl.config import (
 )
 from privfl.data import FederatedDataset, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
+from privfl.evaluation.central import evaluate_central
 from privfl.evaluation.plots import plot_run
 from privfl.federation.lock import hold
 from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
 from privfl.federation.spend import NOVEL_SERVED, run_summary
+from privfl.federation.timing import EVALUATION, TIMING_KEY
 from privfl.methods.plan import Plan, projected_spend, round_event
 from privfl.metrics import ClientScore, score_model, summarize_scores
 from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS, delta_meaning
@@ -280,20 +282,29 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     bar = tqdm(total=config.rounds, initial=runtime.completed_rounds, desc=config.method, unit="round",
                disable=not progress or served is not None, dynamic_ncols=True)
     interrupt = FinishRoundOnInterrupt()
+    timed_rounds = 0     # the rounds since the last metrics line (its "time" field: privfl.federation.timing)
+    runtime.timer.reset()
     try:
         interrupt.install()
         for round in range(runtime.completed_rounds, config.rounds):
             metrics = runtime.run_round(round)
             done = round + 1
+            timed_rounds += 1
             if done % config.eval_every == 0 or done == config.rounds:
-                scores = runtime.evaluate_training_clients(score_model, report_to_server=config.select == "best_val",
-                                                           round=round)
+                with runtime.timer.part(EVALUATION):
+                    scores = runtime.evaluate_training_clients(score_model,
+                                                               report_to_server=config.select == "best_val",
+                                                               round=round)
+                    central = (evaluate_central(runtime.strategy, runtime.client, federation)
+                               if config.central_eval else {})
                 val = summarize_scores(list(scores.values()))
                 if config.select == "best_val" and val["accuracy_mean"] is None:
                     raise InternalError("no validation score although preflight found validation samples")
                 if config.select == "best_val" and val["accuracy_mean"] > best["score"]:
                     best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.serving_snapshot()}
-                record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}}
+                record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}, **central,
+                          TIMING_KEY: runtime.timer.lap(rounds=timed_rounds)}
+                timed_rounds = 0
                 run_dir.append_metrics(record)
                 accuracy = val["accuracy_mean"]      # None without validation samples (val_fraction=0)
                 bar.set_postfix(loss=f"{metrics.get('train_loss', float('nan')):.3f}",
@@ -435,14 +446,16 @@ def check_room(run_dir: RunDirectory, checkpoint_bytes: int) -> None:
 
 def run_identity(config: RunConfig) -> dict[str, Any]:
     """What makes two configs the same run: every setting but ``workers``, which changes no number, and ``device``
-    left at ``"cpu"`` and ``allow_large_delta`` left off (so runs written before the settings existed stay the same
-    runs)."""
+    left at ``"cpu"`` and ``allow_large_delta`` and ``central_eval`` left off (so runs written before the settings
+    existed stay the same runs)."""
     values = config.to_dict()
     values.pop("workers")
     if values["device"] == "cpu":
         values.pop("device")
     if not values["allow_large_delta"]:
         values.pop("allow_large_delta")
+    if not values["central_eval"]:
+        values.pop("central_eval")
     return values
 
 

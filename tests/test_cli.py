@@ -48,6 +48,9 @@ def test_workers_train_the_clients_of_a_one_thread_run(tmp_path):
 
     import torch
 
+    from privfl.federation import RunDirectory
+    from privfl.federation.timing import without_timing
+
     before = torch.get_num_threads()
     try:
         runs = {}
@@ -56,13 +59,13 @@ def test_workers_train_the_clients_of_a_one_thread_run(tmp_path):
             assert main(BASE[:1] + ["--out", str(out)] + BASE[1:] + ["--local-steps", "2", "--workers", workers,
                                                                      "--threads", "1"]) == 0
             assert json.loads((out / "config.json").read_text())["workers"] == int(workers)
-            runs[workers] = (out / "metrics.jsonl").read_text()
+            runs[workers] = without_timing(RunDirectory(out).read_metrics())
         args = BASE[:1] + ["--out", str(tmp_path / "t")] + BASE[1:] + ["--local-steps", "2", "--workers", "2"]
         assert main(args) == 0
         assert torch.get_num_threads() == 1     # --workers above 1 without --threads: one thread
     finally:
         torch.set_num_threads(before)
-    assert runs["1"] == runs["2"] == (tmp_path / "t" / "metrics.jsonl").read_text()
+    assert runs["1"] == runs["2"] == without_timing(RunDirectory(tmp_path / "t").read_metrics())
 
 
 def test_nan_in_client_data_exits_2(tmp_path, capsys):
@@ -437,6 +440,9 @@ NO_FOLDER = [
     (["--method", "pefll", "--novel-epsilon", "2"],
      "novel_privacy epsilon=2.0 would go unused: a run of method 'pefll' serves no novel client"),
     (["--allow-overshoot"], "--allow-overshoot lets a resumed run (--resume RUN_DIR) pass its target epsilon"),
+    # central evaluation where there is no server model, or no held-out set
+    (["--method", "pefll", "--central-eval"], "central_eval: method 'pefll' has no server model to evaluate centrally"),
+    (["--split", "client_test", "--val-fraction", "0", "--central-eval"], "split='client_test' has none"),
 ]
 
 

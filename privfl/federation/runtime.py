@@ -35,6 +35,7 @@ from privfl.errors import ConfigError, InternalError
 from privfl.federation.context import ClientState, client_context
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng
+from privfl.federation.timing import AGGREGATION, CLIENT, RoundTimer
 from privfl.federation.wire import Wire
 from privfl.federation.workers import ClientWorkers, check_threads, check_workers
 
@@ -168,6 +169,7 @@ class Runtime(ABC):
         self.client_fraction = client_fraction
         self.completed_rounds = 0
         self.serving_only = False    # restored to a serving snapshot: for scoring and serving, no more rounds
+        self.timer = RoundTimer()    # where the rounds' time goes (privfl.federation.timing)
 
     # -- the one round loop ---------------------------------------------------------------------------------------
 
@@ -176,6 +178,7 @@ class Runtime(ABC):
 
         When the strategy asks for a secure sum (:meth:`privfl.methods.base.Strategy.secure_sum`), the last stage's
         releases reach it only as their sum (:meth:`secure_sum`, :meth:`~privfl.methods.base.Strategy.aggregate_sum`).
+        The exchanges and the aggregation are timed in :attr:`timer` (:mod:`privfl.federation.timing`).
         """
         if round != self.completed_rounds:
             raise InternalError(f"round {round} requested but {self.completed_rounds} rounds are completed")
@@ -191,14 +194,16 @@ class Runtime(ABC):
         for stage in range(last + 1):
             messages = self.strategy.configure_train(round, sampled) if stage == 0 else \
                 self.strategy.configure_stage(round, stage, replies)
-            if secure is not None and stage == last:
-                total = self.secure_sum(round, stage, messages, secure)
-            else:
-                replies = self.exchange(round, stage, messages)
+            with self.timer.part(CLIENT):
+                if secure is not None and stage == last:
+                    total = self.secure_sum(round, stage, messages, secure)
+                else:
+                    replies = self.exchange(round, stage, messages)
         for release in self.strategy.round_releases(round):
             self.record_for_everyone(release, round)
-        metrics = self.strategy.aggregate_train(round, replies) if total is None else \
-            self.strategy.aggregate_sum(round, total)
+        with self.timer.part(AGGREGATION):
+            metrics = self.strategy.aggregate_train(round, replies) if total is None else \
+                self.strategy.aggregate_sum(round, total)
         self.commit_round(round, sampled)
         return {"clients": float(len(sampled)), **metrics}
 

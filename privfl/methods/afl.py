@@ -205,4 +205,5 @@ register_method(
              "distributed": "its lambda step needs each client's own loss and its server step each client's own "
                             "lambda_k, which secure aggregation hides (only the sum is seen)"},
     devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -359,9 +359,18 @@ class ClientProcedure(ABC):
         """The novel client's model, built from the second message (by default the weights in it)."""
         return self.model_from(message.arrays)
 
+    def central_model(self, message: Message) -> nn.Module:
+        """The server model in ``message`` (the strategy's :meth:`~Strategy.novel_request`), built without any
+        client's data: what central evaluation scores (:mod:`privfl.evaluation.central`) for a method whose
+        registration declares one (``MethodSpec.central_eval``). By default the weights in it; a method whose novel
+        clients adapt the model to their data (TENT, FedTTA) gives the model before adaptation."""
+        return self.model_from(message.arrays)
+
 
 #: The reason a registration gives for a mode it does not declare.
 UNDECLARED = "its registration does not declare it"
+#: The reason a registration that declares no server model gives for refusing central evaluation.
+NO_SERVER_MODEL = "its registration declares no server model"
 
 
 @dataclass(frozen=True)
@@ -376,6 +385,11 @@ class MethodSpec:
     to protect. ``smoke_settings``: settings for a fast run on a small synthetic federation (the conformance tests
     run every method with them). ``devices``: where its models compute (``"cpu"``, and ``"cuda"`` for a method whose
     client and server keep every tensor they combine on the model's device, :mod:`privfl.devices`).
+    ``central_eval``: ``None`` when the method has one server model, the model a new client would get from the
+    server before it uses any data of its own (:meth:`Strategy.novel_request` built by
+    :meth:`ClientProcedure.central_model`), which central evaluation scores on the central held-out set
+    (:mod:`privfl.evaluation.central`); else why it has none (a personalised method: each client's model is made from
+    that client's release), and a run with central evaluation is refused with it.
     """
 
     name: str
@@ -388,6 +402,7 @@ class MethodSpec:
     novel_privacy: str | None = "its novel clients send nothing"
     smoke_settings: Mapping[str, Any] = field(default_factory=dict)
     devices: tuple[str, ...] = ("cpu",)
+    central_eval: str | None = NO_SERVER_MODEL
 
     def make_config(self, **values: Any) -> Any:
         """The method's config from ``values``; unknown names raise :class:`ConfigError` listing the valid ones."""
@@ -444,10 +459,11 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
                     description: str, privacy: Mapping[str, str | None] | None = None,
                     releases_per_round: int = 1, novel_privacy: str | None = "its novel clients send nothing",
                     smoke_settings: Mapping[str, Any] | None = None,
-                    devices: tuple[str, ...] = ("cpu",)) -> MethodSpec:
+                    devices: tuple[str, ...] = ("cpu",), central_eval: str | None = NO_SERVER_MODEL) -> MethodSpec:
     """Add a method to the registry under ``name`` (one call per method module). ``privacy``: each mode of
     :data:`~privfl.privacy.training.MODES` -> ``None`` (supported) or why it is refused; a mode left out is refused
-    with :data:`UNDECLARED`."""
+    with :data:`UNDECLARED`. ``central_eval``: ``None`` for a method with one server model, else why it has none
+    (:attr:`MethodSpec.central_eval`)."""
     declared = dict(privacy or {})
     unknown = sorted(set(declared) - set(MODES))
     if unknown:
@@ -457,7 +473,7 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
     spec = MethodSpec(name=name, strategy=strategy, client=client, config=config, description=description,
                       privacy={mode: declared.get(mode, UNDECLARED) for mode in MODES},
                       releases_per_round=releases_per_round, novel_privacy=novel_privacy,
-                      smoke_settings=dict(smoke_settings or {}), devices=tuple(devices))
+                      smoke_settings=dict(smoke_settings or {}), devices=tuple(devices), central_eval=central_eval)
     return METHODS.register(name, spec)
 
 

@@ -274,4 +274,5 @@ register_method(
     # is FedAvg's mean over F, C and G (central, distributed); local DP is the layer's
     privacy={"record": None, "central": None, "distributed": None, "local": None},
     smoke_settings={"gan_hidden": 8}, devices=ANY_DEVICE,
+    central_eval=None,
 )

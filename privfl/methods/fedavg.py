@@ -166,4 +166,5 @@ register_method(
     "fedavg", strategy=FedAvgStrategy, client=FedAvgClient, config=FedAvgConfig,
     description="FedAvg: sample-size weighted average of local SGD updates; novel clients get the global model",
     privacy=FEDAVG_PRIVACY, devices=ANY_DEVICE,
+    central_eval=None,
 )

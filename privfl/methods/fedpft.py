@@ -599,4 +599,5 @@ register_method(
              "distributed": "the server samples synthetic features from each client's own mixtures, which secure "
                             "aggregation hides (only sums are seen)"},
     smoke_settings={"components": 1, "head_epochs": 2.0},
+    central_eval=None,
 )

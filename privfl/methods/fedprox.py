@@ -47,4 +47,5 @@ register_method(
     "fedprox", strategy=FedAvgStrategy, client=FedProxClient, config=FedProxConfig,
     description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2 in the local objective",
     privacy=FEDAVG_PRIVACY, devices=ANY_DEVICE,
+    central_eval=None,
 )

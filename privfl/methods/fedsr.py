@@ -253,4 +253,5 @@ register_method(
     description="FedSR: FedAvg with a probabilistic representation, an L2 representation regulariser and a "
                 "conditional mutual-information regulariser",
     privacy=FEDAVG_PRIVACY,   # per-record loss (record level); the server step is FedAvg's mean (central, distributed)
+    central_eval=None,
 )

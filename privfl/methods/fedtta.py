@@ -532,6 +532,10 @@ class FedTTAClient(ClientProcedure):
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
         return self.adapted_model(novel.x, message)
 
+    def central_model(self, message: Message) -> nn.Module:
+        """The downloaded prediction model psi, before any client adapts it."""
+        return self.model_from(message.subset(PSI))
+
 
 def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, round_config: dict,
                config: FedTTAConfig, *, rng, teacher: dict[str, torch.Tensor] | None = None) -> float:
@@ -587,15 +591,18 @@ register_method(
     description="FedTTA: meta-learned prediction and adaptation models, averaged; novel clients adapt locally "
                 "with the learned unsupervised loss (one step) and send nothing",
     privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "fedtta_prox", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAProxConfig,
     description="FedTTA-Prox: FedTTA plus mu * KL to the frozen server model's outputs",
     privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "fedtta_pp", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAPPConfig,
     description="FedTTA++: FedTTA-Prox with entropy early-stopped test-time adaptation (up to 50 steps, keeps "
                 "the lowest-entropy model)",
     privacy=FEDTTA_PRIVACY, smoke_settings={**SMOKE, "tta_steps": 3}, devices=ANY_DEVICE,
+    central_eval=None,
 )

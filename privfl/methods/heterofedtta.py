@@ -410,4 +410,6 @@ register_method(
     smoke_settings={"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
                     "distill_batch": 8},
     devices=ANY_DEVICE,
+    central_eval="its clients hold prediction models of three sizes, each its own, and the server only the consensus "
+                 "logits on a public set, no model",
 )

@@ -462,4 +462,6 @@ register_method(
     smoke_settings={**SMOKE_SETTINGS, "encoder": "dp_deepset", "encoder_options": {"hidden": 8},
                     "encoder_steps": 2, "phase1_rounds": 1},
     devices=ANY_DEVICE,
+    central_eval="it generates each client's model from that client's own descriptor: no model exists before a client "
+                 "sends one",
 )

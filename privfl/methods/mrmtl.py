@@ -133,4 +133,5 @@ register_method(
     privacy={"record": None, "local": None, "distributed": None, "central": None},
     smoke_settings={"lam": 0.5},
     devices=ANY_DEVICE,
+    central_eval=None,
 )

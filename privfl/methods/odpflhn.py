@@ -796,4 +796,6 @@ register_method(
     releases_per_round=3, novel_privacy=None,
     smoke_settings={"local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8, "hn_layers": 1},
     devices=ANY_DEVICE,
+    central_eval="it generates each client's model from that client's own descriptor: no model exists before a client "
+                 "sends one",
 )

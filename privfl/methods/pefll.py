@@ -631,4 +631,6 @@ register_method(
     releases_per_round=3, novel_privacy=None,
     smoke_settings={"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3, "grad_clip": 0.0, "descriptor_batch": 8},
     devices=ANY_DEVICE,
+    central_eval="it generates each client's model from that client's own labelled descriptor: no model exists before "
+                 "a client sends one",
 )

@@ -470,4 +470,5 @@ register_method(
                 "only; see pfl_sampled / pfl_nearest / pfl_ensemble for novel clients)",
     privacy=PFEDHN_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
     novel_privacy="it serves no novel client (it has no encoder)", devices=ANY_DEVICE,
+    central_eval="it generates each training client's model from that client's own embedding and serves no new client",
 )

@@ -132,11 +132,17 @@ class PFLPoolClient(PFedHNClient):
 
 class PFLSampledClient(PFLPoolClient):
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
+        return self.central_model(message)
+
+    def central_model(self, message: Message) -> nn.Module:
         return ExpectedModel(self.pool_models(message))
 
 
 class PFLEnsembleClient(PFLPoolClient):
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
+        return self.central_model(message)
+
+    def central_model(self, message: Message) -> nn.Module:
         return LogitEnsemble(self.pool_models(message))
 
 
@@ -253,11 +259,13 @@ register_method(
     "pfl_sampled", strategy=PFLPoolStrategy, client=PFLSampledClient, config=PFedHNConfig,
     description="PFL-sampled: pFedHN; a novel client is scored by the mean accuracy of all training-client models",
     privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "pfl_ensemble", strategy=PFLPoolStrategy, client=PFLEnsembleClient, config=PFedHNConfig,
     description="PFL-ensemble: pFedHN; a novel client averages the logits of all training-client models",
     privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "pfl_nearest", strategy=PFLNearestStrategy, client=PFLNearestClient, config=PFLNearestConfig,
@@ -269,4 +277,6 @@ register_method(
     novel_privacy="its novel clients send a sample of their raw inputs for the proxy A-distance, which no mechanism "
                   "can make private",
     smoke_settings={**SMOKE_SETTINGS, "nearest_max_inputs": 16}, devices=ANY_DEVICE,
+    central_eval="a new client gets the pool model nearest its own inputs, chosen from what it sends: no model exists "
+                 "before it does",
 )

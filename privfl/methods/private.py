@@ -112,6 +112,9 @@ class PrivateClient(ClientProcedure):
     def novel_model(self, novel, message):
         return self.inner.novel_model(novel, message)
 
+    def central_model(self, message):
+        return self.inner.central_model(message)
+
     # -- training releases ------------------------------------------------------------------------------------------
 
     def train(self, data, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:

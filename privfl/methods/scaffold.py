@@ -127,4 +127,5 @@ register_method(
     "scaffold", strategy=ScaffoldStrategy, client=ScaffoldClient, config=ScaffoldConfig,
     description="SCAFFOLD: control variates correct client drift; local lr and global (server) lr",
     privacy={"record": None, "central": None, "distributed": None, "local": None}, devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -191,4 +191,5 @@ register_method(
     description="TENT: FedAvg training; a new client minimises its prediction entropy on its unlabelled data "
                 "(normalisation affine parameters, or all parameters with adapt='all'); it sends nothing",
     privacy=FEDAVG_PRIVACY, smoke_settings={"adapt": "all"}, devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -38,6 +38,7 @@ from privfl.errors import ConfigError, PublicConfigError  # noqa: E402
 from privfl.experiment import build_runtime, train  # noqa: E402
 from privfl.federation import Message, RunDirectory  # noqa: E402
 from privfl.federation.context import client_context  # noqa: E402
+from privfl.federation.timing import without_timing  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy  # noqa: E402
 
@@ -523,7 +524,7 @@ def _comparable(run_dir):
                       [(r["purpose"], r["round"], r["event"], _without_run(r["metadata"])) for r in entry["records"]])
                      for entry in ledger["ledgers"])
     strategy = torch.load(run.path("checkpoint.pt"), weights_only=True)["runtime"]["strategy"]
-    return run.read_metrics(), run.read_clients(), records, strategy
+    return without_timing(run.read_metrics()), run.read_clients(), records, strategy
 
 
 def _without_run(metadata):
@@ -550,8 +551,10 @@ def _equal_states(a, b):
 def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, method, per_node):
     # SCAFFOLD's control variates live on the nodes: it runs with virtual nodes of 3 clients each (the last holds
     # fewer), whose packed messages must give the same numbers as one client per node; ODPFL-HN runs with the
-    # clients per node the simulation chooses itself (None, the default)
-    config = _run_config(make_spec(), method)
+    # clients per node the simulation chooses itself (None, the default). The methods with a server model evaluate
+    # it centrally too, on the server, as in-process
+    central = METHODS[method].central_eval is None
+    config = _run_config(make_spec(), method, central_eval=central)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                    # the Flower client processes compute with one thread too
     try:
@@ -570,6 +573,7 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     metrics, clients, ledgers, strategy = _comparable(tmp_path / "flower")
     metrics_in, clients_in, ledgers_in, strategy_in = _comparable(tmp_path / "inprocess")
     assert metrics == metrics_in and clients == clients_in and ledgers == ledgers_in
+    assert all(("central_accuracy" in line) == central for line in metrics)
     assert _equal_states(strategy, strategy_in)
     # every record names this run (the nodes tag theirs; the run's ledger.json holds this run's releases only)
     run_id = got["flower"]["lifetime"]["run_id"]
@@ -1142,7 +1146,8 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
     for key in ("training_val", "selected_round", "rounds_completed"):     # the novel client is not in this run
         assert got[key] == expected[key], key
     assert got["flower"]["novel_not_served"] == [c.client_id for c in federation.novel_clients]
-    assert RunDirectory(out).read_metrics() == RunDirectory(tmp_path / "inprocess").read_metrics()
+    assert without_timing(RunDirectory(out).read_metrics()) == \
+        without_timing(RunDirectory(tmp_path / "inprocess").read_metrics())
     # one run id across both attempts; the repeated round's release stays recorded (as an in-process resume keeps it)
     run_id = got["flower"]["lifetime"]["run_id"]
     assert _run_ids(out) == {run_id} and got["flower"]["lifetime"]["earlier_runs"] == []
