@@ -41,7 +41,6 @@ from privfl.federation.workers import ClientWorkers, check_threads, check_worker
 
 if TYPE_CHECKING:   # the methods sit above this module: only their interfaces are named here
     from privfl.data import FederatedDataset
-    from privfl.methods.base import ClientProcedure, Strategy
     from privfl.metrics import ClientScore
 
 Score = Callable[[nn.Module, torch.Tensor, torch.Tensor], "ClientScore"]
@@ -160,7 +159,7 @@ class Runtime(ABC):
     (``bytes_up``, ``bytes_down``).
     """
 
-    def __init__(self, *, strategy: Strategy, client: ClientProcedure, training_ids: list[int], seed: int,
+    def __init__(self, *, strategy: Any, client: Any, training_ids: list[int], seed: int,
                  client_fraction: float) -> None:
         self.strategy = strategy
         self.client = client
@@ -310,7 +309,7 @@ class Runtime(ABC):
 class InProcessRuntime(Runtime):
     """Runs a method's rounds on the training clients of one federation, all in this process."""
 
-    def __init__(self, *, strategy: Strategy, client: ClientProcedure, training_clients: list[TrainingClient],
+    def __init__(self, *, strategy: Any, client: Any, training_clients: list[TrainingClient],
                  seed: int, client_fraction: float = 1.0, wire: Wire | None = None, workers: int = 1) -> None:
         super().__init__(strategy=strategy, client=client, training_ids=[c.client_id for c in training_clients],
                          seed=seed, client_fraction=client_fraction)
@@ -389,7 +388,9 @@ class InProcessRuntime(Runtime):
     def training_client_model(self, client_id: int) -> nn.Module:
         """The model training client ``client_id`` is scored with, built on the client from the server's message."""
         message = self.wire.server_to_client(client_id, self.strategy.configure_evaluate(client_id))
-        return self.client.evaluation_model(self.clients[client_id], message, self.client_states[client_id])
+        model: nn.Module = self.client.evaluation_model(self.clients[client_id], message,
+                                                        self.client_states[client_id])
+        return model
 
     def novel_client_model(self, novel: NovelClient) -> nn.Module:
         """Serve one novel client through the two-down, one-up protocol; its query (if any) is a recorded release."""
@@ -398,7 +399,8 @@ class InProcessRuntime(Runtime):
         release = self.client.novel_query(novel, request)
         delivered = None if release is None else self.wire.client_to_server(cid, release, round=None)
         reply = self.wire.server_to_client(cid, self.strategy.novel_reply(cid, delivered))
-        return self.client.novel_model(novel, reply)
+        model: nn.Module = self.client.novel_model(novel, reply)
+        return model
 
     def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
                                   round: int | None) -> dict[int, ClientScore]:
