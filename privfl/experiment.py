@@ -515,6 +515,9 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
     rows = client_rows(federation, training_scores, novel_scores, epsilons, runtime)
     run_dir.write_clients(rows)
     ledgers.save(run_dir.path(RunDirectory.LEDGER))
+    lifetime = runtime.lifetime_ledgers()
+    if lifetime is not None:
+        lifetime.save(run_dir.path(RunDirectory.NODE_LEDGERS))
     eps_of = {row["client_id"]: row["epsilon"] for row in rows}
     summary = {
         "method": config.method,

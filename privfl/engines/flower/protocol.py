@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from privfl.errors import ConfigError, PublicConfigError
+from privfl.federation import spend
 
 # operations -> Flower message types
 MESSAGE_TYPES = {
@@ -58,7 +59,7 @@ MESSAGE_TYPES = {
 #: The header key (and node ledger record metadata key) of the privfl run a message belongs to: the server names
 #: its run in every message, and the node writes it into every record it makes, so a client's ledger (its lifetime,
 #: across runs) tells each run's releases apart. A resumed run keeps its run id.
-RUN_KEY = "run"
+RUN_KEY = spend.RUN_KEY
 
 # reply kinds
 RELEASE, NOTHING, TELEMETRY = "release", "nothing", "telemetry"
