@@ -363,6 +363,9 @@ def _protocol(message: FlowerMessage, context: Context, defaults: Mapping[str, A
         reply_header = {"kind": p.TELEMETRY, "holds": [c.client_id for c in clients],
                         "roles": [c.role for c in clients], "partitions": [c.partition for c in clients],
                         "num_partitions": node.num_partitions, "config": json.dumps(node.config.to_dict())}
+        index = context.node_config.get(p.NODE_INDEX)
+        if isinstance(index, int) and not isinstance(index, bool):
+            reply_header["node"] = index            # its --node, for the server's messages about it
         return FlowerMessage(pack({}, reply_header), reply_to=message)
     if op not in _OPERATIONS:
         raise PublicConfigError(f"unknown privfl operation {op!r}; valid: {', '.join(p.MESSAGE_TYPES)}")

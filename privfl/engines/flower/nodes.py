@@ -56,8 +56,8 @@ def connect(transport: GridTransport, config: RunConfig, *, training_ids: list[i
                 declared[nid] = int(header["num_partitions"])
                 for cid, partition in zip(header["holds"], header["partitions"], strict=True):
                     if cid in directory.nodes:
-                        raise ConfigError(f"client {cid} is held by node {directory.nodes[cid]} and by node {nid}; "
-                                          "give every SuperNode its own partitions")
+                        raise ConfigError(f"client {cid} is held by {transport.who([directory.nodes[cid]])} and by "
+                                          f"{transport.who([nid])}; give every SuperNode its own partitions")
                     directory.nodes[int(cid)], partitions[int(cid)] = nid, int(partition)
                 directory.node_clients[nid] = sorted(int(c) for c in header["holds"])
             counts = sorted(set(declared.values()))
@@ -117,9 +117,12 @@ def _hello(transport: GridTransport, config: RunConfig, node_ids: list[int]) -> 
     headers = {}
     for nid, content in replies.items():
         header, _ = unpack(content)
+        transport.node_partitions[nid] = sorted(int(part) for part in header["partitions"])
+        if isinstance(header.get("node"), int):
+            transport.node_index[nid] = int(header["node"])
         theirs = RunConfig.from_dict(json.loads(header["config"])).to_dict()
         if theirs != ours:
-            raise ConfigError(f"Flower node {nid} runs with a different privfl-config than the server "
+            raise ConfigError(f"{transport.who([nid])} runs with a different privfl-config than the server "
                               f"({differences(ours, theirs)}); start every node of a run with the same run config")
         headers[nid] = header
         transport.node_clients[nid] = sorted(int(c) for c in header["holds"])

@@ -88,12 +88,14 @@ SERVE_FROM = "serve-from"            # a finished training run directory: serve 
 SERVE_CLIENTS = "serve-clients"      # with serve-from: the novel client ids to serve ("" = every novel client)
 CLIENTS_PER_NODE = "clients-per-node"  # simulation: virtual node i holds partitions i*k .. i*k+k-1 (default 1)
 NUM_CLIENTS = "num-clients"          # with clients-per-node > 1: the number of partitions in all
+VERBOSE = "verbose"                  # a ServerApp stopped by an operator's error logs its traceback too
 
 # node-config keys (``flower-supernode --node-config``)
 PARTITION_ID = "partition-id"
 PARTITION_RANGE = "partition-range"  # "FIRST-LAST" (inclusive): the node holds several partitions (no partition-id)
 NUM_PARTITIONS = "num-partitions"
 NODE_DIR = "privfl-dir"              # where the node keeps its clients' ledgers and states
+NODE_INDEX = "privfl-node"           # the node's key pair index (``privfl flower supernode --node I``), for messages
 
 #: Default limit for one exchange's replies: long enough for a node that trains many clients on a CPU, short enough
 #: that a dead node ends the run with an error instead of hanging it.
