@@ -369,9 +369,14 @@ def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path
     assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == survivors
 
 
-def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity):
+def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity,
+                                                                             monkeypatch):
     # SCAFFOLD keeps control variates on the nodes and best_val pins the selected round's states there: the resumed
-    # run (a new Flower run, the same privfl run id) must find them and end with the in-process numbers.
+    # run (a new Flower run, the same privfl run id) must find them and end with the in-process numbers. Before
+    # that, resumes on a full disk (the run directory's, a node's) are refused before any round's message is sent.
+    import shutil
+
+    from privfl.errors import StorageError
     from privfl.experiment import RunInterrupted
 
     config = _run_config(make_spec(), "scaffold")
@@ -395,6 +400,20 @@ def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp
         # nor does a new run replace it by mistake
         with pytest.raises(ConfigError, match="already holds a run; continue the run with: privfl flower run "):
             flower_main(grid, _serve_config(config, out), options=options)
+        records = {path: path.read_bytes() for path in [out / "releases.jsonl", *tmp_path.glob("n*/*")]}
+        real = shutil.disk_usage
+        for full, refused in [(out, rf"the disk holding {out} has 0.0 MiB free, but each checkpoint of this run"),
+                              (tmp_path / "n1", r"SuperNode --node 1 \(partitions 5-11, clients \[[0-9, ]+\]\) has 0.0 "
+                                                rf"MiB free in its node directory {tmp_path / 'n1'}, but")]:
+            monkeypatch.setattr(shutil, "disk_usage", lambda path, full=full: real(path)._replace(free=4096)
+                                if Path(path).is_relative_to(full) else real(path))
+            _restart_node()
+            grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+            with pytest.raises(StorageError, match=refused + ".*this attempt released nothing"):
+                flower_main(grid, {**_serve_config(config, out), "resume": True}, options=options)
+            assert {kind for _, kind in grid.sent} == {"query.hello"}        # no round's message left the server
+            assert {path: path.read_bytes() for path in records} == records   # nor did a node record a release
+        monkeypatch.setattr(shutil, "disk_usage", real)
         _restart_node()
         grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
         got = flower_main(grid, {**_serve_config(config, out), "resume": True}, options=options)
