@@ -390,7 +390,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     ledger.json and the last checkpoint's ledgers), finished or not."""
     from collections import Counter
 
-    from privfl.evaluation.report import format_epsilon
+    from privfl.evaluation.report import format_epsilon, trust_model
+    from privfl.federation import RunDirectory
     from privfl.federation.spend import read_lifetime, read_spend
 
     if args.delta is not None and not (math.isfinite(args.delta) and 0 < args.delta < 1):
@@ -415,8 +416,11 @@ def cmd_ledger(args: argparse.Namespace) -> int:
               + (f"earlier runs' ({', '.join(earlier)})" if earlier else "no earlier run's")
               + f"; from {lifetime_source}")
     lifetime_eps = lifetime.get("epsilon_per_client", {})
+    summary = RunDirectory(args.run_dir).read_json(RunDirectory.SUMMARY) \
+        if RunDirectory(args.run_dir).path(RunDirectory.SUMMARY).exists() else {}
+    secure = ((summary.get("privacy") or {}).get("secure_aggregation") if isinstance(summary, dict) else None)
     print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  " + (f"{'lifetime':>8}  " if lifetime else "")
-          + f"{'mode':<11}  {'relation':<32}  purposes")
+          + f"{'mode':<11}  {'relation':<32}  {'trust':<28}  purposes")
     epsilons = spend.epsilons()     # recomputed, or what summary.json states where larger (a warning says so)
     ids = set(book) | set(epsilons) | {int(c) for c in lifetime_eps}
     for client_id in sorted(ids, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
@@ -426,11 +430,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         modes = sorted({str(r.metadata["mode"]) for r in records if "mode" in r.metadata}) or ["-"]
         relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in records
                             if r.event.relation is not None}) or ["none (not private)"]
+        # whom the epsilon holds against: the training mode's trust model; a release without a mode is a novel
+        # client's, noised on the client
+        private = [r for r in records if r.event.relation is not None]
+        trusts = sorted({trust_model(str(r.metadata["mode"]) if "mode" in r.metadata else "local", secure)
+                         for r in private}) or [trust_model(None)]
         epsilon = epsilons.get(client_id, 0.0)
         total = lifetime_eps.get(str(client_id))
         print(f"{client_id!s:>6}  {len(records):>8}  {format_epsilon(epsilon):>8}  "
               + (f"{format_epsilon(float(total)) if total is not None else '-':>8}  " if lifetime else "")
-              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
+              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {'; '.join(trusts):<28}  {listed}")
     return 0
 
 

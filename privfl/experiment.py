@@ -535,6 +535,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
             "epsilon_max_novel": max((eps_of[c.client_id] for c in federation.novel_clients), default=0.0),
             "epsilon_per_client": {str(cid): eps for cid, eps in eps_of.items()},
             "relations": ledgers.relations(),   # what the epsilons hold under: the neighbours of each kind of release
+            "epsilon_source": RunDirectory.LEDGER,   # computed by the accountant from the ledgers saved there
             "noise_sources": (noise := ledgers.private_metadata_counts("noise")),
             "training_mode": config.privacy.mode,
             "training_guarantee": training_guarantee(config.privacy.mode, ledgers,

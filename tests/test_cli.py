@@ -77,10 +77,46 @@ def test_nan_in_client_data_exits_2(tmp_path, capsys):
     assert code == 2 and ("nan" in err.lower() or "finite" in err.lower()) and "Traceback" not in err
 
 
+def _table_row(table, first):
+    """{column: cell} of the row of a fixed-width table (header on its first line) that starts with ``first``."""
+    lines = [line for line in table.splitlines() if line.strip()]
+    header = re.split(r"\s{2,}", lines[0].strip())
+    return dict(zip(header, next(re.split(r"\s{2,}", line.strip()) for line in lines[2:] if line.startswith(first)),
+                    strict=False))
+
+
+def test_every_epsilon_table_names_the_relation_the_trust_model_and_the_source():
+    from privfl.evaluation import comparison_table
+
+    cases = [  # (privacy block of a summary, the trust model its table must show)
+        ({"training_mode": "record", "relations": ["add_or_remove_one"]}, "untrusted server"),
+        ({"training_mode": "local", "relations": ["replace_one"]}, "untrusted server"),
+        ({"training_mode": "central", "relations": ["add_or_remove_one"]}, "trusted aggregator"),
+        ({"training_mode": "distributed", "relations": ["replace_one"],
+          "secure_aggregation": {"protocol": "simulated"}}, "simulated secure aggregation"),
+        ({"training_mode": "distributed", "relations": ["replace_one"],
+          "secure_aggregation": {"protocol": "SecAgg+"}}, "SecAgg+ secure aggregation"),
+        ({"training_mode": None}, "not private"),
+    ]
+    for privacy, trust in cases:
+        summary = {"method": "fedavg", "novel": {}, "training_val": {}, "rounds_completed": 1, "selected_round": 1,
+                   "privacy": {"epsilon_max_training": 2.0, "epsilon_max_novel": 0.0,
+                               "epsilon_source": "ledger.json", **privacy}}
+        row = _table_row(comparison_table([summary]), "fedavg")
+        assert (row["relation"], row["trust"], row["eps from"]) == (
+            "; ".join(privacy.get("relations", [])) or "-", trust, "ledger.json"), privacy
+    # a summary that does not say where its epsilons come from is shown as the summary's own figures
+    del summary["privacy"]["epsilon_source"]
+    assert _table_row(comparison_table([summary]), "fedavg")["eps from"] == "summary.json"
+
+
 def test_train_then_report(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(BASE[:1] + ["--out", out] + BASE[1:] + ["--local-steps", "2"]) == 0
-    capsys.readouterr()
+    # privfl train's closing table: the epsilons' relation, trust model and source (the run's ledger)
+    row = _table_row(capsys.readouterr().out, "fedavg")
+    assert (row["eps train"], row["relation"], row["trust"], row["eps from"]) == ("inf", "-", "not private",
+                                                                                 "ledger.json")
     assert main(["report", out]) == 0
     table = capsys.readouterr().out
     assert "fedavg" in table and "novel acc" in table and "inf" in table

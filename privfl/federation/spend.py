@@ -268,8 +268,9 @@ def run_summary(root: str | Path) -> dict[str, Any]:
         summary = {**summary, "status": "finished", "run_dir": str(run.root), "warnings": []}
         # the three records cross-checked: the journal, ledger.json and the summary's own figures
         spend = read_spend(root)
+        # the epsilons a table shows are the accountant's, from the recorded releases, never the summary's own
+        summary["privacy"] = {**summary.get("privacy", {}), **_privacy(spend)}
         if spend.warnings or _journal_counts(run) != _ledger_counts(run):
-            summary["privacy"] = {**summary.get("privacy", {}), **_privacy(spend)}
             summary["warnings"] = ([f"{RunDirectory.RELEASES} and {RunDirectory.LEDGER} record different releases; "
                                     "the epsilons are recomputed from the longer"]
                                    if _journal_counts(run) != _ledger_counts(run) else []) + spend.warnings
@@ -284,7 +285,8 @@ def run_summary(root: str | Path) -> dict[str, Any]:
         "status": spend.status, "run_dir": str(run.root), "warnings": spend.warnings,
         "novel": {}, "training_val": {"accuracy_mean": last.get("val_accuracy_mean"),
                                       "accuracy_sem": last.get("val_accuracy_sem")},
-        "privacy": _privacy(spend),
+        "privacy": {**_privacy(spend), "training_mode": ((config.get("privacy") or {}).get("mode")
+                                                         if isinstance(config, dict) else None)},
         "selected_round": None, "rounds_completed": done if done is not None else last.get("round", 0),
         "rounds_planned": planned, "wall_time_s": None,
     }
@@ -299,6 +301,9 @@ def _privacy(spend: RunSpend) -> dict[str, Any]:
         "epsilon_max_novel": max((e for c, e in epsilons.items() if roles.get(c) == "novel"), default=0.0),
         "epsilon_per_client": {str(c): e for c, e in epsilons.items()},
         "noise_sources": spend.book.private_metadata_counts("noise"),
+        "relations": spend.book.relations(),
+        # the records the accountant recomputed these from (summary.json only where it states more, with a warning)
+        "epsilon_source": (" + ".join(spend.sources) or "no record") + " (recomputed)",
     }
 
 

@@ -227,3 +227,46 @@ def test_ledger_recomputes_a_flower_runs_lifetime_column_from_its_node_ledgers(r
     (run / "node-ledgers.json").unlink()
     assert read_lifetime(run, 1e-5)[1] == "summary.json (not recomputed: the run saved no node-ledgers.json), at " \
                                           "delta=1e-05"
+
+
+def _table_row(table, first):
+    """The header and the row starting with ``first`` of a fixed-width table, as {column: cell}."""
+    import re
+
+    lines = table.splitlines()
+    header = re.split(r"\s{2,}", lines[0].strip())
+    row = next(re.split(r"\s{2,}", line.strip()) for line in lines[2:] if line.startswith(first))
+    return dict(zip(header, row, strict=False))
+
+
+def test_report_and_ledger_show_each_epsilon_with_its_relation_trust_model_and_ledger_source(runs, tmp_path,
+                                                                                            capsys):
+    import shutil
+
+    from privfl.evaluation.report import format_epsilon
+
+    run = tmp_path / "finished"
+    shutil.copytree(runs / "finished", run)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["privacy"]["epsilon_max_training"] = 0.001          # a summary edited after the run: not what is shown
+    (run / "summary.json").write_text(json.dumps(summary))
+    spent = max(read_spend(run).epsilons().values())
+    assert main(["report", str(run)]) == 0
+    row = _table_row(capsys.readouterr().out, "fedavg")
+    assert row["eps train"] == format_epsilon(spent) != format_epsilon(0.001)
+    assert (row["relation"], row["trust"], row["eps from"]) == (
+        "add_or_remove_one", "untrusted server", "releases.jsonl + ledger.json (recomputed)")
+    # an unfinished run: recomputed from its journal and checkpoint
+    assert main(["report", str(runs / "unfinished")]) == 0
+    row = _table_row(capsys.readouterr().out, "fedavg")
+    assert (row["relation"], row["trust"], row["eps from"]) == (
+        "add_or_remove_one", "untrusted server", "releases.jsonl + checkpoint.pt (recomputed)")
+    # privfl ledger: per client, the relation and whom the epsilon holds against; the files it recomputed from
+    assert main(["ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "recomputed from releases.jsonl, ledger.json" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("client "))
+    first = str(next(iter(read_spend(run).book))).rjust(6)
+    client = _table_row("\n".join([lines[header], "-", *lines[header + 1:]]), first)
+    assert (client["relation"], client["trust"]) == ("add_or_remove_one", "untrusted server")

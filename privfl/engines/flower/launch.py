@@ -936,6 +936,12 @@ def _main(argv: list[str] | None = None) -> int:
                               serve_clients=args.serve_clients or "", resume=args.resume is not None,
                               verbose=args.verbose)
         code = run_and_wait(command, env, out=out, stream=args.stream)
+        if code == 0 and args.serve_from is None and (Path(out) / "summary.json").is_file():
+            from privfl.evaluation import comparison_table
+            from privfl.federation.spend import run_summary
+
+            # the run's table, its epsilons recomputed from its ledger, when its directory is on this machine
+            print(comparison_table([run_summary(out)]))
         if code == 1 and args.serve_from is None and _resumable(Path(out)):
             from privfl.federation.runtime import how_to_continue
 
