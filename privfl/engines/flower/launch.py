@@ -881,8 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --serve-from: novel client ids, e.g. 9,10 (default: all of them)")
     f.add_argument("--stream", action="store_true", help="show the run's log (one line per round) until it ends")
     f.add_argument("--verbose", action="store_true",
-                   help="a run stopped by a node's failure or a refused setting logs its traceback too (default: the "
-                        "one line that names the node, --node I and its partitions, or the setting)")
+                   help="a run stopped by a node's failure or a refused setting logs its traceback too, not only the "
+                        "one line that names the node (--node I and its partitions) or the setting")
     f.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen, in seconds")
     return show_defaults(parser)
 
