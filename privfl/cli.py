@@ -397,9 +397,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     ledger.json and the last checkpoint's ledgers), finished or not."""
     from collections import Counter
 
-    from privfl.evaluation.report import format_epsilon
+    from privfl.evaluation.report import format_epsilon, trust_model
     from privfl.federation import RunDirectory
-    from privfl.federation.spend import read_spend
+    from privfl.federation.spend import read_lifetime, read_spend
 
     if args.delta is not None and not (math.isfinite(args.delta) and 0 < args.delta < 1):
         raise PrivflError(f"--delta must be a probability in (0, 1), got {args.delta}")
@@ -408,22 +408,26 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     for warning in spend.warnings:
         print(f"privfl: warning: {warning}", file=sys.stderr)
     # A Flower run's clients keep their ledgers on their nodes across runs: ledger.json holds this run's releases,
-    # the summary each client's lifetime epsilon (every run its node ledger holds) and the earlier runs it includes.
-    run = RunDirectory(args.run_dir)
-    summary = run.read_json(RunDirectory.SUMMARY) if run.path(RunDirectory.SUMMARY).exists() else {}
-    lifetime = ((summary.get("flower") or {}).get("lifetime") or {}) if isinstance(summary, dict) else {}
-    if lifetime and not math.isclose(float(lifetime["delta"]), delta):
-        print(f"lifetime epsilons are at delta={float(lifetime['delta']):g} (the run's), not --delta {delta:g}")
+    # node-ledgers.json every record the nodes held at the run's end, from which each client's lifetime epsilon
+    # (and the earlier runs it includes) is recomputed at --delta.
+    found = read_lifetime(args.run_dir, delta)
+    lifetime, lifetime_source, lifetime_warnings = found if found is not None else ({}, "", [])
+    for warning in lifetime_warnings:
+        print(f"privfl: warning: {warning}", file=sys.stderr)
     print(f"run {spend.root}: {spend.status}; recomputed from {', '.join(spend.sources) or 'no file (no release)'}")
     print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases"
           + (f" in run {lifetime['run_id']}" if lifetime.get("run_id") else ""))
     if lifetime:
         earlier = lifetime.get("earlier_runs") or []
         print("lifetime: every release of the client on its node, this run's and "
-              + (f"earlier runs' ({', '.join(earlier)})" if earlier else "no earlier run's"))
+              + (f"earlier runs' ({', '.join(earlier)})" if earlier else "no earlier run's")
+              + f"; from {lifetime_source}")
     lifetime_eps = lifetime.get("epsilon_per_client", {})
+    summary = RunDirectory(args.run_dir).read_json(RunDirectory.SUMMARY) \
+        if RunDirectory(args.run_dir).path(RunDirectory.SUMMARY).exists() else {}
+    secure = ((summary.get("privacy") or {}).get("secure_aggregation") if isinstance(summary, dict) else None)
     print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  " + (f"{'lifetime':>8}  " if lifetime else "")
-          + f"{'mode':<11}  {'relation':<32}  purposes")
+          + f"{'mode':<11}  {'relation':<32}  {'trust':<28}  purposes")
     epsilons = spend.epsilons()     # recomputed, or what summary.json states where larger (a warning says so)
     ids = set(book) | set(epsilons) | {int(c) for c in lifetime_eps}
     for client_id in sorted(ids, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
@@ -433,11 +437,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         modes = sorted({str(r.metadata["mode"]) for r in records if "mode" in r.metadata}) or ["-"]
         relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in records
                             if r.event.relation is not None}) or ["none (not private)"]
+        # whom the epsilon holds against: the training mode's trust model; a release without a mode is a novel
+        # client's, noised on the client
+        private = [r for r in records if r.event.relation is not None]
+        trusts = sorted({trust_model(str(r.metadata["mode"]) if "mode" in r.metadata else "local", secure)
+                         for r in private}) or [trust_model(None)]
         epsilon = epsilons.get(client_id, 0.0)
         total = lifetime_eps.get(str(client_id))
         print(f"{client_id!s:>6}  {len(records):>8}  {format_epsilon(epsilon):>8}  "
               + (f"{format_epsilon(float(total)) if total is not None else '-':>8}  " if lifetime else "")
-              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
+              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {'; '.join(trusts):<28}  {listed}")
     return 0
 
 

@@ -528,6 +528,9 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
     rows = client_rows(federation, training_scores, novel_scores, epsilons, runtime)
     run_dir.write_clients(rows)
     ledgers.save(run_dir.path(RunDirectory.LEDGER))
+    lifetime = runtime.lifetime_ledgers()
+    if lifetime is not None:
+        lifetime.save(run_dir.path(RunDirectory.NODE_LEDGERS))
     eps_of = {row["client_id"]: row["epsilon"] for row in rows}
     summary = {
         "method": config.method,
@@ -545,6 +548,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
             "epsilon_max_novel": max((eps_of[c.client_id] for c in federation.novel_clients), default=0.0),
             "epsilon_per_client": {str(cid): eps for cid, eps in eps_of.items()},
             "relations": ledgers.relations(),   # what the epsilons hold under: the neighbours of each kind of release
+            "epsilon_source": RunDirectory.LEDGER,   # computed by the accountant from the ledgers saved there
             "noise_sources": (noise := ledgers.private_metadata_counts("noise")),
             "training_mode": config.privacy.mode,
             "training_guarantee": training_guarantee(config.privacy.mode, ledgers,

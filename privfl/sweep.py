@@ -33,6 +33,7 @@ from privfl.config import RunConfig, build_client, run_federation
 from privfl.data import FederationSpec, NovelClient
 from privfl.errors import ConfigError, PrivflError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
+from privfl.evaluation.report import epsilon_source, trust_model
 from privfl.experiment import build_runtime, check_reusable, preflight, train_once
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
@@ -305,6 +306,9 @@ def _train_and_serve(config: SweepConfig, out: Path, federation, mixes: list[lis
             "directory": str(train_dir), "train_wall_s": time.perf_counter() - began,
             "epsilon_max_training": summary["privacy"]["epsilon_max_training"],
             "training_mode": summary["privacy"].get("training_mode"),
+            "relations": summary["privacy"].get("relations", []),
+            "secure_aggregation": summary["privacy"].get("secure_aggregation"),
+            "epsilon_source": epsilon_source(summary["privacy"]),
             "training_val_accuracy": summary["training_val"]["accuracy_mean"],
             "novel_accuracy": summary["novel"]["accuracy_mean"], "rounds": summary["rounds_completed"],
             "numerics": summary.get("numerics")}   # of the training process (it may be an earlier one)
@@ -354,7 +358,8 @@ def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mix
                                  "epsilon": "inf" if eps is None else eps, "repeat": repeat,
                                  "descriptor": "clean" if eps is None else "private",
                                  "accuracy": 100.0 * score.accuracy, "ledger_epsilon": spent[events],
-                                 "releases": 0 if ledger is None else len(ledger.records)})
+                                 "releases": 0 if ledger is None else len(ledger.records),
+                                 "relation": "; ".join(runtime.wire.ledgers.relations([client_id])) or "-"})
                     bar.update(1)
                     if eps is None:
                         clean_models[mix_index, n] = model
@@ -368,7 +373,7 @@ def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mix
 
 #: The columns of ``sweep.csv``: one row per served model.
 ROW_FIELDS = ["train_epsilon", "mix", "classes", "n", "epsilon", "repeat", "descriptor", "accuracy", "ledger_epsilon",
-              "releases"]
+              "releases", "relation"]
 
 #: The uninformative descriptors every mix is also served with (module docstring, step 4).
 CONTROLS = ("control_mean_training", "control_other_mix")
@@ -391,7 +396,7 @@ def _control_rows(runtime, mixes: list[list[int]], sizes: tuple[int, ...], evalu
             for name, model in zip(CONTROLS, (mean_model, other)):
                 rows.append({"mix": mix_index, "classes": json.dumps(mix), "n": n, "epsilon": name, "repeat": 0,
                              "descriptor": name, "accuracy": 100.0 * score_model(model, x_eval, y_eval).accuracy,
-                             "ledger_epsilon": float("nan"), "releases": 0})
+                             "ledger_epsilon": float("nan"), "releases": 0, "relation": "-"})
     return rows
 
 
@@ -447,7 +452,9 @@ def summarise_training(config: SweepConfig, rows: list[dict]) -> dict:
                 for key, cells in table.items() if key != "inf" and key not in CONTROLS}
     summary = {"table": table, "smallest_n_without_loss": smallest,
                "ledger_epsilon_max": {key: max((r["ledger_epsilon"] for r in rows if _key(r["epsilon"]) == key),
-                                               default=float("nan")) for key in table if key not in CONTROLS}}
+                                               default=float("nan")) for key in table if key not in CONTROLS},
+               # what the novel epsilons hold under, as the novel clients' ledgers record it
+               "novel_relations": sorted({r["relation"] for r in rows if r.get("relation", "-") not in ("-", "")})}
     if controls:
         margin = descriptor_margin(table, tuple(controls))
         summary.update(descriptor_margin=margin,
@@ -490,7 +497,12 @@ def format_table(result: dict) -> str:
                 f"training clients record-level DP, epsilon {key} (delta {delta:g}; largest spent "
                 f"{_number(spent)})")
         head = (f"### {side}: validation accuracy {info['training_val_accuracy']:.2f}%, "
-                f"{info['rounds']} rounds")
+                f"{info['rounds']} rounds\n"
+                f"training epsilons: relation {'; '.join(info.get('relations') or []) or '-'}, trust "
+                f"{trust_model(info.get('training_mode'), info.get('secure_aggregation'))}, from "
+                f"{info.get('epsilon_source') or 'summary.json'}; novel epsilons: relation "
+                f"{'; '.join(training.get('novel_relations') or []) or '-'}, trust untrusted server (each novel client "
+                "noises its own descriptor), from each novel client's ledger")
         cells_of = training["table"]
         if not cells_of.get("inf", {}) or all(math.isnan(c["accuracy"]) for c in cells_of["inf"].values()):
             blocks.append(head + "\n(no novel clients served: the method serves none)")

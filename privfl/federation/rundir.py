@@ -82,6 +82,9 @@ class RunDirectory:
     CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES = (
         "config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt",
         "releases.jsonl")
+    #: A Flower run's node ledgers as the nodes reported them at its end: each client's lifetime (every run's
+    #: releases on its node, this one's included), from which ``privfl ledger`` recomputes the lifetime epsilons.
+    NODE_LEDGERS = "node-ledgers.json"
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -90,7 +93,7 @@ class RunDirectory:
         return self.root / name
 
     #: Every file a run writes (``plots.png`` included).
-    FILES = (CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES, "plots.png")
+    FILES = (CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES, NODE_LEDGERS, "plots.png")
 
     #: The keys every ``config.json`` privfl writes holds (a run config): a file named so without them is another's.
     CONFIG_KEYS = frozenset({"federation", "method", "rounds", "seed", "privacy"})

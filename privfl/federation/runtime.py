@@ -261,6 +261,12 @@ class Runtime(ABC):
     def ledgers(self) -> LedgerBook:
         """Every client's ledger as it stands."""
 
+    def lifetime_ledgers(self) -> LedgerBook | None:
+        """The clients' ledgers over their lifetime where they outlive the run (a Flower node keeps every run's
+        releases), saved beside the run's own as :attr:`RunDirectory.NODE_LEDGERS`; None where the run's ledgers are
+        the whole story (in process)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release what the engine holds beyond the run's state (worker processes); the run is over, or stopped."""
 

@@ -28,14 +28,18 @@ Commands use ``$FLWR_HOME`` when set, else ``CERTS/flwr-home``; they set ``FLWR_
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import ipaddress
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -266,7 +270,7 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
                           f"{partition_range!r}")
     held = f"{p.PARTITION_ID}={partition_id}" if partition_id is not None else \
         f'{p.PARTITION_RANGE}="{partition_range}"'
-    config = f'{held} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}"'
+    config = f'{held} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}" {p.NODE_INDEX}={node}'
     p.node_partitions(_parse_node_config(config))        # refuse a bad range here, not in the ClientApp
     require_files(certs / CA_CERT, node_key(certs, node))
     _tool("flower-supernode")                             # Flower is installed here
@@ -291,11 +295,13 @@ def _parse_node_config(text: str) -> dict:
 
 def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
                 timeout_s: float = p.DEFAULT_TIMEOUT_S, node_wait_s: float = 120,
-                serve_from: str | None = None, serve_clients: str = "", resume: bool = False) -> list[str]:
+                serve_from: str | None = None, serve_clients: str = "", resume: bool = False,
+                verbose: bool = False) -> list[str]:
     """``flwr run`` of the privfl app: train the RunConfig in ``config_path``, or, with ``serve_from`` (a finished
     training run directory on the SuperLink's machine), serve its novel clients (``serve_clients``: ids, "" = all;
     the RunConfig defaults to ``serve_from/config.json``), or, with ``resume``, continue the run in ``out`` from its
-    last checkpoint (the RunConfig defaults to ``out/config.json``)."""
+    last checkpoint (the RunConfig defaults to ``out/config.json``). ``verbose``: a run stopped by a node's failure
+    or a refused setting logs its traceback, not only its one-line reason."""
     from privfl.config import RunConfig
 
     if resume and (serve_from is not None or overwrite):
@@ -321,7 +327,8 @@ def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
     text = json.dumps(config).replace("'", "\\u0027")    # one TOML literal string
     settings = [f"{p.RUN_CONFIG}='{text}'", f'{p.OUT}="{Path(out).resolve()}"',
                 f"{p.OVERWRITE}={'true' if overwrite else 'false'}", f"{p.TIMEOUT}={float(timeout_s)}",
-                f"{p.NODE_WAIT}={float(node_wait_s)}", f"{p.RESUME}={'true' if resume else 'false'}"]
+                f"{p.NODE_WAIT}={float(node_wait_s)}", f"{p.RESUME}={'true' if resume else 'false'}",
+                f"{p.VERBOSE}={'true' if verbose else 'false'}"]
     if serve_from is not None:
         settings += [f'{p.SERVE_FROM}="{Path(serve_from).resolve()}"', f'{p.SERVE_CLIENTS}="{serve_clients}"']
     command = [_tool("flwr"), "run", str(APP_DIR), CONNECTION]
@@ -331,21 +338,44 @@ def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
 
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CODE = re.compile(r"\[code: (\d+)\]")
+#: Flower's error code for a public key the SuperLink knows already (``flwr.supercore.error.ApiErrorCode``), and for
+#: a SuperNode the SuperLink refused to activate (its key unknown, or its previous connection still online).
+PUBLIC_KEY_ALREADY_IN_USE, NODE_ACTIVATION_FAILED = 23, 2004
+
+
+def _flower_lines(text: str) -> list[str]:
+    """The lines of a Flower command's output without colours, box borders and blank lines."""
+    lines = [_ANSI.sub("", line).strip(" \t\u2502\u256d\u256e\u2570\u256f\u2500") for line in text.splitlines()]
+    return [line.strip() for line in lines if line.strip()]
+
+
 def _flower_message(text: str) -> str:
-    """The message of a Flower CLI's output (its error box, or its last line), on one line."""
-    lines = [line.strip(" \t│╭╮╰╯─") for line in text.splitlines()]
-    lines = [line.strip() for line in lines if line.strip() and not line.strip().startswith("Using SuperLink")]
+    """The message of a Flower command's output on one line: its ``[code: N] ...`` line (what ``flwr`` prints in its
+    error box, and a SuperNode before it exits), else its first line that names an error (not the box's title
+    ``Error``), else its last line."""
+    lines = [line for line in _flower_lines(text) if not line.startswith("Using SuperLink")]
     for line in lines:
-        if "code:" in line or "rror" in line:
+        if _CODE.search(line):
+            return line[line.index("[code:"):]
+    for line in lines:
+        if ("rror" in line or "failed" in line) and line.strip("\u2500 ") not in ("Error", "ERROR"):
             return line
     return lines[-1] if lines else "no output"
+
+
+def flower_code(text: str) -> int | None:
+    """The error code in a Flower command's output (``[code: 23] Public key already in use.`` gives 23), or None."""
+    found = _CODE.search(_ANSI.sub("", text))
+    return int(found.group(1)) if found else None
 
 
 def register_nodes(env: dict[str, str], certs: Path, superlink: str, indices: list[int], *,
                    wait_s: float = 60.0) -> None:
     """``flwr supernode register`` of the public keys of nodes ``indices``, once the SuperLink listens (at most
     ``wait_s`` seconds, retrying a refused registration meanwhile). A key the SuperLink already knows (a SuperLink
-    restarted on its database) counts as registered."""
+    restarted on its database; Flower's code 23) counts as registered."""
     keys = [node_key(certs, index).with_suffix(".pub") for index in indices]
     require_files(certs / CA_CERT, *keys)
     write_connection(env, superlink, certs)
@@ -355,16 +385,16 @@ def register_nodes(env: dict[str, str], certs: Path, superlink: str, indices: li
         while True:
             done = subprocess.run([_tool("flwr"), "supernode", "register", str(key), CONNECTION], env=env,
                                   capture_output=True, text=True)
-            message = _flower_message(done.stdout + done.stderr)
+            output = done.stdout + done.stderr
             if done.returncode == 0:
                 print(f"registered node {index} ({key})")
                 break
-            if "already in use" in message:
+            if flower_code(output) == PUBLIC_KEY_ALREADY_IN_USE:
                 print(f"node {index} ({key}) is registered already")
                 break
             if time.monotonic() > deadline:
                 raise ConfigError(f"the SuperLink at {superlink} refused to register node {index} ({key}) for "
-                                  f"{wait_s:g} s (--wait-s): {message}")
+                                  f"{wait_s:g} s (--wait-s): {_flower_message(output)}")
             time.sleep(1.0)
 
 
@@ -393,22 +423,10 @@ class RunWatcher:
         self._client: ControlHttpClient | None = None
 
     def _connect(self) -> ControlHttpClient:
-        import contextlib
-        import io
-
         from flwr.cli.flower_config import read_superlink_connection
         from flwr.cli.utils import init_http_client_from_connection
 
-        previous = os.environ.get("FLWR_HOME")
-        os.environ["FLWR_HOME"] = self.env["FLWR_HOME"]
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                return init_http_client_from_connection(read_superlink_connection(CONNECTION))
-        finally:
-            if previous is None:
-                os.environ.pop("FLWR_HOME", None)
-            else:
-                os.environ["FLWR_HOME"] = previous
+        return _quietly(self.env, lambda: init_http_client_from_connection(read_superlink_connection(CONNECTION)))
 
     def status(self, run_id: int) -> tuple[str, str]:
         """The status of Flower run ``run_id`` (``running``, ``finished:completed``, ``finished:failed``, ...) and
@@ -499,11 +517,17 @@ def _resumable(out: Path) -> bool:
 
 
 def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: float, retry_s: float = 5.0,
-                        worker: list[str] | None = None, worker_restarts: int = 3) -> int:
+                        worker: list[str] | None = None, worker_restarts: int = 3,
+                        explain: Callable[[int, str], Refusal] | None = None) -> int:
     """Run the SuperNode ``command`` and start it again when it exits with an error within ``rejoin_s`` seconds of
     the first start: a node restarted after it died is refused while the SuperLink still counts its previous
     connection as online (until about two missed 30 s heartbeats), and Flower's SuperNode then exits. Returns the
     SuperNode's exit status.
+
+    ``explain(status, output)`` says why the SuperNode exited, from its status and the end of what it wrote on
+    stderr (which is passed on as it comes): a :class:`Refusal` that no retry mends (an unregistered key, a SuperLink
+    certificate of another CA; :func:`refusal_of`) raises :class:`~privfl.errors.ConfigError` with its reason at
+    once; any other is printed and the SuperNode started again.
 
     ``worker`` (a SuperNode in process isolation): the command of its long-lived ClientApp process
     (:func:`worker_command`), started beside each start of the SuperNode and stopped when the SuperNode exits; a
@@ -527,7 +551,7 @@ def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: fl
     previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _supervise(command, env, state, started=started, rejoin_s=rejoin_s, retry_s=retry_s, worker=worker,
-                          worker_restarts=worker_restarts)
+                          worker_restarts=worker_restarts, explain=explain)
     finally:
         for child in state["children"]:
             _stop_child(child)
@@ -545,9 +569,28 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)       # 1 = PR_SET_PDEATHSIG
 
 
-def _start_child(command: list[str], env: dict[str, str], state: dict[str, Any]) -> subprocess.Popen:
-    child = subprocess.Popen(command, env=env,
+def _start_child(command: list[str], env: dict[str, str], state: dict[str, Any], *,
+                 tail: collections.deque[str] | None = None) -> subprocess.Popen:
+    """Start ``command``; with ``tail``, its stderr is passed on to this process's line by line, and its last lines
+    kept in ``tail`` (what Flower says before it exits)."""
+    child = subprocess.Popen(command, env=env, stderr=None if tail is None else subprocess.PIPE,
                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    if tail is not None:
+        import threading
+
+        def relay(stream: Any) -> None:
+            for raw in iter(stream.readline, b""):
+                tail.append(raw.decode(errors="replace"))
+                try:
+                    sys.stderr.write(raw.decode(errors="replace"))
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+            stream.close()
+
+        reader = threading.Thread(target=relay, args=(child.stderr,), daemon=True)
+        reader.start()
+        state.setdefault("relays", {})[child.pid] = reader
     state["children"] = [c for c in state["children"] if c.poll() is None] + [child]
     return child
 
@@ -563,27 +606,120 @@ def _stop_child(child: subprocess.Popen, wait_s: float = 10.0) -> None:
             child.wait()
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a SuperNode exited, in one line, and whether starting it again can help (``final``: it cannot)."""
+
+    reason: str
+    final: bool = False
+
+
 def _supervise(command: list[str], env: dict[str, str], state: dict[str, Any], *, started: float, rejoin_s: float,
-               retry_s: float, worker: list[str] | None, worker_restarts: int) -> int:
+               retry_s: float, worker: list[str] | None, worker_restarts: int,
+               explain: Callable[[int, str], Refusal] | None) -> int:
     attempt = 0
     while True:
         attempt += 1
-        node = _start_child(command, env, state)
+        tail: collections.deque[str] = collections.deque(maxlen=200)
+        node = _start_child(command, env, state, tail=tail)
         code = node.wait() if worker is None else _watch(node, worker, env, state, worker_restarts)
+        relay = state.get("relays", {}).pop(node.pid, None)
+        if relay is not None:
+            relay.join(timeout=5)
         if state["stopping"] or code == 0:
             return code
         if state.get("worker_failed"):
             return 1
+        refusal = explain(code, "".join(tail)) if explain is not None else \
+            Refusal(f"the SuperNode exited with status {code} ({_flower_message(''.join(tail))})")
+        if refusal.final:
+            raise ConfigError(refusal.reason)
         if time.monotonic() - started > rejoin_s:
-            print(f"privfl flower: error: the SuperNode exited with status {code} (attempt {attempt}); stopped "
-                  f"retrying after {rejoin_s:g} s (--rejoin-s)", file=sys.stderr, flush=True)
+            print(f"privfl flower: error: {refusal.reason} (attempt {attempt}); stopped retrying after {rejoin_s:g} s "
+                  "(--rejoin-s)", file=sys.stderr, flush=True)
             return code
-        print(f"privfl flower: the SuperNode exited with status {code}; the SuperLink may still count this node's "
-              f"previous connection as online (it lets go about 60 s after the node died): starting it again in "
-              f"{retry_s:g} s", file=sys.stderr, flush=True)
+        print(f"privfl flower: {refusal.reason}: starting it again in {retry_s:g} s", file=sys.stderr, flush=True)
         time.sleep(retry_s)
         if state["stopping"]:
             return code
+
+
+def refusal_of(code: int, output: str, *, env: dict[str, str], certs: Path, superlink: str, node: int) -> Refusal:
+    """Why the SuperNode of node ``node`` (key pair ``node-<node>`` in ``certs``) exited with status ``code`` after
+    writing ``output``: Flower says it in a line or two (a TLS verification failure, ``[code: 2004] Failed to activate
+    SuperNode.``), and for a refused activation the SuperLink's list of nodes tells an unknown key (final) from a
+    previous connection still counted as online (it lets go after two missed heartbeats: start again)."""
+    said = _flower_message(output)
+    if "CERTIFICATE_VERIFY_FAILED" in output or "handshake error" in output:
+        said = next((line for line in _flower_lines(output) if "CERTIFICATE_VERIFY_FAILED" in line), said)
+        return Refusal(f"the SuperLink at {superlink} presented a TLS certificate that {certs / CA_CERT} does not "
+                       f"verify (Flower: {said}): pass the --certs directory whose {CA_CERT} signed the SuperLink's "
+                       f"certificate (the one the SuperLink was started with)", final=True)
+    if flower_code(output) != NODE_ACTIVATION_FAILED:
+        return Refusal(f"the SuperNode exited with status {code} (Flower: {said})")
+    key = node_key(certs, node).with_suffix(".pub")
+    try:
+        status, online_for = node_status(env, superlink, certs, key)
+    except Exception as error:         # the Control API unreachable from here: say what Flower said, and retry
+        return Refusal(f"the SuperLink at {superlink} refused to activate node {node} (Flower: {said}; asking it "
+                       f"why failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+    if status in (None, "unregistered"):
+        return Refusal(f"the SuperLink at {superlink} does not know node {node}'s public key {key} (Flower: {said}): "
+                       f"register it first: privfl flower register --certs {certs} --superlink {superlink} {node}",
+                       final=True)
+    if status == "online":
+        return Refusal(f"the SuperLink at {superlink} still counts node {node}'s previous connection as online "
+                       f"(for about {max(online_for, 0):.0f} s more: it lets go after two missed heartbeats)")
+    return Refusal(f"the SuperLink at {superlink} refused to activate node {node}, registered and {status} "
+                   f"(Flower: {said})")
+
+
+def node_status(env: dict[str, str], superlink: str, certs: Path, public_key: Path) -> tuple[str | None, float]:
+    """The SuperLink's status of the node registered with ``public_key`` (an OpenSSH public key file):
+    ``registered``, ``online``, ``offline``, ``unregistered``, or None when no node has that key; and for an online
+    node the seconds until the SuperLink counts it offline without a heartbeat."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.proto.control_pb2 import ListNodesRequest
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+
+    wanted = public_key_to_bytes(serialization.load_ssh_public_key(public_key.read_bytes()))  # type: ignore[arg-type]
+    client = control_client(env, superlink, certs)
+    try:
+        response = client.ListNodes(ListNodesRequest())
+    finally:
+        client.close()
+    for info in response.nodes_info:
+        if info.public_key == wanted:
+            return info.status, (info.online_until - time.time() if info.HasField("online_until") else 0.0)
+    return None, 0.0
+
+
+def _quietly(env: dict[str, str], make: Callable[[], Any]) -> Any:
+    """``make()`` with ``FLWR_HOME`` from ``env`` and Flower's chatter on stdout and stderr silenced."""
+    import contextlib
+    import io
+
+    previous = os.environ.get("FLWR_HOME")
+    os.environ["FLWR_HOME"] = env["FLWR_HOME"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return make()
+    finally:
+        if previous is None:
+            os.environ.pop("FLWR_HOME", None)
+        else:
+            os.environ["FLWR_HOME"] = previous
+
+
+def control_client(env: dict[str, str], superlink: str, certs: Path) -> Any:
+    """A client of the SuperLink's Control API at ``superlink`` (TLS rooted in ``certs/ca.crt``), as Flower's CLI
+    makes one, without a connection file."""
+    from flwr.cli.typing import SuperLinkConnection
+    from flwr.cli.utils import init_http_client_from_connection
+
+    connection = SuperLinkConnection(name=CONNECTION, address=superlink,
+                                     root_certificates=str((certs / CA_CERT).resolve()))
+    return _quietly(env, lambda: init_http_client_from_connection(connection))
 
 
 def _watch(node: subprocess.Popen, worker: list[str], env: dict[str, str], state: dict[str, Any],
@@ -747,6 +883,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--serve-clients", default=None,
                    help="with --serve-from: novel client ids, e.g. 9,10 (default: all of them)")
     f.add_argument("--stream", action="store_true", help="show the run's log (one line per round) until it ends")
+    f.add_argument("--verbose", action="store_true",
+                   help="a run stopped by a node's failure or a refused setting logs its traceback too, not only the "
+                        "one line that names the node (--node I and its partitions) or the setting")
     f.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen, in seconds")
     return show_defaults(parser)
 
@@ -779,7 +918,11 @@ def _main(argv: list[str] | None = None) -> int:
                                     isolation=args.isolation, poll_s=args.poll_s)
         wait_for_superlink(args.superlink, args.wait_s)
         worker = worker_command("127.0.0.1", port, os.getpid()) if args.isolation == "process" else None
-        return supervise_supernode(command, env, rejoin_s=args.rejoin_s, worker=worker)
+
+        def explain(code: int, output: str) -> Refusal:
+            return refusal_of(code, output, env=env, certs=certs, superlink=args.superlink, node=args.node)
+
+        return supervise_supernode(command, env, rejoin_s=args.rejoin_s, worker=worker, explain=explain)
     elif args.command == "register":
         register_nodes(env, certs, args.superlink, args.nodes, wait_s=args.wait_s)
         return 0
@@ -793,8 +936,15 @@ def _main(argv: list[str] | None = None) -> int:
         out = args.out or args.resume
         command = run_command(args.config, out, overwrite=args.overwrite, timeout_s=args.timeout_s,
                               node_wait_s=args.node_wait_s, serve_from=args.serve_from,
-                              serve_clients=args.serve_clients or "", resume=args.resume is not None)
+                              serve_clients=args.serve_clients or "", resume=args.resume is not None,
+                              verbose=args.verbose)
         code = run_and_wait(command, env, out=out, stream=args.stream)
+        if code == 0 and args.serve_from is None and (Path(out) / "summary.json").is_file():
+            from privfl.evaluation import comparison_table
+            from privfl.federation.spend import run_summary
+
+            # the run's table, its epsilons recomputed from its ledger, when its directory is on this machine
+            print(comparison_table([run_summary(out)]))
         if code == 1 and args.serve_from is None and _resumable(Path(out)):
             from privfl.federation.runtime import how_to_continue
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from privfl.errors import ConfigError, PublicConfigError
+from privfl.federation import spend
 
 # operations -> Flower message types
 MESSAGE_TYPES = {
@@ -36,7 +37,7 @@ MESSAGE_TYPES = {
 #: The header key (and node ledger record metadata key) of the privfl run a message belongs to: the server names
 #: its run in every message, and the node writes it into every record it makes, so a client's ledger (its lifetime,
 #: across runs) tells each run's releases apart. A resumed run keeps its run id.
-RUN_KEY = "run"
+RUN_KEY = spend.RUN_KEY
 
 # reply kinds
 RELEASE, NOTHING, TELEMETRY = "release", "nothing", "telemetry"
@@ -65,12 +66,14 @@ SERVE_FROM = "serve-from"            # a finished training run directory: serve 
 SERVE_CLIENTS = "serve-clients"      # with serve-from: the novel client ids to serve ("" = every novel client)
 CLIENTS_PER_NODE = "clients-per-node"  # simulation: virtual node i holds partitions i*k .. i*k+k-1 (default 1)
 NUM_CLIENTS = "num-clients"          # with clients-per-node > 1: the number of partitions in all
+VERBOSE = "verbose"                  # a ServerApp stopped by an operator's error logs its traceback too
 
 # node-config keys (``flower-supernode --node-config``)
 PARTITION_ID = "partition-id"
 PARTITION_RANGE = "partition-range"  # "FIRST-LAST" (inclusive): the node holds several partitions (no partition-id)
 NUM_PARTITIONS = "num-partitions"
 NODE_DIR = "privfl-dir"              # where the node keeps its clients' ledgers and states
+NODE_INDEX = "privfl-node"           # the node's key pair index (``privfl flower supernode --node I``), for messages
 
 #: Default limit for one exchange's replies: long enough for a node that trains many clients on a CPU, short enough
 #: that a dead node ends the run with an error instead of hanging it.
