@@ -235,37 +235,17 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
     elapsed = 0.0
     digest = hashlib.sha256(dumps(run_identity(config)).encode()).hexdigest()   # ties each checkpoint to its config
-    served, checkpoint = None, None
+    served = None
     if resume:
-        run_dir.remove_leftovers()
-        checkpoint = run_dir.load_checkpoint()
-        check_journal(run_dir, journal, checkpoint, digest)
-        served = novel_service(run_dir, journal)
-        journal.repair()                     # a line a kill cut short: its release was never delivered
-        if checkpoint is not None:
-            try:
-                runtime.load_state_dict(checkpoint["runtime"])
-            except KeyError as missing:
-                raise ConfigError(f"{run_dir.path(RunDirectory.CHECKPOINT)} does not hold the state of the run "
-                                  f"{RunDirectory.CONFIG} describes (no {missing}): the checkpoint or the config "
-                                  "was replaced; start the run again") from None
-            best, elapsed = checkpoint["best"], float(checkpoint["elapsed_s"])
-        run_dir.truncate_metrics(runtime.completed_rounds)
+        served, best, elapsed = _restore(run_dir, journal, runtime, digest, best, elapsed)
     else:
         run_dir.create(config.to_dict(), overwrite=overwrite)
     try:   # on resume, releases made after the checkpoint, by a process that was killed, stay recorded
         runtime.use_journal(journal, replay=resume)
     except ValueError as error:   # malformed, or of another run
         raise ConfigError(f"cannot resume: {error}") from None
-    if resume and config.privacy.mode in (LOCAL, DISTRIBUTED):
-        # each release's noise is calibrated for a number of rounds: rounds run again after the checkpoint count too
-        ledgers = runtime.ledgers()
-        made = {cid: len({r.round for r in ledgers[cid].records if r.event.relation is not None})
-                for cid in runtime.training_ids if cid in ledgers}
-        check_participations(config, participations(config, len(runtime.training_ids)), runtime.training_ids,
-                             from_round=runtime.completed_rounds, made=made)
-    if resume and served is None:
-        check_overshoot(config, federation, runtime, run_dir, allow=allow_overshoot)
+    if resume:
+        _check_resumed_spend(config, federation, runtime, run_dir, served=served, allow_overshoot=allow_overshoot)
 
     def checkpoint_now(state: dict[str, Any]) -> int:
         journal.sync()                       # the lines the checkpoint names are on disk before it is
@@ -327,6 +307,42 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
         runtime.close()
     wall = elapsed + time.perf_counter() - started
     return finish(config, federation, runtime, run_dir, best, wall, journal=journal, served=served, plan=plan)
+
+
+def _restore(run_dir: RunDirectory, journal: ReleaseJournal, runtime: Runtime, digest: str, best: dict[str, Any],
+             elapsed: float) -> tuple[Any, dict[str, Any], float]:
+    """A resumed run's state: leftovers removed, the checkpoint checked against the journal and loaded, the metrics
+    cut back to it; returns the novel service already made (if any), the best snapshot and the elapsed seconds."""
+    run_dir.remove_leftovers()
+    checkpoint = run_dir.load_checkpoint()
+    check_journal(run_dir, journal, checkpoint, digest)
+    served = novel_service(run_dir, journal)
+    journal.repair()                     # a line a kill cut short: its release was never delivered
+    if checkpoint is not None:
+        try:
+            runtime.load_state_dict(checkpoint["runtime"])
+        except KeyError as missing:
+            raise ConfigError(f"{run_dir.path(RunDirectory.CHECKPOINT)} does not hold the state of the run "
+                              f"{RunDirectory.CONFIG} describes (no {missing}): the checkpoint or the config "
+                              "was replaced; start the run again") from None
+        best, elapsed = checkpoint["best"], float(checkpoint["elapsed_s"])
+    run_dir.truncate_metrics(runtime.completed_rounds)
+    return served, best, elapsed
+
+
+def _check_resumed_spend(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory,
+                         *, served: Any, allow_overshoot: bool) -> None:
+    """Before a resumed run's next release: the rounds run again after the checkpoint fit the calibration, and the
+    run will not pass its target epsilon unless allowed."""
+    if config.privacy.mode in (LOCAL, DISTRIBUTED):
+        # each release's noise is calibrated for a number of rounds: rounds run again after the checkpoint count too
+        ledgers = runtime.ledgers()
+        made = {cid: len({r.round for r in ledgers[cid].records if r.event.relation is not None})
+                for cid in runtime.training_ids if cid in ledgers}
+        check_participations(config, participations(config, len(runtime.training_ids)), runtime.training_ids,
+                             from_round=runtime.completed_rounds, made=made)
+    if served is None:
+        check_overshoot(config, federation, runtime, run_dir, allow=allow_overshoot)
 
 
 def check_overshoot(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory, *,
