@@ -65,13 +65,14 @@ class Session:
     ended by :meth:`close`."""
 
     def __init__(self, work: Path) -> None:
-        from privfl.engines.flower import launch
+        from privfl.engines.flower import launch, supervisor
 
         self.launch = launch
+        self.supervisor = supervisor
         self.work = work
         self.certs = launch.generate_certificates(work / "certs", nodes=NODES)
         self.env = {**launch.flower_env(self.certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(work / "flwr-home")}
-        self.address = f"127.0.0.1:{launch.free_port()}"
+        self.address = f"127.0.0.1:{supervisor.free_port()}"
         self.log = open(work / "flower.log", "w")
         self.processes: list[subprocess.Popen] = []
         self.nodes: dict[int, subprocess.Popen] = {}
@@ -96,12 +97,12 @@ class Session:
         self.nodes[node] = self._start(
             ["supernode", "--certs", str(self.certs), "--superlink", self.address, "--node", str(node),
              "--partition-range", f"{node * share}-{(node + 1) * share - 1}", "--num-partitions",
-             str(TRAINING_CLIENTS), "--node-dir", str(self.node_dir(node)), "--port", str(self.launch.free_port())])
+             str(TRAINING_CLIENTS), "--node-dir", str(self.node_dir(node)), "--port", str(self.supervisor.free_port())])
 
     def kill_node(self, node: int) -> None:
         """SIGKILL the node's whole process tree (its supervisor, SuperNode, SuperExec and ClientApp processes)."""
         process = self.nodes.pop(node)
-        for pid in [process.pid] + self.launch.descendants(process.pid):
+        for pid in [process.pid] + self.supervisor.descendants(process.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -115,7 +116,7 @@ class Session:
         return process
 
     def close(self) -> None:
-        self.launch.end_processes(self.processes)
+        self.supervisor.end_processes(self.processes)
         self.log.close()
 
     def log_tail(self) -> str:

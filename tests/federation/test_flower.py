@@ -29,7 +29,15 @@ from privfl.config import RunConfig  # noqa: E402
 from privfl.data import build_federation  # noqa: E402
 from privfl.engines.choice import flower_main, flower_runtime_factory  # noqa: E402
 from privfl.engines.choice import run as run_on_engine  # noqa: E402
-from privfl.engines.flower import FlowerOptions, client_app, from_records, launch, server_app, to_records  # noqa: E402  # noqa: E402
+from privfl.engines.flower import (  # noqa: E402  # noqa: E402
+    FlowerOptions,
+    client_app,
+    from_records,
+    launch,
+    server_app,
+    supervisor,  # noqa: E402
+    to_records,
+)
 from privfl.engines.flower import protocol as p  # noqa: E402
 from privfl.engines.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
 from privfl.engines.flower.simulation import num_clients  # noqa: E402
@@ -873,7 +881,7 @@ def test_certs_keep_the_ca_key_refuse_to_overwrite_and_add_nodes(tmp_path, capsy
 
 
 def test_waiting_for_a_superlink_that_does_not_listen_ends_with_a_clear_message():
-    address = f"127.0.0.1:{launch.free_port()}"      # nothing listens there
+    address = f"127.0.0.1:{supervisor.free_port()}"      # nothing listens there
     with pytest.raises(ConfigError, match=rf"the SuperLink at {address} did not accept connections within 0.3 s "
                                           r"\(--wait-s; last: Connection refused\); start it first"):
         launch.wait_for_superlink(address, 0.3, poll_s=0.1)
@@ -887,14 +895,14 @@ def test_flowers_error_lines_are_read_by_their_code():
            "\u256d\u2500 Error \u2500\u2500\u2500\u2500\u256e\n"
            "\u2502 [code: 23] Public key already in use.                 \u2502\n"
            "\u2570\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u256f\n")
-    assert launch._flower_message(box) == "[code: 23] Public key already in use."
-    assert launch.flower_code(box) == launch.PUBLIC_KEY_ALREADY_IN_USE == ApiErrorCode.PUBLIC_KEY_ALREADY_IN_USE
-    assert launch.NODE_ACTIVATION_FAILED == ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED
+    assert supervisor.flower_message(box) == "[code: 23] Public key already in use."
+    assert supervisor.flower_code(box) == supervisor.PUBLIC_KEY_ALREADY_IN_USE == ApiErrorCode.PUBLIC_KEY_ALREADY_IN_USE
+    assert supervisor.NODE_ACTIVATION_FAILED == ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED
     supernode = ("\x1b[91mERROR \x1b[0m:     Exit Code: 305\nFailed to initialize the connection to the SuperLink.\n"
                  "[code: 2004] Failed to activate SuperNode.\nThe SuperNode could not establish a connection.\n")
-    assert launch.flower_code(supernode) == 2004
-    assert launch._flower_message(supernode) == "[code: 2004] Failed to activate SuperNode."
-    assert launch.flower_code("no code here") is None and launch._flower_message("") == "no output"
+    assert supervisor.flower_code(supernode) == 2004
+    assert supervisor.flower_message(supernode) == "[code: 2004] Failed to activate SuperNode."
+    assert supervisor.flower_code("no code here") is None and supervisor.flower_message("") == "no output"
 
 
 def test_a_refused_activation_is_retried_only_while_the_superlink_counts_the_node_online(tmp_path, monkeypatch,
@@ -902,8 +910,8 @@ def test_a_refused_activation_is_retried_only_while_the_superlink_counts_the_nod
     certs = launch.generate_certificates(tmp_path / "certs", nodes=1)
     refused = "[code: 2004] Failed to activate SuperNode.\n"
     statuses = iter([("online", 41.6), ("online", 0.2), ("offline", 0.0)])
-    monkeypatch.setattr(launch, "node_status", lambda env, superlink, certs, key: next(statuses))
-    why = launch.refusal_of(1, refused, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
+    monkeypatch.setattr(supervisor, "node_status", lambda env, superlink, certs, key: next(statuses))
+    why = supervisor.refusal_of(1, refused, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
     assert not why.final and "still counts node 0's previous connection as online (for about 42 s more" in why.reason
     # a SuperNode refused while its previous connection lingers is started again, saying so, and joins
     marker = tmp_path / "attempts"
@@ -912,23 +920,23 @@ def test_a_refused_activation_is_retried_only_while_the_superlink_counts_the_nod
               "sys.exit(0 if n >= 2 else 1)")
 
     def explain(code, output):
-        return launch.refusal_of(code, output, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
+        return supervisor.refusal_of(code, output, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
 
-    assert launch.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60, retry_s=0.05,
+    assert supervisor.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60, retry_s=0.05,
                                       explain=explain) == 0
     err = capsys.readouterr().err
     assert marker.read_text() == "xxx" and err.count("previous connection as online (for about 0 s more") == 1, err
     assert "refused to activate node 0, registered and offline (Flower: [code: 2004]" in err
     assert err.count(refused) == 2                 # Flower's own lines are passed on as they come
     # unknown to the SuperLink: refused at once, naming the key and the command that registers it
-    monkeypatch.setattr(launch, "node_status", lambda env, superlink, certs, key: (None, 0.0))
-    why = launch.refusal_of(1, refused, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
+    monkeypatch.setattr(supervisor, "node_status", lambda env, superlink, certs, key: (None, 0.0))
+    why = supervisor.refusal_of(1, refused, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
     assert why.final and why.reason == (
         f"the SuperLink at 127.0.0.1:9 does not know node 0's public key {certs / 'node-0.pub'} (Flower: [code: 2004] "
         f"Failed to activate SuperNode.): register it first: privfl flower register --certs {certs} --superlink "
         "127.0.0.1:9 0")
     # anything else: Flower's line, and another try
-    why = launch.refusal_of(3, "boom\nRuntimeError: port taken\n", env={}, certs=certs, superlink="x:1", node=0)
+    why = supervisor.refusal_of(3, "boom\nRuntimeError: port taken\n", env={}, certs=certs, superlink="x:1", node=0)
     assert not why.final and why.reason == "the SuperNode exited with status 3 (Flower: RuntimeError: port taken)"
 
 
@@ -967,13 +975,13 @@ def test_a_refused_supernode_is_started_again_until_it_joins_or_rejoin_s_passes(
     marker = tmp_path / "attempts"
     script = (f"import pathlib, sys; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) if p.exists() else 0; "
               "p.write_text('x' * (n + 1)); sys.exit(0 if n >= 2 else 1)")
-    assert launch.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60,
+    assert supervisor.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60,
                                       retry_s=0.05) == 0
     assert marker.read_text() == "xxx"
     assert capsys.readouterr().err.count("starting it again") == 2
     # one that keeps being refused: given up after rejoin_s, with its exit status
     refused = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    assert launch.supervise_supernode(refused, dict(os.environ), rejoin_s=0.0, retry_s=0.05) == 3
+    assert supervisor.supervise_supernode(refused, dict(os.environ), rejoin_s=0.0, retry_s=0.05) == 3
     assert "stopped retrying after 0 s (--rejoin-s)" in capsys.readouterr().err
 
 
@@ -983,7 +991,7 @@ _SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
 def _children_of(pid, count, timeout=60):
     """The ``count`` processes ``pid`` started, once they are all there."""
     deadline = time.monotonic() + timeout
-    while len(found := launch.descendants(pid)) < count:
+    while len(found := supervisor.descendants(pid)) < count:
         assert time.monotonic() < deadline, found
         time.sleep(0.05)
     return found
@@ -1012,7 +1020,7 @@ def test_a_supernode_in_process_isolation_leaves_no_process_behind(how):
     # supervisor: ending the supervisor (SIGTERM, passed on; SIGKILL, which it cannot see) ends both.
     import signal
 
-    script = ("import os, sys; from privfl.engines.flower.launch import supervise_supernode; "
+    script = ("import os, sys; from privfl.engines.flower.supervisor import supervise_supernode; "
               f"sys.exit(supervise_supernode({_SLEEP!r}, dict(os.environ), rejoin_s=0, worker={_SLEEP!r}))")
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
@@ -1021,7 +1029,7 @@ def test_a_supernode_in_process_isolation_leaves_no_process_behind(how):
         parent.wait(timeout=60)
         assert _gone(children), [(pid, _state(pid)) for pid in children]
     finally:
-        launch.end_processes([parent])
+        supervisor.end_processes([parent])
 
 
 def test_a_clientapp_process_that_exits_is_started_again_and_one_that_keeps_exiting_stops_the_supernode(tmp_path,
@@ -1029,7 +1037,7 @@ def test_a_clientapp_process_that_exits_is_started_again_and_one_that_keeps_exit
     marker = tmp_path / "starts"
     worker = [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(marker)!r}); "
                                     "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); raise SystemExit(5)"]
-    assert launch.supervise_supernode(_SLEEP, dict(os.environ), rejoin_s=60, worker=worker, worker_restarts=2) == 1
+    assert supervisor.supervise_supernode(_SLEEP, dict(os.environ), rejoin_s=60, worker=worker, worker_restarts=2) == 1
     assert marker.read_text() == "xxx"                  # the first start and 2 restarts, then the SuperNode stopped
     err = capsys.readouterr().err
     assert err.count("the ClientApp process exited with status 5; starting it again") == 2
@@ -1090,7 +1098,7 @@ def test_a_deployment_run_that_does_not_complete_exits_non_zero_with_the_server_
     (tmp_path / "taken" / "config.json").write_text(json.dumps(config.to_dict()))
     certs = launch.generate_certificates(tmp_path / "certs", nodes=1)
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
-    address = f"127.0.0.1:{launch.free_port()}"
+    address = f"127.0.0.1:{supervisor.free_port()}"
     log = open(tmp_path / "flower.log", "w")
     processes: list[subprocess.Popen] = []
     try:
@@ -1106,7 +1114,7 @@ def test_a_deployment_run_that_does_not_complete_exits_non_zero_with_the_server_
             processes.append(runs[name])
         ended = {name: (run.communicate(timeout=400), run.returncode) for name, run in runs.items()}
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
     for name, ((stdout, stderr), code) in ended.items():
         assert code == 1, (name, stdout, stderr, _flower_log(tmp_path))
@@ -1130,7 +1138,7 @@ def test_a_real_superlink_refuses_unknown_nodes_at_once_and_keeps_registrations_
     for name in ("node-0.key", "node-0.pub"):
         (foreign / name).write_bytes((certs / name).read_bytes())
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
-    address = f"127.0.0.1:{launch.free_port()}"
+    address = f"127.0.0.1:{supervisor.free_port()}"
     log = open(tmp_path / "flower.log", "w")
     processes: list[subprocess.Popen] = []
 
@@ -1142,7 +1150,7 @@ def test_a_real_superlink_refuses_unknown_nodes_at_once_and_keeps_registrations_
     def refused(directory, node):
         return subprocess.run(LAUNCH + ["supernode", "--certs", str(directory), "--superlink", address, "--node",
                                         str(node), "--partition-id", "0", "--num-partitions", "1", "--node-dir",
-                                        str(tmp_path / f"node-{node}"), "--port", str(launch.free_port()),
+                                        str(tmp_path / f"node-{node}"), "--port", str(supervisor.free_port()),
                                         "--rejoin-s", "300"],
                               env=env, capture_output=True, text=True, timeout=300)
 
@@ -1165,14 +1173,14 @@ def test_a_real_superlink_refuses_unknown_nodes_at_once_and_keeps_registrations_
         last = stranger.stderr.splitlines()[-1]
         assert last.startswith(f"privfl flower: error: the SuperLink at {address} presented a TLS certificate that "
                                f"{foreign / 'ca.crt'} does not verify (Flower: [SSL: CERTIFICATE_VERIFY_FAILED]"), last
-        launch.end_processes([first])
+        supervisor.end_processes([first])
         superlink()
         again = register(0, 1)
         assert again.returncode == 0, again
         assert again.stdout.splitlines() == [f"node 0 ({certs / 'node-0.pub'}) is registered already",
                                              f"registered node 1 ({certs / 'node-1.pub'})"]
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
 
 
@@ -1190,7 +1198,7 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
     # in-process template run, `privfl flower run --stream`. Only the ports change (free ones), and `privfl` is this
     # checkout's. The deployment run (TLS, node authentication) must give the template's numbers.
     session = _readme_session("On loopback, one training and one novel client")
-    ports = {"9093": launch.free_port(), "9100": launch.free_port(), "9101": launch.free_port()}
+    ports = {"9093": supervisor.free_port(), "9100": supervisor.free_port(), "9101": supervisor.free_port()}
     for old, new in ports.items():
         assert old in session
         session = session.replace(old, str(new))
@@ -1209,7 +1217,7 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
                                           stderr=subprocess.STDOUT))
         code = processes[0].wait(timeout=800)
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
     output = (tmp_path / "flower.log").read_text()
     assert code == 0, output[-3000:]
@@ -1257,7 +1265,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     certs = launch.generate_certificates(tmp_path / "certs", nodes=2)
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
-    address = f"127.0.0.1:{launch.free_port()}"
+    address = f"127.0.0.1:{supervisor.free_port()}"
     log = open(tmp_path / "flower.log", "w")
     processes: list[subprocess.Popen] = []
     out = tmp_path / "run"
@@ -1266,7 +1274,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
         processes.append(subprocess.Popen(
             LAUNCH + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
                       "--partition-id", str(node), "--num-partitions", "2",
-                      "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(launch.free_port())],
+                      "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(supervisor.free_port())],
             env=env, stdout=log, stderr=subprocess.STDOUT))
         return processes[-1]
 
@@ -1291,7 +1299,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
         while not (ledger.exists() and (out / "releases.jsonl").exists()):
             assert time.monotonic() < deadline and failing.poll() is None, _flower_log(tmp_path)
             time.sleep(0.2)
-        for pid in [doomed.pid] + launch.descendants(doomed.pid):
+        for pid in [doomed.pid] + supervisor.descendants(doomed.pid):
             os.kill(pid, signal.SIGKILL)
         stdout, stderr = failing.communicate(timeout=600)
         assert failing.returncode == 1, stdout + stderr + _flower_log(tmp_path)
@@ -1309,7 +1317,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
         stdout, stderr = resumed.communicate(timeout=900)
         assert resumed.returncode == 0, stdout + stderr + _flower_log(tmp_path)
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
