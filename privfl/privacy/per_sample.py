@@ -285,18 +285,11 @@ def _linear_nd_norms(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.T
             per_sample = torch.bmm(b.transpose(1, 2), a).reshape(batch, -1)                # (B, d_out d_in)
             squared.add_(_squared_norms(per_sample))
 
-    def finish(factors: torch.Tensor, views: dict[int, torch.Tensor]) -> None:
-        if bias_sum is not None:
-            views[id(bias)].addmv_(bias_sum.t(), factors)
-        if weight is None:
-            return
-        if per_sample is not None:
-            views[id(weight)].view(-1).addmv_(per_sample.t(), factors)
-        else:
-            scaled = (b * factors.view(-1, 1, 1)).reshape(-1, d_out)
-            views[id(weight)].addmm_(scaled.t(), a.reshape(-1, d_in))
+    def add_weight(view: torch.Tensor, factors: torch.Tensor) -> None:
+        scaled = (b * factors.view(-1, 1, 1)).reshape(-1, d_out)
+        view.addmm_(scaled.t(), a.reshape(-1, d_in))
 
-    return finish
+    return _summed_finish(weight, bias, bias_sum, per_sample, add_weight)
 
 
 def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor) -> _Finish:
@@ -320,6 +313,22 @@ def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor)
             per_sample = _conv_per_sample(x, grad_output, tuple(weight.shape), stride, padding, dilation)
             squared.add_(_squared_norms(per_sample))
 
+    def add_weight(view: torch.Tensor, factors: torch.Tensor) -> None:
+        assert weight is not None   # called only for a layer with a weight
+        scaled = grad_output * factors.view(-1, 1, 1, 1)
+        view.add_(conv2d_weight(  # type: ignore[no-untyped-call]  # torch.nn.grad is not annotated
+            x, weight.shape, scaled, stride=stride, padding=padding, dilation=dilation))
+
+    return _summed_finish(weight, bias, bias_sum, per_sample, add_weight)
+
+
+def _summed_finish(weight: torch.Tensor | None, bias: torch.Tensor | None, bias_sum: torch.Tensor | None,
+                   per_sample: torch.Tensor | None,
+                   add_weight: Callable[[torch.Tensor, torch.Tensor], None]) -> _Finish:
+    """The second pass of a layer whose records sum over positions: the bias from its per-record sums, the weight
+    from its per-record gradients where they were formed, else by ``add_weight(view, factors)`` from the layer's
+    inputs and output gradients."""
+
     def finish(factors: torch.Tensor, views: dict[int, torch.Tensor]) -> None:
         if bias_sum is not None:
             views[id(bias)].addmv_(bias_sum.t(), factors)
@@ -328,9 +337,7 @@ def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor)
         if per_sample is not None:
             views[id(weight)].view(-1).addmv_(per_sample.t(), factors)
         else:
-            scaled = grad_output * factors.view(-1, 1, 1, 1)
-            views[id(weight)].add_(conv2d_weight(  # type: ignore[no-untyped-call]  # torch.nn.grad is not annotated
-                x, weight.shape, scaled, stride=stride, padding=padding, dilation=dilation))
+            add_weight(views[id(weight)], factors)
 
     return finish
 
