@@ -487,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     summary.pop("rows")   # every row is in the CSV beside the JSON
     (results / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
     shutil.copyfile(work / "attack_results.csv", results / f"{stem}.csv")
-    (results / f"{stem}.md").write_text(render_markdown(summary, read_rows(results / f"{stem}.csv")))
+    # rendered from the JSON as stored, so that --render-only gives the same page
+    stored = json.loads((results / f"{stem}.json").read_text())
+    (results / f"{stem}.md").write_text(render_markdown(stored, read_rows(results / f"{stem}.csv")))
     # every scored image, gzipped, beside the results: the paired comparisons can be recomputed from the repository
     write_scores(work / "per_image_scores.csv", results / f"{stem}_scores.csv.gz")
     shutil.copyfile(work / "attack_grid.png", results / f"{stem}_grid.png")
