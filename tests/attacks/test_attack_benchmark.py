@@ -14,11 +14,11 @@ for _path in (str(_ROOT), str(_ROOT / "benchmarks")):
     if _path not in sys.path:   # see test_reconstruction.py: the real `accounting` package must win
         sys.path.insert(0, _path)
 
+import attack_mnist as bench  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import attack_mnist as bench  # noqa: E402
 from attacks.decoders import DECODERS  # noqa: E402
 from attacks.reconstruct_cli import _SCORE_COLUMNS  # noqa: E402
 
