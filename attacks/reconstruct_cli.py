@@ -217,8 +217,9 @@ class AttackSettings:
         if self.decoders_only and not self.baselines:
             raise ConfigError("--decoders-only needs at least one decoder in --baselines")
         if self.guide_decoder not in GUIDE_DECODERS:
-            raise ConfigError(f"--guide-decoder must be knn, nn, mlp or none (decoders with a leave-one-out or "
-                              f"out-of-fold estimate for the training pairs), got {self.guide_decoder!r}")
+            raise ConfigError(f"--guide-decoder must be knn, nn, mlp, mlp-tuned or none (decoders with a "
+                              f"leave-one-out or out-of-fold estimate for the training pairs), got "
+                              f"{self.guide_decoder!r}")
         if self.guide_folds < 2:
             raise ConfigError(f"--guide-folds must be >= 2 (the cross-fitted MLPs of --guide-decoder mlp), got "
                               f"{self.guide_folds}")
@@ -243,7 +244,7 @@ class AttackSettings:
 
 
 #: What ``--guide-decoder`` accepts (``None``: no estimate read).
-GUIDE_DECODERS = (None, "knn", "nn", "mlp")
+GUIDE_DECODERS = (None, "knn", "nn", "mlp", "mlp-tuned")
 
 #: Settings each preset changes (everything else keeps the defaults of :class:`AttackSettings`).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -605,7 +606,7 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
     """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes. ``command``
     (how this run was started) is recorded in the summary and, when this run trains the reconstructor, in its
     checkpoint, so exported weights name the command that made them."""
-    from attacks.decoders import fit_decoders, make_decoder
+    from attacks.decoders import cross_fitted, fit_decoders, make_decoder
     from attacks.metrics import LPIPS
     from attacks.reconstructor import file_sha256, resolve_device, train_or_resume
     from attacks.schemes import (
@@ -640,9 +641,15 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
         # The reconstructor reads this decoder's estimate of each image; a training pair's estimate leaves the pair
         # out, as a defender's feature never finds its own image among the attacker's.
         started, cpu = time.perf_counter(), time.process_time()
-        folds = settings.guide_folds if settings.guide_decoder == "mlp" else 0
-        guide_decoder = make_decoder(settings.guide_decoder, **options, mlp_folds=folds).fit(
-            fa[train], xa[train], ya[train], fa[held], xa[held], ya[held])
+        pairs = (fa[train], xa[train], ya[train], fa[held], xa[held], ya[held])
+        if settings.guide_decoder == "mlp-tuned":
+            # the tuned MLP's grid, then its chosen configuration again with the cross-fitted fold models
+            tuned = make_decoder("mlp-tuned", **options).fit(*pairs)
+            guide_decoder = cross_fitted(tuned.decoder, settings.guide_folds, name="mlp-tuned").fit(*pairs)
+            guide_decoder.details = {**tuned.details, **guide_decoder.details}
+        else:
+            folds = settings.guide_folds if settings.guide_decoder == "mlp" else 0
+            guide_decoder = make_decoder(settings.guide_decoder, **options, mlp_folds=folds).fit(*pairs)
         guide_decoder.details["cpu_s"] = time.process_time() - cpu
         guides = guide_decoder.decode(fa[train], exclude=np.arange(len(train)))
         timings["guide_decoder_s"] = time.perf_counter() - started
@@ -995,10 +1002,11 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--baselines", type=_names, default=default("baselines"),
                    help="decoder baselines: " + ",".join(DECODERS))
     p.add_argument("--guide-decoder", type=_optional, default=default("guide_decoder"),
-                   help="the decoder whose estimate the reconstructor reads beside x_t: knn, nn, mlp or none")
+                   help="the decoder whose estimate the reconstructor reads beside x_t: knn, nn, mlp, mlp-tuned (the "
+                        "tuned MLP's chosen configuration, cross-fitted) or none")
     p.add_argument("--guide-folds", type=int, default=default("guide_folds"),
                    help="cross-fitted MLPs whose out-of-fold estimates the reconstructor trains on (--guide-decoder "
-                        "mlp)")
+                        "mlp or mlp-tuned)")
     p.add_argument("--mlp-hidden", type=int, default=default("mlp_hidden"), help="MLP decoder width")
     p.add_argument("--mlp-epochs", type=int, default=default("mlp_epochs"), help="MLP decoder epochs (at most)")
     p.add_argument("--tuned-epochs", type=int, default=default("tuned_epochs"),

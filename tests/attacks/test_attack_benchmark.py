@@ -123,8 +123,10 @@ def test_the_benchmark_keeps_every_scored_image_and_compares_each_reconstruction
     monkeypatch.setenv("PRIVFL_CACHE_DIR", str(tmp_path / "cache"))
     results = tmp_path / "results"
     only = ["--decoders-only"] if decoders_only else []
+    # the reconstructor reads the tuned MLP's estimate (its training pairs: out-of-fold, from 2 fold models)
+    guide = [] if decoders_only else ["--guide-decoder", "mlp-tuned", "--guide-folds", "2"]
     assert bench.main(["--preset", "reduced", *only, "--device", "cpu", "--work", str(tmp_path / "work"),
-                       "--results", str(results), "--no-progress", "--", *TINY]) == 0
+                       "--results", str(results), "--no-progress", "--", *TINY, *guide]) == 0
     stem = "attack_mnist_reduced" + ("_decoders" if decoders_only else "")
     for end in (".json", ".csv", ".md", "_scores.csv.gz", "_grid.png", "_metrics.png"):
         assert (results / f"{stem}{end}").is_file(), end
@@ -134,6 +136,10 @@ def test_the_benchmark_keeps_every_scored_image_and_compares_each_reconstruction
     assert {d for d, _ in raw if d != "diffusion"} == set(DECODERS)
     diffusion = sorted(e for d, e in raw if d == "diffusion")
     assert (summary["reconstructor"] is None) == decoders_only and (not diffusion) == decoders_only
+    if not decoders_only:   # the guide is the tuned MLP's chosen configuration, cross-fitted, and its table row
+        assert summary["guide_decoder"]["name"] == "mlp-tuned" and summary["guide_decoder"]["folds"] == 2
+        assert summary["guide_decoder"]["chosen"] == summary["decoders"]["mlp-tuned"]["chosen"]
+        assert summary["reconstructor"]["config"]["guide_image"] and summary["sampling"]["init_decoder"] == "mlp-tuned"
     comparisons = summary["comparisons"]
     # every reconstruction against the project's MLP, and against every decoder for each diffusion estimate
     assert {(c["attack"], c["estimate"]) for c in comparisons["against_reference"]} == raw - {("mlp", "-")}

@@ -23,6 +23,7 @@ from attacks.decoders import (  # noqa: E402
     RandomFeaturesDecoder,
     RidgeDecoder,
     TunedDecoder,
+    cross_fitted,
     feature_similarity,
     fit_decoders,
     held_out_mse,
@@ -263,6 +264,20 @@ def test_the_seed_ensemble_averages_the_tuned_mlp_configuration_over_seeds_and_r
     # its CPU time counts the tuned MLP it reused
     assert ensemble.details["cpu_s"] >= tuned.details["cpu_s"] > 0
     assert ensemble.details["member_cpu_s"][0] == tuned.details["cpu_s"]
+
+
+def test_a_cross_fitted_copy_of_the_tuned_mlp_has_its_full_model_and_out_of_fold_estimates():
+    f, x, y = linear_pairs(120, 0)
+    hf, hx, hy = linear_pairs(30, 1)
+    tuned = make_decoder("mlp-tuned", mlp_hidden=16, tuned_epochs=3).fit(f, x, y, hf, hx, hy)
+    guide = cross_fitted(tuned.decoder, 3, name="mlp-tuned").fit(f, x, y, hf, hx, hy)
+    assert guide.name == "mlp-tuned" and len(guide.fold_models) == 3
+    assert (guide.hidden, guide.dropout, guide.schedule, guide.epochs) == (
+        tuned.decoder.hidden, tuned.decoder.dropout, "cosine", 3)
+    assert torch.equal(guide.decode(hf), tuned.decode(hf))   # the same full model, trained again
+    assert not torch.equal(guide.decode(f, exclude=np.arange(len(f))), guide.decode(f))
+    with pytest.raises(ConfigError, match="needs an MLP decoder"):
+        cross_fitted(ConvDecoder(hidden=8), 2)
 
 
 def test_random_features_approximate_a_gaussian_kernel_and_choose_the_bandwidth_on_held_out_pairs():
