@@ -283,13 +283,17 @@ def test_a_cross_fitted_copy_of_the_tuned_mlp_has_its_full_model_and_out_of_fold
 def test_random_features_approximate_a_gaussian_kernel_and_choose_the_bandwidth_on_held_out_pairs():
     f, x, y = digit_like_pairs(300, 0)
     hf, hx, hy = digit_like_pairs(60, 1)
-    decoder = RandomFeaturesDecoder(features=20000, bandwidths=(0.25, 1.0, 4.0), alphas=(1e-3, 1e-1)).fit(
-        f, x, y, hf, hx, hy)
-    z = decoder.standardise(hf[:6])
+    # the map: phi(z) . phi(z') approximates exp(-|z - z'|^2 / (2 b^2 d)) (many features, no fit needed)
+    wide = RandomFeaturesDecoder(features=20000)
+    g = torch.Generator().manual_seed(3)
+    wide.projection, wide.phase = torch.randn(8, 20000, generator=g), 2 * torch.pi * torch.rand(20000, generator=g)
+    z = torch.randn(6, 8, generator=g)
     for b in (0.5, 1.0):
-        phi = decoder._phi(z, b)
+        phi = wide._phi(z, b)
         kernel = torch.exp(-torch.cdist(z, z) ** 2 / (2 * b * b * z.shape[1]))
-        assert torch.allclose((phi @ phi.T).double(), kernel, atol=0.03)
+        assert torch.allclose(phi @ phi.T, kernel, atol=0.03)
+    decoder = RandomFeaturesDecoder(features=512, bandwidths=(0.25, 1.0, 4.0), alphas=(1e-3, 1e-1)).fit(
+        f, x, y, hf, hx, hy)
     scores = decoder.details["held_out_mse"]
     assert len(scores) == 6 and min(scores, key=scores.get) == f"{decoder.bandwidth:g}/{decoder.alpha:g}"
     assert held_out_mse(decoder, hf, hx, hy) == pytest.approx(min(scores.values()), rel=1e-5)
