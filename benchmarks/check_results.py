@@ -101,6 +101,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     # attacks and audits
     "attack_mnist*.json": (*_script("attack_mnist"), *ATTACK),
     "mlp_guide/attack_mnist.json": (*_script("attack_mnist"), *ATTACK),
+    "tuned_guide/attack_mnist.json": (*_script("attack_mnist"), *ATTACK),
     "attack_dp_class_size.json": (*_script("attack_dp_class_size"), *ATTACK),
     "audit_privatize.json": (*_script("audit_privatize"), "attacks/audit.py", "attacks/statistics.py", *PRIVACY,
                              *MODELS),
