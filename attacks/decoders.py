@@ -1,35 +1,12 @@
 """Decoder baselines of the reconstruction attack: maps from a feature to an image, fitted on the attacker's pairs.
 
-A diffusion reconstructor is credible only when it beats these on every metric: each is trained on the same
-``(E(x), x)`` pairs of the attacker's own data and has its hyperparameters chosen on the attacker's held-out pairs
-(mean squared error; never the defender's images). All return images ``[n, C, H, W]`` on [0, 1].
-
-- :class:`RidgeDecoder`: linear least squares from standardised features to pixels with an L2 penalty alpha
-  (closed form through the eigendecomposition of ``X^T X``, float64).
-- :class:`MLPDecoder`: a two-hidden-layer MLP (SiLU, sigmoid output) trained with MSE by AdamW; the epoch with the
-  lowest held-out MSE is kept (early stopping).
-- :class:`KNNDecoder`: the average of the k attacker images whose features are most similar (cosine) to the
-  released one; with ``ks=(1,)`` it is the nearest attacker image by feature (``"nn"``; a sharp image, as a
-  generator's sample is, where the average is a blurred one).
-- :class:`ClassMeanDecoder`: the attacker's mean image of the released label (what the label alone gives).
-
-Tuned decoders (issue 46: the diffusion reconstructor's claim must rest on decoders tuned with care), each choosing
-among the candidates of its grid (:data:`TUNING_GRIDS`) by held-out MSE, and recording every candidate's held-out
-MSE and CPU seconds (:class:`TunedDecoder`):
-
-- ``"mlp-tuned"``: :class:`MLPDecoder` with dropout and a cosine learning-rate schedule, width and dropout tuned;
-- ``"conv"``: :class:`ConvDecoder`, an MLP trunk to a 7 x 7 grid of channels and two stride-2 transposed
-  convolutions to 28 px;
-- ``"mlp-ensemble"``: :class:`EnsembleDecoder`, the mean estimate of the tuned MLP's configuration trained from
-  :data:`ENSEMBLE_MEMBERS` seeds (the tuned MLP itself is its first member when it was fitted in the same call);
-- ``"random-features"``: :class:`RandomFeaturesDecoder`, ridge regression on random Fourier features of the
-  standardised feature (Rahimi and Recht 2007: an approximate Gaussian-kernel ridge regression), bandwidth and
-  penalty tuned.
-
-:func:`fit_decoders` records every decoder's CPU seconds (``details["cpu_s"]``, process time of its fit).
-
-Regression decoders estimate the posterior mean ``E[x | E(x)]``, which is what PSNR rewards; that is why the
-diffusion reconstructor reports the mean of its samples beside their medoid.
+Each is trained on the same ``(E(x), x)`` pairs of the attacker's own data and has its hyperparameters chosen on the
+attacker's held-out pairs (mean squared error; never the defender's images). All return images ``[n, C, H, W]`` on
+[0, 1]. Plain: :class:`RidgeDecoder`, :class:`MLPDecoder`, :class:`KNNDecoder` (``"nn"`` with ``ks=(1,)``),
+:class:`ClassMeanDecoder`. Tuned, each choosing among its grid (:data:`TUNING_GRIDS`) and recording every
+candidate's held-out MSE and CPU seconds (:class:`TunedDecoder`): ``"mlp-tuned"``, ``"conv"`` (:class:`ConvDecoder`),
+``"mlp-ensemble"`` (:class:`EnsembleDecoder`), ``"random-features"`` (:class:`RandomFeaturesDecoder`).
+:func:`fit_decoders` fits a list of them by name.
 
 Example:
     >>> import torch
@@ -37,6 +14,8 @@ Example:
     >>> d = KNNDecoder(ks=(1,)).fit(f, x, torch.arange(4), f, x, torch.arange(4))
     >>> bool(torch.equal(d.decode(f, torch.arange(4)), x))
     True
+
+See docs/attacks.md, "Decoder baselines".
 """
 
 from __future__ import annotations
