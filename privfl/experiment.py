@@ -233,9 +233,8 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     plan = preflight(config, federation)
     runtime = runtime_factory(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
-    elapsed = 0.0
+    served, elapsed = None, 0.0
     digest = hashlib.sha256(dumps(run_identity(config)).encode()).hexdigest()   # ties each checkpoint to its config
-    served = None
     if resume:
         served, best, elapsed = _restore(run_dir, journal, runtime, digest, best, elapsed)
     else:
