@@ -465,13 +465,14 @@ def run_identity(config: RunConfig) -> dict[str, Any]:
     existed stay the same runs)."""
     values = config.to_dict()
     values.pop("workers")
-    if values["device"] == "cpu":
-        values.pop("device")
-    if not values["allow_large_delta"]:
-        values.pop("allow_large_delta")
-    if not values["central_eval"]:
-        values.pop("central_eval")
+    for key, default in _IDENTITY_DEFAULTS.items():
+        if values[key] == default:
+            values.pop(key)
     return values
+
+
+#: Settings added after runs were first written: at these values they are left out of a run's identity.
+_IDENTITY_DEFAULTS: dict[str, Any] = {"device": "cpu", "allow_large_delta": False, "central_eval": False}
 
 
 def _stored_identity(run_dir: RunDirectory) -> dict[str, Any] | None:
