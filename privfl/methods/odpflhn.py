@@ -95,12 +95,9 @@ class ODPFLHNConfig(MethodConfig):
     (mean of the descriptors of random batches of ``descriptor_batch_size``); ``train_mean_noise`` (``dp_deepset``
     only): std of Gaussian noise added to the pooled mean during training (noise-aware training, not in the paper;
     docs/papers.md, ODPFL-HN, U12).
-    Generated part: ``generated`` (:data:`~privfl.models.hypernetwork.GENERATED_PARTS`): ``"all"`` (the paper: the
-    hypernetwork emits the whole target), ``"head"`` or ``"head_bias"`` (it emits the target's last layer, or that
-    layer's bias; the rest is one shared part that every client trains locally and the server moves by the mean of
-    the clients' weight changes, FedAvg's step: ``shared -= shared_lr * m``, with ``m`` a heavy-ball average of the
-    mean change at ``shared_momentum``). Under record-level DP the shared part's noise is averaged over the round's
-    clients, and the hypernetwork reads only the few generated coordinates of each noised change.
+    Generated part: ``generated``, ``shared_lr`` and ``shared_momentum`` as in
+    :class:`~privfl.methods.pfedhn.PFedHNConfig`. Under record-level DP the shared part's noise is averaged over the
+    round's clients, and the hypernetwork reads only the few generated coordinates of each noised change.
     Privacy is the run's (``RunConfig.privacy`` for training clients, ``RunConfig.novel_privacy`` for the novel
     client's descriptor); see "Privacy" in the module docstring.
     """

@@ -86,11 +86,8 @@ class PeFLLConfig(MethodConfig):
     the whole training split, as the code evaluates). The per-example clipping radius comes from the run's privacy
     settings (the module docstring), not from here: the privacy of training clients is ``RunConfig.privacy``, that
     of unseen clients ``RunConfig.novel_privacy`` (epsilon, delta, bound B, noise source).
-    Generated part: ``generated`` (:data:`~privfl.models.hypernetwork.GENERATED_PARTS`): ``"all"`` (the paper: h
-    emits the whole target), ``"head"`` or ``"head_bias"`` (it emits the target's last layer, or that layer's bias;
-    the rest is one shared part that every client trains locally and the server moves by the mean of the clients'
-    weight changes, FedAvg's step: ``shared -= shared_lr * m``, with ``m`` a heavy-ball average of the mean change at
-    ``shared_momentum``; :mod:`privfl.methods.shared_part`).
+    Generated part: ``generated``, ``shared_lr`` and ``shared_momentum`` as in
+    :class:`~privfl.methods.pfedhn.PFedHNConfig` (:mod:`privfl.methods.shared_part`).
     """
 
     lr: float = 2e-3
