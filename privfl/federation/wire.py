@@ -25,18 +25,21 @@ class Wire:
         self.bytes_down: dict[int, int] = defaultdict(int)
         self.bytes_up: dict[int, int] = defaultdict(int)
 
-    def server_to_client(self, client_id: int, message: Message) -> Message:
-        """Deliver ``message`` to a client (a copy: the client cannot touch the server's tensors)."""
+    def server_to_client(self, client_id: int, message: Message, *, copy: bool = True) -> Message:
+        """Deliver ``message`` to a client: a copy (the client cannot touch the server's tensors), or, with
+        ``copy=False``, the message itself, for a client that only reads it
+        (:meth:`~privfl.methods.base.ClientProcedure.hands_over_messages`)."""
         self.count_down(client_id, message)
-        return message.copy()
+        return message.copy() if copy else message
 
     def count_down(self, client_id: int, message: Message) -> None:
         """Count ``message`` as sent to a client that gets its own copy another way (a worker process reads it from
         bytes, :mod:`privfl.federation.workers`)."""
         self.bytes_down[client_id] += message.num_bytes()
 
-    def client_to_server(self, client_id: int, release: Release, *, round: int | None) -> Message:
-        """Record ``release`` in the client's ledger, then deliver a copy of its message to the server.
+    def client_to_server(self, client_id: int, release: Release, *, round: int | None, copy: bool = True) -> Message:
+        """Record ``release`` in the client's ledger, then deliver a copy of its message to the server (with
+        ``copy=False``, the message itself: a client that keeps no reference to what it releases hands it over).
 
         Raises :class:`accounting.BudgetExceededError` (from the ledger) before anything is delivered when the
         release would exceed the client's budget or the budget its noise was calibrated for.
@@ -47,7 +50,7 @@ class Wire:
         if self.journal is not None:
             self.journal.append(client_id, record)
         self.bytes_up[client_id] += metadata["bytes"]
-        return release.message.copy()
+        return release.message.copy() if copy else release.message
 
     def record_for(self, client_ids: list[int], release, *, round: int | None) -> None:
         """Record a release the server makes on behalf of each of ``client_ids`` (a

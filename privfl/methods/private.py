@@ -53,7 +53,7 @@ from privfl.federation.messages import Message, Release
 from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sample_clients
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import ClientProcedure, MethodSpec, Strategy
-from privfl.privacy.client_dp import clip_update
+from privfl.privacy.client_dp import add_clipped, clip_update
 from privfl.privacy.mechanisms import os_seeded_generator, standard_normal
 from privfl.privacy.training import (
     ADAPTIVE,
@@ -127,6 +127,10 @@ class PrivateClient(ClientProcedure):
 
     def workspace_model(self):
         return self.inner.workspace_model()
+
+    def hands_over_messages(self) -> bool:
+        # the wrapper reads a release's tensors, and releases them or fresh ones (the clipped, noised copy)
+        return self.inner.hands_over_messages()
 
     def evaluation_model(self, data, message, state):
         return self.inner.evaluation_model(data, message, state)
@@ -302,9 +306,8 @@ class Aggregator(Strategy):
             if set(contribution) != set(like):
                 raise InternalError(f"{self.method}'s contribution has tensors {sorted(contribution)}, its "
                                     f"contribution_shapes {sorted(like)}")
-            contribution, norm = clip_update(contribution, self.clip)
+            norm = add_clipped(total, contribution, self.clip)     # clipped to C, added in float64
             within += int(norm <= self.clip)
-            total = {k: total[k] + contribution[k].double() for k in total}
         names = list(total)
         flat = torch.cat([total[k].reshape(-1) for k in names])
         draws = _gaussian(self.privacy, (flat.numel() + 1,), "central_noise", round)   # the last one: the count's
