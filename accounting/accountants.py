@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
+from accounting import limits
 from accounting.events import (
     GaussianEvent,
     NonPrivateEvent,
@@ -177,13 +178,13 @@ def check_supported(event: PrivacyEvent, *, accountant: AccountantName = "pld") 
     except TypeError:   # an event that cannot be remembered is checked each time
         _check_supported(event, accountant)
         return
-    _supported(event, accountant)
+    _supported(event, accountant, limits.NOISE_MULTIPLIER_FLOOR)
 
 
 @functools.lru_cache(maxsize=1024)
-def _supported(event: PrivacyEvent, accountant: AccountantName) -> None:
-    """:func:`_check_supported`, remembered per (event, accountant) when it passes: every client of a round records
-    the same event, and the answer depends on nothing else."""
+def _supported(event: PrivacyEvent, accountant: AccountantName, floor: float) -> None:
+    """:func:`_check_supported`, remembered per (event, accountant, noise floor) when it passes: every client of a
+    round records the same event, and the answer depends on nothing else."""
     _check_supported(event, accountant)
 
 

@@ -390,4 +390,5 @@ class ReleaseJournal:
         return added
 
 
-__all__ = ["GENESIS", "SHORT_HASH", "JournalDamaged", "JournalMismatch", "JournalPosition", "ReleaseJournal", "line_hash"]
+__all__ = ["GENESIS", "SHORT_HASH", "JournalDamaged", "JournalMismatch", "JournalPosition", "ReleaseJournal",
+           "line_hash"]

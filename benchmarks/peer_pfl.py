@@ -56,6 +56,9 @@ CLIENTS, FRACTION, LOCAL_STEPS, BATCH, LR, SERVER_LR, MOMENTUM = 1000, 0.5, 3, 1
 EPSILON, DELTA = 8.0, 1e-5
 CLIP_INITIAL, CLIP_QUANTILE, CLIP_LR = 0.1, 0.5, 0.2
 COUNT_NOISE = CLIENTS * FRACTION / 20.0     # privfl's default sigma_b (the count of clients within the clip, 0/1 units)
+#: The files of a run directory that record its releases: the journal, the ledgers, the checkpoint (which holds the
+#: ledgers as they stood, beside the model): "the records" whose size the issue bounds.
+RECORDS = ("releases.jsonl", "ledger.json", "checkpoint.pt")
 PFL_REQUIREMENTS = ["pfl==0.6.0", "dp-accounting>=0.5,<0.6", "prv-accountant>=0.2,<0.3", "multiprocess>=0.70.15,<0.71"]
 
 
@@ -134,7 +137,7 @@ def stamp() -> tuple[float, float]:
     return time.process_time(), time.perf_counter()
 
 
-# -- privfl's side ------------------------------------------------------------------------------------------------------
+# -- privfl's side ---------------------------------------------------------------------------------------------------
 
 def run_privfl(workload: str, seed: int, rounds: int) -> dict:
     import shutil
@@ -171,11 +174,11 @@ def run_privfl(workload: str, seed: int, rounds: int) -> dict:
     weights = runtime.strategy.inner.weights if hasattr(runtime.strategy, "inner") else runtime.strategy.weights
     data = __import__("numpy").load(export_data(seed))
     run_dir = RunDirectory(out)
-    record_bytes = {name: run_dir.path(name).stat().st_size for name in RunDirectory.FILES if run_dir.path(name).exists()}
+    sizes = {name: run_dir.path(name).stat().st_size for name in RunDirectory.FILES if run_dir.path(name).exists()}
     result = {"framework": "privfl", "workload": workload, "seed": seed, "rounds": rounds,
-              "per_round": per_round(starts[1:]), "total_cpu_s": ended[0] - began[0], "total_wall_s": ended[1] - began[1],
-              "accuracy": test_accuracy(weights, data["x_test"], data["y_test"]), "files_bytes": record_bytes,
-              "records_bytes": record_bytes.get(RunDirectory.RELEASES, 0) + record_bytes.get(RunDirectory.LEDGER, 0)}
+              "per_round": per_round(starts[1:]), "total_cpu_s": ended[0] - began[0],
+              "total_wall_s": ended[1] - began[1], "accuracy": test_accuracy(weights, data["x_test"], data["y_test"]),
+              "files_bytes": sizes, "records_bytes": sum(sizes.get(name, 0) for name in RECORDS)}
     if WORKLOADS[workload]["private"]:
         strategy = runtime.strategy
         result.update(noise_multiplier=strategy.noise_multiplier, update_multiplier=strategy.update_multiplier,
@@ -255,12 +258,8 @@ def run_pfl(workload: str, seed: int, rounds: int) -> dict:
     postprocessors = []
     result: dict = {}
     if WORKLOADS[workload]["private"]:
-        from pfl.privacy import (
-            AdaptiveClippingGaussianMechanism,
-            CentrallyAppliedPrivacyMechanism,
-            GaussianMechanism,
-            PLDPrivacyAccountant,
-        )
+        from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism, PLDPrivacyAccountant
+        from pfl.privacy.adaptive_clipping import AdaptiveClippingGaussianMechanism
 
         accountant = PLDPrivacyAccountant(num_compositions=rounds, sampling_probability=cohort / CLIENTS,
                                           mechanism="gaussian", epsilon=EPSILON, delta=DELTA)
@@ -321,7 +320,7 @@ def ensure_pfl_venv() -> Path:
     venv's own packages."""
     python = venv_python()
     check = [str(python), "-c", "import pfl, torch, dp_accounting, numpy; "
-             "assert dp_accounting.__file__.startswith(%r)" % str(VENV)]
+             f"assert dp_accounting.__file__.startswith({str(VENV)!r})"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
     import numpy
@@ -398,8 +397,9 @@ def report(summary: dict, workloads: list[str]) -> str:
         acc = {k: ", ".join(f"{a:.2f}" for a in v) for k, v in s["accuracy"].items()}
         lines.append(f"| {w} | {s['pairs']} | {s['cpu_s_per_round_median']['privfl']:.3f} | "
                      f"{s['cpu_s_per_round_median']['pfl']:.3f} | {s['cpu_ratio_median']:.3f} "
-                     f"({spread(s['cpu_ratio_pairs'])}) | {s['wall_ratio_median']:.3f} ({spread(s['wall_ratio_pairs'])})"
-                     f" | {acc['privfl']} | {acc['pfl']} | {max(s['privfl_records_bytes']) / 1e6:.2f} MB |")
+                     f"({spread(s['cpu_ratio_pairs'])}) | {s['wall_ratio_median']:.3f} "
+                     f"({spread(s['wall_ratio_pairs'])}) | {acc['privfl']} | {acc['pfl']} | "
+                     f"{max(s['privfl_records_bytes']) / 1e6:.2f} MB |")
     if "accountants" in summary:
         a = summary["accountants"]
         lines.append(f"\naccountants at z = {a['z']:.4f} ({a['rounds']} rounds, q = {FRACTION}, delta = {DELTA:g}): "

@@ -64,7 +64,9 @@ def local_sgd(
     total = 0.0
     for index in minibatches(len(y), batch_size, steps, rng):
         batch = torch.from_numpy(index)
-        xb, yb = (x[batch], y[batch]) if on_device else (x[batch].to(device), y[batch].to(device))
+        # index_select: the rows x[batch] gives, without advanced indexing's parsing of its index
+        xb, yb = (x.index_select(0, batch), y.index_select(0, batch)) if on_device else \
+            (x[batch].to(device), y[batch].to(device))
         loss = nn.functional.cross_entropy(model(xb), yb)
         total += loss.item()
         if extra_loss is not None:
@@ -132,7 +134,8 @@ def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     small model); otherwise ``load_state_dict``."""
     targets = model.state_dict(keep_vars=True)
     if (targets.keys() != weights.keys() or not _plain_loading(model)
-            or any(not isinstance(weights[k], torch.Tensor) or weights[k].shape != t.shape for k, t in targets.items())):
+            or any(not isinstance(weights[k], torch.Tensor) or weights[k].shape != t.shape
+                   for k, t in targets.items())):
         model.load_state_dict(weights)
         return
     with torch.no_grad():

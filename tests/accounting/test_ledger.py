@@ -371,3 +371,24 @@ def test_a_release_made_for_many_clients_is_one_record_in_the_book_and_the_journ
     with pytest.raises(BudgetExceededError):
         book.record_for([1, 2, 3], event, purpose="central_aggregate", round=3)
     assert all(len(book[c].records) == 3 + (c == 2) for c in (1, 2, 3))
+
+
+def test_a_book_saved_in_the_first_layout_loads_as_it_was():
+    """Books written before the compact layout (version 1: every record in full, one made for many clients under
+    "shared") load unchanged: ledger.json files and checkpoints of earlier runs."""
+    from accounting import SubsampledGaussianEvent
+
+    own = {"event": NonPrivateEvent().to_dict(), "purpose": "contribution", "round": 0, "time": 1.5,
+           "metadata": {"bytes": 40}, "audience": "trusted_aggregator"}
+    shared = {"event": SubsampledGaussianEvent(1.2, 0.1).to_dict(), "purpose": "central_aggregate", "round": 1,
+              "time": 2.5, "metadata": {}}
+    state = {"format": "privfl.accounting.ledger_book", "version": 1, "default_budget": None, "accountant": "pld",
+             "shared": [shared],
+             "ledgers": [{"format": "privfl.accounting.ledger", "version": 1, "client_id": cid, "budget": None,
+                          "accountant": "pld", "records": records}
+                         for cid, records in ((1, [own, {"shared": 0}]), ("b", [{"shared": 0}]))]}
+    book = LedgerBook.from_state_dict(json.loads(json.dumps(state)))
+    assert [r.to_dict() for r in book[1].records] == [own, shared] and book[1].records[1] is book["b"].records[0]
+    again = LedgerBook.from_state_dict(json.loads(json.dumps(book.state_dict())))       # saved compact, loaded
+    assert again.state_dict() == book.state_dict() and again["b"].records == book["b"].records
+    assert book.state_dict()["version"] == 2
