@@ -158,17 +158,16 @@ class ReleaseJournal:
             key = json.dumps(values, allow_nan=False)
             line = self._templates.get(key)
             if line is None:
-                self._write({**compact, "r": {**values, "time": record.time}}, prepared=True)
-                line = self._position.lines                     # type: ignore[union-attr]  (set by _write)
+                line = self._write({**compact, "r": {**values, "time": record.time}}, prepared=True)
                 self._remember(self._templates, key, line)
                 self._remember(self._fast, fast, line)
                 if ids is not None:
                     self._id_lists[ids] = line
                 return
             self._remember(self._fast, fast, line)
-        self._write({**compact, "s": line, "t": record.time}, prepared=True)
+        written = self._write({**compact, "s": line, "t": record.time}, prepared=True)
         if ids is not None:
-            self._id_lists[ids] = self._position.lines           # type: ignore[union-attr]
+            self._id_lists[ids] = written
 
     @staticmethod
     def _remember(table: dict[Any, int], key: Any, line: int) -> None:
@@ -219,7 +218,8 @@ class ReleaseJournal:
         self._close()
         self._position = None
 
-    def _write(self, entry: dict[str, Any], *, prepared: bool = False) -> None:
+    def _write(self, entry: dict[str, Any], *, prepared: bool = False) -> int:
+        """Append ``entry`` as a line chained to the one before; return its number (counted from 1)."""
         if not prepared:
             self._prepare()
         assert self._position is not None and self._file is not None
@@ -237,6 +237,7 @@ class ReleaseJournal:
         self._position = JournalPosition(self._position.lines + 1, line_hash(line))
         if faults.reached("journal_after"):
             faults.die()
+        return self._position.lines
 
     def sync(self) -> None:
         """fsync the journal, so that what it holds survives a power loss (before a checkpoint that names it)."""
@@ -355,11 +356,15 @@ class ReleaseJournal:
     def _client_ids(self, entry: dict[str, Any], lines: list[dict[str, Any]], number: int) -> list[Any]:
         for key in ("client_ids", "cs"):
             if key in entry:
-                if not isinstance(entry[key], list):
+                ids = entry[key]
+                if not isinstance(ids, list):
                     raise ValueError(f"{key!r} is not a list of client ids")
-                return entry[key]
+                return ids
         if "cl" in entry:
-            return self._earlier(entry, "cl", lines, number, "cs")["cs"]
+            listed = self._earlier(entry, "cl", lines, number, "cs")["cs"]
+            if not isinstance(listed, list):
+                raise ValueError(f"line {entry['cl']}'s client ids are not a list")
+            return listed
         return [entry["client_id"] if "client_id" in entry else entry["c"]]
 
     def marks(self) -> list[dict[str, Any]]:

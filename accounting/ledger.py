@@ -58,7 +58,7 @@ _BOOK_VERSION = 2
 
 def _check_client_id(client_id: object) -> ClientId:
     if type(client_id) is int or type(client_id) is str:    # the usual case, without the numbers ABC's checks
-        return client_id  # type: ignore[return-value]
+        return client_id
     if isinstance(client_id, str):
         return client_id
     if not isinstance(client_id, bool) and isinstance(client_id, numbers.Integral):

@@ -186,6 +186,60 @@ def run_privfl(workload: str, seed: int, rounds: int) -> dict:
     return result
 
 
+def run_floor(workload: str, seed: int, rounds: int) -> dict:
+    """The floor under both frameworks (W1's work and nothing else, written by hand): each round 500 clients sampled
+    as privfl samples them, each loading the global weights, taking 3 SGD steps on privfl's batches, and keeping its
+    weight change; then their weighted mean and the server's momentum step. No messages, records or checks: what any
+    loop that trains these clients one after another and averages their changes exactly must spend."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    torch.set_num_threads(1)
+    from privfl.config import run_federation
+    from privfl.federation.runtime import sample_clients
+    from privfl.federation.seeding import derive_rng
+    from privfl.methods.local_training import minibatches
+    from privfl.models import build_model
+
+    federation = run_federation(privfl_config(workload, seed, rounds=rounds))
+    clients = {c.client_id: c for c in federation.training_clients}
+    torch.manual_seed(seed)
+    model = build_model("mlp2nn", federation.input_shape, federation.num_classes)
+    params = list(model.parameters())
+    weights = [p.detach().clone() for p in params]
+    momentum = None
+    starts: list[tuple[float, float]] = []
+    began = stamp()
+    for round in range(rounds):
+        starts.append(stamp())
+        changes, counts = [], []
+        for cid in sample_clients(sorted(clients), FRACTION, seed=seed, round=round):
+            data = clients[cid]
+            with torch.no_grad():
+                for p, w in zip(params, weights, strict=True):
+                    p.copy_(w)
+            for index in minibatches(data.num_train, BATCH, LOCAL_STEPS, derive_rng(seed, "client_train", round, cid)):
+                batch = torch.from_numpy(index)
+                loss = torch.nn.functional.cross_entropy(model(data.x_train[batch]), data.y_train[batch])
+                for p in params:
+                    p.grad = None
+                loss.backward()
+                with torch.no_grad():
+                    for p in params:
+                        p.add_(p.grad, alpha=-LR)
+            with torch.no_grad():
+                changes.append([p.detach() - w for p, w in zip(params, weights, strict=True)])
+            counts.append(float(data.num_train))
+        total = sum(counts)
+        mean = [sum(change[i] * (n / total) for change, n in zip(changes, counts, strict=True))
+                for i in range(len(params))]
+        momentum = mean if momentum is None else [MOMENTUM * m + c for m, c in zip(momentum, mean, strict=True)]
+        weights = [w + SERVER_LR * m for w, m in zip(weights, momentum, strict=True)]
+    ended = stamp()
+    return {"framework": "floor", "workload": workload, "seed": seed, "rounds": rounds,
+            "per_round": per_round(starts[1:]), "total_cpu_s": ended[0] - began[0], "total_wall_s": ended[1] - began[1]}
+
+
 def privfl_accountant(z: float, rounds: int) -> dict:
     """privfl's epsilon for ``rounds`` Poisson-subsampled Gaussian rounds at noise multiplier ``z`` and its own
     calibrated z for epsilon 8."""
@@ -379,6 +433,13 @@ def summarize(runs: list[dict], workloads: list[str], accountants: dict) -> dict
             "privfl_records_bytes": [mine[s]["records_bytes"] for s in seeds],
             "privfl_files_bytes": mine[seeds[0]]["files_bytes"] if seeds else {},
         }
+        floor = {r["seed"]: r for r in runs if r["workload"] == w and r["framework"] == "floor"}
+        if floor and seeds:
+            summary[w]["floor_cpu_s_per_round_median"] = statistics.median(floor[s]["per_round"]["cpu_mean"]
+                                                                           for s in floor)
+            summary[w]["floor_over_pfl_pairs"] = [floor[s]["per_round"]["cpu_mean"] / theirs[s]["per_round"]["cpu_mean"]
+                                                  for s in seeds if s in floor]
+            summary[w]["floor_over_pfl"] = statistics.median(summary[w]["floor_over_pfl_pairs"])
         if WORKLOADS[w]["private"] and seeds:
             summary[w]["noise_multiplier"] = {"privfl": mine[seeds[0]]["noise_multiplier"],
                                               "pfl": theirs[seeds[0]]["noise_multiplier"]}
@@ -390,15 +451,18 @@ def summarize(runs: list[dict], workloads: list[str], accountants: dict) -> dict
 
 def report(summary: dict, workloads: list[str]) -> str:
     lines = ["| workload | pairs | privfl CPU s/round | pfl CPU s/round | CPU ratio (median, spread) | "
-             "wall ratio (median, spread) | accuracy privfl | accuracy pfl | privfl records |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "wall ratio (median, spread) | floor CPU s/round (floor / pfl) | accuracy privfl | accuracy pfl | "
+             "privfl records |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for w in workloads:
         s = summary[w]
         acc = {k: ", ".join(f"{a:.2f}" for a in v) for k, v in s["accuracy"].items()}
+        floor = (f"{s['floor_cpu_s_per_round_median']:.3f} ({s['floor_over_pfl']:.3f})" if "floor_over_pfl" in s
+                 else "-")
         lines.append(f"| {w} | {s['pairs']} | {s['cpu_s_per_round_median']['privfl']:.3f} | "
                      f"{s['cpu_s_per_round_median']['pfl']:.3f} | {s['cpu_ratio_median']:.3f} "
                      f"({spread(s['cpu_ratio_pairs'])}) | {s['wall_ratio_median']:.3f} "
-                     f"({spread(s['wall_ratio_pairs'])}) | {acc['privfl']} | {acc['pfl']} | "
+                     f"({spread(s['wall_ratio_pairs'])}) | {floor} | {acc['privfl']} | {acc['pfl']} | "
                      f"{max(s['privfl_records_bytes']) / 1e6:.2f} MB |")
     if "accountants" in summary:
         a = summary["accountants"]
@@ -414,7 +478,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one seed, 6 rounds of W1 and 8 of W2 (timing only)")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="one interleaved pair per seed (0 1 2)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--child", choices=["privfl", "pfl", "privfl-accountant", "pfl-accountant"],
+    parser.add_argument("--child", choices=["privfl", "pfl", "floor", "privfl-accountant", "pfl-accountant"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -424,6 +488,7 @@ def main() -> int:
     if args.child:
         run = {"privfl": lambda: run_privfl(args.workload, args.seed, args.rounds),
                "pfl": lambda: run_pfl(args.workload, args.seed, args.rounds),
+               "floor": lambda: run_floor(args.workload, args.seed, args.rounds),
                "privfl-accountant": lambda: privfl_accountant(args.z, args.rounds),
                "pfl-accountant": lambda: pfl_accountant(args.z, args.rounds)}[args.child]
         print(json.dumps(run()))
@@ -436,13 +501,14 @@ def main() -> int:
         export_data(seed)
         for w in args.workloads:
             rounds = QUICK_ROUNDS[w] if args.quick else WORKLOADS[w]["rounds"]
-            order = ("privfl", "pfl") if (index + args.workloads.index(w)) % 2 == 0 else ("pfl", "privfl")
-            for framework in order:
+            sides = ["privfl", "pfl", *(["floor"] if not WORKLOADS[w]["private"] else [])]
+            turn = (index + args.workloads.index(w)) % len(sides)       # each side first in turn
+            for framework in sides[turn:] + sides[:turn]:
                 result = child(framework, w, seed, rounds)
                 runs.append(result)
+                accuracy = f", accuracy {result['accuracy']:.2f}" if "accuracy" in result else ""
                 print(f"{w} seed {seed} {framework:6s}: {result['per_round']['cpu_mean']:.3f} CPU s/round, "
-                      f"{result['per_round']['wall_mean']:.3f} wall s/round, accuracy {result['accuracy']:.2f}",
-                      flush=True)
+                      f"{result['per_round']['wall_mean']:.3f} wall s/round{accuracy}", flush=True)
     accountants = {}
     private = [w for w in args.workloads if WORKLOADS[w]["private"]]
     if private:
@@ -459,8 +525,10 @@ def main() -> int:
     print("\n" + text)
     for w in args.workloads:
         ok = summary[w]["cpu_ratio_median"] <= TARGET_RATIO
+        floor = summary[w].get("floor_over_pfl")
         print(f"{w}: privfl / pfl CPU per round {summary[w]['cpu_ratio_median']:.3f} "
-              f"({'at or below' if ok else 'above'} the target {TARGET_RATIO})")
+              f"({'at or below' if ok else 'above'} the target {TARGET_RATIO})"
+              + (f"; the hand-written floor / pfl {floor:.3f}" if floor is not None else ""))
     sys.path.insert(0, str(ROOT))
     from privfl.provenance import numerics
 

@@ -328,21 +328,25 @@ class InProcessRuntime(Runtime):
         if self.workers > 1 and len(messages) > 1:
             return self._exchange_in_workers(round, stage, messages)
         replies = {}
-        copy = not self.client.hands_over_messages()    # else: messages go over as they are, checked unmodified
-        for cid in sorted(messages):
-            delivered = self.wire.server_to_client(cid, messages[cid], copy=copy)
-            versions = None if copy else [t._version for t in delivered.arrays.values()]
-            ctx = client_context(self.seed, cid, round, stage)
-            if stage == 0:
-                release = self.client.train(self.clients[cid], delivered, self._working[cid], ctx)
-            else:
-                release = self.client.train_stage(stage, self.clients[cid], delivered, self._working[cid], ctx)
-            if versions is not None and versions != [t._version for t in delivered.arrays.values()]:
-                raise InternalError(f"client {cid} modified the tensors of the message it received in place at "
-                                    f"stage {stage} of round {round}, although its procedure "
-                                    f"({type(self.client).__name__}) declares shares_messages: it must not")
-            if release is not None:
-                replies[cid] = self.wire.client_to_server(cid, release, round=round, copy=copy)
+        hand_over = self.client.hands_over_messages()    # messages go over uncopied, checked unmodified
+        self.wire.hand_over = hand_over
+        try:
+            for cid in sorted(messages):
+                delivered = self.wire.server_to_client(cid, messages[cid])
+                versions = [t._version for t in delivered.arrays.values()] if hand_over else None
+                ctx = client_context(self.seed, cid, round, stage)
+                if stage == 0:
+                    release = self.client.train(self.clients[cid], delivered, self._working[cid], ctx)
+                else:
+                    release = self.client.train_stage(stage, self.clients[cid], delivered, self._working[cid], ctx)
+                if versions is not None and versions != [t._version for t in delivered.arrays.values()]:
+                    raise InternalError(f"client {cid} modified the tensors of the message it received in place at "
+                                        f"stage {stage} of round {round}, although its procedure "
+                                        f"({type(self.client).__name__}) declares shares_messages: it must not")
+                if release is not None:
+                    replies[cid] = self.wire.client_to_server(cid, release, round=round)
+        finally:
+            self.wire.hand_over = False
         return replies
 
     def _exchange_in_workers(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:

@@ -22,24 +22,26 @@ class Wire:
         self.ledgers = ledgers if ledgers is not None else LedgerBook()
         # where each release's record is also appended before it is delivered (a run directory's releases.jsonl)
         self.journal: ReleaseJournal | None = None
+        # Set by the in-process runtime while clients whose procedure only reads what it receives and keeps nothing
+        # it releases train (ClientProcedure.hands_over_messages): messages then cross uncopied, both ways.
+        self.hand_over = False
         self.bytes_down: dict[int, int] = defaultdict(int)
         self.bytes_up: dict[int, int] = defaultdict(int)
 
-    def server_to_client(self, client_id: int, message: Message, *, copy: bool = True) -> Message:
-        """Deliver ``message`` to a client: a copy (the client cannot touch the server's tensors), or, with
-        ``copy=False``, the message itself, for a client that only reads it
-        (:meth:`~privfl.methods.base.ClientProcedure.hands_over_messages`)."""
+    def server_to_client(self, client_id: int, message: Message) -> Message:
+        """Deliver ``message`` to a client: a copy (the client cannot touch the server's tensors), or, while
+        :attr:`hand_over` is set, the message itself."""
         self.count_down(client_id, message)
-        return message.copy() if copy else message
+        return message if self.hand_over else message.copy()
 
     def count_down(self, client_id: int, message: Message) -> None:
         """Count ``message`` as sent to a client that gets its own copy another way (a worker process reads it from
         bytes, :mod:`privfl.federation.workers`)."""
         self.bytes_down[client_id] += message.num_bytes()
 
-    def client_to_server(self, client_id: int, release: Release, *, round: int | None, copy: bool = True) -> Message:
-        """Record ``release`` in the client's ledger, then deliver a copy of its message to the server (with
-        ``copy=False``, the message itself: a client that keeps no reference to what it releases hands it over).
+    def client_to_server(self, client_id: int, release: Release, *, round: int | None) -> Message:
+        """Record ``release`` in the client's ledger, then deliver a copy of its message to the server (while
+        :attr:`hand_over` is set, the message itself).
 
         Raises :class:`accounting.BudgetExceededError` (from the ledger) before anything is delivered when the
         release would exceed the client's budget or the budget its noise was calibrated for.
@@ -50,7 +52,7 @@ class Wire:
         if self.journal is not None:
             self.journal.append(client_id, record)
         self.bytes_up[client_id] += metadata["bytes"]
-        return release.message.copy() if copy else release.message
+        return release.message if self.hand_over else release.message.copy()
 
     def record_for(self, client_ids: list[int], release, *, round: int | None) -> None:
         """Record a release the server makes on behalf of each of ``client_ids`` (a

@@ -360,10 +360,8 @@ def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path
     with pytest.raises(FlowerClientError, match=rf"node 100 \(clients \[{', '.join(map(str, sorted(doomed)))}\]\) "
                                                 r"failed in 'train'"):
         flower_main(grid, _serve_config(config, tmp_path / "run"), options=FlowerOptions(timeout_s=60, node_wait_s=5))
-    journal = [json.loads(line) for line in (tmp_path / "run" / "releases.jsonl").read_text().splitlines()]
-    assert sorted(e["client_id"] for e in journal) == survivors
-    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
-    assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == survivors
+    assert sorted(cid for cid, _ in journal_records(tmp_path / "run" / "releases.jsonl")) == survivors
+    assert sorted(book_records(tmp_path / "run" / "ledger.json")) == survivors
 
 
 def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity):
