@@ -344,8 +344,7 @@ class InProcessRuntime(Runtime):
                                         f"stage {stage} of round {round}, although its procedure "
                                         f"({type(self.client).__name__}) declares shares_messages: it must not")
                 if release is not None:
-                    replies[cid] = self.strategy.fold(round, stage, cid,
-                                                      self.wire.client_to_server(cid, release, round=round))
+                    replies[cid] = self.wire.client_to_server(cid, release, round=round)
         finally:
             self.wire.hand_over = False
         return replies
@@ -364,8 +363,7 @@ class InProcessRuntime(Runtime):
                 raise result
             release, self._working[cid] = result
             if release is not None:
-                replies[cid] = self.strategy.fold(round, stage, cid,
-                                                  self.wire.client_to_server(cid, release, round=round))
+                replies[cid] = self.wire.client_to_server(cid, release, round=round)
         return replies
 
     def close(self) -> None:

@@ -214,13 +214,6 @@ class Strategy(ABC):
         (:class:`~privfl.methods.private.Aggregator`)."""
         return sample_clients(client_ids, fraction, seed=seed, round=round)
 
-    def fold(self, round: int, stage: int, client_id: int, message: Message) -> Message:
-        """A message of stage ``stage`` of ``round`` as it reaches the server (recorded first; in-process, in
-        increasing client id): what the round keeps of it for :meth:`aggregate_train` (or the next stage). The
-        message itself by default; the privacy layer's central aggregator adds a contribution to the round's sum here
-        and keeps the message without its arrays (:class:`~privfl.methods.private.Aggregator`)."""
-        return message
-
     def round_releases(self, round: int) -> list[RoundRelease]:
         """Releases the server makes this round on behalf of every training client, recorded in every training
         client's ledger before the round's messages are used (central DP's noisy aggregate); none by default."""

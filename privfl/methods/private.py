@@ -265,35 +265,7 @@ class Aggregator(Strategy):
                                        "relation": "add or remove one client"})]
 
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        self._folded = None           # a round begins (or begins again): nothing of it is summed yet
         return self.inner.configure_train(round, client_ids)
-
-    #: Central: the running sum of the round's clipped contributions as they arrive (:meth:`fold`): the round, the
-    #: float64 sum by name, how many were within the clip, and whose they are, in the order added.
-    _folded: tuple[int, dict[str, torch.Tensor], int, list[int]] | None = None
-
-    def fold(self, round: int, stage: int, client_id: int, message: Message) -> Message:
-        """Central: clip a contribution of the round's last stage and add it to the round's sum as it arrives (the
-        runtime hands them over in increasing client id, the order :meth:`aggregate_train` adds them in: the same
-        numbers), keeping the message without its arrays, so a round holds one sum, not every client's update. A
-        method that derives its contributions from the messages (``contributions`` overridden) is not folded."""
-        if (not self.central or stage != self.train_stages - 1
-                or type(self.inner).contributions is not Strategy.contributions):
-            return message
-        if self._folded is None or self._folded[0] != round:
-            like = self.inner.contribution_shapes()
-            self._folded = (round, {k: torch.zeros_like(v, dtype=torch.float64) for k, v in like.items()}, 0, [])
-        _, total, within, added = self._folded
-        if added and client_id <= added[-1]:
-            raise InternalError(f"client {client_id}'s contribution arrived after client {added[-1]}'s: the sum "
-                                "adds them in increasing client id")
-        if set(message.arrays) != set(total):
-            raise InternalError(f"{self.method}'s contribution has tensors {sorted(message.arrays)}, its "
-                                f"contribution_shapes {sorted(total)}")
-        norm = add_clipped(total, message.arrays, self.clip)
-        added.append(client_id)
-        self._folded = (round, total, within + int(norm <= self.clip), added)
-        return Message(metrics=message.metrics, config=message.config)
 
     def configure_stage(self, round: int, stage: int, replies: dict[int, Message]) -> dict[int, Message]:
         return self.inner.configure_stage(round, stage, replies)
@@ -328,21 +300,14 @@ class Aggregator(Strategy):
             raise InternalError("distributed DP aggregates the secure sum of the releases (aggregate_sum), never the "
                                 "releases themselves")
         like = self.inner.contribution_shapes()
-        folded, self._folded = self._folded, None
-        if folded is not None and folded[0] == round and replies:   # summed as they arrived (fold)
-            _, total, within, added = folded
-            if added != sorted(replies):
-                raise InternalError(f"round {round}'s sum holds the contributions of clients {added[:10]}, its "
-                                    f"replies are from {sorted(replies)[:10]}")
-        else:
-            total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in like.items()}
-            within = 0
-            for _, contribution in self.inner.contributions(round, replies):
-                if set(contribution) != set(like):
-                    raise InternalError(f"{self.method}'s contribution has tensors {sorted(contribution)}, its "
-                                        f"contribution_shapes {sorted(like)}")
-                norm = add_clipped(total, contribution, self.clip)     # clipped to C, added in float64
-                within += int(norm <= self.clip)
+        total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in like.items()}
+        within = 0
+        for _, contribution in self.inner.contributions(round, replies):
+            if set(contribution) != set(like):
+                raise InternalError(f"{self.method}'s contribution has tensors {sorted(contribution)}, its "
+                                    f"contribution_shapes {sorted(like)}")
+            norm = add_clipped(total, contribution, self.clip)     # clipped to C, added in float64
+            within += int(norm <= self.clip)
         names = list(total)
         flat = torch.cat([total[k].reshape(-1) for k in names])
         draws = _gaussian(self.privacy, (flat.numel() + 1,), "central_noise", round)   # the last one: the count's
