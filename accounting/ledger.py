@@ -529,11 +529,13 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
 
     def record_for(self, client_ids: list[ClientId], event: PrivacyEvent, *, purpose: str, round: int | None = None,
                    metadata: Mapping[str, Any] | None = None,
-                   calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+                   calibrated_for: PrivacyBudget | None = None, planned: int | None = None) -> ReleaseRecord:
         """Record one release made on behalf of every client of ``client_ids`` (central DP's noisy aggregate, which
         every training client's guarantee composes each round) in each of their ledgers, as one record object.
         Every ledger is checked before any records it, so a refusal records nothing for anyone (an event the book's
-        accountant cannot price, :func:`~accounting.check_supported`, included)."""
+        accountant cannot price, :func:`~accounting.check_supported`, included). ``planned``: how many times in all
+        such a release is planned (a run's rounds), which the check prices first (:meth:`_check_within`): a hint
+        of what to price, never a reason to allow."""
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
                                 metadata={} if metadata is None else dict(metadata))
         check_supported(event, accountant=self._accountant)
@@ -546,7 +548,7 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
             budgets = [b for b in (calibrated_for, ledger.budget) if b is not None]
             ledger._check_event(event)
             for budget in dict.fromkeys(budgets):
-                self._check_within(ledger, event, budget, client_id, purpose)
+                self._check_within(ledger, event, budget, client_id, purpose, planned=planned)
             checked.add(key)
         relations: dict[Any, Any] = {}     # the relation after the event, by the ledger's relation before it
         for client_id in client_ids:
@@ -557,7 +559,7 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         return release
 
     def _check_within(self, ledger: PrivacyLedger, event: PrivacyEvent, budget: PrivacyBudget, client_id: ClientId,
-                      purpose: str) -> None:
+                      purpose: str, *, planned: int | None = None) -> None:
         """Raise :class:`BudgetExceededError` unless ``ledger``'s releases to everyone plus ``event`` stay within
         ``budget``.
 
@@ -567,7 +569,8 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         copies of ``event`` again as it holds (fewer, halving, where that would hold a composition found over the
         budget): within the budget, it approves this round and the rounds up to it; over it, the projection itself
         is priced, as it always was. A run of R rounds of central DP prices about 2 log2 R compositions instead of
-        R; a refusal always comes from the projection's own epsilon."""
+        R, or one when it says it plans R (``planned``: the projection plus the copies of ``event`` still to come is
+        tried first); a refusal always comes from the projection's own epsilon."""
         step = event.leaf_counts()
         projected = ledger._leaves + step
         approved = self._approved.setdefault((budget, ledger.accountant), [])
@@ -575,6 +578,15 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
             return
         refused = self._refused.setdefault((budget, ledger.accountant), [])
         copies = min(projected[leaf] // n for leaf, n in step.items())
+        if planned is not None and planned > copies:
+            ahead = projected + Counter({leaf: n * (planned - copies) for leaf, n in step.items()})
+            if not any(_holds(ahead, over) for over in refused):
+                if budget.allows(ledger._epsilon_of(ahead, budget.delta)):
+                    _keep(approved, ahead)
+                    return
+                _keep(refused, ahead)
+        if planned is not None and copies >= planned:
+            copies = 0                           # past the plan: only the projection itself is worth pricing
         while copies >= 1:
             ahead = projected + Counter({leaf: n * copies for leaf, n in step.items()})
             if not any(_holds(ahead, over) for over in refused):

@@ -94,6 +94,9 @@ class RoundRelease:
     purpose: str
     metadata: dict[str, Any] = field(default_factory=dict)
     calibrated_for: PrivacyBudget | None = None
+    #: How many times the run plans this release in all (its rounds; public): the ledgers then price the whole plan
+    #: once instead of each round's projection (:meth:`accounting.LedgerBook.record_for`). ``None``: unknown.
+    planned: int | None = None
 
 
 @dataclass(frozen=True)

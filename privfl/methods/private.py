@@ -225,6 +225,7 @@ class Aggregator(Strategy):
         self.num_training_clients = inner.num_training_clients
         self.train_stages = inner.train_stages
         self.central = privacy.mode == CENTRAL
+        self.rounds = rounds
         self.q = float(sampling_probability)
         self.clip = float(privacy.clip_initial) if privacy.clip == ADAPTIVE else float(privacy.clip)
         if not self.central:
@@ -260,6 +261,7 @@ class Aggregator(Strategy):
         if not self.central:
             return []
         return [RoundRelease(event=self.event, purpose="central_aggregate", calibrated_for=self.budget,
+                             planned=self.rounds,
                              metadata={"mode": CENTRAL, "noise": self.privacy.noise, "sampling_probability": self.q,
                                        "noise_multiplier": self.noise_multiplier, "clip": self.privacy.clip,
                                        "relation": "add or remove one client"})]

@@ -392,3 +392,38 @@ def test_a_book_saved_in_the_first_layout_loads_as_it_was():
     again = LedgerBook.from_state_dict(json.loads(json.dumps(book.state_dict())))       # saved compact, loaded
     assert again.state_dict() == book.state_dict() and again["b"].records == book["b"].records
     assert book.state_dict()["version"] == 2
+
+
+def test_a_round_release_for_everyone_prices_few_compositions_and_refuses_exactly(monkeypatch):
+    """Central DP records its aggregate for every client each round: the book prices a larger composition ahead
+    (the run's plan when given, else twice the projection) and approves the rounds it holds, so R rounds price
+    about 2 log2 R compositions, or one with the plan; the release past the budget is still refused, with the
+    projection's own epsilon."""
+    from collections import Counter
+
+    from accounting import SubsampledGaussianEvent
+
+    event, rounds = SubsampledGaussianEvent(1.0, 0.5), 16
+    exact = LedgerBook()[0]
+    for r in range(rounds):
+        exact.record(event, purpose="central_aggregate", round=r)
+    budget = PrivacyBudget(epsilon=exact.spent(1e-5).epsilon, delta=1e-5)   # exactly 16 rounds fit
+    priced = []
+    original = PrivacyLedger._epsilon_of
+    monkeypatch.setattr(PrivacyLedger, "_epsilon_of", lambda self, leaves, delta: (
+        priced.append(sum(leaves.values())), original(self, leaves, delta))[1])
+    for planned in (None, rounds):
+        priced.clear()
+        book = LedgerBook()
+        for r in range(rounds):
+            book.record_for([0, 1, 2], event, purpose="central_aggregate", round=r, calibrated_for=budget,
+                            planned=planned)
+        # with the plan: 16 once; without: 2, 6, 14, then 30, 22 and 18 over the budget, then 16 (and the exact
+        # projections of no round: each is held by a composition priced within the budget)
+        assert len(priced) == 1 if planned else len(priced) <= 2 * math.ceil(math.log2(rounds)), priced
+        with pytest.raises(BudgetExceededError) as refused:
+            book.record_for([0, 1, 2], event, purpose="central_aggregate", round=rounds, calibrated_for=budget,
+                            planned=planned)
+        assert refused.value.epsilon_after == pytest.approx(LedgerBook()[0]._epsilon_of(
+            Counter({event: rounds + 1}), 1e-5))
+        assert all(len(book[c]) == rounds for c in (0, 1, 2))
