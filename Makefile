@@ -30,10 +30,11 @@ demo: $(STAMP)
 demo-baselines: $(STAMP)
 	$(VENV)/bin/privfl demo --out runs/demo
 
-# Style and import order (ruff, every file) and strict types where the privacy claims live (mypy).
+# Style and import order (ruff, every file) and types over the packages (mypy; strict where the privacy claims and
+# the federation's wire live, settings in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy accounting privfl/privacy
+	$(VENV)/bin/mypy accounting privfl attacks
 
 # lint, then the tests and every docstring example (pyproject.toml: --doctest-modules over the packages), then a
 # warning (never a failure) naming the results under benchmarks/results/ whose code changed since they were made

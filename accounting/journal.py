@@ -1,22 +1,10 @@
 """The release journal: every release recorded in a :class:`~accounting.ledger.LedgerBook`, appended to a file as it
 is recorded, one JSON line each, each line carrying the sha256 of the line before it.
 
-A book is saved with a run's checkpoints, every few rounds. A process killed between two saves would lose the
-records of the releases made since, although those releases were delivered; the run, resumed from the last
-checkpoint, would then report epsilons that leave them out. The journal line is written (and flushed to the operating
-system, which keeps it when the process dies) before the release is delivered, and
-:meth:`ReleaseJournal.replay_into` puts the lost records back into the checkpoint's book: a ledger never rolls back.
-A last line cut short by a kill belongs to a release that was never delivered; it is ignored when read and removed
-by :meth:`ReleaseJournal.repair` before a resumed run appends.
-
-The hash chain makes the journal tamper-evident against accidents (an edited, removed or reordered line breaks the
-chain at the line after it), and :class:`JournalPosition` (the number of lines and the hash of the last one) lets a
-checkpoint say which journal it saw: :meth:`ReleaseJournal.verify` refuses a journal shorter than that, or one whose
-first lines differ from it. Lines removed from the end after the last checkpoint cannot be noticed; a chain that
-someone recomputes after editing is not detected either (this is a guard against faults, not a signature).
-
-Besides releases, a line can carry a mark (``{"mark": NAME, ...}``): an event of the run that is not a release, such
-as a run's novel clients having been served (:meth:`ReleaseJournal.mark`, :meth:`ReleaseJournal.marks`).
+The line is written before the release is delivered, so :meth:`ReleaseJournal.replay_into` can put back into a
+checkpoint's book the releases made after it (a ledger never rolls back); :meth:`ReleaseJournal.repair`,
+:meth:`ReleaseJournal.verify`, :class:`JournalPosition`, :meth:`ReleaseJournal.mark`. Why, and what the hash chain
+does and does not detect: docs/privacy.md, "The release journal".
 
 Lines are compact (format 2): ``"p"`` carries the first 16 hex digits of the previous line's sha256 (64 bits: enough
 to notice an accident, and this is no signature), and a release whose record equals an earlier line's in everything
@@ -43,6 +31,7 @@ import hashlib
 import json
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +115,7 @@ class ReleaseJournal:
         client_id = _check_client_id(client_id)
         self._release({"c": client_id}, {"client_id": client_id}, record)
 
-    def append_for(self, client_ids: list[ClientId], record: ReleaseRecord) -> None:
+    def append_for(self, client_ids: Sequence[ClientId], record: ReleaseRecord) -> None:
         """Append one release recorded for every client of ``client_ids`` (:meth:`LedgerBook.record_for`), as one
         line."""
         ids = [_check_client_id(c) for c in client_ids]

@@ -14,7 +14,7 @@ import numbers
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -527,7 +527,7 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
                     counts[str(record.metadata.get(key, "unstated"))] += 1
         return dict(sorted(counts.items()))
 
-    def record_for(self, client_ids: list[ClientId], event: PrivacyEvent, *, purpose: str, round: int | None = None,
+    def record_for(self, client_ids: Sequence[ClientId], event: PrivacyEvent, *, purpose: str, round: int | None = None,
                    metadata: Mapping[str, Any] | None = None,
                    calibrated_for: PrivacyBudget | None = None, planned: int | None = None) -> ReleaseRecord:
         """Record one release made on behalf of every client of ``client_ids`` (central DP's noisy aggregate, which

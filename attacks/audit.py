@@ -1,47 +1,12 @@
 """Empirical DP audits: a statistically honest lower bound on epsilon for a mechanism, set beside its claim.
 
-Two tests, both on releases of the mechanism on a worst-case pair of neighbouring inputs ``D`` and ``D'``:
+Two tests on releases of the mechanism on a worst-case pair of neighbouring inputs: a black-box threshold test
+(:func:`audit_mechanism`, :func:`audit_samples`; Clopper-Pearson bounds on the false-positive and false-negative
+rates give a lower bound on epsilon) and a delta-violation test at the claimed epsilon (:func:`audit_delta`).
+:func:`audit_dp_gmm` audits one block of a jointly calibrated DP-GMM release; :func:`audit_privatize` and
+:func:`run_audit` run the audits of ``privfl attack audit`` (:func:`audit_parser`, :func:`audit_main`).
 
-1. **Black-box threshold test** (:func:`audit_mechanism`, :func:`audit_samples`; Jagielski et al. 2020, Nasr et al.
-   2021). Each release is reduced to a scalar score (default: projection on the difference of the two empirical
-   means). A threshold test "say D when score > t" has false-positive rate ``FPR = Pr[score(M(D')) > t]`` and
-   false-negative rate ``FNR = Pr[score(M(D)) <= t]``. If M is (epsilon, delta)-DP then, for the set
-   ``S = {score > t}``, ``Pr[M(D) in S] <= e^eps Pr[M(D') in S] + delta``, i.e. ``1 - FNR <= e^eps FPR + delta``;
-   the same holds with D and D' swapped. Hence
-
-       eps >= ln((1 - delta - FNR) / FPR)      and      eps >= ln((1 - delta - FPR) / FNR).
-
-   With Clopper-Pearson upper bounds ``FPR_upper``, ``FNR_upper`` (each one-sided at level (1 + confidence) / 2, so
-   both hold together with probability >= ``confidence``), ``eps_lb = ln((1 - delta - FNR_upper) / FPR_upper)``
-   (or the swapped direction) is a lower bound on the true epsilon with probability >= ``confidence``.
-   Assumptions: the releases are i.i.d. draws of M(D) and M(D'); the score direction, the threshold and the direction
-   of the test are chosen on a held-out half of the trials and the bound is computed on the other half, so the
-   choice cannot overfit the noise (no multiple-testing correction is then needed). The bound is a *lower* bound:
-   it can only show that a claim is false, never that it holds, and it is loose where the claimed epsilon is large
-   (showing eps >= 20 needs an FPR of about e^-20, i.e. ~1e9 trials or more).
-
-2. **Delta-violation test at the claimed epsilon** (:func:`audit_delta`). For a tail set ``S = {score > t}``,
-   ``delta_emp = Pr[M(D) in S] - e^eps Pr[M(D') in S]`` must be <= delta under the claim. ``Pr[M(D) in S]`` is
-   counted (Clopper-Pearson lower bound, black box). ``e^eps Pr[M(D') in S]`` cannot be counted at large epsilon
-   (at eps = 20 it needs probabilities of ~1e-12), so it is **extrapolated with a Gaussian model** of the score
-   under D' (mean and standard deviation fitted on the evaluation half, with upper confidence bounds: normal for
-   the mean, chi-square for the standard deviation). This is a white-box assumption that holds for Gaussian-noise
-   releases projected on a fixed direction (the score is then exactly Gaussian); it is stated in every result.
-   The three confidence bounds are Bonferroni-combined to ``confidence``.
-
-Units: epsilon natural log, delta a probability. Nothing here adds noise to a client's data: the mechanisms audited
-are the project's own (:func:`privfl.privacy.privatize`, and the DP-FedPFT release
-:func:`privfl.privacy.dp_gmm.release_class_gaussians` through :func:`audit_dp_gmm`) and two deliberately broken ones
-built only for the audit.
-
-**Auditing one block of a jointly calibrated release** (:func:`audit_dp_gmm`). The DP-GMM message is k Gaussian
-blocks (S1, S2 when released, and counts when noisy), each scaled to unit sensitivity and noised by one Gaussian of
-joint sensitivity sqrt(k) calibrated at the message's ``(epsilon, delta)``. The audit's worst-case pair moves only the
-S1 block (by exactly its sensitivity); it can therefore only bound what that block alone spends, and the claim it is
-set against (``epsilon_claimed``, the ratio, the verdict) is the S1 block's own epsilon at the message's delta, from
-the accountant (a Gaussian of noise multiplier ``sigma_S1 / Delta_S1``); the whole message's ``(epsilon, delta)`` is
-reported beside it (``epsilon_release``, ``delta_release``), never as the ratio's denominator (that would make any
-audit look better than it is).
+The two tests' statistics and the DP-GMM block audit: docs/attacks.md, "Empirical DP audits".
 """
 
 from __future__ import annotations
@@ -58,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from accounting.validation import is_int_at_least, is_real
 from privfl.registry import Registry
 
 __all__ = ["AuditResult", "DeltaAudit", "MECHANISMS", "audit_delta", "audit_dp_gmm", "audit_main", "audit_mechanism",
@@ -93,13 +59,13 @@ def _check_epsilon(epsilon: object) -> float:
 
 
 def _check_delta(delta: object) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < 1:
+    if not is_real(delta) or not 0 <= delta < 1:
         raise _err(f"delta must be a probability in [0, 1), got {delta!r}")
     return float(delta)
 
 
 def _check_confidence(confidence: object) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not 0 < confidence < 1:
+    if not is_real(confidence) or not 0 < confidence < 1:
         raise _err(f"confidence must be in the open interval (0, 1), got {confidence!r}")
     return float(confidence)
 
@@ -351,8 +317,10 @@ def _delta_test(s1a, s0a, s1b, s0b, epsilon: float, delta: float, confidence: fl
 def audit_delta(releases_d, releases_d_prime, *, epsilon: float, delta: float, confidence: float = 0.95,
                 statistic=None) -> DeltaAudit:
     """Delta-violation test at fixed ``epsilon`` on releases ``[trials, dim]`` (module docstring, test 2)."""
-    return audit_samples(releases_d, releases_d_prime, epsilon_claimed=epsilon, delta=delta, confidence=confidence,
-                         statistic=statistic, delta_test=True).delta_audit
+    result = audit_samples(releases_d, releases_d_prime, epsilon_claimed=epsilon, delta=delta, confidence=confidence,
+                           statistic=statistic, delta_test=True)
+    assert result.delta_audit is not None   # delta_test=True makes it
+    return result.delta_audit
 
 
 def audit_mechanism(sample_d: Callable[[], object], sample_d_prime: Callable[[], object], *, trials: int,
@@ -405,6 +373,7 @@ def _fixed_threshold(x_d, x_dp, threshold: float, result: AuditResult, statistic
         eps = max(0.0, float(_eps_from_rates(fpr_u, fnr_u, result.delta)))
         if best is None or eps > best[0]:
             best = (eps, direction, fp / n0, fn / n1, float(fpr_u), float(fnr_u))
+    assert best is not None   # both directions were evaluated
     eps, direction, fpr, fnr, fpr_u, fnr_u = best
     return AuditResult(epsilon_lower=eps, epsilon_claimed=result.epsilon_claimed, delta=result.delta,
                        trials=result.trials, fpr=fpr, fnr=fnr, threshold=threshold,
@@ -690,7 +659,7 @@ def audit_dp_gmm(eps: float, delta: float, *, trials: int, bound: float = 1.0, n
     from privfl.privacy.sensitivity import check_relation
 
     eps, delta, trials = _check_gaussian_audit(eps, delta, trials, n, bound, "records in the class")
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+    if not is_int_at_least(dim, 1):
         raise _err(f"dim must be an int >= 1, got {dim!r}")
     if covariance not in COVARIANCE_TYPES:
         raise _err(f"covariance must be one of {', '.join(COVARIANCE_TYPES)}, got {covariance!r}")

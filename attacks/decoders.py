@@ -1,20 +1,12 @@
 """Decoder baselines of the reconstruction attack: maps from a feature to an image, fitted on the attacker's pairs.
 
-A diffusion reconstructor is credible only when it beats these on every metric: each is trained on the same
-``(E(x), x)`` pairs of the attacker's own data and has its hyperparameters chosen on the attacker's held-out pairs
-(mean squared error; never the defender's images). All return images ``[n, C, H, W]`` on [0, 1].
-
-- :class:`RidgeDecoder`: linear least squares from standardised features to pixels with an L2 penalty alpha
-  (closed form through the eigendecomposition of ``X^T X``, float64).
-- :class:`MLPDecoder`: a two-hidden-layer MLP (SiLU, sigmoid output) trained with MSE by AdamW; the epoch with the
-  lowest held-out MSE is kept (early stopping).
-- :class:`KNNDecoder`: the average of the k attacker images whose features are most similar (cosine) to the
-  released one; with ``ks=(1,)`` it is the nearest attacker image by feature (``"nn"``; a sharp image, as a
-  generator's sample is, where the average is a blurred one).
-- :class:`ClassMeanDecoder`: the attacker's mean image of the released label (what the label alone gives).
-
-Regression decoders estimate the posterior mean ``E[x | E(x)]``, which is what PSNR rewards; that is why the
-diffusion reconstructor reports the mean of its samples beside their medoid.
+Each is trained on the same ``(E(x), x)`` pairs of the attacker's own data and has its hyperparameters chosen on the
+attacker's held-out pairs (mean squared error; never the defender's images). All return images ``[n, C, H, W]`` on
+[0, 1]. Plain: :class:`RidgeDecoder`, :class:`MLPDecoder`, :class:`KNNDecoder` (``"nn"`` with ``ks=(1,)``),
+:class:`ClassMeanDecoder`. Tuned, each choosing among its grid (:data:`TUNING_GRIDS`) and recording every
+candidate's held-out MSE and CPU seconds (:class:`TunedDecoder`): ``"mlp-tuned"``, ``"conv"`` (:class:`ConvDecoder`),
+``"mlp-ensemble"`` (:class:`EnsembleDecoder`), ``"random-features"`` (:class:`RandomFeaturesDecoder`).
+:func:`fit_decoders` fits a list of them by name.
 
 Example:
     >>> import torch
@@ -22,24 +14,28 @@ Example:
     >>> d = KNNDecoder(ks=(1,)).fit(f, x, torch.arange(4), f, x, torch.arange(4))
     >>> bool(torch.equal(d.decode(f, torch.arange(4)), x))
     True
+
+See docs/attacks.md, "Decoder baselines".
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import numbers
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from privfl.errors import ConfigError, check
+from accounting.validation import is_int_at_least, is_real
+from privfl.errors import ConfigError, TrainingDivergedError, check
 
-__all__ = ["DECODERS", "ClassMeanDecoder", "KNNDecoder", "MLPDecoder", "RidgeDecoder", "feature_similarity",
-           "fit_decoders", "make_decoder"]
+__all__ = ["DECODERS", "ENSEMBLE_MEMBERS", "TUNING_GRIDS", "ClassMeanDecoder", "ConvDecoder", "EnsembleDecoder",
+           "KNNDecoder", "MLPDecoder", "RandomFeaturesDecoder", "RidgeDecoder", "TunedDecoder", "cross_fitted",
+           "feature_similarity", "fit_decoders", "held_out_mse", "make_decoder"]
 
 
 def _tensor(x: Any) -> torch.Tensor:
@@ -108,7 +104,7 @@ class RidgeDecoder(_StandardisingDecoder):
     name = "ridge"
 
     def __init__(self, alphas: Sequence[float] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)) -> None:
-        if not alphas or any(isinstance(a, bool) or not isinstance(a, numbers.Real) or not a > 0 for a in alphas):
+        if not alphas or any(not is_real(a) or not a > 0 for a in alphas):
             raise ConfigError(f"alphas must be one or more numbers > 0, got {alphas!r}")
         self.alphas = tuple(float(a) for a in alphas)
         self.details: dict[str, Any] = {}
@@ -132,6 +128,7 @@ class RidgeDecoder(_StandardisingDecoder):
             scores[a] = mse
             if best is None or mse < scores[best[0]]:
                 best = (a, weights)
+        assert best is not None   # alphas is not empty
         self.alpha, self.weights = best
         self.details = {"alpha_over_n": self.alpha, "held_out_mse": {f"{a:g}": v for a, v in scores.items()}}
         return self
@@ -148,7 +145,10 @@ class MLPDecoder(_StandardisingDecoder):
     """A two-hidden-layer MLP (standardised feature -> ``hidden`` -> ``hidden`` -> pixels, SiLU, sigmoid), MSE.
 
     Trains up to ``epochs`` epochs (AdamW, batch ``batch_size``) and keeps the weights of the epoch with the lowest
-    held-out MSE; stops after ``patience`` epochs without improvement.
+    held-out MSE; stops after ``patience`` epochs without improvement. ``dropout`` (after each hidden layer) and
+    ``schedule="cosine"`` (the learning rate falls from ``learning_rate`` to 0 along a half cosine over ``epochs``
+    epochs, per step; Loshchilov and Hutter 2017) are what the tuned MLP adds; the defaults (no dropout, a constant
+    rate) are the project's first MLP.
 
     Cross-fitting (``folds = K >= 2``): :meth:`fit` also trains K fold models, the k-th on every training pair
     outside the k-th of K disjoint parts (a seeded random split), with the same early stopping. ``decode(...,
@@ -165,13 +165,20 @@ class MLPDecoder(_StandardisingDecoder):
 
     def __init__(self, *, hidden: int = 1024, epochs: int = 30, learning_rate: float = 1e-3,
                  weight_decay: float = 1e-4, batch_size: int = 256, patience: int = 4, seed: int = 0,
-                 folds: int = 0, device: str | torch.device = "cpu", progress: bool = False) -> None:
+                 folds: int = 0, dropout: float = 0.0, schedule: str = "constant",
+                 device: str | torch.device = "cpu", progress: bool = False) -> None:
         for name, value in (("hidden", hidden), ("epochs", epochs), ("batch_size", batch_size),
                             ("patience", patience)):
             check.integer(value, name)
         check.positive(learning_rate, "learning_rate")
-        if isinstance(folds, bool) or not isinstance(folds, numbers.Integral) or folds == 1 or folds < 0:
+        if not is_real(dropout) or not 0 <= dropout < 1:
+            raise ConfigError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+        if schedule not in ("constant", "cosine"):
+            raise ConfigError(f"schedule must be constant or cosine, got {schedule!r}")
+        if not is_int_at_least(folds, 0) or folds == 1:
             raise ConfigError(f"folds must be 0 (no cross-fitting) or at least 2, got {folds}")
+        self.dropout: float = float(dropout)
+        self.schedule: str = schedule
         self.hidden, self.epochs, self.learning_rate = int(hidden), int(epochs), float(learning_rate)
         self.weight_decay, self.batch_size, self.patience = float(weight_decay), int(batch_size), int(patience)
         self.seed, self.folds, self.device, self.progress = int(seed), int(folds), torch.device(device), progress
@@ -187,7 +194,8 @@ class MLPDecoder(_StandardisingDecoder):
         y = x.reshape(len(x), -1).to(self.device)
         held = self.standardise(hf).float().to(self.device)
         self.model, history = self._train(z, y, held, hx, "mlp decoder")
-        self.details = {"hidden": self.hidden, "epochs_run": len(history), "best_epoch": int(np.argmin(history)) + 1,
+        self.details = {"hidden": self.hidden, "dropout": self.dropout, "schedule": self.schedule,
+                        "epochs_run": len(history), "best_epoch": int(np.argmin(history)) + 1,
                         "held_out_mse_per_epoch": history}
         self.fold_models = []
         if self.folds:
@@ -208,35 +216,51 @@ class MLPDecoder(_StandardisingDecoder):
         epoch)``."""
         from tqdm.auto import tqdm
 
-        with torch.random.fork_rng(devices=[]):
+        # the global random state is left as it was; dropout draws from the stream the seed starts
+        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
             torch.manual_seed(self.seed)
-            model = nn.Sequential(nn.Linear(z.shape[1], self.hidden), nn.SiLU(),
-                                  nn.Linear(self.hidden, self.hidden), nn.SiLU(),
-                                  nn.Linear(self.hidden, y.shape[1]), nn.Sigmoid()).to(self.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
-        generator = torch.Generator().manual_seed(self.seed)
-        history: list[float] = []
-        best_state, best, waited = None, math.inf, 0
-        for _ in tqdm(range(self.epochs), desc=desc, unit="epoch", disable=not self.progress, dynamic_ncols=True):
-            model.train()
-            order = torch.randperm(len(z), generator=generator).to(self.device)
-            for start in range(0, len(z), self.batch_size):
-                index = order[start:start + self.batch_size]
-                loss = nn.functional.mse_loss(model(z[index]), y[index])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-            model.eval()
-            mse = _mse(self._predict(held, model).cpu(), hx)
-            history.append(mse)
-            if mse < best:
-                best, best_state, waited = mse, copy.deepcopy(model.state_dict()), 0
-            else:
-                waited += 1
-                if waited >= self.patience:
-                    break
+            model = self._network(z.shape[1]).to(self.device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
+            total = self.epochs * math.ceil(len(z) / self.batch_size)
+            generator = torch.Generator().manual_seed(self.seed)
+            history: list[float] = []
+            best_state, best, waited, step = None, math.inf, 0, 0
+            for _ in tqdm(range(self.epochs), desc=desc, unit="epoch", disable=not self.progress,
+                          dynamic_ncols=True):
+                model.train()
+                order = torch.randperm(len(z), generator=generator).to(self.device)
+                for start in range(0, len(z), self.batch_size):
+                    index = order[start:start + self.batch_size]
+                    if self.schedule == "cosine":
+                        for group in optimizer.param_groups:
+                            group["lr"] = self.learning_rate * 0.5 * (1 + math.cos(math.pi * step / total))
+                    loss = nn.functional.mse_loss(model(z[index]), y[index])
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    step += 1
+                model.eval()
+                mse = _mse(self._predict(held, model).cpu(), hx)
+                history.append(mse)
+                if mse < best:
+                    best, best_state, waited = mse, copy.deepcopy(model.state_dict()), 0
+                else:
+                    waited += 1
+                    if waited >= self.patience:
+                        break
+            if best_state is None:
+                raise TrainingDivergedError(f"{desc}: no epoch reached a finite held-out MSE; lower learning_rate "
+                                            f"(now {self.learning_rate!r})")
         model.load_state_dict(best_state)
         return model.eval(), history
+
+    def _network(self, in_dim: int) -> nn.Module:
+        """The network from a ``in_dim``-d standardised feature to the flattened image (on [0, 1])."""
+        pixels = math.prod(self.shape)
+        drop = [nn.Dropout(self.dropout)] if self.dropout else []
+        return nn.Sequential(nn.Linear(in_dim, self.hidden), nn.SiLU(), *drop,
+                             nn.Linear(self.hidden, self.hidden), nn.SiLU(), *drop,
+                             nn.Linear(self.hidden, pixels), nn.Sigmoid())
 
     @torch.no_grad()
     def _predict(self, z: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
@@ -269,11 +293,225 @@ class MLPDecoder(_StandardisingDecoder):
         return out.float().cpu()
 
 
+class ConvDecoder(MLPDecoder):
+    """An MLP trunk to a coarse grid, then transposed convolutions to the image (the images' side a multiple of 4).
+
+    Standardised feature -> ``hidden`` (SiLU, dropout) -> ``channels`` x (H/4) x (W/4) (SiLU) -> a 4 x 4 stride-2
+    transposed convolution to ``channels / 2`` x (H/2) x (W/2) (SiLU) -> another to C x H x W -> sigmoid (for MNIST
+    at 28 px: a 7 x 7 grid). Trained as :class:`MLPDecoder` is (AdamW, MSE, schedule, early stopping on the held-out
+    pairs); no cross-fitting.
+    """
+
+    name = "conv"
+
+    def __init__(self, *, channels: int = 64, **options: Any) -> None:
+        check.integer(channels, "channels")
+        if channels < 2:
+            raise ConfigError(f"channels must be >= 2, got {channels}")
+        if options.get("folds"):
+            raise ConfigError("the convolutional decoder has no cross-fitting (folds=0)")
+        super().__init__(**options)
+        self.channels = int(channels)
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> ConvDecoder:
+        shape = tuple(_tensor(images).shape[1:])
+        if len(shape) != 3 or shape[1] % 4 or shape[2] % 4:
+            raise ConfigError(f"the convolutional decoder needs images whose sides are multiples of 4, got {shape}")
+        super().fit(features, images, labels, held_features, held_images, held_labels)
+        self.details["channels"] = self.channels
+        return self
+
+    def _network(self, in_dim: int) -> nn.Module:
+        c, h, w = self.shape
+        drop = [nn.Dropout(self.dropout)] if self.dropout else []
+        half = self.channels // 2
+        return nn.Sequential(nn.Linear(in_dim, self.hidden), nn.SiLU(), *drop,
+                             nn.Linear(self.hidden, self.channels * (h // 4) * (w // 4)), nn.SiLU(),
+                             nn.Unflatten(1, (self.channels, h // 4, w // 4)),
+                             nn.ConvTranspose2d(self.channels, half, 4, stride=2, padding=1), nn.SiLU(),
+                             nn.ConvTranspose2d(half, c, 4, stride=2, padding=1), nn.Flatten(), nn.Sigmoid())
+
+
+class RandomFeaturesDecoder(_StandardisingDecoder):
+    """Ridge regression on random Fourier features of the standardised feature (Rahimi and Recht 2007).
+
+    ``phi(z) = sqrt(2 / D) cos(W z / (b sqrt(d)) + u)`` with ``W`` standard normal ``[D, d]`` and ``u`` uniform on
+    [0, 2 pi): ``phi(z) . phi(z')`` approximates the Gaussian kernel ``exp(-|z - z'|^2 / (2 b^2 d))`` of bandwidth
+    ``b`` (a multiple of ``sqrt(d)``, the norm of a standardised feature). For each bandwidth, the ridge solutions
+    for every penalty come from one eigendecomposition of the centred ``phi^T phi`` (float64); the pair (bandwidth,
+    alpha) with the lowest held-out MSE is kept. Alphas are multiples of the mean diagonal of ``phi^T phi``.
+    """
+
+    name = "random-features"
+
+    def __init__(self, *, features: int = 4096, bandwidths: Sequence[float] = (0.5, 1.0),
+                 alphas: Sequence[float] = (1e-4, 1e-3, 1e-2, 1e-1), seed: int = 0, chunk: int = 4096) -> None:
+        check.integer(features, "features")
+        for label, values in (("bandwidths", bandwidths), ("alphas", alphas)):
+            if not values or any(not is_real(v) or not v > 0
+                                 for v in values):
+                raise ConfigError(f"{label} must be one or more numbers > 0, got {values!r}")
+        self.features, self.seed, self.chunk = int(features), int(seed), int(chunk)
+        self.bandwidths = tuple(float(b) for b in bandwidths)
+        self.alphas = tuple(float(a) for a in alphas)
+        self.details: dict[str, Any] = {}
+
+    def _phi(self, z: torch.Tensor, bandwidth: float) -> torch.Tensor:
+        scale = 1.0 / (bandwidth * math.sqrt(z.shape[1]))
+        return math.sqrt(2.0 / self.features) * torch.cos(z.float() @ self.projection * scale + self.phase)
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> RandomFeaturesDecoder:
+        f, x, hf, hx = self._standardised_pairs(features, images, labels, held_features, held_images, held_labels)
+        g = torch.Generator().manual_seed(self.seed)
+        self.projection = torch.randn(f.shape[1], self.features, generator=g)
+        self.phase = 2 * math.pi * torch.rand(self.features, generator=g)
+        held = self.standardise(hf)
+        y = x.reshape(len(x), -1).double()
+        self.image_mean = y.mean(0)
+        scores: dict[str, float] = {}
+        best: tuple[float, float, float, torch.Tensor, torch.Tensor] | None = None
+        for b in self.bandwidths:
+            gram = torch.zeros(self.features, self.features, dtype=torch.float64)
+            total = torch.zeros(self.features, dtype=torch.float64)
+            cross = torch.zeros(self.features, y.shape[1], dtype=torch.float64)
+            for i in range(0, len(f), self.chunk):
+                phi = self._phi(self.standardise(f[i:i + self.chunk]), b)
+                gram += (phi.T @ phi).double()
+                total += phi.double().sum(0)
+                cross += (phi.T @ (y[i:i + self.chunk] - self.image_mean).float()).double()
+            mean = total / len(f)
+            gram -= len(f) * torch.outer(mean, mean)
+            values, vectors = torch.linalg.eigh(gram)
+            rotated = vectors.T @ cross
+            held_phi = self._phi(held, b).double() - mean
+            unit = float(gram.diagonal().mean())
+            for a in self.alphas:
+                weights = vectors @ (rotated / (values + a * unit)[:, None])
+                mse = _mse(self._output(held_phi, weights), hx)
+                scores[f"{b:g}/{a:g}"] = mse
+                if best is None or mse < best[0]:
+                    best = (mse, b, a, weights, mean)
+        assert best is not None
+        _, self.bandwidth, self.alpha, self.weights, self.phi_mean = best
+        self.details = {"features": self.features, "bandwidth": self.bandwidth, "alpha": self.alpha,
+                        "held_out_mse": scores}
+        return self
+
+    def _output(self, centred_phi: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = centred_phi @ weights + self.image_mean
+        return out.float().clamp(0, 1).reshape(len(centred_phi), *self.shape)
+
+    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
+        z = self.standardise(_tensor(features))
+        return torch.cat([self._output(self._phi(z[i:i + self.chunk], self.bandwidth).double() - self.phi_mean,
+                                       self.weights) for i in range(0, max(len(z), 1), self.chunk)])[:len(z)]
+
+
+def cross_fitted(decoder: MLPDecoder, folds: int, *, name: str | None = None) -> MLPDecoder:
+    """A fresh MLP decoder with ``decoder``'s settings (width, dropout, schedule, epochs, seed, ...) and ``folds``
+    cross-fitted fold models: what a reconstructor reads when it is guided by the tuned MLP (its training pairs get
+    out-of-fold estimates; its full model trains as ``decoder``'s did). ``name``: its name in tables."""
+    if type(decoder) is not MLPDecoder:
+        raise ConfigError(f"cross-fitting needs an MLP decoder, got {type(decoder).__name__}")
+    out = MLPDecoder(hidden=decoder.hidden, epochs=decoder.epochs, learning_rate=decoder.learning_rate,
+                     weight_decay=decoder.weight_decay, batch_size=decoder.batch_size, patience=decoder.patience,
+                     seed=decoder.seed, folds=folds, dropout=decoder.dropout, schedule=decoder.schedule,
+                     device=decoder.device, progress=decoder.progress)
+    if name is not None:
+        out.name = name
+    return out
+
+
+def held_out_mse(decoder: Any, held_features: Any, held_images: Any, held_labels: Any) -> float:
+    """A fitted decoder's mean squared error on the attacker's held-out pairs (what every choice is made on)."""
+    return _mse(decoder.decode(_tensor(held_features), held_labels), _tensor(held_images))
+
+
+class TunedDecoder:
+    """The candidate with the lowest held-out MSE among decoders built from a grid of configurations.
+
+    Args:
+        name: the decoder's name in tables.
+        build: a fresh unfitted decoder from one configuration (a dict of options).
+        grid: the configurations, tried in order.
+
+    ``details["grid"]`` records every candidate: its configuration, held-out MSE, CPU seconds (process time) and
+    its own details (e.g. the epochs it ran); ``details["chosen"]`` the configuration kept.
+    """
+
+    def __init__(self, name: str, build: Callable[[dict[str, Any]], Any], grid: Sequence[dict[str, Any]]) -> None:
+        if not grid:
+            raise ConfigError(f"the tuned decoder {name!r} needs at least one configuration")
+        self.name, self.build, self.grid = name, build, [dict(c) for c in grid]
+        self.details: dict[str, Any] = {}
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> TunedDecoder:
+        tried, best = [], None
+        for config in self.grid:
+            started = time.process_time()
+            decoder = self.build(config).fit(features, images, labels, held_features, held_images, held_labels)
+            mse = held_out_mse(decoder, held_features, held_images, held_labels)
+            tried.append({"config": config, "held_out_mse": mse, "cpu_s": time.process_time() - started,
+                          "details": {k: v for k, v in decoder.details.items() if k != "held_out_mse_per_epoch"}})
+            if best is None or mse < best[0]:
+                best = (mse, config, decoder)
+        assert best is not None
+        self.held_out_mse, self.config, self.decoder = best
+        self.details = {"chosen": self.config, "held_out_mse": self.held_out_mse, "grid": tried}
+        return self
+
+    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
+        return self.decoder.decode(features, labels)
+
+
+class EnsembleDecoder:
+    """The mean estimate of decoders that differ only in their seed (a seed ensemble).
+
+    Args:
+        name: the decoder's name in tables.
+        build: a fresh unfitted decoder from a seed.
+        seeds: one member per seed.
+        first: an already fitted member for ``seeds[0]`` (its fit is not repeated; its CPU seconds are counted when
+            its ``details`` hold ``cpu_s``).
+    """
+
+    def __init__(self, name: str, build: Callable[[int], Any], seeds: Sequence[int], *, first: Any = None) -> None:
+        if not seeds:
+            raise ConfigError(f"the ensemble {name!r} needs at least one seed")
+        self.name, self.build, self.seeds, self.first = name, build, [int(s) for s in seeds], first
+        self.details: dict[str, Any] = {}
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> EnsembleDecoder:
+        self.members, seconds = [], []
+        for k, seed in enumerate(self.seeds):
+            started = time.process_time()
+            if k == 0 and self.first is not None:
+                member = self.first
+                seconds.append(float(self.first.details.get("cpu_s", 0.0)))
+            else:
+                member = self.build(seed).fit(features, images, labels, held_features, held_images, held_labels)
+                seconds.append(time.process_time() - started)
+            self.members.append(member)
+        self.details = {"seeds": self.seeds, "reused_first_member": self.first is not None,
+                        "member_held_out_mse": [held_out_mse(m, held_features, held_images, held_labels)
+                                                for m in self.members],
+                        "held_out_mse": held_out_mse(self, held_features, held_images, held_labels),
+                        "member_cpu_s": seconds}
+        return self
+
+    def decode(self, features: Any, labels: Any = None) -> torch.Tensor:
+        return torch.stack([m.decode(features, labels) for m in self.members]).mean(0)
+
+
 class KNNDecoder:
     """The mean of the k attacker images with the most similar features (cosine); k chosen on the held-out pairs."""
 
     def __init__(self, ks: Sequence[int] = (1, 2, 4, 8, 16, 32), *, name: str = "knn") -> None:
-        if not ks or any(isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1 for k in ks):
+        if not ks or any(not is_int_at_least(k, 1) for k in ks):
             raise ConfigError(f"ks must be one or more integers >= 1, got {ks!r}")
         self.ks = tuple(int(k) for k in ks)
         self.name = name
@@ -340,18 +578,52 @@ class ClassMeanDecoder:
         return self.means[y]
 
 
-#: Names of :func:`make_decoder`, in table order.
-DECODERS = ("ridge", "mlp", "knn", "nn", "class-mean")
+#: Names of :func:`make_decoder`, in table order: the first decoders, then the tuned ones.
+DECODERS = ("ridge", "mlp", "knn", "nn", "class-mean", "mlp-tuned", "conv", "mlp-ensemble", "random-features")
+
+#: What each tuned decoder chooses from on the held-out pairs (``width``: a multiple of ``mlp_hidden``; the MLPs
+#: train ``tuned_epochs`` epochs at most, AdamW with a cosine schedule, early stopping; ``random-features`` tries every
+#: bandwidth and penalty of its one entry).
+TUNING_GRIDS: dict[str, tuple[dict[str, Any], ...]] = {
+    "mlp-tuned": ({"width": 1, "dropout": 0.2, "learning_rate": 1e-3},
+                  {"width": 2, "dropout": 0.2, "learning_rate": 1e-3}),
+    "conv": ({"width": 1, "channels": 64, "dropout": 0.1, "learning_rate": 1e-3},),
+    "random-features": ({"bandwidths": (0.5, 1.0), "alphas": (1e-4, 1e-3, 1e-2, 1e-1)},),
+}
+#: Members of the MLP seed ensemble (the tuned MLP's configuration, seeds ``seed, seed + 1, ...``).
+ENSEMBLE_MEMBERS = 3
 
 
 def make_decoder(name: str, *, seed: int = 0, device: str | torch.device = "cpu", mlp_hidden: int = 1024,
-                 mlp_epochs: int = 30, mlp_folds: int = 0, progress: bool = False) -> Any:
-    """A fresh decoder by name (one of :data:`DECODERS`); ``mlp_folds``: the MLP's cross-fitting folds."""
+                 mlp_epochs: int = 30, mlp_folds: int = 0, tuned_epochs: int = 10, random_features: int = 4096,
+                 first: Any = None, progress: bool = False) -> Any:
+    """A fresh decoder by name (one of :data:`DECODERS`); ``mlp_folds``: the MLP's cross-fitting folds;
+    ``tuned_epochs``: the tuned MLPs' epochs (cosine schedule); ``random_features``: D of ``random-features``;
+    ``first``: for ``mlp-ensemble``, the fitted ``mlp-tuned`` whose configuration it repeats over seeds (else it
+    tunes its own first)."""
     if name == "ridge":
         return RidgeDecoder()
     if name == "mlp":
         return MLPDecoder(hidden=mlp_hidden, epochs=mlp_epochs, seed=seed, folds=mlp_folds, device=device,
                           progress=progress)
+
+    def tuned_mlp(config: dict[str, Any], member_seed: int = seed, kind: type[MLPDecoder] = MLPDecoder) -> Any:
+        options = {k: v for k, v in config.items() if k != "width"}
+        return kind(hidden=int(config["width"] * mlp_hidden), epochs=tuned_epochs, schedule="cosine",
+                    seed=member_seed, device=device, progress=progress, **options)
+
+    if name == "mlp-tuned":
+        return TunedDecoder(name, tuned_mlp, TUNING_GRIDS[name])
+    if name == "conv":
+        return TunedDecoder(name, lambda c: tuned_mlp(c, kind=ConvDecoder), TUNING_GRIDS[name])
+    if name == "mlp-ensemble":
+        tuned = first if first is not None else make_decoder("mlp-tuned", seed=seed, device=device,
+                                                             mlp_hidden=mlp_hidden, tuned_epochs=tuned_epochs,
+                                                             progress=progress)
+        return _TunedEnsemble(tuned, lambda config, s: tuned_mlp(config, s), seed)
+    if name == "random-features":
+        return TunedDecoder(name, lambda c: RandomFeaturesDecoder(features=random_features, seed=seed, **c),
+                            TUNING_GRIDS[name])
     if name == "knn":
         return KNNDecoder()
     if name == "nn":
@@ -361,8 +633,40 @@ def make_decoder(name: str, *, seed: int = 0, device: str | torch.device = "cpu"
     raise ConfigError(f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}")
 
 
+class _TunedEnsemble(EnsembleDecoder):
+    """The seed ensemble of the tuned MLP's chosen configuration: the tuned MLP (fitted first when it is not yet)
+    is the member of seed ``seed``; the others repeat its configuration."""
+
+    def __init__(self, tuned: TunedDecoder, build: Callable[[dict[str, Any], int], Any], seed: int) -> None:
+        super().__init__("mlp-ensemble", lambda s: build(self.tuned.config, s),
+                         [seed + k for k in range(ENSEMBLE_MEMBERS)])
+        self.tuned = tuned
+
+    def fit(self, features: Any, images: Any, labels: Any, held_features: Any, held_images: Any,
+            held_labels: Any) -> EnsembleDecoder:
+        if not self.tuned.details:
+            started = time.process_time()
+            self.tuned.fit(features, images, labels, held_features, held_images, held_labels)
+            self.tuned.details["cpu_s"] = time.process_time() - started
+        self.first = self.tuned
+        super().fit(features, images, labels, held_features, held_images, held_labels)
+        self.details["configuration"] = self.tuned.config
+        return self
+
+
 def fit_decoders(names: Sequence[str], features: Any, images: Any, labels: Any, held_features: Any,
                  held_images: Any, held_labels: Any, **options: Any) -> dict[str, Any]:
-    """Fit every named decoder on the attacker's training pairs, choosing hyperparameters on its held-out pairs."""
-    return {name: make_decoder(name, **options).fit(features, images, labels, held_features, held_images,
-                                                    held_labels) for name in names}
+    """Fit every named decoder on the attacker's training pairs, choosing hyperparameters on its held-out pairs;
+    each decoder's ``details["cpu_s"]`` is the process time of its fit (the MLP ensemble's counts its first member,
+    the tuned MLP when that is fitted in the same call, whose own fit it reuses)."""
+    fitted: dict[str, Any] = {}
+    order = sorted(names, key=lambda n: n == "mlp-ensemble")   # the tuned MLP before the ensemble that reuses it
+    for name in order:
+        first = fitted.get("mlp-tuned") if name == "mlp-ensemble" else None
+        started = time.process_time()
+        decoder = make_decoder(name, first=first, **options).fit(features, images, labels, held_features,
+                                                                 held_images, held_labels)
+        decoder.details["cpu_s"] = time.process_time() - started + (
+            float(first.details["cpu_s"]) if first is not None else 0.0)
+        fitted[name] = decoder
+    return {name: fitted[name] for name in names}

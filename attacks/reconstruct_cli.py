@@ -1,54 +1,18 @@
 """``privfl attack reconstruct``: train (or reuse) a diffusion reconstructor and attack raw / FedPFT / DP-FedPFT
 releases, beside decoder baselines, with per-image scores and bootstrap confidence intervals.
 
-Protocol (FedPFT paper, App. E):
+The protocol of the FedPFT paper, App. E: the attacker's images and the defenders' disjoint sets, the frozen
+embedding, the reconstructor (:mod:`attacks.reconstructor`) and decoder baselines (:mod:`attacks.decoders`),
+sampling settings chosen on held-out pairs, releases through each scheme (:mod:`attacks.schemes`), bootstrap
+statistics (:mod:`attacks.statistics`) and the outputs in ``--out``. Entry points: :func:`reconstruct_main`,
+:func:`build_parser`, :func:`run_reconstruction_attack`, :class:`AttackSettings`.
 
-1. Data: the attacker's images ``D_a`` are the source's training split (all of it by default, ``--attacker-images``
-   for a subset); the defender's images are drawn from its test split, ``--defender-images`` per evaluation seed,
-   in disjoint blocks (seed s takes block s of one fixed permutation), so the seeds' defender sets never overlap (a
-   source without a test split is cut into two disjoint halves).
-2. Embedding ``E``: the frozen backbone (e.g. the ImageNet MobileNetV2 at ``--input-size`` pixels, features cached
-   on disk) followed by L2 normalisation.
-3. The attacker holds ``--validation-images`` of its own pairs out. The reconstructor (:mod:`attacks.reconstructor`)
-   trains on the rest at ``--image-size`` (MNIST's native 28 px by default), checkpointed to
-   ``OUT/reconstructor.pt`` (``--checkpoint``) every ``--checkpoint-every`` steps and resumed from there when it
-   exists, so an interrupted run continues where it stopped; ``--train-only`` stops after training. ``--checkpoint``
-   may also name weights exported from a reconstructor trained elsewhere (``Reconstructor.export``, e.g. on a GPU),
-   which are evaluated as they are (``--steps`` as trained; the features may differ by a device's rounding,
-   :mod:`attacks.reconstructor`, "Exported weights"); ``--init-weights`` starts a new reconstructor from such
-   weights and fine-tunes them for ``--steps`` steps. By default it also reads, beside x_t, the mean of the attacker
-   images with the nearest features (``--guide-decoder knn``; for a training pair computed without the pair itself),
-   or the MLP decoder's estimate (``--guide-decoder mlp``; for a training pair, the estimate of the one of
-   ``--guide-folds`` cross-fitted MLPs that never saw it).
-4. Decoder baselines (:mod:`attacks.decoders`): ridge, MLP, kNN average and nearest attacker image by feature, and
-   the class-mean image, fitted on the same training pairs; their hyperparameters are chosen on the held-out pairs.
-5. Sampling settings: guidance scale w, guidance interval and rescale, then decoder-guided initialisation, are chosen
-   on the held-out pairs by mean SSIM (:func:`attacks.reconstructor.select_sampling`; no defender data); the
-   one-step posterior mean's guidance scale (``--one-step-guidance``) by mean PSNR, the squared error it stands for
-   (:func:`attacks.reconstructor.select_one_step_guidance`).
-6. Per seed: the ``--near-duplicate-fraction`` of the defender images most similar (SSIM) to an attacker image is
-   removed (the paper: 10 %); each scheme releases ``E(D_d)`` through the method's client procedure and the wire,
-   which records it in the defender's ledger (:func:`attacks.schemes.make_release`). Mixture releases are read after
-   the attacker's post-processing (``--readings``), and every DP-FedPFT release has a **prior-only** twin: the same
-   counts, the attacker's prior moments, the release ignored (:func:`attacks.schemes.prior_only_release`). Every
-   release is reconstructed by the diffusion model (medoid of its samples for the perceptual metrics, their mean,
-   and the network's one-step posterior mean from pure noise averaged over ``--one-step-draws`` draws) and by every
-   decoder, and scored with PSNR / LPIPS (AlexNet) / SSIM under the rows of :mod:`attacks.schemes`, beside the
-   oracle nearest-attacker-image-by-SSIM baseline.
-7. Statistics (:mod:`attacks.statistics`): every cell is a mean with a percentile-bootstrap 95 % interval
-   (``--bootstrap`` resamples of the scored images, stratified by seed, top-k selections redone in every resample);
-   rows over all seeds pool the seeds.
-8. Outputs in ``--out``: ``per_image_scores.csv`` (one line per scored image), ``attack_results.csv`` / ``.md`` /
-   ``.json`` (rows with intervals; settings, device, releases with their ledger records, sampling selection,
-   timings), ``attack_grid.png`` (originals and what each attacker shows; set-level rows are labelled
-   oracle-matched) and ``attack_metrics.png`` (each metric per scheme with its intervals).
+Presets: ``--preset quick`` (a few minutes on a laptop CPU), ``--preset benchmark`` and ``--preset reduced``; options
+on the command line override the preset's. Example::
 
-Presets: ``--preset quick`` (a small run, a few minutes on a laptop CPU), ``--preset benchmark`` (the
-``benchmarks/attack_mnist.py`` setting) and ``--preset reduced`` (the benchmark's attacker and reconstructor, a
-smaller evaluation); options given on the command line override the preset's.
-
-Example:
     privfl attack reconstruct --preset quick --out runs/attack-quick
+
+The protocol step by step: docs/attacks.md, "privfl attack reconstruct".
 """
 
 from __future__ import annotations
@@ -70,13 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from attacks.decoders import DECODERS
 from privfl.errors import ConfigError, PrivflError
 
 __all__ = ["PRESETS", "AttackSettings", "build_parser", "format_markdown", "reconstruct_main",
            "run_reconstruction_attack", "save_grid", "save_metrics_plot", "settings_from_args"]
 
 READINGS = ("post", "naive", "both")
-BASELINES = ("ridge", "mlp", "knn", "nn", "class-mean")
 
 
 @dataclass
@@ -123,11 +87,14 @@ class AttackSettings:
     set_samples_per_feature: int = 4
     one_step_draws: int = 8
     one_step_guidance: tuple[float, ...] = (1.0, 1.1, 1.25, 1.5)
-    baselines: tuple[str, ...] = BASELINES
+    baselines: tuple[str, ...] = DECODERS
     guide_decoder: str | None = "knn"
     guide_folds: int = 5
     mlp_hidden: int = 1024
     mlp_epochs: int = 30
+    tuned_epochs: int = 10
+    random_features: int = 4096
+    decoders_only: bool = False
     top_fractions: tuple[float, ...] = (0.05,)
     near_duplicate_fraction: float = 0.1
     bootstrap: int = 1000
@@ -167,7 +134,8 @@ class AttackSettings:
         if not 0 < self.delta < 1:
             raise ConfigError(f"--delta must be in (0, 1), got {self.delta}")
         for name in ("defender_images", "steps", "batch_size", "ddim_steps", "components", "checkpoint_every",
-                     "input_size", "selection_images", "mlp_hidden", "mlp_epochs", "layers_per_block"):
+                     "input_size", "selection_images", "mlp_hidden", "mlp_epochs", "layers_per_block",
+                     "tuned_epochs", "random_features"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
         if self.attacker_images is not None and self.attacker_images < 2:
@@ -207,12 +175,15 @@ class AttackSettings:
         if self.attacker_images is not None and self.validation_images >= self.attacker_images:
             raise ConfigError(f"--validation-images ({self.validation_images}) must leave training pairs out of "
                               f"--attacker-images ({self.attacker_images})")
-        bad = [b for b in self.baselines if b not in BASELINES]
+        bad = [b for b in self.baselines if b not in DECODERS]
         if bad:
-            raise ConfigError(f"--baselines: unknown baseline(s) {bad}; valid: {', '.join(BASELINES)}")
+            raise ConfigError(f"--baselines: unknown baseline(s) {bad}; valid: {', '.join(DECODERS)}")
+        if self.decoders_only and not self.baselines:
+            raise ConfigError("--decoders-only needs at least one decoder in --baselines")
         if self.guide_decoder not in GUIDE_DECODERS:
-            raise ConfigError(f"--guide-decoder must be knn, nn, mlp or none (decoders with a leave-one-out or "
-                              f"out-of-fold estimate for the training pairs), got {self.guide_decoder!r}")
+            raise ConfigError(f"--guide-decoder must be knn, nn, mlp, mlp-tuned or none (decoders with a "
+                              f"leave-one-out or out-of-fold estimate for the training pairs), got "
+                              f"{self.guide_decoder!r}")
         if self.guide_folds < 2:
             raise ConfigError(f"--guide-folds must be >= 2 (the cross-fitted MLPs of --guide-decoder mlp), got "
                               f"{self.guide_folds}")
@@ -237,7 +208,7 @@ class AttackSettings:
 
 
 #: What ``--guide-decoder`` accepts (``None``: no estimate read).
-GUIDE_DECODERS = (None, "knn", "nn", "mlp")
+GUIDE_DECODERS = (None, "knn", "nn", "mlp", "mlp-tuned")
 
 #: Settings each preset changes (everything else keeps the defaults of :class:`AttackSettings`).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -247,7 +218,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   block_channels=(16, 32, 32), layers_per_block=1, steps=200, batch_size=32, learning_rate=1e-3,
                   guidance=(1.0, 2.0), guidance_intervals=((0.0, 1.0),), guidance_rescales=(0.0,),
                   init_strengths=(0.6,), selection_images=50, ddim_steps=4, samples_per_feature=4,
-                  set_samples_per_feature=2, mlp_hidden=256, mlp_epochs=5, top_fractions=(0.15,), bootstrap=200),
+                  set_samples_per_feature=2, mlp_hidden=256, mlp_epochs=5, tuned_epochs=3, random_features=512,
+                  top_fractions=(0.15,), bootstrap=200),
     # benchmarks/attack_mnist.py: all 60,000 MNIST training images for the attacker (1,000 held out), three
     # disjoint defender sets of 500 test images, the 28 px UNet (32-64-128, two blocks per level) for 8,000 steps
     # (about two hours on one CPU thread in bfloat16 autocast; minutes on a GPU).
@@ -378,6 +350,8 @@ _SCORE_COLUMNS = ("seed", "source", "epsilon", "attack", "estimate", "level", "u
 #: How the tables and figures name each attack.
 ATTACK_NAMES = {"diffusion": "diffusion", "ridge": "ridge decoder", "mlp": "MLP decoder", "knn": "kNN average",
                 "nn": "nearest attacker image by feature", "class-mean": "class-mean image",
+                "mlp-tuned": "tuned MLP decoder", "conv": "convolutional decoder",
+                "mlp-ensemble": "MLP seed ensemble", "random-features": "random-features ridge",
                 "nearest image by SSIM": "nearest attacker image by SSIM (oracle)"}
 
 
@@ -567,19 +541,39 @@ def _write_csv(path: Path, columns: Sequence[str], records: Sequence[dict[str, A
         writer.writerows(records)
 
 
+def _choose_sampling(settings: AttackSettings, reconstructor: Any, features: torch.Tensor, images: torch.Tensor,
+                     labels: np.ndarray, init_decoder: Any, guide_decoder: Any,
+                     held_guides: dict[str, torch.Tensor]) -> tuple[Any, list, list, float, list]:
+    """Sampling settings from the attacker's held-out pairs (protocol 5): guidance first, then decoder-guided
+    initialisation, then the one-step posterior mean's guidance scale. Returns ``(chosen, guidance scores, init
+    scores, one-step w, one-step scores)``."""
+    from attacks.reconstructor import select_one_step_guidance, select_sampling
+
+    best, guidance_scores = select_sampling(reconstructor, features, images, _sampling_candidates(settings),
+                                            seed=settings.seed, progress=settings.progress, **held_guides)
+    init_scores: list[dict[str, Any]] = []
+    if init_decoder is not None and settings.init_strengths:
+        candidates = [best] + [replace(best, init_strength=s) for s in settings.init_strengths]
+        best, init_scores = select_sampling(reconstructor, features, images, candidates,
+                                            init=held_guides["guide"] if init_decoder is guide_decoder else
+                                            init_decoder.decode(features, labels), seed=settings.seed,
+                                            progress=settings.progress, **held_guides)
+    one_step_w = 1.0
+    one_step_scores: list[dict[str, Any]] = []
+    if settings.one_step_draws:
+        one_step_w, one_step_scores = select_one_step_guidance(
+            reconstructor, features, images, settings.one_step_guidance, draws=settings.one_step_draws,
+            seed=settings.seed, **held_guides)
+    return best, guidance_scores, init_scores, one_step_w, one_step_scores
+
+
 def run_reconstruction_attack(settings: AttackSettings, *, command: str | None = None) -> dict[str, Any]:
     """Run the whole attack (see the module docstring); returns the JSON-able summary it also writes. ``command``
     (how this run was started) is recorded in the summary and, when this run trains the reconstructor, in its
     checkpoint, so exported weights name the command that made them."""
-    from attacks.decoders import fit_decoders, make_decoder
+    from attacks.decoders import cross_fitted, fit_decoders, make_decoder
     from attacks.metrics import LPIPS
-    from attacks.reconstructor import (
-        file_sha256,
-        resolve_device,
-        select_one_step_guidance,
-        select_sampling,
-        train_or_resume,
-    )
+    from attacks.reconstructor import file_sha256, resolve_device, train_or_resume
     from attacks.schemes import (
         AttackerPrior,
         evaluate_decoder,
@@ -604,56 +598,73 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
     train, held = data.train, data.held_out
     timings["data_and_features_s"] = time.perf_counter() - started
 
-    options = dict(seed=settings.seed, device=device, mlp_hidden=settings.mlp_hidden, mlp_epochs=settings.mlp_epochs,
-                   progress=settings.progress)
+    options: dict[str, Any] = dict(seed=settings.seed, device=device, mlp_hidden=settings.mlp_hidden,
+                                   mlp_epochs=settings.mlp_epochs, tuned_epochs=settings.tuned_epochs,
+                                   random_features=settings.random_features, progress=settings.progress)
     guide_decoder, guides = None, None
-    if settings.guide_decoder is not None:
+    if settings.guide_decoder is not None and not settings.decoders_only:
         # The reconstructor reads this decoder's estimate of each image; a training pair's estimate leaves the pair
         # out, as a defender's feature never finds its own image among the attacker's.
-        started = time.perf_counter()
-        folds = settings.guide_folds if settings.guide_decoder == "mlp" else 0
-        guide_decoder = make_decoder(settings.guide_decoder, **options, mlp_folds=folds).fit(
-            fa[train], xa[train], ya[train], fa[held], xa[held], ya[held])
+        started, cpu = time.perf_counter(), time.process_time()
+        pairs = (fa[train], xa[train], ya[train], fa[held], xa[held], ya[held])
+        if settings.guide_decoder == "mlp-tuned":
+            # the tuned MLP's grid, then its chosen configuration again with the cross-fitted fold models
+            tuned = make_decoder("mlp-tuned", **options).fit(*pairs)
+            guide_decoder = cross_fitted(tuned.decoder, settings.guide_folds, name="mlp-tuned").fit(*pairs)
+            guide_decoder.details = {**tuned.details, **guide_decoder.details}
+        else:
+            folds = settings.guide_folds if settings.guide_decoder == "mlp" else 0
+            guide_decoder = make_decoder(settings.guide_decoder, **options, mlp_folds=folds).fit(*pairs)
+        guide_decoder.details["cpu_s"] = time.process_time() - cpu
         guides = guide_decoder.decode(fa[train], exclude=np.arange(len(train)))
         timings["guide_decoder_s"] = time.perf_counter() - started
-    config = reconstructor_config(settings, fa.shape[1], xa.shape[1])
-    checkpoint = Path(settings.checkpoint) if settings.checkpoint else out / "reconstructor.pt"
-    started = time.perf_counter()
-    reconstructor = train_or_resume(config, fa[train], xa[train], steps=settings.steps, checkpoint=checkpoint,
-                                    guides=guides, device=device, precision=settings.precision, seed=settings.seed,
-                                    checkpoint_every=settings.checkpoint_every, init_weights=settings.init_weights,
-                                    made_by=command, progress=settings.progress)
-    timings["reconstructor_call_s"] = time.perf_counter() - started
-    losses = reconstructor.losses
-    summary: dict[str, Any] = {
-        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
-        "device": _device_info(device, reconstructor),
-        "reconstructor": {"parameters": reconstructor.num_parameters, "config": config.to_dict(),
-                          "steps": reconstructor.step, "train_seconds": reconstructor.train_seconds,
-                          "exported": reconstructor.exported,   # trained elsewhere, its exported weights loaded
-                          "initialised_from": reconstructor.initialised_from,   # fine-tuned from these weights
-                          "first_loss_mean_100": float(np.mean(losses[:100])) if losses else None,
-                          "final_loss_mean_100": float(np.mean(losses[-100:])) if losses else None,
-                          "loss_mean_per_1000_steps": [float(np.mean(losses[i:i + 1000]))
-                                                       for i in range(0, len(losses), 1000)],
-                          "checkpoint": checkpoint.name,
-                          # what names these weights: their EMA tensors' sha256, the file's as it is on disk, and
-                          # the command that trained them (None: weights that predate the record)
-                          "weights_sha256": reconstructor.weights_sha256(),
-                          "checkpoint_sha256": file_sha256(checkpoint) if checkpoint.is_file() else None,
-                          "made_by": reconstructor.made_by},
-        "timings_s": timings,
-        "command": command,
-    }
-    if settings.train_only:
+    reconstructor = None
+    if settings.decoders_only:   # no diffusion reconstructor: the decoders alone, on the same images and metrics
+        summary: dict[str, Any] = {
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+            "device": {"device": str(device), "precision": "float32", "torch": torch.__version__,
+                       "threads": torch.get_num_threads()},
+            "reconstructor": None, "timings_s": timings, "command": command}
+    else:
+        config = reconstructor_config(settings, fa.shape[1], xa.shape[1])
+        checkpoint = Path(settings.checkpoint) if settings.checkpoint else out / "reconstructor.pt"
+        started = time.perf_counter()
+        reconstructor = train_or_resume(config, fa[train], xa[train], steps=settings.steps, checkpoint=checkpoint,
+                                        guides=guides, device=device, precision=settings.precision, seed=settings.seed,
+                                        checkpoint_every=settings.checkpoint_every, init_weights=settings.init_weights,
+                                        made_by=command, progress=settings.progress)
+        timings["reconstructor_call_s"] = time.perf_counter() - started
+        losses = reconstructor.losses
+        summary = {
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+            "device": _device_info(device, reconstructor),
+            "reconstructor": {"parameters": reconstructor.num_parameters, "config": config.to_dict(),
+                              "steps": reconstructor.step, "train_seconds": reconstructor.train_seconds,
+                              "exported": reconstructor.exported,   # trained elsewhere, its exported weights loaded
+                              "initialised_from": reconstructor.initialised_from,   # fine-tuned from these weights
+                              "first_loss_mean_100": float(np.mean(losses[:100])) if losses else None,
+                              "final_loss_mean_100": float(np.mean(losses[-100:])) if losses else None,
+                              "loss_mean_per_1000_steps": [float(np.mean(losses[i:i + 1000]))
+                                                           for i in range(0, len(losses), 1000)],
+                              "checkpoint": checkpoint.name,
+                              # what names these weights: their EMA tensors' sha256, the file's as it is on disk, and
+                              # the command that trained them (None: weights that predate the record)
+                              "weights_sha256": reconstructor.weights_sha256(),
+                              "checkpoint_sha256": file_sha256(checkpoint) if checkpoint.is_file() else None,
+                              "made_by": reconstructor.made_by},
+            "timings_s": timings,
+            "command": command,
+        }
+    if settings.train_only and reconstructor is not None:
         summary["table"] = ""
         (out / "attack_results.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary
 
     started = time.perf_counter()
-    decoders = fit_decoders([b for b in settings.baselines if b != settings.guide_decoder], fa[train], xa[train],
+    reused = settings.guide_decoder if guide_decoder is not None else None
+    decoders = fit_decoders([b for b in settings.baselines if b != reused], fa[train], xa[train],
                             ya[train], fa[held], xa[held], ya[held], **options)
-    if guide_decoder is not None and settings.guide_decoder in settings.baselines:
+    if reused is not None and reused in settings.baselines:
         decoders = {name: guide_decoder if name == settings.guide_decoder else decoders[name]
                     for name in settings.baselines}
     timings["decoders_s"] = time.perf_counter() - started
@@ -663,21 +674,16 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
     started = time.perf_counter()
     chosen = held[:settings.selection_images]
     held_guides = {} if guide_decoder is None else {"guide": guide_decoder.decode(fa[chosen], ya[chosen])}
-    best, guidance_scores = select_sampling(reconstructor, fa[chosen], xa[chosen], _sampling_candidates(settings),
-                                            seed=settings.seed, progress=settings.progress, **held_guides)
+    best: Any = None
+    guidance_scores: list[dict[str, Any]] = []
     init_scores: list[dict[str, Any]] = []
-    if init_decoder is not None and settings.init_strengths:
-        candidates = [best] + [replace(best, init_strength=s) for s in settings.init_strengths]
-        best, init_scores = select_sampling(reconstructor, fa[chosen], xa[chosen], candidates,
-                                            init=held_guides["guide"] if init_decoder is guide_decoder else
-                                            init_decoder.decode(fa[chosen], ya[chosen]), seed=settings.seed,
-                                            progress=settings.progress, **held_guides)
-    one_step_w, one_step_scores = 1.0, []
-    if settings.one_step_draws:
-        one_step_w, one_step_scores = select_one_step_guidance(
-            reconstructor, fa[chosen], xa[chosen], settings.one_step_guidance, draws=settings.one_step_draws,
-            seed=settings.seed, **held_guides)
+    one_step_scores: list[dict[str, Any]] = []
+    one_step_w = 1.0
+    if reconstructor is not None:
+        best, guidance_scores, init_scores, one_step_w, one_step_scores = _choose_sampling(
+            settings, reconstructor, fa[chosen], xa[chosen], ya[chosen], init_decoder, guide_decoder, held_guides)
     timings["sampling_selection_s"] = time.perf_counter() - started
+
 
     prior = AttackerPrior.fit(fa, ya, num_classes=data.num_classes,
                               full_covariance=settings.prior_covariance == "full")
@@ -704,13 +710,12 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
             started = time.perf_counter()
             index = None if release.set_level else kept
             k = settings.set_samples_per_feature if release.set_level else settings.samples_per_feature
-            diffusion = evaluate_release(release, reconstructor, targets, lpips=lpips, seed=seed,
-                                         samples_per_feature=k, one_step_draws=settings.one_step_draws,
-                                         one_step_guidance=one_step_w,
-                                         sampling=best, init_decoder=init_decoder,
-                                         guide_decoder=guide_decoder, target_index=index,
-                                         progress=settings.progress)
-            scored += diffusion.scored
+            diffusion = None if reconstructor is None else evaluate_release(
+                release, reconstructor, targets, lpips=lpips, seed=seed, samples_per_feature=k,
+                one_step_draws=settings.one_step_draws, one_step_guidance=one_step_w, sampling=best,
+                init_decoder=init_decoder, guide_decoder=guide_decoder, target_index=index,
+                progress=settings.progress)
+            scored += [] if diffusion is None else diffusion.scored
             baselines = {name: evaluate_decoder(release, decoder, targets, lpips=lpips, attacker_features=fa[train],
                                                 seed=seed, target_index=index)
                          for name, decoder in decoders.items()}
@@ -720,11 +725,11 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
                 f"{release.label}, ε {release.epsilon:.3g}"
             matched = "" if not release.set_level else ", oracle-matched"
             if first:
-                for estimate, images in diffusion.shown.items():
+                for estimate, images in ({} if diffusion is None else diffusion.shown).items():
                     if release.set_level and not estimate.startswith("medoid"):
                         continue
                     panels.append((f"{shown}: diffusion, {estimate}{matched}", images))
-                for name in ("mlp", "nn"):
+                for name in ("mlp", "mlp-tuned", "nn"):
                     if name in baselines and not release.set_level:
                         panels.append((f"{shown}: {ATTACK_NAMES[name]}", baselines[name].shown["-"]))
             release_details.append({"seed": seed, "source": release.label, "scheme": release.scheme,
@@ -732,7 +737,7 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
                                     "epsilon": "inf" if math.isinf(release.epsilon) else release.epsilon,
                                     "features": len(release.features), **release.details,
                                     "feature_diagnostics": feature_diagnostics(release.features, prior),
-                                    "diffusion_s": diffusion.seconds,
+                                    "diffusion_s": 0.0 if diffusion is None else diffusion.seconds,
                                     "decoders_s": sum(e.seconds for e in baselines.values()),
                                     "total_s": time.perf_counter() - started})
             if settings.progress:
@@ -768,10 +773,11 @@ def run_reconstruction_attack(settings: AttackSettings, *, command: str | None =
         },
         "decoders": {name: decoder.details for name, decoder in decoders.items()},
         "guide_decoder": None if guide_decoder is None else {"name": guide_decoder.name, **guide_decoder.details},
-        "sampling": {"chosen": best.to_dict(), "label": best.label, "held_out_pairs": int(len(chosen)),
-                     "guidance_candidates": guidance_scores, "init_candidates": init_scores,
-                     "one_step_guidance": one_step_w, "one_step_candidates": one_step_scores,
-                     "init_decoder": None if init_decoder is None else init_decoder.name},
+        "sampling": None if best is None else {
+            "chosen": best.to_dict(), "label": best.label, "held_out_pairs": int(len(chosen)),
+            "guidance_candidates": guidance_scores, "init_candidates": init_scores, "one_step_guidance": one_step_w,
+            "one_step_candidates": one_step_scores,
+            "init_decoder": None if init_decoder is None else init_decoder.name},
         "releases": release_details,
         "rows": [r.to_dict() for r in rows],
     })
@@ -821,7 +827,7 @@ def _intervals(text: str) -> tuple[tuple[float, float], ...]:
     if not pairs or any(len(p) != 2 for p in pairs):
         raise argparse.ArgumentTypeError(f"expected comma-separated LOW:HIGH fractions of T, e.g. 0:1,0.5:1, got "
                                          f"{text!r}")
-    return tuple(pairs)  # type: ignore[return-value]
+    return tuple((low, high) for low, high in pairs)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -962,14 +968,21 @@ def build_parser(*, suppress: bool = False) -> argparse.ArgumentParser:
                    help="guidance scales w of the one-step posterior mean to choose from on the held-out pairs (by "
                         "mean PSNR)")
     p.add_argument("--baselines", type=_names, default=default("baselines"),
-                   help="decoder baselines: ridge,mlp,knn,nn,class-mean")
+                   help="decoder baselines: " + ",".join(DECODERS))
     p.add_argument("--guide-decoder", type=_optional, default=default("guide_decoder"),
-                   help="the decoder whose estimate the reconstructor reads beside x_t: knn, nn, mlp or none")
+                   help="the decoder whose estimate the reconstructor reads beside x_t: knn, nn, mlp, mlp-tuned (the "
+                        "tuned MLP's chosen configuration, cross-fitted) or none")
     p.add_argument("--guide-folds", type=int, default=default("guide_folds"),
                    help="cross-fitted MLPs whose out-of-fold estimates the reconstructor trains on (--guide-decoder "
-                        "mlp)")
+                        "mlp or mlp-tuned)")
     p.add_argument("--mlp-hidden", type=int, default=default("mlp_hidden"), help="MLP decoder width")
     p.add_argument("--mlp-epochs", type=int, default=default("mlp_epochs"), help="MLP decoder epochs (at most)")
+    p.add_argument("--tuned-epochs", type=int, default=default("tuned_epochs"),
+                   help="epochs (at most; cosine schedule) of the tuned MLP, convolutional and ensemble decoders")
+    p.add_argument("--random-features", type=int, default=default("random_features"),
+                   help="random Fourier features D of the random-features ridge decoder")
+    p.add_argument("--decoders-only", action="store_true", default=argparse.SUPPRESS if suppress else False,
+                   help="no diffusion reconstructor: fit and score the decoders only (same images and metrics)")
     p.add_argument("--top-fractions", type=_floats, default=default("top_fractions"),
                    help="attacker / oracle selection sizes per seed (the paper: 0.01)")
     p.add_argument("--near-duplicate-fraction", type=float, default=default("near_duplicate_fraction"),
@@ -996,7 +1009,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
                 "none" if action.default is None else _show(action.default)
         return super()._expand_help(action)
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.required or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             return action.help or ""   # a flag's "default" is the opposite of what it does: not worth printing
         return super()._get_help_string(action)
@@ -1029,12 +1042,13 @@ def reconstruct_main(argv: Sequence[str] | None = None) -> int:
         return 2
     rec, dev = summary["reconstructor"], summary["device"]
     print(summary["table"], end="")
-    print(f"device: {dev['device']} ({dev['precision']}); reconstructor: {rec['parameters']:,} parameters, "
-          f"{rec['steps']} steps, trained {rec['train_seconds']:.0f} s" +
-          (f"; sampling: {summary['sampling']['label']}, one-step w {summary['sampling']['one_step_guidance']:g}"
-           if "sampling" in summary else ""))
+    print(f"device: {dev['device']} ({dev['precision']}); " + (
+        "decoders only, no reconstructor" if rec is None else
+        f"reconstructor: {rec['parameters']:,} parameters, {rec['steps']} steps, trained {rec['train_seconds']:.0f} s"
+        + (f"; sampling: {summary['sampling']['label']}, one-step w {summary['sampling']['one_step_guidance']:g}"
+           if summary.get("sampling") else "")))
     out = Path(settings.out)
-    if settings.train_only:
+    if settings.train_only and rec is not None:
         print(f"trained only: {out / 'attack_results.json'}, checkpoint {rec['checkpoint']}")
     else:
         print(f"results: {out / 'attack_results.md'} (.csv, .json), {out / 'per_image_scores.csv'}, figures: "

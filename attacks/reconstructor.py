@@ -1,79 +1,10 @@
 """A feature-conditioned diffusion model that turns released feature vectors back into images (FedPFT paper, App. E.3).
 
-The attacker owns in-distribution images ``D_a`` and the same frozen backbone ``E`` as the defender. It trains a
-denoising diffusion model on the pairs ``(E(x), x)`` for ``x`` in ``D_a``; given a feature the defender released (or a
-feature sampled from a released mixture), DDIM sampling with classifier-free guidance draws images that have that
-feature.
-
-Model (what the paper states, App. E.3, and the unstated choices):
-
-1. A diffusers ``UNet2DModel`` (``layers_per_block`` residual blocks per level) predicts ``v = sqrt(abar_t) eps -
-   sqrt(1 - abar_t) x_0`` (``prediction_type="v_prediction"``, Salimans and Ho 2022, sec. 4; ``"epsilon"`` is the
-   eps-prediction of Ho et al. 2020, eq. 14). With the cosine schedule abar_T is about 0, where an eps-prediction
-   gives x_0 only through a division by sqrt(abar_T) and v-prediction gives it directly (x_0 = -v at abar = 0). Its
-   residual blocks are conditioned by scale-and-shift group normalisation (``resnet_time_scale_shift=
-   "scale_shift"``, AdaGN of Dhariwal and Nichol 2021) on one embedding vector.
-2. The feature is standardised with the attacker's own training features: per dimension (``condition_dims=None``,
-   the default), or whitened: centred, projected onto their top ``condition_dims`` principal components and divided
-   by each component's standard deviation. A two-layer MLP ``(condition_dims or d) -> 4 * base channels`` maps it to
-   the embedding width, and the result is **added to the timestep embedding** (``class_embed_type="identity"``).
-   The MLP's last layer starts at zero, so the untrained model is unconditional.
-3. Condition dropout (Ho and Salimans 2022): with probability ``cond_dropout`` a training example's condition
-   embedding is replaced by the null embedding, zero. The same network is then also an unconditional model.
-4. Sampling: DDIM (Song et al. 2021, eq. 12, eta = 0, deterministic given the starting noise) on "trailing"
-   timesteps (the first step at t = T - 1, where x_T ~ N(0, I) holds; Lin et al. 2024, sec. 3.3) with
-   classifier-free guidance ``out = out_u + w (out_c - out_u)`` (Ho and Salimans 2022, eq. 6 rewritten): ``w = 0``
-   is the unconditional model, ``w = 1`` the conditional one, ``w > 1`` sharpens towards the condition. Two
-   optional corrections of guidance: ``guidance_rescale`` phi rescales the guided output to the conditional one's
-   standard deviation (Lin et al. 2024, eqs. 15-16), and ``guidance_interval`` applies ``w`` only while t / T lies
-   in an interval and uses ``w = 1`` elsewhere (Kynkaanniemi et al. 2024).
-5. Decoder-guided initialisation (SDEdit, Meng et al. 2022, sec. 3): ``sample(..., init=images, strength=s)`` starts
-   DDIM at t = s T from ``sqrt(abar_t) x_init + sqrt(1 - abar_t) eps`` instead of pure noise (e.g. ``x_init`` a
-   regression decoder's estimate; :mod:`attacks.decoders`).
-6. Decoder-estimate input (``guide_image=True``): the UNet also reads an image the attacker computed from the same
-   feature, e.g. the mean of the attacker images with the nearest features (:class:`attacks.decoders.KNNDecoder`),
-   as extra input channels beside x_t: the conditioning on a coarse estimate of SR3 (Saharia et al. 2022, sec. 2)
-   and of retrieval-augmented diffusion (Blattmann et al. 2022). The network then learns the residual detail the
-   feature implies. The estimate is a function of the feature and the attacker's own data only; for training pairs
-   it must be computed without the pair itself (leave-one-out), as it will be for a defender's feature. Condition
-   dropout drops it together with the feature (the null input is zero), so the unconditional model stays
-   unconditional.
-7. An exponential moving average of the weights (warm-up ``min(decay, (1 + k) / (10 + k))``) is what samples.
-8. The one-step posterior mean (:meth:`Reconstructor.posterior_mean`): the network's x_0 prediction at t = T - 1
-   from pure noise, averaged over a few noise draws (in antithetic pairs), estimates ``E[x_0 | feature]``
-   directly, the quantity an MSE-trained decoder estimates; a mean of N samples is behind it by the factor
-   ``1 + 1/N`` on the expected squared error. Its guidance scale is chosen on held-out attacker pairs
-   (:func:`select_one_step_guidance`).
-
-9. Fine-tuning (:meth:`Reconstructor.initialise_from`): a new reconstructor may start from another's EMA weights
-   (a checkpoint or exported weights of the same architecture, :data:`ARCHITECTURE`) with a fresh optimiser, e.g.
-   one trained on a GPU reading one decoder's estimates, trained on here reading a better decoder's. It keeps the
-   source's feature whitening, which its conditioning MLP was learned against; its step counts the fine-tuning
-   steps, and ``initialised_from`` (saved in its checkpoint and exported weights) names the source: its weights'
-   sha256, its file's sha256, steps, training seconds, training-data fingerprint and the command that made it.
-
-Device and precision: ``device`` is ``"cpu"``, ``"cuda"``/``"cuda:N"`` or ``"auto"`` (:func:`resolve_device`: CUDA
-when visible, else the CPU; asking for CUDA where there is none is an error, never a silent CPU run). ``precision``
-``"auto"`` is mixed precision on CUDA (bfloat16 autocast where the GPU supports it, else float16 with a gradient
-scaler) and float32 on the CPU; ``"bf16"`` is bfloat16 autocast on either (:func:`resolve_precision`). Weights,
-optimiser state and the EMA stay float32. Random numbers are drawn on the CPU, so a seed gives the same draws on
-every device.
-
-Training is checkpointed atomically (write to a temporary file, then ``os.replace``), loads with
-``torch.load(weights_only=True)`` and resumes exactly: the data sampler's random state is part of the checkpoint,
-so training k steps, saving, loading and training k more gives the weights of 2k uninterrupted steps.
-
-Exported weights (:meth:`Reconstructor.export`): what sampling needs and nothing more (the EMA weights with the feature
-statistics, the settings, the step and the losses, and ``made_by``, the command that trained them; no optimiser state,
-no training weights), for attacking on one machine with a reconstructor trained on another (train on a GPU, attack on a
-CPU); :meth:`Reconstructor.weights_sha256` names the weights, in either file. :meth:`Reconstructor.load` reads either
-file; a reconstructor loaded from exported weights samples but does not train on. A full checkpoint is resumed only on
-bit-identical training data (:func:`data_fingerprint`), but features computed by the same backbone on another device
-differ in their last bits, so exported weights are accepted on data whose images are bit-identical, with as many pairs,
-and whose features have per-dimension means and standard deviations within :data:`FEATURE_TOLERANCE` of the training
-features' (features from another backbone, input size or image set differ by orders of magnitude more). The estimates a
-guided reconstructor read while training are not compared: sampling reads the estimates of the features it is given,
-computed at attack time.
+The attacker trains a denoising diffusion model on pairs ``(E(x), x)`` of its own images; given a released feature,
+DDIM sampling with classifier-free guidance draws images that have that feature. Entry points:
+:class:`ReconstructorConfig`, :class:`Reconstructor` (fit, sample, export), :func:`train_or_resume`,
+:func:`select_sampling`, :func:`select_one_step_guidance`, :func:`resolve_device`. The model and its unstated
+choices, devices, checkpoints and exported weights: docs/attacks.md, "The diffusion reconstructor".
 
 Example (a tiny model on random data):
     >>> import torch
@@ -100,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from accounting.validation import is_int_at_least, is_real
 from privfl.errors import ConfigError
 from privfl.models.backbones import file_sha256
 
@@ -180,7 +112,7 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
 
 
 def _real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+    if not is_real(value) or not math.isfinite(value) \
             or value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise ConfigError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
@@ -238,7 +170,7 @@ class ReconstructorConfig:
         _positive_int("image_size", self.image_size, 8)
         _positive_int("channels", self.channels)
         blocks = tuple(self.block_channels) if isinstance(self.block_channels, (list, tuple)) else None
-        if not blocks or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1 for c in blocks):
+        if not blocks or any(not is_int_at_least(c, 1) for c in blocks):
             raise ConfigError(f"block_channels must be a non-empty sequence of positive integers, "
                               f"got {self.block_channels!r}")
         object.__setattr__(self, "block_channels", tuple(int(c) for c in blocks))
@@ -296,6 +228,9 @@ class FeatureConditionedUNet(nn.Module):
     (``guide_image`` only), zeroed with the condition.
     """
 
+    feature_mean: torch.Tensor   # buffers (register_buffer)
+    feature_projection: torch.Tensor
+
     def __init__(self, config: ReconstructorConfig) -> None:
         super().__init__()
         from diffusers import UNet2DModel
@@ -314,9 +249,10 @@ class FeatureConditionedUNet(nn.Module):
             resnet_time_scale_shift="scale_shift", class_embed_type="identity", add_attention=config.mid_attention)
         width = 4 * config.block_channels[0]  # UNet2DModel's time-embedding width
         r = config.condition_width
-        self.condition = nn.Sequential(nn.Linear(r, width), nn.SiLU(), nn.Linear(width, width))
-        nn.init.zeros_(self.condition[2].weight)
-        nn.init.zeros_(self.condition[2].bias)
+        first, last = nn.Linear(r, width), nn.Linear(width, width)
+        self.condition = nn.Sequential(first, nn.SiLU(), last)
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
         self.register_buffer("feature_mean", torch.zeros(config.feature_dim))
         self.register_buffer("feature_projection", torch.eye(config.feature_dim, r))
 

@@ -1,46 +1,13 @@
 """What the defender releases, and how well an attacker recovers the defender's images from it.
 
-Threat model (FedPFT paper, App. E.1): a defender and an attacker share a frozen backbone ``E``. The defender holds
-images ``D_d`` and releases, through a **scheme**, a function of ``E(D_d)`` with labels. Every release is made by
-the method's own client procedure and crosses a :class:`privfl.federation.Wire`, which records it in the defender's
-ledger before delivering it; the attacker gets the delivered message, exactly what the server would see:
+Threat model (FedPFT paper, App. E.1): a defender and an attacker share a frozen backbone ``E``; the defender releases
+a function of ``E(D_d)`` through a scheme (raw features, FedPFT mixtures, DP-FedPFT releases), made by the method's
+own client procedure and recorded by the wire (:func:`make_release`). The attacker reconstructs from every feature it
+holds (:func:`evaluate_release`, :func:`evaluate_decoder`, :func:`nearest_image_baseline`); every attack is scored per
+image (:class:`ScoredSet`, :func:`score_reconstructions`) and summarised in rows (:func:`rows_from_scores`).
 
-- ``"raw"``: the features themselves, one per image, recorded as a non-private release (epsilon = infinity);
-- ``"fedpft"``: :meth:`privfl.methods.fedpft.FedPFTClient.train` without privacy: per-class Gaussian
-  mixtures (K components, EM), float16 on the wire; not private;
-- ``"dp-fedpft"``: the same client under record-level privacy at ``epsilon``: one Gaussian per class from the
-  DP-GMM release (unit
-  ball, analytic Gaussian mechanism, public counts). Its epsilon is what the ledger's accountant says the recorded
-  event costs, which can differ from the requested one; both are kept.
-
-From a mixture release the attacker decodes the mixtures as the server does (:func:`~privfl.methods.fedpft.
-decode_mixtures`) and draws as many features per class as the released counts say
-(:func:`~privfl.methods.fedpft.sample_mixtures`), then L2-normalises them as FedPFT's head does: the **naive**
-reading. DP noise puts these features far outside the distribution the attacker's reconstructor was trained on, so
-the attacker may also **post-process** (:func:`postprocess_release`): anything computed from the release and its own
-data is free under DP's post-processing theorem.
-
-The attacker reconstructs from every feature it holds with the diffusion reconstructor (:func:`evaluate_release`:
-the medoid of its samples, their mean, and the network's one-step posterior mean) and with decoder baselines trained
-on the same pairs (:func:`evaluate_decoder`; :mod:`attacks.decoders`), beside :func:`nearest_image_baseline` (the
-attacker image most similar to each defender image by true SSIM: an oracle, since it needs the defender's images to
-choose). For DP-FedPFT, :func:`prior_only_release` is the attacker's reading with the release ignored (its public
-counts and the attacker's prior moments): what the attacker gets without the release.
-
-Every attack is scored per image (:class:`ScoredSet`, the lines of ``per_image_scores.csv``), and the table rows are
-means over those with bootstrap intervals (:func:`rows_from_scores`).
-
-**Row definitions** (the same for every release and attack; ``n`` always counts scored pairs, and a top fraction p
-scores ``ceil(p * N)`` of the N scored items of each seed):
-
-- ``per-feature`` rows exist only where a feature belongs to one defender image (raw). The attacker's
-  reconstruction of target i is made from feature i alone. *all*: every target (no ground truth); *attacker*: the
-  top p targets by the attacker's confidence (agreement among its samples, or feature typicality; no ground truth);
-  *oracle*: the top p by the true SSIM (ground truth selects).
-- ``set-level`` rows: the attacker's reconstruction set holds one image per released feature. *all*: each target
-  matched to its most similar member by SSIM (ground truth matches: **oracle-matched**; the paper's "Oracle-all");
-  *attacker*: the top p of the reconstruction set by the attacker's confidence, each paired with its most similar
-  target (ground truth only pairs); *oracle*: the top p targets by matched SSIM (the paper's "Oracle").
+The schemes, the attacker's post-processing and the row definitions: docs/attacks.md, "Release schemes and
+scoring".
 """
 
 from __future__ import annotations
@@ -55,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from accounting.validation import is_int_at_least
 from attacks.metrics import LPIPS, psnr_pairs, ssim_matrix, ssim_pairs
 from attacks.selection import agreement_scores, nearest, top_count
 from privfl.errors import ConfigError
@@ -168,7 +136,7 @@ def make_release(scheme: str, features: Any, labels: Any, *, num_classes: int, e
     if (scheme == "dp-fedpft") != (epsilon is not None):
         raise ConfigError(f"epsilon is required for scheme 'dp-fedpft' and only for it (scheme {scheme!r}, "
                           f"epsilon {epsilon!r})")
-    if isinstance(components, bool) or not isinstance(components, numbers.Integral) or components < 1:
+    if not is_int_at_least(components, 1):
         raise ConfigError(f"components must be an integer >= 1, got {components!r}")
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
         raise ConfigError(f"delta must be a probability in (0, 1), got {delta!r}")
@@ -366,7 +334,7 @@ def _lmmse_moments(release: Release, prior: AttackerPrior,
         norm = float(torch.linalg.vector_norm(m))
         if norm >= bound * (1 - 2e-3):  # clipped (float16 on the wire rounds the norm)
             m = m * (math.sqrt(float(mu @ mu) + d * s2) / norm)
-        if prior.class_eigenvectors is None:
+        if prior.class_eigenvectors is None or prior.class_eigenvalues is None:   # both or neither
             t = var / n_c
             w = t / (t + s2)
             mean = mu + w * (m - mu)
@@ -411,6 +379,8 @@ def prior_only_release(release: Release, prior: AttackerPrior, *, seed: int = 0)
         raise ConfigError(f"the prior-only reading is for dp-fedpft releases, got scheme {release.scheme!r}")
     floor = float(release.details.get("reg_covar", 1e-6))
     covariance = release.details.get("covariance")
+    if covariance is None:
+        raise ConfigError("the dp-fedpft release does not name its covariance type (details['covariance'])")
     mixtures = []
     for mixture in release.mixtures:
         c = mixture.label
@@ -660,7 +630,7 @@ def evaluate_release(release: Release, reconstructor: Any, targets: Any, *, lpip
 
     t = torch.as_tensor(np.asarray(targets), dtype=torch.float32)
     k = samples_per_feature
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 2:
+    if not is_int_at_least(k, 2):
         raise ConfigError(f"samples_per_feature must be an integer >= 2 (the attacker selection compares samples), "
                           f"got {samples_per_feature!r}")
     draws = one_step_draws

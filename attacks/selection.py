@@ -26,11 +26,11 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import numpy as np
 
+from accounting.validation import is_real
 from attacks.metrics import ssim_matrix
 from privfl.errors import ConfigError
 
@@ -38,7 +38,7 @@ __all__ = ["agreement_scores", "near_duplicate_filter", "nearest", "top_count", 
 
 
 def _fraction(name: str, value: object, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value > 1 \
+    if not is_real(value) or not math.isfinite(value) or value > 1 \
             or value < 0 or (value == 0 and not allow_zero):
         low = "[0" if allow_zero else "(0"
         raise ConfigError(f"{name} must be a fraction in {low}, 1], got {value!r}")

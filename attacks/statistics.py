@@ -21,12 +21,12 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from accounting.validation import is_int_at_least
 from attacks.selection import top_count
 from privfl.errors import ConfigError
 
@@ -56,7 +56,7 @@ def bootstrap_cell(groups: Sequence[tuple[Any, Any]], *, fraction: float | None 
     Returns:
         ``(estimate [m], low [m], high [m])``.
     """
-    if isinstance(n_boot, bool) or not isinstance(n_boot, numbers.Integral) or n_boot < 1:
+    if not is_int_at_least(n_boot, 1):
         raise ConfigError(f"n_boot must be an integer >= 1, got {n_boot!r}")
     if not 0 < confidence < 1:
         raise ConfigError(f"confidence must be in (0, 1), got {confidence!r}")

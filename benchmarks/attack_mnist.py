@@ -66,6 +66,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from attacks.decoders import DECODERS  # noqa: E402
 from attacks.reconstruct_cli import ATTACK_NAMES, run_reconstruction_attack, settings_from_args  # noqa: E402
 from attacks.statistics import bootstrap_cell, separated  # noqa: E402
 from privfl.provenance import numerics  # noqa: E402
@@ -73,7 +74,8 @@ from privfl.provenance import numerics  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 METRICS = ("psnr", "lpips", "ssim")
 HIGHER = {"psnr": True, "lpips": False, "ssim": True}
-DECODERS = ("ridge", "mlp", "knn", "nn", "class-mean")
+#: The decoder every other reconstruction is also compared with: the project's first MLP.
+REFERENCE = "mlp"
 
 
 # -- paired comparisons from the per-image scores -------------------------------------------------------------------
@@ -92,6 +94,15 @@ def load_scores(path: Path) -> dict[tuple, dict[int, dict[str, np.ndarray]]]:
                 cell[m].append(100.0 if m == "psnr" and math.isinf(value) else value)
     return {k: {s: {m: np.asarray(v) for m, v in c.items()} for s, c in by_seed.items()}
             for k, by_seed in columns.items()}
+
+
+def write_scores(source: Path, target: Path) -> Path:
+    """``source`` (a ``per_image_scores.csv``) gzipped to ``target``, byte-for-byte the same for the same scores (no
+    file name or time in the gzip header)."""
+    with open(source, "rb") as stream, open(target, "wb") as raw, \
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as packed:
+        shutil.copyfileobj(stream, packed)
+    return target
 
 
 def paired(scores: dict, a: tuple, b: tuple, *, n_boot: int, seed: int) -> dict[str, dict[str, float]]:
@@ -142,7 +153,41 @@ def comparisons(scores: dict, rows: list[dict], *, n_boot: int, seed: int) -> di
             ordering.append({"attack": attack, "estimate": (a[3], b[3]), "first": f"{first[0]} ε {_eps(first[1])}",
                              "second": f"{second[0]} ε {_eps(second[1])}",
                              "difference": paired(scores, a, b, n_boot=n_boot, seed=seed)})
-    return {"headline": headline, "ordering": ordering, "seed_scope": pooled}
+    raw = [k for k in scores if k[0] == "raw" and k[4:] == ("per-feature", "target")
+           and k[2] not in ("nearest image by SSIM",)]
+    reference = ("raw", "inf", REFERENCE, "-", "per-feature", "target")
+    against_reference = [{"attack": k[2], "estimate": k[3],
+                          "difference": paired(scores, k, reference, n_boot=n_boot, seed=seed)}
+                         for k in raw if k != reference and reference in scores]
+    return {"headline": headline, "against_reference": against_reference,
+            "leaders": leaders(scores, raw, n_boot=n_boot, seed=seed), "ordering": ordering, "seed_scope": pooled}
+
+
+def _mean(scores: dict, key: tuple, metric: str) -> float:
+    """A reconstruction's cell mean: the mean over seeds of its per-seed means (as :func:`bootstrap_cell`)."""
+    return float(np.mean([cell[metric].mean() for cell in scores[key].values()]))
+
+
+def leaders(scores: dict, keys: list[tuple], *, n_boot: int, seed: int) -> dict[str, dict]:
+    """For each metric, the reconstruction with the best mean among ``keys`` and its paired difference (leader minus
+    other, same images) with every other: ``separated_from`` lists those whose interval excludes 0 in the leader's
+    favour, ``not_separated_from`` the others (the claim "X leads on this metric" holds only against the first)."""
+    out: dict[str, dict] = {}
+    if len(keys) < 2:
+        return out
+    for m in METRICS:
+        sign = 1.0 if HIGHER[m] else -1.0
+        best = max(keys, key=lambda k: sign * _mean(scores, k, m))
+        separated_from, not_separated = [], []
+        for other in keys:
+            if other == best:
+                continue
+            d = paired(scores, best, other, n_boot=n_boot, seed=seed)[m]
+            entry = {"attack": other[2], "estimate": other[3], **d}
+            (separated_from if sign * d["low"] > 0 and sign * d["high"] > 0 else not_separated).append(entry)
+        out[m] = {"attack": best[2], "estimate": best[3], "mean": _mean(scores, best, m),
+                  "separated_from": separated_from, "not_separated_from": not_separated}
+    return out
 
 
 def _key(scores: dict, source: str, epsilon: str, attack: str, kind: str) -> tuple | None:
@@ -194,45 +239,56 @@ def read_rows(path: Path) -> list[dict]:
 def render_markdown(summary: dict, rows: list[dict]) -> str:
     """The results page of one run: ``summary`` without its rows, ``rows`` as :func:`read_rows` gives them."""
     p, rec = summary["protocol"], summary["reconstructor"]
-    stem = results_stem(summary["settings"].get("preset") or "benchmark")
+    stem = results_stem(summary["settings"].get("preset") or "benchmark", summary["settings"].get("decoders_only"))
     scope = summary["comparisons"]["seed_scope"]
     sampling, device = summary["sampling"], summary["device"]
     seeds = [s["seed"] for s in p["seeds"]]
     out = ["# Reconstruction attack on MNIST (MobileNetV2 features): raw vs FedPFT vs DP-FedPFT vs prior only", "",
            f"Produced by `{summary.get('command', 'python benchmarks/attack_mnist.py')}` (`privfl attack "
            f"reconstruct --preset {summary['settings'].get('preset') or 'benchmark'}`); rows in `{stem}.csv`, "
-           f"every scored image in `{stem}_scores.csv.gz` (in `--work`), figures `{stem}_metrics.png` and "
-           f"`{stem}_grid.png`.", "",
+           f"every scored image in `{stem}_scores.csv.gz` (the paired comparisons below are computed from it), "
+           f"figures `{stem}_metrics.png` and `{stem}_grid.png`.", "",
            f"- Attacker: {p['attacker']}. Defender: {p['defender']}; per seed "
            + ", ".join(f"{s['evaluated']} scored ({s['near_duplicates_removed']} near-duplicates of attacker images "
                        f"not scored)" for s in p["seeds"][:1]) + f"; seeds {seeds}.",
            f"- Embedding: {p['embedding']}. Images: {p['images']}. Metrics: {p['metrics']}.",
            f"- Intervals: {p['intervals']}; `seed all` rows pool the seeds (stratified).",
            f"- Device: {device['device']} ({device['precision']}, {device['threads']} thread(s), torch "
-           f"{device['torch']}). Reconstructor: {rec['parameters']:,} parameters, {rec['steps']:,} steps, "
-           f"**{rec['train_seconds'] / 60:.0f} min of training** "
-           + ("(on another machine: its exported weights were loaded here)" if rec.get("exported")
-              else "(shared 2-core machine)")
-           + (f", fine-tuned from `{rec['initialised_from']['file']}` (trained {rec['initialised_from']['step']:,} "
-              f"steps in {rec['initialised_from']['train_seconds'] / 60:.0f} min before)"
-              if rec.get("initialised_from") else "") + "; training loss per 1,000 "
-           "steps: " + ", ".join(f"{v:.4f}" for v in rec["loss_mean_per_1000_steps"]) + ".",
-           weights_line(rec),
-           f"- Sampling chosen on {sampling['held_out_pairs']} held-out attacker pairs: **{sampling['label']}** "
-           f"(decoder-guided start from the {sampling['init_decoder']} decoder when `init` is shown)"
-           + (f"; the one-step posterior mean's guidance scale **w = {sampling['one_step_guidance']:g}** (by mean "
-              f"PSNR)." if sampling.get("one_step_candidates") else "."),
-           f"- Whole run: {summary['timings_s']['wall_s'] / 60:.0f} min.", ""]
+           f"{device['torch']})."]
+    if rec is None:
+        out += ["- **No diffusion reconstructor in this run** (`--decoders-only`): the decoders alone, on the "
+                "benchmark's attacker pairs, defender images and metric functions. The reconstructor's rows and its "
+                "paired comparisons with these decoders come from a run with its weights (`benchmarks/README.md`)."]
+    else:
+        out += [_reconstructor_line(rec), weights_line(rec),
+                f"- Sampling chosen on {sampling['held_out_pairs']} held-out attacker pairs: **{sampling['label']}** "
+                f"(decoder-guided start from the {sampling['init_decoder']} decoder when `init` is shown)"
+                + (f"; the one-step posterior mean's guidance scale **w = {sampling['one_step_guidance']:g}** (by "
+                   f"mean PSNR)." if sampling.get("one_step_candidates") else ".")]
+    out += [f"- Whole run: {summary['timings_s']['wall_s'] / 60:.0f} min.", ""]
 
     out += ["## Headline: raw features, per feature, all scored images (no ground truth used)", "",
             f"Seeds pooled ({scope}); each cell a mean over the scored images with its 95% interval.", ""]
     head = [r for r in rows if r["source"] == "raw" and r["level"] == "per-feature" and r["selection"] == "all"
             and r["seed"] == scope]
     out += _table(head) + [""]
-    out += ["Paired differences, diffusion minus decoder, over the same images (95% interval; `*`: excludes 0):", "",
-            "| diffusion estimate | decoder | PSNR | LPIPS (negative = diffusion better) | SSIM | cell intervals "
-            "separate (PSNR / LPIPS / SSIM) |", "|---|---|---|---|---|---|"]
-    for c in summary["comparisons"]["headline"]:
+    comparisons_ = summary["comparisons"]
+    if comparisons_.get("leaders"):
+        out += ["Which reconstruction leads on each metric (best mean; leader minus other over the same images, "
+                "seeds pooled, 95% paired interval):", ""] + _leader_lines(comparisons_["leaders"]) + [""]
+    if comparisons_.get("against_reference"):
+        out += [f"Paired differences against the project's first {ATTACK_NAMES[REFERENCE]} (row minus it, same "
+                f"images; `*`: excludes 0):", "", "| reconstruction | PSNR | LPIPS (negative = better) | SSIM |",
+                "|---|---|---|---|"]
+        for c in comparisons_["against_reference"]:
+            out.append(f"| {_name(c['attack'], c['estimate'])} | {_diff(c['difference'], 'psnr')} | "
+                       f"{_diff(c['difference'], 'lpips')} | {_diff(c['difference'], 'ssim')} |")
+        out += [""]
+    if comparisons_["headline"]:
+        out += ["Paired differences, diffusion minus decoder, over the same images (95% interval; `*`: excludes "
+                "0):", "", "| diffusion estimate | decoder | PSNR | LPIPS (negative = diffusion better) | SSIM | "
+                "cell intervals separate (PSNR / LPIPS / SSIM) |", "|---|---|---|---|---|---|"]
+    for c in comparisons_["headline"]:
         sep = " / ".join(("yes" if c["cells_separated"][m] else "no") + (
             "" if c["diffusion_better"][m] else " (decoder better)") for m in METRICS)
         out.append(f"| {c['diffusion']} | {ATTACK_NAMES.get(c['decoder'], c['decoder'])} | "
@@ -260,21 +316,20 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
     out += _table([r for r in rows if r["source"] == "raw" and r["level"] == "per-feature" and r["selection"] != "all"
                    and r["seed"] == scope]) + [""]
 
-    out += ["## Sampling settings on the attacker's held-out pairs (one sample per pair, same starting noise)", "",
-            "| candidate | mean SSIM | mean PSNR |", "|---|---|---|"]
-    for c in sampling["guidance_candidates"] + sampling["init_candidates"]:
-        out.append(f"| {c['label']} | {c['ssim']:.3f} | {c['psnr']:.2f} |")
-    if sampling.get("one_step_candidates"):
+    if sampling:
+        out += ["## Sampling settings on the attacker's held-out pairs (one sample per pair, same starting noise)",
+                "", "| candidate | mean SSIM | mean PSNR |", "|---|---|---|"]
+        for c in sampling["guidance_candidates"] + sampling["init_candidates"]:
+            out.append(f"| {c['label']} | {c['ssim']:.3f} | {c['psnr']:.2f} |")
+    if sampling and sampling.get("one_step_candidates"):
         draws = summary["settings"]["one_step_draws"]
         out += ["", f"The one-step posterior mean's guidance scale on the same pairs ({draws} draws in antithetic "
                     f"pairs, the same for every scale; chosen by mean PSNR):", "",
                 "| w | mean SSIM | mean PSNR |", "|---|---|---|"]
         for c in sampling["one_step_candidates"]:
             out.append(f"| {c['guidance_scale']:g} | {c['ssim']:.3f} | {c['psnr']:.2f} |")
-    out += ["", "## Decoders (hyperparameters chosen on the held-out pairs)", ""]
-    for name, details in summary["decoders"].items():
-        short = {k: v for k, v in details.items() if k in ("alpha_over_n", "k", "hidden", "epochs_run", "best_epoch")}
-        out.append(f"- {ATTACK_NAMES.get(name, name)}: {short or '-'}")
+    out += ["", "## Decoders (hyperparameters chosen on the held-out attacker pairs, never the defender's images)",
+            ""] + _decoder_lines(summary["decoders"])
     out += ["", "## Releases (seed 0, as the wire recorded them)", "",
             "| release | ε requested | ε (ledger) | bytes | set size | mean release weight (all / top direction) |",
             "|---|---|---|---|---|---|"]
@@ -288,6 +343,65 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
                    f"{r['bytes']:,} | {r['set_size']} | {weights} |")
     out += ["", f"Every row (attacker and oracle top fractions per seed, every decoder): `{stem}.csv`.", ""]
     return "\n".join(out) + "\n"
+
+
+def _reconstructor_line(rec: dict) -> str:
+    return (f"- Reconstructor: {rec['parameters']:,} parameters, {rec['steps']:,} steps, "
+            f"**{rec['train_seconds'] / 60:.0f} min of training** "
+            + ("(on another machine: its exported weights were loaded here)" if rec.get("exported")
+               else "(shared 2-core machine)")
+            + (f", fine-tuned from `{rec['initialised_from']['file']}` (trained {rec['initialised_from']['step']:,} "
+               f"steps in {rec['initialised_from']['train_seconds'] / 60:.0f} min before)"
+               if rec.get("initialised_from") else "") + "; training loss per 1,000 "
+            "steps: " + ", ".join(f"{v:.4f}" for v in rec["loss_mean_per_1000_steps"]) + ".")
+
+
+def _name(attack: str, estimate: str) -> str:
+    name = ATTACK_NAMES.get(attack, attack)
+    return name if estimate == "-" else f"{name} ({estimate})"
+
+
+def _leader_lines(leading: dict) -> list[str]:
+    """One line per metric: which reconstruction leads, and against which the paired interval separates it."""
+    out = []
+    for m in METRICS:
+        if m not in leading:
+            continue
+        c = leading[m]
+        digits = 2 if m == "psnr" else 3
+        behind = "; ".join(f"{_name(o['attack'], o['estimate'])} {o['mean']:+.{digits}f} [{o['low']:+.{digits}f}, "
+                           f"{o['high']:+.{digits}f}]" for o in c["not_separated_from"])
+        out.append(f"- **{m.upper()}**: {_name(c['attack'], c['estimate'])} leads ({c['mean']:.{digits}f}); "
+                   + ("its paired interval separates it from every other reconstruction." if not behind else
+                      f"separated from {len(c['separated_from'])} other(s), **not separated** from: {behind}."))
+    return out
+
+
+def _decoder_lines(decoders: dict) -> list[str]:
+    """The decoders' chosen settings, held-out MSE and CPU time, and every candidate of a tuned decoder's grid."""
+    out = ["| decoder | chosen on the held-out pairs | held-out MSE | CPU min (fit, all candidates) |",
+           "|---|---|---|---|"]
+    grids = []
+    for name, d in decoders.items():
+        chosen = d.get("chosen") or {k: v for k, v in d.items() if k in ("alpha_over_n", "k", "hidden", "epochs_run",
+                                                                            "best_epoch", "configuration", "seeds")}
+        mse = d.get("held_out_mse")
+        if isinstance(mse, dict):
+            mse = min(mse.values())
+        elif mse is None and d.get("held_out_mse_per_epoch"):
+            mse = min(d["held_out_mse_per_epoch"])
+        cpu = d.get("cpu_s")
+        out.append(f"| {ATTACK_NAMES.get(name, name)} | {chosen or '-'} | "
+                   f"{'-' if mse is None else f'{mse:.5f}'} | {'-' if cpu is None else f'{cpu / 60:.1f}'} |")
+        for c in d.get("grid", []):
+            details = c["details"]
+            extra = {k: details[k] for k in ("bandwidth", "alpha", "best_epoch", "epochs_run") if k in details}
+            grids.append(f"| {ATTACK_NAMES.get(name, name)} | {c['config']} | {extra or '-'} | "
+                         f"{c['held_out_mse']:.5f} | {c['cpu_s'] / 60:.1f} |")
+    if grids:
+        out += ["", "Every candidate of the tuned decoders' grids (`attacks/decoders.py`, `TUNING_GRIDS`):", "",
+                "| decoder | candidate | chosen inside it | held-out MSE | CPU min |", "|---|---|---|---|---|"] + grids
+    return out
 
 
 def weights_line(rec: dict) -> str:
@@ -314,17 +428,22 @@ def weights_line(rec: dict) -> str:
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
-def results_stem(preset: str) -> str:
+def results_stem(preset: str, decoders_only: bool = False) -> str:
     """The file names of a preset's results: ``attack_mnist`` for the benchmark preset, ``attack_mnist_<preset>``
-    for another."""
-    return "attack_mnist" if preset == "benchmark" else f"attack_mnist_{preset}"
+    for another; ``_decoders`` after it for a run without the reconstructor (``--decoders-only``)."""
+    return ("attack_mnist" if preset == "benchmark" else f"attack_mnist_{preset}") + (
+        "_decoders" if decoders_only else "")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work", default=str(ROOT / "runs" / "attack_mnist"),
-                        help="output folder of the run (checkpoint, full outputs); git-ignored")
+    parser.add_argument("--work", default=None,
+                        help="output folder of the run (checkpoint, full outputs; git-ignored); default runs/"
+                             "attack_mnist, or runs/attack_mnist_decoders with --decoders-only")
+    parser.add_argument("--decoders-only", action="store_true",
+                        help="no diffusion reconstructor: the decoders alone, results under attack_mnist[_<preset>]"
+                             "_decoders")
     parser.add_argument("--preset", default="benchmark", choices=("benchmark", "reduced"),
                         help="benchmark: the full evaluation; reduced: the same attacker and reconstructor (its "
                              "checkpoint is reused), three defender sets of 250 and fewer samples")
@@ -336,25 +455,26 @@ def main() -> int:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("extra", nargs="*", help="more `privfl attack reconstruct` options after --, e.g. -- "
                                                  "--steps 100 (the results then describe that run)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = Path(args.results)
-    stem = results_stem(args.preset)
+    stem = results_stem(args.preset, args.decoders_only)
+    work = Path(args.work or ROOT / "runs" / ("attack_mnist_decoders" if args.decoders_only else "attack_mnist"))
     if args.render_only:
         summary = json.loads((results / f"{stem}.json").read_text())
         (results / f"{stem}.md").write_text(render_markdown(summary, read_rows(results / f"{stem}.csv")))
         return 0
     torch.set_num_threads(args.threads)
-    argv = ["--out", args.work, "--preset", args.preset, "--device", args.device] + list(args.extra)
+    only = ["--decoders-only"] if args.decoders_only else []
+    cli = ["--out", str(work), "--preset", args.preset, "--device", args.device, *only] + list(args.extra)
     if args.no_progress:
-        argv.append("--no-progress")
-    settings, _ = settings_from_args(argv)
+        cli.append("--no-progress")
+    settings, _ = settings_from_args(cli)
     command = "python benchmarks/attack_mnist.py " + shlex.join(
-        ["--preset", args.preset, "--device", args.device, "--threads", str(args.threads)]
+        ["--preset", args.preset, *only, "--device", args.device, "--threads", str(args.threads)]
         + (["--"] + args.extra if args.extra else []))
     started = time.perf_counter()
     summary = run_reconstruction_attack(settings, command=command)
     summary.pop("table", None)
-    work = Path(args.work)
     scores = load_scores(work / "per_image_scores.csv")
     summary["comparisons"] = comparisons(scores, summary["rows"], n_boot=settings.bootstrap, seed=settings.seed)
     summary["command"] = command
@@ -367,11 +487,11 @@ def main() -> int:
     summary.pop("rows")   # every row is in the CSV beside the JSON
     (results / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str))
     shutil.copyfile(work / "attack_results.csv", results / f"{stem}.csv")
-    (results / f"{stem}.md").write_text(render_markdown(summary, read_rows(results / f"{stem}.csv")))
-    # every scored image, gzipped, beside the run (tens of thousands of lines: not a file for the repository)
-    with open(work / "per_image_scores.csv", "rb") as source, gzip.open(work / f"{stem}_scores.csv.gz", "wb",
-                                                                          compresslevel=9) as target:
-        shutil.copyfileobj(source, target)
+    # rendered from the JSON as stored, so that --render-only gives the same page
+    stored = json.loads((results / f"{stem}.json").read_text())
+    (results / f"{stem}.md").write_text(render_markdown(stored, read_rows(results / f"{stem}.csv")))
+    # every scored image, gzipped, beside the results: the paired comparisons can be recomputed from the repository
+    write_scores(work / "per_image_scores.csv", results / f"{stem}_scores.csv.gz")
     shutil.copyfile(work / "attack_grid.png", results / f"{stem}_grid.png")
     shutil.copyfile(work / "attack_metrics.png", results / f"{stem}_metrics.png")
     print((results / f"{stem}.md").read_text()[:6000])

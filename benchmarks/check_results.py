@@ -92,10 +92,16 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "pefll_mnist_*.json": (*_script("pefll_mnist"), "privfl/sweep.py",
                            *_methods("pefll", "pfedhn", "fedavg", "odpflhn"), *TRAINING),
     "methods_dp_mnist.json": (*_script("methods_dp_mnist"), "privfl/methods", *TRAINING),
+    "features_dp_mnist.json": (*_script("features_dp_mnist"), "privfl/sweep.py", "privfl/methods", *TRAINING),
+    "hypernets_features_mnist.json": (*_script("hypernets_features_mnist"), "privfl/sweep.py",
+                                      *_methods("pfedhn", "itpflhn", "pefll", "odpflhn", "shared_part"), *TRAINING),
+    "cross_silo_mnist.json": (*_script("cross_silo_mnist"), *_methods("mrmtl", "fedavg", "local"), *TRAINING),
+    "central_dp_mnist.json": (*_script("central_dp_mnist"), "privfl/data", *PRIVACY, *MODELS, "privfl/metrics.py"),
     "fedpft_mnist.json": (*_script("fedpft_mnist"), *_methods("fedpft", "fedpft_baselines", "local"), *TRAINING),
     # attacks and audits
     "attack_mnist*.json": (*_script("attack_mnist"), *ATTACK),
     "mlp_guide/attack_mnist.json": (*_script("attack_mnist"), *ATTACK),
+    "tuned_guide/attack_mnist.json": (*_script("attack_mnist"), *ATTACK),
     "attack_dp_class_size.json": (*_script("attack_dp_class_size"), *ATTACK),
     "audit_privatize.json": (*_script("audit_privatize"), "attacks/audit.py", "attacks/statistics.py", *PRIVACY,
                              *MODELS),
@@ -107,6 +113,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "scaling.json": (*_script("scaling"), *_methods("fedavg"), *TRAINING, *FLOWER),
     "flower_*.json": (*_script("flower_overhead"), *_script("flower_fault"), *_methods("fedavg"), *TRAINING,
                       *FLOWER),
+    "flower_message_cost.json": (*_script("flower_message_cost"), *FLOWER, "privfl/federation", "privfl/models"),
     "deployment_database.json": (*_script("deployment_database"), *_script("flower_overhead"), *_script("scaling"),
                                  *_methods("fedavg"), *TRAINING, *FLOWER),
     "privacy_step_time.json": (*_script("privacy_step_time"), *_methods("fedavg"), *TRAINING),
@@ -229,7 +236,7 @@ def check(root: Path = ROOT, declared: Mapping[str, Sequence[str]] = DEPENDENCIE
             findings.append(Finding(where, "unknown", quoted_in=quoted_in, note=f"unreadable: {error}"))
             continue
         if not revisions:
-            findings.append(Finding(where, "unknown", quoted_in=quoted_in, note="records no code revision"))
+            findings.append(_dated_by_history(root, where, deps, quoted_in))
             continue
         findings.append(_compare(root, where, revisions, deps, quoted_in))
     return findings
@@ -261,6 +268,23 @@ def _compare(root: Path, where: str, revisions: list[str], deps: list[str], quot
         return Finding(where, "unknown", revisions, quoted_in=quoted_in,
                        note=f"revision {', '.join(unknown)} is not in this repository's history")
     return Finding(where, "current", revisions, quoted_in=quoted_in, note=note)
+
+
+def _dated_by_history(root: Path, where: str, deps: list[str], quoted_in: list[str]) -> Finding:
+    """A result that records no revision, dated by the last commit that wrote the file: it was made with code no
+    newer than that commit, so a dependency changed after it makes the result stale for certain; one unchanged since
+    stays unknown (the run may have used older code)."""
+    written = _git(root, "log", "-1", "--format=%H", "--", where)
+    if not written:
+        return Finding(where, "unknown", quoted_in=quoted_in, note="records no code revision (and is not committed)")
+    dated = _compare(root, where, [written[:7]], deps, quoted_in)
+    if dated.status == "stale":
+        dated.note = (f"records no code revision; dated by {written[:7]}, the last commit that wrote it: code it "
+                      "depends on changed after that")
+        return dated
+    return Finding(where, "unknown", quoted_in=quoted_in,
+                   note=f"records no code revision; the code it depends on is unchanged since {written[:7]}, the last "
+                        "commit that wrote it, but the run may predate that commit")
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -328,7 +352,8 @@ def report(findings: list[Finding], *, brief: bool) -> str:
                      + "".join(f", {n} {label}" for n, label in counts) + ("; `make check-results` lists them"
                                                                            if counts else ""))
         return "\n".join(lines)
-    titles = {"stale": "STALE (code they depend on changed after the revision that made them)",
+    titles = {"stale": "STALE (code they depend on changed after the revision that made them, or, for a result that "
+                       "records none, after the last commit that wrote it)",
               "unknown": "UNKNOWN (no recorded revision, or one not in this history)",
               "undeclared": "UNDECLARED (add them to DEPENDENCIES)", "current": "current"}
     for status in ("stale", "unknown", "undeclared", "current"):

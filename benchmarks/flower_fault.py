@@ -65,13 +65,14 @@ class Session:
     ended by :meth:`close`."""
 
     def __init__(self, work: Path) -> None:
-        from privfl.engines.flower import launch
+        from privfl.engines.flower import launch, supervisor
 
         self.launch = launch
+        self.supervisor = supervisor
         self.work = work
         self.certs = launch.generate_certificates(work / "certs", nodes=NODES)
         self.env = {**launch.flower_env(self.certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(work / "flwr-home")}
-        self.address = f"127.0.0.1:{launch.free_port()}"
+        self.address = f"127.0.0.1:{supervisor.free_port()}"
         self.log = open(work / "flower.log", "w")
         self.processes: list[subprocess.Popen] = []
         self.nodes: dict[int, subprocess.Popen] = {}
@@ -96,12 +97,12 @@ class Session:
         self.nodes[node] = self._start(
             ["supernode", "--certs", str(self.certs), "--superlink", self.address, "--node", str(node),
              "--partition-range", f"{node * share}-{(node + 1) * share - 1}", "--num-partitions",
-             str(TRAINING_CLIENTS), "--node-dir", str(self.node_dir(node)), "--port", str(self.launch.free_port())])
+             str(TRAINING_CLIENTS), "--node-dir", str(self.node_dir(node)), "--port", str(self.supervisor.free_port())])
 
     def kill_node(self, node: int) -> None:
         """SIGKILL the node's whole process tree (its supervisor, SuperNode, SuperExec and ClientApp processes)."""
         process = self.nodes.pop(node)
-        for pid in [process.pid] + self.launch.descendants(process.pid):
+        for pid in [process.pid] + self.supervisor.descendants(process.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -115,7 +116,7 @@ class Session:
         return process
 
     def close(self) -> None:
-        self.launch.end_processes(self.processes)
+        self.supervisor.end_processes(self.processes)
         self.log.close()
 
     def log_tail(self) -> str:
@@ -220,15 +221,17 @@ def _equal(a, b) -> bool:
 
 
 def compare(a: Path, b: Path) -> dict:
-    """Whether two run directories end with the same numbers: every metrics row, the summary's training
+    """Whether two run directories end with the same numbers: every metrics row (but its timing), the summary's training
     validation and selected round, and the final server state (weights), bit for bit."""
     from privfl.federation import RunDirectory
+    from privfl.federation.timing import without_timing
 
     def server_state(run_dir: Path) -> dict:
         return torch.load(run_dir / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
 
     summary_a, summary_b = (json.loads((d / "summary.json").read_text()) for d in (a, b))
-    return {"metrics_equal": RunDirectory(a).read_metrics() == RunDirectory(b).read_metrics(),
+    metrics_a, metrics_b = (without_timing(RunDirectory(d).read_metrics()) for d in (a, b))
+    return {"metrics_equal": metrics_a == metrics_b,
             "training_val_equal": summary_a["training_val"] == summary_b["training_val"],
             "selected_round_equal": summary_a["selected_round"] == summary_b["selected_round"],
             "server_state_equal": _equal(server_state(a), server_state(b)),

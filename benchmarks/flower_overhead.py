@@ -306,7 +306,7 @@ def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING
     directories under ``work`` persist across calls, so the data is built once (every call with one ``work`` must
     use one federation). ``database``: the SuperLink's state, a fresh SQLite file in the run's directory when None
     (as ``privfl flower superlink`` keeps it), or ``:memory:``."""
-    from privfl.engines.flower import launch
+    from privfl.engines.flower import launch, supervisor
 
     run_dir = Path(tempfile.mkdtemp(prefix="privfl-flower-deploy-", dir=work))
     (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
@@ -318,7 +318,7 @@ def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(run_dir / "flwr-home"),
            "PRIVFL_BENCH_TIMINGS": str(timings)}
     app_dir = _timed_app(run_dir / "app")
-    address = f"127.0.0.1:{launch.free_port()}"
+    address = f"127.0.0.1:{supervisor.free_port()}"
     command = [sys.executable, "-m", "privfl.engines.flower.launch"]
     log = open(run_dir / "flower.log", "w")
     processes: list[subprocess.Popen] = []
@@ -342,7 +342,7 @@ def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING
                 command + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
                            "--partition-range", f"{node * share}-{(node + 1) * share - 1}",
                            "--num-partitions", str(training_clients), "--node-dir", str(work / f"node-{node}"),
-                           "--port", str(launch.free_port()), "--isolation", isolation,
+                           "--port", str(supervisor.free_port()), "--isolation", isolation,
                            *([] if poll_s is None else ["--poll-s", str(poll_s)])],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
         launch.write_connection(env, address, certs)
@@ -357,7 +357,7 @@ def deployment(config, rounds: int, work: Path, training_clients: int = TRAINING
                 raise RuntimeError((run_dir / "flower.log").read_text()[-3000:])
             time.sleep(1)
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
     total = time.perf_counter() - started
     summary = json.loads((out / "summary.json").read_text())["flower"]

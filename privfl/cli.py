@@ -118,6 +118,13 @@ def _add_training_arguments(p: argparse.ArgumentParser, fixed: dict[str, object]
                         "--method-option encoder=\"dp_deepset\" --method-option adapt=\"all\"; repeatable")
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--checkpoint-every", type=int, default=10)
+    g.add_argument("--central-eval", action="store_true",
+                   help="at every evaluation round, also score the server model on a central held-out set: the "
+                        "novel clients' samples pooled, with the hidden labels (data no training client holds); "
+                        "adds central_accuracy (%%) and central_loss to metrics.jsonl. Server-side: no client sends "
+                        "anything for it and nothing is recorded as a release; never used for model selection. For "
+                        "methods with one server model (the model a new client gets before using its data); "
+                        "personalised methods and --split client_test are refused")
     g.add_argument("--select", default="best_val", help="best_val or last")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is reported")
@@ -266,7 +273,7 @@ def _run_config(args: argparse.Namespace, method: str, settings: dict):
         checkpoint_every=args.checkpoint_every, select=args.select, seed=args.seed, delta=args.delta,
         privacy=privacy, novel_privacy=novel_privacy, workers=args.workers, device=args.device,
         features=args.features, features_options=dict(args.feature_option),
-        allow_large_delta=args.allow_large_delta,
+        allow_large_delta=args.allow_large_delta, central_eval=args.central_eval,
     )
 
 
@@ -390,9 +397,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     ledger.json and the last checkpoint's ledgers), finished or not."""
     from collections import Counter
 
-    from privfl.evaluation.report import format_epsilon
+    from privfl.evaluation.report import format_epsilon, trust_model
     from privfl.federation import RunDirectory
-    from privfl.federation.spend import read_spend
+    from privfl.federation.spend import read_lifetime, read_spend
 
     if args.delta is not None and not (math.isfinite(args.delta) and 0 < args.delta < 1):
         raise PrivflError(f"--delta must be a probability in (0, 1), got {args.delta}")
@@ -401,22 +408,26 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     for warning in spend.warnings:
         print(f"privfl: warning: {warning}", file=sys.stderr)
     # A Flower run's clients keep their ledgers on their nodes across runs: ledger.json holds this run's releases,
-    # the summary each client's lifetime epsilon (every run its node ledger holds) and the earlier runs it includes.
-    run = RunDirectory(args.run_dir)
-    summary = run.read_json(RunDirectory.SUMMARY) if run.path(RunDirectory.SUMMARY).exists() else {}
-    lifetime = ((summary.get("flower") or {}).get("lifetime") or {}) if isinstance(summary, dict) else {}
-    if lifetime and not math.isclose(float(lifetime["delta"]), delta):
-        print(f"lifetime epsilons are at delta={float(lifetime['delta']):g} (the run's), not --delta {delta:g}")
+    # node-ledgers.json every record the nodes held at the run's end, from which each client's lifetime epsilon
+    # (and the earlier runs it includes) is recomputed at --delta.
+    found = read_lifetime(args.run_dir, delta)
+    lifetime, lifetime_source, lifetime_warnings = found if found is not None else ({}, "", [])
+    for warning in lifetime_warnings:
+        print(f"privfl: warning: {warning}", file=sys.stderr)
     print(f"run {spend.root}: {spend.status}; recomputed from {', '.join(spend.sources) or 'no file (no release)'}")
     print(f"epsilon at delta={delta:g} ({book.accountant} accountant), {len(book)} clients with releases"
           + (f" in run {lifetime['run_id']}" if lifetime.get("run_id") else ""))
     if lifetime:
         earlier = lifetime.get("earlier_runs") or []
         print("lifetime: every release of the client on its node, this run's and "
-              + (f"earlier runs' ({', '.join(earlier)})" if earlier else "no earlier run's"))
+              + (f"earlier runs' ({', '.join(earlier)})" if earlier else "no earlier run's")
+              + f"; from {lifetime_source}")
     lifetime_eps = lifetime.get("epsilon_per_client", {})
+    summary = RunDirectory(args.run_dir).read_json(RunDirectory.SUMMARY) \
+        if RunDirectory(args.run_dir).path(RunDirectory.SUMMARY).exists() else {}
+    secure = ((summary.get("privacy") or {}).get("secure_aggregation") if isinstance(summary, dict) else None)
     print(f"{'client':>6}  {'releases':>8}  {'epsilon':>8}  " + (f"{'lifetime':>8}  " if lifetime else "")
-          + f"{'mode':<11}  {'relation':<32}  purposes")
+          + f"{'mode':<11}  {'relation':<32}  {'trust':<28}  purposes")
     epsilons = spend.epsilons()     # recomputed, or what summary.json states where larger (a warning says so)
     ids = set(book) | set(epsilons) | {int(c) for c in lifetime_eps}
     for client_id in sorted(ids, key=lambda c: (isinstance(c, str), c if isinstance(c, int) else 0, str(c))):
@@ -426,11 +437,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         modes = sorted({str(r.metadata["mode"]) for r in records if "mode" in r.metadata}) or ["-"]
         relations = sorted({str(r.metadata.get("relation") or r.event.relation.value) for r in records
                             if r.event.relation is not None}) or ["none (not private)"]
+        # whom the epsilon holds against: the training mode's trust model; a release without a mode is a novel
+        # client's, noised on the client
+        private = [r for r in records if r.event.relation is not None]
+        trusts = sorted({trust_model(str(r.metadata["mode"]) if "mode" in r.metadata else "local", secure)
+                         for r in private}) or [trust_model(None)]
         epsilon = epsilons.get(client_id, 0.0)
         total = lifetime_eps.get(str(client_id))
         print(f"{client_id!s:>6}  {len(records):>8}  {format_epsilon(epsilon):>8}  "
               + (f"{format_epsilon(float(total)) if total is not None else '-':>8}  " if lifetime else "")
-              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {listed}")
+              + f"{'/'.join(modes):<11}  {'; '.join(relations):<32}  {'; '.join(trusts):<28}  {listed}")
     return 0
 
 
@@ -485,7 +501,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _parse_epsilons(text: str) -> tuple[float | None, ...]:
     """Comma-separated epsilons, ``inf`` (or ``none``) for a training without DP."""
-    values = []
+    values: list[float | None] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if part.lower() in ("inf", "none"):
             values.append(None)
@@ -553,7 +569,7 @@ def cmd_features(args: argparse.Namespace) -> int:
                                                 progress=not args.no_progress)
         arrays["y" + suffix] = np.asarray(split.y[index], dtype=np.int64)
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # mypy matches **arrays to the stub's allow_pickle: bool
     try:
         atomic_write_bytes(out, buffer.getvalue())
     except OSError as error:      # the disk filled (or the folder turned read-only) while the features were made

@@ -49,6 +49,10 @@ class RunConfig:
     ``"scatter"``, ``"mobilenet_v2"``; ``None``: the raw inputs), with ``features_options``; the target network is
     then a head on features (``model="linear"`` or ``"feature_mlp"``).
 
+    ``central_eval`` scores the server model on the central held-out set, the novel clients' samples with their
+    hidden labels, at every evaluation round (:mod:`privfl.evaluation.central`: which model, which set, and why it
+    is no release); a method without one server model, or ``split="client_test"``, is refused.
+
     ``delta`` must be the delta of ``privacy`` and of ``novel_privacy`` where they are private (each epsilon is
     reported at the delta its noise is calibrated for). A delta at least one over what a guarantee protects (the
     records of the smallest training client at record level, the training clients at client level, the records of
@@ -74,6 +78,7 @@ class RunConfig:
     features: str | None = None
     features_options: dict[str, Any] = field(default_factory=dict)
     allow_large_delta: bool = False
+    central_eval: bool = False
 
     def __post_init__(self) -> None:
         spec = get_method(self.method)
@@ -98,6 +103,7 @@ class RunConfig:
             ("workers", self.workers, isinstance(self.workers, int) and not isinstance(self.workers, bool)
              and self.workers >= 1, "an integer >= 1 (processes that train a round's clients)"),
             ("allow_large_delta", self.allow_large_delta, isinstance(self.allow_large_delta, bool), "True or False"),
+            ("central_eval", self.central_eval, isinstance(self.central_eval, bool), "True or False"),
         ]
         for name, value, ok, valid in checks:
             if not ok:
@@ -122,6 +128,13 @@ class RunConfig:
             raise ConfigError(f"device 'cuda' with workers={self.workers}: worker processes train on the CPU; use "
                               "workers=1 on CUDA, or device 'cpu'")
         support(spec, self.privacy.mode)
+        if self.central_eval and spec.central_eval is not None:
+            raise ConfigError(f"central_eval: method {self.method!r} has no server model to evaluate centrally: "
+                              f"{spec.central_eval}")
+        if self.central_eval and self.federation.split == "client_test":
+            raise ConfigError("central_eval scores the server model on the novel clients' samples, and "
+                              "split='client_test' has none (its test split is the training clients' validation "
+                              "splits); use split='train_test' or 'merged'")
         if isinstance(method_config, MethodConfig):
             method_config.check_privacy(self.privacy, self.novel_privacy)
         if self.novel_privacy.private and spec.novel_privacy is not None:
@@ -245,7 +258,9 @@ def build_method(config: RunConfig, federation: FederatedDataset) -> tuple[Strat
     client = _client(config, factory, num_training)
     if config.privacy.mode in (LOCAL, DISTRIBUTED) and config.privacy.participations is not None:
         check_participations(config, config.privacy.participations, [c.client_id for c in federation.training_clients])
-    return _protect(config, strategy, client, num_training)
+    protected, client = _protect(config, strategy, client, num_training)
+    assert protected is not None   # protect wraps the strategy it is given
+    return protected, client
 
 
 def _protect(config: RunConfig, strategy: Strategy | None, client: ClientProcedure,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from accounting import JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
+from accounting import ClientId, JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
 from accounting.ledger import BUDGET_RTOL
 from privfl.config import (
     RunConfig,
@@ -42,11 +42,13 @@ from privfl.config import (
 )
 from privfl.data import FederatedDataset, label_shift_kl
 from privfl.errors import ConfigError, InternalError, StorageError, is_storage_fault, storage_message
+from privfl.evaluation.central import evaluate_central
 from privfl.evaluation.plots import plot_run
 from privfl.federation.lock import hold
 from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
 from privfl.federation.spend import NOVEL_SERVED, run_summary
+from privfl.federation.timing import EVALUATION, TIMING_KEY
 from privfl.methods.plan import Plan, projected_spend, round_event
 from privfl.metrics import ClientScore, score_model, summarize_scores
 from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS, delta_meaning
@@ -231,39 +233,18 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     plan = preflight(config, federation)
     runtime = runtime_factory(config, federation)
     best: dict[str, Any] = {"round": None, "score": float("-inf"), "snapshot": None}
-    elapsed = 0.0
+    served, elapsed = None, 0.0
     digest = hashlib.sha256(dumps(run_identity(config)).encode()).hexdigest()   # ties each checkpoint to its config
-    served, checkpoint = None, None
     if resume:
-        run_dir.remove_leftovers()
-        checkpoint = run_dir.load_checkpoint()
-        check_journal(run_dir, journal, checkpoint, digest)
-        served = novel_service(run_dir, journal)
-        journal.repair()                     # a line a kill cut short: its release was never delivered
-        if checkpoint is not None:
-            try:
-                runtime.load_state_dict(checkpoint["runtime"])
-            except KeyError as missing:
-                raise ConfigError(f"{run_dir.path(RunDirectory.CHECKPOINT)} does not hold the state of the run "
-                                  f"{RunDirectory.CONFIG} describes (no {missing}): the checkpoint or the config "
-                                  "was replaced; start the run again") from None
-            best, elapsed = checkpoint["best"], float(checkpoint["elapsed_s"])
-        run_dir.truncate_metrics(runtime.completed_rounds)
+        served, best, elapsed = _restore(run_dir, journal, runtime, digest, best, elapsed)
     else:
         run_dir.create(config.to_dict(), overwrite=overwrite)
     try:   # on resume, releases made after the checkpoint, by a process that was killed, stay recorded
         runtime.use_journal(journal, replay=resume)
     except ValueError as error:   # malformed, or of another run
         raise ConfigError(f"cannot resume: {error}") from None
-    if resume and config.privacy.mode in (LOCAL, DISTRIBUTED):
-        # each release's noise is calibrated for a number of rounds: rounds run again after the checkpoint count too
-        ledgers = runtime.ledgers()
-        made = {cid: len({r.round for r in ledgers[cid].records if r.event.relation is not None})
-                for cid in runtime.training_ids if cid in ledgers}
-        check_participations(config, participations(config, len(runtime.training_ids)), runtime.training_ids,
-                             from_round=runtime.completed_rounds, made=made)
-    if resume and served is None:
-        check_overshoot(config, federation, runtime, run_dir, allow=allow_overshoot)
+    if resume:
+        _check_resumed_spend(config, federation, runtime, run_dir, served=served, allow_overshoot=allow_overshoot)
 
     def checkpoint_now(state: dict[str, Any]) -> int:
         journal.sync()                       # the lines the checkpoint names are on disk before it is
@@ -280,20 +261,29 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     bar = tqdm(total=config.rounds, initial=runtime.completed_rounds, desc=config.method, unit="round",
                disable=not progress or served is not None, dynamic_ncols=True)
     interrupt = FinishRoundOnInterrupt()
+    timed_rounds = 0     # the rounds since the last metrics line (its "time" field: privfl.federation.timing)
+    runtime.timer.reset()
     try:
         interrupt.install()
         for round in range(runtime.completed_rounds, config.rounds):
             metrics = runtime.run_round(round)
             done = round + 1
+            timed_rounds += 1
             if done % config.eval_every == 0 or done == config.rounds:
-                scores = runtime.evaluate_training_clients(score_model, report_to_server=config.select == "best_val",
-                                                           round=round)
+                with runtime.timer.part(EVALUATION):
+                    scores = runtime.evaluate_training_clients(score_model,
+                                                               report_to_server=config.select == "best_val",
+                                                               round=round)
+                    central = (evaluate_central(runtime.strategy, runtime.client, federation)
+                               if config.central_eval else {})
                 val = summarize_scores(list(scores.values()))
                 if config.select == "best_val" and val["accuracy_mean"] is None:
                     raise InternalError("no validation score although preflight found validation samples")
                 if config.select == "best_val" and val["accuracy_mean"] > best["score"]:
                     best = {"round": done, "score": val["accuracy_mean"], "snapshot": runtime.serving_snapshot()}
-                record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}}
+                record = {"round": done, **metrics, **{f"val_{k}": v for k, v in val.items()}, **central,
+                          TIMING_KEY: runtime.timer.lap(rounds=timed_rounds)}
+                timed_rounds = 0
                 run_dir.append_metrics(record)
                 accuracy = val["accuracy_mean"]      # None without validation samples (val_fraction=0)
                 bar.set_postfix(loss=f"{metrics.get('train_loss', float('nan')):.3f}",
@@ -318,6 +308,42 @@ def _train(config: RunConfig, run_dir: RunDirectory, journal: ReleaseJournal, *,
     return finish(config, federation, runtime, run_dir, best, wall, journal=journal, served=served, plan=plan)
 
 
+def _restore(run_dir: RunDirectory, journal: ReleaseJournal, runtime: Runtime, digest: str, best: dict[str, Any],
+             elapsed: float) -> tuple[Any, dict[str, Any], float]:
+    """A resumed run's state: leftovers removed, the checkpoint checked against the journal and loaded, the metrics
+    cut back to it; returns the novel service already made (if any), the best snapshot and the elapsed seconds."""
+    run_dir.remove_leftovers()
+    checkpoint = run_dir.load_checkpoint()
+    check_journal(run_dir, journal, checkpoint, digest)
+    served = novel_service(run_dir, journal)
+    journal.repair()                     # a line a kill cut short: its release was never delivered
+    if checkpoint is not None:
+        try:
+            runtime.load_state_dict(checkpoint["runtime"])
+        except KeyError as missing:
+            raise ConfigError(f"{run_dir.path(RunDirectory.CHECKPOINT)} does not hold the state of the run "
+                              f"{RunDirectory.CONFIG} describes (no {missing}): the checkpoint or the config "
+                              "was replaced; start the run again") from None
+        best, elapsed = checkpoint["best"], float(checkpoint["elapsed_s"])
+    run_dir.truncate_metrics(runtime.completed_rounds)
+    return served, best, elapsed
+
+
+def _check_resumed_spend(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory,
+                         *, served: Any, allow_overshoot: bool) -> None:
+    """Before a resumed run's next release: the rounds run again after the checkpoint fit the calibration, and the
+    run will not pass its target epsilon unless allowed."""
+    if config.privacy.mode in (LOCAL, DISTRIBUTED):
+        # each release's noise is calibrated for a number of rounds: rounds run again after the checkpoint count too
+        ledgers = runtime.ledgers()
+        made = {cid: len({r.round for r in ledgers[cid].records if r.event.relation is not None})
+                for cid in runtime.training_ids if cid in ledgers}
+        check_participations(config, participations(config, len(runtime.training_ids)), runtime.training_ids,
+                             from_round=runtime.completed_rounds, made=made)
+    if served is None:
+        check_overshoot(config, federation, runtime, run_dir, allow=allow_overshoot)
+
+
 def check_overshoot(config: RunConfig, federation: FederatedDataset, runtime: Runtime, run_dir: RunDirectory, *,
                     allow: bool) -> None:
     """Before a resumed run's first round: each training client's epsilon once the rounds left are run (its ledger,
@@ -334,7 +360,7 @@ def check_overshoot(config: RunConfig, federation: FederatedDataset, runtime: Ru
         return
     ids = runtime.training_ids
     if privacy.mode == CENTRAL:
-        left = {cid: config.rounds - runtime.completed_rounds for cid in ids}
+        left: dict[ClientId, int] = {cid: config.rounds - runtime.completed_rounds for cid in ids}
     else:
         left = dict.fromkeys(ids, 0)
         for r in range(runtime.completed_rounds, config.rounds):
@@ -435,15 +461,18 @@ def check_room(run_dir: RunDirectory, checkpoint_bytes: int) -> None:
 
 def run_identity(config: RunConfig) -> dict[str, Any]:
     """What makes two configs the same run: every setting but ``workers``, which changes no number, and ``device``
-    left at ``"cpu"`` and ``allow_large_delta`` left off (so runs written before the settings existed stay the same
-    runs)."""
+    left at ``"cpu"`` and ``allow_large_delta`` and ``central_eval`` left off (so runs written before the settings
+    existed stay the same runs)."""
     values = config.to_dict()
     values.pop("workers")
-    if values["device"] == "cpu":
-        values.pop("device")
-    if not values["allow_large_delta"]:
-        values.pop("allow_large_delta")
+    for key, default in _IDENTITY_DEFAULTS.items():
+        if values[key] == default:
+            values.pop(key)
     return values
+
+
+#: Settings added after runs were first written: at these values they are left out of a run's identity.
+_IDENTITY_DEFAULTS: dict[str, Any] = {"device": "cpu", "allow_large_delta": False, "central_eval": False}
 
 
 def _stored_identity(run_dir: RunDirectory) -> dict[str, Any] | None:
@@ -515,6 +544,9 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
     rows = client_rows(federation, training_scores, novel_scores, epsilons, runtime)
     run_dir.write_clients(rows)
     ledgers.save(run_dir.path(RunDirectory.LEDGER))
+    lifetime = runtime.lifetime_ledgers()
+    if lifetime is not None:
+        lifetime.save(run_dir.path(RunDirectory.NODE_LEDGERS))
     eps_of = {row["client_id"]: row["epsilon"] for row in rows}
     summary = {
         "method": config.method,
@@ -532,6 +564,7 @@ def finish(config: RunConfig, federation: FederatedDataset, runtime: Runtime, ru
             "epsilon_max_novel": max((eps_of[c.client_id] for c in federation.novel_clients), default=0.0),
             "epsilon_per_client": {str(cid): eps for cid, eps in eps_of.items()},
             "relations": ledgers.relations(),   # what the epsilons hold under: the neighbours of each kind of release
+            "epsilon_source": RunDirectory.LEDGER,   # computed by the accountant from the ledgers saved there
             "noise_sources": (noise := ledgers.private_metadata_counts("noise")),
             "training_mode": config.privacy.mode,
             "training_guarantee": training_guarantee(config.privacy.mode, ledgers,
@@ -595,7 +628,7 @@ def client_rows(federation: FederatedDataset, training_scores: dict[int, ClientS
     training_histograms = [c.label_histogram(k) for c in federation.training_clients]
     rows = []
     for client in federation.training_clients:
-        score = training_scores[client.client_id]
+        score: ClientScore | None = training_scores[client.client_id]
         rows.append(_row(client.client_id, "training", client.num_train + len(client.y_val), client.num_train,
                          len(client.y_val), client.label_histogram(k), score, float("nan"), epsilons, runtime))
     for novel in federation.novel_clients:

@@ -85,7 +85,7 @@ def mean_sem(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / len(finite))
 
 
-def summarize_scores(scores: list[ClientScore]) -> dict[str, float]:
+def summarize_scores(scores: list[ClientScore]) -> dict[str, float | None]:
     """Mean +- SEM of accuracy over clients (in %), pooled (sample-weighted) accuracy, mean loss, client count.
 
     With no scored client (a method that serves no novel clients) every value but the count is ``None``.

@@ -31,6 +31,7 @@ def numerics(checkout: str | Path | None = None) -> dict:
     checkout is the one this package's own files are tracked in; a copy installed inside some other repository (a
     virtual environment in a project's folder) gives ``None`` rather than that repository's commit.
     """
+    where: Path | None
     if checkout is None:
         where = Path(__file__).parent
         if not _git(where, "ls-files", "--error-unmatch", Path(__file__).name):
@@ -38,7 +39,7 @@ def numerics(checkout: str | Path | None = None) -> dict:
     else:
         where = Path(checkout)
     revision = (_git(where, "describe", "--always") or None) if where is not None else None
-    if revision is not None:
+    if revision is not None and where is not None:   # a revision comes from a checkout
         changed = _git(where, "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
                        f":(top,exclude){RESULTS_DIR}")
         # a status git could not give leaves the state unknown: no revision rather than a clean one by default

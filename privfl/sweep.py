@@ -1,45 +1,16 @@
 """``privfl sweep``: train a method at several training-client privacy levels, then serve novel clients at several
 novel-client privacy levels and dataset sizes: privacy against utility on both sides of the federation.
 
-The privacy-utility experiment of the ODPFL-HN paper (Amosy et al., section 7, Fig. 5 and 6: novel-client accuracy
-against sample-set size at several epsilon, phi on the unit sphere, delta 0.01), with the corrections of
-docs/papers.md, ODPFL-HN, E2-E9 (analytic calibration, mean pooling only, a declared neighbouring relation,
-clipping on the client, delta well below 1/n), and with the training clients private too:
+The privacy-utility experiment of the ODPFL-HN paper (Amosy et al., section 7), with the corrections of
+docs/papers.md, ODPFL-HN, E2-E9, and with the training clients private too: train once per training epsilon, serve
+fresh novel clients of nested sizes at every novel epsilon through the real protocol (each release in its ledger),
+serve two controls built without the client's own descriptor, and report accuracy per (novel epsilon, n).
 
-1. **Train** the method once per training epsilon of ``train_epsilons`` (ODPFL-HN by default, with the DP-ready
-   encoder ``dp_deepset``: phi clipped to the L2 ball of radius ``bound`` in training, mean pooling, psi, so the
-   hypernetwork sees descriptors of the kind a private release produces). A finite training epsilon runs every
-   training client under record-level DP (add or remove one record: DP-SGD for its weight change, privatize for its
-   descriptor, a clipped noisy mean for its encoder gradient; :class:`~privfl.privacy.training.TrainingPrivacy`),
-   the noise calibrated so that each client ends the run at that epsilon; ``None`` trains without DP. Each training
-   is an ordinary run directory (config, metrics, ledger, summary): ``OUT/train`` without DP,
-   ``OUT/train-eps<epsilon>`` with it; a directory that holds this very run is reused, an interrupted one continued.
-2. **Novel clients of chosen sizes.** ``novel_mixes`` label mixes are drawn (``classes_per_client`` random classes,
-   equal weights, like the pathological training clients). For each mix an evaluation set of ``eval_size`` images and
-   a descriptor set of the largest size are drawn, disjointly, from images no training client holds; the client of
-   size n holds the first n images of the latter (nested sets)
-   (:mod:`privfl.evaluation.novel_pool`; the federation caps its training pool at ``max_samples``). The same mixes
-   and sets serve every training.
-3. **Serve.** For every training, (mix, n, novel epsilon, repeat) a fresh novel client runs the real protocol:
-   request down, one release up (ODPFL-HN: its descriptor, through :func:`privfl.privacy.privatize` at (epsilon,
-   delta), replace-one, n public; or without privacy), model down. Each release is recorded in the client's ledger,
-   and the epsilon the ledger reports is written beside the one asked for. Each (epsilon, repeat) is a separate
-   hypothetical client with the same images, so each ledger holds one release: the table measures what one release
-   at each epsilon buys. A method whose novel clients send nothing is served once per (mix, n).
-4. **Controls: does the descriptor matter?** (ODPFL-HN) A flat privacy-utility curve is also what a system that
-   ignores its descriptor produces (one model for everybody is equally good at every epsilon and every n). So every
-   mix is also served, at every n, two models built *without* its own descriptor: ``control_mean_training``, the
-   model the hypernetwork generates from the mean of the training clients' last released descriptors (a model for the
-   average client; the server needs nothing from the novel client), and ``control_other_mix``, the model served
-   non-privately to the next mix at the same n (a descriptor of the wrong client). No extra release is made for
-   either. ``descriptor_margin`` is, per n, the clean (non-private) accuracy minus the better control's;
-   ``descriptor_informative`` says whether it is at least ``min_margin`` points at every n. When it is not, the
-   privacy-utility table says nothing about privacy: the noise had nothing to destroy.
-5. **Report.** Per training: mean accuracy (+- SEM over mixes: a mix's repeats share its evaluation and descriptor
-   sets and differ only in the noise, so they are averaged first) per (novel epsilon, n) and per control, the
-   smallest n from which every larger size is within ``tolerance`` points of the non-private accuracy at the same
-   size, and the largest epsilon any training client spent; a printed table per training and one across trainings,
-   ``sweep.csv`` (one row per served model, with its training epsilon), ``sweep.json`` and ``sweep.png`` in ``OUT``.
+Entry points: :class:`SweepConfig`, :func:`run_sweep`; reporting with :func:`summarise_training`,
+:func:`descriptor_margin`, :func:`smallest_size_without_loss`, :func:`format_table`, :func:`cross_table` and
+:func:`plot_sweep`.
+
+The five steps, the controls and the output files: docs/methods/hypernetworks.md, "The privacy-utility sweep".
 """
 
 from __future__ import annotations
@@ -62,12 +33,14 @@ from privfl.config import RunConfig, build_client, run_federation
 from privfl.data import FederationSpec, NovelClient
 from privfl.errors import ConfigError, PrivflError
 from privfl.evaluation.novel_pool import NovelPool, held_out_pool
+from privfl.evaluation.report import epsilon_source, trust_model
 from privfl.experiment import build_runtime, check_reusable, preflight, train_once
 from privfl.federation import RunDirectory
 from privfl.federation.rundir import SWEEP_MARK, dumps, to_json_safe
 from privfl.methods import get_method
 from privfl.metrics import mean_sem, score_model
 from privfl.models.features import load_stage, map_inputs
+from privfl.privacy.mechanisms import NoiseSource
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 from privfl.provenance import numerics
 
@@ -155,7 +128,7 @@ class SweepConfig:
     device: str = "cpu"
     features: str | None = "scatter"
     model: str = "linear"
-    noise: str = "secure"
+    noise: NoiseSource = "secure"
 
     def __post_init__(self) -> None:
         if self.method_config is None:
@@ -186,6 +159,7 @@ class SweepConfig:
             raise ConfigError(f"min_margin must be a finite number of accuracy points, got {self.min_margin!r}")
         if not (0 < self.delta < 1):
             raise ConfigError(f"delta must be a probability in (0, 1), got {self.delta!r}")
+        assert self.method_config is not None   # filled in above
         if self.method == "odpflhn" and self.method_config.get("encoder", "dp_deepset") != "dp_deepset":
             raise ConfigError(f"a privacy sweep needs encoder='dp_deepset' (the only privatizable one), got "
                               f"{self.method_config['encoder']!r}")
@@ -210,6 +184,7 @@ class SweepConfig:
             mode="record", epsilon=float(train_epsilon), delta=self.delta, clip=self.train_clip,
             min_samples=self.min_samples, noise=self.noise, noise_seed=self.seed if self.noise == "seeded" else 0)
         rounds = self.rounds if train_epsilon is None or self.private_rounds is None else self.private_rounds
+        assert self.method_config is not None   # __post_init__ fills it in
         return RunConfig(federation=self.federation(), method=self.method, method_config=dict(self.method_config),
                          rounds=rounds, client_fraction=self.client_fraction, eval_every=max(1, rounds // 20),
                          checkpoint_every=max(1, rounds // 2), select="last", seed=self.seed, delta=self.delta,
@@ -331,6 +306,9 @@ def _train_and_serve(config: SweepConfig, out: Path, federation, mixes: list[lis
             "directory": str(train_dir), "train_wall_s": time.perf_counter() - began,
             "epsilon_max_training": summary["privacy"]["epsilon_max_training"],
             "training_mode": summary["privacy"].get("training_mode"),
+            "relations": summary["privacy"].get("relations", []),
+            "secure_aggregation": summary["privacy"].get("secure_aggregation"),
+            "epsilon_source": epsilon_source(summary["privacy"]),
             "training_val_accuracy": summary["training_val"]["accuracy_mean"],
             "novel_accuracy": summary["novel"]["accuracy_mean"], "rounds": summary["rounds_completed"],
             "numerics": summary.get("numerics")}   # of the training process (it may be an earlier one)
@@ -342,7 +320,10 @@ def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mix
     """Serve every (mix, n, novel epsilon, repeat) with the trained server of ``train_dir``, and the controls."""
     # 1. the trained server, as the run left it (select="last": the final checkpoint)
     runtime = build_runtime(run, federation)
-    runtime.load_state_dict(RunDirectory(train_dir).load_checkpoint()["runtime"])
+    checkpoint = RunDirectory(train_dir).load_checkpoint()
+    if checkpoint is None:
+        raise ConfigError(f"{train_dir} holds no checkpoint of the trained server to serve novel clients from")
+    runtime.load_state_dict(checkpoint["runtime"])
     if not runtime.serves_novel_clients:
         return []                             # its novel clients need labels or training: the run reports training
     base_client = runtime.client
@@ -377,7 +358,8 @@ def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mix
                                  "epsilon": "inf" if eps is None else eps, "repeat": repeat,
                                  "descriptor": "clean" if eps is None else "private",
                                  "accuracy": 100.0 * score.accuracy, "ledger_epsilon": spent[events],
-                                 "releases": 0 if ledger is None else len(ledger.records)})
+                                 "releases": 0 if ledger is None else len(ledger.records),
+                                 "relation": "; ".join(runtime.wire.ledgers.relations([client_id])) or "-"})
                     bar.update(1)
                     if eps is None:
                         clean_models[mix_index, n] = model
@@ -391,7 +373,7 @@ def _serve(config: SweepConfig, run: RunConfig, federation, train_dir: Path, mix
 
 #: The columns of ``sweep.csv``: one row per served model.
 ROW_FIELDS = ["train_epsilon", "mix", "classes", "n", "epsilon", "repeat", "descriptor", "accuracy", "ledger_epsilon",
-              "releases"]
+              "releases", "relation"]
 
 #: The uninformative descriptors every mix is also served with (module docstring, step 4).
 CONTROLS = ("control_mean_training", "control_other_mix")
@@ -414,7 +396,7 @@ def _control_rows(runtime, mixes: list[list[int]], sizes: tuple[int, ...], evalu
             for name, model in zip(CONTROLS, (mean_model, other)):
                 rows.append({"mix": mix_index, "classes": json.dumps(mix), "n": n, "epsilon": name, "repeat": 0,
                              "descriptor": name, "accuracy": 100.0 * score_model(model, x_eval, y_eval).accuracy,
-                             "ledger_epsilon": float("nan"), "releases": 0})
+                             "ledger_epsilon": float("nan"), "releases": 0, "relation": "-"})
     return rows
 
 
@@ -423,7 +405,8 @@ def _label_mixes(num_classes: int, per_client: int, count: int, rng: np.random.G
     (a fresh permutation after that), so the held-out pool is shared as little as possible."""
     if per_client > num_classes:
         raise ConfigError(f"classes_per_client={per_client} exceeds the {num_classes} classes of the dataset")
-    mixes, order = [], []
+    mixes: list[list[int]] = []
+    order: list[int] = []
     while len(mixes) < count:
         if len(order) < per_client:
             order = rng.permutation(num_classes).tolist()
@@ -469,7 +452,9 @@ def summarise_training(config: SweepConfig, rows: list[dict]) -> dict:
                 for key, cells in table.items() if key != "inf" and key not in CONTROLS}
     summary = {"table": table, "smallest_n_without_loss": smallest,
                "ledger_epsilon_max": {key: max((r["ledger_epsilon"] for r in rows if _key(r["epsilon"]) == key),
-                                               default=float("nan")) for key in table if key not in CONTROLS}}
+                                               default=float("nan")) for key in table if key not in CONTROLS},
+               # what the novel epsilons hold under, as the novel clients' ledgers record it
+               "novel_relations": sorted({r["relation"] for r in rows if r.get("relation", "-") not in ("-", "")})}
     if controls:
         margin = descriptor_margin(table, tuple(controls))
         summary.update(descriptor_margin=margin,
@@ -512,7 +497,12 @@ def format_table(result: dict) -> str:
                 f"training clients record-level DP, epsilon {key} (delta {delta:g}; largest spent "
                 f"{_number(spent)})")
         head = (f"### {side}: validation accuracy {info['training_val_accuracy']:.2f}%, "
-                f"{info['rounds']} rounds")
+                f"{info['rounds']} rounds\n"
+                f"training epsilons: relation {'; '.join(info.get('relations') or []) or '-'}, trust "
+                f"{trust_model(info.get('training_mode'), info.get('secure_aggregation'))}, from "
+                f"{info.get('epsilon_source') or 'summary.json'}; novel epsilons: relation "
+                f"{'; '.join(training.get('novel_relations') or []) or '-'}, trust untrusted server (each novel client "
+                "noises its own descriptor), from each novel client's ledger")
         cells_of = training["table"]
         if not cells_of.get("inf", {}) or all(math.isnan(c["accuracy"]) for c in cells_of["inf"].values()):
             blocks.append(head + "\n(no novel clients served: the method serves none)")

@@ -113,6 +113,21 @@ def test_results_without_a_revision_one_not_in_history_and_undeclared_ones_are_l
     assert "UNDECLARED" in listing and "nobody_declared.json" in listing
 
 
+def test_a_result_without_a_revision_is_dated_by_the_commit_that_wrote_it(repo):
+    result(repo, "made_none.json", None)
+    commit(repo, "the result, no revision recorded")
+    written = subprocess.run([*GIT, "-C", str(repo), "log", "-1", "--format=%h", "--abbrev=7"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    found = findings(repo)["made_none.json"]
+    assert found.status == "unknown" and f"unchanged since {written}" in found.note
+    commit(repo, "an unrelated change", {"src/other.py": "x = 3\n"})
+    assert findings(repo)["made_none.json"].status == "unknown"
+    commit(repo, "B: the method changes", {"src/method/fit.py": "def fit(): return 2\n"})
+    found = findings(repo)["made_none.json"]
+    assert found.status == "stale" and found.changed == ["src/method/fit.py"] and found.revisions == [written]
+    assert f"dated by {written}" in found.note and found.newest_change.endswith("B: the method changes")
+
+
 def test_main_warns_and_fails_only_when_asked(repo, monkeypatch, capsys):
     result(repo, "made_quoted.json", numerics(repo)["code_revision"])
     commit(repo, "B", {"src/method/fit.py": "def fit(): return 2\n"})

@@ -2,6 +2,7 @@
 
 import argparse
 import re
+import time
 
 import numpy as np
 import pytest
@@ -48,6 +49,9 @@ def test_workers_train_the_clients_of_a_one_thread_run(tmp_path):
 
     import torch
 
+    from privfl.federation import RunDirectory
+    from privfl.federation.timing import without_timing
+
     before = torch.get_num_threads()
     try:
         runs = {}
@@ -56,13 +60,13 @@ def test_workers_train_the_clients_of_a_one_thread_run(tmp_path):
             assert main(BASE[:1] + ["--out", str(out)] + BASE[1:] + ["--local-steps", "2", "--workers", workers,
                                                                      "--threads", "1"]) == 0
             assert json.loads((out / "config.json").read_text())["workers"] == int(workers)
-            runs[workers] = (out / "metrics.jsonl").read_text()
+            runs[workers] = without_timing(RunDirectory(out).read_metrics())
         args = BASE[:1] + ["--out", str(tmp_path / "t")] + BASE[1:] + ["--local-steps", "2", "--workers", "2"]
         assert main(args) == 0
         assert torch.get_num_threads() == 1     # --workers above 1 without --threads: one thread
     finally:
         torch.set_num_threads(before)
-    assert runs["1"] == runs["2"] == (tmp_path / "t" / "metrics.jsonl").read_text()
+    assert runs["1"] == runs["2"] == without_timing(RunDirectory(tmp_path / "t").read_metrics())
 
 
 def test_nan_in_client_data_exits_2(tmp_path, capsys):
@@ -76,10 +80,46 @@ def test_nan_in_client_data_exits_2(tmp_path, capsys):
     assert code == 2 and ("nan" in err.lower() or "finite" in err.lower()) and "Traceback" not in err
 
 
+def _table_row(table, first):
+    """{column: cell} of the row of a fixed-width table (header on its first line) that starts with ``first``."""
+    lines = [line for line in table.splitlines() if line.strip()]
+    header = re.split(r"\s{2,}", lines[0].strip())
+    return dict(zip(header, next(re.split(r"\s{2,}", line.strip()) for line in lines[2:] if line.startswith(first)),
+                    strict=False))
+
+
+def test_every_epsilon_table_names_the_relation_the_trust_model_and_the_source():
+    from privfl.evaluation import comparison_table
+
+    cases = [  # (privacy block of a summary, the trust model its table must show)
+        ({"training_mode": "record", "relations": ["add_or_remove_one"]}, "untrusted server"),
+        ({"training_mode": "local", "relations": ["replace_one"]}, "untrusted server"),
+        ({"training_mode": "central", "relations": ["add_or_remove_one"]}, "trusted aggregator"),
+        ({"training_mode": "distributed", "relations": ["replace_one"],
+          "secure_aggregation": {"protocol": "simulated"}}, "simulated secure aggregation"),
+        ({"training_mode": "distributed", "relations": ["replace_one"],
+          "secure_aggregation": {"protocol": "SecAgg+"}}, "SecAgg+ secure aggregation"),
+        ({"training_mode": None}, "not private"),
+    ]
+    for privacy, trust in cases:
+        summary = {"method": "fedavg", "novel": {}, "training_val": {}, "rounds_completed": 1, "selected_round": 1,
+                   "privacy": {"epsilon_max_training": 2.0, "epsilon_max_novel": 0.0,
+                               "epsilon_source": "ledger.json", **privacy}}
+        row = _table_row(comparison_table([summary]), "fedavg")
+        assert (row["relation"], row["trust"], row["eps from"]) == (
+            "; ".join(privacy.get("relations", [])) or "-", trust, "ledger.json"), privacy
+    # a summary that does not say where its epsilons come from is shown as the summary's own figures
+    del summary["privacy"]["epsilon_source"]
+    assert _table_row(comparison_table([summary]), "fedavg")["eps from"] == "summary.json"
+
+
 def test_train_then_report(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(BASE[:1] + ["--out", out] + BASE[1:] + ["--local-steps", "2"]) == 0
-    capsys.readouterr()
+    # privfl train's closing table: the epsilons' relation, trust model and source (the run's ledger)
+    row = _table_row(capsys.readouterr().out, "fedavg")
+    assert (row["eps train"], row["relation"], row["trust"], row["eps from"]) == ("inf", "-", "not private",
+                                                                                 "ledger.json")
     assert main(["report", out]) == 0
     table = capsys.readouterr().out
     assert "fedavg" in table and "novel acc" in table and "inf" in table
@@ -437,6 +477,9 @@ NO_FOLDER = [
     (["--method", "pefll", "--novel-epsilon", "2"],
      "novel_privacy epsilon=2.0 would go unused: a run of method 'pefll' serves no novel client"),
     (["--allow-overshoot"], "--allow-overshoot lets a resumed run (--resume RUN_DIR) pass its target epsilon"),
+    # central evaluation where there is no server model, or no held-out set
+    (["--method", "pefll", "--central-eval"], "central_eval: method 'pefll' has no server model to evaluate centrally"),
+    (["--split", "client_test", "--val-fraction", "0", "--central-eval"], "split='client_test' has none"),
 ]
 
 
@@ -498,6 +541,68 @@ def test_demo_writes_over_no_file_privfl_did_not_write(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1
         assert (out / "fedavg" / "config.json").read_text() == '{"my": "notes"}'
         assert sorted(p.name for p in out.rglob("*")) == ["config.json", "fedavg"]
+
+
+def _console_script(entry, *args, hook="", ready=False):
+    """The ``privfl`` console script as pip writes it for ``entry`` (``module:function``), started with SIGINT at its
+    default (a shell that runs tests in the background ignores it, and a child would inherit that), stdout and
+    stderr piped. ``hook``: code run first; ``ready``: the script prints ``ready`` once it has imported the entry
+    module, just before it calls the function (the import of the entry module itself, a few milliseconds, is the
+    script's own line, before any privfl code can guard it)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    module, function = entry.split(":")
+    code = f"{hook}\nimport sys\nfrom {module} import {function}\n"
+    code += "sys.stdout.write('ready\\n'); sys.stdout.flush()\n" if ready else ""
+    code += f"sys.exit({function}())"
+    root = str(Path(__file__).resolve().parents[1])
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=root, env={**__import__("os").environ, "PYTHONPATH": root},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+#: Sends this process SIGINT when the import of ``accounting`` begins: inside the console script's import of the
+#: command line (privfl.cli -> privfl.errors -> accounting), the moment a Ctrl-C at start-up lands in.
+_CTRL_C_WHILE_IMPORTING = """
+import importlib.abc, os, signal, sys
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "accounting":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, CtrlC())
+"""
+
+
+def test_a_ctrl_c_while_the_console_script_imports_the_command_line_ends_it_in_one_line_with_status_130():
+    import signal
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    entry = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["privfl"]
+    assert entry == "privfl.entry:main"
+    # the Ctrl-C lands inside the import of the command line: one line, status 130
+    script = _console_script(entry, "ledger", str(root / "no-such-run"), hook=_CTRL_C_WHILE_IMPORTING)
+    _, err = script.communicate(timeout=120)
+    assert (script.returncode, err) == (130, "privfl: interrupted\n")
+    # the same Ctrl-C with the command line as the entry point itself: a traceback (why privfl.entry exists)
+    bare = _console_script("privfl.cli:main", "ledger", str(root / "no-such-run"), hook=_CTRL_C_WHILE_IMPORTING)
+    _, err = bare.communicate(timeout=120)
+    assert "Traceback" in err and "KeyboardInterrupt" in err and bare.returncode == -signal.SIGINT
+    # a real Ctrl-C at several moments once the entry module is imported: while the command line is imported (about
+    # 0.1 s here), and while the command runs (seconds, importing torch)
+    for delay in (0.0, 0.01, 0.03, 0.1, 0.3):
+        script = _console_script(entry, "ledger", str(root / "no-such-run"), ready=True)
+        assert script.stdout.readline() == "ready\n"
+        time.sleep(delay)
+        script.send_signal(signal.SIGINT)
+        _, err = script.communicate(timeout=120)
+        assert (script.returncode, err) == (130, "privfl: interrupted\n"), (delay, err)
 
 
 @pytest.mark.parametrize("where", ["build_parser", "reuse_freed_memory"])

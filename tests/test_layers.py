@@ -24,14 +24,15 @@ PACKAGES = ("privfl", "accounting", "attacks")
 #: memory, the ``--help`` format, per-client scores), the device choice and the registry; data, models, the privacy
 #: layer; what every engine shares (messages, the wire, the round loop, run directories, seeding), the methods, the
 #: run config; reports and plots, the training loop, the engines (in-process choice and Flower), the sweep; the
-#: attack suite, the command line, and the package's own lazy exports.
+#: attack suite, the command line, its console entry (which guards the command line's import against Ctrl-C), and the
+#: package's own lazy exports.
 LAYERS = [
     "accounting",
     "errors", "safe_pickle", "provenance", "memory", "helpformat", "metrics", "devices", "registry",
     "data", "models", "privacy",
     "federation", "methods", "config",
     "evaluation", "experiment", "engines", "sweep",
-    "attacks", "cli", "__init__",
+    "attacks", "cli", "entry", "__init__",
 ]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 

@@ -37,6 +37,12 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "| novel epsilon \\ n | 20 | 60 |" in printed and "| non-private |" in printed and "| 0.3 |" in printed
     assert "training clients record-level DP, epsilon 8 (delta 1e-05; largest spent 8)" in printed
+    # each table's epsilons with their relation, trust model and source
+    assert "training epsilons: relation add_or_remove_one, trust untrusted server, from ledger.json; novel " \
+           "epsilons: relation " in printed
+    assert "training epsilons: relation -, trust not private, from ledger.json" in printed
+    assert "trust untrusted server (each novel client noises its own descriptor), from each novel client's ledger" \
+        in printed
     assert "training epsilon (rows) against novel epsilon" in printed
     for name in ("sweep.csv", "sweep.json", "sweep.png", "train/summary.json", "train/ledger.json",
                  "train-eps8/summary.json", "train-eps8/ledger.json"):

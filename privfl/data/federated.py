@@ -1,26 +1,9 @@
 """Federated datasets: labelled training clients, and novel clients that arrive later without labels.
 
-:func:`build_federation` turns a :class:`FederationSpec` and a seed into a :class:`FederatedDataset`:
-
-1. load the source (raw [0, 1] images or vectors) and form the pool(s): ``split="merged"`` merges the train and
-   test splits and partitions the whole pool, then makes a random ``novel_fraction`` of the clients novel (the
-   FedTTA protocol); ``split="train_test"`` partitions the train split into training clients and the test split
-   into ``novel_clients`` novel clients, each with its own partition settings (FedTTA Table 2);
-   ``split="client_test"`` partitions the train split into training clients and the test split alike (IID) into
-   one held-out part per training client, its validation split, and makes no novel clients (the cross-silo
-   protocol of Liu et al., "On Privacy and Personalization in Cross-Silo Federated Learning", NeurIPS 2022,
-   where each silo is scored on test images of its own distribution);
-2. optionally subsample each pool to ``max_samples``;
-3. partition, drop empty clients (with a warning that counts them);
-4. shift raw images: concept-shift rotations (rotated MNIST; a training client's held-out part of the test split
-   is rotated by its angle too), then novel-only rotation and Gaussian blur, all with black (0) fill, which is why
-   they come before normalisation;
-5. normalise with the source's per-channel mean and std and check every value is finite;
-6. split each training client into train and validation (85/15 by default; ``client_test``: its held-out part).
-
-Novel clients reach methods as :class:`NovelClient` objects that hold no labels and share no storage with
-anything that does; the labels live apart in :class:`NovelLabels`, for the evaluator. Every random choice comes
-from its own stream of ``np.random.SeedSequence(seed)``, so (spec, seed) fixes every tensor.
+:func:`build_federation` turns a :class:`FederationSpec` and a seed into a :class:`FederatedDataset` of
+:class:`TrainingClient` objects and :class:`NovelClient` objects, which hold no labels (the evaluator keeps them in
+:class:`NovelLabels`). The steps (pools, partition, splits, shifts) and what a novel client can see:
+docs/federation.md, "Federated datasets".
 
 Example:
     >>> spec = FederationSpec(source="synthetic", num_clients=10, partition="iid")
@@ -43,7 +26,7 @@ import torch
 
 from privfl.data.partition import partition_dirichlet, partition_iid, partition_pathological
 from privfl.data.sources import SOURCE_NAMES, SourceData, load_source
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, InternalError
 
 __all__ = [
     "FederationSpec",
@@ -114,7 +97,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_count(value: Any, minimum: int = 1) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= minimum
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and bool(value >= minimum)
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -289,6 +272,7 @@ class FederationSpec:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of every field (options as a dict, angles as lists)."""
         result = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        assert isinstance(self.source_options, FrozenOptions)   # __post_init__ made it one
         result["source_options"] = self.source_options.to_dict()
         result["train_angles"], result["novel_angles"] = list(self.train_angles), list(self.novel_angles)
         return result
@@ -561,6 +545,8 @@ def _assign_clients(
         num_novel = min(max(round(len(ids) * spec.novel_fraction), 1), len(ids) - 1)
         novel_ids = set(streams.novel_selection.permutation(ids)[:num_novel].tolist())
         return ({i: clients[i] for i in ids if i not in novel_ids}, {i: clients[i] for i in ids if i in novel_ids})
+    if novel_pool is None or spec.novel_clients is None:   # train_test: the spec requires both, _pools cuts the pool
+        raise InternalError(f"split {spec.split!r} without a novel pool or novel_clients")
     novel_parts = _partition(novel_pool.y, spec.novel_clients, spec.novel_partition_settings(), streams.novel_partition)
     training = _drop_empty(dict(enumerate(parts)), "training clients")
     novel = _drop_empty({spec.num_clients + i: idx for i, idx in enumerate(novel_parts)}, "novel clients")

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from privfl.errors import ConfigError, DataUnavailableError
+from privfl.errors import ConfigError, DataUnavailableError, InternalError
 from privfl.registry import Registry
 from privfl.safe_pickle import load_numpy_pickle
 
@@ -209,8 +209,10 @@ def _read_mnist_package(path: str) -> tuple[ArraySplit, ArraySplit]:
     return train, _split(x_test.reshape(-1, 1, 28, 28), y_test)
 
 
-def _read_idx_dataset(name: str, dataset_class: Any, folder: Path, root: Path, download: bool, **kwargs: Any):
+def _read_idx_dataset(name: str, dataset_class: Any, folder: Path, root: Path | None, download: bool, **kwargs: Any):
     """Read both splits of a torchvision idx-format dataset (MNIST family) as ``(train, test)`` ArraySplits."""
+    if root is None:   # every caller has _require_files refuse a missing root first
+        raise InternalError(f"source {name!r}: no data root to read")
     splits = []
     for train in (True, False):
         fetch = functools.partial(dataset_class, str(root), train=train, download=download, **kwargs)
@@ -400,7 +402,7 @@ def _load_cifar(name: str, root: Path | None, download: bool, dataset_class: Any
     return SourceData(name, train, test, spec["num_classes"], (3, 32, 32), spec["mean"], spec["std"])
 
 
-_CIFAR_SPECS = {
+_CIFAR_SPECS: dict[str, dict[str, Any]] = {
     "cifar10": dict(folder="cifar-10-batches-py", train=_CIFAR10_TRAIN, test=("test_batch",), label_key="labels",
                     num_classes=10, mean=(0.4914, 0.4822, 0.4465), std=(0.2023, 0.1994, 0.2010)),
     "cifar100": dict(folder="cifar-100-python", train=("train",), test=("test",), label_key="fine_labels",

@@ -44,6 +44,7 @@ def client_context(seed: int, client_id: int, round: int, stage: int = 0) -> Cli
     purpose = "client_train" if stage == 0 else "client_stage"
     torch_seed = derive_seed(seed, "torch" if stage == 0 else "torch_stage", *keys)
     torch.default_generator.manual_seed(torch_seed)
-    if torch.cuda.is_initialized():   # a run on CUDA: its generators too, so its draws there repeat
+    # a run on CUDA: its generators too, so its draws there repeat (torch leaves is_initialized unannotated)
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.manual_seed_all(torch_seed)
     return ClientContext(client_id=client_id, round=round, run_seed=seed, rng=derive_rng(seed, purpose, *keys))

@@ -82,15 +82,18 @@ class RunDirectory:
     CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES = (
         "config.json", "metrics.jsonl", "clients.csv", "summary.json", "ledger.json", "checkpoint.pt",
         "releases.jsonl")
+    #: A Flower run's node ledgers as the nodes reported them at its end: each client's lifetime (every run's
+    #: releases on its node, this one's included), from which ``privfl ledger`` recomputes the lifetime epsilons.
+    NODE_LEDGERS = "node-ledgers.json"
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
     def path(self, name: str) -> Path:
         return self.root / name
 
     #: Every file a run writes (``plots.png`` included).
-    FILES = (CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES, "plots.png")
+    FILES = (CONFIG, METRICS, CLIENTS, SUMMARY, LEDGER, CHECKPOINT, RELEASES, NODE_LEDGERS, "plots.png")
 
     #: The keys every ``config.json`` privfl writes holds (a run config): a file named so without them is another's.
     CONFIG_KEYS = frozenset({"federation", "method", "rounds", "seed", "privacy"})
@@ -231,7 +234,8 @@ class RunDirectory:
         if not path.exists():
             return None
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+            return state
         except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
             raise ConfigError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
                               "checkpoints are written whole, so it was changed or cut afterwards: start the run "

@@ -35,6 +35,7 @@ from privfl.errors import ConfigError, InternalError
 from privfl.federation.context import ClientState, client_context
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_rng
+from privfl.federation.timing import AGGREGATION, CLIENT, RoundTimer
 from privfl.federation.wire import Wire
 from privfl.federation.workers import ClientWorkers, check_threads, check_workers
 
@@ -161,7 +162,8 @@ class Runtime(ABC):
     (``bytes_up``, ``bytes_down``).
     """
 
-    def __init__(self, *, strategy, client, training_ids: list[int], seed: int, client_fraction: float) -> None:
+    def __init__(self, *, strategy: Any, client: Any, training_ids: list[int], seed: int,
+                 client_fraction: float) -> None:
         self.strategy = strategy
         self.client = client
         self.training_ids = sorted(training_ids)
@@ -169,6 +171,7 @@ class Runtime(ABC):
         self.client_fraction = client_fraction
         self.completed_rounds = 0
         self.serving_only = False    # restored to a serving snapshot: for scoring and serving, no more rounds
+        self.timer = RoundTimer()    # where the rounds' time goes (privfl.federation.timing)
 
     # -- the one round loop ---------------------------------------------------------------------------------------
 
@@ -177,6 +180,7 @@ class Runtime(ABC):
 
         When the strategy asks for a secure sum (:meth:`privfl.methods.base.Strategy.secure_sum`), the last stage's
         releases reach it only as their sum (:meth:`secure_sum`, :meth:`~privfl.methods.base.Strategy.aggregate_sum`).
+        The exchanges and the aggregation are timed in :attr:`timer` (:mod:`privfl.federation.timing`).
         """
         if round != self.completed_rounds:
             raise InternalError(f"round {round} requested but {self.completed_rounds} rounds are completed")
@@ -192,14 +196,16 @@ class Runtime(ABC):
         for stage in range(last + 1):
             messages = self.strategy.configure_train(round, sampled) if stage == 0 else \
                 self.strategy.configure_stage(round, stage, replies)
-            if secure is not None and stage == last:
-                total = self.secure_sum(round, stage, messages, secure)
-            else:
-                replies = self.exchange(round, stage, messages)
+            with self.timer.part(CLIENT):
+                if secure is not None and stage == last:
+                    total = self.secure_sum(round, stage, messages, secure)
+                else:
+                    replies = self.exchange(round, stage, messages)
         for release in self.strategy.round_releases(round):
             self.record_for_everyone(release, round)
-        metrics = self.strategy.aggregate_train(round, replies) if total is None else \
-            self.strategy.aggregate_sum(round, total)
+        with self.timer.part(AGGREGATION):
+            metrics = self.strategy.aggregate_train(round, replies) if total is None else \
+                self.strategy.aggregate_sum(round, total)
         self.commit_round(round, sampled)
         return {"clients": float(len(sampled)), **metrics}
 
@@ -258,6 +264,12 @@ class Runtime(ABC):
     def ledgers(self) -> LedgerBook:
         """Every client's ledger as it stands."""
 
+    def lifetime_ledgers(self) -> LedgerBook | None:
+        """The clients' ledgers over their lifetime where they outlive the run (a Flower node keeps every run's
+        releases), saved beside the run's own as :attr:`RunDirectory.NODE_LEDGERS`; None where the run's ledgers are
+        the whole story (in process)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release what the engine holds beyond the run's state (worker processes); the run is over, or stopped."""
 
@@ -306,8 +318,8 @@ class Runtime(ABC):
 class InProcessRuntime(Runtime):
     """Runs a method's rounds on the training clients of one federation, all in this process."""
 
-    def __init__(self, *, strategy, client, training_clients: list[TrainingClient], seed: int,
-                 client_fraction: float = 1.0, wire: Wire | None = None, workers: int = 1) -> None:
+    def __init__(self, *, strategy: Any, client: Any, training_clients: list[TrainingClient],
+                 seed: int, client_fraction: float = 1.0, wire: Wire | None = None, workers: int = 1) -> None:
         super().__init__(strategy=strategy, client=client, training_ids=[c.client_id for c in training_clients],
                          seed=seed, client_fraction=client_fraction)
         self.clients = {c.client_id: c for c in training_clients}
@@ -395,7 +407,9 @@ class InProcessRuntime(Runtime):
     def training_client_model(self, client_id: int) -> nn.Module:
         """The model training client ``client_id`` is scored with, built on the client from the server's message."""
         message = self.wire.server_to_client(client_id, self.strategy.configure_evaluate(client_id))
-        return self.client.evaluation_model(self.clients[client_id], message, self.client_states[client_id])
+        model: nn.Module = self.client.evaluation_model(self.clients[client_id], message,
+                                                        self.client_states[client_id])
+        return model
 
     def novel_client_model(self, novel: NovelClient) -> nn.Module:
         """Serve one novel client through the two-down, one-up protocol; its query (if any) is a recorded release."""
@@ -404,7 +418,8 @@ class InProcessRuntime(Runtime):
         release = self.client.novel_query(novel, request)
         delivered = None if release is None else self.wire.client_to_server(cid, release, round=None)
         reply = self.wire.server_to_client(cid, self.strategy.novel_reply(cid, delivered))
-        return self.client.novel_model(novel, reply)
+        model: nn.Module = self.client.novel_model(novel, reply)
+        return model
 
     def evaluate_training_clients(self, score: Score, *, report_to_server: bool,
                                   round: int | None) -> dict[int, ClientScore]:

@@ -8,9 +8,13 @@ process, reproduce the in-process runtime exactly (invariant 7 of docs/invariant
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
 
 
 def _key(purpose: str) -> int:
@@ -35,7 +39,7 @@ def derive_seed(seed: int, purpose: str, *keys: int) -> int:
     return int(derive_rng(seed, purpose, *keys).integers(0, 2**63 - 1))
 
 
-def seeded_init(factory, seed: int):
+def seeded_init(factory: Callable[[], T], seed: int) -> T:
     """Call ``factory()`` with torch's global RNG seeded by ``seed``, leaving the caller's RNG state untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

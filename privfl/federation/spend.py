@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,10 @@ import torch
 from accounting import JournalDamaged, LedgerBook, PrivacyLedger, ReleaseJournal
 from privfl.errors import ConfigError
 from privfl.federation.rundir import RunDirectory
+
+#: The ledger record metadata key that names the privfl run a release belongs to: a Flower node's ledger keeps its
+#: client's lifetime, every run's releases, and tells them apart by it (:mod:`privfl.engines.flower.protocol`).
+RUN_KEY = "run"
 
 #: The journal mark of a run whose novel clients were served (written by :func:`privfl.experiment.finish`, with their
 #: scores, so a run stopped after it finishes without serving them again).
@@ -206,7 +211,8 @@ def _checkpoint(run: RunDirectory) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:   # mapped, not read: only the ledgers and the position are used
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return state
     except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
         raise ConfigError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
                           "checkpoints are written whole, so it was changed or cut afterwards") from None
@@ -240,11 +246,11 @@ def _copy(ledger: PrivacyLedger) -> PrivacyLedger:
     return PrivacyLedger.from_state_dict(ledger.state_dict())
 
 
-def _first_difference(a: tuple, b: tuple) -> int:
+def _first_difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _order(cid: Any) -> tuple:
+def _order(cid: Any) -> tuple[bool, int, str]:
     return (isinstance(cid, str), cid if isinstance(cid, int) else 0, str(cid))
 
 
@@ -263,8 +269,9 @@ def run_summary(root: str | Path) -> dict[str, Any]:
         summary = {**summary, "status": "finished", "run_dir": str(run.root), "warnings": []}
         # the three records cross-checked: the journal, ledger.json and the summary's own figures
         spend = read_spend(root)
+        # the epsilons a table shows are the accountant's, from the recorded releases, never the summary's own
+        summary["privacy"] = {**summary.get("privacy", {}), **_privacy(spend)}
         if spend.warnings or _journal_counts(run) != _ledger_counts(run):
-            summary["privacy"] = {**summary.get("privacy", {}), **_privacy(spend)}
             summary["warnings"] = ([f"{RunDirectory.RELEASES} and {RunDirectory.LEDGER} record different releases; "
                                     "the epsilons are recomputed from the longer"]
                                    if _journal_counts(run) != _ledger_counts(run) else []) + spend.warnings
@@ -279,7 +286,8 @@ def run_summary(root: str | Path) -> dict[str, Any]:
         "status": spend.status, "run_dir": str(run.root), "warnings": spend.warnings,
         "novel": {}, "training_val": {"accuracy_mean": last.get("val_accuracy_mean"),
                                       "accuracy_sem": last.get("val_accuracy_sem")},
-        "privacy": _privacy(spend),
+        "privacy": {**_privacy(spend), "training_mode": ((config.get("privacy") or {}).get("mode")
+                                                         if isinstance(config, dict) else None)},
         "selected_round": None, "rounds_completed": done if done is not None else last.get("round", 0),
         "rounds_planned": planned, "wall_time_s": None,
     }
@@ -294,6 +302,9 @@ def _privacy(spend: RunSpend) -> dict[str, Any]:
         "epsilon_max_novel": max((e for c, e in epsilons.items() if roles.get(c) == "novel"), default=0.0),
         "epsilon_per_client": {str(c): e for c, e in epsilons.items()},
         "noise_sources": spend.book.private_metadata_counts("noise"),
+        "relations": spend.book.relations(),
+        # the records the accountant recomputed these from (summary.json only where it states more, with a warning)
+        "epsilon_source": (" + ".join(spend.sources) or "no record") + " (recomputed)",
     }
 
 
@@ -318,4 +329,53 @@ def _ledger_counts(run: RunDirectory) -> dict[str, int] | None:
     return {str(cid): len(book[cid]) for cid in book if len(book[cid])}
 
 
-__all__ = ["NOVEL_SERVED", "RunSpend", "read_spend", "run_summary"]
+def lifetime_of(book: LedgerBook, run_id: str, delta: float, *, clients: Iterable[Any] = ()) -> dict[str, Any]:
+    """What a Flower run's summary says of its clients' lifetimes (``flower.lifetime``), from their lifetime ledgers
+    ``book`` (every record each client's node ledger holds): each client's epsilon at ``delta`` (0 for one of
+    ``clients`` without a record) and the earlier runs its ledger holds (records whose metadata :data:`RUN_KEY` names
+    another run than ``run_id``, or none: from before run ids). ``privfl ledger`` recomputes the same from the run's
+    ``node-ledgers.json`` (:func:`read_lifetime`)."""
+    runs: dict[Any, list[str]] = {}
+    for cid in book:
+        others = {str(r.metadata.get(RUN_KEY) or "untagged") for r in book[cid].records} - {run_id}
+        if others and run_id:
+            runs[cid] = sorted(others)
+    epsilons = book.epsilons(delta)
+    everyone = sorted(set(clients) | set(epsilons), key=_order)
+    return {"run_id": run_id, "delta": delta,
+            "epsilon_per_client": {str(cid): float(epsilons.get(cid, 0.0)) for cid in everyone},
+            "earlier_runs": sorted({run for found in runs.values() for run in found}),
+            "earlier_runs_per_client": {str(cid): runs[cid] for cid in sorted(runs, key=_order)}}
+
+
+def read_lifetime(root: str | Path, delta: float) -> tuple[dict[str, Any], str, list[str]] | None:
+    """The lifetime epsilons of a finished Flower run's clients at ``delta``, recomputed by the accountant from the
+    node ledgers the run saved (``node-ledgers.json``, :func:`lifetime_of`), set beside what ``summary.json`` states
+    (at the run's delta): where the summary states more for a client, a warning names both and the larger is
+    reported. Returns (lifetime, its source, warnings), or None for a run that has no lifetime (not on Flower). A
+    run written before node ledgers were saved gives the summary's figures, its source saying so."""
+    run = RunDirectory(root)
+    summary = run.read_json(RunDirectory.SUMMARY) if run.path(RunDirectory.SUMMARY).exists() else {}
+    stated = ((summary.get("flower") or {}).get("lifetime") or {}) if isinstance(summary, dict) else {}
+    path = run.path(RunDirectory.NODE_LEDGERS)
+    if not path.exists():
+        if not stated:
+            return None
+        return stated, (f"{RunDirectory.SUMMARY} (not recomputed: the run saved no {RunDirectory.NODE_LEDGERS}), at "
+                        f"delta={float(stated['delta']):g}"), []
+    lifetime = lifetime_of(_ledger_book(path), str(stated.get("run_id") or ""), delta,
+                           clients=[_client_key(c) for c in stated.get("epsilon_per_client", {})])
+    warnings = []
+    if stated and math.isclose(float(stated.get("delta", -1)), delta, rel_tol=1e-12):
+        for key, value in stated.get("epsilon_per_client", {}).items():
+            found = lifetime["epsilon_per_client"].get(str(key), 0.0)
+            if not _same_epsilon(float(value), found):
+                warnings.append(f"client {key}: {RunDirectory.SUMMARY} states lifetime epsilon {float(value):.6g} but "
+                                f"the node ledgers ({RunDirectory.NODE_LEDGERS}) give {found:.6g}: the run's records "
+                                f"disagree (edited or damaged); the larger, {max(float(value), found):.6g}, is "
+                                "reported")
+                lifetime["epsilon_per_client"][str(key)] = max(float(value), found)
+    return lifetime, f"{RunDirectory.NODE_LEDGERS} (recomputed)", warnings
+
+
+__all__ = ["NOVEL_SERVED", "RUN_KEY", "RunSpend", "lifetime_of", "read_lifetime", "read_spend", "run_summary"]

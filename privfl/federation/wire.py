@@ -10,9 +10,13 @@ The wire also counts the bytes that move each way, per client.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 from accounting import LedgerBook, ReleaseJournal
 from privfl.federation.messages import Message, Release
+
+if TYPE_CHECKING:   # the runtime imports this module
+    from privfl.federation.runtime import RoundRelease
 
 
 class Wire:
@@ -54,7 +58,7 @@ class Wire:
         self.bytes_up[client_id] += metadata["bytes"]
         return release.message if self.hand_over else release.message.copy()
 
-    def record_for(self, client_ids: list[int], release, *, round: int | None) -> None:
+    def record_for(self, client_ids: list[int], release: RoundRelease, *, round: int | None) -> None:
         """Record a release the server makes on behalf of each of ``client_ids`` (a
         :class:`~privfl.federation.runtime.RoundRelease`: central DP's noisy aggregate) in their ledgers, as one
         record, and in the journal, as one line. A refusal records nothing for anyone."""
@@ -64,14 +68,14 @@ class Wire:
         if self.journal is not None:
             self.journal.append_for(client_ids, record)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "ledgers": self.ledgers.state_dict(),
             "bytes_down": [[k, v] for k, v in self.bytes_down.items()],
             "bytes_up": [[k, v] for k, v in self.bytes_up.items()],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ledgers.load_state_dict(state["ledgers"])
         self.bytes_down = defaultdict(int, {int(k): int(v) for k, v in state["bytes_down"]})
         self.bytes_up = defaultdict(int, {int(k): int(v) for k, v in state["bytes_up"]})

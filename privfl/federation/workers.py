@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -274,7 +274,7 @@ class ClientWorkers:
                 if not busy:
                     break
             try:
-                ready = wait(list(busy))
+                ready = cast(list[Connection], wait(list(busy)))   # typeshed: wait returns what it was given
             except KeyboardInterrupt:
                 self.close()
                 raise

@@ -1,43 +1,14 @@
 """AFL, Agnostic Federated Learning (Mohri, Sivek and Suresh, ICML 2019), in its stochastic form run over rounds.
 
-The objective is the minimax  min_w max_{lambda in simplex} L_lambda(w) = sum_k lambda_k L_k(w)        (Eq. 2),
-solved by alternating projected gradient steps (the paper's Stochastic-AFL, Algorithm 1). Round t, sampled clients S:
+The objective is the minimax min_w max_{lambda in simplex} sum_k lambda_k L_k(w), solved by alternating projected
+gradient steps (Stochastic-AFL, Algorithm 1): each sampled client releases its weight change and its loss, the
+server steps w by the lambda-weighted changes and lambda up the losses (:func:`project_to_simplex`).
 
-1. the server sends w_t;
-2. client k evaluates its loss L_k(w_t) on its training split (the gradient of L_lambda with respect to lambda_k),
-   then runs ``local_steps`` SGD steps from w_t (learning rate gamma_w = ``lr``) and sends Delta_k and L_k(w_t);
-3. descent on w with the mixture weights: w_{t+1} = w_t + server_lr * sum_{k in S} lambda_k Delta_k / sum_{k in S}
-   lambda_k  (with every client sampled, sum_k lambda_k = 1 and this is the lambda-weighted gradient step);
-4. ascent on lambda, projected on the simplex: lambda_{t+1} = Proj(lambda_t + gamma_lambda * g), g_k = L_k(w_t) for
-   k in S and 0 otherwise; Proj is the Euclidean projection (Duchi et al. 2008).
+Entry points: :class:`AFLConfig`, :class:`AFLStrategy`, :class:`AFLClient` (registered as ``afl``) and
+:func:`record_losses`.
 
-lambda starts uniform over the ``num_training_clients`` clients. The FedTTA paper's MNIST settings (Table 4) are
-gamma_w = 0.3 and gamma_lambda = ``lambda_lr`` = 0.001 (CIFAR-10: 0.1 and 0.3). Simplification: novel clients receive
-the last iterate w_T (the round chosen by validation), not the average of the iterates that the paper's convergence
-guarantee is about; they send nothing. A client sends its loss as the 0-d tensor ``"afl.loss"`` beside its weight
-change.
-
-Privacy (the run's privacy layer, ``RunConfig.privacy``; :mod:`privfl.privacy.training`).
-
-``record`` (add or remove one record): the weight change comes from DP-SGD
-(:meth:`~privfl.methods.base.ClientProcedure.fit`). The loss L_k(w_t) is a mean over the client's records, released
-by its own Gaussian mechanism (:meth:`AFLClient.private_loss`): each record's cross-entropy (>= 0) is clipped to
-[0, ``loss_bound``] and centred, v_i = min(l_i, B) - B/2 in [-B/2, B/2]; under add/remove-one the mean of such values
-moves by at most 2 (B/2) / m = B / m for neighbours of sizes m and m - 1
-(:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`, n private), and the noise is calibrated for the public
-lower bound m >= ``privacy.min_samples`` (a client with fewer records is refused before it releases), so sensitivity
-B / min_samples; N(0, (z B / min_samples)^2) with the round's noise multiplier z, and B/2 added back
-(post-processing). The release carries both events, composed (:meth:`AFLClient.round_event`, which the calibration
-of a target epsilon composes over the client's rounds); the sample count is not sent.
-
-``local``: the layer clips the whole release (weight change and loss, jointly) to C and adds the noise; the server's
-lambda step then reads each client's noised loss, post-processing. ``central`` and ``distributed`` are refused: the
-server step weights each sampled client's change by that client's own lambda_k and moves lambda_k by that client's
-own loss. That is not a function of a noisy mean of the clients' contributions: a loss would need a coordinate of its
-own per client in the summed vector, a slot the server cannot fix in advance (it learns the training clients' ids only
-from who is sampled, which central DP keeps secret and secure aggregation hides), and slots assigned by first sight
-would make every later contribution depend on who was sampled, outside the noise. Under secure aggregation the server
-sees the sum alone, so it could not tell whose loss is whose at all.
+The round step by step, the FedTTA paper's settings and each privacy mode (the loss release's Gaussian mechanism;
+cited below as "the module docstring"): docs/methods/baselines.md, "AFL".
 """
 
 from __future__ import annotations
@@ -177,7 +148,7 @@ class AFLClient(FedAvgClient):
             loss_at_start = torch.tensor(float(record_losses(model, data).mean()))
         _, fit_event = self.fit(model, data, sgd_settings(message.config), ctx.rng)
         arrays = {**difference(weights_of(model), start), LOSS: loss_at_start.to("cpu", torch.float32)}
-        events = None if fit_event is None else ComposedEvent((fit_event, loss_event))
+        events = None if fit_event is None or loss_event is None else ComposedEvent((fit_event, loss_event))
         return update_release(self, arrays, events, {"num_examples": float(data.num_train)})
 
     def loss_mechanism(self, noise_multiplier: float, **noise: Any) -> GaussianMechanism:
@@ -234,4 +205,5 @@ register_method(
              "distributed": "its lambda step needs each client's own loss and its server step each client's own "
                             "lambda_k, which secure aggregation hides (only the sum is seen)"},
     devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -1,34 +1,14 @@
 """The shape every method has: a server strategy and client procedures, registered by name.
 
 A method is one module that defines a :class:`Strategy` subclass (server side), a :class:`ClientProcedure` subclass
-(client side), a frozen dataclass of its hyperparameters, and one :func:`register_method` call. The runtime (in-process
-today, Flower later) drives them through messages only, so the same method code runs on any runtime:
+(client side), a frozen dataclass of its hyperparameters (:class:`MethodConfig`), and one :func:`register_method`
+call. The runtime drives them through messages only, so the same method code runs on any engine; every message up is
+a release on the wire. Novel clients follow one two-down, one-up protocol (``novel_request``, ``novel_query``,
+``novel_reply``, ``novel_model``). Other entry points: :func:`get_method`, :class:`MethodSpec`,
+:func:`dp_sgd_round_event`, :func:`private_release`.
 
-* ``Strategy.configure_train`` -> one message down to each sampled training client;
-* ``ClientProcedure.train`` -> a :class:`Release` (or ``None`` when the client sends nothing), recorded by the wire;
-* ``Strategy.aggregate_train`` -> the server's update from the delivered messages.
-
-A round may be a dialogue of several such exchanges (``Strategy.train_stages``; ``Strategy.configure_stage`` and
-``ClientProcedure.train_stage`` for stages after the first). Every message up is a release on the wire.
-
-Novel clients follow a two-down, one-up protocol that covers every method in the project (FedAvg: the global model;
-ODPFL-HN: descriptor up, generated model down; TENT/FedTTA: model down, adaptation on the client):
-
-1. ``Strategy.novel_request(client_id)`` -> first message down;
-2. ``ClientProcedure.novel_query(novel, message)`` -> a release up, or ``None`` (the client reveals nothing);
-3. ``Strategy.novel_reply(client_id, delivered)`` -> the second message down (by default the request again);
-4. ``ClientProcedure.novel_model(novel, message)`` -> the client's model, built on the client.
-
-A :class:`~privfl.data.NovelClient` holds no labels, so no procedure can use them.
-
-**The privacy contract.** Every method runs under the one privacy layer (:mod:`privfl.methods.private`,
-:class:`~privfl.privacy.training.TrainingPrivacy`). Its registration says which modes it runs and why it refuses the
-others (``MethodSpec.privacy``), and how many releases a training client makes per round (``releases_per_round``).
-Record level: the procedure trains through :meth:`ClientProcedure.fit` (DP-SGD when the mode asks for it), makes
-every other data-dependent release with a mechanism of :mod:`privfl.privacy`, and declares the event of one round
-(:meth:`ClientProcedure.round_event`) so the noise can be calibrated for a target epsilon. Central mode: the strategy
-says what each client contributes to the shared state (:meth:`Strategy.contributions`) and how the shared state moves
-from their noisy mean (:meth:`Strategy.apply_mean`).
+The exchanges of a round, the novel-client protocol and the privacy contract every method keeps:
+docs/federation.md, "The shape of a method".
 """
 
 from __future__ import annotations
@@ -38,7 +18,7 @@ import numbers
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,7 +311,7 @@ class ClientProcedure(ABC):
 
     def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
             *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,
-            params: Mapping[str, nn.Parameter] | None = None) -> tuple[float, PrivacyEvent | None]:
+            params: Iterable[str | nn.Parameter] | None = None) -> tuple[float, PrivacyEvent | None]:
         """Local training on the client's training split, with ``settings`` as :func:`local_sgd` takes them; DP-SGD
         (:class:`~privfl.privacy.dp_sgd.DPSGDTrainer`, per-sample clip ``privacy.clip``, noise multiplier
         :meth:`noise_multiplier`, the public rate :meth:`record_sampling_rate`) under record-level DP. Returns the
@@ -396,9 +376,18 @@ class ClientProcedure(ABC):
         """The novel client's model, built from the second message (by default the weights in it)."""
         return self.model_from(message.arrays)
 
+    def central_model(self, message: Message) -> nn.Module:
+        """The server model in ``message`` (the strategy's :meth:`~Strategy.novel_request`), built without any
+        client's data: what central evaluation scores (:mod:`privfl.evaluation.central`) for a method whose
+        registration declares one (``MethodSpec.central_eval``). By default the weights in it; a method whose novel
+        clients adapt the model to their data (TENT, FedTTA) gives the model before adaptation."""
+        return self.model_from(message.arrays)
+
 
 #: The reason a registration gives for a mode it does not declare.
 UNDECLARED = "its registration does not declare it"
+#: The reason a registration that declares no server model gives for refusing central evaluation.
+NO_SERVER_MODEL = "its registration declares no server model"
 
 
 @dataclass(frozen=True)
@@ -413,6 +402,11 @@ class MethodSpec:
     to protect. ``smoke_settings``: settings for a fast run on a small synthetic federation (the conformance tests
     run every method with them). ``devices``: where its models compute (``"cpu"``, and ``"cuda"`` for a method whose
     client and server keep every tensor they combine on the model's device, :mod:`privfl.devices`).
+    ``central_eval``: ``None`` when the method has one server model, the model a new client would get from the
+    server before it uses any data of its own (:meth:`Strategy.novel_request` built by
+    :meth:`ClientProcedure.central_model`), which central evaluation scores on the central held-out set
+    (:mod:`privfl.evaluation.central`); else why it has none (a personalised method: each client's model is made from
+    that client's release), and a run with central evaluation is refused with it.
     """
 
     name: str
@@ -425,6 +419,7 @@ class MethodSpec:
     novel_privacy: str | None = "its novel clients send nothing"
     smoke_settings: Mapping[str, Any] = field(default_factory=dict)
     devices: tuple[str, ...] = ("cpu",)
+    central_eval: str | None = NO_SERVER_MODEL
 
     def make_config(self, **values: Any) -> Any:
         """The method's config from ``values``; unknown names raise :class:`ConfigError` listing the valid ones."""
@@ -481,10 +476,11 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
                     description: str, privacy: Mapping[str, str | None] | None = None,
                     releases_per_round: int = 1, novel_privacy: str | None = "its novel clients send nothing",
                     smoke_settings: Mapping[str, Any] | None = None,
-                    devices: tuple[str, ...] = ("cpu",)) -> MethodSpec:
+                    devices: tuple[str, ...] = ("cpu",), central_eval: str | None = NO_SERVER_MODEL) -> MethodSpec:
     """Add a method to the registry under ``name`` (one call per method module). ``privacy``: each mode of
     :data:`~privfl.privacy.training.MODES` -> ``None`` (supported) or why it is refused; a mode left out is refused
-    with :data:`UNDECLARED`."""
+    with :data:`UNDECLARED`. ``central_eval``: ``None`` for a method with one server model, else why it has none
+    (:attr:`MethodSpec.central_eval`)."""
     declared = dict(privacy or {})
     unknown = sorted(set(declared) - set(MODES))
     if unknown:
@@ -494,7 +490,7 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
     spec = MethodSpec(name=name, strategy=strategy, client=client, config=config, description=description,
                       privacy={mode: declared.get(mode, UNDECLARED) for mode in MODES},
                       releases_per_round=releases_per_round, novel_privacy=novel_privacy,
-                      smoke_settings=dict(smoke_settings or {}), devices=tuple(devices))
+                      smoke_settings=dict(smoke_settings or {}), devices=tuple(devices), central_eval=central_eval)
     return METHODS.register(name, spec)
 
 

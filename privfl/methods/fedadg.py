@@ -2,63 +2,15 @@
 every client aligns its feature distribution to one reference distribution, learned adversarially, so the features
 the federation averages are domain-invariant.
 
-Each client holds four networks: the feature extractor F and classifier C (together the target network: F =
-everything before its last linear layer, C = that layer) and a class-conditional generator G(xi, y) of reference
-features from noise xi ~ U[0, 1)^noise_dim, which the server averages as in FedAvg, and a class-conditional
-discriminator D(h, y) that stays on the client for the whole run, as the FedADG code keeps one local discriminator per
-client (``local_d``): it is kept in the client's state, never sent, and starts from an initialisation of its own
-(seeded by the run seed and the client id). One local step on a minibatch (x, y), with one-hot labels e_y and
-lambda_0 = ``adv_weight``:
+Each client holds a feature extractor F and classifier C (the target network), a class-conditional generator G of
+reference features (F, C and G are averaged as in FedAvg) and a discriminator D that never leaves the client. Every
+privacy mode runs: record level trains F, C and D by DP-SGD and G as post-processing.
 
-1. F and C:  min (1 - lambda_0) * CE(C(F(x)), y) + lambda_0 * E (1 - D(F(x), e_y))^2      (L_err and L_advf);
-2. D:        min E (1 - D(G(xi, e_y), e_y))^2 + E D(F(x), e_y)^2                        (L_advd: reference -> 1,
-             extracted features -> 0; least-squares GAN losses);
-3. G:        min E D(G(xi, e_y), e_y)^2                                                  (L_advg).
+Entry points: :class:`FedADGConfig`, :class:`FedADGModel`, :class:`FedADGStrategy`, :class:`FedADGClient`
+(registered as ``fedadg``); :func:`adversarial_step`, :func:`record_adversarial_losses`, :func:`generator_steps`.
 
-Steps 1 and 3 pull the extracted and the reference distributions toward each other; D tells them apart. F, C use the
-client learning rate eta_f = ``lr`` (FedTTA paper, Table 4: MNIST 0.3); D and G use ``gan_lr``.
-
-Simplifications of this compact version (documented, not from the paper): the FedADG paper first trains F and C with
-CE for some epochs and then alternates the adversarial phase for others; here the three updates alternate on every
-one of the ``local_steps`` minibatches. The feature dimension is the target network's penultimate width (200 for the
-MNIST 2NN; the FedTTA paper's FedADG used 128 on MNIST), the noise dimension is the paper's 10, and G and D are
-two-layer MLPs of width ``gan_hidden``. ``adv_weight``, ``gan_lr`` and ``gan_hidden`` are not given by the FedTTA
-paper (its App. D and Table 4 give only eta_f and the noise and feature dimensions); their defaults (0.1, 0.05, 64)
-are chosen for this protocol, not quoted. The FedADG code (its VLCS script)
-uses lambda_0 = 0.15 (``alpha = 0.85`` on the task loss), a G and D learning rate 0.7 times the task's, one-hot labels
-scaled by 0.6, label smoothing 0.2 and a random-projection discriminator with a sigmoid output that maximises
-D(reference)^2 + (1 - D(F(x)))^2 (the same targets as step 2's least squares); its generator step trains on a
-detached G output, so G gets no gradient there, which is not reproduced. Novel clients receive the target network only
-and send nothing.
-
-Privacy (the run's privacy layer, ``RunConfig.privacy``; :mod:`privfl.privacy.training`). Every mode runs.
-
-``record`` (add or remove one record). A client releases the change of F, C and G. F and C read the records; D reads
-the records' features, so D is a function of the data, and G is trained against D with labels. So D must itself be
-trained privately for G to be post-processing, and G's conditioning labels must be public. The round at record level
-(:meth:`FedADGClient.record_round`):
-
-1. one DP-SGD fit (:meth:`~privfl.methods.base.ClientProcedure.fit`) trains F, C and D together on the per-record loss
-   (:func:`record_adversarial_losses`)
-   (1 - lambda_0) CE_i + lambda_0 (1 - D(F(x_i), e_yi))^2 + D(F(x_i), e_yi)^2 + (1 - D(G(xi_i, e_yi), e_yi))^2,
-   where D is held fixed in the second term and F and G in the last two, so its gradient is step 1's for F and C and
-   step 2's for D (steps 1 and 2 read the same F, G and D, as in the alternation above); record i's loss reads record
-   i and noise xi_i drawn for it alone, so each record's gradient over F, C and D is clipped to C and noised
-   (Abadi et al. 2016); D moves at ``gan_lr`` by training D' = D / s with s = sqrt(gan_lr / lr) (as FedTTA's phi,
-   :mod:`privfl.methods.fedtta`), and weight decay is a data-independent term on F and C alone;
-2. then G takes ``local_steps`` SGD steps of step 3 against the fitted D, on labels drawn uniformly from the classes
-   (public) and fresh noise: a function of D and public randomness, so post-processing.
-
-What it changes: G follows D once per round instead of after every D step, and is conditioned on uniform labels
-instead of the batch's. The round is one DP-SGD fit (the default
-:meth:`~privfl.methods.base.ClientProcedure.round_event`); D stays in the client's state, itself a DP output, and
-later rounds compose in the ledger. Loss parts and the sample count, which no mechanism covers, are not sent.
-
-``local`` and ``distributed``: the layer clips the change of F, C and G jointly and adds the noise (D never leaves the
-client, and every release is clipped whatever D did). ``central``: the server step is FedAvg's mean of those changes
-(:meth:`~privfl.methods.fedavg.FedAvgStrategy.apply_mean`), so the trusted aggregator steps from their clipped sum
-noised once. In every privacy mode a change that is not finite is released as zeros rather than failing the round
-(:func:`privfl.methods.fedsr.update_release`).
+The local steps (cited below as "steps 1 to 3 of the module docstring"), the simplifications and each privacy mode:
+docs/methods/baselines.md, "FedADG".
 """
 
 from __future__ import annotations
@@ -68,7 +20,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -292,8 +244,9 @@ class FedADGClient(FedAvgClient):
                 p.div_(scale)
         weight_decay = float(settings.get("weight_decay", 0.0))
 
-        def decay(params: dict[str, torch.Tensor]) -> torch.Tensor:   # on F and C only, as step 1's optimiser has it
-            return 0.5 * weight_decay * sum((p ** 2).sum() for name, p in params.items() if name.startswith("target."))
+        def decay(params: Mapping[str, torch.Tensor]) -> torch.Tensor:   # on F and C only, as step 1's optimiser has it
+            return 0.5 * weight_decay * cast(torch.Tensor, sum((p ** 2).sum() for name, p in params.items()
+                                                               if name.startswith("target.")))
 
         trained = [name for name, _ in model.named_parameters() if not name.startswith("generator.")]
         losses = functools.partial(record_adversarial_losses, adv_weight=self.config.adv_weight, d_scale=scale)
@@ -309,6 +262,7 @@ class FedADGClient(FedAvgClient):
                     p.mul_(scale)
         generator_steps(model, steps=settings["steps"], batch_size=settings["batch_size"], lr=self.config.gan_lr,
                         rng=rng)
+        assert event is not None   # record level: fit ran DP-SGD, which returns its event
         return event
 
 
@@ -320,4 +274,5 @@ register_method(
     # is FedAvg's mean over F, C and G (central, distributed); local DP is the layer's
     privacy={"record": None, "central": None, "distributed": None, "local": None},
     smoke_settings={"gan_hidden": 8}, devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -17,7 +17,7 @@ Novel clients receive w (the model of the best validation round, or the last) an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -82,7 +82,7 @@ def _weighted_sum(tensors: list[torch.Tensor], factors: list[float]) -> torch.Te
     first = tensors[0]
     if not all(isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype == first.dtype
                and t.device == first.device and first.is_floating_point() for t in tensors):
-        return sum(t * f for t, f in zip(tensors, factors, strict=True))
+        return cast(torch.Tensor, sum(t * f for t, f in zip(tensors, factors, strict=True)))
     total = torch.zeros_like(first)
     scratch = torch.empty_like(first)
     for t, f in zip(tensors, factors, strict=True):
@@ -184,4 +184,5 @@ register_method(
     "fedavg", strategy=FedAvgStrategy, client=FedAvgClient, config=FedAvgConfig,
     description="FedAvg: sample-size weighted average of local SGD updates; novel clients get the global model",
     privacy=FEDAVG_PRIVACY, devices=ANY_DEVICE,
+    central_eval=None,
 )

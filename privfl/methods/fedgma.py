@@ -79,4 +79,5 @@ register_method(
              "distributed": "its server step needs each client's update signs, which secure aggregation hides "
                             "(only the sum is seen)"},
     devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -1,46 +1,18 @@
 """FedPFT and DP-FedPFT (Beitollahi et al. 2024, arXiv:2402.01862): one-shot transfer of per-class Gaussian mixtures.
 
-Every party shares a frozen backbone (:mod:`privfl.models.backbones`); the federation holds its features (source
-``features``). Only a classifier head is learned (a linear layer by default). Numbered as the paper's Algorithm 1:
+Every party shares a frozen backbone (:mod:`privfl.models.backbones`); the federation holds its features. Each client
+fits a Gaussian mixture per class of its L2-normalised features and sends it (float16, with the class counts); the
+server samples synthetic features from the mixtures, trains a classifier head on them and sends it to every client
+and to novel clients. ``topology="decentralized"`` is the paper's chain. Plain FedPFT is not private; under
+record-level privacy (DP-FedPFT) each client sends the DP-GMM release of
+:func:`privfl.privacy.dp_gmm.release_class_gaussians` instead.
 
-1. each client L2-normalises its features (``normalize``; the head applies the same map at test time) and, for every
-   class c it holds, fits a Gaussian mixture g^{c} with ``K_eff = min(K, n_c)`` components by EM (scikit-learn
-   ``GaussianMixture``: k-means initialisation, ``max_iter`` 100, ``tol`` 1e-3, ``reg_covar`` 1e-6, seeded), with
-   ``"full"``, ``"diag"`` or ``"spherical"`` covariance; the cap is recorded in the release's metadata
-   (``components_effective`` per class, and ``raw_feature_classes``: those with ``n_c <= K``, whose means are the raw
-   features) and logged;
-2. it sends the mixture weights, means and covariances in float16 (full covariances as their upper triangle) and the
-   class count n_c as an int32: per client ``2 * floats + 4 * C_held`` bytes, where ``floats`` is the paper's
-   eqs. 9-11 (:func:`communication_floats`), C counting the classes the client holds;
-3. the server draws n_c synthetic features from each received g^{c} (or ``samples_per_class``), pools them over
-   clients and trains the head on them with cross-entropy (minibatch SGD,
-   :func:`privfl.methods.local_training.local_sgd`; the paper uses Adam at lr 1e-4: the optimiser differs, the
-   objective does not);
-4. the head goes back to every client, and to novel clients.
+Entry points: :class:`FedPFTConfig`, :class:`FedPFTStrategy`, :class:`FedPFTClient` (registered as ``fedpft``);
+:func:`fit_class_mixtures`, :func:`encode_mixtures`, :func:`decode_mixtures`, :func:`sample_mixtures`,
+:func:`train_head`; the cost model :func:`communication_floats` and :func:`payload_bytes`.
 
-``topology="decentralized"`` is the paper's chain (Sec. 4.2): the round has one stage per client; client s draws
-samples from the mixtures it received (as many as the counts they carry), adds its own real features, refits the
-mixtures, trains its own head on the union (kept in its state and used to score it) and sends the new mixtures on.
-The server only relays (the runtime is a star); after the last hop it trains the head the novel clients receive from
-the last client's mixtures, which summarise everyone.
-
-**Privacy.** Plain FedPFT is *not* private: every message is recorded as non-private (epsilon = infinity). When
-``K >= n_c`` the means are raw features. Under record-level privacy (``RunConfig.privacy``,
-``TrainingPrivacy(mode="record", epsilon=...)``: DP-FedPFT) each client sends the DP-GMM release
-of :func:`privfl.privacy.dp_gmm.release_class_gaussians`: K = 1 per class, features L2-normalised (so clipping to
-the unit sphere, ``project="sphere"`` with bound 1, changes nothing and the sensitivities hold), sensitivities derived
-from the per-class counts, one analytic Gaussian over the jointly calibrated blocks (the release spends exactly the
-run's epsilon), counts either noised or declared public (``dp_counts``; public means replace-one within the public
-class histogram), PSD projection. With spherical covariance no budget goes to the second moment: on the sphere it is
-``n_c``, a function of the count. The release is one message per client, accounted as one
-composed event in that client's ledger by the wire; clients hold disjoint data, so each record's guarantee is its own
-client's (epsilon, delta) (parallel composition). The server's sampling and head training are post-processing.
-Only the centralized topology is offered with DP (a hop in the chain would mix received synthetic data into the
-client's own statistics, whose sensitivity this release does not cover).
-
-Client level: ``local`` is the layer's generic clip-and-noise of the whole message, whose class counts travel as
-integers, which Gaussian noise cannot carry, so it is refused; ``central`` and ``distributed`` are refused too: the
-server samples from each client's own mixtures, not from a mean of them.
+Algorithm 1 step by step, the decentralized chain and each privacy mode: docs/methods/fedpft.md, "FedPFT and
+DP-FedPFT".
 """
 
 from __future__ import annotations
@@ -58,8 +30,8 @@ from accounting import GaussianEvent, PrivacyEvent
 from accounting import epsilon as accounting_epsilon
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError, check
-from privfl.federation.messages import Message, Release
+from privfl.errors import ConfigError, InternalError, check
+from privfl.federation.messages import Message, Release, Scalar
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import (
     ClientContext,
@@ -243,11 +215,11 @@ def decode_mixtures(arrays: dict[str, torch.Tensor], *, covariance: str, floor: 
             full = torch.zeros(k, d, d, dtype=torch.float64)
             full[:, rows, cols] = cov
             full = full + full.transpose(1, 2) - torch.diag_embed(torch.diagonal(full, dim1=1, dim2=2))
-            cov = full.numpy()
+            matrices = full.numpy()
         else:
-            cov = cov.clamp_min(floor).numpy()
+            matrices = cov.clamp_min(floor).numpy()
         mixtures.append(ClassMixture(label=c, count=int(arrays[prefix + "count"][0]), weights=weights, means=means,
-                                     covariances=cov, covariance_type=covariance))
+                                     covariances=matrices, covariance_type=covariance))
     return mixtures
 
 
@@ -451,7 +423,7 @@ class FedPFTStrategy(Strategy):
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
         if round > 0:  # one-shot: later rounds send nothing and release nothing
             return {}
-        config = {"round": round}
+        config: dict[str, Scalar] = {"round": round}
         if self.config.topology == "centralized":
             return {cid: Message(config=config) for cid in client_ids}
         self.chain = list(client_ids)
@@ -572,8 +544,11 @@ class FedPFTClient(ClientProcedure):
         """The epsilon of the one DP-GMM release: the run's; with a noise multiplier z instead, the epsilon a Gaussian
         release of noise multiplier z spends at delta (the release's blocks are calibrated jointly, as one Gaussian)."""
         privacy = self.privacy
-        return privacy.epsilon if privacy.epsilon is not None else accounting_epsilon(
-            GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
+        if privacy.epsilon is not None:
+            return privacy.epsilon
+        if privacy.noise_multiplier is None:   # TrainingPrivacy refuses DP with neither
+            raise InternalError("DP-FedPFT's privacy has neither epsilon nor noise_multiplier")
+        return accounting_epsilon(GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
 
     def planned_round_event(self) -> PrivacyEvent:
         """Record level: the one Gaussian event :func:`release_class_gaussians` records for this client's message,
@@ -595,7 +570,7 @@ class FedPFTClient(ClientProcedure):
         mixtures = []
         for cls in release.classes:
             count = max(0, int(round(float(cls.count))))
-            if not cls.released or count == 0:  # dropping a class from a DP output is post-processing
+            if cls.mean is None or cls.covariance is None or count == 0:  # dropping a class is post-processing
                 continue
             cov = cls.covariance.double().numpy()
             mixtures.append(ClassMixture(label=cls.label, count=count, weights=np.ones(1), means=cls.mean.numpy()[None],
@@ -624,4 +599,5 @@ register_method(
              "distributed": "the server samples synthetic features from each client's own mixtures, which secure "
                             "aggregation hides (only sums are seen)"},
     smoke_settings={"components": 1, "head_epochs": 2.0},
+    central_eval=None,
 )

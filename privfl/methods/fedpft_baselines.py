@@ -25,6 +25,7 @@ from privfl.data import FederatedDataset
 from privfl.federation.runtime import InProcessRuntime
 from privfl.federation.seeding import derive_rng
 from privfl.methods.base import get_method
+from privfl.methods.fedavg import FedAvgStrategy
 from privfl.methods.fedpft import FeatureHead, HeadFactory, train_head
 
 __all__ = ["FeatureHead", "MaxProbabilityEnsemble", "accuracy", "centralized_head", "fedavg_head_curve", "head_bytes",
@@ -69,6 +70,7 @@ def select_on_validation(candidates: Sequence[Any], fit: Callable[[Any], Any],
         scores[str(candidate)] = value = score(model)
         if best is None or value > best[2]:
             best = (candidate, model, value)
+    assert best is not None   # candidates is not empty
     return best[0], best[1], scores
 
 
@@ -152,6 +154,7 @@ def fedavg_head_curve(federation: FederatedDataset, *, rounds: int, lr: float, l
     factory = _factory(federation, normalize)
     strategy = spec.strategy(model_factory=factory, config=config, seed=seed,
                              num_training_clients=len(federation.training_clients))
+    assert isinstance(strategy, FedAvgStrategy)
     client = spec.client(model_factory=factory, config=config)
     runtime = InProcessRuntime(strategy=strategy, client=client, training_clients=federation.training_clients,
                                seed=seed)

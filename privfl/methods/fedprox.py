@@ -8,6 +8,7 @@ so it costs no privacy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ class FedProxClient(FedAvgClient):
         mu = self.config.mu
         anchor = {k: v.detach().to(self.model_factory.device) for k, v in global_weights.items()}
 
-        def proximal(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        def proximal(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
             return 0.5 * mu * sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
 
         return proximal
@@ -46,4 +47,5 @@ register_method(
     "fedprox", strategy=FedAvgStrategy, client=FedProxClient, config=FedProxConfig,
     description="FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2 in the local objective",
     privacy=FEDAVG_PRIVACY, devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -1,41 +1,14 @@
 """FedSR (Nguyen, Torr and Lim, NeurIPS 2022, "FedSR: A Simple and Effective Domain Generalization Method for
 Federated Learning"): FedAvg whose local loss makes the representation simple (L2R) and essential (CMI).
 
-The representation is probabilistic, z ~ p(z|x) = N(mu(x), diag sigma(x)^2), and the classifier reads z. Local step
-on a minibatch (x, y) (the paper's Sec. 3, Eqs. 4 to 8; numbered as this module computes them):
+The representation is probabilistic, z ~ N(mu(x), diag sigma(x)^2), and the classifier reads z; the local loss adds
+an L2 penalty on z and a conditional mutual-information bound to the cross-entropy, and the server averages as FedAvg
+does. Every privacy mode runs (record level: the loss is a batch mean of per-record terms, trained by DP-SGD).
 
-1. mu = the target network's penultimate features h(x) (the input of its last linear layer);
-   sigma = softplus(W_sigma h + b_sigma); z = mu + sigma * eps, eps ~ N(0, I) (reparametrised sample);
-2. L_CE = CE(classifier(z), y);
-3. L2R = E ||z||_2 (the FedSR code's form, ``l2r="norm"``; the paper's Eq. 4 writes E ||z||_2^2: ``l2r="squared"``);
-4. CMI = E KL( N(C mu, C^2 sigma^2) || N(r_mu[y], r_sigma[y]^2) ), the variational upper bound of I(x; z | y)
-   (Eq. 7), summed over the d dimensions and averaged over the batch, with r_sigma = softplus(r_sigma_raw) and
-   learnable reference parameters r_mu (K x d, zeros at start), r_sigma_raw (K x d, ones) and a scale C (one);
-5. minimise L_CE + alpha_L2R * L2R + alpha_CMI * CMI by SGD over every parameter above.
+Entry points: :class:`FedSRConfig`, :class:`FedSRModel`, :class:`FedSRStrategy`, :class:`FedSRClient` (registered as
+``fedsr``); the loss terms :func:`l2_representation`, :func:`conditional_mi_bound` and their per-record forms.
 
-The server averages all of them as FedAvg does. Coefficients alpha_L2R = 0.01 and alpha_CMI = 0.0005 are the FedSR
-defaults that the FedTTA paper kept, not searched (Ye et al., App. D); its MNIST learning rate is 0.3 (Table 4).
-
-Privacy (the run's privacy layer, ``RunConfig.privacy``; :mod:`privfl.privacy.training`). Every mode runs.
-
-* ``record`` (add or remove one record): the loss of step 5 is a batch mean of per-record terms (L_CE, ||z_i||, and
-  the KL of record i against the reference of its own label), with z_i drawn from noise independent of the data, so
-  it is a per-sample loss (:func:`record_objective`) and the round trains by DP-SGD
-  (:meth:`~privfl.methods.base.ClientProcedure.fit`): each record's gradient over every parameter above, clipped to
-  C, noised (Abadi et al. 2016). The reparametrised draw needs a fresh eps per record, which the engine's
-  ``torch.func`` path gives (``vmap`` with ``randomness="different"``; the ``"fast"`` path refuses the loss, which
-  indexes the reference parameters by label). The release (the weight change) is post-processing of the noisy steps:
-  one DP-SGD fit per round, the default :meth:`~privfl.methods.base.ClientProcedure.round_event`; the loss parts and
-  the sample count, which no mechanism covers, are not sent, and a change that is not finite (diverged training) is
-  released as zeros in every privacy mode rather than failing the round (:func:`update_release`).
-* ``local`` and ``distributed``: the layer clips the weight change jointly and adds the noise; ``central``: the
-  server step is FedAvg's mean of the changes (:meth:`~privfl.methods.fedavg.FedAvgStrategy.apply_mean`), so the
-  trusted aggregator steps from their clipped sum noised once.
-
-Compact design choices (documented simplifications): the FedSR networks emit (mu, sigma) from one layer of width
-2d; here mu is the target network's own penultimate layer and a d x d head adds sigma, so the classifier and the
-test-time model are exactly the target network. Prediction (validation and novel clients) uses z = mu, the
-posterior mean. Novel clients send nothing.
+The local step, the coefficients and the compact design choices: docs/methods/baselines.md, "FedSR".
 """
 
 from __future__ import annotations
@@ -246,6 +219,7 @@ class FedSRClient(FedAvgClient):
                 warnings.simplefilter("ignore", GenericPathWarning)
                 _, event = self.fit(model, data, settings, ctx.rng, per_sample_loss=losses)
         else:
+            assert isinstance(model, FedSRModel)   # the workspace model is one
             def loss_of_batch(xb: torch.Tensor, yb: torch.Tensor):
                 return model.objective(xb, yb, l2r_coeff=config.l2r_coeff, cmi_coeff=config.cmi_coeff,
                                        squared=config.l2r == "squared")
@@ -279,4 +253,5 @@ register_method(
     description="FedSR: FedAvg with a probabilistic representation, an L2 representation regulariser and a "
                 "conditional mutual-information regulariser",
     privacy=FEDAVG_PRIVACY,   # per-record loss (record level); the server step is FedAvg's mean (central, distributed)
+    central_eval=None,
 )

@@ -5,86 +5,16 @@ g(.; phi), an MLP over the logits (K -> 32 -> 32 -> 32 -> 1) whose output norm o
 The server averages both, FedAvg style. A novel client downloads (psi, phi), adapts psi on its own unlabelled data
 with that loss and predicts; it sends nothing.
 
-Local meta-step on training client i (paper Eqs. 3-9, Alg. 1; one of ``local_steps`` per round):
-
-1. draw a minibatch (X, Y) of ``batch_size`` from the client's train split (support = query set);
-2. Z = f(X; psi); l_per = ||g(Z; phi)||_2, the L2 norm of the B per-sample outputs (Eq. 4);
-3. inner step, kept differentiable: psi~ = psi - inner_lr * grad_psi l_per (Eq. 5; ``torch.func.functional_call``
-   plus ``autograd.grad(create_graph=True)``);
-4. L = CE(f(X; psi~), Y) (Eq. 6) + mu * KL(softmax(f(X; psi_server)) || softmax(Z)) for FedTTA-Prox/++ (Eq. 13; the
-   teacher is the frozen server model, the student the *pre-adaptation* logits; ``kl_direction`` flips it);
-5. psi <- psi - lr * grad_psi L and phi <- phi - adapt_lr * grad_phi L (Eqs. 7-8). grad_phi L exists only through
-   the inner gradient (the mixed second derivative d^2 l_per / dpsi dphi), so the second-order terms are required.
-
-Server (Alg. 1): psi_{r+1} = psi_r + mean_i Delta psi_i, phi_{r+1} = phi_r + mean_i Delta phi_i (uniform mean as in
-the paper; ``weighted=True`` weights by train-split size as the authors' code does).
-
-Test time on a novel client (Eqs. 10-12), with phi frozen:
-
-1. l_per(psi) = mean over batch_size-sample chunks (64 on MNIST) of ||g(f(x_chunk; psi); phi)||_2 over the client's
-   whole unlabelled set (the chunking keeps the loss on the training scale: the norm grows like sqrt(B));
-2. psi <- psi - inner_lr * grad_psi l_per; FedTTA and FedTTA-Prox take ``tta_steps = 1`` step;
-3. FedTTA++ (paper section 3.3.2): up to ``tta_steps = 50`` steps; after each, the mean prediction entropy
-   H = mean_x -sum_k p_k log p_k; the iterates compete with iterate 0 (the unadapted model); stop after ``patience``
-   steps without a strict decrease and return the **lowest-entropy iterate**. (The released code multiplies by the
-   patience counter instead of the probabilities, so its argmin is always iterate 0, the unadapted model; this
-   follows the paper.) Whether iterate 0 competes is ``unadapted_candidate``: ``True`` (default) as the released code
-   has it; ``False`` as the paper's Algorithm 1 writes it, where the candidates are the iterates after each step
-   (so at least one step is always served, and the stopping count starts at step 1).
-4. predict argmax f(x; psi) on the same data (transductive).
-
-Training clients are scored the same way, adapting on their unlabelled validation split (paper: "validation").
-
 Registered as ``fedtta`` (mu = 0, one test-time step), ``fedtta_prox`` (mu = 0.01) and ``fedtta_pp`` (mu = 0.01,
-early-stopped adaptation, up to 50 steps, patience 1); the defaults are the paper's MNIST values (Table 4).
+early-stopped adaptation); the defaults are the paper's MNIST values (Table 4). Every privacy mode runs; record level
+trains a per-record meta-loss (:func:`record_meta_losses`) with DP-SGD.
 
-Privacy
--------
-Training clients are protected by the run's privacy layer (``RunConfig.privacy``; the modes and their arguments are
-in :mod:`privfl.privacy.training`). Every mode runs; novel clients release nothing.
+Entry points: :class:`FedTTAConfig` (and the Prox/++ configs), :class:`FedTTAStrategy`, :class:`FedTTAClient`; the
+pieces other methods reuse: :class:`AdaptationModel`, :func:`inner_step`, :func:`meta_loss`, :func:`meta_train`,
+:func:`adapt` and :func:`adaptation_factory`.
 
-``record`` (add or remove one record of a training client's data). The paper's meta-loss cannot be trained with
-DP-SGD as it stands: psi~ depends on l_per = ||g(f(X))||_2, a norm over the whole batch, so every record's outer loss
-depends on every other record of its batch and one record can move the gradient of all of them; clipping
-per-record gradients of that loss bounds nothing (the ``"fast"`` per-sample path would silently compute something
-else). Two sound variants exist. Microbatches: the Poisson-sampled batch split into disjoint units by a per-record
-key, steps 2-5 inside each unit, each unit's meta-gradient (psi and phi together) clipped to C; one record touches one
-unit, but that unit's clipped gradient can move by 2 C (from one clipped vector to another), so the noise must be
-calibrated for sensitivity 2 C, and units of 64 keep the paper's statistic but leave one clipped unit per step. The
-other is s = 1, which this module implements: the **per-record meta-loss** (:func:`record_meta_losses`)
-
-    L_i = CE(f(x_i; psi~_i), y_i) + mu KL(teacher(x_i) || f(x_i; psi)),
-    psi~_i = psi - eta_in grad_psi |g(f(x_i; psi); phi)|,
-
-a function of record i alone (and of the parameters and the frozen server model), trained by DP-SGD
-(:meth:`~privfl.methods.base.ClientProcedure.fit`; the inner step differentiates through the model, so the
-per-record gradients come from the engine's ``torch.func`` path, :mod:`privfl.privacy.per_sample`, never from the
-``"fast"`` path, which refuses this loss). psi and phi are clipped together, each record's gradient over both to C, so
-one record moves one step's noisy sum by at most C: DP-SGD's argument (Abadi et al. 2016). The release
-(Delta psi, Delta phi) is post-processing of the noisy steps; one round is one DP-SGD fit of ``local_steps`` steps at
-q = batch_size / n, the default :meth:`~privfl.methods.base.ClientProcedure.round_event`. What it changes:
-
-* g is trained for |g(z)| of one record instead of the norm over 64, so under record-level DP the test-time loss is
-  the same per-record statistic, the mean of |g(f(x))| over the client's inputs (``tta_chunk`` defaults to 1 there,
-  to ``batch_size`` otherwise); FedTTA++'s early stopping is unchanged (it is local);
-* DP-SGD takes one step rule for all it trains; eta_ad stays phi's rate by training phi' = phi / s with
-  s = sqrt(eta_ad / eta_out) (g evaluated at s phi'; one step eta_out on phi' moves phi by eta_ad times its noisy
-  gradient, an exact reparametrisation that changes only which directions the joint clip favours), and weight decay
-  is the data-independent term (weight_decay / 2)(||psi||^2 + ||phi||^2) outside the clipped, noised sum, so each model
-  decays at its own rate as in step 5. ``adapt_momentum`` (momentum on phi only) has no counterpart and is refused at
-  record level, and so is ``grad_clip`` (DP-SGD's per-record clip replaces it);
-* the sample count and the loss, which no mechanism covers, are not sent.
-
-``local`` and ``distributed`` (replace one training client's whole dataset): the layer clips the joint
-(Delta psi, Delta phi) to C and adds the noise itself (:mod:`privfl.methods.private`). ``central`` (add or remove one
-client, trusted aggregator): the server step is the mean of those updates (:meth:`FedTTAStrategy.apply_mean`), so the
-aggregator steps from their clipped sum noised once. ``weighted=True`` needs each client's sample count, which a
-private client does not send: it is refused with every privacy mode.
-
-Silence. Without DP a client whose meta-training diverged sends nothing (the authors' code gives it weight 0). Under
-every privacy mode it releases a zero update instead: whether a client speaks would otherwise depend on its data
-outside every mechanism (local and distributed DP require a release from every sampled client). At record level the
-decision looks at the update alone, post-processing of DP-SGD's noisy steps, never at the training loss.
+The meta-step and the test-time procedure step by step, and each privacy mode with what it changes (cited below as
+"the module docstring"): docs/methods/fedtta.md, "FedTTA, FedTTA-Prox and FedTTA++".
 """
 
 from __future__ import annotations
@@ -94,7 +24,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -270,7 +200,7 @@ def inner_step(f: nn.Module, g: nn.Module, psi: dict[str, torch.Tensor], phi: di
     loss = personalization_loss(g, phi, logits, chunk)
     grads = torch.autograd.grad(loss, tuple(psi.values()), create_graph=create_graph)
     if grad_clip > 0:
-        norm = torch.sqrt(sum((gr ** 2).sum() for gr in grads))
+        norm = torch.sqrt(cast(torch.Tensor, sum((gr ** 2).sum() for gr in grads)))
         scale = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)
         grads = tuple(gr * scale for gr in grads)
     return {name: p - inner_lr * (gr + weight_decay * p) for (name, p), gr in zip(psi.items(), grads, strict=True)}
@@ -337,7 +267,7 @@ def record_meta_losses(learner: MetaLearner, x: torch.Tensor, y: torch.Tensor, *
     # refuse this loss (its batched forward would not see the per-record inner steps) and take the torch.func path
     phi = learner.phi()
     f, g = learner.f, learner.g
-    psi = dict(f.named_parameters())
+    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
     if mu > 0:
         if teacher is None:
             raise ValueError("mu > 0 needs the frozen server model's weights (teacher)")
@@ -547,9 +477,9 @@ class FedTTAClient(ClientProcedure):
                 p.div_(scale)
         learner = MetaLearner(f, g, scale)
 
-        def decay(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            return 0.5 * weight_decay * sum(((scale * p if name.startswith("g.") else p) ** 2).sum()
-                                            for name, p in params.items())
+        def decay(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            return 0.5 * weight_decay * cast(torch.Tensor, sum(((scale * p if name.startswith("g.") else p) ** 2).sum()
+                                                               for name, p in params.items()))
 
         losses = functools.partial(record_meta_losses, inner_lr=inner_lr, weight_decay=weight_decay, mu=cfg.mu,
                                    teacher=teacher, kl_direction=cfg.kl_direction)
@@ -566,6 +496,7 @@ class FedTTAClient(ClientProcedure):
             with torch.no_grad():
                 for p in g.parameters():
                     p.mul_(scale)
+        assert event is not None   # record level: fit ran DP-SGD, which returns its event
         return loss, event
 
     def adapted_model(self, x: torch.Tensor, message: Message) -> nn.Module:
@@ -601,6 +532,10 @@ class FedTTAClient(ClientProcedure):
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
         return self.adapted_model(novel.x, message)
 
+    def central_model(self, message: Message) -> nn.Module:
+        """The downloaded prediction model psi, before any client adapts it."""
+        return self.model_from(message.subset(PSI))
+
 
 def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, round_config: dict,
                config: FedTTAConfig, *, rng, teacher: dict[str, torch.Tensor] | None = None) -> float:
@@ -615,7 +550,8 @@ def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, rou
     weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
     f.train()
     g.train()
-    psi, phi = dict(f.named_parameters()), dict(g.named_parameters())
+    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
+    phi: dict[str, torch.Tensor] = dict(g.named_parameters())
     optimizer = torch.optim.SGD([
         {"params": list(psi.values()), "lr": lr},
         {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},
@@ -655,15 +591,18 @@ register_method(
     description="FedTTA: meta-learned prediction and adaptation models, averaged; novel clients adapt locally "
                 "with the learned unsupervised loss (one step) and send nothing",
     privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "fedtta_prox", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAProxConfig,
     description="FedTTA-Prox: FedTTA plus mu * KL to the frozen server model's outputs",
     privacy=FEDTTA_PRIVACY, smoke_settings=SMOKE, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "fedtta_pp", strategy=FedTTAStrategy, client=FedTTAClient, config=FedTTAPPConfig,
     description="FedTTA++: FedTTA-Prox with entropy early-stopped test-time adaptation (up to 50 steps, keeps "
                 "the lowest-entropy model)",
     privacy=FEDTTA_PRIVACY, smoke_settings={**SMOKE, "tta_steps": 3}, devices=ANY_DEVICE,
+    central_eval=None,
 )

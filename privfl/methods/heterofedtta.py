@@ -1,80 +1,17 @@
 """HeteroFedTTA (Ye et al. 2023, "UPFL", section 3.4, Alg. 2): FedTTA with clients of different model sizes.
 
-Clients hold prediction models f(.; psi) of different widths and adaptation models g(.; phi) of different widths,
-so the server cannot average weights. As in FedMD, they exchange **logits on a shared public set** D_p instead. Each
-client keeps its own (psi, phi) between rounds, in its client state. One round (paper Alg. 2):
+Clients hold prediction and adaptation models of different widths, so the server cannot average weights; as in
+FedMD they exchange logits on a public set D_p (drawn by the server from Gaussian noise: no client's data) instead.
+A round distributes the previous consensus, distils it into each client's models (:func:`distill`,
+:func:`distillation_loss`), runs FedTTA meta-steps on the client's labels, releases the client's logits on D_p and
+averages them (:func:`consensus`). A novel client distils the final consensus into a fresh model, adapts it and
+predicts; it sends nothing.
 
-1. **Distribute**: the server sends D_p and the consensus of the previous round: F_base (the mean of the clients'
-   base logits f(D_p; psi_i)) and F_per (the mean of their personalised logits f(D_p; psi~_i)). Round 0 has none.
-2. **Digest**: the client distils the consensus into (psi, phi) for ``distill_epochs`` passes over D_p in batches of
-   ``distill_batch`` with the KD loss of Eq. 14 (:func:`distillation_loss`)::
+Entry points: :class:`HeteroFedTTAConfig`, :class:`HeteroFedTTAStrategy`, :class:`HeteroFedTTAClient` (registered as
+``heterofedtta``); :func:`sizable_models`, :func:`prediction_model`, :func:`public_inputs`.
 
-       L_KD = KL(softmax(F_per) || softmax(f(x; psi~))) + kd_lambda * KL(softmax(F_base) || softmax(f(x; psi)))
-
-   where psi~ is one *differentiable* inner step of the student on the public batch with its own g
-   (:func:`privfl.methods.fedtta.inner_step`), so the first term trains psi and phi and the second anchors the base
-   model. KL(teacher || student), batch mean, temperature 1, as in the authors' code (``kl_direction`` flips it,
-   as in FedTTA); ``kd_lambda = 0`` is the "vanilla" end-to-end KD, 0.8 the paper's best.
-3. **Revisit**: ``local_steps`` FedTTA meta-steps on the client's labelled train split
-   (:func:`privfl.methods.fedtta.meta_train`, reused as is).
-4. **Communicate**: the client releases f(D_p; psi) and f(D_p; psi~), psi~ being psi adapted on D_p itself by the
-   FedTTA test-time procedure (``tta_steps``, ``patience``; the authors' code does this).
-5. **Aggregate**: F_base and F_per are the uniform means over the round's participants (``weighted=True``: weighted
-   by train-split size).
-
-Model sizes: client ``cid`` gets size ``cid % len(widths)``: prediction model ``model`` built with
-``hidden=widths[size]`` (``mlp2nn``: both hidden layers) and, with ``conv``, ``conv=conv[size]`` (the conv
-channels of ``fedtta_cnn``), and g with ``adapt_widths[size]`` hidden units (``adapt_layers`` layers). The paper's
-three CNNs (App. Table 3) differ in their conv channels only: ``model="fedtta_cnn"``, ``widths=(512, 512, 512)``,
-``conv=((16, 32), (32, 64), (64, 128))`` (:data:`PAPER_CNN_SIZES`) builds them, 1,068,266 / 2,156,490 / 4,409,738
-parameters on CIFAR-10. The defaults size the FC widths, which any sizable model has. The paper draws each client's
-architecture at random with p = 1/3; the authors' code uses ``user_id % 3``, which this follows.
-
-The public set. The paper does not say what D_p is; the authors' code holds out 10 % of CIFAR-10 that no client
-holds, and uses it unlabelled. A federation here has no held-out pool the server could read, so the server draws
-D_p itself: ``public_size`` inputs of the model's input shape from N(0, ``public_std``^2), seeded by the run seed.
-Every client's data is already normalised, so the scale is comparable; no client holds these inputs, they carry
-no labels, and they are public by construction (the honest option: D_p must not be anyone's private data).
-Knowledge transfer through noise inputs is weaker than through natural images; that is the price of not
-inventing a public dataset. A novel client starts from scratch, so it needs enough distillation steps
-(``public_size / distill_batch * novel_distill_epochs``): on the 4-class synthetic source (12 clients, 10 rounds,
-widths 16/32/64) novel accuracy was 17 % after 10 steps, 52 % after 100 and 84 % after 500 (public_std 1; with
-public_std 3, the data's scale there, 46 / 88 / 89 %), against 93 % validation accuracy of the training clients.
-
-Novel clients (paper: "a new client may choose its own architecture; it runs Digest only"): the server sends D_p
-and the final consensus; the client builds a fresh model of size ``novel_size`` (``None``: ``cid % len(widths)``),
-distils the consensus into it for ``novel_distill_epochs`` passes (the authors' code: twice the training clients'),
-adapts psi on its own unlabelled data with its own g (FedTTA's test-time procedure) and predicts. It sends nothing.
-
-Training clients are scored with their own (psi, phi) adapted on their unlabelled validation split.
-
-Privacy
--------
-A round's release is two |D_p| x K logit matrices computed from the client's own models, which it has trained on its
-labels in every round it took part in. Training clients are protected by the run's privacy layer
-(``RunConfig.privacy``, :mod:`privfl.privacy.training`); every mode runs. Novel clients release nothing.
-
-``record`` (add or remove one record). The client's models see its records in the Revisit step only: Digest reads
-the public set and the consensus (a function of the clients' earlier private releases, this client's own included),
-and the released logits are the models' outputs on the public set, adapted on the public set. So the Revisit step runs
-FedTTA's record-level DP-SGD on the per-record meta-loss (:meth:`~privfl.methods.fedtta.FedTTAClient.meta_fit`, with
-FedTTA's argument and what it changes, :mod:`privfl.methods.fedtta`), and everything else the client computes, its
-models kept in its state included, is post-processing of the noisy steps of all its rounds. Each release carries the
-round's DP-SGD event (one fit of ``local_steps`` steps at q = batch_size / n, the default
-:meth:`~privfl.methods.base.ClientProcedure.round_event`); the ledger composes the rounds, which covers models that
-carry every earlier round's training (adaptive composition). Sample count and losses are not sent.
-
-``local`` and ``distributed`` (replace one client's whole dataset): the layer clips the pair of logit matrices jointly
-to C and adds the noise; logits are unbounded, so C sets how much of them survives (for clipping to bite little it is
-of the order of sqrt(2 |D_p| K) times a typical logit). ``central``: the consensus is the mean of the clients' logit
-matrices (:meth:`HeteroFedTTAStrategy.apply_mean`), so the trusted aggregator forms it from their clipped sum noised
-once; what leaves the aggregator (the consensus sent to every client, novel ones included) is then client-level DP.
-``weighted=True`` needs the sample counts, which private clients do not send: refused with every privacy mode.
-
-Silence. Without DP a client whose training diverged sends nothing and keeps its previous models. Under every privacy
-mode it keeps its previous models and releases their logits instead (whether it speaks would otherwise depend on its
-data); at record level the decision looks only at what the noisy steps produced (the models' logits and the public
-distillation loss), never at the training loss.
+The round step by step, model sizes, the public set, novel clients and each privacy mode:
+docs/methods/fedtta.md, "HeteroFedTTA".
 """
 
 from __future__ import annotations
@@ -263,7 +200,8 @@ def distill(f: nn.Module, g: nn.Module, x: torch.Tensor, teacher_base: torch.Ten
     weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
     f.train()
     g.train()
-    psi, phi = dict(f.named_parameters()), dict(g.named_parameters())
+    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
+    phi: dict[str, torch.Tensor] = dict(g.named_parameters())
     optimizer = torch.optim.SGD([
         {"params": list(psi.values()), "lr": lr},
         {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},
@@ -305,7 +243,7 @@ class HeteroFedTTAStrategy(Strategy):
 
     def _message(self, round: int) -> Message:
         arrays = {PUBLIC: self.public}
-        if self.base is not None:
+        if self.base is not None and self.per is not None:   # set together
             arrays.update({BASE: self.base, PER: self.per})
         return Message(arrays=arrays, config={**self.config.round_config(round), "seed": self.seed})
 
@@ -472,4 +410,6 @@ register_method(
     smoke_settings={"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
                     "distill_batch": 8},
     devices=ANY_DEVICE,
+    central_eval="its clients hold prediction models of three sizes, each its own, and the server only the consensus "
+                 "logits on a public set, no model",
 )

@@ -2,97 +2,15 @@
 "Inference-Time Personalized Federated Learning"; docs/papers.md, ODPFL-HN): pFedHN with an encoder learned beside
 it, so a novel unlabelled client can be served.
 
-Three networks: a set encoder ``g_gamma`` (:func:`privfl.models.encoders.build_encoder`; the mean+max DeepSet by
-default, ``"dp_deepset"`` for the DP-ready form), the hypernetwork ``f_theta`` and the clients' embedding table, both
-as in :mod:`privfl.methods.pfedhn`. Every round has two stages (one message down, one release up each).
+Phase 1 trains pFedHN and regresses a set encoder ``g_gamma`` onto the embedding rows; phase 2 freezes the encoder and
+fine-tunes the hypernetwork on encoder outputs. Training clients are scored with the pre-fine-tune hypernetwork; a
+novel client releases one descriptor ``g_gamma(X_new)`` (through :func:`~privfl.privacy.privatize` when
+:class:`~privfl.privacy.training.NovelPrivacy` is set) and receives ``f_theta(e_new)``.
 
-**Phase 1** (rounds ``0 .. phase1_rounds - 1``): pFedHN plus encoder regression.
+Entry points: :class:`ITPFLHNConfig`, :class:`ITPFLHNStrategy`, :class:`ITPFLHNClient` (registered as ``itpflhn``).
 
-1. stage 0: the server sends ``w_i = f_theta(e_i)``; the client trains it locally and releases ``d_i = w_i -
-   w_i_new`` (purpose ``"weight_change"``), exactly as pFedHN (steps 1-2 there);
-2. stage 1: the server sends the encoder ``g_gamma`` and the row ``e_i`` the round's model was generated from (the
-   value before this round's update; the paper does not say, docs/papers.md, ODPFL-HN, U9); the client runs
-   ``encoder_steps`` full-batch SGD steps (momentum ``encoder_momentum``) on ``L_encoder = ||g_gamma(X_i) - e_i||^2``
-   (the paper's "L2", read as the squared Euclidean distance) over its training inputs
-   and releases the encoder change ``gamma_new - gamma`` with its sample count (purpose ``"encoder_update"``);
-3. the server updates ``theta`` and the rows of the round's clients from the ``d_i`` (pFedHN's steps 3-4) and sets
-   ``gamma <- gamma + sum_i n_i (gamma_i - gamma) / sum_i n_i`` (FedAvg of the encoder changes, data-size
-   weighted). The encoder influences neither ``theta`` nor the ``e_i`` in this phase.
-
-**Phase 2** (rounds ``phase1_rounds ..``): fine-tune ``theta`` on encoder outputs with ``gamma`` frozen,
-``L_fine-tune(theta) = sum_i sum_j l(f_theta(g_gamma(X_i))(x_j), y_j)``.
-
-4. at the first phase-2 round the server keeps a copy of ``theta`` (the *pre-fine-tune* hypernetwork) and starts the
-   fine-tuning optimiser afresh (zero momentum), at learning rate ``finetune_lr``;
-5. stage 0: the server sends the frozen encoder; the client releases its descriptor ``g_gamma(X_i)`` over its
-   training inputs (purpose ``"descriptor"``);
-6. stage 1: the server sends ``w_i = f_theta(g_gamma(X_i))``; the client trains it locally and releases ``d_i``;
-7. the server chain-rules the ``d_i`` into ``theta`` only (averaged, clipped, one SGD step); no embedding row moves.
-
-**Serving.** Training clients are scored with the pre-fine-tune hypernetwork on their embedding row,
-``f_theta_pre(e_i)``, since fine-tuning "improves novel-client accuracy but reduces accuracy on the labelled training
-clients" (Amosy et al., App. B.2); before phase 2 that is the current ``theta``. A novel client (the papers'
-inference protocol, docs/papers.md, ODPFL-HN, "Serving a novel client"):
-
-1. the server sends the encoder ``g_gamma``;
-2. the client computes ``e_new = g_gamma(X_new)`` on all its unlabelled inputs and sends it: **one** release,
-   purpose ``"descriptor"``; with :class:`~privfl.privacy.training.NovelPrivacy` (``RunConfig.novel_privacy``) it
-   goes through :func:`~privfl.privacy.privatize` (phi clipped per sample to the novel bound, Gaussian noise on the
-   mean for its replace-one sensitivity with n public, psi as post-processing; the DP-ready ``"dp_deepset"`` encoder
-   only, refused by name otherwise), else in the clear (epsilon = infinity);
-3. the server sends ``f_theta(e_new)`` from the current (fine-tuned) hypernetwork; the client predicts locally.
-   Nothing else leaves the client.
-
-Model selection: during phase 2 the training clients' validation scores are those of the end of phase 1 (their
-models come from the pre-fine-tune hypernetwork) and do not change. With ``RunConfig(select="best_val")`` and
-``phase1_rounds`` a multiple of ``eval_every`` the end of phase 1 is itself evaluated, so the selected round is never
-a phase-2 round and novel clients are served *without* fine-tuning. Otherwise the first phase-2 evaluation is the
-first to see the end-of-phase-1 weights and may be selected, and novel clients then get a hypernetwork fine-tuned for
-the phase-2 rounds before it (``eval_every`` 2, ``phase1_rounds`` 3: one round). Use ``select="last"`` to serve the
-fully fine-tuned hypernetwork.
-
-**Privacy of training clients** (the one layer of :mod:`privfl.methods.private`; the modes in
-:mod:`privfl.privacy.training`). A sampled client makes two releases a round: the weight change and the encoder
-change (phase 1), or the descriptor and the weight change (phase 2).
-
-* ``record`` (add or remove one record; the DP-ready encoder ``"dp_deepset"``, phi -> mean -> psi, is required and
-  any other is refused by name before the run). Weight changes: DP-SGD, as in :mod:`privfl.methods.pfedhn`. The
-  encoder regression (step 2) is not a gradient of a mean over records (``L = ||psi(m) - e_i||^2`` with ``m`` the mean
-  of ``phi(x_j)``), so each of its ``encoder_steps`` steps is made private in two releases, both at the client's noise
-  multiplier z and under add/remove with n private (calibrated to the public lower bound ``min_samples``):
-
-  a. ``m~ = (1/n) sum_j clip_B(phi(x_j)) + N(0, (z 2B/min_samples)^2 I)`` (:func:`~privfl.privacy.privatize` with
-     the noise multiplier; B is the novel bound, so training sees the function novel clients release): each clipped
-     ``phi(x_j)`` depends on record j alone, so the mean moves by at most ``2B/min_samples``;
-  b. psi's gradient and the cotangent ``u = dL/dm`` at ``m = m~`` (post-processing of a.);
-  c. phi's gradient ``(1/n) sum_j J_j^T u``, ``J_j`` the Jacobian of ``clip_B(phi(x_j))``: a gradient of a mean over
-     records, each record's term clipped to the privacy clip C, averaged and noised for ``2C/min_samples``
-     (:func:`~privfl.privacy.gradient_mean.release_gradient_mean`);
-  d. the SGD step (momentum, weight decay) and the released change ``gamma_new - gamma``: post-processing.
-
-  It is the gradient at the noisy mean, which tends to the exact one as the noise shrinks. The phase-2 descriptor is
-  one release through ``privatize`` (the same mean as a., psi applied to it). A phase-1 round is thus one DP-SGD fit
-  and ``2 encoder_steps`` Gaussians at z, a phase-2 round one fit and one Gaussian at z, which the phase-1 round
-  dominates (a Gaussian release's privacy depends on its noise multiplier alone): :meth:`ITPFLHNClient.round_event`
-  declares the phase-1 round, so a target epsilon holds whatever the mix of phases (with room to spare for phase-2
-  rounds). Every release carries its events; metrics (sample counts, losses) are not sent, so the encoder changes are
-  averaged uniformly.
-* ``local``: the layer clips each of the two releases to ``C / sqrt(2)`` and noises it on the client; the server's
-  work is post-processing.
-* ``central`` (trusted aggregator): the shared state is the hypernetwork ``theta`` and the encoder ``gamma``. Client
-  i contributes ``(g_theta_i, gamma_i - gamma)`` in phase 1 and ``(g_theta_i, 0)`` in phase 2 (``g_theta_i`` chain-
-  ruled on the server from its weight change at its row, or at its descriptor in phase 2), clipped jointly to C; both
-  networks move only from the noisy mean (:meth:`ITPFLHNStrategy.apply_mean`), rows from their own client's clear
-  gradient, as in pFedHN. What central DP protects is what leaves the server: the encoder and ``f_theta(e)`` sent to
-  novel clients, and the model ``f_theta_pre(e_j)`` sent to client j, which depends on another client only through
-  the noisy means. Rows and phase-2 descriptors stay in the clear with the aggregator.
-* ``distributed``: refused (the server answers each client's weight change and descriptor on its own).
-
-**Generating only the head** (``generated``, ``shared_lr``, ``shared_momentum``: pFedHN's settings, the same as
-ODPFL-HN's). The shared part takes FedAvg's step from the round's weight changes in both phases (in phase 2 it is
-fine-tuned with ``theta``, its momentum started afresh with the fine-tuning optimiser's), and training clients are
-served with the shared part as it stood at the end of phase 1, with the pre-fine-tune hypernetwork. Under central DP
-its tensors join each contribution, as in pFedHN.
+Both phases step by step, model selection across the phase boundary, and each privacy mode (the record-level
+encoder regression in two releases): docs/methods/hypernetworks.md, "IT-PFL-HN".
 """
 
 from __future__ import annotations
@@ -401,7 +319,7 @@ class ITPFLHNClient(PFedHNClient):
         is what every round is calibrated for."""
         cfg = self.config
         step = ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
-                              self._mean_event(noise_multiplier, self.privacy.clip)))
+                              self._mean_event(noise_multiplier, float(self.privacy.clip))))
         return ComposedEvent((dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps()),
                               SelfComposedEvent(step, cfg.encoder_steps)))
 
@@ -470,7 +388,7 @@ class ITPFLHNClient(PFedHNClient):
         source = {"noise": private.noise, "generator": private.generator}   # one stream for every draw
         before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
         target = message.arrays["embedding"].to(self.model_factory.device)
-        phi, psi = encoder.phi, encoder.psi
+        phi, psi = encoder.get_submodule("phi"), encoder.get_submodule("psi")
         optimizer = self._regression_optimizer(encoder, cfg)
         x, n = data.x_train, data.num_train      # privatize and the gradient mean move the records to the encoder
         unlabelled = torch.zeros(n, dtype=torch.int64)
@@ -544,4 +462,6 @@ register_method(
     smoke_settings={**SMOKE_SETTINGS, "encoder": "dp_deepset", "encoder_options": {"hidden": 8},
                     "encoder_steps": 2, "phase1_rounds": 1},
     devices=ANY_DEVICE,
+    central_eval="it generates each client's model from that client's own descriptor: no model exists before a client "
+                 "sends one",
 )

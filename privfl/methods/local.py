@@ -74,4 +74,5 @@ register_method(
              "central": "its training clients send nothing, so there is no aggregate to make private",
              "distributed": "its training clients send nothing, so there is no aggregate to make private"},
     devices=ANY_DEVICE,
+    central_eval="every training client trains alone: the server holds no model",
 )

@@ -15,7 +15,7 @@ from torch import nn
 
 from privfl.devices import device_of, on_cpu
 
-ExtraLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+ExtraLoss = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
 def minibatches(num_samples: int, batch_size: int, steps: int, rng: np.random.Generator) -> Iterator[np.ndarray]:

@@ -2,43 +2,22 @@
 Cross-Silo Federated Learning" (NeurIPS 2022; public code: github kenziyuliu/private-cross-silo-fl,
 ``trainers/mrmtl.py``).
 
-Each training client (a silo) i keeps its own model w_i; together they minimise
+Each training client (a silo) keeps its own model w_i, trained locally with a pull (lambda / 2) ||w_i - w_bar||^2
+toward the server's mean w_bar, and releases u_i = w_i - w_bar; the server moves w_bar by the mean of the u_i.
+lambda = 0 is local training; large lambda tends to FedAvg. Every privacy mode runs.
 
-    sum_i F_i(w_i) + (lambda / 2) sum_i ||w_i - w_bar||^2,    w_bar = the mean of the w_i,
+Entry points: :class:`MRMTLConfig`, :class:`MRMTLStrategy`, :class:`MRMTLClient` (registered as ``mrmtl``) and
+:func:`mean_regulariser`.
 
-by alternating rounds (numbered as the code runs them):
-
-1. the server sends the mean w_bar (its only state);
-2. silo i takes w_i from its client state (the first time it takes part, w_bar), runs local SGD on
-   F_i(w) + (lambda / 2) ||w - w_bar||^2, keeps the result as its new w_i and releases u_i = w_i - w_bar;
-3. the server sets w_bar <- w_bar + mean_i u_i, the mean of the round's w_i (weighted by the silos' sample counts
-   without DP, as the authors' code does, uniformly under DP, where the counts are private).
-
-lambda = 0 is local training (the release does not feed back into w_i); as lambda grows every w_i is pulled to w_bar
-and the method tends to FedAvg. A training client is scored with its own w_i; novel clients (and a training client
-never sampled) receive w_bar.
-
-**What is released.** u_i = w_i - w_bar, not w_i: the server knows w_bar, so the two carry the same information, but
-the difference is what client-level clipping bounds well (a whole model's norm is far larger than its distance to the
-mean) and what the server steps by (``apply_mean``: the noisy mean of the u_i is the move of the mean, so central and
-distributed DP step from it as they step FedAvg). Without DP and with every client in every round, releasing the
-round's change w_i^new - w_i^old instead (as the authors' code does) gives the same w_bar, since w_bar stays the mean of
-the w_i; with partial participation or clipping it does not, and u_i is what makes w_bar the mean of the models.
-How this and the code's other choices are settled: docs/papers.md, MR-MTL, U1-U5.
-
-**Privacy.** Record level: w_i is trained by DP-SGD (:meth:`~privfl.methods.base.ClientProcedure.fit`), so every
-iterate of a silo's model is post-processing of noisy clipped gradient sums, each round's recorded with the round's
-release; the regulariser's gradient lambda (w - w_bar) reads the current iterate and the server's mean only, never the
-records, and is added outside the clipped, noised sum (``extra_loss``), as FedProx's proximal term is. Local and
-distributed: the layer clips u_i and adds the noise (or a share); w_i stays on the client. Central: the aggregator
-clips each u_i, noises the sum and moves w_bar by it; it keeps nothing per client.
+The round, why u_i is released rather than w_i, and each privacy mode: docs/methods/baselines.md, "MR-MTL".
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -91,8 +70,8 @@ def mean_regulariser(lam: float, mean: dict[str, torch.Tensor], device: str | to
     depends on the current iterate and the server's mean ``mean`` only, never on the records."""
     anchor = {name: value.detach().to(device) for name, value in mean.items()}
 
-    def regulariser(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        return 0.5 * lam * sum(((p - anchor[name]) ** 2).sum() for name, p in params.items())
+    def regulariser(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return 0.5 * lam * cast(torch.Tensor, sum(((p - anchor[name]) ** 2).sum() for name, p in params.items()))
 
     return regulariser
 
@@ -154,4 +133,5 @@ register_method(
     privacy={"record": None, "local": None, "distributed": None, "central": None},
     smoke_settings={"lam": 0.5},
     devices=ANY_DEVICE,
+    central_eval=None,
 )

@@ -2,55 +2,16 @@
 hypernetwork trained end to end, so that a novel client with unlabelled data gets a personalised model from one
 descriptor (docs/papers.md, ODPFL-HN).
 
-The server holds a set encoder g_gamma and a hypernetwork f_theta. A training round is Algorithm 1 of the paper with
-the sign of pFedHN's code (docs/papers.md, ODPFL-HN, E1), as a three-stage dialogue with each sampled client i:
+The server holds a set encoder g_gamma and a hypernetwork f_theta. A training round (the paper's Algorithm 1) is a
+three-stage dialogue with each sampled client: descriptor up, generated model down and weight change up, descriptor
+gradient down and encoder gradient up; the server then steps both networks. A novel client receives gamma, releases
+its descriptor (optionally through :func:`privfl.privacy.privatize`) and receives f_theta(e).
 
-1. **Stage 0, ClientEncoding.** The server sends gamma; the client computes its descriptor e_i = g_gamma(X_i) over its
-   whole training split (or the mean of descriptors of random batches, the fallback of the paper's App. B.1) and
-   releases e_i.
-2. **Stage 1, ClientUpdate.** The server computes w_i = f_theta(e_i) and sends w_i; the client runs local SGD
-   (momentum 0.9, ``local_steps`` steps or ``local_epochs`` epochs) and releases the change d_i = w_before - w_after
-   (pFedHN's sign: after one plain SGD step it is exactly lr_local * dL/dw).
-3. **Stage 2, ClientBackprop.** The server back-propagates d_i through the hypernetwork
-   (:func:`~privfl.models.hypernetwork.backprop_weight_change`): the hypernetwork gradient stays on the server (summed
-   over the round's clients as it comes, :class:`~privfl.models.hypernetwork.RoundGradientMean`, not held one per
-   client) and the descriptor gradient de_i goes down with gamma; the client recomputes e_i, back-propagates de_i
-   through the encoder and releases the encoder gradient.
-4. **Aggregation.** The server averages the round's hypernetwork and encoder gradients over the clients that finished
-   stage 2, clips each to L2 norm ``grad_clip`` (50, pFedHN's code) and takes one SGD step each (momentum 0.9,
-   weight decay; separate learning rates for the hypernetwork and the encoder: the paper's App. C grids, and
-   docs/papers.md, ODPFL-HN, U3-U4 for what it leaves unstated).
+Entry points: :class:`ODPFLHNConfig`, :class:`ODPFLHNStrategy`, :class:`ODPFLHNClient` (registered as ``odpflhn``)
+and :func:`client_descriptor`.
 
-Training clients are evaluated with their generated model f_theta(e_i), from the descriptor they last released (the
-server keeps it; no new release is needed). A **novel client** (the paper's inference protocol) receives gamma,
-computes its
-descriptor locally and releases it -- optionally through :func:`privfl.privacy.privatize` (``novel_epsilon``), whose
-Gaussian event goes with the release into the client's ledger -- and receives f_theta(e); nothing else leaves it.
-Training clients get no privacy here: their descriptors, weight changes and encoder gradients are sent in the clear
-and recorded with epsilon = infinity (the paper's DP covers the novel client only; docs/papers.md, ODPFL-HN, E10).
-
-**Making the descriptor matter.** Trained end to end, the system can settle on one model for everybody: the
-hypernetwork is then as good as FedAvg and a flat privacy-utility curve is vacuous (noise cannot hurt a descriptor
-nobody reads). With the earlier DP default (phi on the unit sphere, a small MLP psi) that is what happened on MNIST
-with pathological 2-class clients: psi contracted the clients' differences about tenfold, generated models differed
-by 0.2% of their norm, and a novel client got the same accuracy from its own descriptor, from zeros or from another
-client's. Three changes, measured on that federation (``privfl.sweep``), fix it while keeping the DP structure
-phi (per sample, in the unit ball) -> mean (+ noise) -> psi:
-
-1. ``encoder_phi_head="softmax"``: phi ends in a softmax over learned prototypes, so the mean is a soft histogram of
-   the client's data (for label-shifted clients, close to its label mix), and every phi output is in the unit ball;
-2. ``encoder_psi="identity"``: nothing learned between the noisy mean and the hypernetwork can contract it;
-3. ``standardize_descriptors=True``: the hypernetwork sees ``(e - mu) / s``, with mu and s (one isotropic spread) from
-   the training clients' latest descriptors. Histograms of different clients differ by a few hundredths, which a
-   trunk initialised for inputs of order 1 barely resolves; without this step the descriptor was still ignored.
-   The map is post-processing of released descriptors and so costs no privacy. Because it is refitted every round,
-   the descriptor gradients sent to the encoder are taken with its statistics differentiated over the round's
-   clients (:meth:`~privfl.models.hypernetwork.DescriptorStandardizer.batch_gradients`): with the statistics held
-   fixed, the encoder drifted along the shift and scale the refit undoes until the softmax saturated on one
-   prototype and every client had the same descriptor.
-
-With these three, Algorithm 1's gradient identity (stage-2 updates = lr_local x the true gradients) holds for the
-hypernetwork; the encoder's gradient is the batch-statistics one of step 3.
+The stages in detail, serving, and the three changes that make the descriptor matter (softmax prototypes, identity
+psi, standardised descriptors): docs/methods/hypernetworks.md, "ODPFL-HN".
 """
 
 from __future__ import annotations
@@ -302,9 +263,9 @@ def client_descriptor(encoder: nn.Module, x: torch.Tensor, config: ODPFLHNConfig
         generator = torch.Generator().manual_seed(derive_seed(seed, "descriptor_noise"))
         outputs = []
         for batch in sets:
-            mean = encoder.pool(encoder.phi(batch))
+            mean = encoder.get_submodule("pool")(encoder.get_submodule("phi")(batch))
             noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(mean.device)
-            outputs.append(encoder.psi(mean + config.train_mean_noise * noise))
+            outputs.append(encoder.get_submodule("psi")(mean + config.train_mean_noise * noise))
     else:
         outputs = [encoder(batch) for batch in sets]
     return torch.stack(outputs).mean(dim=0)
@@ -627,7 +588,8 @@ class ODPFLHNClient(ClientProcedure):
         noisy_mean = mechanism.add_noise(private.clipped_mean(data.x_train))
         state[NOISY_MEAN] = noisy_mean.cpu()
         with torch.no_grad():
-            descriptor = encoder.psi(noisy_mean.to(_psi_dtype(encoder))).to("cpu", torch.get_default_dtype())
+            descriptor = encoder.get_submodule("psi")(noisy_mean.to(_psi_dtype(encoder))).to(
+                "cpu", torch.get_default_dtype())
         return private_release(Message(arrays={"descriptor": descriptor}), "descriptor", mechanism.event,
                                metadata={"noise": self.privacy.noise, "bound": self.novel_privacy.bound,
                                          "min_samples": self.privacy.min_samples})
@@ -703,17 +665,17 @@ class ODPFLHNClient(ClientProcedure):
         if NOISY_MEAN not in state:
             raise InternalError("ODPFL-HN stage 2 under record-level DP found no stage-0 release in the client state")
         noisy_mean = state[NOISY_MEAN]
-        psi_params = {n: p for n, p in encoder.psi.named_parameters() if p.requires_grad}
+        psi_params = {n: p for n, p in encoder.get_submodule("psi").named_parameters() if p.requires_grad}
         device = device_of(encoder)
         mean = noisy_mean.detach().to(device, _psi_dtype(encoder)).requires_grad_(True)
-        out = encoder.psi(mean)
+        out = encoder.get_submodule("psi")(mean)
         grads = torch.autograd.grad(out, [mean, *psi_params.values()], grad_outputs=descriptor_grad.to(out.dtype),
                                     allow_unused=True)
         v = grads[0].detach()
         arrays = {f"psi.{n}": torch.zeros_like(p) if g is None else g.detach()
                   for (n, p), g in zip(psi_params.items(), grads[1:], strict=True)}
         # 2. per-record contributions to phi's gradient, clipped
-        phi = encoder.phi
+        phi = encoder.get_submodule("phi")
         phi_params = {n: p for n, p in phi.named_parameters() if p.requires_grad}
         bound, clip = self.novel_privacy.bound, float(self.privacy.clip)
 
@@ -814,7 +776,7 @@ CONTRIBUTION_CHUNK = 256
 
 
 def _psi_dtype(encoder: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in encoder.psi.parameters()), torch.get_default_dtype())
+    return next((p.dtype for p in encoder.get_submodule("psi").parameters()), torch.get_default_dtype())
 
 
 def _noiseless(config: ODPFLHNConfig) -> ODPFLHNConfig:
@@ -834,4 +796,6 @@ register_method(
     releases_per_round=3, novel_privacy=None,
     smoke_settings={"local_steps": 2, "batch_size": 16, "encoder_hidden": 8, "hn_hidden": 8, "hn_layers": 1},
     devices=ANY_DEVICE,
+    central_eval="it generates each client's model from that client's own descriptor: no model exists before a client "
+                 "sends one",
 )

@@ -2,103 +2,16 @@
 learn.
 
 A client describes itself by ``v_i = mean_j phi(x_j, y_j; eta_v)`` (labels are inputs); the server's hypernetwork
-turns it into the client's model ``theta_i = h(v_i; eta_h)``. Training minimises (the paper's eq. 1, with the mean
-over clients, docs/papers.md, PeFLL, U1)::
+turns it into the client's model ``theta_i = h(v_i; eta_h)``. A training round is the paper's Algorithm 2 in three
+stages, each ending with a release: the descriptor ``v_i``, the weight change, and the embedding-network gradient.
+Because the descriptor needs labels, an unseen client is a labelled held-out client
+(:func:`unseen_clients_with_labels`); an unlabelled novel client is refused.
 
-    lambda_h ||eta_h||^2 + lambda_v ||eta_v||^2 + (1/n) sum_i [ L_i(theta_i) + lambda_theta ||theta_i||^2 ]
+Entry points: :class:`PeFLLConfig`, :class:`PeFLLStrategy`, :class:`PeFLLClient` (registered as ``pefll``) and
+:func:`unseen_clients_with_labels`.
 
-One training round is the split computation of the paper's Algorithm 2 (cited by its line numbers), three stages here,
-every message up a release recorded in the client's ledger by the wire:
-
-1. server -> client: the embedding network eta_v (line 3). Client: draw one batch of ``descriptor_batch`` examples
-   (32; the whole training split under record-level DP, see **Privacy**), ``v_i = (1/b) sum_j clip_B(phi(x_j, y_j))``
-   (lines 5-6; the true mean, not the authors' code's division by
-   twice the number of batches, docs/papers.md, PeFLL, E1), keep the batch (and eta_v) for stage 3.
-   **Up: v_i** (line 7, ``"descriptor"``).
-2. server: ``theta_i = h(v_i)`` (line 8). Down: theta_i (line 9). Client: ``local_steps`` (50) SGD steps with
-   momentum 0.9, lr 2e-3, per-step gradient clip 50 and weight decay ``2 lambda_theta`` (the gradient of
-   ``lambda_theta ||theta||^2``, as the authors' code applies it, docs/papers.md, PeFLL, U5) on fresh batches of
-   32, independent of the descriptor batch (U6) (line 10).
-   **Up: Delta theta_i = theta_i - theta~_i** (line 11, ``"weight_change"``).
-3. server: one vector-Jacobian product through h with cotangent Delta theta_i gives
-   ``Delta eta_h^i = (d theta_i/d eta_h)^T Delta theta_i`` (kept on the server) and
-   ``Delta v_i = (d theta_i/d v_i)^T Delta theta_i`` (line 12,
-   :func:`~privfl.models.hypernetwork.backprop_weight_change`).
-   Down: Delta v_i (line 13). Client: ``Delta eta_v^i = (d v_i/d eta_v)^T Delta v_i`` through phi on the **same**
-   batch (line 14). **Up: Delta eta_v^i** (line 15, ``"embedding_gradient"``); the client forgets the batch.
-4. server (lines 17-18): ``g_h = mean_i Delta eta_h^i + 2 lambda_h eta_h``, ``g_v = mean_i Delta eta_v^i +
-   2 lambda_v eta_v`` over the clients that completed the round; clip the joint norm of (g_h, g_v) to
-   ``server_grad_clip`` (50); one Adam step (lr 2e-4; ``server_optimizer="sgd"`` for plain/momentum SGD).
-
-After one plain SGD local step at learning rate eta, Delta theta_i = eta dL_i/dtheta, so (with lambdas 0) the chain
-gives exactly eta times the true gradient of L_i(h(v(S_b; eta_v); eta_h)) with respect to both networks.
-
-Unseen clients (Algorithm 1, PeFLL-predict): two down, one up, no fine-tuning: ``novel_request`` sends eta_v;
-``novel_query`` releases the descriptor of the client's **labelled** data (all of ``x_train``, or its first
-``eval_descriptor_samples``); ``novel_reply`` sends h(v); ``novel_model`` loads it. Because PeFLL's descriptor needs
-labels, an unseen client here is a labelled held-out client (any object with ``x_train``/``y_train``, such as a
-:class:`~privfl.data.TrainingClient`): :func:`unseen_clients_with_labels` builds one from each novel client of a
-:class:`~privfl.data.FederatedDataset`, splitting its data into a labelled descriptor part and a disjoint scoring part
-whose labels only the evaluator uses. An unlabelled :class:`~privfl.data.NovelClient` is refused with a ConfigError,
-so ``serves_novel_clients`` is ``False`` and :func:`privfl.experiment.train` scores no novel clients for PeFLL.
-Seen clients after training use the same protocol (their descriptor from their whole training split).
-
-**Privacy** (the one layer of :mod:`privfl.methods.private`; the modes in :mod:`privfl.privacy.training`). A sampled
-training client makes three releases a round: ``v_i``, ``Delta theta_i`` and ``Delta eta_v^i``.
-
-* ``record`` (add or remove one labelled record ``(x, y)``; n private, calibrated to the public lower bound
-  ``min_samples``; every release at the client's noise multiplier z, so the three compose in one ledger with
-  DP-SGD's relation):
-
-  1. ``v_i`` is the mean of the clipped embeddings of the client's **whole** training split (not of one batch of
-     ``descriptor_batch``: a fixed-size batch holds ``min(b, n)`` records, which depends on the private n, and the
-     same batch must serve stage 3), released by :func:`~privfl.privacy.labelled.release_labelled_mean` under
-     add/remove: each clipped ``phi(x_j, y_j)`` depends on record j alone, so the mean moves by at most
-     ``2B/min_samples`` with B the novel bound (training then sees the function novel clients release);
-  2. local training is DP-SGD (:meth:`ClientProcedure.fit`: per-record clip, momentum 0.9, weight decay
-     ``2 lambda_theta``; the per-step clip ``grad_clip`` must be 0), and ``Delta theta_i`` is post-processing of it
-     and of ``theta_i``, which the server sent;
-  3. ``Delta eta_v^i = (1/n) sum_j (d clip_B(phi(x_j, y_j)) / d eta_v)^T Delta v_i`` is the gradient of a mean over
-     the records (``Delta v_i`` came from the server): each record's term is clipped to the privacy clip C, averaged
-     and noised for ``2C/min_samples`` (:func:`~privfl.privacy.gradient_mean.release_gradient_mean`).
-
-  :meth:`PeFLLClient.round_event` declares the three (a test checks a real round against it); losses are not sent.
-* ``local``: the layer clips each of the three releases to ``C / sqrt(3)`` and noises it on the client; everything
-  the server computes from them (``h(v_i)``, ``Delta v_i``, the update) is post-processing.
-* ``central`` (trusted aggregator; DP-FedAvg's argument, McMahan et al. 2018): both networks are shared. Client i
-  contributes ``(Delta eta_h^i, Delta eta_v^i)`` (the first computed on the server from its weight change at its
-  descriptor), clipped jointly to C; the networks move only from the noisy mean (plus the regularisers and the clip
-  of step 4, which read nothing else; :meth:`PeFLLStrategy.apply_mean`). What leaves the server about a client
-  other than the receiver is a function of the networks alone: the embedding network, ``h(v)`` of a new client's
-  descriptor, and the model sent to client j, ``h(v_j)`` of j's own descriptor (a client that never trained gets
-  ``h(0)``, not the mean of the others' descriptors, which the aggregator holds in the clear). The descriptors and
-  the contributions in the clear are not protected against the aggregator.
-* ``distributed``: refused: the server answers each client's descriptor and weight change on its own (``h(v_i)``,
-  then ``Delta v_i``), while secure aggregation shows only sums.
-
-**Generating only the head** (``generated``, ``shared_lr``, ``shared_momentum``, the same settings as ODPFL-HN's;
-:mod:`privfl.methods.shared_part`). With ``"head"`` or ``"head_bias"`` h emits only the target's last layer (or its
-bias); the rest of theta_i is one shared part sent with every generated model, trained locally by each client, and
-moved by the mean of the round's weight changes restricted to it (FedAvg's step at ``shared_lr`` with heavy-ball
-``shared_momentum``, beside the server optimiser, which moves the two networks only). Line 12 reads only the generated
-coordinates of Delta theta_i. The releases are unchanged (the whole Delta theta_i): the shared step is post-processing
-of them (record, local), and under central DP the shared tensors of a client's change join its contribution (prefix
-``"shared."``, clipped jointly), so the shared part moves from the noisy mean alone.
-
-Novel (unseen) clients: with :class:`~privfl.privacy.training.NovelPrivacy` (``RunConfig.novel_privacy``) the
-descriptor is an (epsilon, delta)-DP release under replace-one of a labelled record, n public
-(:func:`~privfl.privacy.labelled.release_labelled_mean`, sensitivity ``2B/n`` with B the novel bound); without it,
-the descriptor is sent in the clear. The per-example clip B in training is the novel bound under record-level DP or
-when novel clients are private (so the networks train on the function novel clients release), else none. A seen client
-queried this way after record-level training would add a replace-one release to its
-add/remove ledger, which the ledger refuses before anything is sent (a guarantee holds under one relation): serve
-seen clients that way only without record-level DP.
-
-The runtime scores training clients with one message down (``configure_evaluate``), with no way for the client to
-send a fresh descriptor; there the server generates the model from the **latest descriptor that client released in
-training** (a value it already holds; post-processing), from the mean of those if the client never trained (from
-a zero descriptor under central DP). That score serves model selection only; the benchmark scores seen clients with
-the full protocol above.
+The stages line by line, serving, each privacy mode, head-only generation and how training clients are scored:
+docs/methods/hypernetworks.md, "PeFLL".
 """
 
 from __future__ import annotations
@@ -106,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -116,7 +29,7 @@ from accounting.validation import is_finite
 from privfl.data import FederatedDataset, TrainingClient
 from privfl.devices import ANY_DEVICE, device_of, on_cpu
 from privfl.errors import ConfigError, InternalError, TrainingDivergedError, check
-from privfl.federation.messages import Message, Release, prefixed
+from privfl.federation.messages import Message, Release, Scalar, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.base import (
     ClientContext,
@@ -270,6 +183,7 @@ def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor,
             rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True).clamp_min(1e-12), max=1.0)
         part = rows.sum(dim=0)
         total = part if total is None else total + part
+    assert total is not None   # n >= 1: the loop ran
     return total / n
 
 
@@ -347,21 +261,22 @@ class PeFLLStrategy(Strategy):
                                      derive_seed(self.seed, "pefll_embedding")).to(self.device)
         groups = [{"params": list(self.hnet.parameters())}, {"params": list(self.embedding.parameters())}]
         if cfg.server_optimizer == "adam":
-            self.optimizer = torch.optim.Adam(groups, lr=cfg.server_lr)
+            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(groups, lr=cfg.server_lr)
         else:
             self.optimizer = torch.optim.SGD(groups, lr=cfg.server_lr, momentum=cfg.server_momentum)
         self.descriptors: dict[int, torch.Tensor] = {}
         #: Whether the descriptors reached the server in the clear under central DP (they are then per-client state
         #: of the trusted aggregator, and none is used for another client's model).
-        self._round: dict[str, dict[int, Any]] = {}
+        self._round: dict[str, Any] = {}
 
     # -- messages down ------------------------------------------------------------------------------------------------
 
     def _embedding_message(self, client_id: int) -> Message:
         cfg: PeFLLConfig = self.config
         weights = on_cpu(self.embedding.state_dict())
-        config = {"embed_dim": self.embed_dim, "embed_kind": self.embed_kind, "descriptor_batch": cfg.descriptor_batch,
-                  "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0)}
+        config: dict[str, Scalar] = {
+            "embed_dim": self.embed_dim, "embed_kind": self.embed_kind, "descriptor_batch": cfg.descriptor_batch,
+            "eval_descriptor_samples": int(cfg.eval_descriptor_samples or 0)}
         return Message(arrays=prefixed(EMBED, weights), config=config)
 
     @torch.no_grad()
@@ -383,8 +298,9 @@ class PeFLLStrategy(Strategy):
                 v = self._checked_descriptor(cid, reply)
                 self._round["descriptor"][cid] = v
                 self.descriptors[cid] = v
-                config = {"lr": cfg.lr, "local_steps": cfg.local_steps, "batch_size": cfg.batch_size,
-                          "momentum": cfg.momentum, "weight_decay": 2 * cfg.lambda_theta, "grad_clip": cfg.grad_clip}
+                config: dict[str, Scalar] = {
+                    "lr": cfg.lr, "local_steps": cfg.local_steps, "batch_size": cfg.batch_size,
+                    "momentum": cfg.momentum, "weight_decay": 2 * cfg.lambda_theta, "grad_clip": cfg.grad_clip}
                 messages[cid] = Message(arrays=self.generate(v), config=config)
             return messages
         if stage == 2:  # line 12-13: one VJP through h; Delta eta_h^i stays here, Delta v_i goes down
@@ -416,8 +332,8 @@ class PeFLLStrategy(Strategy):
             return {}
         shared = self.shared_part.mean_change([self._round["hnet_grads"].inputs(cid)[1] for cid in done])
         hnet_grads = self._round["hnet_grads"].mean(done)
-        embed_grads = {name: sum(replies[cid].arrays[EMBED + name].to(param.device, param.dtype) for cid in done)
-                       / len(done)
+        embed_grads = {name: cast(torch.Tensor, sum(replies[cid].arrays[EMBED + name].to(param.device, param.dtype)
+                                                    for cid in done)) / len(done)
                        for name, param in self.embedding.named_parameters()}
         losses = [self._round["loss"][cid] for cid in done]
         metrics = self._server_step(round, hnet_grads, embed_grads, f"clients {done}", shared)
@@ -504,7 +420,7 @@ class PeFLLStrategy(Strategy):
         """Algorithm 1, steps 4-5: theta = h(v) from the client's released descriptor."""
         return Message(arrays=self.generate(self._checked_descriptor(client_id, delivered)))
 
-    training_only = ("optimizer",)
+    training_only: tuple[str, ...] = ("optimizer",)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -593,7 +509,9 @@ class PeFLLClient(ClientProcedure):
         net = self.embedding_from(message.config, weights)
         if self.record_level:
             batch = torch.arange(data.num_train, dtype=torch.int64)
-            v, event, _ = release_labelled_mean(net, data.x_train, data.y_train, bound=self.embedding_bound,
+            bound = self.embedding_bound
+            assert bound is not None   # record level: the novel bound
+            v, event, _ = release_labelled_mean(net, data.x_train, data.y_train, bound=bound,
                                                 num_classes=self.model_factory.num_classes,
                                                 noise_multiplier=self.noise_multiplier(),
                                                 relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -660,9 +578,9 @@ class PeFLLClient(ClientProcedure):
             return private_release(Message(arrays={EMBED + n: grads[n].cpu() for n in names}), "embedding_gradient",
                                    event, metadata=self._metadata())
         v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound)
-        grads = torch.autograd.grad(v, params, grad_outputs=cotangent.to(v.dtype), allow_unused=True)
+        param_grads = torch.autograd.grad(v, params, grad_outputs=cotangent.to(v.dtype), allow_unused=True)
         update = {EMBED + n: (torch.zeros_like(p) if g is None else g.detach()).cpu()
-                  for n, p, g in zip(names, params, grads, strict=True)}
+                  for n, p, g in zip(names, params, param_grads, strict=True)}
         return Release.non_private(Message(arrays=update), purpose="embedding_gradient")
 
     # -- seen clients after training and unseen clients: Algorithm 1 ---------------------------------------------------
@@ -713,4 +631,6 @@ register_method(
     releases_per_round=3, novel_privacy=None,
     smoke_settings={"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3, "grad_clip": 0.0, "descriptor_batch": 8},
     devices=ANY_DEVICE,
+    central_eval="it generates each client's model from that client's own labelled descriptor: no model exists before "
+                 "a client sends one",
 )

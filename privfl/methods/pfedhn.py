@@ -1,69 +1,16 @@
 """pFedHN (Shamsian et al., ICML 2021): a server hypernetwork generates each training client's personal model.
 
-The server holds a learned embedding row ``e_i`` per training client (a pFedHN embedding table) and a hypernetwork
-``f_theta`` (:class:`privfl.models.HyperNetwork`, pFedHN's ``CNNHyper``). Round t, for the sampled clients S_t
-(pFedHN's ``trainer.py``, with several clients per round, the sign of its weight change and its SGD settings as
-docs/papers.md, ODPFL-HN, U1, E1 and U3 describe):
+The server holds an embedding row ``e_i`` per training client and a hypernetwork ``f_theta``
+(:class:`privfl.models.HyperNetwork`); each round it sends ``w_i = f_theta(e_i)``, the client trains it locally and
+releases its weight change, and the server chain-rules the changes into ``theta`` and the rows. pFedHN has no
+encoder, so it serves no novel client. Runs under ``record``, ``local`` and ``central`` privacy; ``distributed`` is
+refused (each change is needed on its own).
 
-1. the server generates ``w_i = f_theta(e_i)`` and sends it to client i (with the local-training settings);
-2. client i runs ``local_steps`` minibatch SGD steps from ``w_i`` (momentum ``momentum``, 0.9 as in the ODPFL-HN
-   papers' App. C) and sends the weight change ``d_i = w_i - w_i_new`` ("before minus after", the pFedHN sign:
-   after one plain SGD step at rate eta it equals ``eta * dL_i/dw``);
-3. the server chain-rules ``d_i`` through the hypernetwork (:func:`privfl.models.backprop_weight_change`):
-   ``g_theta_i = (dw_i/dtheta)^T d_i`` and ``g_e_i = (dw_i/de_i)^T d_i``;
-4. it averages over the round's clients, ``g_theta = mean_i g_theta_i`` and row i of the table's gradient
-   ``g_e_i / |S_t|``, rescales the whole gradient (hypernetwork and rows together) to L2 norm at most
-   ``server_grad_clip`` (50 in pFedHN's code), and takes one SGD step with momentum ``hn_momentum`` and separate
-   learning rates / weight decays for the hypernetwork (``hn_lr``, ``hn_weight_decay``) and the embeddings
-   (``embed_lr``, ``embed_weight_decay``).
+Entry points: :class:`PFedHNConfig`, :class:`PFedHNStrategy`, :class:`PFedHNClient` (registered as ``pfedhn``);
+:func:`sgd_momentum_step` and :func:`refuse_batch_clip`, shared with the other hypernetwork methods.
 
-Embedding rows are updated lazily: a row (and its momentum buffer and weight decay) moves only in rounds its client
-takes part in. pFedHN's code runs a dense optimiser over the whole table, so rows of absent clients there decay and
-keep coasting on momentum; here a client's embedding is its own and changes only through its own weight changes.
-Rows are initialised N(0, 1) (as ``nn.Embedding``) from a stream keyed by (run seed, client id), so a row does not
-depend on the order in which clients first appear.
-
-A training client is scored with its own generated model ``f_theta(e_i)``. pFedHN has no encoder, so it serves no
-novel client: :mod:`privfl.methods.pfl_baselines` registers the three ways the ODPFL-HN papers apply its models to a
-novel client (PFL-sampled, -nearest, -ensemble), and :mod:`privfl.methods.itpflhn` adds an encoder (IT-PFL-HN).
-
-**Privacy** (the one layer of :mod:`privfl.methods.private`; the modes and their accounting are in
-:mod:`privfl.privacy.training`). A sampled training client makes one release a round, its weight change ``d_i``
-(purpose ``"weight_change"``); without a mode it is sent in the clear (epsilon = infinity).
-
-* ``record`` (add or remove one record of a training client): step 2 is DP-SGD (:meth:`ClientProcedure.fit`,
-  Abadi et al. 2016: Poisson-sampled batches, every record's gradient clipped to the privacy clip C, Gaussian noise
-  of noise multiplier z, the configured momentum and weight decay; the per-step batch clip ``grad_clip`` is a
-  stabiliser DP-SGD replaces, and must be unset). ``d_i = w_i - w_i_new`` is post-processing of the DP-SGD iterate
-  and of ``w_i``, which the server sent, so the release carries the fit's event and nothing else: the sample count
-  and the loss are not sent. Every row ``e_i`` and the hypernetwork move only from such releases.
-* ``local`` (replace one client's whole dataset; nobody trusted): the layer clips ``d_i`` to C and adds the
-  Gaussian noise on the client; the server's steps 3-4 are post-processing of the noisy changes, so the hypernetwork,
-  each row and each generated model are client-level DP.
-* ``central`` (add or remove one client; DP-FedAvg, McMahan et al. 2018, with a trusted aggregator): the shared
-  hypernetwork ``theta`` moves only from the noisy mean of the clients' contributions (:meth:`PFedHNStrategy.
-  contributions`): client i's contribution is its hypernetwork gradient ``g_theta_i``, computed on the server from
-  ``d_i`` at ``e_i`` (step 3), clipped jointly to C, summed with the others, noised once and divided by the expected
-  count q N; ``server_grad_clip`` and the momentum act on that noisy mean alone (:meth:`PFedHNStrategy.apply_mean`).
-  The row ``e_i`` is per-client server state: it moves from client i's own ``g_e_i`` in the clear (divided by the
-  same q N and clipped to ``server_grad_clip`` on its own, never jointly with ``theta``, whose step would then read
-  it). What central DP protects is what leaves the server about other clients: the model ``f_theta(e_j)`` sent to
-  client j depends on client i only through ``theta``. Why: client j's contribution is a function of its own data,
-  its own row (its data and the past noisy means) and ``theta`` (the past noisy means), so adding or removing client
-  i moves the round's sum by at most C, whatever its own row did. It does not protect client i's row, or the
-  contributions in the clear, against the aggregator.
-**Generating only the head** (``generated``, the same setting as ODPFL-HN's; :mod:`privfl.methods.shared_part`).
-With ``"head"`` or ``"head_bias"`` the hypernetwork emits only the target's last layer (or its bias); the rest of the
-target is one shared part, sent with every generated model, trained locally by each client as part of the whole
-target, and moved by the server by the mean of the round's weight changes restricted to it (FedAvg's step,
-``shared_lr``, heavy-ball ``shared_momentum``). Step 3 reads only the generated coordinates of each change. Under
-every mode the released message is still the whole weight change: the shared step is post-processing of the
-releases (record, local), and under central DP the shared tensors of a client's change join its contribution
-(prefix ``"shared."``, clipped jointly with ``g_theta_i``), so the shared part moves from the noisy mean alone.
-
-* ``distributed``: refused. Step 3 chain-rules each client's weight change through the hypernetwork at that
-  client's own row, and moves that row from it: it needs each change on its own, while secure aggregation shows the
-  server only their sum.
+The round step by step, the lazy row updates, each privacy mode's argument and head-only generation:
+docs/methods/hypernetworks.md, "pFedHN".
 """
 
 from __future__ import annotations
@@ -439,7 +386,7 @@ class PFedHNStrategy(Strategy):
                           "'itpflhn'")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    training_only = ("hypernetwork_momentum", "embedding_momentum")
+    training_only: tuple[str, ...] = ("hypernetwork_momentum", "embedding_momentum")
 
     def state_dict(self) -> dict[str, Any]:
         """Copies on the CPU of the hypernetwork, its momentum, the embedding rows and their momentum (rows keyed by
@@ -523,4 +470,5 @@ register_method(
                 "only; see pfl_sampled / pfl_nearest / pfl_ensemble for novel clients)",
     privacy=PFEDHN_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS,
     novel_privacy="it serves no novel client (it has no encoder)", devices=ANY_DEVICE,
+    central_eval="it generates each training client's model from that client's own embedding and serves no new client",
 )

@@ -1,48 +1,14 @@
 """PFL-sampled, PFL-nearest and PFL-ensemble: pFedHN's personal models applied to a novel client.
 
-The ODPFL-HN papers' baselines (Amosy et al., section 6.2; named pFedHN-sampled/-nearest/-ensemble in the earlier
-IT-PFL-HN version; docs/papers.md, ODPFL-HN, "Baselines", U10 and U11). All three train exactly as
-:mod:`privfl.methods.pfedhn` (same strategy, same client, same numbers for the same seed) and differ only in how a novel
-client is served. The pool of "training-client models" is ``f_theta(e_j)`` for every training client j that has taken
-part in at least one round (the server knows no other client's id; with the papers' 500 rounds at 10% every client has).
+The ODPFL-HN papers' baselines (Amosy et al., section 6.2; docs/papers.md, ODPFL-HN, "Baselines"). All three train
+exactly as :mod:`privfl.methods.pfedhn` and differ only in how a novel client is served from the pool of training
+clients' models ``f_theta(e_j)``: ``pfl_sampled`` scores the pool's expected accuracy
+(:class:`privfl.metrics.ExpectedModel`), ``pfl_ensemble`` averages the pool's logits (:class:`LogitEnsemble`) and
+``pfl_nearest`` sends the model of the training client nearest in proxy A-distance, which puts raw inputs of every
+client on the server (recorded as non-private releases) and so refuses every privacy mode.
 
-* **pfl_sampled**: a uniformly random training-client model, scored by its expectation: the papers score it by the
-  mean accuracy of all the personalised models on each novel client (docs/papers.md, ODPFL-HN, U11).
-  1. The server sends every pool model to the novel client; 2. the client sends nothing; 3. its model is an
-  :class:`privfl.metrics.ExpectedModel` of the pool, which ``score_model`` scores as the **mean of the
-  members' accuracies** (and losses). It has no single prediction of its own.
-* **pfl_ensemble**: the average of the pool models' **logits** (not probabilities).
-  1. The server sends every pool model; 2. the client sends nothing; 3. its model is a :class:`LogitEnsemble`.
-* **pfl_nearest**: the model of the training client closest in proxy A-distance (Ben-David et al. 2007),
-  ``d_A = 2 (1 - 2 err)`` with ``err`` the held-out error of a logistic regression separating the two clients'
-  inputs on a balanced 50/50 split (the papers name only the proxy; docs/papers.md, ODPFL-HN, U10), minimised over
-  the pool (ties: the lower client id).
-  The distance needs both clients' raw inputs in one place, and this implementation puts them **on the server**,
-  in the open:
-
-  1. during training, each training client, in the first round it takes part in, sends a seeded subsample of at most
-     ``nearest_max_inputs`` of its training inputs (no labels) in a second stage of the round: a non-private release
-     with purpose ``"raw_inputs"``; the server keeps them (they are part of its checkpointed state);
-  2. a novel client's query is a non-private release (purpose ``"raw_inputs"``) of a seeded subsample of at most
-     ``nearest_max_inputs`` of its unlabelled inputs;
-  3. the server computes d_A against every stored training client and sends back the nearest one's model.
-
-  So the server sees raw inputs of every training client and of every novel client (recorded as non-private,
-  epsilon = infinity, in their ledgers). The papers note it "can be computed in FL" by training the linear model
-  with gradients from each side, which needs the training clients online at inference time; that changes what the
-  server sees (gradients of a linear model instead of inputs) but is still not private, and is not implemented.
-
-**Privacy** (:mod:`privfl.privacy.training`; the argument of each mode is pFedHN's, :mod:`privfl.methods.pfedhn`).
-
-* pfl_sampled and pfl_ensemble train exactly as pFedHN and run ``record`` (DP-SGD; the weight change carries its
-  event) and ``local`` (the layer noises each weight change on the client). Their novel clients send nothing; what
-  they receive, every pool model ``f_theta(e_j)``, is post-processing of the training clients' DP releases in both
-  modes. ``central`` is refused: a novel client receives every training client's generated model, and each row
-  ``e_j`` is per-client server state moved by client j's own weight changes in the clear, which central DP's noisy
-  sum (covering the shared hypernetwork only) does not protect. ``distributed`` is refused as for pFedHN.
-* pfl_nearest refuses every mode: its training clients send a sample of their raw inputs, which no mechanism makes
-  private at any level (record or client), and the A-distance needs them as they are. Its novel clients send raw
-  inputs too, so it honours no :class:`~privfl.privacy.training.NovelPrivacy`.
+How each is served, what the server sees, and which privacy modes run: docs/methods/hypernetworks.md, "PFL-sampled,
+PFL-nearest and PFL-ensemble".
 """
 
 from __future__ import annotations
@@ -166,11 +132,17 @@ class PFLPoolClient(PFedHNClient):
 
 class PFLSampledClient(PFLPoolClient):
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
+        return self.central_model(message)
+
+    def central_model(self, message: Message) -> nn.Module:
         return ExpectedModel(self.pool_models(message))
 
 
 class PFLEnsembleClient(PFLPoolClient):
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
+        return self.central_model(message)
+
+    def central_model(self, message: Message) -> nn.Module:
         return LogitEnsemble(self.pool_models(message))
 
 
@@ -287,11 +259,13 @@ register_method(
     "pfl_sampled", strategy=PFLPoolStrategy, client=PFLSampledClient, config=PFedHNConfig,
     description="PFL-sampled: pFedHN; a novel client is scored by the mean accuracy of all training-client models",
     privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "pfl_ensemble", strategy=PFLPoolStrategy, client=PFLEnsembleClient, config=PFedHNConfig,
     description="PFL-ensemble: pFedHN; a novel client averages the logits of all training-client models",
     privacy=POOL_PRIVACY, releases_per_round=1, smoke_settings=SMOKE_SETTINGS, devices=ANY_DEVICE,
+    central_eval=None,
 )
 register_method(
     "pfl_nearest", strategy=PFLNearestStrategy, client=PFLNearestClient, config=PFLNearestConfig,
@@ -303,4 +277,6 @@ register_method(
     novel_privacy="its novel clients send a sample of their raw inputs for the proxy A-distance, which no mechanism "
                   "can make private",
     smoke_settings={**SMOKE_SETTINGS, "nearest_max_inputs": 16}, devices=ANY_DEVICE,
+    central_eval="a new client gets the pool model nearest its own inputs, chosen from what it sends: no model exists "
+                 "before it does",
 )

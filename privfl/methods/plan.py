@@ -21,6 +21,7 @@ from accounting import (
     ComposedEvent,
     GaussianEvent,
     LedgerBook,
+    NeighboringRelation,
     PrivacyEvent,
     SelfComposedEvent,
     UnsupportedAccountingError,
@@ -91,7 +92,7 @@ def _novel(client: ClientProcedure, novel_privacy: NovelPrivacy, *, delta: float
     # every novel release of the registry is one Gaussian calibrated to (epsilon, delta) by the analytic mechanism:
     # its noise multiplier is that of a unit sensitivity, whatever the release's own
     z = analytic_gaussian_sigma(novel_privacy.epsilon, novel_privacy.delta)
-    return _priced(GaussianEvent(z, relation="replace_one"), delta)
+    return _priced(GaussianEvent(z, relation=NeighboringRelation.REPLACE_ONE), delta)
 
 
 def round_event(client: ClientProcedure, privacy: TrainingPrivacy, *, rounds: int,

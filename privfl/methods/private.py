@@ -3,39 +3,14 @@ mode of :class:`~privfl.privacy.training.TrainingPrivacy` (the modes and their a
 :mod:`privfl.privacy.training`).
 
 Strategies wrap strategies and procedures wrap procedures, as Flower's DP wrappers do, so a method's own code knows
-only what it must (its record-level releases) and every engine runs the wrapped objects unchanged:
+only its record-level releases and every engine runs the wrapped objects unchanged. :class:`PrivateClient` wraps a
+client procedure (checks record-level events; clips and noises in local and distributed mode); :class:`Aggregator`
+wraps a strategy in central and distributed mode; :func:`protect` wraps both halves as the method's registration
+allows, refusing by name a mode the method cannot run. :func:`support` and :func:`planned_participations` serve the
+calibration.
 
-* :class:`PrivateClient` wraps a method's client procedure. Record level: it checks that every release of a training
-  client carries a private event (the method made it with DP-SGD or another mechanism of :mod:`privfl.privacy`) and
-  refuses one that does not, naming the method and what it tried to send; metrics, which no event covers, are not
-  sent. Local and distributed: it clips the release to its stage's share of C and adds the noise (the whole noise, or
-  a share). Central: it marks the release as a contribution to the trusted aggregator.
-* :class:`Aggregator` wraps a strategy in central and distributed mode. Central: Poisson client sampling, each
-  contribution clipped, the sum noised once and divided by the expected count, the round's event recorded in every
-  training client's ledger before the server uses the sum, the clip adapted to a quantile of the norms when asked.
-  Distributed: it asks the runtime for the secure sum of the round's releases
-  (:meth:`~privfl.methods.base.Strategy.secure_sum`) and steps from that sum over the round's count; it is never
-  handed a release.
-
-Distributed mode on each engine. Each of the M clients of a round adds N(0, sigma^2 / M) to its clipped release, so
-the sum carries N(0, sigma^2), the event every client's ledger records; that guarantee holds for an observer of the
-sum only. A share alone buys :func:`~privfl.privacy.training.share_epsilon` against whoever sees the release.
-
-* In process (:class:`~privfl.federation.runtime.InProcessRuntime`) the secure aggregation is simulated: the server
-  process receives each release (recorded by the wire first) and adds them itself, so the epsilons hold for an
-  observer of the sums, not for this process; the run summary says so (``privacy.secure_aggregation``).
-* On Flower (:class:`~privfl.engines.flower.runtime.FlowerRuntime`) the releases are summed under Flower's
-  SecAgg+ (:mod:`privfl.engines.flower.secagg`): each node records its clients' releases, masks their sum, and
-  the server unmasks the round's total only, never a single release. A node that drops or fails stops the run
-  before its round's sum is used (the sum would lack a share of the noise). Values are quantized in a clipping range
-  wide enough that clipping adds at most a thousandth of delta; the summary gives the protocol's parameters.
-
-What the method's code sees is the same on both: the mean of the round's releases (``apply_mean``). Its
-contributions must be its releases (``Strategy.contributions`` not overridden): :func:`protect` refuses a method
-that derives them from its clients' messages, which secure aggregation never shows the server.
-
-:func:`protect` wraps a method's two halves as its registration allows (``MethodSpec.privacy``), refusing by name a
-mode the method cannot run.
+What each wrapper does per mode, and distributed mode in process and on Flower (cited below as "the module
+docstring"): docs/privacy.md, "The layer around every method".
 """
 
 from __future__ import annotations
@@ -141,6 +116,9 @@ class PrivateClient(ClientProcedure):
     def novel_model(self, novel, message):
         return self.inner.novel_model(novel, message)
 
+    def central_model(self, message):
+        return self.inner.central_model(message)
+
     # -- training releases ------------------------------------------------------------------------------------------
 
     def train(self, data, message: Message, state: ClientState, ctx: ClientContext) -> Release | None:
@@ -179,6 +157,8 @@ class PrivateClient(ClientProcedure):
     def _client_level(self, stage: int, release: Release, ctx: ClientContext) -> Release:
         """Local and distributed modes: clip the release to its stage's clip, add the (share of the) noise."""
         noise = self.noise
+        if noise is None:
+            raise InternalError(f"{self.method}: client-level DP ({self.privacy.mode}) without its calibrated noise")
         index = stage if len(noise.clips) > 1 else 0
         if index >= len(noise.clips):
             raise InternalError(f"{self.method} released at stage {stage}, but its registration declares "
@@ -238,7 +218,8 @@ class Aggregator(Strategy):
         if privacy.clip == ADAPTIVE:
             # Andrew et al. take sigma_b = expected clients / 20; the count may take at most a quarter of the round's
             # budget here (sigma_b >= z), so a small epsilon's large z does not leave the update no budget at all
-            self.count_noise = privacy.clip_count_noise or max(self.expected / 20.0, self.noise_multiplier)
+            self.count_noise: float | None = privacy.clip_count_noise or max(self.expected / 20.0,
+                                                                             self.noise_multiplier)
             self.update_multiplier = update_noise_multiplier(self.noise_multiplier, self.count_noise)
         else:
             self.count_noise = None
@@ -277,6 +258,7 @@ class Aggregator(Strategy):
         share of noise, of standard deviation ``share_sigma``, is added."""
         if self.central:
             return None
+        assert self.noise is not None   # distributed: __init__ refuses an aggregator without it
         return SecureSum(like=self.inner.contribution_shapes(), bound=self.noise.clips[-1],
                          noise_std=self.noise.share_sigma,
                          calibrated_for=PrivacyBudget(self.noise.lifetime_epsilon, self.noise.delta))

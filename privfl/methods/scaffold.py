@@ -15,8 +15,9 @@ The correction in step 2 is added as a linear term <c - c_i, y> in the local los
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -106,8 +107,8 @@ class ScaffoldClient(ClientProcedure):
         lr, steps = float(message.config["lr"]), int(message.config["local_steps"])
         correction = {k: (c[k] - c_i[k]).detach().to(self.model_factory.device) for k in c}
 
-        def control_term(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            return sum((correction[name] * p).sum() for name, p in params.items())
+        def control_term(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            return cast(torch.Tensor, sum((correction[name] * p).sum() for name, p in params.items()))
 
         model = self.model_from(x)
         loss, event = self.fit(model, data, sgd_settings(message.config), ctx.rng, extra_loss=control_term)
@@ -126,4 +127,5 @@ register_method(
     "scaffold", strategy=ScaffoldStrategy, client=ScaffoldClient, config=ScaffoldConfig,
     description="SCAFFOLD: control variates correct client drift; local lr and global (server) lr",
     privacy={"record": None, "central": None, "distributed": None, "local": None}, devices=ANY_DEVICE,
+    central_eval=None,
 )

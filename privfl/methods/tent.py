@@ -1,29 +1,14 @@
 """TENT (Wang et al., ICLR 2021, "Tent: Fully test-time adaptation by entropy minimization") on top of FedAvg.
 
 Training is FedAvg's (same strategy, same client update, DP-SGD option included). At test time a client that holds
-only unlabelled inputs x adapts the received model on x and predicts on the same x (transductive):
+only unlabelled inputs adapts the received model on them by entropy minimisation (the normalisation layers' scale
+and shift, or every parameter with ``adapt="all"``) and predicts on the same inputs (transductive); nothing goes up.
 
-1. receive the global weights w (nothing goes up: the adaptation is local post-processing of a downloaded model);
-2. choose the adapted parameters theta (TENT's Sec. 3.2): the affine scale and shift (gamma, beta) of every
-   normalisation layer, with batch-norm layers switched to the statistics of the test batch
-   (``adapt="norm"``, the original rule); or every parameter (``adapt="all"``, for models that have no
-   normalisation layers, like the FedTTA paper's: that paper says only that TENT was "adapted with appropriate
-   adjustments", and its authors' ``hetero_tent`` code adapts every parameter; docs/papers.md, FedTTA, U9);
-3. for ``tta_steps`` steps: theta <- theta - lr * grad_theta H(x), where H is the mean prediction entropy
-   H(x) = -(1/N) sum_i sum_k p_ik log p_ik, p_i = softmax(f(x_i; w, theta))                       (TENT Eq. 1);
-4. predict argmax_k f(x; w, theta).
+Entry points: :class:`TentConfig`, :class:`TentStrategy`, :class:`TentClient` (registered as ``tent``) and
+:func:`tent_adapt`.
 
-The FedTTA paper's settings (Ye et al., sections 4.1.2-4.1.3 and Table 4): the source model is the FedAvg global
-model, TENT reuses FedAvg's learning rate (``tta_lr=None``: MNIST 0.1), and the authors' code takes **one full-data
-step** (``tta_steps=1``, ``tta_batch_size=None``) on the entropy in bits (``entropy_unit="bits"``) with weight decay
-1e-4 and gradient-norm clip 10 (``tta_weight_decay``, ``tta_grad_clip``). Those are the defaults here. The original TENT
-uses minibatches of 128 to 200 and SGD with momentum (``tta_batch_size`` gives the minibatching; momentum is not
-offered).
-
-A model without normalisation layers (the project's ``mlp2nn``, ``lenet`` and ``fedtta_cnn`` have none) cannot be
-adapted with ``adapt="norm"``: the strategy refuses it when the run is built, and the message points to
-``adapt="all"``. Training clients are validated as in the FedTTA paper: each adapts the model on its own validation
-inputs (labels unused) and is scored on them.
+The adaptation steps, the FedTTA paper's settings and models without normalisation layers (cited below as "the
+module docstring"): docs/methods/baselines.md, "TENT".
 """
 
 from __future__ import annotations
@@ -206,4 +191,5 @@ register_method(
     description="TENT: FedAvg training; a new client minimises its prediction entropy on its unlabelled data "
                 "(normalisation affine parameters, or all parameters with adapt='all'); it sends nothing",
     privacy=FEDAVG_PRIVACY, smoke_settings={"adapt": "all"}, devices=ANY_DEVICE,
+    central_eval=None,
 )

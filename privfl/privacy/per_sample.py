@@ -1,50 +1,14 @@
 """The clipped sum of per-sample gradients, sum_i clip(g_i, C), that one DP-SGD step adds noise to.
 
 Three ways to compute it, all giving the same numbers (up to float rounding) and all clipping every record's whole
-gradient (over every trained parameter jointly) to L2 norm ``C`` with ``c_i = min(1, C / ||g_i||)``:
+gradient (over every trained parameter jointly) to L2 norm ``C``: ``"fast"`` (book-keeping from per-layer activations
+and output gradients, after Bu et al. 2023), ``"vmap"`` (``torch.func``) and ``"loop"`` (one backward pass per record).
 
-``"fast"`` (book-keeping, after Bu et al. 2023, "Differentially private optimization on large model at small cost")
-    One forward under a :class:`~torch.overrides.TorchFunctionMode` that records the input ``a`` and output of every
-    ``F.linear`` / ``F.conv2d`` call on a trained parameter, one backward of ``sum_i loss_i`` to those outputs only
-    (giving the output gradients ``b``; no weight gradient is formed), then per layer:
+Entry points: :class:`ClippedGradientSum`, :func:`cross_entropy_losses`, :func:`trained_parameters`,
+:func:`flat_views`; :class:`FastPathUnsupported` says why the fast path does not apply.
 
-    1. the per-sample gradient norms. A linear layer on 2-D inputs has ``g_i = b_i a_i^T``, so
-       ``||g_i||^2 = ||a_i||^2 ||b_i||^2`` (+ ``||b_i||^2`` for the bias) and nothing per-sample is materialised
-       ("ghost norms": Goodfellow 2015, "Efficient per-example gradient computations", arXiv:1510.01799; Li et al.
-       2022, "Large language models can be strong differentially private learners"). A convolution (or a linear
-       layer on inputs with extra dimensions, T positions) has ``g_i = B_i U_i^T`` over the unfolded patches
-       ``U_i``: the norm comes either from the Gram matrices, ``sum_{t,t'} (U_i^T U_i)_{tt'} (B_i^T B_i)_{tt'}``
-       (cost T^2 (d_in + d_out)), or from the materialised ``g_i`` (cost T d_in d_out; for a convolution one grouped
-       convolution over the batch), whichever is cheaper for the layer's shapes;
-    2. ``c_i`` from the total norm over all layers;
-    3. the clipped sum straight from the same pieces: ``(c * b)^T a`` for a 2-D linear layer, ``sum_i c_i g_i`` where
-       ``g_i`` was materialised, the convolution's weight gradient of ``c * b`` otherwise. No second backward pass.
-
-    It applies when every trained parameter is used only as the weight or bias of one ``F.linear`` / ``F.conv2d``
-    call (``groups=1``) per forward, on batch-first inputs (dimension 0 of every such input is checked to be the
-    batch size at every step, and once, on a batch one record shorter, to follow it), and no recorded tensor is
-    modified in place. Anything else that touches a trained parameter (a parameter used in the loss, a norm layer's
-    affine weights, an embedding, weight sharing) is detected during the forward and raises
-    :class:`FastPathUnsupported`, naming it.
-
-``"vmap"``
-    ``torch.func.vmap(grad(...))`` over single records (``randomness="different"``: a loss that samples noise gets
-    independent noise per record, as in a batch), in chunks that bound the memory of the materialised per-sample
-    gradients. Any differentiable loss; each record's loss is computed from that record alone.
-
-``"loop"``
-    One forward and backward per record (the brute-force definition; slow). For losses ``vmap`` cannot transform
-    (``.item()`` in the loss, data-dependent control flow).
-
-Privacy assumption (all paths): the loss of record i depends only on record i (and on the parameters and on
-randomness independent of the data): no batch statistics, no loss normalised over the batch. Then one record changes
-the sum by at most ``C`` in L2 norm, which is the sensitivity DP-SGD's noise is calibrated for. The ``"fast"`` path
-takes the per-record loss and the per-record output gradients from one batched forward and backward, so it relies on
-this assumption; ``"vmap"`` and ``"loop"`` compute each record's loss on that record alone, so a loss that mixes
-records cannot leak through them (it just computes something else). BatchNorm in training mode, the common way to
-break it, is refused by :func:`privfl.privacy.dp_sgd.check_dp_compatible` before any of these run, and a functional
-``batch_norm`` with ``training=True`` met during the fast path's forward is refused too; other ways of mixing
-records cannot be detected cheaply.
+How each path works, when the fast path applies, and the privacy assumption all paths share: docs/privacy.md,
+"Per-sample clipped gradient sums".
 """
 
 from __future__ import annotations
@@ -321,18 +285,11 @@ def _linear_nd_norms(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.T
             per_sample = torch.bmm(b.transpose(1, 2), a).reshape(batch, -1)                # (B, d_out d_in)
             squared.add_(_squared_norms(per_sample))
 
-    def finish(factors: torch.Tensor, views: dict[int, torch.Tensor]) -> None:
-        if bias_sum is not None:
-            views[id(bias)].addmv_(bias_sum.t(), factors)
-        if weight is None:
-            return
-        if per_sample is not None:
-            views[id(weight)].view(-1).addmv_(per_sample.t(), factors)
-        else:
-            scaled = (b * factors.view(-1, 1, 1)).reshape(-1, d_out)
-            views[id(weight)].addmm_(scaled.t(), a.reshape(-1, d_in))
+    def add_weight(view: torch.Tensor, factors: torch.Tensor) -> None:
+        scaled = (b * factors.view(-1, 1, 1)).reshape(-1, d_out)
+        view.addmm_(scaled.t(), a.reshape(-1, d_in))
 
-    return finish
+    return _summed_finish(weight, bias, bias_sum, per_sample, add_weight)
 
 
 def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor) -> _Finish:
@@ -356,6 +313,22 @@ def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor)
             per_sample = _conv_per_sample(x, grad_output, tuple(weight.shape), stride, padding, dilation)
             squared.add_(_squared_norms(per_sample))
 
+    def add_weight(view: torch.Tensor, factors: torch.Tensor) -> None:
+        assert weight is not None   # called only for a layer with a weight
+        scaled = grad_output * factors.view(-1, 1, 1, 1)
+        view.add_(conv2d_weight(  # type: ignore[no-untyped-call]  # torch.nn.grad is not annotated
+            x, weight.shape, scaled, stride=stride, padding=padding, dilation=dilation))
+
+    return _summed_finish(weight, bias, bias_sum, per_sample, add_weight)
+
+
+def _summed_finish(weight: torch.Tensor | None, bias: torch.Tensor | None, bias_sum: torch.Tensor | None,
+                   per_sample: torch.Tensor | None,
+                   add_weight: Callable[[torch.Tensor, torch.Tensor], None]) -> _Finish:
+    """The second pass of a layer whose records sum over positions: the bias from its per-record sums, the weight
+    from its per-record gradients where they were formed, else by ``add_weight(view, factors)`` from the layer's
+    inputs and output gradients."""
+
     def finish(factors: torch.Tensor, views: dict[int, torch.Tensor]) -> None:
         if bias_sum is not None:
             views[id(bias)].addmv_(bias_sum.t(), factors)
@@ -364,9 +337,7 @@ def _conv_norms(layer: _Layer, grad_output: torch.Tensor, squared: torch.Tensor)
         if per_sample is not None:
             views[id(weight)].view(-1).addmv_(per_sample.t(), factors)
         else:
-            scaled = grad_output * factors.view(-1, 1, 1, 1)
-            views[id(weight)].add_(conv2d_weight(  # type: ignore[no-untyped-call]  # torch.nn.grad is not annotated
-                x, weight.shape, scaled, stride=stride, padding=padding, dilation=dilation))
+            add_weight(views[id(weight)], factors)
 
     return finish
 

@@ -1,45 +1,12 @@
 """``privatize``: turn a trained DeepSet encoder into a module whose output on a client's sample set is a DP release.
 
-The privacy argument (Lemma 2 of Amosy et al., the ODPFL-HN paper, with the corrections of docs/papers.md, ODPFL-HN,
-E2-E8):
+The encoder must be ``psi(mean_i phi(x_i))``; :func:`privatize` clips phi per sample to a bound B, adds Gaussian noise
+calibrated with the analytic Gaussian mechanism to the mean for its certified sensitivity, and applies psi as
+post-processing (Lemma 2 of Amosy et al., the ODPFL-HN paper, with the corrections of docs/papers.md, ODPFL-HN,
+E2-E8). Entry points: :func:`privatize` and :class:`PrivateEncoder`.
 
-1. **Structure.** The encoder must be ``psi(mean_i phi(x_i))``: attributes ``phi``, ``pool`` (exactly a
-   :class:`~privfl.models.set_encoders.MeanPool`) and ``psi``, and nothing else. Max pooling, attention pooling and
-   any module outside phi -> pool -> psi are refused by name: their output can move by O(1) when one sample changes,
-   whatever n, so noise that shrinks with n would not cover them.
-2. **Per-sample phi, clipped on the client.** ``phi`` is applied to each sample on its own (``torch.func.vmap``, the
-   encoder put in eval mode at every release), so ``v_i`` depends on ``x_i`` only. Each ``v_i`` is projected onto
-   the L2 ball of radius ``bound`` (``v * min(1, bound/||v||)``; a non-finite ``v_i`` becomes 0) by this wrapper,
-   outside the encoder, so **weights** from the server, however chosen, cannot void the bound.
-
-   **Trust.** The encoder's *code* runs on the client and is trusted as the client's own: no wrapper can verify
-   arbitrary Python. What can be detected cheaply is checked, and refused with nothing recorded or released: phi's
-   parameters and buffers must be unchanged by the release (a layer updating a running statistic in forward couples
-   the samples); phi's output must be a plain ``torch.Tensor``; psi must share no module with phi (a module both see
-   would carry data past the noise); the rows of the first record and of one drawn by the OS CSPRNG must not change
-   when every other record is set to zero (code that reads the whole batch through vmap's wrapper, or keeps state in
-   a plain attribute from record to record, is refused). Each release runs phi and psi as fresh deep copies of the
-   encoder's (the encoder's own phi never sees data), so state kept in an instance attribute cannot carry one
-   release's data into a later release or hand a raw record to psi. What is still trusted: code that writes outside
-   its instances (a class attribute, a global, a file). Build encoders from the modules of
-   :mod:`privfl.models.set_encoders` (what ODPFL-HN's clients do, loading only the server's weights) and these are the
-   only assumptions.
-3. **Sensitivity.** Under replace-one with n public the mean of the clipped ``v_i`` moves by at most ``2 bound / n``
-   (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`). n is treated as **public**: it sets the noise
-   scale, so it is not protected. Under add/remove-one the noise is calibrated to a public lower bound
-   ``min_samples`` instead of the private n (``2 bound / min_samples``), and clients with fewer samples are refused.
-4. **Noise.** Gaussian noise with sigma from the analytic Gaussian mechanism for (epsilon, delta, sensitivity) is
-   added to the mean: one (epsilon, delta)-DP release.
-5. **Post-processing.** ``psi`` sees only the noisy mean, never the data, so ``psi(noisy mean)`` is exactly as private
-   as the noisy mean; no Lipschitz constant of psi is needed, and psi (and the hypernetwork after it) may be anything.
-6. **Batch-averaged descriptors** (:meth:`PrivateEncoder.release_batched`, docs/papers.md, ODPFL-HN, E7): the mean
-   over k public, data-independent batches of the per-batch clipped means has sensitivity ``2 bound / (k min_j n_j)``
-   (replace-one only), which equals ``2 bound / n`` for equal batches and exceeds it otherwise; prefer ``release``.
-7. **Composition.** Every forward call is a new release. With a ledger, each is recorded (purpose ``"descriptor"``)
-   **before** the noisy output exists, so a budget refusal releases nothing; repeated queries compose in the ledger.
-   Reusing a released descriptor is post-processing and costs nothing: cache it rather than calling again.
-
-Units: epsilon natural-log, delta a probability, bound and sensitivity L2 in the units of phi's output.
+The privacy argument step by step (structure, clipping, sensitivity, calibration, trust):
+docs/privacy.md, "privatize: the novel client's descriptor".
 """
 
 from __future__ import annotations

@@ -1,59 +1,18 @@
 """How training clients are protected: one setting for every method, and the client-level mechanisms behind it.
 
-:class:`TrainingPrivacy` (``RunConfig.privacy``) chooses one mode for every training client of a run:
+:class:`TrainingPrivacy` (``RunConfig.privacy``) chooses one mode for every training client of a run: ``record``
+(record-level DP: DP-SGD and per-record clipped releases, calibrated from public quantities only), ``local``
+(client-level DP, every client noises its own clipped release), ``distributed`` (client-level DP against an observer
+of the secure sum only) or ``central`` (DP-FedAvg with a trusted aggregator). Novel clients are protected by
+:class:`NovelPrivacy` (``RunConfig.novel_privacy``).
 
-``record`` (record-level DP; add or remove one record of a client's data)
-    Every release of a training client is a DP function of its records: local training runs DP-SGD (Abadi et al.
-    2016, :mod:`privfl.privacy.dp_sgd`), and a method's other data-dependent releases (ODPFL-HN's descriptor and
-    encoder gradient, ...) are clipped per record and noised. Each release carries its event; the client's ledger
-    composes them. Every noise scale, sampling rate and step count is a function of public quantities only
-    (``docs/record_level.md``): a client's record count n is private under add/remove-one, and n and n + 1 are
-    neighbours, so anything calibrated to n would differ between them. DP-SGD samples each record with the public
-    Poisson rate q (``sampling_rate``, by default ``batch_size / min_samples``, :func:`record_sampling_rate`) for a
-    fixed number of steps, and divides by the public ``batch_size``: a client with more records gets larger expected
-    batches, not less noise. Means over records are calibrated at the public lower bound ``min_samples``. With
-    ``epsilon`` the one noise multiplier z of every client is calibrated so that its whole planned schedule ends at
-    (epsilon, delta) (:func:`record_noise_multiplier`).
+Entry points: :class:`TrainingPrivacy`, :class:`NovelPrivacy`; the calibrations :func:`record_noise_multiplier`,
+:func:`record_sampling_rate`, :func:`client_level_noise`, :func:`central_noise_multiplier`,
+:func:`joint_noise_multiplier`, :func:`share_epsilon`, :func:`stage_clips`; the checks :func:`check_epsilon_target`,
+:func:`check_delta`, :func:`check_noise_multiplier`.
 
-``local`` (client-level DP; replace one client's whole dataset; no one is trusted)
-    Each release of a round is clipped to L2 norm C_s, with sum_s C_s^2 = C^2 over the round's stages, and the
-    client adds N(0, sigma^2 I) itself. Replacing the client's dataset moves stage s by at most 2 C_s, and the S
-    Gaussian releases of a round compose to exactly one Gaussian release of sensitivity 2 C (their privacy-loss
-    variables are Gaussian; means and variances add). Over k participations that is one Gaussian of sensitivity
-    2 C sqrt(k), so sigma is the analytic Gaussian sigma (Balle and Wang 2018) for that sensitivity
-    (:func:`client_level_noise`, :class:`ClientLevelNoise`).
-
-``distributed`` (client-level DP against an observer of the sum only)
-    As ``local``, but each of the M clients of a round adds a share N(0, sigma^2 / M): the sum of the M releases
-    carries N(0, sigma^2), as in ``local`` mode. That holds only for an observer who sees the sum and not the shares
-    (secure aggregation), and only if all M clients add their share. A share alone buys what
-    ``GaussianEvent(sigma / sqrt(M), 2 C)`` buys; :func:`share_epsilon` says how much. The sum is taken under
-    Flower's SecAgg+ on the Flower engines and simulated in process (:mod:`privfl.methods.private`).
-
-``central`` (client-level DP-FedAvg, McMahan et al. 2018; add or remove one client; the aggregator is trusted)
-    Each round, every training client is sampled independently with probability q (Poisson sampling, from randomness
-    the server keeps to itself). A sampled client's contribution to the shared update is clipped to C (jointly, every
-    tensor of it), the clipped contributions are summed, N(0, (z C)^2 I) is added once to the sum, and the sum is
-    divided by the expected count q N (public; a divisor that depends on the sample would leak it). Adding or removing
-    one client moves the sum by at most C, so a round is one Poisson-subsampled Gaussian release with noise
-    multiplier z, recorded in **every** training client's ledger (sampled or not): PLD composes them over rounds.
-    With ``clip="adaptive"`` the clip follows a target quantile of the contributions' norms (Andrew et al. 2021): each
-    sampled client also contributes b_i - 1/2, b_i = [norm_i <= C]; the sum of those (sensitivity 1/2) gets
-    N(0, sigma_b^2); the round's two releases on one sample are one Gaussian release of noise multiplier
-    z = (z_update^-2 + (2 sigma_b)^-2)^-1/2 (scale the count by z_update C / sigma_b to give both the same noise; the
-    concatenated vector has that noise and sensitivity sqrt(C^2 + (z_update C / (2 sigma_b))^2)). The clip then moves
-    geometrically: C <- C exp(-eta (b_bar - gamma)).
-    What it protects: what leaves the aggregator (the shared models, the metrics of the round, what novel clients
-    receive). The aggregator sees every contribution in the clear; those messages are recorded with the audience
-    ``"aggregator"`` and their epsilon (infinite) holds against the aggregator only. A method whose server keeps a
-    state per client (pFedHN's embeddings, ODPFL-HN's descriptors) keeps it inside the aggregator: it is protected
-    only as far as it leaves the server through the noised sum.
-
-Novel clients are protected by :class:`NovelPrivacy` (``RunConfig.novel_privacy``), the one setting of every method
-whose novel clients release something.
-
-Units: epsilon natural-log, delta a probability, ``clip`` an L2 norm in the units of what is clipped,
-``noise_multiplier`` is sigma / sensitivity (dimensionless).
+Each mode's neighbouring relation, mechanism and argument: docs/privacy.md, "The modes: record, local,
+distributed, central".
 """
 
 from __future__ import annotations
@@ -78,7 +37,7 @@ from accounting import epsilon as accounting_epsilon
 from accounting.calibration import analytic_gaussian_sigma, calibrate_noise_multiplier
 from accounting.validation import is_finite
 from privfl.errors import ConfigError, check
-from privfl.privacy.mechanisms import NOISE_SOURCES
+from privfl.privacy.mechanisms import NOISE_SOURCES, NoiseSource
 
 RECORD, CENTRAL, DISTRIBUTED, LOCAL = "record", "central", "distributed", "local"
 #: The modes of :class:`TrainingPrivacy`, record level first.
@@ -163,7 +122,7 @@ class TrainingPrivacy:
     clip_quantile: float = 0.5
     clip_lr: float = 0.2
     clip_count_noise: float | None = None
-    noise: str = "secure"
+    noise: NoiseSource = "secure"
     noise_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -255,7 +214,7 @@ class NovelPrivacy:
     epsilon: float | None = None
     delta: float = 1e-5
     bound: float = 1.0
-    noise: str = "secure"
+    noise: NoiseSource = "secure"
     noise_seed: int = 0
 
     def __post_init__(self) -> None:

@@ -14,12 +14,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attacks.decoders import (  # noqa: E402
+    ENSEMBLE_MEMBERS,
+    TUNING_GRIDS,
     ClassMeanDecoder,
+    ConvDecoder,
     KNNDecoder,
     MLPDecoder,
+    RandomFeaturesDecoder,
     RidgeDecoder,
+    TunedDecoder,
+    cross_fitted,
     feature_similarity,
     fit_decoders,
+    held_out_mse,
     make_decoder,
 )
 from attacks.statistics import bootstrap_cell, separated  # noqa: E402
@@ -158,6 +165,140 @@ def test_decoder_errors_name_the_value():
         RidgeDecoder().fit(f, x[:2], y, f, x, y)
     fitted = fit_decoders(("class-mean", "nn"), f, x, y, f, x, y)
     assert list(fitted) == ["class-mean", "nn"]
+
+
+# -- tuned decoders -------------------------------------------------------------------------------------------------
+
+def digit_like_pairs(n: int, seed: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """28 x 28 images that are a smooth (sigmoid) function of 8-d features; ``shift`` moves the features only."""
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(n, 8, generator=g)
+    basis = torch.randn(8, 28 * 28, generator=torch.Generator().manual_seed(77))
+    images = torch.sigmoid(features @ basis * 0.5).reshape(n, 1, 28, 28)
+    return features + shift, images, torch.zeros(n, dtype=torch.long)
+
+
+def test_tuned_mlp_keeps_the_epoch_with_the_lowest_held_out_error_under_dropout_and_a_cosine_schedule():
+    f, x, y = linear_pairs(256, 0)
+    hf, hx, hy = linear_pairs(64, 1)
+    options = dict(hidden=32, epochs=12, batch_size=32, learning_rate=3e-3, seed=0, dropout=0.3, patience=12)
+    mlp = MLPDecoder(schedule="cosine", **options).fit(f, x, y, hf, hx, hy)
+    history = mlp.details["held_out_mse_per_epoch"]
+    assert len(history) == 12 and mlp.details["best_epoch"] == history.index(min(history)) + 1
+    # the kept model is the best epoch's, decoding without dropout (the same estimate twice)
+    assert held_out_mse(mlp, hf, hx, hy) == pytest.approx(min(history), rel=1e-4)
+    assert torch.equal(mlp.decode(hf), mlp.decode(hf))
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.3 for m in mlp.model.modules())
+    # seeded, dropout included; the schedule changes the training (a constant rate gives other weights)
+    again = MLPDecoder(schedule="cosine", **options).fit(f, x, y, hf, hx, hy)
+    assert torch.equal(again.decode(hf), mlp.decode(hf))
+    constant = MLPDecoder(**options).fit(f, x, y, hf, hx, hy)
+    assert constant.details["held_out_mse_per_epoch"] != history
+    with pytest.raises(ConfigError, match="dropout must be a probability"):
+        MLPDecoder(dropout=1.0)
+    with pytest.raises(ConfigError, match="schedule must be constant or cosine"):
+        MLPDecoder(schedule="step")
+
+
+def test_the_standardiser_is_fitted_on_the_attacker_training_pairs_only():
+    f, x, y = digit_like_pairs(200, 0)
+    hf, hx, hy = digit_like_pairs(40, 1, shift=5.0)   # held-out features far from the training ones
+    fitted = fit_decoders(("mlp-tuned", "conv", "random-features"), f, x, y, hf, hx, hy, mlp_hidden=16,
+                          tuned_epochs=1, random_features=64)
+    for name, decoder in fitted.items():
+        inner = decoder.decoder
+        assert torch.allclose(inner.standardise.mean, f.double().mean(0)), name
+        assert torch.allclose(inner.standardise.std, f.double().std(0, unbiased=False)), name
+
+
+def test_the_convolutional_decoder_reaches_28_px_through_a_7_by_7_grid_and_learns():
+    f, x, y = digit_like_pairs(400, 0)
+    hf, hx, hy = digit_like_pairs(100, 1)
+    conv = ConvDecoder(hidden=64, channels=16, epochs=15, batch_size=32, learning_rate=3e-3, seed=0,
+                       schedule="cosine").fit(f, x, y, hf, hx, hy)
+    grid = next(m for m in conv.model if isinstance(m, torch.nn.Unflatten))
+    assert grid.unflattened_size == (16, 7, 7)
+    assert [m.out_channels for m in conv.model if isinstance(m, torch.nn.ConvTranspose2d)] == [8, 1]
+    out = conv.decode(hf)
+    assert out.shape == (100, 1, 28, 28) and float(out.min()) >= 0 and float(out.max()) <= 1
+    history = conv.details["held_out_mse_per_epoch"]
+    assert conv.details["best_epoch"] == history.index(min(history)) + 1
+    baseline = float(((hx - x.mean(0)) ** 2).mean())   # the mean image
+    assert held_out_mse(conv, hf, hx, hy) < 0.5 * baseline
+    with pytest.raises(ConfigError, match="multiples of 4"):
+        ConvDecoder(hidden=8).fit(f[:, :], x[:, :, :26, :26], y, hf, hx[:, :, :26, :26], hy)
+
+
+def test_a_tuned_decoder_keeps_the_candidate_with_the_lowest_held_out_error_and_records_the_grid():
+    f, x, y = linear_pairs(300, 0)
+    hf, hx, hy = linear_pairs(50, 1)
+    grid = [{"alphas": (10.0,)}, {"alphas": (1e-6,)}, {"alphas": (0.1,)}]
+    tuned = TunedDecoder("ridge-grid", lambda c: RidgeDecoder(**c), grid).fit(f, x, y, hf, hx, hy)
+    mse = [c["held_out_mse"] for c in tuned.details["grid"]]
+    assert [c["config"] for c in tuned.details["grid"]] == grid
+    assert tuned.config == {"alphas": (1e-6,)} and tuned.details["chosen"] == tuned.config
+    assert mse[1] == min(mse) == tuned.held_out_mse and mse[1] < mse[2] < mse[0]
+    assert all(c["cpu_s"] >= 0 for c in tuned.details["grid"])
+    alone = RidgeDecoder(alphas=(1e-6,)).fit(f, x, y, hf, hx, hy)
+    assert torch.equal(tuned.decode(hf), alone.decode(hf))
+    with pytest.raises(ConfigError, match="at least one configuration"):
+        TunedDecoder("empty", RidgeDecoder, [])
+
+
+def test_the_seed_ensemble_averages_the_tuned_mlp_configuration_over_seeds_and_reuses_the_tuned_mlp():
+    f, x, y = linear_pairs(200, 0)
+    hf, hx, hy = linear_pairs(50, 1)
+    fitted = fit_decoders(("mlp-ensemble", "mlp-tuned"), f, x, y, hf, hx, hy, mlp_hidden=16, tuned_epochs=3,
+                          seed=4)
+    assert list(fitted) == ["mlp-ensemble", "mlp-tuned"]
+    tuned, ensemble = fitted["mlp-tuned"], fitted["mlp-ensemble"]
+    assert [c["config"] for c in tuned.details["grid"]] == list(TUNING_GRIDS["mlp-tuned"])
+    assert ensemble.members[0] is tuned and len(ensemble.members) == ENSEMBLE_MEMBERS
+    assert ensemble.details["seeds"] == [4, 5, 6] and ensemble.details["configuration"] == tuned.config
+    hidden = int(tuned.config["width"] * 16)
+    assert all(m.hidden == hidden and m.dropout == tuned.config["dropout"] and m.schedule == "cosine"
+               for m in ensemble.members[1:])
+    assert [m.seed for m in ensemble.members[1:]] == [5, 6]
+    mean = torch.stack([m.decode(hf) for m in ensemble.members]).mean(0)
+    assert torch.equal(ensemble.decode(hf), mean)
+    # its CPU time counts the tuned MLP it reused
+    assert ensemble.details["cpu_s"] >= tuned.details["cpu_s"] > 0
+    assert ensemble.details["member_cpu_s"][0] == tuned.details["cpu_s"]
+
+
+def test_a_cross_fitted_copy_of_the_tuned_mlp_has_its_full_model_and_out_of_fold_estimates():
+    f, x, y = linear_pairs(120, 0)
+    hf, hx, hy = linear_pairs(30, 1)
+    tuned = make_decoder("mlp-tuned", mlp_hidden=16, tuned_epochs=3).fit(f, x, y, hf, hx, hy)
+    guide = cross_fitted(tuned.decoder, 3, name="mlp-tuned").fit(f, x, y, hf, hx, hy)
+    assert guide.name == "mlp-tuned" and len(guide.fold_models) == 3
+    assert (guide.hidden, guide.dropout, guide.schedule, guide.epochs) == (
+        tuned.decoder.hidden, tuned.decoder.dropout, "cosine", 3)
+    assert torch.equal(guide.decode(hf), tuned.decode(hf))   # the same full model, trained again
+    assert not torch.equal(guide.decode(f, exclude=np.arange(len(f))), guide.decode(f))
+    with pytest.raises(ConfigError, match="needs an MLP decoder"):
+        cross_fitted(ConvDecoder(hidden=8), 2)
+
+
+def test_random_features_approximate_a_gaussian_kernel_and_choose_the_bandwidth_on_held_out_pairs():
+    f, x, y = digit_like_pairs(300, 0)
+    hf, hx, hy = digit_like_pairs(60, 1)
+    # the map: phi(z) . phi(z') approximates exp(-|z - z'|^2 / (2 b^2 d)) (many features, no fit needed)
+    wide = RandomFeaturesDecoder(features=20000)
+    g = torch.Generator().manual_seed(3)
+    wide.projection, wide.phase = torch.randn(8, 20000, generator=g), 2 * torch.pi * torch.rand(20000, generator=g)
+    z = torch.randn(6, 8, generator=g)
+    for b in (0.5, 1.0):
+        phi = wide._phi(z, b)
+        kernel = torch.exp(-torch.cdist(z, z) ** 2 / (2 * b * b * z.shape[1]))
+        assert torch.allclose(phi @ phi.T, kernel, atol=0.03)
+    decoder = RandomFeaturesDecoder(features=512, bandwidths=(0.25, 1.0, 4.0), alphas=(1e-3, 1e-1)).fit(
+        f, x, y, hf, hx, hy)
+    scores = decoder.details["held_out_mse"]
+    assert len(scores) == 6 and min(scores, key=scores.get) == f"{decoder.bandwidth:g}/{decoder.alpha:g}"
+    assert held_out_mse(decoder, hf, hx, hy) == pytest.approx(min(scores.values()), rel=1e-5)
+    ridge = RidgeDecoder().fit(f, x, y, hf, hx, hy)   # a non-linear map: the kernel beats the linear decoder
+    assert held_out_mse(decoder, hf, hx, hy) < held_out_mse(ridge, hf, hx, hy)
 
 
 # -- bootstrap intervals --------------------------------------------------------------------------------------------

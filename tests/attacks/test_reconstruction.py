@@ -955,7 +955,7 @@ def test_cli_rejects_bad_values_before_any_work(tmp_path, capsys):
              (["--one-step-draws", "-2"], "--one-step-draws must be an integer >= 0 (noise draws the one-step "
                                           "posterior mean averages; 0: not scored), got -2"),
              (["--prediction-type", "epsilon"], "--one-step-draws needs --prediction-type v_prediction"),
-             (["--guide-decoder", "ridge"], "--guide-decoder must be knn, nn, mlp or none"),
+             (["--guide-decoder", "ridge"], "--guide-decoder must be knn, nn, mlp, mlp-tuned or none"),
              (["--guide-folds", "1"], "--guide-folds must be >= 2"),
              (["--init-weights", str(tmp_path / "none.pt")], "none.pt' is not a file")]
     if not torch.cuda.is_available():

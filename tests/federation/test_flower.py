@@ -30,7 +30,15 @@ from privfl.config import RunConfig  # noqa: E402
 from privfl.data import build_federation  # noqa: E402
 from privfl.engines.choice import flower_main, flower_runtime_factory  # noqa: E402
 from privfl.engines.choice import run as run_on_engine  # noqa: E402
-from privfl.engines.flower import FlowerOptions, client_app, from_records, launch, server_app, to_records  # noqa: E402  # noqa: E402
+from privfl.engines.flower import (  # noqa: E402  # noqa: E402
+    FlowerOptions,
+    client_app,
+    from_records,
+    launch,
+    server_app,
+    supervisor,  # noqa: E402
+    to_records,
+)
 from privfl.engines.flower import protocol as p  # noqa: E402
 from privfl.engines.flower.records import pack, records_to_state, state_to_records, unpack  # noqa: E402
 from privfl.engines.flower.simulation import num_clients  # noqa: E402
@@ -39,6 +47,7 @@ from privfl.errors import ConfigError, PublicConfigError  # noqa: E402
 from privfl.experiment import build_runtime, train  # noqa: E402
 from privfl.federation import Message, RunDirectory  # noqa: E402
 from privfl.federation.context import client_context  # noqa: E402
+from privfl.federation.timing import without_timing  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy  # noqa: E402
 
@@ -223,11 +232,12 @@ class LoopbackGrid:
 
 
 def _loopback(config, tmp_path, ranges, *, num_partitions=None, silent=(), text=None):
-    """Nodes 100, 101, ... holding the partition ranges ``ranges`` (inclusive pairs)."""
+    """Nodes 100, 101, ... (started as ``--node`` 0, 1, ...) holding the partition ranges ``ranges`` (inclusive
+    pairs)."""
     federation = build_federation(config.federation, seed=config.seed)
     total = num_partitions or len(federation.training_clients) + len(federation.novel_clients)
-    nodes = {100 + i: {"partition-range": f"{a}-{b}", "num-partitions": total, "privfl-dir": str(tmp_path / f"n{i}")}
-             for i, (a, b) in enumerate(ranges)}
+    nodes = {100 + i: {"partition-range": f"{a}-{b}", "num-partitions": total, "privfl-dir": str(tmp_path / f"n{i}"),
+                       "privfl-node": i} for i, (a, b) in enumerate(ranges)}
     grid = LoopbackGrid(nodes, {"privfl-config": text or json.dumps(config.to_dict())}, silent=silent)
     return grid, federation
 
@@ -310,7 +320,8 @@ def test_a_node_that_does_not_answer_is_named_when_the_exchange_times_out(tmp_pa
     held = sorted(c.client_id for c in federation.training_clients[5:] + federation.novel_clients)
     started = time.monotonic()
     with pytest.raises(FlowerClientError, match=rf"1 of 2 nodes did not answer 'train' within 0.5 s \(timeout-s\): "
-                                                rf"node 101 \(clients \[{', '.join(map(str, held))}\]\)"):
+                                                rf"SuperNode --node 1 \(partitions 5-11, clients "
+                                                rf"\[{', '.join(map(str, held))}\]\); is a SuperNode down\?"):
         flower_main(grid, _serve_config(config, tmp_path / "run"),
                               options=FlowerOptions(timeout_s=0.5, node_wait_s=5))
     assert time.monotonic() - started < 30
@@ -357,16 +368,22 @@ def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path
 
     monkeypatch.setattr(procedure, "train", refuse)
     _restart_node()
-    with pytest.raises(FlowerClientError, match=rf"node 100 \(clients \[{', '.join(map(str, sorted(doomed)))}\]\) "
-                                                r"failed in 'train'"):
+    # named as its operator started it, in one line: its --node and partitions, not Flower's node id
+    with pytest.raises(FlowerClientError, match=rf"^SuperNode --node 0 \(partitions 0-4, clients "
+                                                rf"\[{', '.join(map(str, sorted(doomed)))}\]\) failed in 'train'"):
         flower_main(grid, _serve_config(config, tmp_path / "run"), options=FlowerOptions(timeout_s=60, node_wait_s=5))
     assert sorted(cid for cid, _ in journal_records(tmp_path / "run" / "releases.jsonl")) == survivors
     assert sorted(book_records(tmp_path / "run" / "ledger.json")) == survivors
 
 
-def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity):
+def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity,
+                                                                             monkeypatch):
     # SCAFFOLD keeps control variates on the nodes and best_val pins the selected round's states there: the resumed
-    # run (a new Flower run, the same privfl run id) must find them and end with the in-process numbers.
+    # run (a new Flower run, the same privfl run id) must find them and end with the in-process numbers. Before
+    # that, resumes on a full disk (the run directory's, a node's) are refused before any round's message is sent.
+    import shutil
+
+    from privfl.errors import StorageError
     from privfl.experiment import RunInterrupted
 
     config = _run_config(make_spec(), "scaffold")
@@ -390,6 +407,20 @@ def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp
         # nor does a new run replace it by mistake
         with pytest.raises(ConfigError, match="already holds a run; continue the run with: privfl flower run "):
             flower_main(grid, _serve_config(config, out), options=options)
+        records = {path: path.read_bytes() for path in [out / "releases.jsonl", *tmp_path.glob("n*/*")]}
+        real = shutil.disk_usage
+        for full, refused in [(out, rf"the disk holding {out} has 0.0 MiB free, but each checkpoint of this run"),
+                              (tmp_path / "n1", r"SuperNode --node 1 \(partitions 5-11, clients \[[0-9, ]+\]\) has 0.0 "
+                                                rf"MiB free in its node directory {tmp_path / 'n1'}, but")]:
+            monkeypatch.setattr(shutil, "disk_usage", lambda path, full=full: real(path)._replace(free=4096)
+                                if Path(path).is_relative_to(full) else real(path))
+            _restart_node()
+            grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
+            with pytest.raises(StorageError, match=refused + ".*this attempt released nothing"):
+                flower_main(grid, {**_serve_config(config, out), "resume": True}, options=options)
+            assert {kind for _, kind in grid.sent} == {"query.hello"}        # no round's message left the server
+            assert {path: path.read_bytes() for path in records} == records   # nor did a node record a release
+        monkeypatch.setattr(shutil, "disk_usage", real)
         _restart_node()
         grid, _ = _loopback(config, tmp_path, [(0, 4), (5, 11)])
         got = flower_main(grid, {**_serve_config(config, out), "resume": True}, options=options)
@@ -485,7 +516,8 @@ def test_the_hello_compares_parsed_run_configs(tmp_path, make_spec, task_identit
     # a config that differs is refused, naming what differs
     other = json.dumps({**config.to_dict(), "seed": 4})
     grid, federation = _loopback(config, tmp_path / "other", [(0, 11)], text=other)
-    with pytest.raises(ConfigError, match="node 100 runs with a different privfl-config .*seed: server 3, node 4"):
+    with pytest.raises(ConfigError, match=r"SuperNode --node 0 \(partitions 0-11\) runs with a different privfl-config "
+                                          r".*seed: server 3, node 4"):
         flower_runtime_factory(grid, FlowerOptions(timeout_s=60, node_wait_s=5))(config, federation)
 
 
@@ -519,7 +551,7 @@ def _comparable(run_dir):
     records = sorted((cid, [(r["purpose"], r["round"], r["event"], _without_run(r["metadata"])) for r in held])
                      for cid, held in book_records(run.path("ledger.json")).items())
     strategy = torch.load(run.path("checkpoint.pt"), weights_only=True)["runtime"]["strategy"]
-    return run.read_metrics(), run.read_clients(), records, strategy
+    return without_timing(run.read_metrics()), run.read_clients(), records, strategy
 
 
 def _without_run(metadata):
@@ -546,8 +578,10 @@ def _equal_states(a, b):
 def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, method, per_node):
     # SCAFFOLD's control variates live on the nodes: it runs with virtual nodes of 3 clients each (the last holds
     # fewer), whose packed messages must give the same numbers as one client per node; ODPFL-HN runs with the
-    # clients per node the simulation chooses itself (None, the default)
-    config = _run_config(make_spec(), method)
+    # clients per node the simulation chooses itself (None, the default). The methods with a server model evaluate
+    # it centrally too, on the server, as in-process
+    central = METHODS[method].central_eval is None
+    config = _run_config(make_spec(), method, central_eval=central)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                    # the Flower client processes compute with one thread too
     try:
@@ -566,6 +600,7 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     metrics, clients, ledgers, strategy = _comparable(tmp_path / "flower")
     metrics_in, clients_in, ledgers_in, strategy_in = _comparable(tmp_path / "inprocess")
     assert metrics == metrics_in and clients == clients_in and ledgers == ledgers_in
+    assert all(("central_accuracy" in line) == central for line in metrics)
     assert _equal_states(strategy, strategy_in)
     # every record names this run (the nodes tag theirs; the run's ledger.json holds this run's releases only)
     run_id = got["flower"]["lifetime"]["run_id"]
@@ -841,10 +876,93 @@ def test_certs_keep_the_ca_key_refuse_to_overwrite_and_add_nodes(tmp_path, capsy
 
 
 def test_waiting_for_a_superlink_that_does_not_listen_ends_with_a_clear_message():
-    address = f"127.0.0.1:{launch.free_port()}"      # nothing listens there
+    address = f"127.0.0.1:{supervisor.free_port()}"      # nothing listens there
     with pytest.raises(ConfigError, match=rf"the SuperLink at {address} did not accept connections within 0.3 s "
                                           r"\(--wait-s; last: Connection refused\); start it first"):
         launch.wait_for_superlink(address, 0.3, poll_s=0.1)
+
+
+def test_flowers_error_lines_are_read_by_their_code():
+    from flwr.supercore.error import ApiErrorCode
+
+    # what `flwr supernode register` prints for a key the SuperLink knows (a SuperLink restarted on its database)
+    box = ("Using SuperLink: privfl (127.0.0.1:59129)\n"
+           "\u256d\u2500 Error \u2500\u2500\u2500\u2500\u256e\n"
+           "\u2502 [code: 23] Public key already in use.                 \u2502\n"
+           "\u2570\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u2500\u256f\n")
+    assert supervisor.flower_message(box) == "[code: 23] Public key already in use."
+    assert supervisor.flower_code(box) == supervisor.PUBLIC_KEY_ALREADY_IN_USE == ApiErrorCode.PUBLIC_KEY_ALREADY_IN_USE
+    assert supervisor.NODE_ACTIVATION_FAILED == ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED
+    supernode = ("\x1b[91mERROR \x1b[0m:     Exit Code: 305\nFailed to initialize the connection to the SuperLink.\n"
+                 "[code: 2004] Failed to activate SuperNode.\nThe SuperNode could not establish a connection.\n")
+    assert supervisor.flower_code(supernode) == 2004
+    assert supervisor.flower_message(supernode) == "[code: 2004] Failed to activate SuperNode."
+    assert supervisor.flower_code("no code here") is None and supervisor.flower_message("") == "no output"
+
+
+def test_a_refused_activation_is_retried_only_while_the_superlink_counts_the_node_online(tmp_path, monkeypatch,
+                                                                                         capsys):
+    certs = launch.generate_certificates(tmp_path / "certs", nodes=1)
+    refused = "[code: 2004] Failed to activate SuperNode.\n"
+    statuses = iter([("online", 41.6), ("online", 0.2), ("offline", 0.0)])
+    monkeypatch.setattr(supervisor, "node_status", lambda env, superlink, certs, key: next(statuses))
+    why = supervisor.refusal_of(1, refused, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
+    assert not why.final and "still counts node 0's previous connection as online (for about 42 s more" in why.reason
+    # a SuperNode refused while its previous connection lingers is started again, saying so, and joins
+    marker = tmp_path / "attempts"
+    script = (f"import pathlib, sys; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) if p.exists() else 0; "
+              f"p.write_text('x' * (n + 1)); sys.stderr.write({refused!r} if n < 2 else ''); "
+              "sys.exit(0 if n >= 2 else 1)")
+
+    def explain(code, output):
+        return supervisor.refusal_of(code, output, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
+
+    assert supervisor.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60, retry_s=0.05,
+                                      explain=explain) == 0
+    err = capsys.readouterr().err
+    assert marker.read_text() == "xxx" and err.count("previous connection as online (for about 0 s more") == 1, err
+    assert "refused to activate node 0, registered and offline (Flower: [code: 2004]" in err
+    assert err.count(refused) == 2                 # Flower's own lines are passed on as they come
+    # unknown to the SuperLink: refused at once, naming the key and the command that registers it
+    monkeypatch.setattr(supervisor, "node_status", lambda env, superlink, certs, key: (None, 0.0))
+    why = supervisor.refusal_of(1, refused, env={}, certs=certs, superlink="127.0.0.1:9", node=0)
+    assert why.final and why.reason == (
+        f"the SuperLink at 127.0.0.1:9 does not know node 0's public key {certs / 'node-0.pub'} (Flower: [code: 2004] "
+        f"Failed to activate SuperNode.): register it first: privfl flower register --certs {certs} --superlink "
+        "127.0.0.1:9 0")
+    # anything else: Flower's line, and another try
+    why = supervisor.refusal_of(3, "boom\nRuntimeError: port taken\n", env={}, certs=certs, superlink="x:1", node=0)
+    assert not why.final and why.reason == "the SuperNode exited with status 3 (Flower: RuntimeError: port taken)"
+
+
+def test_a_serverapp_stopped_by_an_operators_error_logs_one_line_unless_verbose(tmp_path, make_spec):
+    import logging
+
+    from privfl.engines.flower.server_app import OneLineErrors
+
+    def record(error):
+        try:
+            raise error
+        except Exception:
+            return logging.LogRecord("flwr", logging.ERROR, __file__, 1, "%s raised an exception", ("ServerApp",),
+                                     sys.exc_info())
+
+    one_line = OneLineErrors()
+    failed = record(FlowerClientError("SuperNode --node 1 (partition 1, clients [2]) failed in 'train': gone"))
+    assert one_line.filter(failed) and failed.exc_info is None
+    assert failed.getMessage() == ("ServerApp stopped: SuperNode --node 1 (partition 1, clients [2]) failed in "
+                                   "'train': gone (its traceback: privfl flower run --verbose)")
+    bug = record(KeyError("a fault inside privfl"))
+    assert one_line.filter(bug) and bug.exc_info is not None        # a bug keeps its traceback
+    one_line.verbose = True
+    kept = record(ConfigError("bad"))
+    assert one_line.filter(kept) and kept.exc_info is not None and kept.getMessage() == "ServerApp raised an exception"
+    # privfl flower run --verbose asks for it
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(RunConfig(federation=make_spec(), method="fedavg").to_dict()))
+    for verbose in (False, True):
+        command = launch.run_command(str(config), "out", verbose=verbose)
+        assert command[command.index(f"verbose={str(verbose).lower()}") - 1] == "--run-config"
 
 
 def test_a_refused_supernode_is_started_again_until_it_joins_or_rejoin_s_passes(tmp_path, capsys):
@@ -852,13 +970,13 @@ def test_a_refused_supernode_is_started_again_until_it_joins_or_rejoin_s_passes(
     marker = tmp_path / "attempts"
     script = (f"import pathlib, sys; p = pathlib.Path({str(marker)!r}); n = len(p.read_text()) if p.exists() else 0; "
               "p.write_text('x' * (n + 1)); sys.exit(0 if n >= 2 else 1)")
-    assert launch.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60,
+    assert supervisor.supervise_supernode([sys.executable, "-c", script], dict(os.environ), rejoin_s=60,
                                       retry_s=0.05) == 0
     assert marker.read_text() == "xxx"
     assert capsys.readouterr().err.count("starting it again") == 2
     # one that keeps being refused: given up after rejoin_s, with its exit status
     refused = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    assert launch.supervise_supernode(refused, dict(os.environ), rejoin_s=0.0, retry_s=0.05) == 3
+    assert supervisor.supervise_supernode(refused, dict(os.environ), rejoin_s=0.0, retry_s=0.05) == 3
     assert "stopped retrying after 0 s (--rejoin-s)" in capsys.readouterr().err
 
 
@@ -868,7 +986,7 @@ _SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
 def _children_of(pid, count, timeout=60):
     """The ``count`` processes ``pid`` started, once they are all there."""
     deadline = time.monotonic() + timeout
-    while len(found := launch.descendants(pid)) < count:
+    while len(found := supervisor.descendants(pid)) < count:
         assert time.monotonic() < deadline, found
         time.sleep(0.05)
     return found
@@ -897,7 +1015,7 @@ def test_a_supernode_in_process_isolation_leaves_no_process_behind(how):
     # supervisor: ending the supervisor (SIGTERM, passed on; SIGKILL, which it cannot see) ends both.
     import signal
 
-    script = ("import os, sys; from privfl.engines.flower.launch import supervise_supernode; "
+    script = ("import os, sys; from privfl.engines.flower.supervisor import supervise_supernode; "
               f"sys.exit(supervise_supernode({_SLEEP!r}, dict(os.environ), rejoin_s=0, worker={_SLEEP!r}))")
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
@@ -906,7 +1024,7 @@ def test_a_supernode_in_process_isolation_leaves_no_process_behind(how):
         parent.wait(timeout=60)
         assert _gone(children), [(pid, _state(pid)) for pid in children]
     finally:
-        launch.end_processes([parent])
+        supervisor.end_processes([parent])
 
 
 def test_a_clientapp_process_that_exits_is_started_again_and_one_that_keeps_exiting_stops_the_supernode(tmp_path,
@@ -914,7 +1032,7 @@ def test_a_clientapp_process_that_exits_is_started_again_and_one_that_keeps_exit
     marker = tmp_path / "starts"
     worker = [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(marker)!r}); "
                                     "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); raise SystemExit(5)"]
-    assert launch.supervise_supernode(_SLEEP, dict(os.environ), rejoin_s=60, worker=worker, worker_restarts=2) == 1
+    assert supervisor.supervise_supernode(_SLEEP, dict(os.environ), rejoin_s=60, worker=worker, worker_restarts=2) == 1
     assert marker.read_text() == "xxx"                  # the first start and 2 restarts, then the SuperNode stopped
     err = capsys.readouterr().err
     assert err.count("the ClientApp process exited with status 5; starting it again") == 2
@@ -975,7 +1093,7 @@ def test_a_deployment_run_that_does_not_complete_exits_non_zero_with_the_server_
     (tmp_path / "taken" / "config.json").write_text(json.dumps(config.to_dict()))
     certs = launch.generate_certificates(tmp_path / "certs", nodes=1)
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
-    address = f"127.0.0.1:{launch.free_port()}"
+    address = f"127.0.0.1:{supervisor.free_port()}"
     log = open(tmp_path / "flower.log", "w")
     processes: list[subprocess.Popen] = []
     try:
@@ -991,7 +1109,7 @@ def test_a_deployment_run_that_does_not_complete_exits_non_zero_with_the_server_
             processes.append(runs[name])
         ended = {name: (run.communicate(timeout=400), run.returncode) for name, run in runs.items()}
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
     for name, ((stdout, stderr), code) in ended.items():
         assert code == 1, (name, stdout, stderr, _flower_log(tmp_path))
@@ -1001,6 +1119,64 @@ def test_a_deployment_run_that_does_not_complete_exits_non_zero_with_the_server_
     assert "clients the run needs have no connected node after 1 s (node-wait-s): clients [0] (partitions [0] of " \
            "2)" in ended["nodeless"][0][1]
     assert not (tmp_path / "nodeless" / "summary.json").exists()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process clean-up reads /proc")
+def test_a_real_superlink_refuses_unknown_nodes_at_once_and_keeps_registrations_across_a_restart(tmp_path):
+    # One SuperLink on its database in the certs directory: a SuperNode whose key is not registered, and one that
+    # trusts another CA, are refused in one line each without retrying (--rejoin-s would allow 5 minutes); the
+    # SuperLink restarted on its database knows node 0 already, and registering it again is harmless, as documented.
+    certs = launch.generate_certificates(tmp_path / "certs", nodes=2)
+    foreign = tmp_path / "foreign"           # another CA's root, with node 0's own key
+    launch.generate_certificates(foreign, nodes=0)
+    for name in ("node-0.key", "node-0.pub"):
+        (foreign / name).write_bytes((certs / name).read_bytes())
+    env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
+    address = f"127.0.0.1:{supervisor.free_port()}"
+    log = open(tmp_path / "flower.log", "w")
+    processes: list[subprocess.Popen] = []
+
+    def superlink():
+        processes.append(subprocess.Popen(LAUNCH + ["superlink", "--certs", str(certs), "--address", address],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+        return processes[-1]
+
+    def refused(directory, node):
+        return subprocess.run(LAUNCH + ["supernode", "--certs", str(directory), "--superlink", address, "--node",
+                                        str(node), "--partition-id", "0", "--num-partitions", "1", "--node-dir",
+                                        str(tmp_path / f"node-{node}"), "--port", str(supervisor.free_port()),
+                                        "--rejoin-s", "300"],
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    def register(*nodes):
+        return subprocess.run(LAUNCH + ["register", "--certs", str(certs), "--superlink", address,
+                                        *map(str, nodes)], env=env, capture_output=True, text=True, timeout=300)
+
+    try:
+        first = superlink()
+        done = register(0)
+        assert done.returncode == 0 and f"registered node 0 ({certs / 'node-0.pub'})" in done.stdout, done
+        unknown = refused(certs, 1)
+        assert unknown.returncode == 2 and "starting it again" not in unknown.stderr, unknown.stderr
+        assert unknown.stderr.splitlines()[-1] == (
+            f"privfl flower: error: the SuperLink at {address} does not know node 1's public key "
+            f"{certs / 'node-1.pub'} (Flower: [code: 2004] Failed to activate SuperNode.): register it first: "
+            f"privfl flower register --certs {certs} --superlink {address} 1")
+        stranger = refused(foreign, 0)
+        assert stranger.returncode == 2 and "starting it again" not in stranger.stderr, stranger.stderr
+        last = stranger.stderr.splitlines()[-1]
+        assert last.startswith(f"privfl flower: error: the SuperLink at {address} presented a TLS certificate that "
+                               f"{foreign / 'ca.crt'} does not verify (Flower: [SSL: CERTIFICATE_VERIFY_FAILED]"), last
+        supervisor.end_processes([first])
+        superlink()
+        again = register(0, 1)
+        assert again.returncode == 0, again
+        assert again.stdout.splitlines() == [f"node 0 ({certs / 'node-0.pub'}) is registered already",
+                                             f"registered node 1 ({certs / 'node-1.pub'})"]
+    finally:
+        supervisor.end_processes(processes)
+        log.close()
 
 
 def _readme_session(name):
@@ -1017,7 +1193,7 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
     # in-process template run, `privfl flower run --stream`. Only the ports change (free ones), and `privfl` is this
     # checkout's. The deployment run (TLS, node authentication) must give the template's numbers.
     session = _readme_session("On loopback, one training and one novel client")
-    ports = {"9093": launch.free_port(), "9100": launch.free_port(), "9101": launch.free_port()}
+    ports = {"9093": supervisor.free_port(), "9100": supervisor.free_port(), "9101": supervisor.free_port()}
     for old, new in ports.items():
         assert old in session
         session = session.replace(old, str(new))
@@ -1036,12 +1212,19 @@ def test_the_readme_loopback_session_runs_as_written_and_gives_the_in_process_nu
                                           stderr=subprocess.STDOUT))
         code = processes[0].wait(timeout=800)
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
     output = (tmp_path / "flower.log").read_text()
     assert code == 0, output[-3000:]
     assert "registered node 0" in output and "registered node 1" in output
     assert "completed; results in runs/deployed" in output
+    # its table: epsilons with their relation, trust model and source (the run's ledger, not its summary)
+    lines = output.splitlines()
+    header = [i for i, line in enumerate(lines) if line.startswith("method ")][-1]   # after the template's own
+    row, header = lines[header + 2].split(), lines[header]
+    assert header.split()[header.split().index("relation"):][:4] == ["relation", "trust", "eps", "from"]
+    assert row[0] == "fedavg" and "not private" in " ".join(row) and "releases.jsonl + ledger.json (recomputed)" in \
+        " ".join(row)
     assert "privfl: round 1 of 1 done in" in output           # --stream shows the rounds
     got = RunDirectory(tmp_path / "runs" / "deployed").read_json("summary.json")
     expected = RunDirectory(tmp_path / "runs" / "template").read_json("summary.json")
@@ -1077,7 +1260,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     certs = launch.generate_certificates(tmp_path / "certs", nodes=2)
     env = {**launch.flower_env(certs), "OMP_NUM_THREADS": "1", "FLWR_HOME": str(tmp_path / "flwr-home")}
-    address = f"127.0.0.1:{launch.free_port()}"
+    address = f"127.0.0.1:{supervisor.free_port()}"
     log = open(tmp_path / "flower.log", "w")
     processes: list[subprocess.Popen] = []
     out = tmp_path / "run"
@@ -1086,7 +1269,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
         processes.append(subprocess.Popen(
             LAUNCH + ["supernode", "--certs", str(certs), "--superlink", address, "--node", str(node),
                       "--partition-id", str(node), "--num-partitions", "2",
-                      "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(launch.free_port())],
+                      "--node-dir", str(tmp_path / f"node-{node}"), "--port", str(supervisor.free_port())],
             env=env, stdout=log, stderr=subprocess.STDOUT))
         return processes[-1]
 
@@ -1103,7 +1286,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
                               env=env, capture_output=True, timeout=180).returncode == 0
         supernode(0)
         doomed = supernode(1)
-        failing = flower_run("--config", str(tmp_path / "config.json"), "--out", str(out))
+        failing = flower_run("--config", str(tmp_path / "config.json"), "--out", str(out), "--stream")
         ledger = tmp_path / "node-1" / f"ledger-client-{second}.json"
         deadline = time.monotonic() + 600
         # a release of node 1 recorded, and one reply journaled by the server: on a loaded machine node 0's reply
@@ -1111,12 +1294,16 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
         while not (ledger.exists() and (out / "releases.jsonl").exists()):
             assert time.monotonic() < deadline and failing.poll() is None, _flower_log(tmp_path)
             time.sleep(0.2)
-        for pid in [doomed.pid] + launch.descendants(doomed.pid):
+        for pid in [doomed.pid] + supervisor.descendants(doomed.pid):
             os.kill(pid, signal.SIGKILL)
         stdout, stderr = failing.communicate(timeout=600)
         assert failing.returncode == 1, stdout + stderr + _flower_log(tmp_path)
         assert "did not complete (finished:failed)" in stderr
-        assert f"(clients [{second}])" in stderr and f"(clients [{first}])" not in stderr, stderr
+        # the node named as it was started, in one line; the ServerApp's log (--stream) says it without a traceback
+        assert f"SuperNode --node 1 (partition 1, clients [{second}]) failed in 'train'" in stderr, stderr
+        assert f"(partition 0, clients [{first}])" not in stderr, stderr
+        assert f"ServerApp stopped: SuperNode --node 1 (partition 1, clients [{second}])" in stdout, stdout[-3000:]
+        assert "Traceback" not in stdout, stdout[-3000:]
         assert f"continue the run with: privfl flower run --certs {certs} --superlink {address} --resume {out} " \
             in stderr, stderr                                # the command that continues it, not privfl train's
         assert (out / "ledger.json").exists() and (out / "releases.jsonl").exists()
@@ -1125,7 +1312,7 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
         stdout, stderr = resumed.communicate(timeout=900)
         assert resumed.returncode == 0, stdout + stderr + _flower_log(tmp_path)
     finally:
-        launch.end_processes(processes)
+        supervisor.end_processes(processes)
         log.close()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -1137,7 +1324,8 @@ def test_a_killed_supernode_is_named_rejoins_and_the_resumed_run_gives_the_unint
     for key in ("training_val", "selected_round", "rounds_completed"):     # the novel client is not in this run
         assert got[key] == expected[key], key
     assert got["flower"]["novel_not_served"] == [c.client_id for c in federation.novel_clients]
-    assert RunDirectory(out).read_metrics() == RunDirectory(tmp_path / "inprocess").read_metrics()
+    assert without_timing(RunDirectory(out).read_metrics()) == \
+        without_timing(RunDirectory(tmp_path / "inprocess").read_metrics())
     # one run id across both attempts; the repeated round's release stays recorded (as an in-process resume keeps it)
     run_id = got["flower"]["lifetime"]["run_id"]
     assert _run_ids(out) == {run_id} and got["flower"]["lifetime"]["earlier_runs"] == []

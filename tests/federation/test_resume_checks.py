@@ -120,3 +120,24 @@ def test_checks_that_would_refuse_a_run_after_releases_refuse_it_before_the_firs
     # the disk must take the round-0 checkpoint, written before the first release
     summary = train(tiny_config(), str(out), progress=False)
     assert summary["rounds_completed"] == 4 and RunDirectory(out).occupant() == "a run"
+
+
+def test_a_resume_on_a_full_disk_is_refused_before_it_releases_anything(tmp_path, tiny_config, monkeypatch):
+    # The in-process engine's resume path (the Flower engine's: tests/federation/test_flower.py): the disk cannot take
+    # the next checkpoint beside the one the attempt writes first, so the attempt stops before round 3 is run again.
+    import shutil
+
+    from privfl.errors import StorageError
+
+    out = str(tmp_path / "run")
+    journal = _stopped_between_checkpoints(tiny_config(), out)
+    before = journal.path.read_bytes()
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=4096))
+    with pytest.raises(StorageError, match=rf"the disk holding {tmp_path / 'run'} has 0.0 MiB free, but each "
+                                           r"checkpoint of this run .* this attempt released nothing"):
+        train(None, out, resume=True, progress=False)
+    assert journal.path.read_bytes() == before               # nothing released by the refused attempt
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    resumed = train(None, out, resume=True, progress=False)
+    assert resumed["rounds_completed"] == 4

@@ -176,3 +176,101 @@ def test_an_edited_summary_is_caught_by_report_and_the_recorded_figure_is_shown(
     assert any("states epsilon 0.01" in w for w in report["warnings"])
     assert main(["report", str(run)]) == 0
     assert "states epsilon 0.01" in capsys.readouterr().err
+
+
+def test_ledger_recomputes_a_flower_runs_lifetime_column_from_its_node_ledgers(runs, tmp_path, capsys):
+    # A Flower run saves the node ledgers it was reported (node-ledgers.json: every run's records on each client's
+    # node); `privfl ledger` recomputes the lifetime column from them at --delta, never copying summary.json's.
+    import shutil
+
+    from accounting import PrivacyLedger
+    from accounting.ledger import ReleaseRecord
+    from privfl.evaluation.report import format_epsilon
+    from privfl.federation.spend import read_lifetime
+
+    run = tmp_path / "finished"
+    shutil.copytree(runs / "finished", run)
+    this_run = LedgerBook.load(run / "ledger.json")
+    lifetime = LedgerBook()
+    for cid in this_run:
+        ledger = PrivacyLedger(cid)
+        for tag in ("earlier", "this"):            # each release made once in an earlier run, once in this one
+            for record in this_run[cid].records:
+                ledger._append_history(ReleaseRecord.from_dict(
+                    {**record.to_dict(), "metadata": {**record.metadata, "run": tag}}))
+        lifetime.add(ledger)
+    lifetime.save(run / "node-ledgers.json")
+    summary = json.loads((run / "summary.json").read_text())
+    client = str(next(iter(this_run)))
+    understated = {str(cid): 0.5 for cid in this_run}
+    understated[client] = 1e6                      # one figure above what the ledgers give: reported, with a warning
+    summary["flower"] = {"lifetime": {"run_id": "this", "delta": 1e-5, "epsilon_per_client": understated}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    expected = lifetime.epsilons(1e-5)
+    assert all(expected[cid] > this_run.epsilons(1e-5)[cid] > 0.5 for cid in this_run)
+    found, source, warnings = read_lifetime(run, 1e-5)
+    assert source == "node-ledgers.json (recomputed)" and found["earlier_runs"] == ["earlier"]
+    assert found["epsilon_per_client"] == {**{str(c): pytest.approx(e) for c, e in expected.items()}, client: 1e6}
+    assert len(warnings) == len(this_run) and f"client {client}: summary.json states lifetime epsilon 1e+06" in \
+        "\n".join(warnings)
+    assert main(["ledger", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "lifetime: every release of the client on its node, this run's and earlier runs' (earlier); from " \
+           "node-ledgers.json (recomputed)" in captured.out
+    rows = {line.split()[0]: line.split() for line in captured.out.splitlines() if line.split()[:1] in
+            [[str(c)] for c in this_run]}
+    other = next(str(c) for c in this_run if str(c) != client)
+    assert float(rows[other][3]) == pytest.approx(expected[int(other)], rel=1e-2)
+    assert rows[client][3] == format_epsilon(1e6)
+    # at another delta: recomputed there (the summary holds only the run's delta, so nothing to compare)
+    assert main(["ledger", str(run), "--delta", "1e-3"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == [other])
+    assert float(row[3]) == pytest.approx(lifetime.epsilons(1e-3)[int(other)], rel=1e-2)
+    # a run written before node ledgers were kept: the summary's figures, and the source says so
+    (run / "node-ledgers.json").unlink()
+    assert read_lifetime(run, 1e-5)[1] == "summary.json (not recomputed: the run saved no node-ledgers.json), at " \
+                                          "delta=1e-05"
+
+
+def _table_row(table, first):
+    """The header and the row starting with ``first`` of a fixed-width table, as {column: cell}."""
+    import re
+
+    lines = table.splitlines()
+    header = re.split(r"\s{2,}", lines[0].strip())
+    row = next(re.split(r"\s{2,}", line.strip()) for line in lines[2:] if line.startswith(first))
+    return dict(zip(header, row, strict=False))
+
+
+def test_report_and_ledger_show_each_epsilon_with_its_relation_trust_model_and_ledger_source(runs, tmp_path,
+                                                                                            capsys):
+    import shutil
+
+    from privfl.evaluation.report import format_epsilon
+
+    run = tmp_path / "finished"
+    shutil.copytree(runs / "finished", run)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["privacy"]["epsilon_max_training"] = 0.001          # a summary edited after the run: not what is shown
+    (run / "summary.json").write_text(json.dumps(summary))
+    spent = max(read_spend(run).epsilons().values())
+    assert main(["report", str(run)]) == 0
+    row = _table_row(capsys.readouterr().out, "fedavg")
+    assert row["eps train"] == format_epsilon(spent) != format_epsilon(0.001)
+    assert (row["relation"], row["trust"], row["eps from"]) == (
+        "add_or_remove_one", "untrusted server", "releases.jsonl + ledger.json (recomputed)")
+    # an unfinished run: recomputed from its journal and checkpoint
+    assert main(["report", str(runs / "unfinished")]) == 0
+    row = _table_row(capsys.readouterr().out, "fedavg")
+    assert (row["relation"], row["trust"], row["eps from"]) == (
+        "add_or_remove_one", "untrusted server", "releases.jsonl + checkpoint.pt (recomputed)")
+    # privfl ledger: per client, the relation and whom the epsilon holds against; the files it recomputed from
+    assert main(["ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "recomputed from releases.jsonl, ledger.json" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("client "))
+    first = str(next(iter(read_spend(run).book))).rjust(6)
+    client = _table_row("\n".join([lines[header], "-", *lines[header + 1:]]), first)
+    assert (client["relation"], client["trust"]) == ("add_or_remove_one", "untrusted server")

@@ -232,3 +232,19 @@ def _equal(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     return a == b
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_central_evaluation_scores_the_server_model_or_is_refused_with_the_registration_s_reason(method, tmp_path):
+    reason = METHODS[method].central_eval
+    if reason is not None:
+        assert isinstance(reason, str) and reason
+        with pytest.raises(ConfigError, match=re.escape(f"method {method!r} has no server model to evaluate "
+                                                        f"centrally: {reason}")):
+            smoke_config(method, None, central_eval=True)
+        return
+    train(smoke_config(method, None, rounds=1, central_eval=True), str(tmp_path / "run"), progress=False)
+    line = RunDirectory(tmp_path / "run").read_metrics()[-1]
+    federation = build_federation(smoke_config(method, None).federation, seed=5)
+    assert line["central_num_samples"] == sum(len(novel.x) for novel in federation.novel_clients)
+    assert 0.0 <= line["central_accuracy"] <= 100.0 and math.isfinite(line["central_loss"])

@@ -136,6 +136,8 @@ class Node:
             part = _partition(self.config, partition, self.num_partitions, directory)
             client = NodeClient(partition, part, directory)
             self.clients[client.client_id] = client
+        if part is None:
+            raise PublicConfigError("the node config names no partition for this node to hold")
         if text not in _PROCEDURES:
             _PROCEDURES[text] = _procedure(self.config, part["input_shape"], part["num_classes"],
                                            part["num_training"])
@@ -151,6 +153,33 @@ class Node:
             raise PublicConfigError(f"a message for client {client_id} arrived at the node holding partitions "
                                     f"{_span(self.partitions)} (clients {sorted(self.clients)})")
         return self.clients[client_id]
+
+
+def node_disk(clients: list[NodeClient]) -> dict[str, Any]:
+    """What the server checks before a round (:func:`privfl.engines.flower.nodes.check_disk`): whether each directory
+    that keeps these clients' ledgers and states takes a new file (one is made and removed), the free bytes of the
+    fullest, and the bytes those files take now (each is written whole beside the one it replaces). Configuration
+    and sizes only: nothing of a client's data."""
+    import os
+    import shutil
+    import tempfile
+
+    disk: dict[str, Any] = {"writable": True, "free": None, "held": 0, "directory": "", "error": ""}
+    for directory in sorted({c.directory for c in clients}):
+        try:
+            descriptor, probe = tempfile.mkstemp(dir=directory, prefix=".privfl-probe-")
+            os.close(descriptor)
+            os.unlink(probe)
+            free = shutil.disk_usage(directory).free
+        except OSError as error:
+            return {**disk, "writable": False, "directory": str(directory), "error": error.strerror or str(error)}
+        if disk["free"] is None or free < disk["free"]:
+            disk["free"], disk["directory"] = free, str(directory)
+    for client in clients:
+        for path in (client.ledger_path, client.state_path):
+            if path.exists():
+                disk["held"] += path.stat().st_size
+    return disk
 
 
 def _span(partitions: list[int]) -> str:
@@ -208,6 +237,7 @@ def _partition(config, partition: int, count: int, directory: Path) -> dict[str,
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         atomic_write_bytes(path, buffer.getvalue())
+    data: TrainingClient | NovelClient
     if saved["role"] == "training":
         data = TrainingClient(client_id=int(saved["client_id"]), x_train=saved["x_train"], y_train=saved["y_train"],
                               x_val=saved["x_val"], y_val=saved["y_val"])
@@ -344,7 +374,8 @@ def _run_config(context: Context, defaults: Mapping[str, Any] | None) -> dict[st
 
 
 def _node_dir(context: Context, run_config: Mapping[str, Any]) -> str | None:
-    return context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+    directory = context.node_config.get(p.NODE_DIR) or run_config.get(p.NODES_ROOT) or None
+    return None if directory is None else str(directory)
 
 
 def _protocol(message: FlowerMessage, context: Context, defaults: Mapping[str, Any] | None) -> FlowerMessage:
@@ -363,6 +394,10 @@ def _protocol(message: FlowerMessage, context: Context, defaults: Mapping[str, A
         reply_header = {"kind": p.TELEMETRY, "holds": [c.client_id for c in clients],
                         "roles": [c.role for c in clients], "partitions": [c.partition for c in clients],
                         "num_partitions": node.num_partitions, "config": json.dumps(node.config.to_dict())}
+        reply_header["disk"] = json.dumps(node_disk(clients))        # a ConfigRecord holds no dict
+        index = context.node_config.get(p.NODE_INDEX)
+        if isinstance(index, int) and not isinstance(index, bool):
+            reply_header["node"] = index            # its --node, for the server's messages about it
         return FlowerMessage(pack({}, reply_header), reply_to=message)
     if op not in _OPERATIONS:
         raise PublicConfigError(f"unknown privfl operation {op!r}; valid: {', '.join(p.MESSAGE_TYPES)}")

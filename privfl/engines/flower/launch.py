@@ -37,11 +37,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from privfl.engines.flower import protocol as p
 from privfl.engines.flower import supernode
+from privfl.engines.flower.supervisor import (
+    PUBLIC_KEY_ALREADY_IN_USE,
+    Refusal,
+    flower_code,
+    flower_message,
+    quietly,
+    refusal_of,
+    supervise_supernode,
+)
 from privfl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flwr.supercore.control import ControlHttpClient
 
 APP_DIR = Path(__file__).resolve().parent / "app"
 CONNECTION = "privfl"
@@ -127,7 +139,7 @@ def generate_certificates(directory: str | os.PathLike, *, hosts: tuple[str, ...
                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
                .sign(ca_key, hashes.SHA256()))
     server_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    names = []
+    names: list[x509.GeneralName] = []
     for host in hosts:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -263,7 +275,7 @@ def supernode_command(certs: Path, superlink: str, *, node: int, num_partitions:
                           f"{partition_range!r}")
     held = f"{p.PARTITION_ID}={partition_id}" if partition_id is not None else \
         f'{p.PARTITION_RANGE}="{partition_range}"'
-    config = f'{held} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}"'
+    config = f'{held} {p.NUM_PARTITIONS}={num_partitions} {p.NODE_DIR}="{node_dir}" {p.NODE_INDEX}={node}'
     p.node_partitions(_parse_node_config(config))        # refuse a bad range here, not in the ClientApp
     require_files(certs / CA_CERT, node_key(certs, node))
     _tool("flower-supernode")                             # Flower is installed here
@@ -288,11 +300,13 @@ def _parse_node_config(text: str) -> dict:
 
 def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
                 timeout_s: float = p.DEFAULT_TIMEOUT_S, node_wait_s: float = 120,
-                serve_from: str | None = None, serve_clients: str = "", resume: bool = False) -> list[str]:
+                serve_from: str | None = None, serve_clients: str = "", resume: bool = False,
+                verbose: bool = False) -> list[str]:
     """``flwr run`` of the privfl app: train the RunConfig in ``config_path``, or, with ``serve_from`` (a finished
     training run directory on the SuperLink's machine), serve its novel clients (``serve_clients``: ids, "" = all;
     the RunConfig defaults to ``serve_from/config.json``), or, with ``resume``, continue the run in ``out`` from its
-    last checkpoint (the RunConfig defaults to ``out/config.json``)."""
+    last checkpoint (the RunConfig defaults to ``out/config.json``). ``verbose``: a run stopped by a node's failure
+    or a refused setting logs its traceback, not only its one-line reason."""
     from privfl.config import RunConfig
 
     if resume and (serve_from is not None or overwrite):
@@ -318,7 +332,8 @@ def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
     text = json.dumps(config).replace("'", "\\u0027")    # one TOML literal string
     settings = [f"{p.RUN_CONFIG}='{text}'", f'{p.OUT}="{Path(out).resolve()}"',
                 f"{p.OVERWRITE}={'true' if overwrite else 'false'}", f"{p.TIMEOUT}={float(timeout_s)}",
-                f"{p.NODE_WAIT}={float(node_wait_s)}", f"{p.RESUME}={'true' if resume else 'false'}"]
+                f"{p.NODE_WAIT}={float(node_wait_s)}", f"{p.RESUME}={'true' if resume else 'false'}",
+                f"{p.VERBOSE}={'true' if verbose else 'false'}"]
     if serve_from is not None:
         settings += [f'{p.SERVE_FROM}="{Path(serve_from).resolve()}"', f'{p.SERVE_CLIENTS}="{serve_clients}"']
     command = [_tool("flwr"), "run", str(APP_DIR), CONNECTION]
@@ -328,21 +343,11 @@ def run_command(config_path: str | None, out: str, *, overwrite: bool = False,
 
 
 
-def _flower_message(text: str) -> str:
-    """The message of a Flower CLI's output (its error box, or its last line), on one line."""
-    lines = [line.strip(" \t│╭╮╰╯─") for line in text.splitlines()]
-    lines = [line.strip() for line in lines if line.strip() and not line.strip().startswith("Using SuperLink")]
-    for line in lines:
-        if "code:" in line or "rror" in line:
-            return line
-    return lines[-1] if lines else "no output"
-
-
 def register_nodes(env: dict[str, str], certs: Path, superlink: str, indices: list[int], *,
                    wait_s: float = 60.0) -> None:
     """``flwr supernode register`` of the public keys of nodes ``indices``, once the SuperLink listens (at most
     ``wait_s`` seconds, retrying a refused registration meanwhile). A key the SuperLink already knows (a SuperLink
-    restarted on its database) counts as registered."""
+    restarted on its database; Flower's code 23) counts as registered."""
     keys = [node_key(certs, index).with_suffix(".pub") for index in indices]
     require_files(certs / CA_CERT, *keys)
     write_connection(env, superlink, certs)
@@ -352,16 +357,16 @@ def register_nodes(env: dict[str, str], certs: Path, superlink: str, indices: li
         while True:
             done = subprocess.run([_tool("flwr"), "supernode", "register", str(key), CONNECTION], env=env,
                                   capture_output=True, text=True)
-            message = _flower_message(done.stdout + done.stderr)
+            output = done.stdout + done.stderr
             if done.returncode == 0:
                 print(f"registered node {index} ({key})")
                 break
-            if "already in use" in message:
+            if flower_code(output) == PUBLIC_KEY_ALREADY_IN_USE:
                 print(f"node {index} ({key}) is registered already")
                 break
             if time.monotonic() > deadline:
                 raise ConfigError(f"the SuperLink at {superlink} refused to register node {index} ({key}) for "
-                                  f"{wait_s:g} s (--wait-s): {message}")
+                                  f"{wait_s:g} s (--wait-s): {flower_message(output)}")
             time.sleep(1.0)
 
 
@@ -378,7 +383,7 @@ def run_id_of(output: str) -> int:
         payload = json.loads(output)
         return int(payload["run-id"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        raise ConfigError(f"flwr run did not start a run: {_flower_message(output)}") from None
+        raise ConfigError(f"flwr run did not start a run: {flower_message(output)}") from None
 
 
 class RunWatcher:
@@ -387,25 +392,13 @@ class RunWatcher:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
-        self._client = None
+        self._client: ControlHttpClient | None = None
 
-    def _connect(self):
-        import contextlib
-        import io
-
+    def _connect(self) -> ControlHttpClient:
         from flwr.cli.flower_config import read_superlink_connection
         from flwr.cli.utils import init_http_client_from_connection
 
-        previous = os.environ.get("FLWR_HOME")
-        os.environ["FLWR_HOME"] = self.env["FLWR_HOME"]
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                return init_http_client_from_connection(read_superlink_connection(CONNECTION))
-        finally:
-            if previous is None:
-                os.environ.pop("FLWR_HOME", None)
-            else:
-                os.environ["FLWR_HOME"] = previous
+        return quietly(self.env, lambda: init_http_client_from_connection(read_superlink_connection(CONNECTION)))
 
     def status(self, run_id: int) -> tuple[str, str]:
         """The status of Flower run ``run_id`` (``running``, ``finished:completed``, ``finished:failed``, ...) and
@@ -457,7 +450,7 @@ def run_and_wait(command: list[str], env: dict[str, str], *, out: str, stream: b
     printed), 130 on Ctrl-C (the run goes on)."""
     started = subprocess.run(command + ["--format", "json"], env=env, capture_output=True, text=True)
     if started.returncode != 0:
-        print(f"privfl flower: error: flwr run failed: {_flower_message(started.stdout + started.stderr)}",
+        print(f"privfl flower: error: flwr run failed: {flower_message(started.stdout + started.stderr)}",
               file=sys.stderr)
         return started.returncode or 1
     run_id = run_id_of(started.stdout)
@@ -493,177 +486,6 @@ def _resumable(out: Path) -> bool:
 
     run = RunDirectory(out)
     return run.path(RunDirectory.CHECKPOINT).is_file() and not run.path(RunDirectory.SUMMARY).exists()
-
-
-def supervise_supernode(command: list[str], env: dict[str, str], *, rejoin_s: float, retry_s: float = 5.0,
-                        worker: list[str] | None = None, worker_restarts: int = 3) -> int:
-    """Run the SuperNode ``command`` and start it again when it exits with an error within ``rejoin_s`` seconds of
-    the first start: a node restarted after it died is refused while the SuperLink still counts its previous
-    connection as online (until about two missed 30 s heartbeats), and Flower's SuperNode then exits. Returns the
-    SuperNode's exit status.
-
-    ``worker`` (a SuperNode in process isolation): the command of its long-lived ClientApp process
-    (:func:`worker_command`), started beside each start of the SuperNode and stopped when the SuperNode exits; a
-    ClientApp process that exits while its SuperNode runs is started again, and after ``worker_restarts`` such exits
-    within a minute the SuperNode is stopped and the status is 1.
-
-    No process is left behind: SIGTERM and SIGINT are passed on to the SuperNode and its ClientApp process, and this
-    process waits for both; on Linux both are killed when this process dies any other way (SIGKILL included), and
-    the ClientApp process ends when this process id goes away elsewhere too."""
-    import signal
-
-    started = time.monotonic()
-    state: dict[str, Any] = {"children": [], "stopping": False}
-
-    def forward(signum: int, frame: Any) -> None:
-        state["stopping"] = True
-        for child in state["children"]:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return _supervise(command, env, state, started=started, rejoin_s=rejoin_s, retry_s=retry_s, worker=worker,
-                          worker_restarts=worker_restarts)
-    finally:
-        for child in state["children"]:
-            _stop_child(child)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _die_with_parent() -> None:
-    """In a child before it runs: SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``). A supervisor that is
-    killed leaves a node that was killed too: the SuperNode does not sign off from the SuperLink as on SIGTERM, and
-    the run sees a dead node, as it would had the whole node been killed."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)       # 1 = PR_SET_PDEATHSIG
-
-
-def _start_child(command: list[str], env: dict[str, str], state: dict[str, Any]) -> subprocess.Popen:
-    child = subprocess.Popen(command, env=env,
-                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    state["children"] = [c for c in state["children"] if c.poll() is None] + [child]
-    return child
-
-
-def _stop_child(child: subprocess.Popen, wait_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after ``wait_s`` seconds; reaped either way."""
-    if child.poll() is None:
-        child.terminate()
-        try:
-            child.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-
-
-def _supervise(command: list[str], env: dict[str, str], state: dict[str, Any], *, started: float, rejoin_s: float,
-               retry_s: float, worker: list[str] | None, worker_restarts: int) -> int:
-    attempt = 0
-    while True:
-        attempt += 1
-        node = _start_child(command, env, state)
-        code = node.wait() if worker is None else _watch(node, worker, env, state, worker_restarts)
-        if state["stopping"] or code == 0:
-            return code
-        if state.get("worker_failed"):
-            return 1
-        if time.monotonic() - started > rejoin_s:
-            print(f"privfl flower: error: the SuperNode exited with status {code} (attempt {attempt}); stopped "
-                  f"retrying after {rejoin_s:g} s (--rejoin-s)", file=sys.stderr, flush=True)
-            return code
-        print(f"privfl flower: the SuperNode exited with status {code}; the SuperLink may still count this node's "
-              f"previous connection as online (it lets go about 60 s after the node died): starting it again in "
-              f"{retry_s:g} s", file=sys.stderr, flush=True)
-        time.sleep(retry_s)
-        if state["stopping"]:
-            return code
-
-
-def _watch(node: subprocess.Popen, worker: list[str], env: dict[str, str], state: dict[str, Any],
-           restarts: int) -> int:
-    """Run the ClientApp process beside the SuperNode ``node`` until the SuperNode exits; return its status."""
-    helper = _start_child(worker, env, state)
-    exits: list[float] = []
-    try:
-        while True:
-            try:
-                return node.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                pass
-            code = helper.poll()
-            if code is None or state["stopping"]:
-                continue
-            now = time.monotonic()
-            exits = [t for t in exits if now - t < 60] + [now]
-            if len(exits) > restarts:
-                print(f"privfl flower: error: the ClientApp process exited with status {code}, {len(exits)} times "
-                      "within a minute; stopping the SuperNode", file=sys.stderr, flush=True)
-                state["worker_failed"] = True
-                _stop_child(node)
-                return node.wait()
-            print(f"privfl flower: the ClientApp process exited with status {code}; starting it again",
-                  file=sys.stderr, flush=True)
-            helper = _start_child(worker, env, state)
-    finally:
-        _stop_child(helper)
-
-
-# -- local sessions: what a test or benchmark needs to start a deployment on one machine and end it ------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS's choice)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """Process ids below ``pid`` (Flower's SuperExec, ServerApp and ClientApp processes), read from ``/proc``
-    (empty where there is no ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    if not proc.exists():
-        return []
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def end_processes(processes: list[subprocess.Popen]) -> None:
-    """End every process started here, and everything it started, by process id (terminate, then kill after 10 s;
-    the descendants are listed before their parent ends, so none is orphaned and missed)."""
-    import signal
-
-    for process in processes:
-        below = descendants(process.pid)
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        for pid in below:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -744,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--serve-clients", default=None,
                    help="with --serve-from: novel client ids, e.g. 9,10 (default: all of them)")
     f.add_argument("--stream", action="store_true", help="show the run's log (one line per round) until it ends")
+    f.add_argument("--verbose", action="store_true",
+                   help="a run stopped by a node's failure or a refused setting logs its traceback too, not only the "
+                        "one line that names the node (--node I and its partitions) or the setting")
     f.add_argument("--wait-s", type=float, default=60.0, help="wait this long for the SuperLink to listen, in seconds")
     return show_defaults(parser)
 
@@ -776,7 +601,11 @@ def _main(argv: list[str] | None = None) -> int:
                                     isolation=args.isolation, poll_s=args.poll_s)
         wait_for_superlink(args.superlink, args.wait_s)
         worker = worker_command("127.0.0.1", port, os.getpid()) if args.isolation == "process" else None
-        return supervise_supernode(command, env, rejoin_s=args.rejoin_s, worker=worker)
+
+        def explain(code: int, output: str) -> Refusal:
+            return refusal_of(code, output, env=env, certs=certs, superlink=args.superlink, node=args.node)
+
+        return supervise_supernode(command, env, rejoin_s=args.rejoin_s, worker=worker, explain=explain)
     elif args.command == "register":
         register_nodes(env, certs, args.superlink, args.nodes, wait_s=args.wait_s)
         return 0
@@ -790,8 +619,15 @@ def _main(argv: list[str] | None = None) -> int:
         out = args.out or args.resume
         command = run_command(args.config, out, overwrite=args.overwrite, timeout_s=args.timeout_s,
                               node_wait_s=args.node_wait_s, serve_from=args.serve_from,
-                              serve_clients=args.serve_clients or "", resume=args.resume is not None)
+                              serve_clients=args.serve_clients or "", resume=args.resume is not None,
+                              verbose=args.verbose)
         code = run_and_wait(command, env, out=out, stream=args.stream)
+        if code == 0 and args.serve_from is None and (Path(out) / "summary.json").is_file():
+            from privfl.evaluation import comparison_table
+            from privfl.federation.spend import run_summary
+
+            # the run's table, its epsilons recomputed from its ledger, when its directory is on this machine
+            print(comparison_table([run_summary(out)]))
         if code == 1 and args.serve_from is None and _resumable(Path(out)):
             from privfl.federation.runtime import how_to_continue
 

@@ -21,7 +21,7 @@ from typing import Any
 from privfl.config import RunConfig
 from privfl.engines.flower.records import pack, unpack
 from privfl.engines.flower.transport import FlowerClientError, GridTransport, ids_text
-from privfl.errors import ConfigError
+from privfl.errors import ConfigError, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def connect(transport: GridTransport, config: RunConfig, *, training_ids: list[i
                 declared[nid] = int(header["num_partitions"])
                 for cid, partition in zip(header["holds"], header["partitions"], strict=True):
                     if cid in directory.nodes:
-                        raise ConfigError(f"client {cid} is held by node {directory.nodes[cid]} and by node {nid}; "
-                                          "give every SuperNode its own partitions")
+                        raise ConfigError(f"client {cid} is held by {transport.who([directory.nodes[cid]])} and by "
+                                          f"{transport.who([nid])}; give every SuperNode its own partitions")
                     directory.nodes[int(cid)], partitions[int(cid)] = nid, int(partition)
                 directory.node_clients[nid] = sorted(int(c) for c in header["holds"])
             counts = sorted(set(declared.values()))
@@ -117,14 +117,43 @@ def _hello(transport: GridTransport, config: RunConfig, node_ids: list[int]) -> 
     headers = {}
     for nid, content in replies.items():
         header, _ = unpack(content)
+        transport.node_partitions[nid] = sorted(int(part) for part in header["partitions"])
+        if isinstance(header.get("node"), int):
+            transport.node_index[nid] = int(header["node"])
         theirs = RunConfig.from_dict(json.loads(header["config"])).to_dict()
         if theirs != ours:
-            raise ConfigError(f"Flower node {nid} runs with a different privfl-config than the server "
+            raise ConfigError(f"{transport.who([nid])} runs with a different privfl-config than the server "
                               f"({differences(ours, theirs)}); start every node of a run with the same run config")
         headers[nid] = header
         transport.node_clients[nid] = sorted(int(c) for c in header["holds"])
         transport.node_of.update({int(c): nid for c in header["holds"]})
+        check_disk(transport.who([nid]), json.loads(header["disk"]) if header.get("disk") else None)
     return headers
+
+
+#: Room a node needs beyond what its clients' ledgers and states take now, for a round's new records.
+DISK_MARGIN = 2**20
+
+
+def check_disk(who: str, disk: Mapping[str, Any] | None) -> None:
+    """Refuse, before any round, a node whose directory cannot take its clients' next ledgers and states
+    (:func:`privfl.engines.flower.client_app.node_disk`): not writable, or with less free than those files take now
+    plus :data:`DISK_MARGIN` (each is written whole beside the one it replaces). A node that stopped mid-round for want
+    of space would have refused its own release, but the other nodes' releases of that round would be made again on
+    resume. ``disk`` None: a node that does not report it."""
+    if not disk:
+        return
+    where = disk.get("directory") or "its node directory"
+    if not disk.get("writable", True):
+        raise StorageError(f"{who} cannot write its node directory {where} ({disk.get('error')}): make it "
+                           "writable (or restart the node with another --node-dir holding its files), then start "
+                           "the run again (or resume it); this attempt released nothing")
+    free, need = int(disk.get("free") or 0), int(disk.get("held") or 0) + DISK_MARGIN
+    if free < need:
+        raise StorageError(f"{who} has {free / 2**20:.1f} MiB free in its node directory {where}, but its clients' "
+                           f"ledgers and states take {int(disk.get('held') or 0) / 2**20:.1f} MiB and each is "
+                           f"written whole beside the one it replaces (it needs {need / 2**20:.1f} MiB): free space "
+                           "there, then start the run again (or resume it); this attempt released nothing")
 
 
 def differences(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> str:

@@ -1,35 +1,13 @@
 """What the privfl ServerApp and ClientApp agree on: operations, message types, run-config keys, options.
 
 Every Flower message carries the privfl :class:`~privfl.federation.messages.Message` of each client the node holds,
-plus a small header (a ``ConfigRecord`` under ``"privfl"``, see :mod:`privfl.engines.flower.records`) that names
-the operation:
+plus a header (a ``ConfigRecord`` under ``"privfl"``, :mod:`privfl.engines.flower.records`) naming the operation:
+``hello``, ``train``, ``train_stage``, ``evaluate``, ``novel_request``, ``novel_model`` or ``ledger``. Every reply
+that carries a release was recorded and saved in the node's ledger before it left the node. Entry points:
+:class:`FlowerOptions`, :func:`auto_clients_per_node`, :func:`simulated_nodes`, :func:`node_partitions`.
 
-============== ======================= ===========================================================================
-operation      Flower message type     what the node does
-============== ======================= ===========================================================================
-hello          ``query.hello``         says which clients it holds (ids and roles, from the node config; no data)
-                                       and the run config it runs with
-train          ``train``               stage 0 of a round: ``ClientProcedure.train``; the release goes up
-train_stage    ``train.stage``         stage s >= 1: ``ClientProcedure.train_stage``; the release goes up
-evaluate       ``evaluate``            scores ``evaluation_model`` on its validation split
-novel_request  ``query.novel_request`` a novel node's ``novel_query`` (a release, or nothing)
-novel_model    ``query.novel_model``   a novel node builds its model with ``novel_model`` and scores it
-ledger         ``query.ledger``        a client's privacy ledger (what it recorded; the node keeps the original)
-============== ======================= ===========================================================================
-
-Every reply that carries a release was recorded in the node's ledger, and the ledger saved on the node, before the
-reply left the node. Replies that carry no release are labelled ``telemetry`` (the experimenter's scores, which the
-in-process runtime reads directly without a release) or ``nothing``.
-
-What reaches the server outside the ledger: the telemetry scores and the ledgers themselves (:data:`OUTSIDE_LEDGER`).
-In-process they stay with the experimenter; on Flower they cross to the server process, and the epsilons do not cover
-them. The run summary counts them (``flower.outside_ledger``), so a reader sees that the server was trusted with them;
-a deployment whose server is an adversary must not send them. A node error reaches the server as who failed and in
-which operation; its text stays on the node unless it is data-free (:func:`privfl.engines.flower.client_app.handle`).
-
-A node may hold several clients (node config ``partition-range``): the server then sends it one Flower message per
-exchange that packs the messages of all its clients (:func:`~privfl.engines.flower.records.pack`), and the node
-answers with one message that packs their replies.
+The operations table, what reaches the server outside the ledger, and nodes holding several clients:
+docs/federation.md, "The Flower protocol".
 """
 
 from __future__ import annotations
@@ -43,6 +21,7 @@ from typing import Any
 import torch
 
 from privfl.errors import ConfigError, PublicConfigError
+from privfl.federation import spend
 
 # operations -> Flower message types
 MESSAGE_TYPES = {
@@ -58,7 +37,7 @@ MESSAGE_TYPES = {
 #: The header key (and node ledger record metadata key) of the privfl run a message belongs to: the server names
 #: its run in every message, and the node writes it into every record it makes, so a client's ledger (its lifetime,
 #: across runs) tells each run's releases apart. A resumed run keeps its run id.
-RUN_KEY = "run"
+RUN_KEY = spend.RUN_KEY
 
 # reply kinds
 RELEASE, NOTHING, TELEMETRY = "release", "nothing", "telemetry"
@@ -87,12 +66,14 @@ SERVE_FROM = "serve-from"            # a finished training run directory: serve 
 SERVE_CLIENTS = "serve-clients"      # with serve-from: the novel client ids to serve ("" = every novel client)
 CLIENTS_PER_NODE = "clients-per-node"  # simulation: virtual node i holds partitions i*k .. i*k+k-1 (default 1)
 NUM_CLIENTS = "num-clients"          # with clients-per-node > 1: the number of partitions in all
+VERBOSE = "verbose"                  # a ServerApp stopped by an operator's error logs its traceback too
 
 # node-config keys (``flower-supernode --node-config``)
 PARTITION_ID = "partition-id"
 PARTITION_RANGE = "partition-range"  # "FIRST-LAST" (inclusive): the node holds several partitions (no partition-id)
 NUM_PARTITIONS = "num-partitions"
 NODE_DIR = "privfl-dir"              # where the node keeps its clients' ledgers and states
+NODE_INDEX = "privfl-node"           # the node's key pair index (``privfl flower supernode --node I``), for messages
 
 #: Default limit for one exchange's replies: long enough for a node that trains many clients on a CPU, short enough
 #: that a dead node ends the run with an error instead of hanging it.

@@ -1,26 +1,15 @@
 """privfl messages <-> Flower records, written once for both directions.
 
-A :class:`~privfl.federation.messages.Message` already has Flower's shape, so a message becomes a ``RecordDict``
-with three records (``"arrays"``: :class:`flwr.app.ArrayRecord`, ``"metrics"``: :class:`flwr.app.MetricRecord`,
-``"config"``: :class:`flwr.app.ConfigRecord`) plus one ``ConfigRecord`` under ``"privfl"``: the protocol header (which
-operation, round, stage, ...) that the runtime needs and the method never sees. Tensors keep their dtype and shape
-(``ArrayRecord`` stores them as numpy arrays); metrics keep int or float; config values must be ``int``, ``float``,
-``str``, ``bool`` or ``bytes`` (or lists of one of those).
+A :class:`~privfl.federation.messages.Message` becomes a ``RecordDict`` of ``"arrays"``, ``"metrics"`` and
+``"config"`` records plus the protocol header under ``"privfl"`` (:func:`to_records`, :func:`from_records`); tensors
+keep their dtype and shape. :func:`pack` and :func:`unpack` carry the messages of a node's several clients in one
+Flower message, their tensors in one byte array. Details: docs/federation.md, "Flower records".
 
 >>> import torch
 >>> message = Message(arrays={"w": torch.ones(2, dtype=torch.float64)}, metrics={"loss": 0.5}, config={"lr": 0.1})
 >>> back, header = from_records(to_records(message, {"op": "train"}))
 >>> back.arrays["w"].dtype, back.metrics, back.config, header
 (torch.float64, {'loss': 0.5}, {'lr': 0.1}, {'op': 'train'})
-
-A node that holds several clients gets one Flower message per exchange: :func:`pack` puts each client's message under
-prefixed keys (``m<k>.metrics``, ``m<k>.config`` for the ``k``-th distinct message, ``h<id>`` for a client's own
-header), storing a message that several clients receive (FedAvg's global model) once; :func:`unpack` gives each client
-its own copy. The tensors of all the messages travel as one byte array (``blob``, each tensor's name, dtype, shape and
-place in it in the header): Flower moves every array of a message as objects of its own, one request each on every
-hop (ClientApp, SuperNode, SuperLink, ServerApp), so a node's reply of 50 model updates of 6 tensors each would be
-600 such objects; as one array it is a few chunks of at most 5 MB.
-
 >>> packed = pack({3: (message, {}), 5: (message, {"send_ledger": True})}, {"op": "train"})
 >>> header, items = unpack(packed)
 >>> header, sorted(items), items[5][1], torch.equal(items[3][0].arrays["w"], items[5][0].arrays["w"])
@@ -56,6 +45,18 @@ def record_to_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return dict(record.to_torch_state_dict()) if len(record) else {}
 
 
+def _arrays(records: RecordDict, key: str) -> ArrayRecord:
+    record = records[key]
+    if not isinstance(record, ArrayRecord):
+        raise PublicConfigError(f"a message's record {key!r} is a {type(record).__name__}, not an ArrayRecord")
+    return record
+
+
+def _entries(records: RecordDict, key: str) -> dict[str, Any]:
+    """A metric or config record's entries, as :func:`to_records` or :func:`pack` wrote them from a message."""
+    return dict(records[key])
+
+
 def _check_config(values: Mapping[str, Any], what: str) -> dict[str, Any]:
     for key, value in values.items():
         ok = isinstance(value, _CONFIG_SCALARS) or (
@@ -79,10 +80,10 @@ def to_records(message: Message, header: Mapping[str, Any] | None = None) -> Rec
 
 def from_records(records: RecordDict) -> tuple[Message, dict[str, Any]]:
     """The privfl message and the runtime header carried by ``records`` (missing records read as empty)."""
-    arrays = record_to_tensors(records[ARRAYS]) if ARRAYS in records else {}
-    metrics = dict(records[METRICS]) if METRICS in records else {}
-    config = dict(records[CONFIG]) if CONFIG in records else {}
-    header = dict(records[HEADER]) if HEADER in records else {}
+    arrays = record_to_tensors(_arrays(records, ARRAYS)) if ARRAYS in records else {}
+    metrics = _entries(records, METRICS) if METRICS in records else {}
+    config = _entries(records, CONFIG) if CONFIG in records else {}
+    header = _entries(records, HEADER) if HEADER in records else {}
     return Message(arrays=arrays, metrics=metrics, config=config), header
 
 
@@ -158,7 +159,7 @@ def _unflatten(records: RecordDict, header: dict[str, Any]) -> dict[int, dict[st
     entries = json.loads(header.pop(TENSORS, "[]"))
     if not entries:
         return {}
-    blob = torch.from_numpy(records[BLOB][BLOB].numpy())
+    blob = torch.from_numpy(_arrays(records, BLOB)[BLOB].numpy())
     arrays: dict[int, dict[str, torch.Tensor]] = {}
     offset = 0
     for k, name, dtype, shape in entries:
@@ -178,7 +179,7 @@ def _unflatten(records: RecordDict, header: dict[str, Any]) -> dict[int, dict[st
 def unpack(records: RecordDict) -> tuple[dict[str, Any], dict[int, tuple[Message, dict[str, Any]]]]:
     """The common header and, per client id, its own copy of its message and its own header (inverse of
     :func:`pack`)."""
-    header = dict(records[HEADER]) if HEADER in records else {}
+    header = _entries(records, HEADER) if HEADER in records else {}
     clients, message_of = header.pop(CLIENTS, []), header.pop(MESSAGE_OF, [])
     if len(clients) != len(message_of):
         raise PublicConfigError(f"a packed message lists {len(clients)} clients but {len(message_of)} message indices")
@@ -191,8 +192,8 @@ def unpack(records: RecordDict) -> tuple[dict[str, Any], dict[int, tuple[Message
             prefix = f"m{k}."
             if prefix + METRICS not in records:
                 raise PublicConfigError(f"a packed message names message {k} for client {cid} but does not carry it")
-            decoded[k] = Message(arrays=arrays.get(k, {}), metrics=dict(records[prefix + METRICS]),
-                                 config=dict(records[prefix + CONFIG]))
+            decoded[k] = Message(arrays=arrays.get(k, {}), metrics=_entries(records, prefix + METRICS),
+                                 config=_entries(records, prefix + CONFIG))
         message = decoded[k].copy() if k in used else decoded[k]     # each client gets its own tensors
         used.add(k)
         items[int(cid)] = (message, dict(records[f"h{cid}"]) if f"h{cid}" in records else {})

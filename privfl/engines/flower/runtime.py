@@ -29,7 +29,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
-from accounting import LedgerBook, PrivacyLedger, ReleaseJournal, ReleaseRecord
+from accounting import ClientId, LedgerBook, PrivacyLedger, ReleaseJournal, ReleaseRecord
 from privfl.config import RunConfig
 from privfl.engines.flower import protocol as p
 from privfl.engines.flower.nodes import connect
@@ -37,6 +37,7 @@ from privfl.engines.flower.transport import FlowerClientError, GridTransport
 from privfl.errors import ConfigError, InternalError
 from privfl.federation.messages import Message
 from privfl.federation.runtime import ReleaseSum, RoundRelease, Runtime, Score, SecureSum, how_to_continue
+from privfl.federation.spend import lifetime_of
 from privfl.metrics import ClientScore
 
 logger = logging.getLogger(__name__)
@@ -255,33 +256,30 @@ class FlowerRuntime(Runtime):
         self._lifetime = lifetime
         return book
 
-    def _with_server_records(self, cid: int, ledger: PrivacyLedger | None) -> PrivacyLedger | None:
+    def _with_server_records(self, cid: ClientId, ledger: PrivacyLedger | None) -> PrivacyLedger | None:
         if cid in self._server_book:
             ledger = ledger or PrivacyLedger(cid)
             for record in self._server_book[cid].records:
                 ledger._append_history(record)
         return ledger
 
-    def lifetime(self, delta: float) -> dict[str, Any]:
-        """Each client's lifetime epsilon at ``delta`` (every run its node ledger holds, with this run's server
-        records) and the earlier runs it includes, from the ledgers the nodes reported last (:meth:`ledgers`)."""
+    def lifetime_ledgers(self) -> LedgerBook:
+        """Each client's ledger over its lifetime: every record its node ledger held when last reported
+        (:meth:`ledgers`), every run's, with this run's server records."""
         book = LedgerBook()
-        runs: dict[int, list[str]] = {}
         for cid in sorted(set(self._lifetime) | set(self._server_book)):
-            reported = self._lifetime[cid].records if cid in self._lifetime else []
             ledger = PrivacyLedger(cid)
-            for record in reported:
+            for record in self._lifetime[cid].records if cid in self._lifetime else []:
                 ledger._append_history(record)
-            book.add(self._with_server_records(cid, ledger))
-            others = {str(r.metadata.get(p.RUN_KEY) or "untagged") for r in reported} - {self.run_id}
-            if others and self.run_id:
-                runs[cid] = sorted(others)
-        epsilons = book.epsilons(delta)
-        everyone = sorted(set(self.nodes) | set(epsilons))
-        return {"run_id": self.run_id, "delta": delta,
-                "epsilon_per_client": {str(cid): float(epsilons.get(cid, 0.0)) for cid in everyone},
-                "earlier_runs": sorted({run for found in runs.values() for run in found}),
-                "earlier_runs_per_client": {str(cid): found for cid, found in sorted(runs.items())}}
+            merged = self._with_server_records(cid, ledger)
+            assert merged is not None   # given a ledger, it returns one
+            book.add(merged)
+        return book
+
+    def lifetime(self, delta: float) -> dict[str, Any]:
+        """Each client's lifetime epsilon at ``delta`` (:meth:`lifetime_ledgers`) and the earlier runs it includes
+        (:func:`lifetime_of`)."""
+        return lifetime_of(self.lifetime_ledgers(), self.run_id, delta, clients=list(self.nodes))
 
     @property
     def bytes_up(self) -> Mapping[int, int]:
@@ -374,3 +372,4 @@ def _score(message: Message) -> ClientScore:
     correct = float(m["correct"])       # fractional for an ensemble (expected correct predictions)
     return ClientScore(num_samples=int(m["num_samples"]), correct=int(correct) if correct.is_integer() else correct,
                        loss_sum=float(m["loss_sum"]))
+

@@ -1,55 +1,14 @@
 """Distributed DP's round sum on Flower, under Flower's SecAgg+ (Bell et al. 2020).
 
-In distributed mode (:mod:`privfl.privacy.training`) each sampled training client clips its release to C and adds a
-share N(0, sigma_s^2), sigma_s = sigma / sqrt(M), of the round's noise; every client's ledger records the event of
-the round's sum, GaussianEvent(sigma, 2 C), which holds for an observer of that sum only. On Flower the sum is taken
-under SecAgg+ with Flower's own code: the server runs :class:`flwr.server.workflow.SecAggPlusWorkflow` through its
-four stages (setup: each node's public keys; share keys: encrypted Shamir shares of each node's mask seed and
-secret key, forwarded by the server; collect masked vectors: privfl's train exchange itself; unmask: the shares that
-remove the masks from the sum), and each node answers them with :func:`flwr.client.mod.secaggplus_mod`, whose
-masked-vector stage runs the privfl train exchange for the node's clients (each release recorded in its client's
-ledger before anything leaves the node) and masks the sum of their releases (:func:`node_stage`). The workflow runs
-on privfl's transport (:class:`_Grid`); its legacy-strategy side is a receiver of the sum (:class:`_Receiver`).
+In distributed mode each sampled training client clips its release to C and adds a share of the round's noise;
+every client's ledger records the event of the round's sum, which holds for an observer of that sum only. On Flower
+the sum is taken under SecAgg+ with Flower's own code (:class:`flwr.server.workflow.SecAggPlusWorkflow` on the
+server, :func:`flwr.client.mod.secaggplus_mod` on each node); :func:`node_stage` runs the privfl train exchange for a
+node's clients and masks the sum of their releases. :class:`SecAggPlus` holds the protocol's parameters
+(:func:`quantization_sigmas`, :func:`clipping_range`, :func:`count_cap`).
 
-What the server learns: the sum of each round's releases (from which the Aggregator takes the mean), the number of
-values quantization clipped (summed securely as well), which nodes took part, their public keys, ciphertexts it
-cannot read, and, beside each masked vector, the ledger record of each release it sums (purpose, round, privacy
-event: what an unmasked reply carries too), which the server appends to the run's release journal as the reply
-arrives, so a run that fails later still accounts for every release whose vector reached it. No single release,
-unless it colludes with the nodes holding ``reconstruction_threshold`` shares of a node's secrets. A node that
-holds several clients adds their releases itself before masking (it holds their data already); the server sees a
-masked vector per node.
-
-Dropouts. SecAgg+ tolerates nodes that drop after sharing their keys: it reconstructs their masks, and the sum then
-lacks their releases. A sum short of a share carries less noise than its calibration (the ledgers record the event
-of the full sum), so privfl refuses it: a node that fails, or does not answer within ``timeout_s``, in any stage
-stops the run with :class:`~privfl.engines.flower.transport.FlowerClientError` naming it; the round's sum is never
-computed or used, and the releases already made stay in their ledgers. Flower's workflow never sees a dropout.
-
-Quantization. SecAgg+ adds integers modulo 2^32: each node clips every value to [-R, R] (the clipping range) and maps
-it to [0, T] (T = 2^22, the quantization range) with unbiased stochastic rounding, in Flower's
-:func:`~flwr.common.secure_aggregation.quantization.quantize`. privfl sets R from the release: a node's sum of m
-releases has every coordinate within m C before its noise (an L2 clip bounds each coordinate), and noise
-N(0, m sigma_s^2); R = m C + k sqrt(m) sigma_s, so a value is clipped only where its noise passes k of its standard
-deviations, with probability 2 Phi(-k) per value. k is the least number for which the whole run stays within the
-bound below (:func:`quantization_sigmas`; about 7 to 14 in practice).
-
-Why the accounting holds. A node's quantized vector is a function of its own noised releases and of randomness
-independent of the data: post-processing, so a release alone keeps what its share buys
-(:func:`privfl.privacy.training.share_epsilon`). The ledgers account for the Gaussian sum S = sum_i y_i, but the
-server sees sum_i Q(y_i). (1) Clipping. Outside the event E that some value is clipped, the view equals S up to
-rounding; P(E) <= p, p = (values a run quantizes) 2 Phi(-k), whatever the data. A view within total variation p of an
-(epsilon, delta)-DP one is (epsilon, delta + (1 + e^epsilon) p)-DP, and k is chosen so that (1 + e^epsilon) p <=
-delta / 1000, epsilon being what each release is calibrated for: the ledgers' delta understates the truth by at most
-a thousandth of itself (the summary's ``clip_probability_bound`` is p). A round's metrics say how many values were
-clipped (``quantization_clipped``: 0 unless E happened). (2) Rounding. Each value moves by less than one step 2R / T
-(< 5e-7 R), without bias, in a pattern that depends on the value below that precision; the accounting does not model
-it, as it does not model floating-point arithmetic in any mode (Mironov 2012). The rigorous remedy, discrete Gaussian
-shares added after quantization (Kairouz et al. 2021), is not implemented.
-
-Precision. The sum the server gets differs from the float64 sum of the releases by less than one step 2R / T per node
-and coordinate (plus float64 rounding), so the mean the Aggregator steps from differs from the in-process one by less
-than (nodes / clients) 2R / T per coordinate.
+What the server learns, dropouts, quantization, why the accounting holds and the precision of the sum (cited below
+as "the module docstring"): docs/privacy.md, "Distributed DP on Flower: SecAgg+".
 """
 
 from __future__ import annotations
@@ -182,8 +141,9 @@ class SecAggPlus:
                              modulus_range=MODULUS_RANGE, timeout=None)
         state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: round}),
                             MAIN_PARAMS_RECORD: ArrayRecord()})
-        workflow(grid, LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}),
-                                     strategy=receiver))
+        # _Grid and _Receiver stand in for the Grid and Strategy classes Flower names, with the methods it calls
+        workflow(grid, LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}),  # type: ignore[arg-type]
+                                     strategy=receiver))  # type: ignore[arg-type]
         if receiver.mean is None or receiver.results != nodes:
             raise FlowerClientError(f"SecAgg+ stopped in round {round} without the sum of all {nodes} nodes (it "
                                     f"summed {receiver.results}): a node's keys or shares were missing (see Flower's "

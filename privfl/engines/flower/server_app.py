@@ -8,6 +8,7 @@ above this package, by the engine (:mod:`privfl.engines.choice`): train a run wi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,7 +31,7 @@ ServerMain = Callable[[Grid, Mapping[str, Any]], dict[str, Any]]
 
 def options_from_run_config(run_config: Mapping[str, Any]) -> p.FlowerOptions:
     """The waiting limits a run config sets (``timeout-s`` > 0, ``node-wait-s`` >= 0; unset: the defaults)."""
-    values = {}
+    values: dict[str, Any] = {}   # FlowerOptions' float fields by name
     for key, name in ((p.TIMEOUT, "timeout_s"), (p.NODE_WAIT, "node_wait_s")):
         raw = run_config.get(key)
         if raw in (None, ""):
@@ -134,16 +135,54 @@ def serve_novel_clients(grid: Grid, train_dir: str | Path, out: str | Path, *, c
     return summary
 
 
+class OneLineErrors(logging.Filter):
+    """On Flower's logger: the record of a ServerApp stopped by an error an operator acts on (a node failed or did
+    not answer, a setting or file refused, a budget reached: :data:`OPERATOR_ERRORS`) keeps its message and drops
+    its traceback (Flower logs one of about 35 lines), unless ``verbose`` (``privfl flower run --verbose``). A fault
+    inside privfl or Flower keeps its traceback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verbose = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and not self.verbose and isinstance(error, operator_errors()):
+            record.msg, record.args = "ServerApp stopped: %s (its traceback: privfl flower run --verbose)", (error,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def operator_errors() -> tuple[type[BaseException], ...]:
+    """The errors whose message says all an operator needs: privfl's user errors, a node's failure, a refused
+    release."""
+    from accounting import BudgetExceededError
+    from privfl.engines.flower.transport import FlowerClientError
+    from privfl.errors import PrivflError
+
+    return (PrivflError, FlowerClientError, BudgetExceededError)
+
+
+_ONE_LINE = OneLineErrors()
+
+
 def make_server_app(main: ServerMain, run_config: Mapping[str, Any] | None = None, *,
                     result: dict[str, Any] | None = None) -> ServerApp:
     """A ServerApp that runs ``main(grid, values)``, ``values`` being ``run_config`` updated with the run config
     Flower gives it; the summary ``main`` returns, or the exception it raises, goes to ``result["summary"]`` /
-    ``result["error"]`` when ``result`` is given (the simulation re-raises it outside Flower's thread)."""
+    ``result["error"]`` when ``result`` is given (the simulation re-raises it outside Flower's thread). Without
+    ``result`` the exception reaches Flower, which logs it: in one line (:class:`OneLineErrors`) unless the run
+    config sets ``verbose``."""
+    from flwr.common.logger import FLOWER_LOGGER
+
     app = ServerApp()
 
     @app.main()
     def run(grid: Grid, context: Context) -> None:
         values = {**(run_config or {}), **{k: v for k, v in context.run_config.items() if v not in ("", None)}}
+        _ONE_LINE.verbose = bool(values.get(p.VERBOSE))
+        if _ONE_LINE not in FLOWER_LOGGER.filters:
+            FLOWER_LOGGER.addFilter(_ONE_LINE)
         try:
             summary = main(grid, values)
         except BaseException as error:

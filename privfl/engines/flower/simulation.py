@@ -102,6 +102,7 @@ def simulate(main: ServerMain, run_config: dict[str, Any], partitions: int, opti
 
     config = RunConfig.from_dict(json.loads(run_config[p.RUN_CONFIG]))
     options = options.for_clients(partitions, secure=config.privacy.mode == DISTRIBUTED)
+    assert options.clients_per_node is not None   # for_clients chose it
     run_config = {**run_config, p.THREADS: options.threads, **grouping(partitions, options)}
     result: dict[str, Any] = {}
     server_app = make_server_app(main, run_config, result=result)

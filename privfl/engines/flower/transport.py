@@ -44,16 +44,31 @@ class GridTransport:
         self.grid = grid
         self.options = options
         self.node_clients: dict[int, list[int]] = {}
+        self.node_partitions: dict[int, list[int]] = {}   # node id -> the partitions it holds
+        self.node_index: dict[int, int] = {}      # node id -> its key pair index (privfl flower supernode --node)
         self.node_of: dict[int, int] = {}          # client id -> node id
         self.run_id = ""                           # the privfl run every message names (protocol.RUN_KEY)
         self.on_reply: Callable[[int, RecordDict], None] | None = None   # each reply's content as it arrives
 
     def who(self, node_ids: list[int]) -> str:
-        """``node 3 (clients [4, 5])``, ...: the nodes and the clients they hold, for error messages."""
+        """``SuperNode --node 1 (partition 1, clients [5])``, ...: the nodes as their operator started them (or, for
+        a node started otherwise, a simulated one say, by the partitions it holds), for error messages. Flower's node
+        id names only a node that has not said hello."""
         parts = []
         for nid in node_ids:
-            held = self.node_clients.get(nid)
-            parts.append(f"node {nid}" + (f" (clients {ids_text(held)})" if held else ""))
+            held, partitions = self.node_clients.get(nid), self.node_partitions.get(nid)
+            where = ""
+            if partitions:
+                where = (f"partition {partitions[0]}" if len(partitions) == 1 else
+                         f"partitions {partitions[0]}-{partitions[-1]}")
+            clients = f"clients {ids_text(held)}" if held else ""
+            inside = ", ".join(part for part in (where, clients) if part)
+            if nid in self.node_index:
+                parts.append(f"SuperNode --node {self.node_index[nid]}" + (f" ({inside})" if inside else ""))
+            elif partitions:
+                parts.append(f"the node holding {inside}")
+            else:
+                parts.append(f"Flower node {nid}" + (f" ({inside})" if inside else ""))
         return ", ".join(parts)
 
     def exchange(self, contents: Mapping[int, RecordDict], op: str, group: str = "") -> dict[int, RecordDict]:
@@ -140,7 +155,7 @@ class GridTransport:
         for nid, content in self.exchange(self.pack(outgoing, op, header), op, group).items():
             _, items = unpack(content)
             if set(items) != set(asked[nid]):
-                raise FlowerClientError(f"node {nid} answered {op!r} for clients {ids_text(sorted(items))}, but was "
-                                        f"asked for clients {ids_text(sorted(asked[nid]))}")
+                raise FlowerClientError(f"{self.who([nid])} answered {op!r} for clients {ids_text(sorted(items))}, "
+                                        f"but was asked for clients {ids_text(sorted(asked[nid]))}")
             replies.update(items)
         return {cid: replies[cid] for cid in sorted(replies)}

@@ -1,30 +1,16 @@
 """A long-lived ClientApp process for a SuperNode in Flower's process isolation mode.
 
-Flower 1.41's SuperNode, by default (``--isolation subprocess``), starts ``flower-superexec``, which starts a fresh
-``flwr-clientapp`` process for every message the node receives; that process imports Flower, torch and privfl (seconds)
-before any work, handles one message and exits. With ``--isolation process`` the SuperNode starts nothing: it keeps each
-message as a pending task on its Runtime API (``--host``/``--port``) for a process started apart to claim. Flower ships
-no long-lived ClientApp process (``flwr-clientapp`` takes one task's token and exits after it), so this module is one:
-:func:`serve` claims the node's ClientApp tasks one after another (``AcquireTask``, polled every ``poll_s``) and runs
-each in this process as ``flwr-clientapp`` would (pull the message and the node's context, load the ClientApp the
-run's App names, call it, push the reply and the context), keeping its imports, and the data and procedures
-:mod:`privfl.engines.flower.client_app` builds once per process, between messages.
-
-Privacy state stays on disk, as in a process per message. What this process keeps between messages is what a
-simulation's client process keeps between the virtual nodes it serves: each partition's data (built from the run's
-federation spec and seed, or read from the node directory's partition file) and the method's client procedure, which
-holds no client state. A client's ledger is not kept: :meth:`NodeClient.send
-<privfl.engines.flower.client_app.NodeClient.send>` loads it from the node directory before recording each
-release and saves it before the reply leaves, and a reply that carries a ledger reads it from disk too; a client's
-state (control variates, personal models) is loaded from and saved to its state file in every message. The SuperNode
-hands out one message at a time and this process runs one task at a time, so no two writers meet on a node
-directory, as before. A ledger changed on disk between two messages (restored, or appended by another tool) is the
-one the next release extends, so no spend recorded there is lost or under-recorded.
-
-Started by ``privfl flower supernode`` (:func:`privfl.engines.flower.launch.supervise_supernode`), which stops it
-with the SuperNode; it also ends when its parent process ends (``--parent-pid``).
+With ``--isolation process`` a Flower SuperNode keeps each message as a pending task for a process started apart to
+claim; Flower ships no long-lived ClientApp process, so this module is one: :func:`serve` claims the node's ClientApp
+tasks one after another and runs each in this process as ``flwr-clientapp`` would (:func:`run_task`), keeping its
+imports and what :mod:`privfl.engines.flower.client_app` builds once per process between messages. Started by
+``privfl flower supernode`` (:func:`privfl.engines.flower.launch.supervise_supernode`); :func:`main` is its command
+line::
 
     python -m privfl.engines.flower.worker --runtime-api-address 127.0.0.1:9100 [--parent-pid PID]
+
+Why privacy state stays on disk, and how the process is stopped: docs/federation.md, "The long-lived ClientApp
+worker".
 """
 
 from __future__ import annotations
