@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from accounting import faults
-from accounting.ledger import ClientId, LedgerBook, ReleaseRecord, _check_client_id
+from accounting.budget import ClientId
+from accounting.ledger import LedgerBook, ReleaseRecord, _check_client_id
 
 #: The hash a journal's first line carries in place of a previous line's.
 GENESIS = hashlib.sha256(b"privfl release journal").hexdigest()

@@ -255,6 +255,16 @@ def privfl_accountant(z: float, rounds: int) -> dict:
 
 # -- pfl's side (runs in pfl's venv: imports neither privfl nor the project's dp-accounting) ---------------------------
 
+def _client_arrays(data) -> dict:
+    """``{client id: (x, y)}`` of an exported federation (the clients' rows lie one after another)."""
+    import numpy as np
+
+    offsets = np.concatenate([[0], np.cumsum(data["sizes"])])
+    x, y = data["x"], data["y"]
+    return {cid: (x[offsets[i]:offsets[i + 1]], y[offsets[i]:offsets[i + 1]])
+            for i, cid in enumerate(data["client_ids"].tolist())}
+
+
 def run_pfl(workload: str, seed: int, rounds: int) -> dict:
     import numpy as np
     import torch
@@ -271,15 +281,12 @@ def run_pfl(workload: str, seed: int, rounds: int) -> dict:
     from pfl.model.pytorch import PyTorchModel
 
     data = np.load(WORK / f"data_seed{seed}.npz")
-    ids, sizes = data["client_ids"].tolist(), data["sizes"]
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    x, y = data["x"], data["y"]
-    users = {cid: (x[offsets[i]:offsets[i + 1]], y[offsets[i]:offsets[i + 1]]) for i, cid in enumerate(ids)}
+    users = _client_arrays(data)
 
     class TwoNN(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.fc1 = torch.nn.Linear(int(np.prod(x.shape[1:])), 200)
+            self.fc1 = torch.nn.Linear(int(np.prod(data["x"].shape[1:])), 200)
             self.fc2 = torch.nn.Linear(200, 200)
             self.fc3 = torch.nn.Linear(200, 10)
 
@@ -307,24 +314,13 @@ def run_pfl(workload: str, seed: int, rounds: int) -> dict:
     module.load_state_dict({k[2:]: torch.from_numpy(data[k]) for k in data.files if k.startswith("w_")})
     model = PyTorchModel(model=module, local_optimizer_create=torch.optim.SGD,
                          central_optimizer=torch.optim.SGD(module.parameters(), lr=SERVER_LR, momentum=MOMENTUM))
-    federated = FederatedDataset(lambda cid: Dataset(users[cid], user_id=cid), get_user_sampler("random", ids))
+    federated = FederatedDataset(lambda cid: Dataset(users[cid], user_id=cid), get_user_sampler("random", list(users)))
     cohort = int(round(FRACTION * CLIENTS))
     postprocessors = []
     result: dict = {}
     if WORKLOADS[workload]["private"]:
-        from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism, PLDPrivacyAccountant
-        from pfl.privacy.adaptive_clipping import AdaptiveClippingGaussianMechanism
-
-        accountant = PLDPrivacyAccountant(num_compositions=rounds, sampling_probability=cohort / CLIENTS,
-                                          mechanism="gaussian", epsilon=EPSILON, delta=DELTA)
-        mechanism = AdaptiveClippingGaussianMechanism(
-            make_gaussian_mechanism=lambda clip: GaussianMechanism.from_privacy_accountant(
-                accountant=accountant, clipping_bound=clip),
-            initial_clipping_bound=CLIP_INITIAL, clipping_indicator_noise_stddev=2 * COUNT_NOISE,
-            adaptive_clipping_norm_quantile=CLIP_QUANTILE, log_space_step_size=CLIP_LR)
-        assert isinstance(mechanism, CentrallyAppliedPrivacyMechanism)
+        mechanism, result["noise_multiplier"] = _pfl_central_dp(rounds, cohort)
         postprocessors.append(mechanism)
-        result.update(noise_multiplier=float(accountant.cohort_noise_parameter))
     backend = SimulatedBackend(training_data=federated, val_data=None, postprocessors=postprocessors)
     starts: list[tuple[float, float]] = []
 
@@ -349,6 +345,23 @@ def run_pfl(workload: str, seed: int, rounds: int) -> dict:
                    "total_wall_s": ended[1] - began[1], "accuracy": test_accuracy(weights, data["x_test"],
                                                                                   data["y_test"])})
     return result
+
+
+def _pfl_central_dp(rounds: int, cohort: int) -> tuple[object, float]:
+    """W2's mechanism in pfl: adaptive clipping around the Gaussian mechanism its PLD accountant calibrates; and the
+    noise multiplier it chose."""
+    from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism, PLDPrivacyAccountant
+    from pfl.privacy.adaptive_clipping import AdaptiveClippingGaussianMechanism
+
+    accountant = PLDPrivacyAccountant(num_compositions=rounds, sampling_probability=cohort / CLIENTS,
+                                      mechanism="gaussian", epsilon=EPSILON, delta=DELTA)
+    mechanism = AdaptiveClippingGaussianMechanism(
+        make_gaussian_mechanism=lambda clip: GaussianMechanism.from_privacy_accountant(
+            accountant=accountant, clipping_bound=clip),
+        initial_clipping_bound=CLIP_INITIAL, clipping_indicator_noise_stddev=2 * COUNT_NOISE,
+        adaptive_clipping_norm_quantile=CLIP_QUANTILE, log_space_step_size=CLIP_LR)
+    assert isinstance(mechanism, CentrallyAppliedPrivacyMechanism)
+    return mechanism, float(accountant.cohort_noise_parameter)
 
 
 def pfl_accountant(z: float, rounds: int) -> dict:
