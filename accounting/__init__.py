@@ -9,6 +9,7 @@ torch nor privfl (Opacus, and with it torch, is imported only when the "prv" acc
 - :mod:`accounting.accountants`: epsilon / delta of a composition by dp-accounting's PLD and RDP or Opacus' PRV.
 - :mod:`accounting.limits`: what they price (the noise floor, the target ceiling) and in how much memory
   (:mod:`accounting.pld`).
+- :mod:`accounting.budget`: budgets and the error a release over one raises.
 - :mod:`accounting.ledger`: per-client ledgers with budgets that refuse a release before it happens, saved atomically.
 - :mod:`accounting.journal`: the release journal, each release appended as it is recorded, lines hash-chained.
 """
@@ -24,6 +25,7 @@ from accounting.accountants import (
     epsilon,
     privacy_spent,
 )
+from accounting.budget import BudgetExceededError, ClientId, PrivacyBudget
 from accounting.calibration import analytic_gaussian_sigma, gaussian_delta, noise_multiplier_for_epsilon
 from accounting.events import (
     ComposedEvent,
@@ -38,14 +40,7 @@ from accounting.events import (
     event_from_dict,
 )
 from accounting.journal import JournalDamaged, JournalMismatch, JournalPosition, ReleaseJournal
-from accounting.ledger import (
-    BudgetExceededError,
-    ClientId,
-    LedgerBook,
-    PrivacyBudget,
-    PrivacyLedger,
-    ReleaseRecord,
-)
+from accounting.ledger import LedgerBook, PrivacyLedger, ReleaseRecord
 from accounting.limits import DELTA_FLOOR, EPSILON_CEILING, NOISE_MULTIPLIER_FLOOR
 from accounting.pld import PLD_VALUE_DISCRETIZATION_INTERVAL
 

@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
+from accounting import limits
 from accounting.events import (
     GaussianEvent,
     NonPrivateEvent,
@@ -170,8 +171,25 @@ def check_supported(event: PrivacyEvent, *, accountant: AccountantName = "pld") 
     A :class:`NonPrivateEvent` is supported by every accountant (its price is epsilon = inf); a release of noise
     multiplier below :data:`~accounting.limits.NOISE_MULTIPLIER_FLOOR` by none.
     """
-    leaves = _check_event(event).leaf_counts()
+    event = _check_event(event)
     accountant = _check_accountant(accountant)
+    try:
+        hash(event)
+    except TypeError:   # an event that cannot be remembered is checked each time
+        _check_supported(event, accountant)
+        return
+    _supported(event, accountant, limits.NOISE_MULTIPLIER_FLOOR)
+
+
+@functools.lru_cache(maxsize=1024)
+def _supported(event: PrivacyEvent, accountant: AccountantName, floor: float) -> None:
+    """:func:`_check_supported`, remembered per (event, accountant, noise floor) when it passes: every client of a
+    round records the same event, and the answer depends on nothing else."""
+    _check_supported(event, accountant)
+
+
+def _check_supported(event: PrivacyEvent, accountant: AccountantName) -> None:
+    leaves = event.leaf_counts()
     reason = below_floor(event)
     if reason is not None:
         raise UnsupportedAccountingError(f"the {accountant!r} accountant cannot price it: {reason}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from accounting.accountants import AccountantName, PrivacySpent, _check_accountant, check_supported, epsilon
+from accounting.budget import BudgetExceededError, ClientId, PrivacyBudget
 from accounting.events import (
     ComposedEvent,
     NeighboringRelation,
@@ -31,16 +32,6 @@ from accounting.events import (
 from accounting.files import atomic_write
 from accounting.validation import is_finite, is_int_at_least, is_real
 
-ClientId = int | str
-
-#: Relative slack with which an epsilon meets a budget (:meth:`PrivacyBudget.allows`). The accountant's epsilon is a
-#: numerical upper bound: pricing the analytic Gaussian mechanism calibrated exactly to (epsilon, delta) comes back
-#: above epsilon by up to 2.2e-9 relative at delta >= 1e-8 and 1.8e-7 at delta = 1e-10 (PLD accountant, epsilon 0.01
-#: to 32; client-level compositions of up to 200 releases: 2.2e-12). Without the slack a budget of exactly the
-#: calibrated epsilon refuses its own release. The excess it admits, 1e-6 * epsilon, moves the bound e^epsilon on the
-#: likelihood ratio by a factor e^(1e-6 epsilon), about 1 + 8e-6 at epsilon = 8.
-BUDGET_RTOL = 1e-6
-
 #: Who sees a release. ``"everyone"``: the server and whoever it passes things to (what every epsilon here is about).
 #: ``"trusted_aggregator"``: only the aggregator of central DP, which is trusted: the release never leaves it except
 #: through the aggregate, whose own event is recorded (in every client's ledger) as a release to everyone. Such a
@@ -51,9 +42,14 @@ AUDIENCES = ("everyone", "trusted_aggregator")
 _LEDGER_FORMAT = "privfl.accounting.ledger"
 _BOOK_FORMAT = "privfl.accounting.ledger_book"
 _STATE_VERSION = 1
+#: The book's state: 2 keeps each record as [kind, round, time] beside one table of kinds (version 1, every record in
+#: full, still loads).
+_BOOK_VERSION = 2
 
 
 def _check_client_id(client_id: object) -> ClientId:
+    if type(client_id) is int or type(client_id) is str:    # the usual case, without the numbers ABC's checks
+        return client_id
     if isinstance(client_id, str):
         return client_id
     if not isinstance(client_id, bool) and isinstance(client_id, numbers.Integral):
@@ -61,59 +57,17 @@ def _check_client_id(client_id: object) -> ClientId:
     raise ValueError(f"client_id must be an int or a str, got {client_id!r}")
 
 
-@dataclass(frozen=True)
-class PrivacyBudget:
-    """The most a client may spend: every composition of its releases must stay (epsilon, delta)-DP.
-
-    ``epsilon`` is natural-log, finite and > 0; ``delta`` a probability in (0, 1).
-    """
-
-    epsilon: float
-    delta: float
-
-    def __post_init__(self) -> None:
-        e = self.epsilon
-        if not is_finite(e) or e <= 0:
-            raise ValueError(f"budget epsilon must be a finite number > 0, got {e!r}")
-        d = self.delta
-        if not is_real(d) or not 0 < d < 1:
-            raise ValueError(f"budget delta must be a probability in (0, 1), got {d!r}")
-        object.__setattr__(self, "epsilon", float(e))
-        object.__setattr__(self, "delta", float(d))
-
-    def allows(self, epsilon: float) -> bool:
-        """Whether a composition priced at ``epsilon`` (at this budget's delta) stays within the budget, to the
-        accountant's numerical precision (:data:`BUDGET_RTOL`); infinity and nan never do."""
-        return epsilon <= self.epsilon * (1.0 + BUDGET_RTOL)
-
-    def to_dict(self) -> dict[str, float]:
-        return {"epsilon": self.epsilon, "delta": self.delta}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PrivacyBudget:
-        return cls(epsilon=d["epsilon"], delta=d["delta"])
-
-
-class BudgetExceededError(Exception):
-    """A release was refused because it would take its client over budget; nothing was recorded or sent."""
-
-    def __init__(self, client_id: ClientId, purpose: str, epsilon_before: float, epsilon_after: float,
-                 budget: PrivacyBudget, accountant: str) -> None:
-        super().__init__(client_id, purpose, epsilon_before, epsilon_after, budget, accountant)
-        self.client_id = client_id
-        self.purpose = purpose
-        self.epsilon_before = epsilon_before
-        self.epsilon_after = epsilon_after
-        self.budget = budget
-        self.accountant = accountant
-
-    def __str__(self) -> str:
-        return (
-            f"client {self.client_id!r}: release {self.purpose!r} would raise epsilon from "
-            f"{self.epsilon_before:.4f} to {self.epsilon_after:.4f} at delta={self.budget.delta:g} "
-            f"({self.accountant} accountant), over the budget epsilon={self.budget.epsilon:g}, "
-            f"delta={self.budget.delta:g}; nothing was recorded"
-        )
+def _flat_json(values: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A copy of ``values`` when it is its own JSON round trip (string keys; str, int, finite float, bool or None
+    values), so that the round trip can be skipped; ``None`` otherwise."""
+    if type(values) is not dict:
+        return None
+    for key, value in values.items():
+        kind = type(value)
+        if type(key) is not str or not (kind is str or kind is int or kind is bool or value is None
+                                         or (kind is float and math.isfinite(value))):
+            return None
+    return dict(values)
 
 
 @dataclass(frozen=True)
@@ -146,10 +100,12 @@ class ReleaseRecord:
             raise ValueError(f"metadata must be a dict, got {self.metadata!r}")
         if self.audience not in AUDIENCES:
             raise ValueError(f"audience must be one of {', '.join(map(repr, AUDIENCES))}, got {self.audience!r}")
-        try:
-            metadata = json.loads(json.dumps(dict(self.metadata), allow_nan=False))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"metadata of release {self.purpose!r} must be JSON-able: {exc}") from None
+        metadata = _flat_json(self.metadata)
+        if metadata is None:
+            try:
+                metadata = json.loads(json.dumps(dict(self.metadata), allow_nan=False))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"metadata of release {self.purpose!r} must be JSON-able: {exc}") from None
         object.__setattr__(self, "round", None if r is None else int(r))
         object.__setattr__(self, "time", float(t))
         object.__setattr__(self, "metadata", metadata)
@@ -427,6 +383,9 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         self._default_budget = default_budget
         self._accountant = _check_accountant(accountant)
         self._ledgers: dict[ClientId, PrivacyLedger] = {}
+        # compositions of releases to everyone priced within / over a budget (record_for prices few: _check_within)
+        self._approved: dict[tuple[PrivacyBudget, str], list[Counter[PrivacyEvent]]] = {}
+        self._refused: dict[tuple[PrivacyBudget, str], list[Counter[PrivacyEvent]]] = {}
 
     @property
     def default_budget(self) -> PrivacyBudget | None:
@@ -506,82 +465,146 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
 
     def record_for(self, client_ids: Sequence[ClientId], event: PrivacyEvent, *, purpose: str, round: int | None = None,
                    metadata: Mapping[str, Any] | None = None,
-                   calibrated_for: PrivacyBudget | None = None) -> ReleaseRecord:
+                   calibrated_for: PrivacyBudget | None = None, planned: int | None = None) -> ReleaseRecord:
         """Record one release made on behalf of every client of ``client_ids`` (central DP's noisy aggregate, which
         every training client's guarantee composes each round) in each of their ledgers, as one record object.
         Every ledger is checked before any records it, so a refusal records nothing for anyone (an event the book's
-        accountant cannot price, :func:`~accounting.check_supported`, included)."""
+        accountant cannot price, :func:`~accounting.check_supported`, included). ``planned``: how many times in all
+        such a release is planned (a run's rounds), which the check prices first (:meth:`_check_within`): a hint
+        of what to price, never a reason to allow."""
         release = ReleaseRecord(event=event, purpose=purpose, round=round, time=time.time(),
                                 metadata={} if metadata is None else dict(metadata))
         check_supported(event, accountant=self._accountant)
         checked: set[tuple[Any, ...]] = set()
         for client_id in client_ids:   # clients with the same public releases and budget have one answer: ask once
             ledger = self[client_id]
-            key = (tuple(sorted(ledger._leaves.items(), key=repr)), ledger._relation, ledger.budget)
+            key = (frozenset(ledger._leaves.items()), ledger._relation, ledger.budget)
             if key in checked:
                 continue
             budgets = [b for b in (calibrated_for, ledger.budget) if b is not None]
             ledger._check_event(event)
-            for budget in budgets:
-                after = ledger._projected_epsilon(event, budget.delta)
-                if not budget.allows(after):
-                    raise BudgetExceededError(client_id, purpose, ledger.spent(budget.delta).epsilon, after, budget,
-                                              ledger.accountant)
+            for budget in dict.fromkeys(budgets):
+                self._check_within(ledger, event, budget, client_id, purpose, planned=planned)
             checked.add(key)
+        relations: dict[Any, Any] = {}     # the relation after the event, by the ledger's relation before it
         for client_id in client_ids:
-            self[client_id]._append(release, self[client_id]._check_event(event))
+            ledger = self[client_id]
+            if ledger._relation not in relations:
+                relations[ledger._relation] = ledger._check_event(event)
+            ledger._append(release, relations[ledger._relation])
         return release
+
+    def _check_within(self, ledger: PrivacyLedger, event: PrivacyEvent, budget: PrivacyBudget, client_id: ClientId,
+                      purpose: str, *, planned: int | None = None) -> None:
+        """Raise :class:`BudgetExceededError` unless ``ledger``'s releases to everyone plus ``event`` stay within
+        ``budget``.
+
+        A composition is priced once for many rounds: adding releases never lowers epsilon, so a composition that
+        another one within the budget holds (each of its releases at most as often) is within it too. When the
+        projection is held by no composition priced so far, a larger one is priced first, the projection plus as many
+        copies of ``event`` again as it holds (fewer, halving, where that would hold a composition found over the
+        budget): within the budget, it approves this round and the rounds up to it; over it, the projection itself
+        is priced, as it always was. A run of R rounds of central DP prices about 2 log2 R compositions instead of
+        R, or one when it says it plans R (``planned``: the projection plus the copies of ``event`` still to come is
+        tried first); a refusal always comes from the projection's own epsilon."""
+        step = event.leaf_counts()
+        projected = ledger._leaves + step
+        approved = self._approved.setdefault((budget, ledger.accountant), [])
+        if any(_holds(bigger, projected) for bigger in approved):
+            return
+        refused = self._refused.setdefault((budget, ledger.accountant), [])
+        copies = min(projected[leaf] // n for leaf, n in step.items())
+        if planned is not None and planned > copies:
+            ahead = projected + Counter({leaf: n * (planned - copies) for leaf, n in step.items()})
+            if not any(_holds(ahead, over) for over in refused):
+                if budget.allows(ledger._epsilon_of(ahead, budget.delta)):
+                    _keep(approved, ahead)
+                    return
+                _keep(refused, ahead)
+        if planned is not None and copies >= planned:
+            copies = 0                           # past the plan: only the projection itself is worth pricing
+        while copies >= 1:
+            ahead = projected + Counter({leaf: n * copies for leaf, n in step.items()})
+            if not any(_holds(ahead, over) for over in refused):
+                if budget.allows(ledger._epsilon_of(ahead, budget.delta)):
+                    _keep(approved, ahead)
+                    return
+                _keep(refused, ahead)
+            copies //= 2
+        after = ledger._projected_epsilon(event, budget.delta)
+        if not budget.allows(after):
+            raise BudgetExceededError(client_id, purpose, ledger.spent(budget.delta).epsilon, after, budget,
+                                      ledger.accountant)
+        _keep(approved, projected)
 
     def state_dict(self) -> dict[str, Any]:
         """All ledgers as plain JSON-able data, as a list of entries so that int and str client ids survive JSON.
 
-        A record several ledgers hold (one release made on behalf of many clients, :meth:`record_for`) is written
-        once, under ``"shared"``, and each ledger refers to it by index: ten thousand clients' ledgers over hundreds
-        of rounds of central DP stay one record a round."""
-        shared: dict[int, int] = {}
-        holders: Counter[int] = Counter(id(r) for ledger in self._ledgers.values() for r in ledger._records)
-        table: list[dict[str, Any]] = []
+        Compact (version 2): every record object is written once, as ``[kind, round, time]``, where ``kind`` indexes
+        a table of what records share (event, purpose, metadata, audience), and each ledger lists the indices of its
+        records. A record several ledgers hold (one release made on behalf of many clients, :meth:`record_for`) is
+        one index in each of them, and a round of a thousand clients' releases of one kind is a thousand short
+        entries: ten thousand clients' ledgers over hundreds of rounds stay a few bytes per release."""
+        kinds: dict[str, int] = {}
+        kind_table: list[dict[str, Any]] = []
+        index: dict[int, int] = {}
+        table: list[list[Any]] = []
         ledgers = []
         for ledger in self._ledgers.values():
-            state = ledger.state_dict()
-            records = []
-            for record, saved in zip(ledger._records, state["records"], strict=True):
-                if holders[id(record)] > 1:
-                    if id(record) not in shared:
-                        shared[id(record)] = len(table)
-                        table.append(saved)
-                    records.append({"shared": shared[id(record)]})
-                else:
-                    records.append(saved)
-            ledgers.append({**state, "records": records})
-        values = {
+            refs = []
+            for record in ledger._records:
+                at = index.get(id(record))
+                if at is None:
+                    values = record.to_dict()
+                    round_, time_ = values.pop("round"), values.pop("time")
+                    key = json.dumps(values, allow_nan=False)
+                    kind = kinds.get(key)
+                    if kind is None:
+                        kind = kinds[key] = len(kind_table)
+                        kind_table.append(values)
+                    at = index[id(record)] = len(table)
+                    table.append([kind, round_, time_])
+                refs.append(at)
+            ledgers.append({"client_id": ledger.client_id,
+                            "budget": None if ledger.budget is None else ledger.budget.to_dict(),
+                            "accountant": ledger.accountant, "records": refs})
+        return {
             "format": _BOOK_FORMAT,
-            "version": _STATE_VERSION,
+            "version": _BOOK_VERSION,
             "default_budget": None if self._default_budget is None else self._default_budget.to_dict(),
             "accountant": self._accountant,
+            "kinds": kind_table,
+            "records": table,
             "ledgers": ledgers,
         }
-        if table:
-            values["shared"] = table
-        return values
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> LedgerBook:
-        """A book rebuilt from :meth:`state_dict` output."""
-        _check_format(state, _BOOK_FORMAT)
+        """A book rebuilt from :meth:`state_dict` output (version 2, or version 1: every record in full, a record
+        several ledgers hold under ``"shared"``)."""
+        _check_format(state, _BOOK_FORMAT, versions=(_STATE_VERSION, _BOOK_VERSION))
         try:
             budget = state["default_budget"]
             book = cls(default_budget=None if budget is None else PrivacyBudget.from_dict(budget),
                        accountant=state["accountant"])
-            table = [ReleaseRecord.from_dict(d) for d in state.get("shared", [])]
+            if state["version"] == _BOOK_VERSION:
+                table = _records_of(state["kinds"], state["records"])
+            else:
+                table = [ReleaseRecord.from_dict(d) for d in state.get("shared", [])]
             for ledger_state in state["ledgers"]:
                 records = ledger_state["records"]
-                own = [d for d in records if "shared" not in d]
-                ledger = PrivacyLedger.from_state_dict({**ledger_state, "records": []})
-                owned = iter(own)
-                for d in records:
-                    record = table[d["shared"]] if "shared" in d else ReleaseRecord.from_dict(next(owned))
-                    ledger._append_history(record)
+                ledger = PrivacyLedger.from_state_dict({"format": _LEDGER_FORMAT, "version": _STATE_VERSION,
+                                                        **ledger_state, "records": []})
+                if state["version"] == _BOOK_VERSION:
+                    for at in records:
+                        if isinstance(at, bool) or not isinstance(at, int) or at < 0:
+                            raise ValueError(f"a ledger's record is an index into the book's records, got {at!r}")
+                        ledger._append_history(table[at])
+                else:
+                    own = iter([d for d in records if "shared" not in d])
+                    for d in records:
+                        ledger._append_history(table[d["shared"]] if "shared" in d else
+                                               ReleaseRecord.from_dict(next(own)))
                 book.add(ledger)
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed ledger book state: {exc!r}") from None
@@ -592,8 +615,9 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         vars(self).update(vars(LedgerBook.from_state_dict(state)))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write all ledgers to ``path`` atomically: a crash mid-write leaves the previous file intact."""
-        _atomic_write_json(Path(path), self.state_dict())
+        """Write all ledgers to ``path`` atomically (compact JSON): a crash mid-write leaves the previous file
+        intact."""
+        _atomic_write_json(Path(path), self.state_dict(), compact=True)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LedgerBook:
@@ -601,18 +625,48 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
         return cls.from_state_dict(_read_json(Path(path)))
 
 
-def _check_format(state: object, expected: str) -> None:
+def _holds(bigger: Counter[PrivacyEvent], smaller: Counter[PrivacyEvent]) -> bool:
+    """Whether composition ``bigger`` holds composition ``smaller``: each release of it, at least as often."""
+    return all(bigger[leaf] >= n for leaf, n in smaller.items())
+
+
+def _keep(compositions: list[Counter[PrivacyEvent]], composition: Counter[PrivacyEvent], most: int = 8) -> None:
+    compositions.append(composition)
+    del compositions[:-most]
+
+
+def _check_format(state: object, expected: str, *, versions: tuple[int, ...] = (_STATE_VERSION,)) -> None:
     if not isinstance(state, Mapping) or state.get("format") != expected:
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(f"expected a state with format {expected!r}, got {found!r}")
-    if state.get("version") != _STATE_VERSION:
-        raise ValueError(f"unsupported {expected} state version {state.get('version')!r}; this code reads version "
-                         f"{_STATE_VERSION}")
+    version = state.get("version")
+    if isinstance(version, bool) or version not in versions:
+        raise ValueError(f"unsupported {expected} state version {version!r}; this code reads version"
+                         f"{'s' if len(versions) > 1 else ''} {', '.join(map(str, versions))}")
 
 
-def _atomic_write_json(path: Path, state: Mapping[str, Any]) -> None:
+def _records_of(kinds: Any, rows: Any) -> list[ReleaseRecord]:
+    """The records of a version-2 book state: each row ``[kind, round, time]`` with the fields of ``kinds[kind]``."""
+    if not isinstance(kinds, list) or not isinstance(rows, list):
+        raise TypeError("a book's kinds and records are lists")
+    parsed = [(event_from_dict(k["event"]), k["purpose"], k["metadata"], k.get("audience", "everyone"))
+              for k in kinds]
+    records = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 3 or isinstance(row[0], bool) or not isinstance(row[0], int) \
+                or row[0] < 0:
+            raise ValueError(f"a book's record is [kind, round, time], got {row!r}")
+        event, purpose, metadata, audience = parsed[row[0]]
+        records.append(ReleaseRecord(event=event, purpose=purpose, round=row[1], time=row[2], metadata=metadata,
+                                     audience=audience))
+    return records
+
+
+def _atomic_write_json(path: Path, state: Mapping[str, Any], *, compact: bool = False) -> None:
     """``state`` as JSON in ``path``, written atomically and durably (:func:`accounting.files.atomic_write`)."""
-    atomic_write(path, json.dumps(state, indent=1, allow_nan=False).encode("utf-8"))
+    text = (json.dumps(state, separators=(",", ":"), allow_nan=False) if compact
+            else json.dumps(state, indent=1, allow_nan=False))
+    atomic_write(path, text.encode("utf-8"))
 
 
 def _read_json(path: Path) -> Any:

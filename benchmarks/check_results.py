@@ -109,6 +109,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     # performance: what the timed code executes
     "runtime_overhead.json": (*_script("runtime_overhead"), *_methods("fedavg"), *TRAINING),
     "workers.json": (*_script("workers"), *_methods("fedavg"), *TRAINING),
+    "peer_pfl*.json": (*_script("peer_pfl"), *_methods("fedavg"), *TRAINING),
     "scaling.json": (*_script("scaling"), *_methods("fedavg"), *TRAINING, *FLOWER),
     "flower_*.json": (*_script("flower_overhead"), *_script("flower_fault"), *_methods("fedavg"), *TRAINING,
                       *FLOWER),

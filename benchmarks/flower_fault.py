@@ -204,8 +204,10 @@ def _anonymous(text: str, work: Path, address: str) -> str:
 
 
 def _model_updates(run_dir: Path) -> int:
-    ledger = json.loads((run_dir / "ledger.json").read_text())
-    return sum(1 for entry in ledger["ledgers"] for r in entry["records"] if r["purpose"] == "model_update")
+    from accounting import LedgerBook
+
+    book = LedgerBook.load(run_dir / "ledger.json")
+    return sum(1 for ledger in book.values() for r in ledger.records if r.purpose == "model_update")
 
 
 def _equal(a, b) -> bool:

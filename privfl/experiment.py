@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from accounting import ClientId, JournalDamaged, JournalMismatch, JournalPosition, LedgerBook, ReleaseJournal
-from accounting.ledger import BUDGET_RTOL
+from accounting.budget import BUDGET_RTOL
 from privfl.config import (
     RunConfig,
     build_client,

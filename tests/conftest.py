@@ -44,6 +44,21 @@ def tiny_dp_config(method: str = "fedavg", val_fraction: float = 0.2, **override
     return RunConfig(**values)
 
 
+def journal_records(path) -> list[tuple]:
+    """``(client id, record as a dict)`` for every release a ``releases.jsonl`` holds, in order, whatever its lines'
+    format (:meth:`accounting.ReleaseJournal.entries`)."""
+    from accounting import ReleaseJournal
+
+    return [(cid, record.to_dict()) for cid, record in ReleaseJournal(path).entries()]
+
+
+def book_records(path) -> dict:
+    """``{client id: [record as a dict, ...]}`` of a ``ledger.json``, whatever its layout."""
+    from accounting import LedgerBook
+
+    return {cid: [r.to_dict() for r in ledger.records] for cid, ledger in LedgerBook.load(path).items()}
+
+
 @pytest.fixture
 def noise_floor_lifted(monkeypatch):
     """Lets a test build and record releases with noise below the floor the accountants price
@@ -61,6 +76,7 @@ def _clear_accounting_caches() -> None:
     import privfl.privacy.training
 
     accounting.accountants._epsilon_of_leaves.cache_clear()
+    accounting.accountants._supported.cache_clear()
     accounting.pld._step_pld.cache_clear()
     privfl.privacy.training.central_noise_multiplier.cache_clear()
     privfl.methods.base._CALIBRATIONS.clear()

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import book_records
 
 from privfl.cli import main
 from privfl.config import RunConfig
@@ -54,8 +55,7 @@ def test_tiny_sweep_writes_the_table_files_and_ledger_epsilons(tmp_path, capsys)
     assert private["training"]["training_mode"] == "record" and clean["training"]["epsilon_max_training"] == "inf"
     assert (private["training"]["rounds"], clean["training"]["rounds"]) == (1, 2)     # --private-rounds 1, --rounds 2
     assert "2 rounds without DP, 1 per private training" in printed
-    ledger = json.loads((out / "train-eps8" / "ledger.json").read_text())
-    purposes = {r["purpose"] for entry in ledger["ledgers"] for r in entry["records"]}
+    purposes = {r["purpose"] for held in book_records(out / "train-eps8" / "ledger.json").values() for r in held}
     # the default encoder stays at its initialisation (encoder_lr 0): a descriptor and a weight change a round, no
     # encoder gradient
     assert purposes == {"descriptor", "weight_change"}

@@ -95,6 +95,9 @@ class RoundRelease:
     purpose: str
     metadata: dict[str, Any] = field(default_factory=dict)
     calibrated_for: PrivacyBudget | None = None
+    #: How many times the run plans this release in all (its rounds; public): the ledgers then price the whole plan
+    #: once instead of each round's projection (:meth:`accounting.LedgerBook.record_for`). ``None``: unknown.
+    planned: int | None = None
 
 
 @dataclass(frozen=True)
@@ -340,15 +343,25 @@ class InProcessRuntime(Runtime):
         if self.workers > 1 and len(messages) > 1:
             return self._exchange_in_workers(round, stage, messages)
         replies = {}
-        for cid in sorted(messages):
-            delivered = self.wire.server_to_client(cid, messages[cid])
-            ctx = client_context(self.seed, cid, round, stage)
-            if stage == 0:
-                release = self.client.train(self.clients[cid], delivered, self._working[cid], ctx)
-            else:
-                release = self.client.train_stage(stage, self.clients[cid], delivered, self._working[cid], ctx)
-            if release is not None:
-                replies[cid] = self.wire.client_to_server(cid, release, round=round)
+        hand_over = self.client.hands_over_messages()    # messages go over uncopied, checked unmodified
+        self.wire.hand_over = hand_over
+        try:
+            for cid in sorted(messages):
+                delivered = self.wire.server_to_client(cid, messages[cid])
+                versions = [t._version for t in delivered.arrays.values()] if hand_over else None
+                ctx = client_context(self.seed, cid, round, stage)
+                if stage == 0:
+                    release = self.client.train(self.clients[cid], delivered, self._working[cid], ctx)
+                else:
+                    release = self.client.train_stage(stage, self.clients[cid], delivered, self._working[cid], ctx)
+                if versions is not None and versions != [t._version for t in delivered.arrays.values()]:
+                    raise InternalError(f"client {cid} modified the tensors of the message it received in place at "
+                                        f"stage {stage} of round {round}, although its procedure "
+                                        f"({type(self.client).__name__}) declares shares_messages: it must not")
+                if release is not None:
+                    replies[cid] = self.wire.client_to_server(cid, release, round=round)
+        finally:
+            self.wire.hand_over = False
         return replies
 
     def _exchange_in_workers(self, round: int, stage: int, messages: dict[int, Message]) -> dict[int, Message]:

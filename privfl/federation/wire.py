@@ -26,13 +26,17 @@ class Wire:
         self.ledgers = ledgers if ledgers is not None else LedgerBook()
         # where each release's record is also appended before it is delivered (a run directory's releases.jsonl)
         self.journal: ReleaseJournal | None = None
+        # Set by the in-process runtime while clients whose procedure only reads what it receives and keeps nothing
+        # it releases train (ClientProcedure.hands_over_messages): messages then cross uncopied, both ways.
+        self.hand_over = False
         self.bytes_down: dict[int, int] = defaultdict(int)
         self.bytes_up: dict[int, int] = defaultdict(int)
 
     def server_to_client(self, client_id: int, message: Message) -> Message:
-        """Deliver ``message`` to a client (a copy: the client cannot touch the server's tensors)."""
+        """Deliver ``message`` to a client: a copy (the client cannot touch the server's tensors), or, while
+        :attr:`hand_over` is set, the message itself."""
         self.count_down(client_id, message)
-        return message.copy()
+        return message if self.hand_over else message.copy()
 
     def count_down(self, client_id: int, message: Message) -> None:
         """Count ``message`` as sent to a client that gets its own copy another way (a worker process reads it from
@@ -40,7 +44,8 @@ class Wire:
         self.bytes_down[client_id] += message.num_bytes()
 
     def client_to_server(self, client_id: int, release: Release, *, round: int | None) -> Message:
-        """Record ``release`` in the client's ledger, then deliver a copy of its message to the server.
+        """Record ``release`` in the client's ledger, then deliver a copy of its message to the server (while
+        :attr:`hand_over` is set, the message itself).
 
         Raises :class:`accounting.BudgetExceededError` (from the ledger) before anything is delivered when the
         release would exceed the client's budget or the budget its noise was calibrated for.
@@ -51,14 +56,15 @@ class Wire:
         if self.journal is not None:
             self.journal.append(client_id, record)
         self.bytes_up[client_id] += metadata["bytes"]
-        return release.message.copy()
+        return release.message if self.hand_over else release.message.copy()
 
     def record_for(self, client_ids: list[int], release: RoundRelease, *, round: int | None) -> None:
         """Record a release the server makes on behalf of each of ``client_ids`` (a
         :class:`~privfl.federation.runtime.RoundRelease`: central DP's noisy aggregate) in their ledgers, as one
         record, and in the journal, as one line. A refusal records nothing for anyone."""
         record = self.ledgers.record_for(client_ids, release.event, purpose=release.purpose, round=round,
-                                         metadata=release.metadata, calibrated_for=release.calibrated_for)
+                                         metadata=release.metadata, calibrated_for=release.calibrated_for,
+                                         planned=getattr(release, "planned", None))
         if self.journal is not None:
             self.journal.append_for(client_ids, record)
 

@@ -34,7 +34,7 @@ from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release
 from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sample_clients
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.local_training import ExtraLoss, local_sgd
+from privfl.methods.local_training import ExtraLoss, load_weights, local_sgd
 from privfl.models import build_model
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
 from privfl.privacy.training import (
@@ -237,6 +237,23 @@ class ClientProcedure(ABC):
 
     serves_novel_clients: bool = True
 
+    #: Declared by a procedure whose ``train`` and ``train_stage`` neither modify a delivered message's tensors nor
+    #: keep them after returning, and keep no reference to the tensors they release: the in-process runtime then
+    #: hands messages to it and its releases to the server without copying them (:meth:`hands_over_messages`; it
+    #: checks that no delivered tensor was modified in place). A subclass that overrides ``train`` or ``train_stage``
+    #: does not inherit the declaration: it makes its own.
+    shares_messages: bool = False
+
+    def hands_over_messages(self) -> bool:
+        """Whether :attr:`shares_messages` holds for this procedure's ``train`` and ``train_stage``: declared by its
+        class or a base class that no class below it overrides them from."""
+        mro = type(self).__mro__
+        declared = next((i for i, c in enumerate(mro) if "shares_messages" in vars(c)), None)
+        if declared is None or not vars(mro[declared])["shares_messages"]:
+            return False
+        return all(next(i for i, c in enumerate(mro) if name in vars(c)) >= declared
+                   for name in ("train", "train_stage"))
+
     def __init__(self, *, model_factory: ModelFactory, config: Any, privacy: TrainingPrivacy | None = None,
                  novel_privacy: NovelPrivacy | None = None, participations: int = 1) -> None:
         self.model_factory = model_factory
@@ -334,7 +351,7 @@ class ClientProcedure(ABC):
     def model_from(self, weights: dict[str, torch.Tensor]) -> nn.Module:
         """The workspace model loaded with ``weights`` (a state dict)."""
         model = self.workspace_model()
-        model.load_state_dict(weights)
+        load_weights(model, weights)
         return model
 
     @abstractmethod

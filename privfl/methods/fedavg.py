@@ -35,7 +35,7 @@ from privfl.methods.base import (
     private_release,
     register_method,
 )
-from privfl.methods.local_training import difference, sgd_settings, weights_of
+from privfl.methods.local_training import change_of, sgd_settings, weights_of
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,25 @@ def weighted_mean(updates: list[dict[str, torch.Tensor]], weights: list[float]) 
     total = float(sum(weights))
     if total <= 0:
         raise ValueError(f"aggregation weights must sum to > 0, got {weights}")
-    return {
-        name: cast(torch.Tensor, sum(update[name] * (w / total) for update, w in zip(updates, weights, strict=True)))
-        for name in updates[0]
-    }
+    if len(updates) != len(weights):
+        raise ValueError(f"{len(updates)} updates but {len(weights)} weights")
+    return {name: _weighted_sum([update[name] for update in updates], [w / total for w in weights])
+            for name in updates[0]}
+
+
+def _weighted_sum(tensors: list[torch.Tensor], factors: list[float]) -> torch.Tensor:
+    """``sum(t * f for t, f in zip(tensors, factors))``, the same numbers (Python's sum starts from 0 and adds each
+    product in turn), in one accumulator and one scratch tensor where every tensor has the same shape, dtype and
+    device; otherwise that very sum."""
+    first = tensors[0]
+    if not all(isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype == first.dtype
+               and t.device == first.device and first.is_floating_point() for t in tensors):
+        return cast(torch.Tensor, sum(t * f for t, f in zip(tensors, factors, strict=True)))
+    total = torch.zeros_like(first)
+    scratch = torch.empty_like(first)
+    for t, f in zip(tensors, factors, strict=True):
+        total.add_(torch.mul(t, f, out=scratch))
+    return total
 
 
 class FedAvgStrategy(Strategy):
@@ -141,6 +156,9 @@ def weighted_mean_scalar(values: list[float], weights: list[float]) -> float:
 class FedAvgClient(ClientProcedure):
     """Runs local SGD from the received weights and sends the weight change with its sample count."""
 
+    # train reads the received weights (into the workspace model, and to subtract them) and releases fresh tensors
+    shares_messages = True
+
     def local_objective(self, global_weights: dict[str, torch.Tensor], state: ClientState):
         """The extra term added to the local loss (none for FedAvg; FedProx overrides this)."""
         return None
@@ -153,7 +171,7 @@ class FedAvgClient(ClientProcedure):
         loss, event = self.fit(model, data, sgd_settings(message.config), ctx.rng,
                                extra_loss=self.local_objective(start, state))
         metrics = {} if event is not None else {"num_examples": float(data.num_train), "loss": loss}
-        return private_release(Message(arrays=difference(weights_of(model), start), metrics=metrics), "model_update",
+        return private_release(Message(arrays=change_of(model, start), metrics=metrics), "model_update",
                                event, metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
 
 

@@ -28,7 +28,7 @@ from privfl.federation.messages import Message, Release
 from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sample_clients
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import ClientProcedure, MethodSpec, Strategy
-from privfl.privacy.client_dp import clip_update
+from privfl.privacy.client_dp import add_clipped, clip_update
 from privfl.privacy.mechanisms import os_seeded_generator, standard_normal
 from privfl.privacy.training import (
     ADAPTIVE,
@@ -102,6 +102,10 @@ class PrivateClient(ClientProcedure):
 
     def workspace_model(self):
         return self.inner.workspace_model()
+
+    def hands_over_messages(self) -> bool:
+        # the wrapper reads a release's tensors, and releases them or fresh ones (the clipped, noised copy)
+        return self.inner.hands_over_messages()
 
     def evaluation_model(self, data, message, state):
         return self.inner.evaluation_model(data, message, state)
@@ -201,6 +205,7 @@ class Aggregator(Strategy):
         self.num_training_clients = inner.num_training_clients
         self.train_stages = inner.train_stages
         self.central = privacy.mode == CENTRAL
+        self.rounds = rounds
         self.q = float(sampling_probability)
         self.clip = float(privacy.clip_initial) if privacy.clip == ADAPTIVE else float(privacy.clip)
         if not self.central:
@@ -237,6 +242,7 @@ class Aggregator(Strategy):
         if not self.central:
             return []
         return [RoundRelease(event=self.event, purpose="central_aggregate", calibrated_for=self.budget,
+                             planned=self.rounds,
                              metadata={"mode": CENTRAL, "noise": self.privacy.noise, "sampling_probability": self.q,
                                        "noise_multiplier": self.noise_multiplier, "clip": self.privacy.clip,
                                        "relation": "add or remove one client"})]
@@ -284,9 +290,8 @@ class Aggregator(Strategy):
             if set(contribution) != set(like):
                 raise InternalError(f"{self.method}'s contribution has tensors {sorted(contribution)}, its "
                                     f"contribution_shapes {sorted(like)}")
-            contribution, norm = clip_update(contribution, self.clip)
+            norm = add_clipped(total, contribution, self.clip)     # clipped to C, added in float64
             within += int(norm <= self.clip)
-            total = {k: total[k] + contribution[k].double() for k in total}
         names = list(total)
         flat = torch.cat([total[k].reshape(-1) for k in names])
         draws = _gaussian(self.privacy, (flat.numel() + 1,), "central_noise", round)   # the last one: the count's

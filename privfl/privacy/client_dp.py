@@ -22,10 +22,32 @@ from privfl.errors import ConfigError, TrainingDivergedError
 
 def update_norm(update: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of all tensors of ``update`` taken together (as one flattened vector)."""
-    squared = sum((t.detach().double() ** 2).sum() for t in update.values())
+    squared = sum(_squares(t).sum() for t in update.values())
     if not isinstance(squared, torch.Tensor):   # sum() over no tensors is the int 0
         raise ConfigError("the update must hold at least one tensor, got an empty mapping")
     return float(torch.sqrt(squared))
+
+
+def _squares(t: torch.Tensor) -> torch.Tensor:
+    """``t.double() ** 2`` (the same numbers: the square of a double is x * x either way), squared in place where the
+    conversion made a copy."""
+    d = t.detach().double()
+    if d.data_ptr() == t.data_ptr():    # t is float64 already: do not touch the caller's tensor
+        return d * d
+    return d.mul_(d)
+
+
+def _clip_scale(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[float, float]:
+    """``min(1, max_norm / ||update||_2)`` and the norm; refuses a bad ``max_norm`` and an update that is not finite."""
+    if not is_finite(max_norm) or max_norm <= 0:
+        raise ConfigError(f"max_norm must be a finite number > 0 (L2), got {max_norm!r}")
+    norm = update_norm(update)
+    if not math.isfinite(norm):
+        raise TrainingDivergedError("the update to clip contains NaN or inf: local training diverged (lower the local "
+                                    "or server learning rate or momentum); its norm, and so its sensitivity, is "
+                                    "unbounded, so it is not released")
+    scale = min(1.0, float(max_norm) / norm) if norm > 0 else 1.0
+    return scale, norm
 
 
 def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[dict[str, torch.Tensor], float]:
@@ -35,15 +57,19 @@ def clip_update(update: Mapping[str, torch.Tensor], max_norm: float) -> tuple[di
     >>> norm, [round(float(v), 3) for v in (clipped["a"], clipped["b"])]
     (5.0, [0.6, 0.8])
     """
-    if not is_finite(max_norm) or max_norm <= 0:
-        raise ConfigError(f"max_norm must be a finite number > 0 (L2), got {max_norm!r}")
-    norm = update_norm(update)
-    if not math.isfinite(norm):
-        raise TrainingDivergedError("the update to clip contains NaN or inf: local training diverged (lower the local "
-                                    "or server learning rate or momentum); its norm, and so its sensitivity, is "
-                                    "unbounded, so it is not released")
-    scale = min(1.0, float(max_norm) / norm) if norm > 0 else 1.0
+    scale, norm = _clip_scale(update, max_norm)
     return {k: v.detach() * scale for k, v in update.items()}, norm
 
 
-__all__ = ["clip_update", "update_norm"]
+def add_clipped(total: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor], max_norm: float) -> float:
+    """Add ``clip_update(update, max_norm)``'s tensors, as float64, into ``total``'s (float64, by name) in place, and
+    return the norm before clipping: the numbers of ``total[k] + clipped[k].double()``, without the clipped copy
+    (an update within the ball is added as it is: times 1.0 it is itself) or the float64 one."""
+    scale, norm = _clip_scale(update, max_norm)
+    for name, sum_ in total.items():
+        value = update[name].detach()
+        sum_.add_(value if scale == 1.0 else value * scale)
+    return norm
+
+
+__all__ = ["add_clipped", "clip_update", "update_norm"]

@@ -356,9 +356,8 @@ def test_a_release_made_for_many_clients_is_one_record_in_the_book_and_the_journ
     assert all(len(book[c].records) == 3 + (c == 2) for c in (1, 2, 3))
     assert book[1].records[0] is book[3].records[0]
     state = book.state_dict()
-    assert len(state["shared"]) == 3
-    assert [r for entry in state["ledgers"] for r in entry["records"] if "shared" in r] == [
-        {"shared": i} for _ in range(3) for i in range(3)]
+    assert len(state["records"]) == 4 and len(state["kinds"]) == 2      # the contribution, then a round each
+    assert [entry["records"] for entry in state["ledgers"]] == [[0, 1, 2, 3], [1, 2, 3], [1, 2, 3]]
     back = LedgerBook.from_state_dict(json.loads(json.dumps(state)))
     assert back.epsilons(1e-5) == book.epsilons(1e-5)
     assert back[1].records == book[1].records and back[2].records == book[2].records
@@ -372,3 +371,59 @@ def test_a_release_made_for_many_clients_is_one_record_in_the_book_and_the_journ
     with pytest.raises(BudgetExceededError):
         book.record_for([1, 2, 3], event, purpose="central_aggregate", round=3)
     assert all(len(book[c].records) == 3 + (c == 2) for c in (1, 2, 3))
+
+
+def test_a_book_saved_in_the_first_layout_loads_as_it_was():
+    """Books written before the compact layout (version 1: every record in full, one made for many clients under
+    "shared") load unchanged: ledger.json files and checkpoints of earlier runs."""
+    from accounting import SubsampledGaussianEvent
+
+    own = {"event": NonPrivateEvent().to_dict(), "purpose": "contribution", "round": 0, "time": 1.5,
+           "metadata": {"bytes": 40}, "audience": "trusted_aggregator"}
+    shared = {"event": SubsampledGaussianEvent(1.2, 0.1).to_dict(), "purpose": "central_aggregate", "round": 1,
+              "time": 2.5, "metadata": {}}
+    state = {"format": "privfl.accounting.ledger_book", "version": 1, "default_budget": None, "accountant": "pld",
+             "shared": [shared],
+             "ledgers": [{"format": "privfl.accounting.ledger", "version": 1, "client_id": cid, "budget": None,
+                          "accountant": "pld", "records": records}
+                         for cid, records in ((1, [own, {"shared": 0}]), ("b", [{"shared": 0}]))]}
+    book = LedgerBook.from_state_dict(json.loads(json.dumps(state)))
+    assert [r.to_dict() for r in book[1].records] == [own, shared] and book[1].records[1] is book["b"].records[0]
+    again = LedgerBook.from_state_dict(json.loads(json.dumps(book.state_dict())))       # saved compact, loaded
+    assert again.state_dict() == book.state_dict() and again["b"].records == book["b"].records
+    assert book.state_dict()["version"] == 2
+
+
+def test_a_round_release_for_everyone_prices_few_compositions_and_refuses_exactly(monkeypatch):
+    """Central DP records its aggregate for every client each round: the book prices a larger composition ahead
+    (the run's plan when given, else twice the projection) and approves the rounds it holds, so R rounds price
+    about 2 log2 R compositions, or one with the plan; the release past the budget is still refused, with the
+    projection's own epsilon."""
+    from collections import Counter
+
+    from accounting import SubsampledGaussianEvent
+
+    event, rounds = SubsampledGaussianEvent(1.0, 0.5), 16
+    exact = LedgerBook()[0]
+    for r in range(rounds):
+        exact.record(event, purpose="central_aggregate", round=r)
+    budget = PrivacyBudget(epsilon=exact.spent(1e-5).epsilon, delta=1e-5)   # exactly 16 rounds fit
+    priced = []
+    original = PrivacyLedger._epsilon_of
+    monkeypatch.setattr(PrivacyLedger, "_epsilon_of", lambda self, leaves, delta: (
+        priced.append(sum(leaves.values())), original(self, leaves, delta))[1])
+    for planned in (None, rounds):
+        priced.clear()
+        book = LedgerBook()
+        for r in range(rounds):
+            book.record_for([0, 1, 2], event, purpose="central_aggregate", round=r, calibrated_for=budget,
+                            planned=planned)
+        # with the plan: 16 once; without: 2, 6, 14, then 30, 22 and 18 over the budget, then 16 (and the exact
+        # projections of no round: each is held by a composition priced within the budget)
+        assert len(priced) == 1 if planned else len(priced) <= 2 * math.ceil(math.log2(rounds)), priced
+        with pytest.raises(BudgetExceededError) as refused:
+            book.record_for([0, 1, 2], event, purpose="central_aggregate", round=rounds, calibrated_for=budget,
+                            planned=planned)
+        assert refused.value.epsilon_after == pytest.approx(LedgerBook()[0]._epsilon_of(
+            Counter({event: rounds + 1}), 1e-5))
+        assert all(len(book[c]) == rounds for c in (0, 1, 2))

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import book_records
 
 from privfl.config import RunConfig
 from privfl.data import FederationSpec, build_federation
@@ -66,11 +67,10 @@ def test_central_eval_changes_no_other_number_and_releases_nothing(tmp_path, mak
     assert [{k: v for k, v in line.items() if k not in CENTRAL} for line in b] == a
     assert all(0.0 <= line["central_accuracy"] <= 100.0 and line["central_loss"] > 0 for line in b)
     assert plain["novel"] == central["novel"] and plain["training_val"] == central["training_val"]
-    ledgers = [json.loads(RunDirectory(tmp_path / d).path("ledger.json").read_text())["ledgers"]
-               for d in ("plain", "central")]
-    purposes = [sorted((e["client_id"], [r["purpose"] for r in e["records"]]) for e in book) for book in ledgers]
+    books = [book_records(RunDirectory(tmp_path / d).path("ledger.json")) for d in ("plain", "central")]
+    purposes = [sorted((cid, [r["purpose"] for r in records]) for cid, records in book.items()) for book in books]
     assert purposes[0] == purposes[1]                   # central evaluation is no release
-    assert all(e["client_id"] >= 0 for e in ledgers[1])   # and no client id of its own (CENTRAL_CLIENT is -1)
+    assert all(cid >= 0 for cid in books[1])             # and no client id of its own (CENTRAL_CLIENT is -1)
     config = json.loads(RunDirectory(tmp_path / "central").path("config.json").read_text())
     assert config["central_eval"] is True and RunConfig.from_dict(config).central_eval
 

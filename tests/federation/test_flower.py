@@ -21,6 +21,7 @@ import torch
 
 flwr = pytest.importorskip("flwr")
 
+from conftest import book_records, journal_records  # noqa: E402
 from flwr.app import Context, Error, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 
@@ -336,17 +337,16 @@ def test_a_run_that_stops_early_leaves_its_release_journal_and_ledger(tmp_path, 
         flower_main(grid, _serve_config(config, tmp_path / "run"), options=FlowerOptions(timeout_s=0.5, node_wait_s=5))
     run = RunDirectory(tmp_path / "run")
     assert not run.path("summary.json").exists()
-    journal = [json.loads(line) for line in run.path("releases.jsonl").read_text().splitlines()]
-    assert sorted(e["client_id"] for e in journal) == answered
-    assert {e["record"]["purpose"] for e in journal} == {"model_update"}
-    ledger = json.loads(run.path("ledger.json").read_text())
-    assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == answered
+    journal = journal_records(run.path("releases.jsonl"))
+    assert sorted(cid for cid, _ in journal) == answered
+    assert {record["purpose"] for _, record in journal} == {"model_update"}
+    assert sorted(book_records(run.path("ledger.json"))) == answered
     (run_id,) = _run_ids(tmp_path / "run")
-    assert len(run_id) == 12 and {e["record"]["metadata"]["run"] for e in journal} == {run_id}
+    assert len(run_id) == 12 and {record["metadata"]["run"] for _, record in journal} == {run_id}
     # the same records as on the nodes
     for cid in answered:
         on_node = PrivacyLedger.load(tmp_path / "n0" / f"ledger-client-{cid}.json")
-        assert [r.to_dict() for r in on_node.records] == [e["record"] for e in journal if e["client_id"] == cid]
+        assert [r.to_dict() for r in on_node.records] == [record for c, record in journal if c == cid]
 
 
 def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path, make_spec, task_identity,
@@ -372,10 +372,8 @@ def test_a_node_failure_does_not_lose_the_releases_that_arrived_with_it(tmp_path
     with pytest.raises(FlowerClientError, match=rf"^SuperNode --node 0 \(partitions 0-4, clients "
                                                 rf"\[{', '.join(map(str, sorted(doomed)))}\]\) failed in 'train'"):
         flower_main(grid, _serve_config(config, tmp_path / "run"), options=FlowerOptions(timeout_s=60, node_wait_s=5))
-    journal = [json.loads(line) for line in (tmp_path / "run" / "releases.jsonl").read_text().splitlines()]
-    assert sorted(e["client_id"] for e in journal) == survivors
-    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
-    assert sorted(entry["client_id"] for entry in ledger["ledgers"]) == survivors
+    assert sorted(cid for cid, _ in journal_records(tmp_path / "run" / "releases.jsonl")) == survivors
+    assert sorted(book_records(tmp_path / "run" / "ledger.json")) == survivors
 
 
 def test_a_run_stopped_on_nodes_resumes_there_with_the_uninterrupted_numbers(tmp_path, make_spec, task_identity,
@@ -550,10 +548,8 @@ def _run_config(spec, method, **overrides):
 
 def _comparable(run_dir):
     run = RunDirectory(run_dir)
-    ledger = json.loads(run.path("ledger.json").read_text())
-    records = sorted((entry["client_id"],
-                      [(r["purpose"], r["round"], r["event"], _without_run(r["metadata"])) for r in entry["records"]])
-                     for entry in ledger["ledgers"])
+    records = sorted((cid, [(r["purpose"], r["round"], r["event"], _without_run(r["metadata"])) for r in held])
+                     for cid, held in book_records(run.path("ledger.json")).items())
     strategy = torch.load(run.path("checkpoint.pt"), weights_only=True)["runtime"]["strategy"]
     return without_timing(run.read_metrics()), run.read_clients(), records, strategy
 
@@ -565,8 +561,8 @@ def _without_run(metadata):
 
 def _run_ids(run_dir):
     """The run ids of the records in a run directory's ledger.json."""
-    ledger = json.loads(RunDirectory(run_dir).path("ledger.json").read_text())
-    return {r["metadata"].get(p.RUN_KEY) for entry in ledger["ledgers"] for r in entry["records"]}
+    return {r["metadata"].get(p.RUN_KEY) for held in book_records(RunDirectory(run_dir).path("ledger.json")).values()
+            for r in held}
 
 
 def _equal_states(a, b):
@@ -612,9 +608,8 @@ def test_flower_simulation_gives_the_in_process_numbers(tmp_path, make_spec, met
     assert got["flower"]["lifetime"]["earlier_runs"] == []
     assert got["flower"]["lifetime"]["epsilon_per_client"] == got["privacy"]["epsilon_per_client"]
     # the release journal got each release as its reply arrived: the same records as ledger.json
-    journal = [json.loads(line) for line in (tmp_path / "flower" / "releases.jsonl").read_text().splitlines()]
-    journal = [e for e in journal if "record" in e]          # releases; the journal's marks note run events
-    assert sorted((e["client_id"], e["record"]["purpose"], e["record"]["round"]) for e in journal) == sorted(
+    journal = journal_records(tmp_path / "flower" / "releases.jsonl")   # releases (the marks note run events)
+    assert sorted((cid, record["purpose"], record["round"]) for cid, record in journal) == sorted(
         (cid, purpose, round) for cid, records in ledgers for purpose, round, _, _ in records)
     # the nodes, not the server, hold the ledgers: one file per client that released something
     node_ledgers = sorted((tmp_path / "flower" / "nodes").glob("partition-*/ledger-client-*.json"))

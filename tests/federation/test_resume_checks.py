@@ -36,7 +36,12 @@ def test_resume_refuses_a_journal_shorter_than_or_different_from_what_its_checkp
         train(tiny_config(seed=4), str(tmp_path / "other"), progress=False)
         journal.path.write_bytes((tmp_path / "other" / "releases.jsonl").read_bytes())
     else:
-        lines[1] = lines[1].replace('"round": 0', '"round": 1')
+        entry = json.loads(lines[1])                         # line 2's record edited: round 0 -> 1
+        if "r" in entry:
+            entry["r"]["round"] = 1
+        else:
+            entry["t"] += 1.0
+        lines[1] = json.dumps(entry)
         journal.path.write_text("\n".join(lines) + "\n")
     needle = {"emptied": "holds 0 lines, but the checkpoint was saved when it held 12",
               "cut": "holds 10 lines, but the checkpoint was saved when it held 12",
@@ -94,9 +99,9 @@ def test_a_run_stopped_while_serving_novel_clients_is_not_resumed(tmp_path, tiny
     lines = (out / "releases.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["mark"] == "novel_clients_served"
     (out / "releases.jsonl").write_text("\n".join(lines[:-2]) + "\n")   # one novel client served, then the kill
-    served = json.loads(lines[-3])
-    assert served["record"]["round"] is None
-    with pytest.raises(ConfigError, match=rf"records releases of novel clients \['{served['client_id']}'\] but not "
+    served, record = ReleaseJournal(out / "releases.jsonl").entries()[-1]
+    assert record.round is None
+    with pytest.raises(ConfigError, match=rf"records releases of novel clients \['{served}'\] but not "
                                           "the end of their service"):
         train(None, str(out), resume=True, progress=False)
 

@@ -24,6 +24,7 @@ import torch
 
 flwr = pytest.importorskip("flwr")
 
+from conftest import book_records, journal_records  # noqa: E402
 from flwr.app import Context, Error, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
@@ -161,10 +162,9 @@ def _loopback(config, root, ranges, **kwargs):
 
 
 def _ledgers(run_dir):
-    ledger = json.loads((run_dir / "ledger.json").read_text())
-    return sorted((entry["client_id"], [(r["purpose"], r["round"], r["event"],
-                                         {k: v for k, v in r["metadata"].items() if k != "run"})   # Flower's run id
-                                        for r in entry["records"]]) for entry in ledger["ledgers"])
+    return sorted((cid, [(r["purpose"], r["round"], r["event"],
+                          {k: v for k, v in r["metadata"].items() if k != "run"})   # Flower's run id
+                         for r in held]) for cid, held in book_records(run_dir / "ledger.json").items())
 
 
 def _weights(run_dir):
@@ -396,11 +396,9 @@ def test_a_secagg_run_that_fails_after_a_round_journals_every_release_whose_mask
         ledger = json.loads(path.read_text())
         on_nodes[ledger["client_id"]] = listed(ledger["records"])
     journaled: dict[int, list] = {}
-    for line in (out / "releases.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        journaled.setdefault(entry["client_id"], []).extend(listed([entry["record"]]))
-    in_ledger = {entry["client_id"]: listed(entry["records"])
-                 for entry in json.loads((out / "ledger.json").read_text())["ledgers"]}
+    for cid, record in journal_records(out / "releases.jsonl"):
+        journaled.setdefault(cid, []).extend(listed([record]))
+    in_ledger = {cid: listed(held) for cid, held in book_records(out / "ledger.json").items()}
     rounds = sorted(r for records in on_nodes.values() for _, r, _, _ in records)
     assert rounds == [0] * 5 + [1] * 5                           # 5 clients a round released, in both rounds
     assert journaled == on_nodes and in_ledger == on_nodes

@@ -83,11 +83,15 @@ def test_a_damaged_ledger_or_journal_is_named_in_one_line(runs, tmp_path, capsys
     elif damage == "ledger_list":
         ledger.write_text("[]")
     elif damage == "ledger_negative":
-        ledger.write_text(ledger.read_text().replace('"noise_multiplier": 1.0', '"noise_multiplier": -1.0'))
+        ledger.write_text(ledger.read_text().replace('"noise_multiplier":1.0', '"noise_multiplier":-1.0'))
     else:
         lines = journal.read_text().splitlines()
-        lines[1 if damage == "journal_not_json" else 2] = ("{not json" if damage == "journal_not_json"
-                                                           else lines[2].replace('"round": 0', '"round": 2'))
+        if damage == "journal_not_json":
+            lines[1] = "{not json"
+        else:                                           # line 3's record edited: another round, or another time
+            entry = json.loads(lines[2])
+            entry.update({"r": {**entry["r"], "round": 2}} if "r" in entry else {"t": entry["t"] + 1.0})
+            lines[2] = json.dumps(entry)
         journal.write_text("\n".join(lines) + "\n")
     assert main([command, str(run)]) == 2
     err = capsys.readouterr().err
@@ -107,17 +111,17 @@ def _forge(run, client):
     """Drop ``client``'s last release from the journal (its hash chain recomputed, so the journal reads as intact)
     and from ledger.json alike: what a tamperer who knows the format does. summary.json is left as the run wrote it."""
     from accounting import PrivacyLedger
-    from accounting.journal import GENESIS, line_hash
 
-    entries = [json.loads(line) for line in (run / "releases.jsonl").read_text().splitlines()]
-    last = max(i for i, e in enumerate(entries) if e.get("client_id") == client)
+    path = run / "releases.jsonl"
+    entries, marks = ReleaseJournal(path).entries(), ReleaseJournal(path).marks()
+    last = max(i for i, (cid, _) in enumerate(entries) if cid == client)
     del entries[last]
-    previous, lines = GENESIS, []
-    for entry in entries:
-        line = json.dumps({**entry, "prev": previous}, allow_nan=False)
-        lines.append(line)
-        previous = line_hash(line.encode("utf-8"))
-    (run / "releases.jsonl").write_text("\n".join(lines) + "\n")
+    path.unlink()
+    journal = ReleaseJournal(path)                 # written again by privfl's own writer: the chain is intact
+    for cid, record in entries:
+        journal.append(cid, record)
+    for mark in marks:                             # the end of the novel clients' service, after their releases
+        journal.mark(mark.pop("mark"), **mark)
     book = LedgerBook.load(run / "ledger.json")
     forged = LedgerBook()
     for cid, ledger in book.items():

@@ -175,7 +175,8 @@ class FlowerRuntime(Runtime):
         training client's); :meth:`ledgers` adds them to what the nodes report."""
         metadata = {**release.metadata, **({p.RUN_KEY: self.run_id} if self.run_id else {})}
         record = self._server_book.record_for(self.training_ids, release.event, purpose=release.purpose,
-                                              round=round, metadata=metadata, calibrated_for=release.calibrated_for)
+                                              round=round, metadata=metadata, calibrated_for=release.calibrated_for,
+                                              planned=release.planned)
         if self._journal is not None:
             self._journal.append_for(self.training_ids, record)
 
