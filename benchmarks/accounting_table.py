@@ -99,8 +99,11 @@ def main() -> None:
               f"{1e3 * row['rdp_seconds']:>7.1f} {1e3 * row['pld_seconds']:>7.1f} {1e3 * row['prv_seconds']:>7.1f}")
     print(f"(first PRV use also imports opacus and torch: {prv_import_s:.1f} s, once per process)")
 
+    from privfl.provenance import numerics  # imports torch: after the timings
+
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
+        "command": "benchmarks/accounting_table.py", "numerics": numerics(),
         "rows": rows,
         "prv_import_seconds": prv_import_s,
         "pld_value_discretization_interval": PLD_VALUE_DISCRETIZATION_INTERVAL,

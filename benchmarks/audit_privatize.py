@@ -59,7 +59,11 @@ def main(argv=None) -> int:
           "yes" if ok else "NO")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "audit_privatize", "delta": delta, "trials_per_input": args.trials,
+    from privfl.provenance import numerics
+
+    out.write_text(json.dumps({"benchmark": "audit_privatize", "numerics": numerics(),
+                               "command": " ".join(["benchmarks/audit_privatize.py", *sys.argv[1:]]),
+                               "delta": delta, "trials_per_input": args.trials,
                                "confidence": 0.95, "python": platform.python_version(),
                                "expected_verdicts": ok, "results": rows}, indent=2) + "\n")
     print(f"wrote {out}")

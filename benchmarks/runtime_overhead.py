@@ -106,7 +106,10 @@ def main() -> None:
     med = {v: statistics.median(r["seconds"] for r in rs) for v, rs in results.items()}
     peak = {v: max(r["peak_rss_mib"] for r in rs) for v, rs in results.items()}
     ratio = med["privfl"] / med["minimal"]
+    from privfl.provenance import numerics
+
     report = {
+        "command": " ".join(["benchmarks/runtime_overhead.py", *sys.argv[1:]]), "numerics": numerics(),
         "setting": f"FedAvg, MNIST 2NN, 50 clients x 20 steps x batch 64, {args.rounds} rounds",
         "median_seconds": med, "seconds_per_round": {v: s / args.rounds for v, s in med.items()},
         "ratio_privfl_over_minimal": ratio, "target_ratio": 1.15, "peak_rss_mib": peak,
