@@ -56,7 +56,6 @@ from privfl.methods import METHODS
 from privfl.metrics import score_model, summarize_scores
 from privfl.privacy.training import TrainingPrivacy, client_level_noise
 from privfl.provenance import numerics
-from privfl.sweep import DEFAULT_METHOD as SWEEP_METHOD  # ODPFL-HN: the privacy sweep's encoder and server settings
 
 PAPER = {"fedavg": 94.69, "fedprox": 95.77, "scaffold": 97.26}
 SETTINGS = {
@@ -72,12 +71,21 @@ FEDTTA_MNIST = {"lr": 0.3, "inner_lr": 0.5, "adapt_lr": 0.01}              # the
 FEDTTA_PROX_MNIST = {**FEDTTA_MNIST, "adapt_lr": 0.001, "mu": 0.01}        # and FedTTA-Prox
 # what only the authors' code applies (``--code-stabilisers``): local weight decay, gradient-norm clip, lr decay
 CODE_STABILISERS = {"weight_decay": 1e-4, "grad_clip": 10.0, "lr_decay": 0.99}
+#: ODPFL-HN's settings in the benchmarks on pixels (the MNIST 2NN): the privacy sweep's encoder, local and server
+#: settings as they stood until the main job moved to ScatterNet features and a generated bias (``privfl.sweep``'s
+#: ``DEFAULT_METHOD`` before revision 090aa94). Pinned here, so that the ODPFL-HN results of this script,
+#: ``odpfl_mnist.py`` and ``pefll_mnist.py`` keep the configuration they were made with.
+ODPFLHN_PIXELS = {"encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hidden": 200, "encoder_clip": 1.0,
+                  "encoder_sphere": False, "encoder_phi_head": "softmax", "encoder_psi": "identity",
+                  "standardize_descriptors": True, "lr": 0.05, "local_steps": 10, "batch_size": 64, "hn_lr": 0.1,
+                  "encoder_lr": 1.0, "train_mean_noise": 0.03}
+
 FAMILY_TRAINING = {
     "fedtta": ("fedtta", FEDTTA_MNIST),
     "fedtta_prox": ("fedtta_prox", FEDTTA_PROX_MNIST),
     "fedavg": ("fedavg", {"lr": 0.1}),
     "tent": ("tent", {"lr": 0.1, "adapt": "all"}),
-    "odpflhn": ("odpflhn", {k: v for k, v in SWEEP_METHOD.items() if k not in ("local_steps", "batch_size")}),
+    "odpflhn": ("odpflhn", {k: v for k, v in ODPFLHN_PIXELS.items() if k not in ("local_steps", "batch_size")}),
     # Ablations separating FedTTA-Prox's two Table-4 differences from FedTTA: each swaps only eta_ad.
     "fedtta_prox_adlr01": ("fedtta_prox", {**FEDTTA_PROX_MNIST, "adapt_lr": FEDTTA_MNIST["adapt_lr"]}),
     "fedtta_adlr001": ("fedtta", {**FEDTTA_MNIST, "adapt_lr": FEDTTA_PROX_MNIST["adapt_lr"]}),

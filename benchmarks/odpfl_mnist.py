@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fedtta_mnist import ODPFLHN_PIXELS  # noqa: E402
 from fedtta_mnist import PAPER as FEDTTA_PAPER_BASELINES  # noqa: E402
 
 from privfl.config import RunConfig  # noqa: E402
@@ -55,7 +56,6 @@ from privfl.memory import reuse_freed_memory  # noqa: E402
 from privfl.methods import METHODS  # noqa: E402
 from privfl.metrics import score_model, summarize_scores  # noqa: E402
 from privfl.provenance import numerics  # noqa: E402
-from privfl.sweep import DEFAULT_METHOD  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 #: The FedTTA paper's MNIST Table 1 ("Test") for the personalised baselines; FedAvg from benchmarks/fedtta_mnist.py.
@@ -63,8 +63,9 @@ FEDTTA_PAPER = {"odpflhn": 95.67, "pfl_sampled": 9.43, "pfl_ensemble": 44.82,
                 "fedavg": FEDTTA_PAPER_BASELINES["fedavg"]}
 
 _HN = {"lr": 0.05, "local_steps": 20, "batch_size": 64}
-#: ODPFL-HN with the sweep's encoder and server settings (privfl.sweep.DEFAULT_METHOD) and this file's local training
-_ODPFL = {**DEFAULT_METHOD, **_HN}
+#: ODPFL-HN with the pixel benchmarks' encoder and server settings (fedtta_mnist.ODPFLHN_PIXELS) and this file's local
+#: training
+_ODPFL = {**ODPFLHN_PIXELS, **_HN}
 SETTINGS = {
     "fedavg": {"lr": 0.1, "local_steps": 20, "batch_size": 64, "weight_decay": 1e-4, "grad_clip": 10.0},
     "fedprox": {"lr": 0.1, "mu": 0.01, "local_steps": 20, "batch_size": 64, "weight_decay": 1e-4, "grad_clip": 10.0},
@@ -280,10 +281,7 @@ def part_kl(args) -> dict:
 #: sweep: a 2NN on pixels, 20,000 training images, one training without DP, ODPFL-HN's server rates 0.1 / 1.0.
 PRIVACY_PROTOCOL = {
     "max_samples": 20000, "train_epsilons": (None,), "features": None, "model": "auto",
-    "method_config": {"encoder": "dp_deepset", "encoder_hidden": 32, "encoder_phi_hidden": 200, "encoder_clip": 1.0,
-                      "encoder_sphere": False, "encoder_phi_head": "softmax", "encoder_psi": "identity",
-                      "standardize_descriptors": True, "lr": 0.05, "local_steps": 10, "batch_size": 64,
-                      "hn_lr": 0.1, "encoder_lr": 1.0, "train_mean_noise": 0.03},
+    "method_config": dict(ODPFLHN_PIXELS),
 }
 
 

@@ -80,11 +80,11 @@ def method_settings(method: str, num_clients: int) -> dict:
         # learning rates were tuned for its 10 local steps; the weight change of 50 steps, which drives both server
         # steps, is up to 5x larger, so both rates are scaled by 10/50. With the sweep's rates unscaled (0.1 and 1.0)
         # one of three 1000-client pathological seeds diverged (round 24 loss 6.5, round 26 1e7, then NaN weights).
-        from privfl.sweep import DEFAULT_METHOD
+        from fedtta_mnist import ODPFLHN_PIXELS  # this script's folder is on sys.path
 
-        scale = DEFAULT_METHOD["local_steps"] / 50
-        return {**DEFAULT_METHOD, "local_steps": 50, "batch_size": 32, "hn_lr": DEFAULT_METHOD["hn_lr"] * scale,
-                "encoder_lr": DEFAULT_METHOD["encoder_lr"] * scale}
+        scale = ODPFLHN_PIXELS["local_steps"] / 50
+        return {**ODPFLHN_PIXELS, "local_steps": 50, "batch_size": 32, "hn_lr": ODPFLHN_PIXELS["hn_lr"] * scale,
+                "encoder_lr": ODPFLHN_PIXELS["encoder_lr"] * scale}
     return {}  # pfedhn: its registered defaults
 
 
