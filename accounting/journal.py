@@ -120,10 +120,7 @@ class ReleaseJournal:
         """Append one release recorded for every client of ``client_ids`` (:meth:`LedgerBook.record_for`), as one
         line."""
         ids = [_check_client_id(c) for c in client_ids]
-        self._prepare()      # the format and the client lists named so far
-        listed = self._id_lists.get(tuple(ids)) if self._compact else None
-        self._release({"cs": ids} if listed is None else {"cl": listed}, {"client_ids": ids}, record,
-                      ids=None if listed is not None else tuple(ids))
+        self._release({"cs": ids}, {"client_ids": ids}, record, ids=tuple(ids))
 
     def mark(self, name: str, **fields: Any) -> None:
         """Append a mark: an event of the run that is not a release (``fields`` must be JSON-able)."""
@@ -137,25 +134,27 @@ class ReleaseJournal:
         if not self._compact:
             self._write({**full, "record": record.to_dict()}, prepared=True)
             return
+        listed = None if ids is None else self._id_lists.get(ids)
+        if listed is not None:                  # these clients were listed on an earlier line: name it
+            compact, ids = {"cl": listed}, None
         # the line of an earlier record equal to this one but for its time: looked up by the record's fields (their
         # reprs: 1, 1.0 and True differ), else by their JSON
         fast = (record.event, record.purpose, record.round, record.audience,
                 tuple((k, repr(v)) for k, v in record.metadata.items()))
         line = self._fast.get(fast)
-        if line is None:
+        if line is not None:
+            written = self._write({**compact, "s": line, "t": record.time}, prepared=True)
+        else:
             values = record.to_dict()
             del values["time"]
             key = json.dumps(values, allow_nan=False)
             line = self._templates.get(key)
-            if line is None:
-                line = self._write({**compact, "r": {**values, "time": record.time}}, prepared=True)
+            if line is not None:
+                written = self._write({**compact, "s": line, "t": record.time}, prepared=True)
+            else:                               # a record not seen yet: in full, and named from now on
+                written = line = self._write({**compact, "r": {**values, "time": record.time}}, prepared=True)
                 self._remember(self._templates, key, line)
-                self._remember(self._fast, fast, line)
-                if ids is not None:
-                    self._id_lists[ids] = line
-                return
             self._remember(self._fast, fast, line)
-        written = self._write({**compact, "s": line, "t": record.time}, prepared=True)
         if ids is not None:
             self._id_lists[ids] = written
 
@@ -168,7 +167,7 @@ class ReleaseJournal:
     def _prepare(self) -> None:
         """Know the file's position and format before appending: read it once (and again whenever the path no longer
         names the file this object appends to: replaced, removed, or cut by another writer)."""
-        if self._position is not None and self._file is not None and self._same_file():
+        if self._appending():
             return
         self._close()
         scan = self._scan()
@@ -190,6 +189,10 @@ class ReleaseJournal:
         self._file = open(self.path, "ab")
         stat = os.fstat(self._file.fileno())
         self._identity = (stat.st_dev, stat.st_ino)
+
+    def _appending(self) -> bool:
+        """Whether this object's position is the file's: it appends to the file the path still names, as it left it."""
+        return self._position is not None and self._file is not None and self._same_file()
 
     def _same_file(self) -> bool:
         try:
@@ -288,7 +291,8 @@ class ReleaseJournal:
     def position(self) -> JournalPosition:
         """The journal's complete lines and the hash of the last (a line cut short does not count): where this object
         appended last, when the file is still the one it appends to, else read from the file."""
-        if self._position is not None and self._file is not None and self._same_file():
+        if self._appending():
+            assert self._position is not None
             return self._position
         return self._scan().position()
 

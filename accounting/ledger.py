@@ -514,22 +514,24 @@ class LedgerBook(Mapping[ClientId, PrivacyLedger]):
             return
         refused = self._refused.setdefault((budget, ledger.accountant), [])
         copies = min(projected[leaf] // n for leaf, n in step.items())
-        if planned is not None and planned > copies:
-            ahead = projected + Counter({leaf: n * (planned - copies) for leaf, n in step.items()})
-            if not any(_holds(ahead, over) for over in refused):
-                if budget.allows(ledger._epsilon_of(ahead, budget.delta)):
-                    _keep(approved, ahead)
-                    return
-                _keep(refused, ahead)
+
+        def within_ahead(more: int) -> bool:
+            """Price the projection plus ``more`` copies of ``event`` (unless it holds a composition found over the
+            budget), remember the verdict, and say whether it is within the budget."""
+            ahead = projected + Counter({leaf: n * more for leaf, n in step.items()})
+            if any(_holds(ahead, over) for over in refused):
+                return False
+            within = budget.allows(ledger._epsilon_of(ahead, budget.delta))
+            _keep(approved if within else refused, ahead)
+            return within
+
+        if planned is not None and planned > copies and within_ahead(planned - copies):
+            return
         if planned is not None and copies >= planned:
             copies = 0                           # past the plan: only the projection itself is worth pricing
         while copies >= 1:
-            ahead = projected + Counter({leaf: n * copies for leaf, n in step.items()})
-            if not any(_holds(ahead, over) for over in refused):
-                if budget.allows(ledger._epsilon_of(ahead, budget.delta)):
-                    _keep(approved, ahead)
-                    return
-                _keep(refused, ahead)
+            if within_ahead(copies):
+                return
             copies //= 2
         after = ledger._projected_epsilon(event, budget.delta)
         if not budget.allows(after):

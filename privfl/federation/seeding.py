@@ -21,6 +21,10 @@ def _key(purpose: str) -> int:
     return zlib.crc32(purpose.encode())
 
 
+#: A 32-bit word's range: seed material below it goes to SeedSequence as words.
+_WORD = 2**32
+
+
 def derive_rng(seed: int, purpose: str, *keys: int) -> np.random.Generator:
     """A numpy generator for ``purpose`` (e.g. ``"batches"``) keyed by the run seed and integer keys."""
     entropy = [int(seed), _key(purpose), *(int(k) for k in keys)]
@@ -29,9 +33,6 @@ def derive_rng(seed: int, purpose: str, *keys: int) -> np.random.Generator:
         # given as words it skips the list's conversion (a third of the time)
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence(np.array(entropy, dtype=np.uint32))))
     return np.random.default_rng(entropy)
-
-
-_WORD = 2**32
 
 
 def derive_seed(seed: int, purpose: str, *keys: int) -> int:

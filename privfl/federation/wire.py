@@ -64,7 +64,7 @@ class Wire:
         record, and in the journal, as one line. A refusal records nothing for anyone."""
         record = self.ledgers.record_for(client_ids, release.event, purpose=release.purpose, round=round,
                                          metadata=release.metadata, calibrated_for=release.calibrated_for,
-                                         planned=getattr(release, "planned", None))
+                                         planned=release.planned)
         if self.journal is not None:
             self.journal.append_for(client_ids, record)
 
