@@ -479,7 +479,7 @@ def _odpflhn_gradient_releases(eps, delta, trials, bound, n, seed, vectorised):
     from privfl.data import TrainingClient
     from privfl.federation.context import ClientContext
     from privfl.methods.base import ModelFactory
-    from privfl.methods.odpflhn import NOISY_MEAN, ODPFLHNClient, ODPFLHNConfig
+    from privfl.methods.odpflhn import ENCODER_GRADIENT_NOISE, NOISY_MEAN, ODPFLHNClient, ODPFLHNConfig
     from privfl.privacy.training import TrainingPrivacy
 
     encoder, x_d, x_dp, descriptor_grad = odpflhn_gradient_pair(n, bound)
@@ -515,14 +515,15 @@ def _odpflhn_gradient_releases(eps, delta, trials, bound, n, seed, vectorised):
     value_dp, event_dp = release(x_dp, 0)
     if event_d != event_dp:
         raise AssertionError(f"the releases on D and D' carry different events: {event_d} and {event_dp}")
-    mechanism = client._gradient_mechanism(ClientContext(client_id=0, round=0, run_seed=0,
-                                                         rng=np.random.default_rng(0)))
+    kind = client.encoder_gradient_release()
+    ctx = ClientContext(client_id=0, round=0, run_seed=0, rng=np.random.default_rng(0))
+    mechanism = kind.mechanism(client.noise_multiplier(), **client.noise_source(ctx, ENCODER_GRADIENT_NOISE))
     noise = mechanism.add_noise(torch.zeros_like(value_d))
     mean_d, mean_dp = value_d - noise, value_dp - noise
     gap = float((mean_d - mean_dp).norm())
     if not math.isclose(gap, 2 * bound / (n + 1), rel_tol=1e-4):
         raise AssertionError(f"worst-case pair broken: the data terms differ by {gap}, not 2 C / (n + 1)")
-    fresh = client._gradient_mechanism(None)             # secure noise, the same sigma
+    fresh = kind.mechanism(client.noise_multiplier())    # secure noise, the same sigma
     rd = fresh.add_noise(mean_d.expand(trials, -1).clone()).numpy()
     rdp = fresh.add_noise(mean_dp.expand(trials, -1).clone()).numpy()
     return rd, rdp
@@ -532,8 +533,7 @@ def _classic_releases(eps, delta, trials, bound, n, seed):
     """DELIBERATELY BROKEN: the worst-case pair with noise from the classic closed form (proved only for eps < 1)."""
     encoder, x_d, x_dp = worst_case_pair(n, bound)
     from privfl.privacy import privatize
-    private = privatize(encoder, eps, delta, bound=bound, noise="seeded",
-                                         generator=_torch_generator(seed))
+    private = privatize(encoder, eps, delta, bound=bound, noise="seeded", generator=_torch_generator(seed))
     sens = 2 * bound / n
     sigma = sens * math.sqrt(2 * math.log(1.25 / delta)) / eps  # classic formula, deliberately broken (audit target)
     rng = np.random.default_rng(seed)

@@ -72,14 +72,14 @@ def noise_floor_lifted(monkeypatch):
 def _clear_accounting_caches() -> None:
     import accounting.accountants
     import accounting.pld
-    import privfl.methods.base
+    import privfl.privacy.record
     import privfl.privacy.training
 
     accounting.accountants._epsilon_of_leaves.cache_clear()
     accounting.accountants._supported.cache_clear()
     accounting.pld._step_pld.cache_clear()
     privfl.privacy.training.central_noise_multiplier.cache_clear()
-    privfl.methods.base._CALIBRATIONS.clear()
+    privfl.privacy.record.clear_calibrations()
 
 
 @pytest.fixture

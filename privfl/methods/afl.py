@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accounting import ComposedEvent, NeighboringRelation, PrivacyEvent
+from accounting import ComposedEvent, PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import TrainingClient
 from privfl.devices import ANY_DEVICE, device_of
@@ -30,8 +30,7 @@ from privfl.methods.base import ClientContext, ClientState, register_method
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig, weighted_mean
 from privfl.methods.fedsr import update_release
 from privfl.methods.local_training import difference, sgd_settings, weights_of
-from privfl.privacy.mechanisms import GaussianMechanism
-from privfl.privacy.sensitivity import certify_mean_of_clipped
+from privfl.privacy.record import ClippedMean, RecordRelease
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 #: The name of the loss L_k(w_t) in a client's release (a 0-d tensor beside the weight change).
@@ -151,32 +150,29 @@ class AFLClient(FedAvgClient):
         events = None if fit_event is None or loss_event is None else ComposedEvent((fit_event, loss_event))
         return update_release(self, arrays, events, {"num_examples": float(data.num_train)})
 
-    def loss_mechanism(self, noise_multiplier: float, **noise: Any) -> GaussianMechanism:
-        """Record level: the Gaussian mechanism of the loss release at ``noise_multiplier`` (module docstring: the
-        mean of per-record losses clipped to [0, B], sensitivity B / min_samples under add/remove-one with n
-        private). Public quantities only: the client's size is checked by :meth:`private_loss`."""
-        bound, floor = float(self.config.loss_bound), int(self.privacy.min_samples)
-        certificate = certify_mean_of_clipped(bound / 2, floor, NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False)
-        return GaussianMechanism(sensitivity=certificate.value, noise_multiplier=noise_multiplier,
-                                 relation=NeighboringRelation.ADD_OR_REMOVE_ONE, **noise)
+    def loss_release(self) -> ClippedMean:
+        """Record level: the loss release (module docstring): the mean of per-record losses clipped to [0, B] and
+        centred, so each lies in the L2 ball of radius B / 2 (sensitivity B / min_samples under add/remove-one with
+        n private). Public quantities only: the client's size is checked by :meth:`private_loss`."""
+        return self.clipped_mean(float(self.config.loss_bound) / 2)
 
     def private_loss(self, model: nn.Module, data: TrainingClient, ctx: ClientContext
                      ) -> tuple[torch.Tensor, PrivacyEvent]:
-        """Record level: L_k(w_t) released by :meth:`loss_mechanism` (clip, centre, noise, un-centre), and its
+        """Record level: L_k(w_t) released by :meth:`loss_release` (clip, centre, noise, un-centre), and its
         event."""
         if data.num_train < self.privacy.min_samples:
             # n stays out of the message: it is private under add/remove-one
             raise ConfigError(f"the client has fewer training records than the public lower bound privacy "
                               f"min_samples={self.privacy.min_samples} its loss release is calibrated for; nothing "
                               "released")
-        mechanism = self.loss_mechanism(self.noise_multiplier(), **self.noise_source(ctx, "afl_loss"))
+        mechanism = self.loss_release().mechanism(self.noise_multiplier(), **self.noise_source(ctx, "afl_loss"))
         half = float(self.config.loss_bound) / 2
         centred = (record_losses(model, data).clamp(max=2 * half) - half).double().mean()
         return mechanism.add_noise(centred) + half, mechanism.event
 
-    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
-        """Record level: the DP-SGD fit and the loss release, composed (what :meth:`train` records)."""
-        return ComposedEvent((super().round_event(noise_multiplier), self.loss_mechanism(noise_multiplier).event))
+    def record_releases(self) -> tuple[RecordRelease, ...]:
+        """Record level: the DP-SGD fit and the loss release (what :meth:`train` records)."""
+        return (self.dp_sgd_fit(), self.loss_release())
 
 
 def record_losses(model: nn.Module, data: TrainingClient) -> torch.Tensor:

@@ -5,7 +5,8 @@ A method is one module that defines a :class:`Strategy` subclass (server side), 
 call. The runtime drives them through messages only, so the same method code runs on any engine; every message up is
 a release on the wire. Novel clients follow one two-down, one-up protocol (``novel_request``, ``novel_query``,
 ``novel_reply``, ``novel_model``). Other entry points: :func:`get_method`, :class:`MethodSpec`,
-:func:`dp_sgd_round_event`, :func:`private_release`.
+:func:`private_release`. What a round releases under record-level DP is declared here
+(:meth:`ClientProcedure.record_releases`) and priced, calibrated and run by :mod:`privfl.privacy.record`.
 
 The exchanges of a round, the novel-client protocol and the privacy contract every method keeps:
 docs/federation.md, "The shape of a method".
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from accounting import ComposedEvent, PrivacyEvent, SelfComposedEvent, SubsampledGaussianEvent
+from accounting import ComposedEvent, PrivacyEvent
 from accounting.validation import is_finite, is_int_at_least
 from privfl.data import NovelClient, TrainingClient
 from privfl.errors import ConfigError, check
@@ -36,15 +37,9 @@ from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sampl
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.local_training import ExtraLoss, load_weights, local_sgd
 from privfl.models import build_model
-from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
-from privfl.privacy.training import (
-    MODES,
-    RECORD,
-    NovelPrivacy,
-    TrainingPrivacy,
-    record_noise_multiplier,
-    record_sampling_rate,
-)
+from privfl.privacy import record
+from privfl.privacy.record import ClippedMean, DPSGDFit, RecordRelease
+from privfl.privacy.training import MODES, RECORD, NovelPrivacy, TrainingPrivacy, record_sampling_rate
 from privfl.registry import Registry
 
 
@@ -270,13 +265,27 @@ class ClientProcedure(ABC):
         """Whether training clients run record-level DP (DP-SGD and private releases)."""
         return self.privacy.mode == RECORD
 
+    def record_releases(self) -> tuple[RecordRelease, ...]:
+        """Record level: what one round of this client releases, in order, declared from public quantities only
+        (the run's settings, never the client's data or size), so neighbouring clients (n and n + 1 records) declare
+        the same. By default one DP-SGD fit (:meth:`dp_sgd_fit`). The privacy layer prices it
+        (:mod:`privfl.privacy.record`); the conformance tests check that a round records what it declares."""
+        return (self.dp_sgd_fit(),)
+
+    def dp_sgd_fit(self) -> DPSGDFit:
+        """Record level: one fit of :meth:`record_steps` DP-SGD steps at the public rate
+        :meth:`record_sampling_rate`."""
+        return DPSGDFit(self.record_steps(), self.record_sampling_rate())
+
+    def clipped_mean(self, bound: float) -> ClippedMean:
+        """Record level: one release of a mean over the client's records each clipped to ``bound``, calibrated at
+        the public ``privacy.min_samples``."""
+        return ClippedMean(float(bound), self.privacy.min_samples)
+
     def round_event(self, noise_multiplier: float) -> PrivacyEvent:
-        """Record level: the event of one round of this client's releases when every mechanism has noise multiplier
-        ``noise_multiplier``; calibrating a target epsilon composes it over the client's rounds. A function of public
-        quantities only (the run's settings, never the client's data or size), so neighbouring clients (n and
-        n + 1 records) make the same event. By default one DP-SGD fit of :meth:`record_steps` steps at the public
-        rate :meth:`record_sampling_rate` (the conformance tests check that it matches what a round records)."""
-        return dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps())
+        """Record level: the event of one round of :meth:`record_releases` when every mechanism has noise multiplier
+        ``noise_multiplier``; calibrating a target epsilon composes it over the client's rounds."""
+        return record.round_event(self.record_releases(), noise_multiplier)
 
     def planned_round_event(self) -> PrivacyEvent:
         """Record level: the event one round of this client's releases will record, priced before the first release
@@ -295,52 +304,34 @@ class ClientProcedure(ABC):
         return int(self.config.local_steps)
 
     def noise_source(self, ctx: ClientContext, purpose: str) -> dict[str, Any]:
-        """Keyword arguments ``noise`` and ``generator`` for a mechanism of :mod:`privfl.privacy` that a training
-        client runs under record-level DP: OS-seeded noise (``"secure"``, ``"hardened"``), or a generator keyed by
-        the privacy seed, the round, the client and ``purpose`` (``"seeded"``; never the run seed, which the server
-        knows)."""
-        if self.privacy.noise != "seeded":
-            return {"noise": self.privacy.noise, "generator": None}
-        seed = derive_seed(self.privacy.noise_seed, purpose, ctx.round, ctx.client_id)
-        return {"noise": "seeded", "generator": torch.Generator().manual_seed(seed)}
+        """Keyword arguments ``noise`` and ``generator`` for a mechanism of a record-level release
+        (:func:`privfl.privacy.record.noise_source`), keyed by ``purpose``, the round and the client."""
+        return record.noise_source(self.privacy, lambda seed: derive_seed(seed, purpose, ctx.round, ctx.client_id))
 
     def noise_multiplier(self) -> float:
         """Record level: z of every mechanism of every training client (the run's ``noise_multiplier``, or
-        calibrated once for a target epsilon from :meth:`round_event`, which reads public quantities only)."""
-        return _calibrated(self, self.round_event)
+        calibrated once per settings for a target epsilon from :meth:`round_event`, which reads public quantities
+        only)."""
+        key = (type(self).__name__, repr(self.config), repr(self.novel_privacy))
+        return record.calibrated_noise_multiplier(self.privacy, self.participations, key, self.round_event)
 
     def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
             *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,
             params: Iterable[str | nn.Parameter] | None = None) -> tuple[float, PrivacyEvent | None]:
-        """Local training on the client's training split, with ``settings`` as :func:`local_sgd` takes them; DP-SGD
-        (:class:`~privfl.privacy.dp_sgd.DPSGDTrainer`, per-sample clip ``privacy.clip``, noise multiplier
-        :meth:`noise_multiplier`, the public rate :meth:`record_sampling_rate`) under record-level DP. Returns the
-        mean loss and the DP-SGD event (``None`` without DP). ``extra_loss`` must not depend on the data (FedProx's
-        proximal term, SCAFFOLD's correction): its gradient is added outside the clipped, noised sum.
-
-        Under record-level DP the step count and batch size are the client's own plan (:meth:`record_steps`, the
-        method's ``batch_size``), which its noise is calibrated for: a message that asks for others (a faulty or
-        hostile server) is refused before anything is trained, so no server can change what a release spends."""
+        """Local training on the client's training split, with ``settings`` as :func:`local_sgd` takes them; under
+        record-level DP one :meth:`dp_sgd_fit` (:func:`privfl.privacy.record.train_dp_sgd`: per-sample clip
+        ``privacy.clip``, noise multiplier :meth:`noise_multiplier`; a server that asks for other steps or batch size
+        than the client's own plan is refused before anything is trained). Returns the mean loss and the DP-SGD event
+        (``None`` without DP). ``extra_loss`` must not depend on the data (FedProx's proximal term, SCAFFOLD's
+        correction): its gradient is added outside the clipped, noised sum."""
         if not self.record_level:
             if per_sample_loss is not None or params is not None:
                 raise NotImplementedError("per_sample_loss and params apply to record-level DP-SGD only")
             return local_sgd(model, data.x_train, data.y_train, rng=rng, extra_loss=extra_loss, **settings), None
-        if settings.get("grad_clip"):
-            raise ConfigError(f"grad_clip={settings['grad_clip']!r} clips each step's batch gradient, a stabiliser "
-                              "DP-SGD replaces with its per-sample clip (privacy clip); leave grad_clip unset with "
-                              "record-level DP")
-        steps, batch_size = self.record_steps(), int(self.config.batch_size)
-        if (settings["steps"], settings["batch_size"]) != (steps, batch_size):
-            raise ConfigError(f"the server asked for {settings['steps']!r} DP-SGD steps at batch size "
-                              f"{settings['batch_size']!r}, but this client's record-level plan, which its noise is "
-                              f"calibrated for, is {steps} steps at batch size {batch_size}; nothing was trained")
-        trainer = DPSGDTrainer(DPSGDConfig(noise_multiplier=self.noise_multiplier(),
-                                           max_grad_norm=float(self.privacy.clip), noise=self.privacy.noise))
-        return trainer.train(model, data.x_train, data.y_train, lr=settings["lr"], steps=steps,
-                             batch_size=batch_size, rng=rng, per_sample_loss=per_sample_loss,
-                             extra_loss=extra_loss, weight_decay=settings.get("weight_decay", 0.0),
-                             momentum=settings.get("momentum", 0.0), params=params,
-                             sampling_rate=self.record_sampling_rate())
+        return record.train_dp_sgd(model, data.x_train, data.y_train, self.privacy, self.dp_sgd_fit(),
+                                   batch_size=int(self.config.batch_size), noise_multiplier=self.noise_multiplier(),
+                                   settings=settings, rng=rng, per_sample_loss=per_sample_loss,
+                                   extra_loss=extra_loss, params=params)
 
     def workspace_model(self) -> nn.Module:
         """A model instance reused across calls on this client process (its weights are always overwritten)."""
@@ -499,11 +490,6 @@ def get_method(name: str) -> MethodSpec:
     return METHODS.lookup(name)
 
 
-def dp_sgd_round_event(noise_multiplier: float, sampling_rate: float, steps: int) -> SelfComposedEvent:
-    """One DP-SGD fit: ``steps`` Poisson-subsampled Gaussian steps at the public rate q = ``sampling_rate``."""
-    return SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, sampling_rate), steps)
-
-
 def compose(*events: PrivacyEvent | None) -> PrivacyEvent | None:
     """The events of one release composed (``None`` where there is none: a release made without DP)."""
     present = [e for e in events if e is not None]
@@ -523,18 +509,3 @@ def private_release(message: Message, purpose: str, *events: PrivacyEvent | None
     if event is None:
         return Release.non_private(message, purpose)
     return Release(message, purpose=purpose, event=event, metadata=dict(metadata or {}))
-
-
-def _calibrated(procedure: ClientProcedure, round_event: Callable[[float], PrivacyEvent]) -> float:
-    """Record level: the noise multiplier of every client of ``procedure`` (calibrated once per settings and planned
-    participations, then reused). The key holds the settings only: no client's size or data enters the calibration."""
-    if procedure.privacy.noise_multiplier is not None:
-        return float(procedure.privacy.noise_multiplier)
-    key = (type(procedure).__name__, repr(procedure.config), repr(procedure.novel_privacy))
-    cache = _CALIBRATIONS.setdefault((procedure.privacy, procedure.participations), {})
-    if key not in cache:
-        cache[key] = record_noise_multiplier(procedure.privacy, round_event, procedure.participations)
-    return cache[key]
-
-
-_CALIBRATIONS: dict[tuple[TrainingPrivacy, int], dict[tuple, float]] = {}

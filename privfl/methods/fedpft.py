@@ -26,11 +26,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from accounting import GaussianEvent, PrivacyEvent
-from accounting import epsilon as accounting_epsilon
+from accounting import PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
-from privfl.errors import ConfigError, InternalError, check
+from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release, Scalar
 from privfl.federation.seeding import derive_rng, derive_seed
 from privfl.methods.base import (
@@ -50,6 +49,7 @@ from privfl.privacy.dp_gmm import (
     release_class_gaussians,
     release_event,
 )
+from privfl.privacy.record import whole_release_epsilon
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 __all__ = [
@@ -540,22 +540,12 @@ class FedPFTClient(ClientProcedure):
         train_head(head, data.x_train, data.y_train, rng=ctx.rng, **self.config.head_settings())
         state.update({"head." + k: v for k, v in weights_of(head).items()})
 
-    def _release_epsilon(self) -> float:
-        """The epsilon of the one DP-GMM release: the run's; with a noise multiplier z instead, the epsilon a Gaussian
-        release of noise multiplier z spends at delta (the release's blocks are calibrated jointly, as one Gaussian)."""
-        privacy = self.privacy
-        if privacy.epsilon is not None:
-            return privacy.epsilon
-        if privacy.noise_multiplier is None:   # TrainingPrivacy refuses DP with neither
-            raise InternalError("DP-FedPFT's privacy has neither epsilon nor noise_multiplier")
-        return accounting_epsilon(GaussianEvent(sigma=float(privacy.noise_multiplier)), privacy.delta)
-
     def planned_round_event(self) -> PrivacyEvent:
         """Record level: the one Gaussian event :func:`release_class_gaussians` records for this client's message,
         from the settings alone (the blocks' sensitivities follow from the bound, covariance type, counts and
         relation; no record enters)."""
         cfg = self.config
-        return release_event(epsilon=self._release_epsilon(), delta=self.privacy.delta, bound=1.0,
+        return release_event(epsilon=whole_release_epsilon(self.privacy), delta=self.privacy.delta, bound=1.0,
                              covariance=cfg.covariance, relation=cfg.dp_relation, counts=cfg.dp_counts,
                              project="sphere")
 
@@ -564,8 +554,9 @@ class FedPFTClient(ClientProcedure):
         cfg, privacy = self.config, self.privacy
         release = release_class_gaussians(
             _features(data.x_train, cfg), data.y_train, num_classes=self.model_factory.num_classes,
-            epsilon=self._release_epsilon(), delta=privacy.delta, bound=1.0, covariance=cfg.covariance, components=1,
-            counts=cfg.dp_counts, relation=cfg.dp_relation, eigenvalue_floor=cfg.reg_covar, project="sphere",
+            epsilon=whole_release_epsilon(privacy), delta=privacy.delta, bound=1.0, covariance=cfg.covariance,
+            components=1, counts=cfg.dp_counts, relation=cfg.dp_relation, eigenvalue_floor=cfg.reg_covar,
+            project="sphere",
             **self.noise_source(ctx, "fedpft_dp_noise"))
         mixtures = []
         for cls in release.classes:

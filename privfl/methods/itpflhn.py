@@ -21,21 +21,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent, SelfComposedEvent
+from accounting import ComposedEvent, SelfComposedEvent
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
 from privfl.devices import ANY_DEVICE, on_cpu, on_device
 from privfl.errors import ConfigError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.base import ClientContext, ClientState, dp_sgd_round_event, private_release, register_method
+from privfl.methods.base import ClientContext, ClientState, private_release, register_method
 from privfl.methods.fedavg import weighted_mean
 from privfl.methods.pfedhn import SMOKE_SETTINGS, PFedHNClient, PFedHNConfig, PFedHNStrategy
 from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
 from privfl.models.pefll import clipped_rows
 from privfl.privacy import privatize
 from privfl.privacy.gradient_mean import release_gradient_mean
-from privfl.privacy.sensitivity import certify_mean_of_clipped
+from privfl.privacy.record import RecordRelease, Repeated
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 _ENCODER = "encoder/"
@@ -304,29 +304,16 @@ class ITPFLHNClient(PFedHNClient):
                          min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
                          **self.noise_source(ctx, purpose))
 
-    def _mean_event(self, noise_multiplier: float, bound: float) -> GaussianEvent:
-        """The event of one release of a mean over records each clipped to ``bound`` (phi's outputs to B, phi's
-        per-record gradients to C) at ``noise_multiplier``: sensitivity ``2 bound / min_samples`` under
-        add/remove-one, n private."""
-        sensitivity = certify_mean_of_clipped(float(bound), self.privacy.min_samples,
-                                              NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False).value
-        return GaussianEvent(sigma=float(noise_multiplier) * sensitivity, sensitivity=sensitivity,
-                             relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+    def record_releases(self) -> tuple[RecordRelease, ...]:
+        """Record level: a phase-1 round, one DP-SGD fit and ``encoder_steps`` steps of two mean releases (phi's
+        outputs clipped to B, phi's per-record gradients to C; module docstring). It dominates a phase-2 round
+        (:meth:`phase2_releases`) at the same noise multiplier, so it is what every round is calibrated for."""
+        step = (self.clipped_mean(self.novel_privacy.bound), self.clipped_mean(float(self.privacy.clip)))
+        return (self.dp_sgd_fit(), Repeated(step, self.config.encoder_steps))
 
-    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
-        """Record level: a phase-1 round, one DP-SGD fit and ``encoder_steps`` steps of two mean releases (module
-        docstring). It dominates a phase-2 round (one fit and one mean release at the same noise multiplier), so it
-        is what every round is calibrated for."""
-        cfg = self.config
-        step = ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
-                              self._mean_event(noise_multiplier, float(self.privacy.clip))))
-        return ComposedEvent((dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps()),
-                              SelfComposedEvent(step, cfg.encoder_steps)))
-
-    def phase2_round_event(self, noise_multiplier: float) -> PrivacyEvent:
+    def phase2_releases(self) -> tuple[RecordRelease, ...]:
         """Record level: what a phase-2 round releases (its descriptor, then its weight change)."""
-        return ComposedEvent((self._mean_event(noise_multiplier, self.novel_privacy.bound),
-                              dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps())))
+        return (self.clipped_mean(self.novel_privacy.bound), self.dp_sgd_fit())
 
     # -- rounds ---------------------------------------------------------------------------------------------------
 

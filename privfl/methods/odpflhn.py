@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
 from privfl.devices import ANY_DEVICE, device_of, on_cpu, on_device
@@ -37,7 +36,6 @@ from privfl.methods.base import (
     ClientState,
     MethodConfig,
     Strategy,
-    dp_sgd_round_event,
     private_release,
     register_method,
 )
@@ -53,9 +51,8 @@ from privfl.models.hypernetwork import (
 )
 from privfl.models.set_encoders import PHI_HEADS, PSI_KINDS
 from privfl.privacy import privatize
-from privfl.privacy.mechanisms import GaussianMechanism
-from privfl.privacy.per_sample import ClippedGradientSum, flat_views
-from privfl.privacy.sensitivity import certify_mean_of_clipped
+from privfl.privacy.gradient_mean import release_gradient_mean
+from privfl.privacy.record import ClippedMean, RecordRelease
 from privfl.privacy.training import CENTRAL, RECORD, NovelPrivacy, TrainingPrivacy, record_steps_for_epochs
 
 DESCRIPTOR_MODES = ("full", "batch_mean")
@@ -658,7 +655,7 @@ class ODPFLHNClient(ClientProcedure):
         of that release and the server's de: no privacy cost); 2. each record's contribution to phi's gradient,
         h_i = d/dtheta <v, clip_B(phi_theta(x_i))>, clipped to C (:class:`~privfl.privacy.per_sample.
         ClippedGradientSum`); 3. their mean plus Gaussian noise of z times the mean's add/remove sensitivity with n
-        private, 2 C / min_samples (:func:`~privfl.privacy.sensitivity.certify_mean_of_clipped`)."""
+        private, 2 C / min_samples (steps 2 and 3: :func:`~privfl.privacy.gradient_mean.release_gradient_mean`)."""
         if NOISY_MEAN not in state:
             raise InternalError("ODPFL-HN stage 2 under record-level DP found no stage-0 release in the client state")
         noisy_mean = state[NOISY_MEAN]
@@ -671,10 +668,8 @@ class ODPFLHNClient(ClientProcedure):
         v = grads[0].detach()
         arrays = {f"psi.{n}": torch.zeros_like(p) if g is None else g.detach()
                   for (n, p), g in zip(psi_params.items(), grads[1:], strict=True)}
-        # 2. per-record contributions to phi's gradient, clipped
-        phi = encoder.get_submodule("phi")
-        phi_params = {n: p for n, p in phi.named_parameters() if p.requires_grad}
-        bound, clip = self.novel_privacy.bound, float(self.privacy.clip)
+        # 2-3. per-record contributions to phi's gradient, clipped, their mean noised
+        bound = self.novel_privacy.bound
 
         def contribution(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             rows = model(xb).reshape(len(xb), -1)
@@ -682,49 +677,29 @@ class ODPFLHNClient(ClientProcedure):
             rows = rows * torch.clamp(bound / norms, max=1.0)       # privatize's projection onto the ball
             return (rows * v.to(rows.dtype)).sum(dim=1)
 
-        total = torch.zeros(sum(p.numel() for p in phi_params.values()), dtype=next(iter(phi_params.values())).dtype,
-                            device=device)
-        views = flat_views(phi_params, total)
-        engine = ClippedGradientSum(phi, phi_params, contribution)
         encoder.eval()
-        dummy = torch.zeros(data.num_train, dtype=torch.long, device=device)
-        for start in range(0, data.num_train, CONTRIBUTION_CHUNK):
-            stop = start + CONTRIBUTION_CHUNK
-            engine(data.x_train[start:stop].to(device), dummy[start:stop], clip, views)
-        # 3. the noisy mean
-        mechanism = self._gradient_mechanism(ctx)
-        noisy = mechanism.add_noise(total.double() / data.num_train)
-        offset = 0
-        for name, p in phi_params.items():
-            arrays[f"phi.{name}"] = noisy[offset:offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+        labels = torch.zeros(data.num_train, dtype=torch.long)      # the contribution reads no label
+        phi_grads, event, _ = release_gradient_mean(
+            encoder.get_submodule("phi"), contribution, data.x_train, labels, clip=float(self.privacy.clip),
+            min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
+            **self.noise_source(ctx, ENCODER_GRADIENT_NOISE))
+        arrays.update(prefixed("phi.", phi_grads))
         arrays = on_cpu({n: arrays[n] for n, p in encoder.named_parameters() if p.requires_grad})
-        return private_release(Message(arrays=arrays), "encoder_gradient", mechanism.event,
-                               metadata={"noise": self.privacy.noise, "clip": clip,
+        return private_release(Message(arrays=arrays), "encoder_gradient", event,
+                               metadata={"noise": self.privacy.noise, "clip": float(self.privacy.clip),
                                          "min_samples": self.privacy.min_samples})
 
-    def _gradient_mechanism(self, ctx: ClientContext | None) -> GaussianMechanism:
-        certificate = certify_mean_of_clipped(float(self.privacy.clip), self.privacy.min_samples,
-                                              NeighboringRelation.ADD_OR_REMOVE_ONE, n_public=False)
-        noise = {"noise": "secure", "generator": None} if ctx is None else \
-            self.noise_source(ctx, "odpflhn_encoder_gradient")
-        return GaussianMechanism(sensitivity=certificate.value, noise_multiplier=self.noise_multiplier(),
-                                 relation=NeighboringRelation.ADD_OR_REMOVE_ONE, **noise)
+    def encoder_gradient_release(self) -> ClippedMean:
+        """Record level: the encoder-gradient release, a mean of per-record contributions clipped to
+        ``privacy.clip``."""
+        return self.clipped_mean(float(self.privacy.clip))
 
-    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
-        """Record level: a round's releases at noise multiplier z: the descriptor (Gaussian, sensitivity of the
-        clipped mean with n private, ``2 B / min_samples``), the weight change (DP-SGD) and, unless the encoder is
-        frozen, the encoder gradient (Gaussian, ``2 C / min_samples``)."""
-        relation = NeighboringRelation.ADD_OR_REMOVE_ONE
-        descriptor = certify_mean_of_clipped(self.novel_privacy.bound, self.privacy.min_samples, relation,
-                                             n_public=False).value
-        gradient = certify_mean_of_clipped(float(self.privacy.clip), self.privacy.min_samples, relation,
-                                           n_public=False).value
-        events = [GaussianEvent(sigma=noise_multiplier * descriptor, sensitivity=descriptor, relation=relation),
-                  dp_sgd_round_event(noise_multiplier, self.record_sampling_rate(), self.record_steps())]
-        if not self.config.frozen_encoder:
-            events.append(GaussianEvent(sigma=noise_multiplier * gradient, sensitivity=gradient, relation=relation))
-        return ComposedEvent(tuple(events))
+    def record_releases(self) -> tuple[RecordRelease, ...]:
+        """Record level: a round's releases: the descriptor (a mean of phi's outputs clipped to the novel bound B),
+        the weight change (DP-SGD) and, unless the encoder is frozen, the encoder gradient
+        (:meth:`encoder_gradient_release`)."""
+        releases: tuple[RecordRelease, ...] = (self.clipped_mean(self.novel_privacy.bound), self.dp_sgd_fit())
+        return releases if self.config.frozen_encoder else (*releases, self.encoder_gradient_release())
 
     def evaluation_model(self, data: TrainingClient, message: Message, state: ClientState) -> nn.Module:
         return self.model_from(message.arrays)
@@ -768,8 +743,8 @@ class ODPFLHNClient(ClientProcedure):
 #: The client state key of the noisy mean a record-level client released in stage 0 (stage 2 differentiates psi at
 #: it).
 NOISY_MEAN = "odpflhn.noisy_mean"
-#: Records per call of the per-record gradient engine in stage 2 (bounds its memory).
-CONTRIBUTION_CHUNK = 256
+#: The purpose the seeded noise of the encoder-gradient release is keyed by (the audit draws it again).
+ENCODER_GRADIENT_NOISE = "odpflhn_encoder_gradient"
 
 
 def _psi_dtype(encoder: nn.Module) -> torch.dtype:

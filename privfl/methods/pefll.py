@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent
+from accounting import NeighboringRelation
 from accounting.validation import is_finite
 from privfl.data import FederatedDataset, TrainingClient
 from privfl.devices import ANY_DEVICE, device_of, on_cpu
@@ -37,7 +37,6 @@ from privfl.methods.base import (
     ClientState,
     MethodConfig,
     Strategy,
-    dp_sgd_round_event,
     private_release,
     register_method,
 )
@@ -52,8 +51,9 @@ from privfl.models.hypernetwork import (
     target_shapes,
 )
 from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, clipped_rows, resolve_kind
-from privfl.privacy.gradient_mean import certify_gradient_mean, release_gradient_mean
-from privfl.privacy.labelled import certify_labelled_mean, release_labelled_mean
+from privfl.privacy.gradient_mean import release_gradient_mean
+from privfl.privacy.labelled import release_labelled_mean
+from privfl.privacy.record import RecordRelease
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 EMBED = "embed."
@@ -480,18 +480,12 @@ class PeFLLClient(ClientProcedure):
 
     # -- record level -------------------------------------------------------------------------------------------------
 
-    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
-        """Record level: the three releases of a round (module docstring): the descriptor mean (``2B / min_samples``
-        under add/remove-one) and the embedding gradient mean (``2C / min_samples``) around one DP-SGD fit."""
-        floor = self.privacy.min_samples
-        descriptor = certify_labelled_mean(float(self.novel_privacy.bound), floor,
-                                           relation=NeighboringRelation.ADD_OR_REMOVE_ONE).value
-        gradient = certify_gradient_mean(float(self.privacy.clip), floor).value
-        z = float(noise_multiplier)
-        return ComposedEvent((
-            GaussianEvent(sigma=z * descriptor, sensitivity=descriptor, relation=NeighboringRelation.ADD_OR_REMOVE_ONE),
-            dp_sgd_round_event(z, self.record_sampling_rate(), self.record_steps()),
-            GaussianEvent(sigma=z * gradient, sensitivity=gradient, relation=NeighboringRelation.ADD_OR_REMOVE_ONE)))
+    def record_releases(self) -> tuple[RecordRelease, ...]:
+        """Record level: the three releases of a round (module docstring): the descriptor (a mean of labelled
+        records' embeddings clipped to B) and the embedding gradient (a mean of per-record gradients clipped to C)
+        around one DP-SGD fit."""
+        return (self.clipped_mean(float(self.novel_privacy.bound)), self.dp_sgd_fit(),
+                self.clipped_mean(float(self.privacy.clip)))
 
     def _metadata(self) -> dict[str, Any]:
         return {"noise": self.privacy.noise, "bound": float(self.novel_privacy.bound), "clip": float(self.privacy.clip),

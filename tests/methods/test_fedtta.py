@@ -23,7 +23,6 @@ from privfl.errors import ConfigError
 from privfl.experiment import build_runtime
 from privfl.federation import ClientContext, Message
 from privfl.methods import ModelFactory, get_method
-from privfl.methods.base import dp_sgd_round_event
 from privfl.methods.fedtta import (
     AdaptationModel,
     MetaLearner,
@@ -35,6 +34,7 @@ from privfl.methods.fedtta import (
     record_meta_losses,
 )
 from privfl.privacy.per_sample import ClippedGradientSum, flat_views
+from privfl.privacy.record import dp_sgd_round_event
 from privfl.privacy.training import TrainingPrivacy
 
 

@@ -17,6 +17,7 @@ from privfl.methods import ModelFactory, get_method
 from privfl.methods.itpflhn import make_encoder
 from privfl.methods.private import protect
 from privfl.models import DeepSetEncoder, DPDeepSetEncoder, functional_forward
+from privfl.privacy.record import round_event
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
@@ -283,7 +284,7 @@ def test_record_level_rounds_record_the_declared_events_phase_one_exactly_and_ph
         assert (mean.sensitivity, mean.sigma, records[1].event.count) == pytest.approx((2 * 0.5 / 6, 1.2 / 6, 3))
         assert (gradient.sensitivity, gradient.sigma) == pytest.approx((2 * 0.7 / 6, 1.2 * 1.4 / 6))
         phase2 = ComposedEvent(tuple(r.event for r in records[2:]))
-        assert phase2 == proc.phase2_round_event(1.2)
+        assert phase2 == round_event(proc.phase2_releases(), 1.2)
         assert accounting_epsilon(phase2, 1e-5) < accounting_epsilon(declared, 1e-5)
         assert all(r.metadata.get("min_samples") == 6 or r.purpose == "weight_change" for r in records)
 

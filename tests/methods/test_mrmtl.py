@@ -16,8 +16,9 @@ from privfl.experiment import build_runtime
 from privfl.federation.context import ClientContext
 from privfl.federation.messages import Message
 from privfl.methods import METHODS
-from privfl.methods.base import ModelFactory, dp_sgd_round_event
+from privfl.methods.base import ModelFactory
 from privfl.methods.mrmtl import MRMTLClient, MRMTLConfig, MRMTLStrategy, mean_regulariser
+from privfl.privacy.record import dp_sgd_round_event
 from privfl.privacy.training import TrainingPrivacy
 
 # label-skewed silos, so that personal models and the mean really differ

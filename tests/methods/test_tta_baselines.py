@@ -18,7 +18,6 @@ from privfl.federation import ClientContext, Message
 from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.afl import LOSS, project_to_simplex
-from privfl.methods.base import dp_sgd_round_event
 from privfl.methods.fedadg import FedADGModel, adversarial_step, record_adversarial_losses
 from privfl.methods.fedgma import gradient_mask, sign_agreement
 from privfl.methods.fedsr import (
@@ -31,6 +30,7 @@ from privfl.methods.fedsr import (
 )
 from privfl.methods.tent import normalisation_parameters, prediction_entropy, tent_adapt
 from privfl.models import targets
+from privfl.privacy.record import dp_sgd_round_event
 from privfl.privacy.training import TrainingPrivacy
 
 VECTOR = ModelFactory("mlp2nn", (3,), 2)
