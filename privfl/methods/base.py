@@ -312,8 +312,9 @@ class ClientProcedure(ABC):
         """Record level: z of every mechanism of every training client (the run's ``noise_multiplier``, or
         calibrated once per settings for a target epsilon from :meth:`round_event`, which reads public quantities
         only)."""
-        key = (type(self).__name__, repr(self.config), repr(self.novel_privacy))
-        return record.calibrated_noise_multiplier(self.privacy, self.participations, key, self.round_event)
+        return record.calibrated_noise_multiplier(
+            self.privacy, self.participations,
+            lambda: (type(self).__name__, repr(self.config), repr(self.novel_privacy)), self.round_event)
 
     def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
             *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,

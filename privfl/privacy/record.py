@@ -30,29 +30,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from accounting import (
-    ComposedEvent,
-    GaussianEvent,
-    NeighboringRelation,
-    PrivacyEvent,
-    SelfComposedEvent,
-    SubsampledGaussianEvent,
-)
+from accounting import ComposedEvent, GaussianEvent, NeighboringRelation, PrivacyEvent, SelfComposedEvent
 from accounting import epsilon as accounting_epsilon
 from privfl.errors import ConfigError
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer, ExtraLoss
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource
 from privfl.privacy.per_sample import PerSampleLoss
 from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped
-from privfl.privacy.training import TrainingPrivacy, record_noise_multiplier
+from privfl.privacy.training import TrainingPrivacy, dp_sgd_round_event, record_noise_multiplier
 
 #: The neighbouring relation of every record-level release (DP-SGD's, so all of a client's releases compose).
 RELATION = NeighboringRelation.ADD_OR_REMOVE_ONE
-
-
-def dp_sgd_round_event(noise_multiplier: float, sampling_rate: float, steps: int) -> SelfComposedEvent:
-    """One DP-SGD fit: ``steps`` Poisson-subsampled Gaussian steps at the public rate q = ``sampling_rate``."""
-    return SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, sampling_rate), steps)
 
 
 @dataclass(frozen=True)
@@ -115,15 +103,17 @@ def round_event(releases: Sequence[RecordRelease], noise_multiplier: float) -> P
 _CALIBRATIONS: dict[tuple[TrainingPrivacy, int], dict[Hashable, float]] = {}
 
 
-def calibrated_noise_multiplier(privacy: TrainingPrivacy, participations: int, key: Hashable,
+def calibrated_noise_multiplier(privacy: TrainingPrivacy, participations: int, settings_key: Callable[[], Hashable],
                                 event_at: Callable[[float], PrivacyEvent]) -> float:
     """The noise multiplier of every client of a run: ``privacy.noise_multiplier``, or the least z for which
     ``participations`` rounds of ``event_at(z)`` meet the target (:func:`~privfl.privacy.training.
-    record_noise_multiplier`), computed once per (privacy, participations, ``key``) and reused. ``key`` names the
-    method's settings only: no client's size or data enters the calibration."""
+    record_noise_multiplier`), computed once per (privacy, participations, ``settings_key()``) and reused. The key
+    names the method's settings only (no client's size or data enters the calibration); it is asked for only when
+    there is a calibration to look up, so a run with a fixed noise multiplier pays nothing a release."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     cache = _CALIBRATIONS.setdefault((privacy, participations), {})
+    key = settings_key()
     if key not in cache:
         cache[key] = record_noise_multiplier(privacy, event_at, participations)
     return cache[key]
@@ -185,5 +175,5 @@ def train_dp_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, privacy: Tr
 
 
 __all__ = ["RELATION", "ClippedMean", "DPSGDFit", "RecordRelease", "Repeated", "calibrated_noise_multiplier",
-           "clear_calibrations", "dp_sgd_round_event", "noise_source", "round_event", "train_dp_sgd",
+           "clear_calibrations", "noise_source", "round_event", "train_dp_sgd",
            "whole_release_epsilon"]

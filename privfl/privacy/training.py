@@ -396,6 +396,11 @@ def share_epsilon(noise: ClientLevelNoise) -> float:
     return accounting_epsilon(SelfComposedEvent(share, noise.participations), noise.delta)
 
 
+def dp_sgd_round_event(noise_multiplier: float, sampling_rate: float, steps: int) -> SelfComposedEvent:
+    """Record level: one DP-SGD fit, ``steps`` Poisson-subsampled Gaussian steps at public rate ``sampling_rate``."""
+    return SelfComposedEvent(SubsampledGaussianEvent(noise_multiplier, sampling_rate), steps)
+
+
 def central_round_event(noise_multiplier: float, sampling_probability: float) -> SubsampledGaussianEvent:
     """Central mode: one round as every client's ledger records it (Poisson sampling, add or remove one client)."""
     return SubsampledGaussianEvent(noise_multiplier, sampling_probability)
@@ -435,6 +440,7 @@ def joint_noise_multiplier(update: float, count_noise: float) -> float:
 __all__ = [
     "ADAPTIVE", "CENTRAL", "CLIENT_LEVEL", "DISTRIBUTED", "LOCAL", "MODES", "RECORD", "RELATIONS",
     "ClientLevelNoise", "NovelPrivacy", "TrainingPrivacy", "central_noise_multiplier", "central_round_event",
+    "dp_sgd_round_event",
     "check_delta", "check_epsilon_target", "check_noise_multiplier", "delta_meaning",
     "client_level_noise", "joint_noise_multiplier", "record_noise_multiplier", "record_sampling_rate",
     "record_steps_for_epochs", "share_epsilon",

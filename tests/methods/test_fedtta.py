@@ -34,8 +34,7 @@ from privfl.methods.fedtta import (
     record_meta_losses,
 )
 from privfl.privacy.per_sample import ClippedGradientSum, flat_views
-from privfl.privacy.record import dp_sgd_round_event
-from privfl.privacy.training import TrainingPrivacy
+from privfl.privacy.training import TrainingPrivacy, dp_sgd_round_event
 
 
 class Bias(nn.Module):

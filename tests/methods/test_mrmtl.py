@@ -18,8 +18,7 @@ from privfl.federation.messages import Message
 from privfl.methods import METHODS
 from privfl.methods.base import ModelFactory
 from privfl.methods.mrmtl import MRMTLClient, MRMTLConfig, MRMTLStrategy, mean_regulariser
-from privfl.privacy.record import dp_sgd_round_event
-from privfl.privacy.training import TrainingPrivacy
+from privfl.privacy.training import TrainingPrivacy, dp_sgd_round_event
 
 # label-skewed silos, so that personal models and the mean really differ
 SILOS = FederationSpec(source="synthetic", source_options={"num_samples": 600, "dim": 8, "num_classes": 3},

@@ -30,8 +30,7 @@ from privfl.methods.fedsr import (
 )
 from privfl.methods.tent import normalisation_parameters, prediction_entropy, tent_adapt
 from privfl.models import targets
-from privfl.privacy.record import dp_sgd_round_event
-from privfl.privacy.training import TrainingPrivacy
+from privfl.privacy.training import TrainingPrivacy, dp_sgd_round_event
 
 VECTOR = ModelFactory("mlp2nn", (3,), 2)
 

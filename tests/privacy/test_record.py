@@ -67,16 +67,18 @@ def test_the_calibration_meets_the_target_over_the_participations_and_is_compute
         calls.append(z)
         return round_event((ClippedMean(1.0, 20),), z)
 
-    z = record.calibrated_noise_multiplier(privacy, 4, "key", event_at)
+    key = lambda: "key"   # noqa: E731
+    z = record.calibrated_noise_multiplier(privacy, 4, key, event_at)
     assert accounting_epsilon(SelfComposedEvent(event_at(z), 4), 1e-5) == pytest.approx(2.0, abs=1e-2)
     # four Gaussian releases at epsilon 2 overall: each about as noisy as one at epsilon 1
     assert z == pytest.approx(analytic_gaussian_sigma(1.0, 1e-5 / 4, 1.0), rel=0.15)
     count = len(calls)
-    assert record.calibrated_noise_multiplier(privacy, 4, "key", lambda z: 1 / 0) == z      # reused, not recomputed
+    assert record.calibrated_noise_multiplier(privacy, 4, key, lambda z: 1 / 0) == z        # reused, not recomputed
     assert len(calls) == count
-    assert record.calibrated_noise_multiplier(privacy, 8, "key", event_at) > z               # more rounds, more noise
+    assert record.calibrated_noise_multiplier(privacy, 8, key, event_at) > z                 # more rounds, more noise
     fixed = TrainingPrivacy(mode="record", noise_multiplier=1.7)
-    assert record.calibrated_noise_multiplier(fixed, 4, "key", lambda z: 1 / 0) == 1.7
+    # a fixed noise multiplier asks for neither the key nor the event
+    assert record.calibrated_noise_multiplier(fixed, 4, lambda: 1 / 0, lambda z: 1 / 0) == 1.7
     record.clear_calibrations()
 
 
