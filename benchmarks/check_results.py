@@ -48,7 +48,7 @@ READMES = ("README.md", "benchmarks/README.md")
 #: What every federated run executes: configs, the run loop and the in-process engine, the wire, seeding, data, the
 #: local-training path every method uses, the privacy wrapper around methods, and the scoring of novel clients.
 RUNTIME = ("privfl/config.py", "privfl/experiment.py", "privfl/engines/choice.py", "privfl/federation",
-           "privfl/data", "privfl/methods/base.py", "privfl/methods/local_training.py", "privfl/methods/private.py",
+           "privfl/data", "privfl/methods/base.py", "privfl/methods/local_training.py", "privfl/modes",
            "privfl/metrics.py", "privfl/evaluation/novel_pool.py", "privfl/memory.py", "privfl/devices.py")
 #: Every noise, sensitivity and epsilon: the privacy layer and the accountants.
 PRIVACY = ("privfl/privacy", "accounting")
@@ -76,25 +76,28 @@ def _script(name: str) -> tuple[str, ...]:
 #: by several entries depends on all of them.
 DEPENDENCIES: dict[str, tuple[str, ...]] = {
     # the main job (`privfl sweep`, `make demo`)
-    "sweep_demo*.json": ("privfl/sweep.py", *_methods("odpflhn"), *TRAINING),
+    "sweep_demo*.json": ("privfl/sweep.py", *_methods("odpflhn", "odpflhn_config"), *TRAINING),
     "odpfl_*.json": (*_script("odpfl_mnist"), *_script("fedtta_mnist"), "privfl/sweep.py",
-                     *_methods("odpflhn", "pfedhn", "itpflhn", "pfl_baselines", "fedavg", "fedprox", "fedtta"),
+                     *_methods("odpflhn", "odpflhn_config", "pfedhn", "itpflhn", "pfl_baselines", "fedavg", "fedprox",
+                               "fedtta"),
                      *TRAINING),
     "client_dp_mnist*.json": (*_script("client_dp_mnist"), *_methods("fedavg"), *TRAINING),
     "fedtta_*_code.json": (*_script("fedtta_mnist"), "privfl/sweep.py",
                            *_methods("fedavg", "fedprox", "scaffold", "fedtta", "heterofedtta", "tent", "local",
-                                     "odpflhn"), *TRAINING),
+                                     "odpflhn", "odpflhn_config"), *TRAINING),
     "fedtta_timing.json": (*_script("fedtta_mnist"), *_methods("fedtta"), *TRAINING),
     "fedtta_summary.json": (*_script("fedtta_summary"), *_script("fedtta_mnist"),
-                            *_methods("fedavg", "fedprox", "fedtta", "heterofedtta", "tent", "odpflhn"), *TRAINING),
+                            *_methods("fedavg", "fedprox", "fedtta", "heterofedtta", "tent", "odpflhn",
+                                      "odpflhn_config"), *TRAINING),
     "tta_baselines_mnist*.json": (*_script("tta_baselines_mnist"), *_script("fedtta_mnist"),
                                   *_methods("afl", "fedadg", "fedavg", "fedgma", "fedsr", "tent"), *TRAINING),
     "pefll_mnist_*.json": (*_script("pefll_mnist"), "privfl/sweep.py",
-                           *_methods("pefll", "pfedhn", "fedavg", "odpflhn"), *TRAINING),
+                           *_methods("pefll", "pfedhn", "fedavg", "odpflhn", "odpflhn_config"), *TRAINING),
     "methods_dp_mnist.json": (*_script("methods_dp_mnist"), "privfl/methods", *TRAINING),
     "features_dp_mnist.json": (*_script("features_dp_mnist"), "privfl/sweep.py", "privfl/methods", *TRAINING),
     "hypernets_features_mnist.json": (*_script("hypernets_features_mnist"), "privfl/sweep.py",
-                                      *_methods("pfedhn", "itpflhn", "pefll", "odpflhn", "shared_part"), *TRAINING),
+                                      *_methods("pfedhn", "itpflhn", "pefll", "odpflhn", "odpflhn_config",
+                                                "shared_part"), *TRAINING),
     "cross_silo_mnist.json": (*_script("cross_silo_mnist"), *_methods("mrmtl", "fedavg", "local"), *TRAINING),
     "central_dp_mnist.json": (*_script("central_dp_mnist"), "privfl/data", *PRIVACY, *MODELS, "privfl/metrics.py"),
     "fedpft_mnist.json": (*_script("fedpft_mnist"), *_methods("fedpft", "fedpft_baselines", "local"), *TRAINING),

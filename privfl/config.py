@@ -17,8 +17,8 @@ from privfl.devices import check_device, resolve_device
 from privfl.errors import ConfigError
 from privfl.federation.runtime import sample_clients
 from privfl.methods import METHODS, ClientProcedure, MethodConfig, ModelFactory, Strategy, get_method
-from privfl.methods.plan import Plan, plan
-from privfl.methods.private import planned_participations, protect, support
+from privfl.modes.plan import Plan, plan
+from privfl.modes.wrappers import planned_participations, protect, support
 from privfl.privacy.training import DISTRIBUTED, LOCAL, NovelPrivacy, TrainingPrivacy
 
 SELECTIONS = ("best_val", "last")
@@ -229,7 +229,7 @@ def _client(config: RunConfig, factory: ModelFactory, num_training_clients: int)
 
 
 def run_plan(config: RunConfig, federation: FederatedDataset) -> Plan:
-    """What the run's releases will spend (:func:`privfl.methods.plan.plan`), before any is made: the noise is
+    """What the run's releases will spend (:func:`privfl.modes.plan.plan`), before any is made: the noise is
     calibrated and the schedule priced here, and a run the accountant cannot price is refused."""
     n = len(federation.training_clients)
     client = build_client(config, federation.input_shape, federation.num_classes, n)
@@ -248,7 +248,7 @@ def build_client(config: RunConfig, input_shape: tuple[int, ...], num_classes: i
 
 def build_method(config: RunConfig, federation: FederatedDataset) -> tuple[Strategy, ClientProcedure]:
     """The method's server strategy and client procedure for ``federation`` under the run's privacy layer
-    (:func:`privfl.methods.private.protect`), after the run-level checks that can refuse it before anything is
+    (:func:`privfl.modes.wrappers.protect`), after the run-level checks that can refuse it before anything is
     released."""
     spec = get_method(config.method)
     factory = model_factory(config, federation.input_shape, federation.num_classes)

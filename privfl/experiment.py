@@ -49,8 +49,8 @@ from privfl.federation.rundir import RunDirectory, dumps, to_json_safe
 from privfl.federation.runtime import InProcessRuntime, Runtime, how_to_continue
 from privfl.federation.spend import NOVEL_SERVED, run_summary
 from privfl.federation.timing import EVALUATION, TIMING_KEY
-from privfl.methods.plan import Plan, projected_spend, round_event
 from privfl.metrics import ClientScore, score_model, summarize_scores
+from privfl.modes.plan import Plan, projected_spend, round_event
 from privfl.privacy.training import CENTRAL, DISTRIBUTED, LOCAL, RECORD, RELATIONS, delta_meaning
 from privfl.provenance import numerics
 
@@ -189,7 +189,7 @@ def read_config(run_dir: RunDirectory) -> RunConfig:
 
 def preflight(config: RunConfig, federation: FederatedDataset) -> Plan:
     """The checks of ``config`` against the data that would otherwise refuse the run after releases were made, and
-    the run's :class:`~privfl.methods.plan.Plan`: every client's spend priced before the first release
+    the run's :class:`~privfl.modes.plan.Plan`: every client's spend priced before the first release
     (:func:`~privfl.config.run_plan`), refused where the accountant cannot price it."""
     if config.select == "best_val" and not any(len(c.y_val) for c in federation.training_clients):
         raise ConfigError(f"select='best_val' needs validation samples, but no training client has any at "
@@ -348,7 +348,7 @@ def check_overshoot(config: RunConfig, federation: FederatedDataset, runtime: Ru
                     allow: bool) -> None:
     """Before a resumed run's first round: each training client's epsilon once the rounds left are run (its ledger,
     releases made after the checkpoint included, plus its rounds of the public schedule from the checkpoint on,
-    :func:`~privfl.methods.plan.projected_spend`), against the target ``config.privacy.epsilon``. Above it (beyond
+    :func:`~privfl.modes.plan.projected_spend`), against the target ``config.privacy.epsilon``. Above it (beyond
     the ledger's numerical slack), the resume is refused naming the clients and by how much, unless ``allow``; then
     the amount is printed on stderr."""
     privacy = config.privacy

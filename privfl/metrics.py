@@ -30,7 +30,18 @@ class ClientScore:
         return self.loss_sum / self.num_samples if self.num_samples else float("nan")
 
 
-class ExpectedModel(nn.Module):
+class Members(nn.Module):
+    """A non-empty list of models held as one module: the base of :class:`ExpectedModel` and of the methods' logit
+    ensembles."""
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        super().__init__()
+        if not members:
+            raise ValueError(f"a {type(self).__name__} needs at least one member, got an empty list")
+        self.members = nn.ModuleList(members)
+
+
+class ExpectedModel(Members):
     """One of ``members`` drawn uniformly at random, scored by its expectation: PFL-sampled, the ODPFL-HN papers'
     baseline, scored by the mean accuracy of all the personalised models on each novel client (Amosy et al.,
     section 6.2; docs/papers.md, ODPFL-HN, U11).
@@ -38,12 +49,6 @@ class ExpectedModel(nn.Module):
     It makes no single prediction, so calling it raises; :func:`score_model` scores it as the mean over members of
     each member's score (accuracy = mean of the members' accuracies, loss = mean of their losses).
     """
-
-    def __init__(self, members: list[nn.Module]) -> None:
-        super().__init__()
-        if not members:
-            raise ValueError("an ExpectedModel needs at least one member")
-        self.members = nn.ModuleList(members)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise TypeError("an ExpectedModel stands for a uniformly drawn member and has no single prediction; "

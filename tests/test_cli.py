@@ -243,11 +243,12 @@ def test_an_internal_fault_shows_its_traceback_and_asks_for_a_report(tmp_path, c
 
 
 def test_privacy_options_build_the_run_privacy_and_refuse_mixes():
-    from privfl.cli import _privacy, build_parser
+    from privfl.cli import build_parser
+    from privfl.cli.options import privacy_of
     from privfl.errors import ConfigError, PrivflError
 
     def privacy(*flags):
-        return _privacy(build_parser().parse_args(["train", "--out", "x", *flags]))
+        return privacy_of(build_parser().parse_args(["train", "--out", "x", *flags]))
 
     record, novel = privacy("--dp-epsilon", "8", "--dp-max-grad-norm", "0.5", "--dp-min-samples", "32",
                             "--novel-epsilon", "1", "--delta", "1e-6")
@@ -280,7 +281,7 @@ def test_demo_applies_the_method_settings_it_is_given(tmp_path, capsys):
     them; nothing given is silently ignored."""
     import json
 
-    from privfl.cli import DEMO_METHODS
+    from privfl.cli.commands import DEMO_METHODS
 
     out = tmp_path / "demo"
     assert main(DEMO + ["--out", str(out), "--lr", "0.05", "--mu", "0.5", "--method-option", "lr_decay=0.9"]) == 0

@@ -1,7 +1,7 @@
 """The import graph between folders: every import points down the layers, so no folder imports one above it and
 there is no loop between folders.
 
-A layer is a folder: a top-level package or module of ``privfl`` (``privfl/federation/``, ``privfl/cli.py``; the
+A layer is a folder: a top-level package or module of ``privfl`` (``privfl/federation/``, ``privfl/cli/``; the
 package's own ``privfl/__init__.py`` is ``__init__``), or the ``accounting`` and ``attacks`` packages. :data:`LAYERS`
 orders them bottom to top; a module may import anything in its own folder and any folder below its own, never one
 above it. The list names every folder and only folders that exist, so the tree and this test cannot disagree: a new
@@ -23,14 +23,14 @@ PACKAGES = ("privfl", "accounting", "attacks")
 #: Bottom to top: pure DP mathematics (no torch, no privfl); the leaves of privfl (errors, pickle loading, provenance,
 #: memory, the ``--help`` format, per-client scores), the device choice and the registry; data, models, the privacy
 #: layer; what every engine shares (messages, the wire, the round loop, run directories, seeding), the methods, the
-#: run config; reports and plots, the training loop, the engines (in-process choice and Flower), the sweep; the
-#: attack suite, the command line, its console entry (which guards the command line's import against Ctrl-C), and the
-#: package's own lazy exports.
+#: privacy modes wrapped around any method, the run config; reports and plots, the training loop, the engines
+#: (in-process choice and Flower), the sweep; the attack suite, the command line, its console entry (which guards the
+#: command line's import against Ctrl-C), and the package's own lazy exports.
 LAYERS = [
     "accounting",
     "errors", "safe_pickle", "provenance", "memory", "helpformat", "metrics", "devices", "registry",
     "data", "models", "privacy",
-    "federation", "methods", "config",
+    "federation", "methods", "modes", "config",
     "evaluation", "experiment", "engines", "sweep",
     "attacks", "cli", "entry", "__init__",
 ]

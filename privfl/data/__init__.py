@@ -20,20 +20,8 @@ from privfl.data.partition import partition_dirichlet, partition_iid, partition_
 from privfl.data.sources import SOURCE_NAMES, ArraySplit, SourceData, SourceInfo, list_sources, load_source
 
 __all__ = [
-    "ArraySplit",
-    "SourceData",
-    "SourceInfo",
-    "load_source",
-    "list_sources",
-    "SOURCE_NAMES",
-    "partition_iid",
-    "partition_pathological",
-    "partition_dirichlet",
-    "FederationSpec",
-    "FederatedDataset",
-    "TrainingClient",
-    "NovelClient",
-    "NovelLabels",
-    "build_federation",
+    "ArraySplit", "SourceData", "SourceInfo", "load_source", "list_sources", "SOURCE_NAMES",
+    "partition_iid", "partition_pathological", "partition_dirichlet",
+    "FederationSpec", "FederatedDataset", "TrainingClient", "NovelClient", "NovelLabels", "build_federation",
     "label_shift_kl",
 ]

@@ -28,16 +28,8 @@ from privfl.data.partition import partition_dirichlet, partition_iid, partition_
 from privfl.data.sources import SOURCE_NAMES, SourceData, load_source
 from privfl.errors import ConfigError, InternalError
 
-__all__ = [
-    "FederationSpec",
-    "FederatedDataset",
-    "TrainingClient",
-    "NovelClient",
-    "NovelLabels",
-    "build_federation",
-    "PARTITIONS",
-    "SPLITS",
-]
+__all__ = ["FederationSpec", "FederatedDataset", "TrainingClient", "NovelClient", "NovelLabels", "build_federation",
+           "PARTITIONS", "SPLITS"]
 
 PARTITIONS = ("pathological", "dirichlet", "iid")
 SPLITS = ("merged", "train_test", "client_test")

@@ -26,12 +26,20 @@ from privfl.data import TrainingClient
 from privfl.devices import ANY_DEVICE, device_of
 from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
-from privfl.methods.base import ClientContext, ClientState, register_method
+from privfl.methods.base import ClientContext, ClientState, register_method, supported_modes
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig, weighted_mean
 from privfl.methods.fedsr import update_release
 from privfl.methods.local_training import difference, sgd_settings, weights_of
 from privfl.privacy.record import ClippedMean, RecordRelease
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
+
+#: The privacy modes this method runs, and why it refuses the others.
+AFL_PRIVACY = supported_modes(
+    central="its server step weights each client's update by that client's own mixture weight lambda_k and moves "
+            "lambda_k by that client's own loss, not a function of a noisy mean of contributions (a per-client "
+            "loss slot would need the training clients' ids, which the server learns only from who is sampled)",
+    distributed="its lambda step needs each client's own loss and its server step each client's own lambda_k, "
+                "which secure aggregation hides (only the sum is seen)")
 
 #: The name of the loss L_k(w_t) in a client's release (a 0-d tensor beside the weight change).
 LOSS = "afl.loss"
@@ -193,13 +201,7 @@ register_method(
     "afl", strategy=AFLStrategy, client=AFLClient, config=AFLConfig,
     description="AFL: agnostic FL, minimax over client mixture weights lambda (projected gradient ascent on the "
                 "simplex with the clients' losses)",
-    privacy={"record": None, "local": None,
-             "central": "its server step weights each client's update by that client's own mixture weight lambda_k "
-                        "and moves lambda_k by that client's own loss, not a function of a noisy mean of "
-                        "contributions (a per-client loss slot would need the training clients' ids, which the "
-                        "server learns only from who is sampled)",
-             "distributed": "its lambda step needs each client's own loss and its server step each client's own "
-                            "lambda_k, which secure aggregation hides (only the sum is seen)"},
+    privacy=AFL_PRIVACY,
     devices=ANY_DEVICE,
     central_eval=None,
 )

@@ -121,11 +121,17 @@ class Strategy(ABC):
         self.seed = seed
         self.num_training_clients = num_training_clients
 
-    @abstractmethod
     def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        """The message for each sampled training client this round."""
+        """The message for each sampled training client this round: by default the one :meth:`round_message` to
+        every client (a method whose clients receive different messages overrides this instead)."""
+        message = self.round_message(round)
+        return {cid: message for cid in client_ids}
 
-    #: Central DP (set by the privacy layer's aggregator, :class:`~privfl.methods.private.Aggregator`): per-client
+    def round_message(self, round: int) -> Message:
+        """The message every sampled training client receives in round ``round`` (:meth:`configure_train`)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither configure_train nor round_message")
+
+    #: Central DP (set by the privacy layer's aggregator, :class:`~privfl.modes.wrappers.Aggregator`): per-client
     #: state the server holds in the clear (ODPFL-HN's and PeFLL's descriptors, pFedHN's rows) may shape what its
     #: owner receives only, never a message to another client, a novel client or the shared state.
     confidential: bool = False
@@ -186,7 +192,7 @@ class Strategy(ABC):
     def sample_clients(self, round: int, client_ids: list[int], fraction: float, seed: int) -> list[int]:
         """The training clients of ``round``: a seeded uniform sample of fixed size (public: the schedule is a
         function of the run seed). Central client-level DP samples by Poisson instead
-        (:class:`~privfl.methods.private.Aggregator`)."""
+        (:class:`~privfl.modes.wrappers.Aggregator`)."""
         return sample_clients(client_ids, fraction, seed=seed, round=round)
 
     def round_releases(self, round: int) -> list[RoundRelease]:
@@ -210,7 +216,7 @@ class Strategy(ABC):
         client id; the layer clips each to C, sums and noises them, and :meth:`apply_mean` moves the shared state
         from the noisy mean. By default a client's contribution is its last-stage message's arrays. Distributed DP
         sums the releases themselves under secure aggregation, so a method that overrides this cannot run it (the
-        layer refuses it, :func:`privfl.methods.private.protect`)."""
+        layer refuses it, :func:`privfl.modes.wrappers.protect`)."""
         for cid in sorted(replies):
             yield cid, replies[cid].arrays
 
@@ -289,7 +295,7 @@ class ClientProcedure(ABC):
 
     def planned_round_event(self) -> PrivacyEvent:
         """Record level: the event one round of this client's releases will record, priced before the first release
-        (:mod:`privfl.methods.plan`): :meth:`round_event` at :meth:`noise_multiplier`. A method whose releases are
+        (:mod:`privfl.modes.plan`): :meth:`round_event` at :meth:`noise_multiplier`. A method whose releases are
         calibrated otherwise (DP-FedPFT's one Gaussian per message) says so here; public quantities only."""
         return self.round_event(self.noise_multiplier())
 
@@ -484,6 +490,16 @@ def register_method(name: str, *, strategy: type[Strategy], client: type[ClientP
                       releases_per_round=releases_per_round, novel_privacy=novel_privacy,
                       smoke_settings=dict(smoke_settings or {}), devices=tuple(devices), central_eval=central_eval)
     return METHODS.register(name, spec)
+
+
+def supported_modes(**refused: str) -> dict[str, str | None]:
+    """The ``privacy`` of :func:`register_method` for a method that runs every mode of
+    :data:`~privfl.privacy.training.MODES` but those named, each given with why it is refused:
+    ``supported_modes(distributed="its server needs each client's own update")``."""
+    unknown = sorted(set(refused) - set(MODES))
+    if unknown:
+        raise ValueError(f"unknown privacy modes {unknown}; valid: {', '.join(MODES)}")
+    return {mode: refused.get(mode) for mode in MODES}
 
 
 def get_method(name: str) -> MethodSpec:

@@ -34,7 +34,7 @@ from privfl.devices import ANY_DEVICE, device_of
 from privfl.errors import check
 from privfl.federation.messages import Message, Release
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.base import ClientContext, ClientState, register_method
+from privfl.methods.base import ClientContext, ClientState, register_method, supported_modes
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig
 from privfl.methods.fedsr import classifier_layer, forward_with_representation, update_release
 from privfl.methods.local_training import difference, minibatches, sgd_settings, weights_of
@@ -272,7 +272,7 @@ register_method(
                 "distribution",
     # every mode (module docstring): F, C and D by DP-SGD and G as post-processing at record level; the server step
     # is FedAvg's mean over F, C and G (central, distributed); local DP is the layer's
-    privacy={"record": None, "central": None, "distributed": None, "local": None},
+    privacy=supported_modes(),
     smoke_settings={"gan_hidden": 8}, devices=ANY_DEVICE,
     central_eval=None,
 )

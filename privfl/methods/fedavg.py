@@ -16,6 +16,7 @@ Novel clients receive w (the model of the best validation round, or the last) an
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,6 +35,7 @@ from privfl.methods.base import (
     Strategy,
     private_release,
     register_method,
+    supported_modes,
 )
 from privfl.methods.local_training import change_of, sgd_settings, weights_of
 
@@ -112,16 +114,14 @@ class FedAvgStrategy(Strategy):
             change = self.momentum
         self.weights = {k: v + self.config.server_lr * change[k].to(v.dtype) for k, v in self.weights.items()}
 
-    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        message = Message(arrays=self.weights, config=self.config.round_config(round))
-        return {cid: message for cid in client_ids}
+    def round_message(self, round: int) -> Message:
+        return Message(arrays=self.weights, config=self.config.round_config(round))
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         if not replies:
             return {}
         ids = sorted(replies)
-        # Private clients send no sample count (it depends on the data): their changes are averaged uniformly.
-        counts = [replies[cid].metrics.get("num_examples", 1.0) for cid in ids]
+        counts = sample_weights(replies, ids)
         self.server_step(weighted_mean([replies[cid].arrays for cid in ids], counts))
         losses = [replies[cid].metrics.get("loss", float("nan")) for cid in ids]
         return {"train_loss": weighted_mean_scalar(losses, counts)}
@@ -147,6 +147,13 @@ class FedAvgStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.weights = {k: v.clone() for k, v in state["weights"].items()}
         self.momentum = {k: v.clone() for k, v in state["momentum"].items()} if "momentum" in state else None
+
+
+def sample_weights(replies: Mapping[int, Message], ids: Sequence[int], weighted: bool = True) -> list[float]:
+    """Each reply's weight in a mean, in the order of ``ids``: its sample count (``num_examples``), or 1 where it
+    sends none (a private client does not: its count depends on its data, and no mechanism covers it), or 1 for
+    every reply when ``weighted`` is False."""
+    return [float(replies[cid].metrics.get("num_examples", 1.0)) if weighted else 1.0 for cid in ids]
 
 
 def weighted_mean_scalar(values: list[float], weights: list[float]) -> float:
@@ -177,7 +184,7 @@ class FedAvgClient(ClientProcedure):
 
 #: What the FedAvg family's registrations declare: every mode runs (the server step is a mean of the clients' weight
 #: changes, so central and distributed DP step from their noisy mean).
-FEDAVG_PRIVACY = {"record": None, "central": None, "distributed": None, "local": None}
+FEDAVG_PRIVACY = supported_modes()
 
 
 register_method(

@@ -24,8 +24,22 @@ from accounting.validation import is_finite
 from privfl.devices import ANY_DEVICE
 from privfl.errors import check
 from privfl.federation.messages import Message
-from privfl.methods.base import register_method
-from privfl.methods.fedavg import FedAvgClient, FedAvgConfig, FedAvgStrategy, weighted_mean, weighted_mean_scalar
+from privfl.methods.base import register_method, supported_modes
+from privfl.methods.fedavg import (
+    FedAvgClient,
+    FedAvgConfig,
+    FedAvgStrategy,
+    sample_weights,
+    weighted_mean,
+    weighted_mean_scalar,
+)
+
+#: The privacy modes this method runs, and why it refuses the others.
+FEDGMA_PRIVACY = supported_modes(
+    central="its server step masks coordinates by the agreement of each client's own update signs, not a function "
+            "of the clients' noisy mean",
+    distributed="its server step needs each client's update signs, which secure aggregation hides (only the sum "
+                "is seen)")
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,7 @@ class FedGMAStrategy(FedAvgStrategy):
             return {}
         ids = sorted(replies)
         updates = [replies[cid].arrays for cid in ids]
-        counts = [replies[cid].metrics.get("num_examples", 1.0) for cid in ids]
+        counts = sample_weights(replies, ids)
         change = weighted_mean(updates, counts)
         mask = gradient_mask(updates, self.config.threshold)
         self.weights = {k: v + self.config.server_lr * mask[k] * change[k] for k, v in self.weights.items()}
@@ -73,11 +87,7 @@ class FedGMAStrategy(FedAvgStrategy):
 register_method(
     "fedgma", strategy=FedGMAStrategy, client=FedAvgClient, config=FedGMAConfig,
     description="FedGMA: FedAvg with a sign-agreement soft mask (threshold tau) on the server step",
-    privacy={"record": None, "local": None,
-             "central": "its server step masks coordinates by the agreement of each client's own update signs, "
-                        "not a function of the clients' noisy mean",
-             "distributed": "its server step needs each client's update signs, which secure aggregation hides "
-                            "(only the sum is seen)"},
+    privacy=FEDGMA_PRIVACY,
     devices=ANY_DEVICE,
     central_eval=None,
 )

@@ -40,6 +40,7 @@ from privfl.methods.base import (
     ModelFactory,
     Strategy,
     register_method,
+    supported_modes,
 )
 from privfl.methods.local_training import local_sgd, weights_of
 from privfl.privacy.dp_gmm import (
@@ -51,6 +52,15 @@ from privfl.privacy.dp_gmm import (
 )
 from privfl.privacy.record import whole_release_epsilon
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
+
+#: The privacy modes this method runs, and why it refuses the others.
+FEDPFT_PRIVACY = supported_modes(
+    local="its message carries integer class counts, which the layer's Gaussian noise cannot carry; record-level "
+          "DP (DP-FedPFT) noises the counts itself",
+    central="the server samples synthetic features from each client's own mixtures, not from a mean of per-client "
+            "vectors",
+    distributed="the server samples synthetic features from each client's own mixtures, which secure aggregation "
+                "hides (only sums are seen)")
 
 __all__ = [
     "COVARIANCE_TYPES", "HEADS", "TOPOLOGIES", "ClassMixture", "FeatureHead", "FedPFTClient", "FedPFTConfig",
@@ -582,13 +592,7 @@ register_method(
     "fedpft", strategy=FedPFTStrategy, client=FedPFTClient, config=FedPFTConfig,
     description="FedPFT: one-shot per-class Gaussian mixtures of frozen features; the server trains a head on samples "
                 "(under record-level privacy: DP-FedPFT, K = 1)",
-    privacy={"record": None,
-             "local": "its message carries integer class counts, which the layer's Gaussian noise cannot carry; "
-                      "record-level DP (DP-FedPFT) noises the counts itself",
-             "central": "the server samples synthetic features from each client's own mixtures, not from a mean of "
-                        "per-client vectors",
-             "distributed": "the server samples synthetic features from each client's own mixtures, which secure "
-                            "aggregation hides (only sums are seen)"},
+    privacy=FEDPFT_PRIVACY,
     smoke_settings={"components": 1, "head_epochs": 2.0},
     central_eval=None,
 )

@@ -46,8 +46,9 @@ from privfl.methods.base import (
     Strategy,
     private_release,
     register_method,
+    supported_modes,
 )
-from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
+from privfl.methods.fedavg import sample_weights, weighted_mean, weighted_mean_scalar
 from privfl.methods.local_training import difference, minibatches, weights_of
 from privfl.privacy.dp_sgd import GenericPathWarning
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
@@ -364,20 +365,16 @@ class FedTTAStrategy(Strategy):
         self.phi = weights_of(g)
         self.rounds_done = 0
 
-    def _message(self, round: int) -> Message:
+    def round_message(self, round: int) -> Message:
         return Message(arrays={**prefixed(PSI, self.psi), **prefixed(PHI, self.phi)},
                        config=self.config.round_config(round))
-
-    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        message = self._message(round)
-        return {cid: message for cid in client_ids}
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         self.rounds_done = round + 1
         if not replies:
             return {}
         ids = sorted(replies)
-        counts = [replies[cid].metrics.get("num_examples", 1.0) if self.config.weighted else 1.0 for cid in ids]
+        counts = sample_weights(replies, ids, self.config.weighted)
         change = weighted_mean([replies[cid].arrays for cid in ids], counts)
         self.psi = {k: v + change[PSI + k] for k, v in self.psi.items()}
         self.phi = {k: v + change[PHI + k] for k, v in self.phi.items()}
@@ -400,7 +397,7 @@ class FedTTAStrategy(Strategy):
     def novel_request(self, client_id: int) -> Message:
         # The test-time step uses eta_in decayed to the last trained round (the paper does not say which rate;
         # docs/papers.md, FedTTA, U8).
-        return self._message(max(self.rounds_done - 1, 0))
+        return self.round_message(max(self.rounds_done - 1, 0))
 
     def state_dict(self) -> dict[str, Any]:
         return {"psi": self.psi, "phi": self.phi, "rounds_done": self.rounds_done}
@@ -545,17 +542,8 @@ def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, rou
     """
     if len(y) == 0:
         raise ValueError("meta_train needs at least one training sample")
-    lr, inner_lr, adapt_lr = (float(round_config[k]) for k in ("lr", "inner_lr", "adapt_lr"))
     steps, batch_size = int(round_config["local_steps"]), int(round_config["batch_size"])
-    weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
-    f.train()
-    g.train()
-    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
-    phi: dict[str, torch.Tensor] = dict(g.named_parameters())
-    optimizer = torch.optim.SGD([
-        {"params": list(psi.values()), "lr": lr},
-        {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},
-    ], lr=lr, weight_decay=weight_decay)
+    opt = MetaOptimizer(f, g, round_config, config.adapt_momentum)
     device = device_of(f)      # the batches and the teacher go where the models compute
     teacher = None if teacher is None else {k: v.detach().to(device) for k, v in teacher.items()}
     total = 0.0
@@ -568,21 +556,45 @@ def meta_train(f: nn.Module, g: nn.Module, x: torch.Tensor, y: torch.Tensor, rou
             with torch.no_grad():
                 teacher_logits = functional_call(f, teacher, (xb,))
             f.train()
-        loss, ce = meta_loss(f, g, psi, phi, xb, yb, inner_lr=inner_lr, weight_decay=weight_decay, mu=config.mu,
-                             teacher_logits=teacher_logits, kl_direction=config.kl_direction)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(psi.values(), grad_clip)
-            torch.nn.utils.clip_grad_norm_(phi.values(), grad_clip)
-        optimizer.step()
+        loss, ce = meta_loss(f, g, opt.psi, opt.phi, xb, yb, inner_lr=opt.inner_lr, weight_decay=opt.weight_decay,
+                             mu=config.mu, teacher_logits=teacher_logits, kl_direction=config.kl_direction)
+        opt.step(loss)
         total += ce.item()
     return total / steps
 
 
+class MetaOptimizer:
+    """The optimiser of one client's meta-training on (psi, phi) (:func:`meta_train`, and HeteroFedTTA's Digest
+    step): SGD with psi at ``lr`` and phi at ``adapt_lr`` with momentum ``adapt_momentum``, the round's weight decay,
+    and each model's gradient clipped to ``grad_clip`` (0: no clip). Puts ``f`` and ``g`` in train mode; ``psi`` and
+    ``phi`` are their parameters by name, ``inner_lr`` and ``weight_decay`` the round's for the loss."""
+
+    def __init__(self, f: nn.Module, g: nn.Module, round_config: dict, adapt_momentum: float) -> None:
+        lr, self.inner_lr, adapt_lr = (float(round_config[k]) for k in ("lr", "inner_lr", "adapt_lr"))
+        self.weight_decay = float(round_config.get("weight_decay", 0.0))
+        self.grad_clip = float(round_config.get("grad_clip", 0.0))
+        f.train()
+        g.train()
+        self.psi: dict[str, torch.Tensor] = dict(f.named_parameters())
+        self.phi: dict[str, torch.Tensor] = dict(g.named_parameters())
+        self.optimizer = torch.optim.SGD([
+            {"params": list(self.psi.values()), "lr": lr},
+            {"params": list(self.phi.values()), "lr": adapt_lr, "momentum": adapt_momentum},
+        ], lr=lr, weight_decay=self.weight_decay)
+
+    def step(self, loss: torch.Tensor) -> None:
+        """One step down ``loss``: backward, the per-model clip, the SGD step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.psi.values(), self.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.phi.values(), self.grad_clip)
+        self.optimizer.step()
+
+
 #: Every mode runs (module docstring): record level trains the per-record meta-loss with DP-SGD; the server step is
 #: the mean of the clients' updates, so central and distributed DP step from their noisy mean; local DP is the layer's.
-FEDTTA_PRIVACY = {"record": None, "central": None, "distributed": None, "local": None}
+FEDTTA_PRIVACY = supported_modes()
 #: A small adaptation model for the conformance runs.
 SMOKE = {"adapt_hidden": 4, "adapt_layers": 1}
 

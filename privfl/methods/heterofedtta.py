@@ -34,14 +34,15 @@ from privfl.errors import ConfigError, check
 from privfl.federation.context import ClientContext, ClientState
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_rng, derive_seed, seeded_init
-from privfl.methods.base import ModelFactory, Strategy, private_release, register_method
-from privfl.methods.fedavg import weighted_mean, weighted_mean_scalar
+from privfl.methods.base import ModelFactory, Strategy, private_release, register_method, supported_modes
+from privfl.methods.fedavg import sample_weights, weighted_mean, weighted_mean_scalar
 from privfl.methods.fedtta import (
     PHI,
     PSI,
     AdaptationModel,
     FedTTAClient,
     FedTTAConfig,
+    MetaOptimizer,
     inner_step,
     meta_train,
     proxy_kl,
@@ -196,30 +197,15 @@ def distill(f: nn.Module, g: nn.Module, x: torch.Tensor, teacher_base: torch.Ten
     """The Digest step: ``epochs`` shuffled passes over the public set, one SGD step per batch of ``distill_batch``,
     with the optimiser settings of :func:`~privfl.methods.fedtta.meta_train` (psi at ``lr``, phi at ``adapt_lr``);
     updates ``f`` and ``g`` in place and returns the mean KD loss (nan without steps)."""
-    lr, inner_lr, adapt_lr = (float(round_config[k]) for k in ("lr", "inner_lr", "adapt_lr"))
-    weight_decay, grad_clip = float(round_config.get("weight_decay", 0.0)), float(round_config.get("grad_clip", 0.0))
-    f.train()
-    g.train()
-    psi: dict[str, torch.Tensor] = dict(f.named_parameters())
-    phi: dict[str, torch.Tensor] = dict(g.named_parameters())
-    optimizer = torch.optim.SGD([
-        {"params": list(psi.values()), "lr": lr},
-        {"params": list(phi.values()), "lr": adapt_lr, "momentum": config.adapt_momentum},
-    ], lr=lr, weight_decay=weight_decay)
+    opt = MetaOptimizer(f, g, round_config, config.adapt_momentum)
     total, steps = 0.0, 0
     device = device_of(f)      # each batch and its teachers go where the models compute
     for _ in range(epochs):
         for batch in torch.from_numpy(rng.permutation(len(x))).split(config.distill_batch):
-            loss = distillation_loss(f, g, psi, phi, x[batch].to(device), teacher_base[batch].to(device),
-                                     teacher_per[batch].to(device),
-                                     inner_lr=inner_lr, kd_lambda=config.kd_lambda, weight_decay=weight_decay,
-                                     kl_direction=config.kl_direction)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(psi.values(), grad_clip)
-                torch.nn.utils.clip_grad_norm_(phi.values(), grad_clip)
-            optimizer.step()
+            loss = distillation_loss(f, g, opt.psi, opt.phi, x[batch].to(device), teacher_base[batch].to(device),
+                                     teacher_per[batch].to(device), inner_lr=opt.inner_lr, kd_lambda=config.kd_lambda,
+                                     weight_decay=opt.weight_decay, kl_direction=config.kl_direction)
+            opt.step(loss)
             total, steps = total + loss.item(), steps + 1
     return total / steps if steps else math.nan
 
@@ -241,22 +227,18 @@ class HeteroFedTTAStrategy(Strategy):
         self.per: torch.Tensor | None = None
         self.rounds_done = 0
 
-    def _message(self, round: int) -> Message:
+    def round_message(self, round: int) -> Message:
         arrays = {PUBLIC: self.public}
         if self.base is not None and self.per is not None:   # set together
             arrays.update({BASE: self.base, PER: self.per})
         return Message(arrays=arrays, config={**self.config.round_config(round), "seed": self.seed})
-
-    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        message = self._message(round)
-        return {cid: message for cid in client_ids}
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         self.rounds_done = round + 1
         if not replies:
             return {}
         ids = sorted(replies)
-        weights = [replies[cid].metrics.get("num_examples", 1.0) if self.config.weighted else 1.0 for cid in ids]
+        weights = sample_weights(replies, ids, self.config.weighted)
         self.base = consensus([replies[cid].arrays["base"] for cid in ids], weights)
         self.per = consensus([replies[cid].arrays["per"] for cid in ids], weights)
         metrics = {}
@@ -280,7 +262,7 @@ class HeteroFedTTAStrategy(Strategy):
         return {}
 
     def novel_request(self, client_id: int) -> Message:
-        return self._message(max(self.rounds_done - 1, 0))
+        return self.round_message(max(self.rounds_done - 1, 0))
 
     def state_dict(self) -> dict[str, Any]:
         state = {"public": self.public, "rounds_done": self.rounds_done}
@@ -406,7 +388,7 @@ register_method(
     # every mode (module docstring): record level trains the Revisit step with DP-SGD and the rest is
     # post-processing; the consensus is the mean of the clients' logits, so central and distributed DP form it from
     # their noisy mean; local DP is the layer's
-    privacy={"record": None, "central": None, "distributed": None, "local": None},
+    privacy=supported_modes(),
     smoke_settings={"widths": [4, 8, 16], "adapt_widths": [2, 4, 4], "adapt_layers": 1, "public_size": 16,
                     "distill_batch": 8},
     devices=ANY_DEVICE,

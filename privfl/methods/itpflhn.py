@@ -28,8 +28,8 @@ from privfl.devices import ANY_DEVICE, on_cpu, on_device
 from privfl.errors import ConfigError, TrainingDivergedError, check
 from privfl.federation.messages import Message, Release, prefixed
 from privfl.federation.seeding import derive_seed, seeded_init
-from privfl.methods.base import ClientContext, ClientState, private_release, register_method
-from privfl.methods.fedavg import weighted_mean
+from privfl.methods.base import ClientContext, ClientState, private_release, register_method, supported_modes
+from privfl.methods.fedavg import sample_weights, weighted_mean
 from privfl.methods.pfedhn import SMOKE_SETTINGS, PFedHNClient, PFedHNConfig, PFedHNStrategy
 from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
 from privfl.models.pefll import clipped_rows
@@ -37,6 +37,13 @@ from privfl.privacy import privatize
 from privfl.privacy.gradient_mean import release_gradient_mean
 from privfl.privacy.record import RecordRelease, Repeated
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
+
+#: The privacy modes this method runs, and why it refuses the others.
+ITPFLHN_PRIVACY = supported_modes(
+    distributed="its round is two releases (weight change, then encoder update; or descriptor, then weight "
+                "change) and its server chain-rules each client's weight change through the hypernetwork at that "
+                "client's own row or descriptor: it needs each client's messages on their own, while secure "
+                "aggregation shows only sums")
 
 _ENCODER = "encoder/"
 #: The prefix of a central-DP contribution's encoder change.
@@ -191,8 +198,7 @@ class ITPFLHNStrategy(PFedHNStrategy):
         metrics = super().aggregate_train(round, changes)
         if replies:
             ids = sorted(replies)
-            # private clients send no sample count or loss (no mechanism covers them): a uniform mean then
-            counts = [float(replies[cid].metrics.get("num_examples", 1.0)) for cid in ids]
+            counts = sample_weights(replies, ids)      # private clients send no count or loss: a uniform mean
             delta = weighted_mean([replies[cid].arrays for cid in ids], counts)
             self._move_encoder(round, delta, f"clients {ids}")
             if all("encoder_loss" in replies[cid].metrics for cid in ids):
@@ -440,11 +446,7 @@ register_method(
     "itpflhn", strategy=ITPFLHNStrategy, client=ITPFLHNClient, config=ITPFLHNConfig,
     description="IT-PFL-HN (two-phase ODPFL-HN): pFedHN + an encoder regressed onto the client embeddings, then "
                 "hypernetwork fine-tuning on encoder outputs; novel clients send one descriptor",
-    privacy={"record": None, "local": None, "central": None,
-             "distributed": "its round is two releases (weight change, then encoder update; or descriptor, then "
-                            "weight change) and its server chain-rules each client's weight change through the "
-                            "hypernetwork at that client's own row or descriptor: it needs each client's messages on "
-                            "their own, while secure aggregation shows only sums"},
+    privacy=ITPFLHN_PRIVACY,
     releases_per_round=2, novel_privacy=None,
     smoke_settings={**SMOKE_SETTINGS, "encoder": "dp_deepset", "encoder_options": {"hidden": 8},
                     "encoder_steps": 2, "phase1_rounds": 1},

@@ -19,16 +19,21 @@ from privfl.methods.base import (
     LocalTrainingConfig,
     Strategy,
     register_method,
+    supported_modes,
 )
 from privfl.methods.local_training import local_sgd, sgd_settings, weights_of
+
+#: The privacy modes this method runs, and why it refuses the others.
+LOCAL_PRIVACY = supported_modes(
+    central="its training clients send nothing, so there is no aggregate to make private",
+    distributed="its training clients send nothing, so there is no aggregate to make private")
 
 
 class LocalStrategy(Strategy):
     """Sends only the round's training settings; there is nothing to aggregate."""
 
-    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        message = Message(config={**self.config.round_config(round), "run_seed": self.seed})
-        return {cid: message for cid in client_ids}
+    def round_message(self, round: int) -> Message:
+        return Message(config={**self.config.round_config(round), "run_seed": self.seed})
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         return {}
@@ -70,9 +75,7 @@ register_method(
     "local", strategy=LocalStrategy, client=LocalClient, config=LocalTrainingConfig,
     description="Local: every training client trains alone (reported for training clients only)",
     releases_per_round=0,
-    privacy={"record": None, "local": None,
-             "central": "its training clients send nothing, so there is no aggregate to make private",
-             "distributed": "its training clients send nothing, so there is no aggregate to make private"},
+    privacy=LOCAL_PRIVACY,
     devices=ANY_DEVICE,
     central_eval="every training client trains alone: the server holds no model",
 )

@@ -32,6 +32,7 @@ from privfl.methods.base import (
     LocalTrainingConfig,
     private_release,
     register_method,
+    supported_modes,
 )
 from privfl.methods.fedavg import FedAvgStrategy
 from privfl.methods.local_training import ExtraLoss, difference, sgd_settings, weights_of
@@ -130,7 +131,7 @@ register_method(
     "mrmtl", strategy=MRMTLStrategy, client=MRMTLClient, config=MRMTLConfig,
     description="MR-MTL: each silo keeps its own model, trained with (lam/2)||w_i - w_bar||^2 towards the mean w_bar "
                 "of the silos' models, the server's only state; novel clients get w_bar",
-    privacy={"record": None, "local": None, "distributed": None, "central": None},
+    privacy=supported_modes(),
     smoke_settings={"lam": 0.5},
     devices=ANY_DEVICE,
     central_eval=None,

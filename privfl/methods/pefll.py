@@ -39,6 +39,7 @@ from privfl.methods.base import (
     Strategy,
     private_release,
     register_method,
+    supported_modes,
 )
 from privfl.methods.pfedhn import refuse_batch_clip
 from privfl.methods.shared_part import SharedPart, check_shared_settings, norm_of
@@ -55,6 +56,12 @@ from privfl.privacy.gradient_mean import release_gradient_mean
 from privfl.privacy.labelled import release_labelled_mean
 from privfl.privacy.record import RecordRelease
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
+
+#: The privacy modes this method runs, and why it refuses the others.
+PEFLL_PRIVACY = supported_modes(
+    distributed="its round is a three-stage dialogue in which the server answers each client's descriptor and "
+                "weight change on their own (h(v_i), then the descriptor gradient): it needs each client's "
+                "messages, while secure aggregation shows only sums")
 
 EMBED = "embed."
 #: The prefix of a central-DP contribution's hypernetwork gradient.
@@ -615,10 +622,7 @@ register_method(
     "pefll", strategy=PeFLLStrategy, client=PeFLLClient, config=PeFLLConfig,
     description="PeFLL: embedding network + hypernetwork trained by learning to learn; unseen clients get a model "
                 "from one labelled descriptor (two messages down, one up, no fine-tuning)",
-    privacy={"record": None, "local": None, "central": None,
-             "distributed": "its round is a three-stage dialogue in which the server answers each client's descriptor "
-                            "and weight change on their own (h(v_i), then the descriptor gradient): it needs each "
-                            "client's messages, while secure aggregation shows only sums"},
+    privacy=PEFLL_PRIVACY,
     releases_per_round=3, novel_privacy=None,
     smoke_settings={"hidden_dim": 8, "n_hidden": 1, "embed_dim": 3, "grad_clip": 0.0, "descriptor_batch": 8},
     devices=ANY_DEVICE,

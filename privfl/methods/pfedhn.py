@@ -37,7 +37,9 @@ from privfl.methods.base import (
     Strategy,
     private_release,
     register_method,
+    supported_modes,
 )
+from privfl.methods.fedavg import sample_weights
 from privfl.methods.local_training import sgd_settings
 from privfl.methods.shared_part import SharedPart, check_shared_settings, norm_of
 from privfl.models import HyperNetwork, backprop_weight_change, embedding_dim
@@ -271,7 +273,7 @@ class PFedHNStrategy(Strategy):
         shared_norm = self._check_shared(shared, f"the weight changes of clients {ids}")
         self.last_gradients = {"hypernetwork": hn_grad, "embeddings": row_grads, "norm": norm}
         self._step(hn_grad, row_grads, lr, shared)
-        weights = [float(replies[cid].metrics.get("num_examples", 1.0)) for cid in ids]
+        weights = sample_weights(replies, ids)
         losses = [float(replies[cid].metrics.get("loss", float("nan"))) for cid in ids]
         metrics = {"train_loss": sum(v * w for v, w in zip(losses, weights)) / sum(weights), "hn_grad_norm": norm}
         if self.shared_part:
@@ -458,7 +460,7 @@ DISTRIBUTED_REFUSAL = ("its server chain-rules each client's weight change throu
                        "while secure aggregation shows the server only their sum")
 
 #: The privacy modes of pFedHN (module docstring).
-PFEDHN_PRIVACY = {"record": None, "local": None, "central": None, "distributed": DISTRIBUTED_REFUSAL}
+PFEDHN_PRIVACY = supported_modes(distributed=DISTRIBUTED_REFUSAL)
 
 #: Small hypernetworks and no batch clip (which record-level DP-SGD refuses), for the fast synthetic runs.
 SMOKE_SETTINGS = {"hidden_dim": 8, "n_hidden": 1, "embed_dim": 2, "grad_clip": None}

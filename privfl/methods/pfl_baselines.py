@@ -33,18 +33,12 @@ from privfl.methods.pfedhn import (
     PFedHNConfig,
     PFedHNStrategy,
 )
-from privfl.metrics import ExpectedModel
+from privfl.metrics import ExpectedModel, Members
 
 
-class LogitEnsemble(nn.Module):
+class LogitEnsemble(Members):
     """Predicts the mean of its members' logits (PFL-ensemble: "average the logits" of all training-client models,
     Amosy et al., section 6.2)."""
-
-    def __init__(self, members: list[nn.Module]) -> None:
-        super().__init__()
-        if not members:
-            raise ValueError("a LogitEnsemble needs at least one member")
-        self.members = nn.ModuleList(members)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack([member(x) for member in self.members]).mean(dim=0)

@@ -31,6 +31,7 @@ from privfl.methods.base import (
     Strategy,
     private_release,
     register_method,
+    supported_modes,
 )
 from privfl.methods.fedavg import ServerStepConfig, weighted_mean
 from privfl.methods.local_training import difference, sgd_settings, weights_of
@@ -53,10 +54,9 @@ class ScaffoldStrategy(Strategy):
         self.weights = weights_of(self.model_factory.init(self.seed))
         self.control = zeros_like(self.weights)
 
-    def configure_train(self, round: int, client_ids: list[int]) -> dict[int, Message]:
-        message = Message(arrays={**prefixed("x.", self.weights), **prefixed("c.", self.control)},
-                          config=self.config.round_config(round))
-        return {cid: message for cid in client_ids}
+    def round_message(self, round: int) -> Message:
+        return Message(arrays={**prefixed("x.", self.weights), **prefixed("c.", self.control)},
+                       config=self.config.round_config(round))
 
     def aggregate_train(self, round: int, replies: dict[int, Message]) -> dict[str, float]:
         if not replies:
@@ -126,6 +126,6 @@ class ScaffoldClient(ClientProcedure):
 register_method(
     "scaffold", strategy=ScaffoldStrategy, client=ScaffoldClient, config=ScaffoldConfig,
     description="SCAFFOLD: control variates correct client drift; local lr and global (server) lr",
-    privacy={"record": None, "central": None, "distributed": None, "local": None}, devices=ANY_DEVICE,
+    privacy=supported_modes(), devices=ANY_DEVICE,
     central_eval=None,
 )

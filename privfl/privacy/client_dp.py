@@ -4,7 +4,7 @@ Client-level DP (one client's whole dataset is the unit of privacy; McMahan et a
 move by clipping everything it contributes in a round, jointly, to L2 norm C: two datasets of the client then give two
 releases in the ball of radius C, so the clipped release moves by at most 2 C (replace one client) or C (add or
 remove one). The mechanisms built on it, their calibration and their accounting are the privacy layer's
-(:mod:`privfl.privacy.training`, :mod:`privfl.methods.private`).
+(:mod:`privfl.privacy.training`, :mod:`privfl.modes.wrappers`).
 
 Units: L2 norms in the units of the update.
 """

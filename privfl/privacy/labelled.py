@@ -98,33 +98,12 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
     else:   # validated by the mechanism, which refuses epsilon or delta given beside it
         GaussianMechanism(sensitivity=1.0, noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta)
     relation = check_relation(relation)
-    if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
-        if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 2:
-            raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
-                              f"lower bound on n: give min_samples as an int >= 2, got min_samples={min_samples!r}")
-    elif min_samples is not None:
-        raise ConfigError(f"min_samples is used only with relation='add_or_remove_one' (under replace_one n is public "
-                          f"and sets the noise), got min_samples={min_samples!r}")
+    _check_min_samples(relation, min_samples)
     bound = check_bound(bound)
     noise = check_noise(noise, generator)
     if ledger is not None and not isinstance(ledger, PrivacyLedger):
         raise ConfigError(f"ledger must be an accounting.PrivacyLedger or None, got {ledger!r}")
-    if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[0] < 1 or not x.is_floating_point():
-        raise ConfigError(f"x must be a floating-point tensor [n >= 1, ...] of one client's inputs, got "
-                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if not bool(torch.isfinite(x).all()):
-        raise ConfigError("x contains NaN/inf values; nothing was released")
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ConfigError(f"num_classes must be an integer >= 1 (the public label set), got {num_classes!r}")
-    integer = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-    if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0],) or y.dtype not in integer:
-        raise ConfigError(f"y must be an integer tensor of shape [{x.shape[0]}] aligned with x, got "
-                          + (f"shape {tuple(y.shape)}, dtype {y.dtype}" if isinstance(y, torch.Tensor)
-                             else type(y).__name__))
-    y = y.long()   # the embedding networks take int64 labels
-    if int(y.min()) < 0 or int(y.max()) >= num_classes:
-        raise ConfigError(f"labels must lie in the public label set 0..{num_classes - 1}, got range "
-                          f"[{int(y.min())}, {int(y.max())}]; nothing was released")
+    y = _checked_records(x, y, num_classes)
     n = int(x.shape[0])
     if min_samples is not None and n < min_samples:
         # n stays out of the message: it is private under add/remove-one (that a client is refused is public)
@@ -145,6 +124,39 @@ def release_labelled_mean(embedding: nn.Module, x: torch.Tensor, y: torch.Tensor
                                             "record"})
     noisy = mechanism.add_noise(rows.mean(dim=0))
     return noisy.to(x.dtype), mechanism.event, certificate
+
+
+def _check_min_samples(relation: NeighboringRelation, min_samples: int | None) -> None:
+    """Refuse a ``min_samples`` that does not go with ``relation`` (needed under add/remove-one, unused otherwise)."""
+    if relation is NeighboringRelation.ADD_OR_REMOVE_ONE:
+        if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 2:
+            raise ConfigError("relation='add_or_remove_one' keeps n private, so the noise is calibrated to a public "
+                              f"lower bound on n: give min_samples as an int >= 2, got min_samples={min_samples!r}")
+    elif min_samples is not None:
+        raise ConfigError(f"min_samples is used only with relation='add_or_remove_one' (under replace_one n is public "
+                          f"and sets the noise), got min_samples={min_samples!r}")
+
+
+def _checked_records(x: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Refuse inputs that are not finite floating-point rows, or labels outside the public set ``0 .. C-1``; return
+    the labels as int64 (what the embedding networks take)."""
+    if not isinstance(x, torch.Tensor) or x.ndim < 2 or x.shape[0] < 1 or not x.is_floating_point():
+        raise ConfigError(f"x must be a floating-point tensor [n >= 1, ...] of one client's inputs, got "
+                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not bool(torch.isfinite(x).all()):
+        raise ConfigError("x contains NaN/inf values; nothing was released")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ConfigError(f"num_classes must be an integer >= 1 (the public label set), got {num_classes!r}")
+    integer = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    if not isinstance(y, torch.Tensor) or y.shape != (x.shape[0],) or y.dtype not in integer:
+        raise ConfigError(f"y must be an integer tensor of shape [{x.shape[0]}] aligned with x, got "
+                          + (f"shape {tuple(y.shape)}, dtype {y.dtype}" if isinstance(y, torch.Tensor)
+                             else type(y).__name__))
+    y = y.long()
+    if int(y.min()) < 0 or int(y.max()) >= num_classes:
+        raise ConfigError(f"labels must lie in the public label set 0..{num_classes - 1}, got range "
+                          f"[{int(y.min())}, {int(y.max())}]; nothing was released")
+    return y
 
 
 __all__ = ["PURPOSE", "certify_labelled_mean", "release_labelled_mean"]

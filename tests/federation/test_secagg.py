@@ -45,7 +45,7 @@ from privfl.federation.runtime import InProcessRuntime, SecureSum, sample_client
 from privfl.methods import get_method  # noqa: E402
 from privfl.methods.base import Strategy  # noqa: E402
 from privfl.methods.fedavg import FedAvgStrategy  # noqa: E402
-from privfl.methods.private import Aggregator, protect  # noqa: E402
+from privfl.modes.wrappers import Aggregator, protect  # noqa: E402
 from privfl.privacy.training import TrainingPrivacy  # noqa: E402
 
 T = secagg.QUANTIZATION_RANGE

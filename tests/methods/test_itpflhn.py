@@ -15,8 +15,8 @@ from privfl.federation import InProcessRuntime, Message, RunDirectory
 from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.itpflhn import make_encoder
-from privfl.methods.private import protect
 from privfl.models import DeepSetEncoder, DPDeepSetEncoder, functional_forward
+from privfl.modes.wrappers import protect
 from privfl.privacy.record import round_event
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 

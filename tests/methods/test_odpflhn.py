@@ -18,8 +18,8 @@ from privfl.federation import InProcessRuntime
 from privfl.federation.context import client_context
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.odpflhn import ODPFLHNClient, ODPFLHNConfig, ODPFLHNStrategy, client_descriptor
-from privfl.methods.private import PrivateClient
 from privfl.models import backprop_weight_change, functional_forward
+from privfl.modes.wrappers import PrivateClient
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 FACTORY = ModelFactory("mlp2nn", (6,), 3)

@@ -14,10 +14,10 @@ from privfl.experiment import build_runtime, train
 from privfl.federation import InProcessRuntime
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.pefll import PeFLLConfig, descriptor_of, unseen_clients_with_labels
-from privfl.methods.private import protect
 from privfl.models import functional_forward
 from privfl.models.hypernetwork import backprop_weight_change
 from privfl.models.pefll import EmbeddingNetwork
+from privfl.modes.wrappers import protect
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 torch.set_num_threads(1)

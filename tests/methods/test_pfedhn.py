@@ -18,10 +18,10 @@ from privfl.federation.messages import Message
 from privfl.methods import ModelFactory, get_method
 from privfl.methods.local_training import sgd_settings
 from privfl.methods.pfl_baselines import LogitEnsemble, proxy_a_distance
-from privfl.methods.private import protect
 from privfl.metrics import ExpectedModel, score_model
 from privfl.models import functional_forward
 from privfl.models.hypernetwork import backprop_weight_change
+from privfl.modes.wrappers import protect
 from privfl.privacy.training import TrainingPrivacy
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py

@@ -31,7 +31,7 @@ from accounting import (
 from accounting import epsilon as accounting_epsilon
 from privfl.errors import ConfigError
 from privfl.methods.base import ClientProcedure, MethodSpec
-from privfl.methods.private import PrivateClient, planned_participations
+from privfl.modes.wrappers import PrivateClient, planned_participations
 from privfl.privacy.training import (
     CENTRAL,
     DISTRIBUTED,
