@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from accounting import ComposedEvent, PrivacyEvent
+from accounting import PrivacyEvent
 from accounting.validation import is_finite
 from privfl.data import TrainingClient
 from privfl.devices import ANY_DEVICE, device_of
 from privfl.errors import ConfigError, check
 from privfl.federation.messages import Message, Release
-from privfl.methods.base import ClientContext, ClientState, register_method, supported_modes
+from privfl.methods.base import ClientContext, ClientState, compose, register_method, supported_modes
 from privfl.methods.fedavg import FedAvgClient, FedAvgStrategy, ServerStepConfig, weighted_mean
 from privfl.methods.fedsr import update_release
 from privfl.methods.local_training import difference, sgd_settings, weights_of
@@ -155,7 +155,7 @@ class AFLClient(FedAvgClient):
             loss_at_start = torch.tensor(float(record_losses(model, data).mean()))
         _, fit_event = self.fit(model, data, sgd_settings(message.config), ctx.rng)
         arrays = {**difference(weights_of(model), start), LOSS: loss_at_start.to("cpu", torch.float32)}
-        events = None if fit_event is None or loss_event is None else ComposedEvent((fit_event, loss_event))
+        events = compose(fit_event, loss_event)
         return update_release(self, arrays, events, {"num_examples": float(data.num_train)})
 
     def loss_release(self) -> ClippedMean:

@@ -15,6 +15,7 @@ docs/federation.md, "The shape of a method".
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import types
 import typing
@@ -39,7 +40,14 @@ from privfl.methods.local_training import ExtraLoss, load_weights, local_sgd
 from privfl.models import build_model
 from privfl.privacy import record
 from privfl.privacy.record import ClippedMean, DPSGDFit, RecordRelease
-from privfl.privacy.training import MODES, RECORD, NovelPrivacy, TrainingPrivacy, record_sampling_rate
+from privfl.privacy.training import (
+    MODES,
+    RECORD,
+    NovelPrivacy,
+    TrainingPrivacy,
+    record_sampling_rate,
+    record_steps_for_epochs,
+)
 from privfl.registry import Registry
 
 
@@ -305,9 +313,24 @@ class ClientProcedure(ABC):
         return record_sampling_rate(self.privacy, int(self.config.batch_size))
 
     def record_steps(self) -> int:
-        """Record level: the DP-SGD steps of one round's fit, from the method's own settings (public; by default
-        ``local_steps``). A round whose message asks for other steps is refused (:meth:`fit`)."""
-        return int(self.config.local_steps)
+        """Record level: the DP-SGD steps of one round's fit, from the method's own settings (public): ``local_steps``,
+        or, where the config has ``local_epochs`` set, that many passes at the public rate q (``ceil(epochs / q)``,
+        :func:`~privfl.privacy.training.record_steps_for_epochs`). A round whose message asks for other steps is
+        refused (:meth:`fit`)."""
+        epochs = getattr(self.config, "local_epochs", None) or 0
+        return record_steps_for_epochs(epochs, self.record_sampling_rate()) if epochs else int(self.config.local_steps)
+
+    def round_steps(self, data: TrainingClient, config: Mapping[str, Any]) -> int:
+        """The local steps a round message asks for: ``local_steps``, or ``local_epochs`` passes over the client's
+        records when it sets them: ``epochs * ceil(n / batch_size)`` steps without DP; under record-level DP n is
+        private and a pass is ``ceil(epochs / q)`` steps at the public rate q (:meth:`record_steps`)."""
+        epochs = int(config.get("local_epochs", 0))
+        if not epochs:
+            return int(config["local_steps"])
+        if self.record_level:
+            return record_steps_for_epochs(epochs, self.record_sampling_rate())
+        batch_size = int(config["batch_size"])
+        return epochs * math.ceil(data.num_train / min(batch_size, data.num_train))
 
     def noise_source(self, ctx: ClientContext, purpose: str) -> dict[str, Any]:
         """Keyword arguments ``noise`` and ``generator`` for a mechanism of a record-level release

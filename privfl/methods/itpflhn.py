@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from accounting import ComposedEvent, SelfComposedEvent
 from accounting.validation import is_finite
 from privfl.data import NovelClient, TrainingClient
 from privfl.devices import ANY_DEVICE, on_cpu, on_device
@@ -35,7 +34,7 @@ from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
 from privfl.models.pefll import clipped_rows
 from privfl.privacy import privatize
 from privfl.privacy.gradient_mean import release_gradient_mean
-from privfl.privacy.record import RecordRelease, Repeated
+from privfl.privacy.record import RecordRelease, Repeated, made_in_turn
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
 #: The privacy modes this method runs, and why it refuses the others.
@@ -414,9 +413,9 @@ class ITPFLHNClient(PFedHNClient):
             for name, p in phi.named_parameters():
                 p.grad = phi_grads[name]
             optimizer.step()
-            events.append(ComposedEvent((mechanism.event, gradient_event)))
+            events.append((mechanism.event, gradient_event))
         change = {k: (v.detach() - before[k]).cpu() for k, v in encoder.state_dict().items()}
-        event = SelfComposedEvent(events[0], len(events)) if len(set(events)) == 1 else ComposedEvent(tuple(events))
+        event = made_in_turn(events)
         return private_release(Message(arrays=change), "encoder_update", event, metadata=self._metadata())
 
     def novel_query(self, novel: NovelClient, message: Message) -> Release:

@@ -14,7 +14,6 @@ The round, why u_i is released rather than w_i, and each privacy mode: docs/meth
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -36,7 +35,6 @@ from privfl.methods.base import (
 )
 from privfl.methods.fedavg import FedAvgStrategy
 from privfl.methods.local_training import ExtraLoss, difference, sgd_settings, weights_of
-from privfl.privacy.training import record_steps_for_epochs
 
 
 @dataclass(frozen=True)
@@ -93,17 +91,8 @@ class MRMTLClient(ClientProcedure):
         passes (record level: ``ceil(epochs / q)`` steps at the public rate q, :meth:`record_steps`; ``fit`` refuses
         a message whose steps differ from the client's own plan)."""
         settings = sgd_settings(config)
-        epochs = int(config.get("local_epochs", 0))
-        if epochs:
-            batch_size = int(config["batch_size"])
-            settings["steps"] = (record_steps_for_epochs(epochs, self.record_sampling_rate()) if self.record_level
-                                 else epochs * math.ceil(data.num_train / min(batch_size, data.num_train)))
+        settings["steps"] = self.round_steps(data, config)
         return settings
-
-    def record_steps(self) -> int:
-        """Record level: ``local_steps``, or ``local_epochs`` passes at the public rate q (``ceil(epochs / q)``)."""
-        epochs = self.config.local_epochs or 0
-        return record_steps_for_epochs(epochs, self.record_sampling_rate()) if epochs else int(self.config.local_steps)
 
     def own_weights(self, state: ClientState, mean: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """w_i: the client state, or the received mean the first time this client takes part."""

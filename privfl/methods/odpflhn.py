@@ -51,7 +51,6 @@ from privfl.models.hypernetwork import (
 from privfl.privacy import privatize
 from privfl.privacy.gradient_mean import release_gradient_mean
 from privfl.privacy.record import ClippedMean, RecordRelease
-from privfl.privacy.training import record_steps_for_epochs
 
 #: The privacy modes this method runs, and why it refuses the others.
 ODPFLHN_PRIVACY = supported_modes(
@@ -448,7 +447,7 @@ class ODPFLHNClient(ClientProcedure):
         start = message.arrays
         model = self.model_from(start)
         config = message.config
-        settings = {"lr": float(config["lr"]), "steps": self._local_steps(data, config),
+        settings = {"lr": float(config["lr"]), "steps": self.round_steps(data, config),
                     "batch_size": int(config["batch_size"]), "momentum": float(config["momentum"]),
                     "weight_decay": float(config["weight_decay"])}
         loss, event = self.fit(model, data, settings, ctx.rng)
@@ -457,22 +456,6 @@ class ODPFLHNClient(ClientProcedure):
         metrics = {} if event is not None else {"loss": loss, "num_examples": float(data.num_train)}
         return private_release(Message(arrays=change, metrics=metrics), "weight_change", event,
                                metadata={"noise": self.privacy.noise, "max_grad_norm": self.privacy.clip})
-
-    def _local_steps(self, data: TrainingClient, config: dict[str, Any]) -> int:
-        """The local steps the server's round settings ask for: ``local_steps``, or ``local_epochs`` passes over the
-        client's records (``ceil(n / batch)`` steps each without DP; under record-level DP n is private, and a pass
-        is ``ceil(epochs / q)`` steps at the public rate q, :meth:`record_steps`)."""
-        batch_size, epochs = int(config["batch_size"]), int(config["local_epochs"])
-        if not epochs:
-            return int(config["local_steps"])
-        if self.record_level:
-            return record_steps_for_epochs(epochs, self.record_sampling_rate())
-        return epochs * math.ceil(data.num_train / min(batch_size, data.num_train))
-
-    def record_steps(self) -> int:
-        """Record level: ``local_steps``, or ``local_epochs`` passes at the public rate q (``ceil(epochs / q)``)."""
-        epochs = self.config.local_epochs or 0
-        return record_steps_for_epochs(epochs, self.record_sampling_rate()) if epochs else int(self.config.local_steps)
 
     def _client_backprop(self, data: TrainingClient, message: Message, state: ClientState,
                          ctx: ClientContext) -> Release:

@@ -100,6 +100,17 @@ def round_event(releases: Sequence[RecordRelease], noise_multiplier: float) -> P
     return events[0] if len(events) == 1 else ComposedEvent(events)
 
 
+def made_in_turn(steps: Sequence[Sequence[PrivacyEvent]]) -> PrivacyEvent:
+    """The events of a loop of releases, composed: each step's events (the mechanisms one iteration ran, in order)
+    composed, then the steps; the same step repeated is a :class:`~accounting.SelfComposedEvent` (how
+    :class:`Repeated` prices it)."""
+    if not steps or not all(steps):
+        raise ConfigError("a loop of releases needs at least one step, each with at least one event")
+    events = [step[0] if len(step) == 1 else ComposedEvent(tuple(step)) for step in steps]
+    first = events[0]
+    return SelfComposedEvent(first, len(events)) if len(set(events)) == 1 else ComposedEvent(tuple(events))
+
+
 _CALIBRATIONS: dict[tuple[TrainingPrivacy, int], dict[Hashable, float]] = {}
 
 
@@ -175,5 +186,5 @@ def train_dp_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, privacy: Tr
 
 
 __all__ = ["RELATION", "ClippedMean", "DPSGDFit", "RecordRelease", "Repeated", "calibrated_noise_multiplier",
-           "clear_calibrations", "noise_source", "round_event", "train_dp_sgd",
+           "clear_calibrations", "made_in_turn", "noise_source", "round_event", "train_dp_sgd",
            "whole_release_epsilon"]

@@ -58,6 +58,39 @@ def test_a_round_composes_its_declarations_in_order():
         round_event((), 1.0)
 
 
+def test_a_loop_of_releases_composes_each_step_then_repeats_the_same_step():
+    a, b = ClippedMean(1.0, 10).event(2.0), ClippedMean(0.5, 10).event(2.0)
+    assert record.made_in_turn([(a, b), (a, b), (a, b)]) == SelfComposedEvent(ComposedEvent((a, b)), 3)
+    assert record.made_in_turn([(a,), (b,)]) == ComposedEvent((a, b))
+    # the loop's price is the price of its declaration: Repeated((two clipped means), 3)
+    declared = Repeated((ClippedMean(1.0, 10), ClippedMean(0.5, 10)), 3).event(2.0)
+    assert record.made_in_turn([(a, b)] * 3) == declared
+    assert accounting_epsilon(declared, 1e-5) == pytest.approx(accounting_epsilon(ComposedEvent((a, b, a, b, a, b)),
+                                                                                  1e-5), rel=1e-9)
+    for empty in ([], [()]):
+        with pytest.raises(ConfigError, match="at least one step"):
+            record.made_in_turn(empty)
+
+
+def test_a_round_of_local_epochs_is_epochs_times_batches_in_the_clear_and_epochs_over_q_at_record_level():
+    from privfl.data import TrainingClient
+    from privfl.methods import ModelFactory, get_method
+
+    spec = get_method("mrmtl")
+    data = TrainingClient(client_id=0, x_train=torch.zeros(250, 4), y_train=torch.zeros(250, dtype=torch.int64),
+                          x_val=torch.zeros(0, 4), y_val=torch.zeros(0, dtype=torch.int64))
+    round_config = {"local_steps": 7, "local_epochs": 3, "batch_size": 64}
+    kwargs = {"model_factory": ModelFactory("mlp2nn", (4,), 2), "config": spec.config(local_epochs=3, batch_size=64)}
+    plain = spec.client(**kwargs)
+    assert plain.round_steps(data, round_config) == 3 * 4                 # 3 passes of ceil(250 / 64) batches
+    assert plain.round_steps(data, {**round_config, "local_epochs": 0}) == 7
+    private = TrainingPrivacy(mode="record", noise_multiplier=1.0, clip=1.0, min_samples=200)
+    client = spec.client(**kwargs, privacy=private)
+    q = 64 / 200                                                          # public: batch over the public lower bound
+    assert client.record_sampling_rate() == q
+    assert client.round_steps(data, round_config) == client.record_steps() == 10   # ceil(3 / 0.32): n stays unread
+
+
 def test_the_calibration_meets_the_target_over_the_participations_and_is_computed_once_per_key():
     record.clear_calibrations()
     privacy = TrainingPrivacy(mode="record", epsilon=2.0, delta=1e-5, min_samples=20)
