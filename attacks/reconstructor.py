@@ -2,9 +2,10 @@
 
 The attacker trains a denoising diffusion model on pairs ``(E(x), x)`` of its own images; given a released feature,
 DDIM sampling with classifier-free guidance draws images that have that feature. Entry points:
-:class:`ReconstructorConfig`, :class:`Reconstructor` (fit, sample, export), :func:`train_or_resume`,
-:func:`select_sampling`, :func:`select_one_step_guidance`, :func:`resolve_device`. The model and its unstated
-choices, devices, checkpoints and exported weights: docs/attacks.md, "The diffusion reconstructor".
+:class:`Reconstructor` (fit, sample, posterior_mean, export, load) and :func:`train_or_resume`. Its settings and
+devices are in :mod:`attacks.reconstructor_config`, its network in :mod:`attacks.conditioned_unet`, its files in
+:mod:`attacks.reconstructor_files`, the choice of its sampling settings in :mod:`attacks.sampling_choice`. The model
+and its unstated choices, devices, checkpoints and exported weights: docs/attacks.md, "The diffusion reconstructor".
 
 Example (a tiny model on random data):
     >>> import torch
@@ -19,11 +20,8 @@ Example (a tiny model on random data):
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
-import numbers
 import os
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,313 +29,31 @@ import numpy as np
 import torch
 from torch import nn
 
-from accounting.validation import is_int_at_least, is_real
+from attacks.conditioned_unet import FeatureConditionedUNet
+from attacks.reconstructor_config import (
+    ARCHITECTURE,
+    ReconstructorConfig,
+    SamplingSettings,
+    checked_int,
+    checked_real,
+    resolve_device,
+    resolve_precision,
+)
+from attacks.reconstructor_files import (
+    CHECKPOINT_FORMAT,
+    EXPORT_FORMAT,
+    FEATURE_TOLERANCE,
+    check_format,
+    data_fingerprint,
+    read_state,
+    save_atomically,
+    state_weights_sha256,
+    summarise_training_data,
+)
 from privfl.errors import ConfigError
 from privfl.models.backbones import file_sha256
 
-__all__ = ["ARCHITECTURE", "CHECKPOINT_FORMAT", "DEVICES", "EXPORT_FORMAT", "FEATURE_TOLERANCE", "PRECISIONS",
-           "PREDICTION_TYPES", "FeatureConditionedUNet", "Reconstructor",
-           "ReconstructorConfig", "SamplingSettings", "data_fingerprint", "file_sha256", "resolve_device",
-           "resolve_precision", "select_one_step_guidance", "select_sampling", "train_or_resume"]
-
-CHECKPOINT_FORMAT = 3
-#: The ``format`` of :meth:`Reconstructor.export`'s file.
-EXPORT_FORMAT = "ema-weights-1"
-#: Largest difference allowed between the per-dimension means, and between the per-dimension standard deviations,
-#: of the features exported weights were trained on and the features they are evaluated with (absolute; unit-norm
-#: features of a few hundred dimensions have entries of order 0.03, a device's rounding differences are about 1e-6).
-FEATURE_TOLERANCE = 1e-4
-#: The :class:`ReconstructorConfig` fields a fine-tuned reconstructor must share with the weights it starts from:
-#: the network's shapes and what its output means (the training-only fields, learning rate, batch size, condition
-#: dropout and EMA decay, may differ).
-ARCHITECTURE = ("feature_dim", "image_size", "channels", "block_channels", "layers_per_block", "mid_attention",
-                "attention", "norm_groups", "train_timesteps", "beta_schedule", "prediction_type", "condition_dims",
-                "guide_image")
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
-PREDICTION_TYPES = ("v_prediction", "epsilon")
-DEVICES = ("auto", "cpu", "cuda", "cuda:N")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-
-
-def resolve_device(name: str | torch.device) -> torch.device:
-    """The torch device for ``name``: ``"auto"`` is CUDA when a CUDA device is visible, else the CPU; ``"cpu"``;
-    ``"cuda"`` or ``"cuda:N"``, which must exist (an error otherwise: never a silent fall-back to the CPU).
-
-    >>> resolve_device("cpu")
-    device(type='cpu')
-    """
-    if isinstance(name, torch.device):
-        name = str(name)
-    if not isinstance(name, str):
-        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {name!r}: no CUDA device is visible here (torch.cuda.is_available() is "
-                              f"False); use 'cpu', or 'auto' to take CUDA only when there is one")
-        index = int(name[5:]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-        return torch.device(name)
-    raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
-
-
-def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of ``precision`` ``name`` on ``device`` (``None``: float32, no autocast).
-
-    ``"auto"``: bfloat16 on a CUDA device that supports it, float16 on one that does not, float32 on the CPU;
-    ``"fp32"``; ``"bf16"`` (CUDA or CPU); ``"fp16"`` (CUDA only: CPU float16 autocast is refused).
-    """
-    if name not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
-    cuda = device.type == "cuda"
-    if name == "auto":
-        if not cuda:
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if name == "fp32":
-        return None
-    if name == "fp16" and not cuda:
-        raise ConfigError(f"precision 'fp16' needs a CUDA device, got device {str(device)!r} (use bf16 or fp32)")
-    return torch.bfloat16 if name == "bf16" else torch.float16
-
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _real(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
-    if not is_real(value) or not math.isfinite(value) \
-            or value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise ConfigError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class ReconstructorConfig:
-    """Architecture and training settings of the reconstructor (every field is saved in the checkpoint).
-
-    Attributes:
-        feature_dim: d, the length of the feature vectors it is conditioned on.
-        image_size: side of the square images it generates (pixels; MNIST's native 28 halves to 14 and 7 in three
-            levels).
-        channels: image channels (1 for MNIST).
-        block_channels: U-Net channels per resolution level (one down-sampling between consecutive levels).
-        layers_per_block: residual blocks per level (the up path has one more, diffusers' layout).
-        mid_attention: self-attention in the middle block, at the lowest resolution (diffusers' ``add_attention``).
-        attention: also self-attention blocks in the deepest down and up levels.
-        norm_groups: groups of the group normalisation (divides every entry of ``block_channels``).
-        train_timesteps: T of the forward process.
-        beta_schedule: ``"squaredcos_cap_v2"`` (cosine, Nichol and Dhariwal 2021), ``"linear"`` or
-            ``"scaled_linear"``.
-        prediction_type: what the network predicts, ``"v_prediction"`` or ``"epsilon"`` (module docstring, 1).
-        cond_dropout: probability of training an example with the null (zero) condition, in [0, 1].
-        learning_rate: AdamW learning rate.
-        batch_size: training examples per step.
-        ema_decay: decay of the weight average used for sampling, in [0, 1).
-        condition_dims: principal components the feature is whitened to before the conditioning MLP (at most
-            ``feature_dim``, and fewer than the training pairs); ``None``: per-dimension standardisation.
-        guide_image: the UNet also reads a decoder's estimate of the image (``channels`` more input channels; module
-            docstring, 6); training and sampling then need those estimates.
-    """
-
-    feature_dim: int
-    image_size: int = 28
-    channels: int = 1
-    block_channels: tuple[int, ...] = (32, 64, 128)
-    layers_per_block: int = 2
-    mid_attention: bool = True
-    attention: bool = False
-    norm_groups: int = 8
-    train_timesteps: int = 1000
-    beta_schedule: str = "squaredcos_cap_v2"
-    prediction_type: str = "v_prediction"
-    cond_dropout: float = 0.1
-    learning_rate: float = 2e-4
-    batch_size: int = 64
-    ema_decay: float = 0.999
-    condition_dims: int | None = None
-    guide_image: bool = False
-
-    def __post_init__(self) -> None:
-        _positive_int("feature_dim", self.feature_dim)
-        _positive_int("image_size", self.image_size, 8)
-        _positive_int("channels", self.channels)
-        blocks = tuple(self.block_channels) if isinstance(self.block_channels, (list, tuple)) else None
-        if not blocks or any(not is_int_at_least(c, 1) for c in blocks):
-            raise ConfigError(f"block_channels must be a non-empty sequence of positive integers, "
-                              f"got {self.block_channels!r}")
-        object.__setattr__(self, "block_channels", tuple(int(c) for c in blocks))
-        _positive_int("layers_per_block", self.layers_per_block)
-        groups = _positive_int("norm_groups", self.norm_groups)
-        if any(c % groups for c in self.block_channels):
-            raise ConfigError(f"norm_groups={groups} must divide every entry of block_channels "
-                              f"{self.block_channels}")
-        _positive_int("train_timesteps", self.train_timesteps, 2)
-        if self.beta_schedule not in BETA_SCHEDULES:
-            raise ConfigError(f"beta_schedule must be one of {', '.join(BETA_SCHEDULES)}, got {self.beta_schedule!r}")
-        if self.prediction_type not in PREDICTION_TYPES:
-            raise ConfigError(f"prediction_type must be one of {', '.join(PREDICTION_TYPES)}, got "
-                              f"{self.prediction_type!r}")
-        _real("cond_dropout", self.cond_dropout, 0.0, 1.0)
-        _real("learning_rate", self.learning_rate, 0.0, 1.0, low_open=True)
-        _positive_int("batch_size", self.batch_size)
-        _real("ema_decay", self.ema_decay, 0.0, 0.999999)
-        for name in ("mid_attention", "attention", "guide_image"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.condition_dims is not None:
-            _positive_int("condition_dims", self.condition_dims)
-            if self.condition_dims > self.feature_dim:
-                raise ConfigError(f"condition_dims={self.condition_dims} must be at most feature_dim="
-                                  f"{self.feature_dim} (or None for per-dimension standardisation)")
-
-    @property
-    def condition_width(self) -> int:
-        """The length of the whitened feature the conditioning MLP reads."""
-        return self.feature_dim if self.condition_dims is None else self.condition_dims
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["block_channels"] = list(self.block_channels)
-        return out
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ReconstructorConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown reconstructor settings {unknown}; valid: {sorted(known)}")
-        return cls(**values)
-
-
-class FeatureConditionedUNet(nn.Module):
-    """``UNet2DModel`` whose timestep embedding gets ``MLP(whitened feature)`` added (the condition).
-
-    The whitening is ``(f - feature_mean) @ feature_projection`` (buffers, saved with the weights; set by
-    :meth:`Reconstructor.set_feature_statistics`).
-
-    ``forward(x_t, t, features, keep, guide)``: ``keep`` is a boolean ``[B]`` mask; where it is False the condition
-    embedding is the null embedding (zero), i.e. the unconditional model; ``guide`` the decoder's estimates on [0, 1]
-    (``guide_image`` only), zeroed with the condition.
-    """
-
-    feature_mean: torch.Tensor   # buffers (register_buffer)
-    feature_projection: torch.Tensor
-
-    def __init__(self, config: ReconstructorConfig) -> None:
-        super().__init__()
-        from diffusers import UNet2DModel
-
-        levels = len(config.block_channels)
-        down = ["DownBlock2D"] * levels
-        up = ["UpBlock2D"] * levels
-        if config.attention:
-            down[-1], up[0] = "AttnDownBlock2D", "AttnUpBlock2D"
-        self.guide_image = config.guide_image
-        self.unet = UNet2DModel(
-            sample_size=config.image_size, in_channels=config.channels * (2 if config.guide_image else 1),
-            out_channels=config.channels,
-            block_out_channels=config.block_channels, layers_per_block=config.layers_per_block,
-            down_block_types=tuple(down), up_block_types=tuple(up), norm_num_groups=config.norm_groups,
-            resnet_time_scale_shift="scale_shift", class_embed_type="identity", add_attention=config.mid_attention)
-        width = 4 * config.block_channels[0]  # UNet2DModel's time-embedding width
-        r = config.condition_width
-        first, last = nn.Linear(r, width), nn.Linear(width, width)
-        self.condition = nn.Sequential(first, nn.SiLU(), last)
-        nn.init.zeros_(last.weight)
-        nn.init.zeros_(last.bias)
-        self.register_buffer("feature_mean", torch.zeros(config.feature_dim))
-        self.register_buffer("feature_projection", torch.eye(config.feature_dim, r))
-
-    def whiten(self, features: torch.Tensor) -> torch.Tensor:
-        """``[n, d]`` features -> ``[n, condition_width]`` whitened (or standardised) coordinates."""
-        return (features - self.feature_mean) @ self.feature_projection
-
-    def condition_embedding(self, features: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        embedding = self.condition(self.whiten(features))
-        if keep is not None:
-            embedding = embedding * keep.to(embedding.dtype)[:, None]
-        return embedding
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, features: torch.Tensor,
-                keep: torch.Tensor | None = None, guide: torch.Tensor | None = None) -> torch.Tensor:
-        if self.guide_image:
-            if guide is None:
-                raise ConfigError("this reconstructor reads a decoder's estimate beside x_t (guide_image=True); "
-                                  "pass the guide images")
-            g = guide * 2.0 - 1.0   # on x_0's scale; the null input (condition dropped) is zero
-            if keep is not None:
-                g = g * keep.to(g.dtype)[:, None, None, None]
-            x = torch.cat([x, g.to(x.dtype)], dim=1)
-        return self.unet(x, t, class_labels=self.condition_embedding(features, keep)).sample
-
-
-def data_fingerprint(*arrays: Any) -> str:
-    """sha256 of ``arrays`` in order (shapes, dtypes and bytes; ``None`` skipped), e.g. the training pairs and the
-    decoder's estimates: a checkpoint is reused only on the same data."""
-    hasher = hashlib.sha256()
-    for array in (a for a in arrays if a is not None):
-        a = np.ascontiguousarray(array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else array)
-        hasher.update(f"{a.dtype}{a.shape}".encode())
-        hasher.update(a.tobytes())
-    return hasher.hexdigest()
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How :meth:`Reconstructor.sample` draws (module docstring, 4 and 5).
-
-    Attributes:
-        guidance_scale: w >= 0 (0 unconditional, 1 conditional, > 1 guided).
-        guidance_interval: ``(low, high)`` fractions of T; ``w`` applies while ``low <= t / T <= high`` and
-            ``w = 1`` elsewhere (``(0, 1)``: everywhere).
-        guidance_rescale: phi in [0, 1] of Lin et al. 2024, eq. 16 (0: none).
-        num_inference_steps: DDIM steps over the whole range [0, T) (an initialised draw runs the ones below t = s T).
-        init_strength: s in (0, 1] for decoder-guided initialisation, or ``None`` to start from pure noise.
-    """
-
-    guidance_scale: float = 1.0
-    guidance_interval: tuple[float, float] = (0.0, 1.0)
-    guidance_rescale: float = 0.0
-    num_inference_steps: int = 20
-    init_strength: float | None = None
-
-    def __post_init__(self) -> None:
-        _real("guidance_scale", self.guidance_scale, 0.0, 1e3)
-        interval = tuple(self.guidance_interval) if isinstance(self.guidance_interval, (list, tuple)) else ()
-        if len(interval) != 2 or not 0 <= _real("guidance_interval", interval[0], 0.0, 1.0) <= \
-                _real("guidance_interval", interval[1], 0.0, 1.0):
-            raise ConfigError(f"guidance_interval must be (low, high) with 0 <= low <= high <= 1, got "
-                              f"{self.guidance_interval!r}")
-        object.__setattr__(self, "guidance_interval", (float(interval[0]), float(interval[1])))
-        _real("guidance_rescale", self.guidance_rescale, 0.0, 1.0)
-        _positive_int("num_inference_steps", self.num_inference_steps)
-        if self.init_strength is not None:
-            _real("init_strength", self.init_strength, 0.0, 1.0, low_open=True)
-
-    @property
-    def label(self) -> str:
-        """A short name, e.g. ``w=2 [0.2, 0.8] phi=0.7 init=0.6``."""
-        text = f"w={self.guidance_scale:g}"
-        if self.guidance_interval != (0.0, 1.0) and self.guidance_scale != 1.0:
-            text += f" [{self.guidance_interval[0]:g}, {self.guidance_interval[1]:g}]"
-        if self.guidance_rescale and self.guidance_scale != 1.0:
-            text += f" phi={self.guidance_rescale:g}"
-        if self.init_strength is not None:
-            text += f" init={self.init_strength:g}"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["guidance_interval"] = list(self.guidance_interval)
-        return out
+__all__ = ["Reconstructor", "file_sha256", "train_or_resume"]
 
 
 class Reconstructor:
@@ -360,7 +76,7 @@ class Reconstructor:
         self.device = resolve_device(device)
         self.precision = precision
         self.autocast_dtype = resolve_precision(precision, self.device)
-        self.seed = _positive_int("seed", seed, 0)
+        self.seed = checked_int("seed", seed, 0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             self.model = FeatureConditionedUNet(config)
@@ -529,8 +245,8 @@ class Reconstructor:
 
         from tqdm.auto import tqdm
 
-        steps = _positive_int("steps", steps, 0)
-        checkpoint_every = _positive_int("checkpoint_every", checkpoint_every)
+        steps = checked_int("steps", steps, 0)
+        checkpoint_every = checked_int("checkpoint_every", checkpoint_every)
         f, x = self._check_pairs(features, images)
         g = self._check_guides(guides, len(x))
         fingerprint = data_fingerprint(f, x, g)
@@ -538,7 +254,7 @@ class Reconstructor:
             if self.initialised_from is None:   # a fine-tuned one keeps its source's whitening (module docstring, 9)
                 self.set_feature_statistics(f)
             self.fingerprint = fingerprint
-            self.data_summary = _data_summary(f, x)
+            self.data_summary = summarise_training_data(f, x)
         elif self.exported:
             self._check_exported_data(f, x)
         elif self.fingerprint != fingerprint:
@@ -644,7 +360,7 @@ class Reconstructor:
         if settings.num_inference_steps > self.config.train_timesteps:
             raise ConfigError(f"num_inference_steps must be <= train_timesteps={self.config.train_timesteps}, "
                               f"got {settings.num_inference_steps}")
-        batch_size = _positive_int("batch_size", batch_size)
+        batch_size = checked_int("batch_size", batch_size)
         f = self._check_features(features)
         c = self.config
         if (init is None) != (settings.init_strength is None):
@@ -736,9 +452,9 @@ class Reconstructor:
                               f"eps-prediction gives x_0 at t = T - 1 only by dividing by sqrt(abar_T) = "
                               f"{math.sqrt(abar):.2g}; train the reconstructor with v_prediction "
                               f"(--prediction-type v_prediction)")
-        draws = _positive_int("draws", draws)
-        batch_size = _positive_int("batch_size", batch_size)
-        guidance_scale = _real("guidance_scale", guidance_scale, 0.0, 1e3)
+        draws = checked_int("draws", draws)
+        batch_size = checked_int("batch_size", batch_size)
+        guidance_scale = checked_real("guidance_scale", guidance_scale, 0.0, 1e3)
         f = self._check_features(features)
         guides = self._check_guides(guide, len(f))
         generator = torch.Generator().manual_seed(0) if generator is None else generator
@@ -776,7 +492,7 @@ class Reconstructor:
         """
         if self.step or self.exported:
             raise ConfigError("initialise_from starts a new reconstructor; this one has trained or was loaded already")
-        state = _read_state(path)
+        state = read_state(path)
         source = ReconstructorConfig.from_dict(state["config"])
         differ = {name: (getattr(source, name), getattr(self.config, name)) for name in ARCHITECTURE
                   if getattr(source, name) != getattr(self.config, name)}
@@ -786,7 +502,7 @@ class Reconstructor:
         self.model.load_state_dict(state["ema"])
         self.ema.load_state_dict(state["ema"])
         self.initialised_from = {
-            "file": Path(path).name, "file_sha256": file_sha256(path), "weights_sha256": _weights_sha256(state),
+            "file": Path(path).name, "file_sha256": file_sha256(path), "weights_sha256": state_weights_sha256(state),
             "step": int(state["step"]), "train_seconds": float(state.get("train_seconds", 0.0)),
             "fingerprint": state.get("fingerprint"), "config": state["config"], "made_by": state.get("made_by")}
 
@@ -795,7 +511,7 @@ class Reconstructor:
         trained = self.data_summary
         if trained is None:
             raise ConfigError("these exported weights carry no summary of their training data to check against")
-        given = _data_summary(f, x)
+        given = summarise_training_data(f, x)
         if given["pairs"] != trained["pairs"] or given["images"] != trained["images"]:
             raise ConfigError(f"these exported weights were trained on {trained['pairs']} other images than the "
                               f"{given['pairs']} given (the images must be bit-identical); evaluate them on their "
@@ -822,7 +538,7 @@ class Reconstructor:
                 "made_by": self.made_by}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_format(state)
+        check_format(state)
         if ReconstructorConfig.from_dict(state["config"]) != self.config:
             raise ConfigError("the checkpoint's reconstructor settings differ from this one's")
         self.exported = state["format"] == EXPORT_FORMAT
@@ -843,7 +559,7 @@ class Reconstructor:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the checkpoint atomically (a temporary file in the same folder, then ``os.replace``)."""
-        return _atomic_save(self.state_dict(), path)
+        return save_atomically(self.state_dict(), path)
 
     def export(self, path: str | os.PathLike) -> Path:
         """Write the exported weights (module docstring, "Exported weights") atomically; :meth:`load` reads them.
@@ -853,57 +569,18 @@ class Reconstructor:
         if self.data_summary is None:
             raise ConfigError("this reconstructor has no summary of its training data (trained before it was kept, or "
                               "not trained): train it, or resume it for one step, before exporting")
-        return _atomic_save({**self._sampling_state(), "format": EXPORT_FORMAT}, path)
+        return save_atomically({**self._sampling_state(), "format": EXPORT_FORMAT}, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu",
              precision: str = "auto") -> Reconstructor:
         """Rebuild a reconstructor from :meth:`save`'s or :meth:`export`'s file (``torch.load(weights_only=True)``),
         on any device."""
-        state = _read_state(path)
+        state = read_state(path)
         reconstructor = cls(ReconstructorConfig.from_dict(state["config"]), device=device, precision=precision,
                             seed=int(state["seed"]))
         reconstructor.load_state_dict(state)
         return reconstructor
-
-
-def _read_state(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's or exported weights' contents (``torch.load(weights_only=True)``), else a ConfigError."""
-    state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or "config" not in state:
-        raise ConfigError(f"{path} is not a reconstructor checkpoint or exported weights")
-    _check_format(state)
-    return state
-
-
-def _check_format(state: dict[str, Any]) -> None:
-    """Refuse a checkpoint or exported weights of a format this code does not read."""
-    if state.get("format") not in (CHECKPOINT_FORMAT, EXPORT_FORMAT):
-        raise ConfigError(f"unsupported reconstructor checkpoint format {state.get('format')!r} (this code reads "
-                          f"{CHECKPOINT_FORMAT} and {EXPORT_FORMAT!r}; train a new reconstructor)")
-
-
-def _weights_sha256(state: dict[str, Any]) -> str:
-    """The sha256 of a state's EMA weights (what a fine-tuned reconstructor names its source by)."""
-    return data_fingerprint(*state["ema"].values())
-
-
-def _data_summary(features: torch.Tensor, images: torch.Tensor) -> dict[str, Any]:
-    """What exported weights are checked against: the images' fingerprint, the pair count and the features'
-    per-dimension mean and (population) standard deviation in float64."""
-    f = features.double()
-    return {"pairs": len(features), "images": data_fingerprint(images),
-            "feature_mean": f.mean(0), "feature_std": f.std(0, unbiased=False)}
-
-
-def _atomic_save(state: dict[str, Any], path: str | os.PathLike) -> Path:
-    """``torch.save`` to a temporary file in the same folder, then ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)
-    return path
 
 
 def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, steps: int,
@@ -925,7 +602,7 @@ def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, 
                               "use another checkpoint path or delete it")
         if init_weights is not None:
             mine = (reconstructor.initialised_from or {}).get("weights_sha256")
-            if mine != _weights_sha256(_read_state(init_weights)):
+            if mine != state_weights_sha256(read_state(init_weights)):
                 raise ConfigError(f"{checkpoint} was not fine-tuned from {init_weights}; use another checkpoint path")
     else:
         reconstructor = Reconstructor(config, device=device, precision=precision, seed=seed)
@@ -936,84 +613,3 @@ def train_or_resume(config: ReconstructorConfig, features: Any, images: Any, *, 
     reconstructor.fit(features, images, steps=steps, guides=guides, checkpoint=checkpoint,
                       checkpoint_every=checkpoint_every, progress=progress)
     return reconstructor
-
-
-def select_sampling(reconstructor: Any, features: Any, images: Any, candidates: Any, *, init: Any = None,
-                    guide: Any = None, seed: int = 0,
-                    progress: bool = False) -> tuple[SamplingSettings, list[dict[str, Any]]]:
-    """The sampling settings whose reconstructions of held-out attacker pairs have the highest mean SSIM.
-
-    The attacker holds these pairs out of training, so the choice uses no defender data. Every candidate starts from
-    the same noise (one sample per feature), so the scores differ only by the settings; ties go to the earlier
-    candidate. Mean PSNR is recorded beside SSIM for the report.
-
-    Args:
-        reconstructor: a trained reconstructor (anything with its ``sample`` method).
-        features, images: ``[n, d]`` held-out attacker features and their images ``[n, C, H, W]`` on [0, 1].
-        candidates: :class:`SamplingSettings` to compare.
-        init: ``[n, C, H, W]`` decoder estimates for the candidates with ``init_strength`` (required if any has).
-        guide: ``[n, C, H, W]`` the estimates a ``guide_image`` reconstructor reads.
-
-    Returns:
-        ``(best settings, [{"settings": ..., "label": ..., "ssim": ..., "psnr": ...} per candidate])``.
-    """
-    candidates = list(candidates)
-    if not candidates or not all(isinstance(c, SamplingSettings) for c in candidates):
-        raise ConfigError("select_sampling needs one or more SamplingSettings candidates")
-    f, x = _held_out_pairs(features, images)
-    if init is None and any(c.init_strength is not None for c in candidates):
-        raise ConfigError("a candidate with init_strength needs the decoder's estimates (init)")
-    scores = []
-    for candidate in candidates:
-        generator = torch.Generator().manual_seed(seed)
-        extra = {} if guide is None else {"guide": guide}
-        recon = reconstructor.sample(f, settings=candidate, generator=generator, progress=progress,
-                                     init=init if candidate.init_strength is not None else None, **extra)
-        scores.append({"settings": candidate.to_dict(), "label": candidate.label, **_held_out_scores(x, recon)})
-    best = max(range(len(candidates)), key=lambda i: (scores[i]["ssim"], -i))
-    return candidates[best], scores
-
-
-def select_one_step_guidance(reconstructor: Any, features: Any, images: Any, scales: Any, *, draws: int,
-                             guide: Any = None, seed: int = 0) -> tuple[float, list[dict[str, Any]]]:
-    """The guidance scale w of the one-step estimate (:meth:`Reconstructor.posterior_mean`) whose estimates of
-    held-out attacker pairs have the highest mean PSNR.
-
-    The one-step estimate stands for the posterior mean, the estimate of least squared error, so w is chosen on
-    squared error (PSNR); SSIM is recorded beside it. At w = 1 it is the conditional network's estimate; a w a
-    little above 1 moves it away from the unconditional one (the attacker's data mean), which lowers the held-out
-    squared error when the conditional estimate is shrunk towards that mean more than the true posterior mean is
-    (MNIST, the 28 px benchmark reconstructor, 8 draws on 400 held-out pairs: PSNR 17.46 / 17.48 / 17.32 and SSIM
-    0.708 / 0.723 / 0.734 at w = 1 / 1.05 / 1.25). The pairs are held out of training, so the choice uses no
-    defender data; every scale reads the same noise draws; ties go to the earlier scale.
-
-    Returns:
-        ``(best w, [{"guidance_scale": w, "ssim": ..., "psnr": ...} per scale])``.
-    """
-    scales = [_real("guidance scale", w, 0.0, 1e3) for w in scales]
-    if not scales:
-        raise ConfigError("select_one_step_guidance needs one or more guidance scales")
-    f, x = _held_out_pairs(features, images)
-    extra = {} if guide is None else {"guide": guide}
-    scores = [{"guidance_scale": w, **_held_out_scores(x, reconstructor.posterior_mean(
-        f, draws=draws, guidance_scale=w, generator=torch.Generator().manual_seed(seed), **extra))}
-        for w in scales]
-    best = max(range(len(scales)), key=lambda i: (scores[i]["psnr"], -i))
-    return scales[best], scores
-
-
-def _held_out_pairs(features: Any, images: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Held-out attacker features and their images as float32 tensors; a ConfigError unless they pair up."""
-    f, x = (torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v, dtype=torch.float32)
-            for v in (features, images))
-    if len(f) == 0 or len(f) != len(x):
-        raise ConfigError(f"need as many held-out features as images (and at least one), got {len(f)} and {len(x)}")
-    return f, x
-
-
-def _held_out_scores(x: torch.Tensor, recon: torch.Tensor) -> dict[str, float]:
-    """Mean SSIM and mean PSNR (an exact copy counted at 100 dB) of reconstructions of held-out images."""
-    from attacks.metrics import psnr_pairs, ssim_pairs
-
-    p = psnr_pairs(x, recon)
-    return {"ssim": float(ssim_pairs(x, recon).mean()), "psnr": float(np.where(np.isinf(p), 100.0, p).mean())}

@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attacks.decoders import RidgeDecoder  # noqa: E402
-from attacks.reconstruct_cli import AttackSettings, _embed  # noqa: E402
+from attacks.reconstruct_data import _embed  # noqa: E402
+from attacks.reconstruct_settings import AttackSettings  # noqa: E402
 from attacks.schemes import AttackerPrior, make_release, postprocess_release  # noqa: E402
 from attacks.statistics import bootstrap_cell  # noqa: E402
 from privfl.data import load_source  # noqa: E402

@@ -36,7 +36,7 @@ Options after ``--`` go to ``privfl attack reconstruct``: e.g. ``-- --guide-deco
 of the kNN average's, the run ``benchmarks/README.md`` reports first.
 
 ``--preset reduced`` evaluates the same reconstructor (its checkpoint in ``--work`` is reused) on three defender
-sets of 250 with fewer samples (``attacks/reconstruct_cli.py``, ``PRESETS``). ``--render-only`` rewrites the
+sets of 250 with fewer samples (``attacks/reconstruct_settings.py``, ``PRESETS``). ``--render-only`` rewrites the
 markdown from the JSON and the CSV. Results in ``benchmarks/results/`` under ``attack_mnist`` (``--preset
 benchmark``) or ``attack_mnist_reduced``: ``.json`` / ``.md``, ``.csv`` (rows), ``_metrics.png`` and ``_grid.png``;
 every scored image in ``--work`` (``per_image_scores.csv`` and ``<stem>_scores.csv.gz``). The JSON and the markdown
@@ -67,7 +67,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attacks.decoders import DECODERS  # noqa: E402
-from attacks.reconstruct_cli import ATTACK_NAMES, run_reconstruction_attack, settings_from_args  # noqa: E402
+from attacks.reconstruct_cli import settings_from_args  # noqa: E402
+from attacks.reconstruct_outputs import ATTACK_NAMES  # noqa: E402
+from attacks.reconstruct_run import run_reconstruction_attack  # noqa: E402
 from attacks.statistics import bootstrap_cell, separated  # noqa: E402
 from privfl.provenance import numerics  # noqa: E402
 

@@ -106,8 +106,8 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "mlp_guide/attack_mnist.json": (*_script("attack_mnist"), *ATTACK),
     "tuned_guide/attack_mnist.json": (*_script("attack_mnist"), *ATTACK),
     "attack_dp_class_size.json": (*_script("attack_dp_class_size"), *ATTACK),
-    "audit_privatize.json": (*_script("audit_privatize"), "attacks/audit.py", "attacks/statistics.py", *PRIVACY,
-                             *MODELS),
+    "audit_privatize.json": (*_script("audit_privatize"), "attacks/audit.py", "attacks/audit_statistics.py",
+                             "attacks/audit_mechanisms.py", "attacks/statistics.py", *PRIVACY, *MODELS),
     "accounting_table.json": (*_script("accounting_table"), "accounting"),
     # performance: what the timed code executes
     "runtime_overhead.json": (*_script("runtime_overhead"), *_methods("fedavg"), *TRAINING),

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attacks.decoders import DECODERS  # noqa: E402
-from attacks.reconstruct_cli import _SCORE_COLUMNS  # noqa: E402
+from attacks.reconstruct_outputs import _SCORE_COLUMNS  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -10,17 +10,9 @@ import pytest
 from scipy import stats
 
 from accounting import analytic_gaussian_sigma
-from attacks.audit import (
-    MECHANISMS,
-    AuditResult,
-    audit_main,
-    audit_mechanism,
-    audit_privatize,
-    audit_samples,
-    clopper_pearson,
-    run_audit,
-    worst_case_pair,
-)
+from attacks.audit import MECHANISMS, audit_main, audit_privatize, run_audit
+from attacks.audit_mechanisms import worst_case_pair
+from attacks.audit_statistics import AuditResult, audit_mechanism, audit_samples, clopper_pearson
 from privfl.registry import Registry
 
 
@@ -153,7 +145,7 @@ def test_swapped_direction_gives_the_same_bound_as_the_mirrored_scores():
 # -- DP-FedPFT (DP-GMM) release, audited through its S1 block ------------------------------------------------------
 
 def test_dp_gmm_worst_case_pair_moves_only_s1_by_its_sensitivity():
-    from attacks.audit import dp_gmm_worst_case_pair
+    from attacks.audit_mechanisms import dp_gmm_worst_case_pair
     from privfl.privacy.dp_gmm import block_sensitivities, clipped_class_sums
     x_d, x_dp, y_d, y_dp = dp_gmm_worst_case_pair(20, bound=1.5, dim=3)
     for cov in ("full", "diag", "spherical"):
@@ -196,7 +188,7 @@ def test_dp_gmm_noisy_counts_split_over_three_blocks():
 def test_dp_gmm_vectorised_noise_matches_real_releases():
     import torch
 
-    from attacks.audit import _dp_gmm_releases, dp_gmm_worst_case_pair
+    from attacks.audit_mechanisms import dp_gmm_releases, dp_gmm_worst_case_pair
     from privfl.privacy.dp_gmm import release_class_gaussians
     eps, delta, n = 1.0, 1e-5, 400  # n large enough that the released mean is never projected into the B-ball
     x_d, _, y_d, _ = dp_gmm_worst_case_pair(n, 1.0, 2)
@@ -208,7 +200,7 @@ def test_dp_gmm_vectorised_noise_matches_real_releases():
     # S1 moves by 2 (replace-one, B = 1); scaled to unit sensitivity beside S2 it shares one Gaussian of joint
     # sensitivity sqrt(2) calibrated at the whole (eps, delta): sigma_S1 = 2 * sigma_analytic(eps, delta, sqrt(2))
     assert sigma_real == pytest.approx(analytic_gaussian_sigma(eps, delta, 2.0 * math.sqrt(2)), rel=1e-12)
-    vec, _, k, _ = _dp_gmm_releases(eps, delta, 300, 1.0, n, 2, "diag", "public", "replace_one", 3)
+    vec, _, k, _ = dp_gmm_releases(eps, delta, 300, 1.0, n, 2, "diag", "public", "replace_one", 3)
     assert k == 2
     # 600 coordinates each: the sample sd is within ~3% of sigma (1 sd); a sigma calibrated for S1 alone (sensitivity
     # 2 instead of the joint 2 * sqrt(2)) would be ~1.4x smaller, and 15% catches it
@@ -228,17 +220,17 @@ def test_cli_dp_gmm_reports_block_and_release_claims(tmp_path, capsys):
 
 
 def test_odpflhn_encoder_gradient_release_is_audited_from_the_client_code_on_an_add_remove_pair():
-    from attacks.audit import _odpflhn_gradient_releases, odpflhn_gradient_pair
+    from attacks.audit_mechanisms import odpflhn_gradient_pair, odpflhn_gradient_releases
 
     encoder, x_d, x_dp, grad = odpflhn_gradient_pair(20)
     assert (len(x_d), len(x_dp)) == (20, 21) and float(grad) == 10.0       # D' is D and one more record
     # the vectorised draws come from the client's own release: same sigma (z 2C / min_samples) on both inputs
-    rd, rdp = _odpflhn_gradient_releases(1.0, 1e-5, 20_000, 1.0, 20, 0, True)
+    rd, rdp = odpflhn_gradient_releases(1.0, 1e-5, 20_000, 1.0, 20, 0, True)
     sigma = analytic_gaussian_sigma(1.0, 1e-5, 1.0) * 2 / 20
     assert rd[:, 0].std(ddof=1) == pytest.approx(sigma, rel=0.05) == rdp[:, 0].std(ddof=1)
     assert rd[:, 0].mean() - rdp[:, 0].mean() == pytest.approx(2 / 21, abs=5 * sigma / np.sqrt(20_000))
     # the release path, one call of the client's stage-2 code per trial, agrees in distribution
-    slow, _ = _odpflhn_gradient_releases(1.0, 1e-5, 300, 1.0, 20, 1, False)
+    slow, _ = odpflhn_gradient_releases(1.0, 1e-5, 300, 1.0, 20, 1, False)
     assert slow[:, 0].std(ddof=1) == pytest.approx(sigma, rel=0.15)
     result = run_audit("odpflhn_gradient", 1.0, 1e-5, trials=100_000, n=20, seed=0)
     assert not result.violated and 0.2 < result.epsilon_lower < 1.0

@@ -20,36 +20,30 @@ import torch  # noqa: E402
 from accounting import epsilon as accountant_epsilon  # noqa: E402
 from accounting import event_from_dict  # noqa: E402
 from attacks.metrics import LPIPS, psnr_pairs, ssim_pairs  # noqa: E402
-from attacks.reconstruct_cli import (  # noqa: E402
-    PRESETS,
-    build_parser,
-    reconstruct_main,
-    reconstructor_config,
-    settings_from_args,
-)
-from attacks.reconstructor import (  # noqa: E402
-    Reconstructor,
+from attacks.reconstruct_cli import build_parser, reconstruct_main, settings_from_args  # noqa: E402
+from attacks.reconstruct_settings import PRESETS, reconstructor_config  # noqa: E402
+from attacks.reconstructor import Reconstructor, file_sha256, train_or_resume  # noqa: E402
+from attacks.reconstructor_config import (  # noqa: E402
     ReconstructorConfig,
     SamplingSettings,
-    file_sha256,
     resolve_device,
     resolve_precision,
-    select_one_step_guidance,
-    select_sampling,
-    train_or_resume,
 )
+from attacks.sampling_choice import select_one_step_guidance, select_sampling  # noqa: E402
 from attacks.schemes import (  # noqa: E402
     AttackerPrior,
-    AttackRow,
     Release,
+    feature_diagnostics,
+    make_release,
+    postprocess_release,
+    prior_only_release,
+)
+from attacks.scoring import (  # noqa: E402
+    AttackRow,
     ScoredSet,
     evaluate_decoder,
     evaluate_release,
-    feature_diagnostics,
-    make_release,
     nearest_image_baseline,
-    postprocess_release,
-    prior_only_release,
     rows_from_scores,
     score_reconstructions,
 )
@@ -998,13 +992,13 @@ def test_cli_end_to_end_on_tiny_data_reuses_its_checkpoint(tmp_path, monkeypatch
     import csv
     import json
 
-    import attacks.reconstruct_cli as cli
+    import attacks.reconstruct_outputs as outputs
 
     monkeypatch.setenv("PRIVFL_CACHE_DIR", str(tmp_path / "cache"))  # backbone features cached here
     panels = []
-    save_grid = cli.save_grid
-    monkeypatch.setattr(cli, "save_grid", lambda path, shown, **k: (panels.append([n for n, _ in shown]),
-                                                                     save_grid(path, shown, **k))[1])
+    save_grid = outputs.save_grid
+    monkeypatch.setattr(outputs, "save_grid", lambda path, shown, **k: (panels.append([n for n, _ in shown]),
+                                                                         save_grid(path, shown, **k))[1])
     out = tmp_path / "run"
     argv = ["--out", str(out), "--dataset", "digits", "--input-size", "32", "--attacker-images", "100",
             "--validation-images", "10", "--defender-images", "20", "--seeds", "0,1", "--image-size", "16",
