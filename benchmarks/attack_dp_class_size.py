@@ -35,6 +35,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,21 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     return (10 * torch.log10(1 / mse)).numpy()
 
 
-def main() -> int:
+@dataclass
+class _Setting:
+    """The defender's pool (the MNIST test split and its features) and what the attacker knows: its priors (full
+    covariance and per dimension), its ridge decoder and the decoded prior class means."""
+
+    xd: np.ndarray
+    yd: np.ndarray
+    fd: torch.Tensor
+    classes: int
+    priors: dict[str, AttackerPrior]
+    ridge: RidgeDecoder
+    prior_images: torch.Tensor
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sizes", default="5,10,20,50,100,200,500,850", help="defender images per class")
@@ -67,12 +82,12 @@ def main() -> int:
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "attack_dp_class_size"), help="output path without suffix")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    sizes = [int(v) for v in args.sizes.split(",")]
-    epsilons = [float(v) for v in args.eps.split(",")]
-    started = time.perf_counter()
+    return parser.parse_args()
 
+
+def _setting(sizes: list[int]) -> _Setting:
+    """MNIST's features (cached), the attacker's priors from its training split and its ridge decoder (1,000 images
+    held out for its penalty); stops if a class of the test split is smaller than the largest of ``sizes``."""
     source = load_source("mnist")
     settings = AttackSettings(out="", progress=False)
     xa, ya = np.asarray(source.train.x), np.asarray(source.train.y)
@@ -88,58 +103,80 @@ def main() -> int:
     train = np.setdiff1d(np.arange(len(xa)), held)
     ridge = RidgeDecoder().fit(fa[train], torch.as_tensor(xa[train]), ya[train], fa[held], torch.as_tensor(xa[held]),
                                ya[held])
-    prior_images = ridge.decode(priors["full"].class_means.float())
+    return _Setting(xd, yd, fd, classes, priors, ridge, ridge.decode(priors["full"].class_means.float()))
 
-    cells = []
-    for n_c in sizes:
-        for eps in epsilons:
-            ratios = {name: [] for name in priors}
-            gains, weights, sigmas = [], [], []
-            for repeat in range(args.repeats):
-                rng = np.random.default_rng([n_c, repeat])
-                index = np.concatenate([rng.choice(np.flatnonzero(yd == c), n_c, replace=False)
-                                        for c in range(classes)])
-                true_means = torch.stack([fd[index][yd[index] == c].double().mean(0) for c in range(classes)])
-                true_images = torch.stack([torch.as_tensor(xd[index][yd[index] == c]).mean(0)
-                                           for c in range(classes)])
-                release = make_release("dp-fedpft", fd[index], yd[index], num_classes=classes, epsilon=eps,
-                                       delta=args.delta, seed=1000 * repeat + n_c)
-                sigmas.append(release.details["ledger"]["metadata"]["sigmas"]["sum"])
-                for name, prior in priors.items():
-                    post = postprocess_release(release, prior, seed=repeat)
-                    estimate = torch.stack([torch.as_tensor(m.means[0]) for m in
-                                            sorted(post.mixtures, key=lambda m: m.label)])
-                    error = ((estimate - true_means) ** 2).sum(1)
-                    base = ((prior.class_means - true_means) ** 2).sum(1)
-                    ratios[name].append(float((error / base).mean()))
-                    if name == "full":
-                        weights.append(post.details["postprocessing"]["top_direction_mean_weight"])
-                        decoded = ridge.decode(estimate.float())
-                        gains.append(float(np.mean(_psnr(decoded, true_images) - _psnr(prior_images,
-                                                                                        true_images))))
-            cell = {"class_size": n_c, "epsilon": eps, "sigma_sum": float(np.mean(sigmas)),
-                    "top_weight": float(np.mean(weights))}
-            for key, values in (("error_ratio_full", ratios["full"]), ("error_ratio_diag", ratios["diag"]),
-                                ("image_psnr_gain", gains)):
-                estimate, low, high = bootstrap_cell([(np.asarray(values)[:, None], None)], n_boot=2000, seed=0)
-                cell[key] = {"mean": float(estimate[0]), "low": float(low[0]), "high": float(high[0])}
-            cells.append(cell)
-            print(f"n_c {n_c:4d} eps {eps:4g}: error ratio {cell['error_ratio_full']['mean']:.3f} "
-                  f"[{cell['error_ratio_full']['low']:.3f}, {cell['error_ratio_full']['high']:.3f}] (diag "
-                  f"{cell['error_ratio_diag']['mean']:.3f}), top weight {cell['top_weight']:.3f}, image PSNR gain "
-                  f"{cell['image_psnr_gain']['mean']:+.3f} dB", flush=True)
 
+def _measure_cell(s: _Setting, n_c: int, eps: float, repeats: int, delta: float) -> dict:
+    """One (class size, epsilon) cell: ``repeats`` draws of the defender's images and of the release's noise, the
+    error ratio of each prior, the image PSNR gain and the top release weight, with their bootstrap intervals."""
+    ratios = {name: [] for name in s.priors}
+    gains, weights, sigmas = [], [], []
+    for repeat in range(repeats):
+        rng = np.random.default_rng([n_c, repeat])
+        index = np.concatenate([rng.choice(np.flatnonzero(s.yd == c), n_c, replace=False)
+                                for c in range(s.classes)])
+        true_means = torch.stack([s.fd[index][s.yd[index] == c].double().mean(0) for c in range(s.classes)])
+        true_images = torch.stack([torch.as_tensor(s.xd[index][s.yd[index] == c]).mean(0)
+                                   for c in range(s.classes)])
+        release = make_release("dp-fedpft", s.fd[index], s.yd[index], num_classes=s.classes, epsilon=eps,
+                               delta=delta, seed=1000 * repeat + n_c)
+        sigmas.append(release.details["ledger"]["metadata"]["sigmas"]["sum"])
+        for name, prior in s.priors.items():
+            post = postprocess_release(release, prior, seed=repeat)
+            estimate = torch.stack([torch.as_tensor(m.means[0]) for m in
+                                    sorted(post.mixtures, key=lambda m: m.label)])
+            error = ((estimate - true_means) ** 2).sum(1)
+            base = ((prior.class_means - true_means) ** 2).sum(1)
+            ratios[name].append(float((error / base).mean()))
+            if name == "full":
+                weights.append(post.details["postprocessing"]["top_direction_mean_weight"])
+                decoded = s.ridge.decode(estimate.float())
+                gains.append(float(np.mean(_psnr(decoded, true_images) - _psnr(s.prior_images, true_images))))
+    cell = {"class_size": n_c, "epsilon": eps, "sigma_sum": float(np.mean(sigmas)),
+            "top_weight": float(np.mean(weights))}
+    for key, values in (("error_ratio_full", ratios["full"]), ("error_ratio_diag", ratios["diag"]),
+                        ("image_psnr_gain", gains)):
+        estimate, low, high = bootstrap_cell([(np.asarray(values)[:, None], None)], n_boot=2000, seed=0)
+        cell[key] = {"mean": float(estimate[0]), "low": float(low[0]), "high": float(high[0])}
+    return cell
+
+
+def _print_cell(cell: dict) -> None:
+    print(f"n_c {cell['class_size']:4d} eps {cell['epsilon']:4g}: error ratio {cell['error_ratio_full']['mean']:.3f} "
+          f"[{cell['error_ratio_full']['low']:.3f}, {cell['error_ratio_full']['high']:.3f}] (diag "
+          f"{cell['error_ratio_diag']['mean']:.3f}), top weight {cell['top_weight']:.3f}, image PSNR gain "
+          f"{cell['image_psnr_gain']['mean']:+.3f} dB", flush=True)
+
+
+def _smallest_sizes_that_matter(cells: list[dict], epsilons: list[float]) -> dict[str, int | None]:
+    """For each epsilon, the smallest class size whose error ratio's upper bound is below 0.95 (None: none)."""
     matters = {}
     for eps in epsilons:
         sizes_that_matter = [c["class_size"] for c in cells if c["epsilon"] == eps and
                              c["error_ratio_full"]["high"] < 0.95]
         matters[f"{eps:g}"] = min(sizes_that_matter) if sizes_that_matter else None
+    return matters
+
+
+def main() -> int:
+    args = _parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = [int(v) for v in args.sizes.split(",")]
+    epsilons = [float(v) for v in args.eps.split(",")]
+    started = time.perf_counter()
+    setting = _setting(sizes)
+    cells = []
+    for n_c in sizes:
+        for eps in epsilons:
+            cells.append(_measure_cell(setting, n_c, eps, args.repeats, args.delta))
+            _print_cell(cells[-1])
+    matters = _smallest_sizes_that_matter(cells, epsilons)
     summary = {"protocol": {"attacker": "all 60,000 MNIST training images (prior moments; ridge decoder on 59,000, "
                                         "1,000 held out for its penalty)",
                             "defender": "n_c images per class drawn from the MNIST test split, per repeat",
                             "release": "DP-FedPFT K = 1, diag, public counts, delta = 1e-5, seeded noise",
                             "embedding": "mobilenet_v2 (input 64 px), L2-normalised",
-                            "repeats": args.repeats, "ridge_alpha_over_n": ridge.alpha},
+                            "repeats": args.repeats, "ridge_alpha_over_n": setting.ridge.alpha},
                "smallest_class_size_where_the_release_matters": matters,
                "cells": cells, "seconds": time.perf_counter() - started,
                "machine": {"python": platform.python_version(), "torch": torch.__version__,

@@ -240,9 +240,23 @@ def read_rows(path: Path) -> list[dict]:
 
 def render_markdown(summary: dict, rows: list[dict]) -> str:
     """The results page of one run: ``summary`` without its rows, ``rows`` as :func:`read_rows` gives them."""
-    p, rec = summary["protocol"], summary["reconstructor"]
     stem = results_stem(summary["settings"].get("preset") or "benchmark", summary["settings"].get("decoders_only"))
     scope = summary["comparisons"]["seed_scope"]
+    out = _intro_lines(summary, stem)
+    out += _headline_lines(summary["comparisons"], rows, scope)
+    out += _release_ordering_lines(summary["comparisons"], rows, scope)
+    out += _top_fraction_lines(rows, scope)
+    out += _sampling_lines(summary)
+    out += ["", "## Decoders (hyperparameters chosen on the held-out attacker pairs, never the defender's images)",
+            ""] + _decoder_lines(summary["decoders"])
+    out += _release_lines(summary)
+    out += ["", f"Every row (attacker and oracle top fractions per seed, every decoder): `{stem}.csv`.", ""]
+    return "\n".join(out) + "\n"
+
+
+def _intro_lines(summary: dict, stem: str) -> list[str]:
+    """The page's title, what produced it and the files beside it, and the protocol, reconstructor and run time."""
+    p, rec = summary["protocol"], summary["reconstructor"]
     sampling, device = summary["sampling"], summary["device"]
     seeds = [s["seed"] for s in p["seeds"]]
     out = ["# Reconstruction attack on MNIST (MobileNetV2 features): raw vs FedPFT vs DP-FedPFT vs prior only", "",
@@ -267,14 +281,16 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
                 f"(decoder-guided start from the {sampling['init_decoder']} decoder when `init` is shown)"
                 + (f"; the one-step posterior mean's guidance scale **w = {sampling['one_step_guidance']:g}** (by "
                    f"mean PSNR)." if sampling.get("one_step_candidates") else ".")]
-    out += [f"- Whole run: {summary['timings_s']['wall_s'] / 60:.0f} min.", ""]
+    return out + [f"- Whole run: {summary['timings_s']['wall_s'] / 60:.0f} min.", ""]
 
-    out += ["## Headline: raw features, per feature, all scored images (no ground truth used)", "",
-            f"Seeds pooled ({scope}); each cell a mean over the scored images with its 95% interval.", ""]
+
+def _headline_lines(comparisons_: dict, rows: list[dict], scope) -> list[str]:
+    """The headline section: raw features, per feature, all scored images; its leaders and paired differences."""
+    out = ["## Headline: raw features, per feature, all scored images (no ground truth used)", "",
+           f"Seeds pooled ({scope}); each cell a mean over the scored images with its 95% interval.", ""]
     head = [r for r in rows if r["source"] == "raw" and r["level"] == "per-feature" and r["selection"] == "all"
             and r["seed"] == scope]
     out += _table(head) + [""]
-    comparisons_ = summary["comparisons"]
     if comparisons_.get("leaders"):
         out += ["Which reconstruction leads on each metric (best mean; leader minus other over the same images, "
                 "seeds pooled, 95% paired interval):", ""] + _leader_lines(comparisons_["leaders"]) + [""]
@@ -286,38 +302,58 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
             out.append(f"| {_name(c['attack'], c['estimate'])} | {_diff(c['difference'], 'psnr')} | "
                        f"{_diff(c['difference'], 'lpips')} | {_diff(c['difference'], 'ssim')} |")
         out += [""]
-    if comparisons_["headline"]:
+    return out + _diffusion_against_decoder_lines(comparisons_["headline"])
+
+
+def _diffusion_against_decoder_lines(headline: list[dict]) -> list[str]:
+    """The paired differences, diffusion minus each decoder, over the same images (nothing but a blank line when the
+    run has no diffusion reconstructor)."""
+    out = []
+    if headline:
         out += ["Paired differences, diffusion minus decoder, over the same images (95% interval; `*`: excludes "
                 "0):", "", "| diffusion estimate | decoder | PSNR | LPIPS (negative = diffusion better) | SSIM | "
                 "cell intervals separate (PSNR / LPIPS / SSIM) |", "|---|---|---|---|---|---|"]
-    for c in comparisons_["headline"]:
+    for c in headline:
         sep = " / ".join(("yes" if c["cells_separated"][m] else "no") + (
             "" if c["diffusion_better"][m] else " (decoder better)") for m in METRICS)
         out.append(f"| {c['diffusion']} | {ATTACK_NAMES.get(c['decoder'], c['decoder'])} | "
                    f"{_diff(c['difference'], 'psnr')} | {_diff(c['difference'], 'lpips')} | "
                    f"{_diff(c['difference'], 'ssim')} | {sep} |")
-    out += [""]
+    return out + [""]
 
-    out += ["## Release ordering: set-level, every defender image matched to its most similar reconstruction "
-            "(oracle-matched), all images", ""]
+
+def _release_ordering_lines(comparisons_: dict, rows: list[dict], scope) -> list[str]:
+    """The release ordering section: set-level, oracle-matched, all images, and the paired differences between
+    consecutive releases."""
+    out = ["## Release ordering: set-level, every defender image matched to its most similar reconstruction "
+           "(oracle-matched), all images", ""]
     order = [r for r in rows if r["level"] == "set-level" and r["selection"] == "all" and r["seed"] == scope
              and r["attack"] in ("diffusion", "nearest image by SSIM", "mlp", "nn")]
     out += _table(order) + [""]
     out += ["Paired differences between consecutive releases (first minus second, same images; `*`: excludes 0):",
             "", "| attack | first | second | PSNR | LPIPS | SSIM |", "|---|---|---|---|---|---|"]
-    for c in summary["comparisons"]["ordering"]:
+    for c in comparisons_["ordering"]:
         if c["attack"] in ("diffusion", "mlp", "nn"):
             out.append(f"| {ATTACK_NAMES.get(c['attack'], c['attack'])} ({c['estimate'][0]}) | {c['first']} | "
                        f"{c['second']} | {_diff(c['difference'], 'psnr')} | {_diff(c['difference'], 'lpips')} | "
                        f"{_diff(c['difference'], 'ssim')} |")
-    out += [""]
-    out += ["## Set-level oracle top fraction (the paper's Table 3 selection), seeds pooled", ""]
+    return out + [""]
+
+
+def _top_fraction_lines(rows: list[dict], scope) -> list[str]:
+    """The top-fraction sections: set-level oracle (the paper's Table 3 selection), and raw per feature."""
+    out = ["## Set-level oracle top fraction (the paper's Table 3 selection), seeds pooled", ""]
     out += _table([r for r in rows if r["level"] == "set-level" and r["selection"] == "oracle" and r["seed"] == scope
                    and r["attack"] in ("diffusion", "nearest image by SSIM", "mlp", "nn")]) + [""]
     out += ["## Raw features, per feature, attacker and oracle top fraction, seeds pooled", ""]
-    out += _table([r for r in rows if r["source"] == "raw" and r["level"] == "per-feature" and r["selection"] != "all"
-                   and r["seed"] == scope]) + [""]
+    return out + _table([r for r in rows if r["source"] == "raw" and r["level"] == "per-feature"
+                         and r["selection"] != "all" and r["seed"] == scope]) + [""]
 
+
+def _sampling_lines(summary: dict) -> list[str]:
+    """The sampling settings tried on the attacker's held-out pairs (none without a reconstructor)."""
+    sampling = summary["sampling"]
+    out = []
     if sampling:
         out += ["## Sampling settings on the attacker's held-out pairs (one sample per pair, same starting noise)",
                 "", "| candidate | mean SSIM | mean PSNR |", "|---|---|---|"]
@@ -330,11 +366,15 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
                 "| w | mean SSIM | mean PSNR |", "|---|---|---|"]
         for c in sampling["one_step_candidates"]:
             out.append(f"| {c['guidance_scale']:g} | {c['ssim']:.3f} | {c['psnr']:.2f} |")
-    out += ["", "## Decoders (hyperparameters chosen on the held-out attacker pairs, never the defender's images)",
-            ""] + _decoder_lines(summary["decoders"])
-    out += ["", "## Releases (seed 0, as the wire recorded them)", "",
-            "| release | ε requested | ε (ledger) | bytes | set size | mean release weight (all / top direction) |",
-            "|---|---|---|---|---|---|"]
+    return out
+
+
+def _release_lines(summary: dict) -> list[str]:
+    """The releases of the first seed, as the wire recorded them."""
+    seeds = [s["seed"] for s in summary["protocol"]["seeds"]]
+    out = ["", "## Releases (seed 0, as the wire recorded them)", "",
+           "| release | ε requested | ε (ledger) | bytes | set size | mean release weight (all / top direction) |",
+           "|---|---|---|---|---|---|"]
     for r in summary["releases"]:
         if r["seed"] != seeds[0]:
             continue
@@ -343,8 +383,7 @@ def render_markdown(summary: dict, rows: list[dict]) -> str:
             f"{post['mean_release_weight']:.2g} / {post['top_direction_mean_weight']:.2g}"
         out.append(f"| {r['source']} | {_eps(r.get('requested_epsilon', 'inf'))} | {_eps(r['ledger']['epsilon'])} | "
                    f"{r['bytes']:,} | {r['set_size']} | {weights} |")
-    out += ["", f"Every row (attacker and oracle top fractions per seed, every decoder): `{stem}.csv`.", ""]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _reconstructor_line(rec: dict) -> str:

@@ -152,9 +152,44 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
                        privacy=privacy or TrainingPrivacy())
     runtime = build_runtime(config, federation)
     base = runtime.client.config
+    started = time.perf_counter()
+    best, history = _train_and_select(runtime, federation, variants, rounds=rounds, eval_every=eval_every,
+                                      eval_from=eval_from, select=select, track_test=track_test,
+                                      log_prefix=log_prefix, started=started)
+    results = {}
+    for name, overrides in variants.items():
+        runtime.restore(best[name]["snapshot"])
+        runtime.client.config = dataclasses.replace(base, **overrides)
+        novel_summary, adaptations = _serve_novel_clients(runtime, federation)
+        results[name] = {"novel": novel_summary, "selected_round": best[name]["round"],
+                         "val_at_selected": best[name]["score"],
+                         "novel_accuracy_by_data_fraction": _accuracy_by_data_fraction(runtime, federation,
+                                                                                       size_fractions),
+                         "novel_adaptations": adaptations}
+        if track_test:
+            results[name].update(_test_over_rounds(history, name))
+    ledgers = runtime.wire.ledgers
+    epsilons = ledgers.epsilons(1e-5)
+    return {"training": training, "settings": settings, "rounds": rounds, "seed": seed,
+            "partition_seed": partition, "eval_every": eval_every,
+            "eval_from": eval_from,
+            "client_fraction": client_fraction, "history": history,
+            "variants": results,
+            "novel_clients_in_ledger": sum(novel.client_id in ledgers for novel in federation.novel_clients),
+            "epsilon_max_training": max(epsilons.get(c.client_id, 0.0) for c in federation.training_clients),
+            "wall_time_s": time.perf_counter() - started, "numerics": numerics()}
+
+
+def _train_and_select(runtime, federation, variants: dict[str, dict], *, rounds: int, eval_every: int,
+                      eval_from: int, select: str, track_test: bool, log_prefix: str,
+                      started: float) -> tuple[dict, list[dict]]:
+    """Run the ``rounds`` rounds; at each evaluation round score every variant on the training clients' validation
+    splits (and, with ``track_test``, on the novel clients) and print the round's record. Returns each variant's
+    selected round (``{"score", "round", "snapshot"}``) and the records."""
+    base = runtime.client.config
     best = {name: {"score": float("-inf"), "round": None, "snapshot": None} for name in variants}
-    history, started = [], time.perf_counter()
-    for round_index in range(rounds):   # not `round`: the size sweep below calls the built-in
+    history = []
+    for round_index in range(rounds):   # not `round`: the size sweep calls the built-in
         metrics = runtime.run_round(round_index)
         done = round_index + 1
         if (done < eval_from or done % eval_every) and done != rounds:
@@ -172,47 +207,45 @@ def run_family(spec: FederationSpec, training: str, settings: dict, variants: di
         runtime.client.config = base
         history.append(record)
         print(log_prefix, json.dumps(record), flush=True)
-    results = {}
-    for name, overrides in variants.items():
-        runtime.restore(best[name]["snapshot"])
-        runtime.client.config = dataclasses.replace(base, **overrides)
-        logged = hasattr(runtime.client, "adaptation_log")   # the FedTTA family: which iterate each client kept
-        if logged:
-            runtime.client.adaptation_log = []
-        scores = score_novel(runtime, federation)
-        novel_summary = summarize_scores(scores)
-        adaptations = None
-        if logged:
-            log, runtime.client.adaptation_log = runtime.client.adaptation_log, None
-            adaptations = {"chosen_step": [a.chosen_step for a in log], "steps_taken": [a.steps_taken for a in log],
-                           "accuracy": [100.0 * s.accuracy for s in scores]}
-        sizes = {}
-        for fraction in size_fractions:
-            kept = []
-            for novel in federation.novel_clients:
-                m = max(1, round(fraction * novel.num_samples))  # novel.x is in random order: a random subset
-                model = runtime.novel_client_model(NovelClient(novel.client_id, novel.x[:m]))
-                kept.append(score_model(model, novel.x[:m], federation.novel_labels.labels(novel.client_id)[:m]))
-            sizes[str(fraction)] = summarize_scores(kept)["accuracy_mean"]
-        results[name] = {"novel": novel_summary, "selected_round": best[name]["round"],
-                         "val_at_selected": best[name]["score"], "novel_accuracy_by_data_fraction": sizes,
-                         "novel_adaptations": adaptations}
-        if track_test:
-            tested = [(r[f"test_{name}"], r["round"]) for r in history]
-            top = max(tested, key=lambda t: t[0])   # the first round that reaches the maximum
-            results[name]["best_test_over_rounds"] = {"accuracy": top[0], "round": top[1],
-                                                      "note": "oracle: selected on the test clients"}
-            results[name]["test_at_last_round"] = tested[-1][0]
-    ledgers = runtime.wire.ledgers
-    epsilons = ledgers.epsilons(1e-5)
-    return {"training": training, "settings": settings, "rounds": rounds, "seed": seed,
-            "partition_seed": partition, "eval_every": eval_every,
-            "eval_from": eval_from,
-            "client_fraction": client_fraction, "history": history,
-            "variants": results,
-            "novel_clients_in_ledger": sum(novel.client_id in ledgers for novel in federation.novel_clients),
-            "epsilon_max_training": max(epsilons.get(c.client_id, 0.0) for c in federation.training_clients),
-            "wall_time_s": time.perf_counter() - started, "numerics": numerics()}
+    return best, history
+
+
+def _serve_novel_clients(runtime, federation) -> tuple[dict, dict | None]:
+    """The novel clients served by the runtime as it stands: their score summary, and for the FedTTA family which
+    iterate each client kept (None for the other methods)."""
+    logged = hasattr(runtime.client, "adaptation_log")   # the FedTTA family: which iterate each client kept
+    if logged:
+        runtime.client.adaptation_log = []
+    scores = score_novel(runtime, federation)
+    novel_summary = summarize_scores(scores)
+    adaptations = None
+    if logged:
+        log, runtime.client.adaptation_log = runtime.client.adaptation_log, None
+        adaptations = {"chosen_step": [a.chosen_step for a in log], "steps_taken": [a.steps_taken for a in log],
+                       "accuracy": [100.0 * s.accuracy for s in scores]}
+    return novel_summary, adaptations
+
+
+def _accuracy_by_data_fraction(runtime, federation, size_fractions) -> dict[str, float]:
+    """The novel clients' mean accuracy when each keeps only a fraction of its data (paper Fig. 3)."""
+    sizes = {}
+    for fraction in size_fractions:
+        kept = []
+        for novel in federation.novel_clients:
+            m = max(1, round(fraction * novel.num_samples))  # novel.x is in random order: a random subset
+            model = runtime.novel_client_model(NovelClient(novel.client_id, novel.x[:m]))
+            kept.append(score_model(model, novel.x[:m], federation.novel_labels.labels(novel.client_id)[:m]))
+        sizes[str(fraction)] = summarize_scores(kept)["accuracy_mean"]
+    return sizes
+
+
+def _test_over_rounds(history: list[dict], name: str) -> dict:
+    """The oracle of ``track_test``: a variant's best novel accuracy over the evaluation rounds, and its last."""
+    tested = [(r[f"test_{name}"], r["round"]) for r in history]
+    top = max(tested, key=lambda t: t[0])   # the first round that reaches the maximum
+    return {"best_test_over_rounds": {"accuracy": top[0], "round": top[1],
+                                      "note": "oracle: selected on the test clients"},
+            "test_at_last_round": tested[-1][0]}
 
 
 def results_path(name: str) -> Path:
@@ -355,7 +388,7 @@ def part_timing(args) -> None:
     print(json.dumps(result, indent=2))
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="baselines", choices=("baselines", "family", "rotated", "dp", "timing"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -379,19 +412,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.eval_every < 1 or args.eval_from < 0:
         parser.error(f"--eval-every must be >= 1 and --eval-from >= 0; got {args.eval_every} and {args.eval_from}")
-    torch.set_num_threads(args.threads)
-    reuse_freed_memory()
-    extras = CODE_STABILISERS if args.code_stabilisers else {}
-    suffix = "_code" if args.code_stabilisers else ""
-    if args.part == "timing":
-        return part_timing(args)
-    if args.part == "dp":
-        return part_dp(args, extras, suffix)
-    if args.part in ("family", "rotated"):
-        if args.methods is None:
-            args.methods = ["fedtta_prox", "fedtta"] if args.part == "family" else ["fedtta_prox", "fedtta", "fedavg"]
-        spec = MNIST_SPEC if args.part == "family" else ROTATED_SPEC
-        return part_family(args, spec, extras, suffix, args.part)
+    return args
+
+
+def part_baselines(args, extras: dict) -> None:
+    """FedAvg, FedProx and SCAFFOLD (or ``--methods``) on the paper's MNIST protocol, merged into
+    ``benchmarks/results/fedtta_mnist[_code].json``, and the Markdown table of every method stored there."""
     args.methods = args.methods or list(SETTINGS)
     spec = FederationSpec(source="mnist", num_clients=100, partition="pathological", shards_per_client=2,
                           novel_fraction=0.5, split="merged", val_fraction=0.15)
@@ -428,7 +454,10 @@ def main() -> None:
         return stored
 
     stored = update_json(path, merge)
-    results = stored["results"]
+    _print_baselines_table(stored["results"])
+
+
+def _print_baselines_table(results: dict) -> None:
     print("\n| method | novel-client accuracy (ours, mean over seeds; +- SEM over clients) | paper | gap | "
           "target met |")
     print("|---|---|---|---|---|")
@@ -436,6 +465,24 @@ def main() -> None:
         sem = statistics.mean(r["novel_sem_over_clients"])
         print(f"| {method} | {r['novel_accuracy_mean']:.2f} +- {sem:.2f} | {r['paper']:.2f} | "
               f"{r['gap_to_paper']:+.2f} | {'yes' if r['within_target'] else 'no'} |")
+
+
+def main() -> None:
+    args = _parse_args()
+    torch.set_num_threads(args.threads)
+    reuse_freed_memory()
+    extras = CODE_STABILISERS if args.code_stabilisers else {}
+    suffix = "_code" if args.code_stabilisers else ""
+    if args.part == "timing":
+        return part_timing(args)
+    if args.part == "dp":
+        return part_dp(args, extras, suffix)
+    if args.part in ("family", "rotated"):
+        if args.methods is None:
+            args.methods = ["fedtta_prox", "fedtta"] if args.part == "family" else ["fedtta_prox", "fedtta", "fedavg"]
+        spec = MNIST_SPEC if args.part == "family" else ROTATED_SPEC
+        return part_family(args, spec, extras, suffix, args.part)
+    return part_baselines(args, extras)
 
 
 if __name__ == "__main__":

@@ -376,7 +376,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--per-round", type=int, nargs="+", default=[10, 100])
@@ -396,10 +396,23 @@ def main() -> None:
     args = parser.parse_args()
     if "inprocess" not in args.engines:
         parser.error("--engines must include inprocess (the ratios' denominator)")
-    torch.set_num_threads(1)
-    grouped = {("simulation" if k == "default" else f"simulation_k{int(k)}"): (None if k == "default" else int(k))
-               for k in args.clients_per_node}
-    engines = [e for engine in args.engines for e in (grouped if engine == "simulation" else [engine])]
+    return args
+
+
+def _run_engine(engine: str, config, args: argparse.Namespace, grouped: dict[str, int | None], work: Path) -> dict:
+    """One timed run of ``config`` on ``engine`` (``grouped``: the simulation engines and their clients per node)."""
+    if engine == "inprocess":
+        return in_process(config, args.rounds)
+    if engine in grouped:
+        return simulation(config, args.rounds, args.actors, clients_per_node=grouped[engine])
+    before = engine == "deployment_subprocess"     # Flower's own: a process per message, 3 s
+    return deployment(config, args.rounds, work, isolation="subprocess" if before else "process",
+                      poll_s=3 if before else None)
+
+
+def _measure(args: argparse.Namespace, engines: list[str], grouped: dict[str, int | None]) -> tuple[dict, dict]:
+    """Every engine ``args.repeats`` times per clients-per-round setting, interleaved in a rotating order (each run
+    printed as it ends), and, with ``--profile``, one profiled simulation run per setting: ``(runs, profiles)``."""
     work = Path(tempfile.mkdtemp(prefix="privfl-flower-bench-"))
     runs: dict[int, dict[str, list[dict]]] = {n: {e: [] for e in engines} for n in args.per_round}
     try:
@@ -407,15 +420,7 @@ def main() -> None:
             for per_round in args.per_round:
                 order = engines[repeat % len(engines):] + engines[:repeat % len(engines)]
                 for engine in order:
-                    config = run_config(per_round, args.rounds)
-                    if engine == "inprocess":
-                        result = in_process(config, args.rounds)
-                    elif engine in grouped:
-                        result = simulation(config, args.rounds, args.actors, clients_per_node=grouped[engine])
-                    else:
-                        before = engine == "deployment_subprocess"     # Flower's own: a process per message, 3 s
-                        result = deployment(config, args.rounds, work, isolation="subprocess" if before else
-                                            "process", poll_s=3 if before else None)
+                    result = _run_engine(engine, run_config(per_round, args.rounds), args, grouped, work)
                     runs[per_round][engine].append(result)
                     print(json.dumps({"repeat": repeat, "clients_per_round": per_round, "engine": engine,
                                       **{k: v for k, v in result.items() if not k.endswith("profile")}}), flush=True)
@@ -425,47 +430,63 @@ def main() -> None:
             if args.profile and "simulation" in args.engines else {}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return runs, profiles
 
-    results = {"setting": f"FedAvg, MNIST 2NN, 20 local steps x batch 64, 200 clients (100 training), {args.rounds} "
-                          f"timed rounds after 1 warm-up, torch threads 1, Ray actors {args.actors}, simulation with "
-                          f"{' and '.join(map(str, args.clients_per_node))} clients per virtual node, "
-                          f"{args.repeats} interleaved repeats per engine; deployment: 2 SuperNodes x 50 clients, "
-                          "process isolation with a long-lived ClientApp process per SuperNode and a 0.25 s idle "
-                          "poll (deployment) or a ClientApp process per message and Flower's 3 s poll "
-                          "(deployment_subprocess)",
+
+def _setting(args: argparse.Namespace) -> str:
+    return (f"FedAvg, MNIST 2NN, 20 local steps x batch 64, 200 clients (100 training), {args.rounds} "
+            f"timed rounds after 1 warm-up, torch threads 1, Ray actors {args.actors}, simulation with "
+            f"{' and '.join(map(str, args.clients_per_node))} clients per virtual node, "
+            f"{args.repeats} interleaved repeats per engine; deployment: 2 SuperNodes x 50 clients, "
+            "process isolation with a long-lived ClientApp process per SuperNode and a 0.25 s idle "
+            "poll (deployment) or a ClientApp process per message and Flower's 3 s poll "
+            "(deployment_subprocess)")
+
+
+def _row(per_round: int, measured: dict[str, list[dict]], grouped: dict[str, int | None], profiles: dict) -> dict:
+    """The results of one clients-per-round setting: each engine's seconds, medians and ratios to in-process, and
+    what its runs report beside (simulation: nodes and client handling; deployment: warm-up round and breakdown)."""
+    base = [r["seconds"] for r in measured["inprocess"]]
+    row: dict = {"clients_per_round": per_round, "in_process_s": base, "in_process_median_s": _median(base)}
+    for engine in [*grouped, "deployment", "deployment_subprocess"]:
+        if engine not in measured:
+            row[f"{engine}_note"] = "not measured in this invocation (--engines)"
+            continue
+        seconds = [r["seconds"] for r in measured[engine]]
+        row[f"{engine}_s"] = seconds
+        row[f"{engine}_median_s"] = _median(seconds)
+        row[f"{engine}_ratio_of_medians"] = _median(seconds) / _median(base)
+        row[f"{engine}_ratio_per_repeat"] = [s / b for s, b in zip(seconds, base)]
+        row[f"{engine}_total_with_startup_s"] = [r["total_with_startup_s"] for r in measured[engine]]
+        row[f"{engine}_connect_s"] = [r["connect_s"] for r in measured[engine]]
+        if engine in grouped:
+            sims = measured[engine]
+            row[f"{engine}_nodes"] = sims[0]["nodes"]
+            row[f"{engine}_clients_per_node"] = sims[0]["clients_per_node"]
+            row[f"{engine}_client_handle_s"] = [r["client_handle_s"] for r in sims]
+            row[f"{engine}_client_messages"] = sims[0]["client_messages"]
+            row[f"{engine}_outside_client_s"] = [r["seconds"] - r["client_handle_s"] for r in sims]
+        if (per_round, engine) in profiles:
+            row[f"{engine}_server_profile"] = profiles[per_round, engine]["server_profile"]
+            row[f"{engine}_client_profile"] = profiles[per_round, engine].get("client_profile", "")
+    for engine in ("deployment", "deployment_subprocess"):
+        if engine in measured:
+            row[f"{engine}_warm_up_round_s"] = [r["warm_up_round_s"] for r in measured[engine]]
+            row[f"{engine}_breakdown"] = [r["breakdown"]["per_round"] for r in measured[engine]]
+    return row
+
+
+def main() -> None:
+    args = _parse_args()
+    torch.set_num_threads(1)
+    grouped = {("simulation" if k == "default" else f"simulation_k{int(k)}"): (None if k == "default" else int(k))
+               for k in args.clients_per_node}
+    engines = [e for engine in args.engines for e in (grouped if engine == "simulation" else [engine])]
+    runs, profiles = _measure(args, engines, grouped)
+    results = {"setting": _setting(args),
                "command": "nice python benchmarks/flower_overhead.py " + " ".join(sys.argv[1:]),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs)",
-               "runs": []}
-    for per_round in args.per_round:
-        engines = runs[per_round]
-        base = [r["seconds"] for r in engines["inprocess"]]
-        row: dict = {"clients_per_round": per_round, "in_process_s": base, "in_process_median_s": _median(base)}
-        for engine in [*grouped, "deployment", "deployment_subprocess"]:
-            if engine not in engines:
-                row[f"{engine}_note"] = "not measured in this invocation (--engines)"
-                continue
-            seconds = [r["seconds"] for r in engines[engine]]
-            row[f"{engine}_s"] = seconds
-            row[f"{engine}_median_s"] = _median(seconds)
-            row[f"{engine}_ratio_of_medians"] = _median(seconds) / _median(base)
-            row[f"{engine}_ratio_per_repeat"] = [s / b for s, b in zip(seconds, base)]
-            row[f"{engine}_total_with_startup_s"] = [r["total_with_startup_s"] for r in engines[engine]]
-            row[f"{engine}_connect_s"] = [r["connect_s"] for r in engines[engine]]
-            if engine in grouped:
-                sims = engines[engine]
-                row[f"{engine}_nodes"] = sims[0]["nodes"]
-                row[f"{engine}_clients_per_node"] = sims[0]["clients_per_node"]
-                row[f"{engine}_client_handle_s"] = [r["client_handle_s"] for r in sims]
-                row[f"{engine}_client_messages"] = sims[0]["client_messages"]
-                row[f"{engine}_outside_client_s"] = [r["seconds"] - r["client_handle_s"] for r in sims]
-            if (per_round, engine) in profiles:
-                row[f"{engine}_server_profile"] = profiles[per_round, engine]["server_profile"]
-                row[f"{engine}_client_profile"] = profiles[per_round, engine].get("client_profile", "")
-        for engine in ("deployment", "deployment_subprocess"):
-            if engine in engines:
-                row[f"{engine}_warm_up_round_s"] = [r["warm_up_round_s"] for r in engines[engine]]
-                row[f"{engine}_breakdown"] = [r["breakdown"]["per_round"] for r in engines[engine]]
-        results["runs"].append(row)
+               "runs": [_row(per_round, runs[per_round], grouped, profiles) for per_round in args.per_round]}
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
