@@ -34,7 +34,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-from fedtta_mnist import CODE_STABILISERS, FEDTTA_MNIST, FEDTTA_PROX_MNIST, MNIST_SPEC, SETTINGS, SWEEP_METHOD
+from fedtta_mnist import CODE_STABILISERS, FEDTTA_MNIST, FEDTTA_PROX_MNIST, MNIST_SPEC, ODPFLHN_PIXELS, SETTINGS
 
 from privfl.config import RunConfig
 from privfl.errors import ConfigError
@@ -56,7 +56,7 @@ METHOD_SETTINGS = {
     # IT-PFL-HN with the encoder that record-level DP can clip and noise (its default max-pooled DeepSet cannot be
     # made private), in both rows so that they differ only by DP
     "itpflhn": {"encoder": "dp_deepset"},
-    "odpflhn": {k: v for k, v in SWEEP_METHOD.items() if k not in ("local_steps", "batch_size")},
+    "odpflhn": {k: v for k, v in ODPFLHN_PIXELS.items() if k not in ("local_steps", "batch_size")},
 }
 
 
