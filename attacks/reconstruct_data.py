@@ -15,7 +15,7 @@ import torch
 from attacks.reconstruct_settings import AttackSettings
 from privfl.errors import ConfigError
 
-__all__ = ["AttackData", "load_attack_data"]
+__all__ = ["AttackData", "embed_images", "load_attack_data"]
 
 
 @dataclass
@@ -51,7 +51,7 @@ def _resize(images: np.ndarray, size: int) -> torch.Tensor:
     return x.clamp(0, 1)
 
 
-def _embed(settings: AttackSettings, images: np.ndarray, name: str) -> torch.Tensor:
+def embed_images(settings: AttackSettings, images: np.ndarray, name: str) -> torch.Tensor:
     from attacks.schemes import unit_features
     from privfl.models.backbones import extract_features, load_backbone
 
@@ -93,9 +93,9 @@ def load_attack_data(settings: AttackSettings) -> AttackData:
              for s in settings.seeds}
     xa = np.asarray(attacker_pool.x[a_idx])
     tag = "all" if whole else f"{len(a_idx)}-seed{settings.seed}"
-    features_a = _embed(settings, xa, f"{settings.dataset}-train-{tag}")
+    features_a = embed_images(settings, xa, f"{settings.dataset}-train-{tag}")
     union = np.sort(np.concatenate(list(d_idx.values())))
-    features_union = _embed(settings, np.asarray(defender_pool.x[union]),
+    features_union = embed_images(settings, np.asarray(defender_pool.x[union]),
                             f"{settings.dataset}-test-{len(union)}-seed{settings.seed}")
     position = {int(i): k for k, i in enumerate(union)}
     order = np.random.default_rng([settings.seed, 2]).permutation(len(xa))

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attacks.decoders import RidgeDecoder  # noqa: E402
-from attacks.reconstruct_data import _embed  # noqa: E402
+from attacks.reconstruct_data import embed_images  # noqa: E402
 from attacks.reconstruct_settings import AttackSettings  # noqa: E402
 from attacks.schemes import AttackerPrior, make_release, postprocess_release  # noqa: E402
 from attacks.statistics import bootstrap_cell  # noqa: E402
@@ -92,8 +92,8 @@ def _setting(sizes: list[int]) -> _Setting:
     settings = AttackSettings(out="", progress=False)
     xa, ya = np.asarray(source.train.x), np.asarray(source.train.y)
     xd, yd = np.asarray(source.test.x), np.asarray(source.test.y)
-    fa = _embed(settings, xa, "mnist-train-all")
-    fd = _embed(settings, xd, "mnist-test-all")
+    fa = embed_images(settings, xa, "mnist-train-all")
+    fd = embed_images(settings, xd, "mnist-test-all")
     classes = source.num_classes
     if max(sizes) > min(np.bincount(yd)):
         raise SystemExit(f"--sizes: the test split has only {min(np.bincount(yd))} images of its smallest class")
