@@ -171,6 +171,7 @@ def main() -> int:
             cells.append(_measure_cell(setting, n_c, eps, args.repeats, args.delta))
             _print_cell(cells[-1])
     matters = _smallest_sizes_that_matter(cells, epsilons)
+    from privfl.provenance import numerics
     summary = {"protocol": {"attacker": "all 60,000 MNIST training images (prior moments; ridge decoder on 59,000, "
                                         "1,000 held out for its penalty)",
                             "defender": "n_c images per class drawn from the MNIST test split, per repeat",
@@ -180,7 +181,8 @@ def main() -> int:
                "smallest_class_size_where_the_release_matters": matters,
                "cells": cells, "seconds": time.perf_counter() - started,
                "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                           "threads": torch.get_num_threads()}}
+                           "threads": torch.get_num_threads()},
+               "numerics": numerics()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))

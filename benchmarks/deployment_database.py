@@ -48,8 +48,9 @@ def main() -> None:
                                   result["seconds_per_round"], "breakdown": result["breakdown"]}), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    from privfl.provenance import numerics
     out = {"command": "nice python benchmarks/deployment_database.py " + " ".join(sys.argv[1:]),
-           "clients_per_round": args.per_round, "runs": runs}
+           "clients_per_round": args.per_round, "runs": runs, "numerics": numerics()}
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     for variant, results in runs.items():
         print(variant, [round(r["seconds_per_round"], 3) for r in results])

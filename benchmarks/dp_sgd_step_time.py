@@ -162,11 +162,13 @@ def main() -> None:
               f"{row['opacus_ghost_ratio']:>6.2f} {row['noise_draw_ms']:>9.2f}  {row['engine_path']}", flush=True)
         if not row["engine_meets_target"]:
             print("\n".join(row["profile_engine_top_tottime"]))
+    from privfl.provenance import numerics
     result = {
         "benchmark": "dp_sgd_step_time", "batch_size": BATCH, "threads": 1, "repeats": args.repeats,
         "steps_per_call": args.steps, "torch": torch.__version__, "python": platform.python_version(),
         "target_ratio": TARGET_RATIO, "rows": rows,
         "all_meet_target": all(row["engine_meets_target"] for row in rows.values()),
+        "numerics": numerics(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -51,6 +51,7 @@ from privfl.methods.fedpft_baselines import (
 from privfl.metrics import score_model
 from privfl.models.backbones import cache_key_sha256, default_cache_dir, extract_features, mobilenet_v2
 from privfl.privacy.training import TrainingPrivacy
+from privfl.provenance import numerics
 
 RESULTS = Path(__file__).parent / "results"
 HEAD = {"head_lr": 20.0, "head_epochs": 50.0, "head_batch_size": 256}
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.is_file():
         previous = json.loads(out.read_text())
         results.update({k: v for k, v in previous.items()
-                        if k.removesuffix("_seconds") in ("main", "dp", "throughput")})
+                        if k.removesuffix("_seconds").removesuffix("_numerics") in ("main", "dp", "throughput")})
     same_data = all(previous.get("config", {}).get(k) == getattr(args, k)
                     for k in ("seed", "input_size", "train", "test", "clients"))
     kept_dp = previous.get("dp") if same_data and not args.fresh else None
@@ -375,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         results[part] = part_main(args, path) if part == "main" \
             else part_dp(args, path, kept_dp, checkpoint) if part == "dp" else part_throughput(args)
         results[f"{part}_seconds"] = time.perf_counter() - started
+        results[f"{part}_numerics"] = numerics()
         out.write_text(json.dumps(to_json_safe(results), indent=1, allow_nan=False))
         plot(results, out)
     return 0

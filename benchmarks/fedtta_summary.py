@@ -345,6 +345,8 @@ def main() -> None:
     summary["rotated_early_stopping"] = early_stopping(rotated)
     if "fedtta_repeat" in rotated:
         summary["rotated_repeat"] = repeat(rotated["fedtta_repeat"], rotated["fedtta"])
+    from privfl.provenance import numerics
+    summary["numerics"] = numerics()
     (RESULTS / "fedtta_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, RESULTS / "fedtta_summary.png")
     print_tables(summary)

@@ -261,6 +261,7 @@ def main() -> None:
         updates = {"uninterrupted": _model_updates(clean["run"]), "interrupted": _model_updates(faulty["run"])}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    from privfl.provenance import numerics
     results = {
         "setting": f"FedAvg, MNIST 2NN, 20 local steps x batch 64, 200 clients (100 training), 10 per round, "
                    f"{args.rounds} rounds, a checkpoint every round, evaluation at the end; deployment on loopback "
@@ -276,7 +277,8 @@ def main() -> None:
         "uninterrupted": {k: v for k, v in clean.items() if k not in ("run", "total_s")},
         "interrupted": {k: v for k, v in faulty.items() if k not in ("run", "total_s")},
         "model_update_releases": updates,
-        "final_numbers": same}
+        "final_numbers": same,
+        "numerics": numerics()}
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

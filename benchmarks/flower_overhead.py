@@ -483,10 +483,12 @@ def main() -> None:
                for k in args.clients_per_node}
     engines = [e for engine in args.engines for e in (grouped if engine == "simulation" else [engine])]
     runs, profiles = _measure(args, engines, grouped)
+    from privfl.provenance import numerics
     results = {"setting": _setting(args),
                "command": "nice python benchmarks/flower_overhead.py " + " ".join(sys.argv[1:]),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs)",
-               "runs": [_row(per_round, runs[per_round], grouped, profiles) for per_round in args.per_round]}
+               "runs": [_row(per_round, runs[per_round], grouped, profiles) for per_round in args.per_round],
+               "numerics": numerics()}
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -85,8 +85,10 @@ def main() -> None:
         print(f"{label}: python start {statistics.median(start):.3f} s")
         for name, value in beyond.items():
             print(f"  {name:<24} {value:6.3f} s beyond start   loads {', '.join(loaded[label][name]) or '-'}")
+    from privfl.provenance import numerics  # imports torch: after the timings
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"repeats": args.repeats, "python": sys.version.split()[0], "results": results},
+    args.out.write_text(json.dumps({"repeats": args.repeats, "python": sys.version.split()[0], "results": results,
+                                    "numerics": numerics()},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -43,6 +43,7 @@ from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.methods import METHODS
 from privfl.privacy.training import TrainingPrivacy
+from privfl.provenance import numerics
 
 RESULTS = Path(__file__).parent / "results" / "methods_dp_mnist.json"
 EPSILON, DELTA = 8.0, 1e-5
@@ -164,7 +165,7 @@ def main() -> None:
                 if key in stored():
                     print(f"{key}: stored; skipped", flush=True)
                     continue
-                row = run_level(method, eps, args)
+                row = {**run_level(method, eps, args), "numerics": numerics()}
                 update_json(RESULTS, lambda runs, key=key, row=row: {**runs, key: row})
                 print(f"{key}: {row}", flush=True)
     print(table(args))

@@ -48,6 +48,7 @@ from privfl.methods import METHODS
 from privfl.methods.pefll import unseen_clients_with_labels
 from privfl.metrics import mean_sem, score_model
 from privfl.models.hypernetwork import embedding_dim
+from privfl.provenance import numerics
 
 CLIENTS_PER_ROUND = 5  # the PeFLL code's default (``--clients-per-step``; docs/papers.md, PeFLL, U3), for every method
 
@@ -235,7 +236,8 @@ def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method
                 or entry.get("settings") != settings:   # other settings: a fresh entry
             entry = {"status": "run", "rounds": args.rounds, "settings": settings, "per_seed": [],
                      "communication": comm}
-        entry["per_seed"] = sorted([r for r in entry["per_seed"] if r["seed"] != scores["seed"]] + [scores],
+        entry["per_seed"] = sorted([r for r in entry["per_seed"] if r["seed"] != scores["seed"]]
+                                   + [{**scores, "numerics": numerics()}],
                                    key=lambda r: r["seed"])
         entry["seeds"] = [r["seed"] for r in entry["per_seed"]]
         entry["seen_mean"], entry["seen_sem_seeds"] = _summary(entry["per_seed"], "seen")

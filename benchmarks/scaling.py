@@ -225,6 +225,7 @@ def main() -> None:
         parser.error(f"--per-round takes 1 to {TRAINING_CLIENTS} (the training clients) and --rounds >= 1; got "
                      f"{bad or args.per_round} and {args.rounds}")
     torch.set_num_threads(1)
+    from privfl.provenance import numerics
     if not args.plot_only:
         work = Path(tempfile.mkdtemp(prefix="privfl-scaling-"))   # the deployment's node data, built once
         try:
@@ -237,7 +238,8 @@ def main() -> None:
                     row = measure(engine, n, model, privacy, args.rounds, work)
                 except RuntimeError as error:   # a run that failed (flower_overhead raises with the log's tail)
                     row = {"failed": str(error)[-1500:]}
-                store(args.out, key, {**row, "command": "nice python benchmarks/scaling.py " + " ".join(sys.argv[1:])})
+                store(args.out, key, {**row, "command": "nice python benchmarks/scaling.py " + " ".join(sys.argv[1:]),
+                                      "numerics": numerics()})
                 print(f"{key}: {json.dumps(row)}", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)

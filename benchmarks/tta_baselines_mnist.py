@@ -31,6 +31,7 @@ from privfl.experiment import build_runtime, train_once
 from privfl.federation.rundir import update_json
 from privfl.memory import reuse_freed_memory
 from privfl.metrics import score_model
+from privfl.provenance import numerics
 
 #: FedTTA paper, Table 1, MNIST "Test" column (new clients), mean over 3 seeds.
 PAPER = {"tent": 98.51, "afl": 96.01, "fedgma": 95.35, "fedadg": 95.93, "fedsr": 93.08}
@@ -117,6 +118,7 @@ def main() -> None:
             "gap_to_paper": statistics.mean(accs) - PAPER[method],
             "epsilon_max_novel": [r["privacy"]["epsilon_max_novel"] for r in runs],
             "wall_time_s": [r["wall_time_s"] for r in runs],
+            "numerics": numerics(),
         }
         if any("tent_steps_ablation" in r for r in runs):
             results[method]["tent_steps_ablation_last_round"] = [r.get("tent_steps_ablation") for r in runs]

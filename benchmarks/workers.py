@@ -91,12 +91,13 @@ def main() -> None:
     medians = {w: statistics.median(t for r in rs for t in r["round_s"]) for w, rs in runs.items()}
     cpu = {w: statistics.median(t for r in rs for t in r["round_cpu_s"]) for w, rs in runs.items()}
     ratio = medians[args.workers] / medians[1]
+    from privfl.provenance import numerics
     result = {"setting": "FedAvg, MNIST 2NN, 50 training clients x 20 steps x batch 64, 1 thread per process",
               "repeats": args.repeats, "timed_rounds_per_child": args.rounds, "cpu_count": os.cpu_count(),
               "load_average": os.getloadavg(), "median_round_s": {str(w): m for w, m in medians.items()},
               "median_round_cpu_s": {str(w): c for w, c in cpu.items()},
               "ratio": ratio, "same_weights": len(checksums) == 1,
-              "runs": {str(w): rs for w, rs in runs.items()}}
+              "runs": {str(w): rs for w, rs in runs.items()}, "numerics": numerics()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"median round: 1 worker {medians[1]:.2f} s, {args.workers} workers {medians[args.workers]:.2f} s; "

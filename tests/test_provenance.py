@@ -1,3 +1,4 @@
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -68,3 +69,17 @@ def test_this_checkout_gives_its_own_commit():
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=package, capture_output=True, text=True, check=True)
     revision = numerics()["code_revision"]
     assert head.stdout.strip().startswith(revision.removesuffix("-dirty"))
+
+
+def test_every_benchmark_that_writes_a_result_records_its_numerics():
+    """A result JSON without ``code_revision`` can only be dated by the commit that stored it, so
+    ``benchmarks/check_results.py`` cannot tell a run made before a code change from one made after it."""
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    writers = []
+    for script in sorted(benchmarks.glob("*.py")):
+        source = script.read_text()
+        writes = re.search(r"\.write_text\(json\.dumps|update_json\(|json\.dump\(", source)
+        if writes and re.search(r"[\"']results[\"']|/ \"results\"|benchmarks/results", source):
+            writers.append(script.name)
+            assert "numerics(" in source, f"{script.name} writes a result without privfl.provenance.numerics()"
+    assert "peer_pfl.py" in writers and "workers.py" in writers and "fedpft_mnist.py" in writers, writers
