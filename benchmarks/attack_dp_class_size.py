@@ -50,6 +50,7 @@ from attacks.reconstruct_settings import AttackSettings  # noqa: E402
 from attacks.schemes import AttackerPrior, make_release, postprocess_release  # noqa: E402
 from attacks.statistics import bootstrap_cell  # noqa: E402
 from privfl.data import load_source  # noqa: E402
+from privfl.provenance import numerics  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -171,7 +172,6 @@ def main() -> int:
             cells.append(_measure_cell(setting, n_c, eps, args.repeats, args.delta))
             _print_cell(cells[-1])
     matters = _smallest_sizes_that_matter(cells, epsilons)
-    from privfl.provenance import numerics
     summary = {"protocol": {"attacker": "all 60,000 MNIST training images (prior moments; ridge decoder on 59,000, "
                                         "1,000 held out for its penalty)",
                             "defender": "n_c images per class drawn from the MNIST test split, per repeat",

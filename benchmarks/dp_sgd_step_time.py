@@ -43,6 +43,7 @@ from torch import nn
 from privfl.methods.local_training import local_sgd
 from privfl.models import build_model
 from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer
+from privfl.provenance import numerics
 
 TARGET_RATIO = 2.5
 BATCH = 64
@@ -162,7 +163,6 @@ def main() -> None:
               f"{row['opacus_ghost_ratio']:>6.2f} {row['noise_draw_ms']:>9.2f}  {row['engine_path']}", flush=True)
         if not row["engine_meets_target"]:
             print("\n".join(row["profile_engine_top_tottime"]))
-    from privfl.provenance import numerics
     result = {
         "benchmark": "dp_sgd_step_time", "batch_size": BATCH, "threads": 1, "repeats": args.repeats,
         "steps_per_call": args.steps, "torch": torch.__version__, "python": platform.python_version(),

@@ -30,6 +30,7 @@ from pathlib import Path
 from scipy import stats
 
 from privfl.metrics import mean_sem
+from privfl.provenance import numerics
 
 RESULTS = Path(__file__).parent / "results"
 KEY = re.compile(r"^(?P<training>[a-z0-9_]+)-seed(?P<seed>\d+)-rounds(?P<rounds>\d+)-fraction(?P<fraction>[\d.]+)"
@@ -345,7 +346,6 @@ def main() -> None:
     summary["rotated_early_stopping"] = early_stopping(rotated)
     if "fedtta_repeat" in rotated:
         summary["rotated_repeat"] = repeat(rotated["fedtta_repeat"], rotated["fedtta"])
-    from privfl.provenance import numerics
     summary["numerics"] = numerics()
     (RESULTS / "fedtta_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, RESULTS / "fedtta_summary.png")

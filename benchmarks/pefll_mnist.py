@@ -221,9 +221,11 @@ def main() -> None:
 def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method: str) -> None:
     """Add one seed's scores (or a "not run" mark) to the results file, recomputing the summary over seeds; under the
     file's lock, so seeds or partitions run in parallel processes (one per core) keep one another's rows. The
-    communication figures (a one-round run) are measured before the lock is taken, so other writers never wait on it."""
+    communication figures (a one-round run) and the code revision are taken before the lock, so other writers never
+    wait on them."""
     settings = method_settings(method, args.clients)
     comm = None if scores is None else communication(method, args.clients, key.split("/")[0])
+    stamp = numerics()   # git runs in a subprocess: outside the lock too
 
     def merge(stored: dict) -> dict:
         stored.update(header)
@@ -237,7 +239,7 @@ def _merge(path: Path, header: dict, key: str, scores: dict | None, args, method
             entry = {"status": "run", "rounds": args.rounds, "settings": settings, "per_seed": [],
                      "communication": comm}
         entry["per_seed"] = sorted([r for r in entry["per_seed"] if r["seed"] != scores["seed"]]
-                                   + [{**scores, "numerics": numerics()}],
+                                   + [{**scores, "numerics": stamp}],
                                    key=lambda r: r["seed"])
         entry["seeds"] = [r["seed"] for r in entry["per_seed"]]
         entry["seen_mean"], entry["seen_sem_seeds"] = _summary(entry["per_seed"], "seen")
