@@ -383,7 +383,8 @@ def part_timing(args) -> None:
               "ratio": statistics.median(meta) / statistics.median(plain),
               "meta_step_wall_ms_median": statistics.median(meta_wall), "load_average_1min": os.getloadavg()[0],
               "earlier_meta_step_ms": 3.4, "earlier_sgd_step_ms": 0.5,
-              "earlier_note": "an earlier measurement: torch 2.13, 2 threads, wall time, a less loaded machine"}
+              "earlier_note": "an earlier measurement: torch 2.13, 2 threads, wall time, a less loaded machine",
+              "numerics": numerics()}
     store("fedtta_timing", result, "mlp2nn_batch64")
     print(json.dumps(result, indent=2))
 

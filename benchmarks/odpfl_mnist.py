@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import resource
 import sys
@@ -111,7 +112,8 @@ def run_method(tag: str, spec: FederationSpec, out: Path, args, *, select: str |
     summary = train_once(config, str(out))
     return {"status": "ran", "select": select, "novel_accuracy_mean": summary["novel"]["accuracy_mean"],
             "novel_accuracy_sem": summary["novel"]["accuracy_sem"], "selected_round": summary["selected_round"],
-            "rounds": summary["rounds_completed"], "wall_time_s": summary["wall_time_s"], "run_dir": str(out)}
+            "rounds": summary["rounds_completed"], "wall_time_s": summary["wall_time_s"], "run_dir": str(out),
+            "numerics": summary.get("numerics")}   # the training's own: a finished run reused keeps its revision
 
 
 #: each protocol's (rounds, client fraction) for parts ``splits`` (the ODPFL-HN paper) and ``fedtta`` (the FedTTA
@@ -215,21 +217,29 @@ def serve_shifted(run_dir: Path, **shift) -> dict:
     return summarize_scores(scores)
 
 
+def _run_numerics(run_dir: Path) -> dict | None:
+    """The numerics (code revision included) a finished run recorded in its ``summary.json``: parts ``shift`` and
+    ``kl`` read runs that part ``splits`` trained, so their figures depend on that revision as well as this one."""
+    summary = run_dir / "summary.json"
+    return json.loads(summary.read_text()).get("numerics") if summary.exists() else None
+
+
 def part_shift(args) -> dict:
     levels = [("blur_sigma", b, {"novel_blur_sigma": b, "novel_blur_kernel": 7}) for b in (0.0, 1.0, 2.0)]
     levels += [("rotation", r, {"novel_rotation": r}) for r in (15.0, 30.0, 60.0)]
     base = Path(args.out) / "splits" / "pathological"
-    results = {}
+    results, trained = {}, {}
     for tag_dir in sorted(base.glob("*")):
         if not (tag_dir / "summary.json").exists():
             continue
         results[tag_dir.name] = {f"{kind}={value:g}": serve_shifted(tag_dir, **shift)["accuracy_mean"]
                                  for kind, value, shift in levels}
+        trained[tag_dir.name] = _run_numerics(tag_dir)
         print(tag_dir.name, results[tag_dir.name], flush=True)
     _plot_shift(results)
     return {"note": "the selected server state (best validation round, or the last for itpflhn) of each part-2 "
                     "pathological run serves blurred / rotated novel clients",
-            "results": results}
+            "results": results, "numerics": numerics(), "trained_numerics": trained}
 
 
 def _plot_shift(results: dict) -> None:
@@ -259,8 +269,10 @@ def part_kl(args) -> dict:
     import matplotlib.pyplot as plt
 
     points: dict[str, list[tuple[float, float]]] = {}
+    trained: dict[str, dict | None] = {}
     for clients in sorted((Path(args.out) / "splits").glob("*/*/clients.csv")):
         tag = clients.parent.name
+        trained[f"{clients.parent.parent.name}/{tag}"] = _run_numerics(clients.parent)
         for row in csv.DictReader(open(clients)):
             if row["role"] == "novel" and math.isfinite(float(row["accuracy"])):
                 points.setdefault(tag, []).append((float(row["label_shift_kl"]), float(row["accuracy"])))
@@ -272,7 +284,7 @@ def part_kl(args) -> dict:
     fig.tight_layout()
     fig.savefig(RESULTS / "odpfl_kl.png", dpi=110)
     plt.close(fig)
-    return {"points": points}
+    return {"points": points, "numerics": numerics(), "trained_numerics": trained}
 
 
 #: The descriptor-privacy protocol of benchmarks/README.md ("ODPFL-HN descriptor privacy"), pinned here: the main
