@@ -10,6 +10,9 @@ the method, the privacy layer, data, models and the runtime. A result is
   change about to be committed shows the results it leaves stale);
 - **unknown** when it records no revision, or one this repository's history does not hold (a shallow clone);
 - **undeclared** when no entry of :data:`DEPENDENCIES` names it (declare it: a result never passes unchecked);
+- **historical** when it would be stale but :data:`HISTORICAL` keeps it as made on purpose (a measurement of
+  behaviour the current code no longer has, the "before" beside an "after"), and every README that quotes it names
+  the revision that made it, so no reader takes it for the current code's; one whose README does not stays stale;
 - **current** otherwise.
 
 A revision marked ``-dirty`` was made with uncommitted changes on top of that commit, which git cannot see: it is
@@ -124,13 +127,26 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     "import_time.json": (*_script("import_time"), "privfl", "accounting"),
 }
 
+#: Results kept as made on purpose (a glob relative to benchmarks/results/, as in DEPENDENCIES): measurements of code
+#: that no longer exists, quoted as the "before" of a change. No rerun can reproduce them, so a dependency changed
+#: since is expected; what keeps them honest is that each README quoting one names the revision that made it (the
+#: recorded one, or for a file that records none, the last commit that wrote it).
+HISTORICAL: dict[str, str] = {
+    "flower_overhead_before.json": "the Flower engines before issue 30: a SuperNode per client in simulation and a "
+                                   "ClientApp process per message in deployment",
+    "flower_overhead_deployment.json": "the deployment engine before issue 30: a ClientApp process per message",
+    "flower_overhead_45_pulls.json": "the shorter object-pull retries of 0ab1f27, reverted by 602af55",
+    "odpfl_privacy_ball_lr5.json": "an earlier ODPFL-HN configuration: phi clipped to the unit ball, MLP psi, "
+                                   "encoder rate 5.0",
+}
+
 
 @dataclass
 class Finding:
     """One result file and what the check found."""
 
     path: str                                   #: relative to the checkout's top
-    status: str                                 #: "stale", "unknown", "undeclared" or "current"
+    status: str                                 #: "stale", "unknown", "undeclared", "historical" or "current"
     revisions: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)      #: dependency files that differ since a recorded revision
     dependencies: list[str] = field(default_factory=list)  #: the declared paths
@@ -218,8 +234,50 @@ def _expand_braces(text: str) -> Iterator[str]:
 
 
 def check(root: Path = ROOT, declared: Mapping[str, Sequence[str]] = DEPENDENCIES, *, results: str = RESULTS,
-          readmes: Sequence[str] = READMES) -> list[Finding]:
+          readmes: Sequence[str] = READMES, historical: Mapping[str, str] = HISTORICAL) -> list[Finding]:
     """One :class:`Finding` per JSON file under ``root/results``, sorted by path."""
+    findings = _check(root, declared, results=results, readmes=readmes)
+    for finding in findings:
+        name = finding.path.removeprefix(f"{results}/")
+        reason = next((why for pattern, why in historical.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if reason is not None and finding.status == "stale":
+            _as_historical(root, finding, reason)
+    return findings
+
+
+#: How near (characters) to a mention of a historical result's file a README must name the revision that made it.
+NEAR = 600
+
+
+def names_revision(text: str, file_name: str, commits: Sequence[str], near: int = NEAR) -> bool:
+    """Whether ``text`` names one of ``commits`` (its first 7 hex digits or more) within ``near`` characters of a
+    mention of ``file_name``."""
+    for mention in re.finditer(re.escape(file_name), text):
+        window = text[max(0, mention.start() - near):mention.end() + near]
+        if any(re.search(rf"\b{re.escape(c[:7])}[0-9a-f]*\b", window) for c in commits):
+            return True
+    return False
+
+
+def _as_historical(root: Path, finding: Finding, reason: str) -> None:
+    """A stale result kept as made on purpose becomes historical when every README that quotes it names one of its
+    revisions near a mention of the file (:func:`names_revision`); otherwise it stays stale, with a note saying what
+    is missing."""
+    commits = [commit_of(r) for r in finding.revisions]
+    file_name = Path(finding.path).name
+    unnamed = [readme for readme in finding.quoted_in
+               if not names_revision((root / readme).read_text(), file_name, commits)]
+    if unnamed:
+        missing = (f"declared historical ({reason}), but {', '.join(unnamed)} does not name the revision that made it "
+                   f"({', '.join(c[:7] for c in commits)}) within {NEAR} characters of the file's name")
+        finding.note = "; ".join(filter(None, [finding.note, missing]))
+        return
+    finding.status = "historical"
+    finding.note = f"kept as made at {', '.join(c[:7] for c in commits)}: {reason}"
+
+
+def _check(root: Path, declared: Mapping[str, Sequence[str]], *, results: str, readmes: Sequence[str]
+           ) -> list[Finding]:
     quoted = quoting(root, readmes)
     findings = []
     for file in sorted((root / results).rglob("*.json")):
@@ -348,6 +406,8 @@ def report(findings: list[Finding], *, brief: bool) -> str:
             (len(groups.get(("unknown", True), [])), "quoted results of unknown revision"),
             (len(groups.get(("stale", False), [])), "unquoted stale"),
             (len(groups.get(("unknown", False), [])), "unquoted of unknown revision"),
+            (len(groups.get(("historical", True), [])) + len(groups.get(("historical", False), [])),
+             "historical (kept as made, the revision named where quoted)"),
             (len(groups.get(("undeclared", True), [])) + len(groups.get(("undeclared", False), [])),
              "undeclared (no dependencies declared)")) if n]
         current = len(groups.get(("current", True), [])) + len(groups.get(("current", False), []))
@@ -358,8 +418,10 @@ def report(findings: list[Finding], *, brief: bool) -> str:
     titles = {"stale": "STALE (code they depend on changed after the revision that made them, or, for a result that "
                        "records none, after the last commit that wrote it)",
               "unknown": "UNKNOWN (no recorded revision, or one not in this history)",
-              "undeclared": "UNDECLARED (add them to DEPENDENCIES)", "current": "current"}
-    for status in ("stale", "unknown", "undeclared", "current"):
+              "undeclared": "UNDECLARED (add them to DEPENDENCIES)",
+              "historical": "historical (kept as made on purpose: HISTORICAL; the quoting READMEs name the revision)",
+              "current": "current"}
+    for status in ("stale", "unknown", "undeclared", "historical", "current"):
         for quoted in (True, False):
             chosen = groups.get((status, quoted), [])
             if chosen:

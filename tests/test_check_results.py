@@ -142,3 +142,39 @@ def test_main_warns_and_fails_only_when_asked(repo, monkeypatch, capsys):
 
 def test_the_repository_declares_only_paths_that_exist():
     assert checker.missing_declarations(ROOT, checker.DEPENDENCIES) == []
+
+
+def test_a_result_kept_as_made_is_historical_only_where_its_readme_names_the_revision_near_the_file(repo):
+    made_at_a = numerics(repo)["code_revision"]
+    result(repo, "made_before.json", made_at_a)
+    readme = "Figures: `benchmarks/results/made_{quoted,x}.json`.\n"
+    commit(repo, "the before measurement", {"README.md": readme + "Before: `results/made_before.json`.\n"})
+    commit(repo, "B: the method changes", {"src/method/fit.py": "def fit(): return 2\n"})
+    kept = {"made_before.json": "the method before B"}
+    found = {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"]
+    assert found.status == "stale" and "declared historical (the method before B)" in found.note
+    assert f"does not name the revision that made it ({made_at_a[:7]})" in found.note
+    # named, but far from the file's mention: still stale
+    far = readme + f"Made at {made_at_a[:7]}.\n" + "x" * (checker.NEAR + 10) + "\nBefore: `results/made_before.json`.\n"
+    commit(repo, "named far away", {"README.md": far})
+    found = {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"]
+    assert found.status == "stale"
+    near = readme + f"Before: `results/made_before.json` (made at {made_at_a[:7]}, kept as made).\n"
+    commit(repo, "named beside it", {"README.md": near})
+    found = {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"]
+    assert found.status == "historical" and found.note == f"kept as made at {made_at_a[:7]}: the method before B"
+    assert "1 historical" in checker.report([found], brief=True)
+    # the same file not declared historical stays stale; a declared one whose code is unchanged stays current
+    assert {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical={})}["made_before.json"].status \
+        == "stale"
+    commit(repo, "undo B", {"src/method/fit.py": "def fit(): return 1\n"})
+    assert {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"].status \
+        == "current"
+
+
+def test_every_historical_result_exists_and_is_declared():
+    results = ROOT / "benchmarks" / "results"
+    for pattern in checker.HISTORICAL:
+        matches = list(results.glob(pattern))
+        assert matches, f"HISTORICAL names {pattern}, which matches no result"
+        assert all(checker.dependencies_of(m.relative_to(results).as_posix(), checker.DEPENDENCIES) for m in matches)
