@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.privfl-installed
 PYTEST_ARGS ?=
-# test processes (pytest-xdist): the suite takes about 13 minutes in one process and fits 10 in two on 2 cores
+# test processes (pytest-xdist): the suite takes about 13 minutes in one process on 2 cores, about 10 in two
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo demo-baselines lint test test-fast check-results bench lock clean

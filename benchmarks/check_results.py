@@ -235,13 +235,17 @@ def _expand_braces(text: str) -> Iterator[str]:
 
 def check(root: Path = ROOT, declared: Mapping[str, Sequence[str]] = DEPENDENCIES, *, results: str = RESULTS,
           readmes: Sequence[str] = READMES, historical: Mapping[str, str] = HISTORICAL) -> list[Finding]:
-    """One :class:`Finding` per JSON file under ``root/results``, sorted by path."""
+    """One :class:`Finding` per JSON file under ``root/results``, sorted by path; a stale one that ``historical``
+    declares is checked again by :func:`_as_historical`."""
     findings = _check(root, declared, results=results, readmes=readmes)
+    texts: dict[str, str] = {}    # each README read once, and only where a historical result needs it
     for finding in findings:
         name = finding.path.removeprefix(f"{results}/")
         reason = next((why for pattern, why in historical.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if reason is not None and finding.status == "stale":
-            _as_historical(root, finding, reason)
+            for readme in finding.quoted_in:
+                texts.setdefault(readme, (root / readme).read_text())
+            _as_historical(finding, reason, texts)
     return findings
 
 
@@ -259,14 +263,14 @@ def names_revision(text: str, file_name: str, commits: Sequence[str], near: int 
     return False
 
 
-def _as_historical(root: Path, finding: Finding, reason: str) -> None:
+def _as_historical(finding: Finding, reason: str, readme_texts: Mapping[str, str]) -> None:
     """A stale result kept as made on purpose becomes historical when every README that quotes it names one of its
     revisions near a mention of the file (:func:`names_revision`); otherwise it stays stale, with a note saying what
     is missing."""
     commits = [commit_of(r) for r in finding.revisions]
     file_name = Path(finding.path).name
     unnamed = [readme for readme in finding.quoted_in
-               if not names_revision((root / readme).read_text(), file_name, commits)]
+               if not names_revision(readme_texts[readme], file_name, commits)]
     if unnamed:
         missing = (f"declared historical ({reason}), but {', '.join(unnamed)} does not name the revision that made it "
                    f"({', '.join(c[:7] for c in commits)}) within {NEAR} characters of the file's name")

@@ -58,8 +58,8 @@ def repo(tmp_path, monkeypatch):
     return repo
 
 
-def findings(repo: Path, declared=DECLARED) -> dict[str, object]:
-    return {Path(f.path).name: f for f in checker.check(repo, declared)}
+def findings(repo: Path, declared=DECLARED, historical=None) -> dict[str, object]:
+    return {Path(f.path).name: f for f in checker.check(repo, declared, historical=historical or {})}
 
 
 def test_a_dependency_changed_after_the_result_makes_it_stale_and_an_unrelated_change_does_not(repo):
@@ -151,25 +151,23 @@ def test_a_result_kept_as_made_is_historical_only_where_its_readme_names_the_rev
     commit(repo, "the before measurement", {"README.md": readme + "Before: `results/made_before.json`.\n"})
     commit(repo, "B: the method changes", {"src/method/fit.py": "def fit(): return 2\n"})
     kept = {"made_before.json": "the method before B"}
-    found = {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"]
+    found = findings(repo, historical=kept)["made_before.json"]
     assert found.status == "stale" and "declared historical (the method before B)" in found.note
     assert f"does not name the revision that made it ({made_at_a[:7]})" in found.note
     # named, but far from the file's mention: still stale
     far = readme + f"Made at {made_at_a[:7]}.\n" + "x" * (checker.NEAR + 10) + "\nBefore: `results/made_before.json`.\n"
     commit(repo, "named far away", {"README.md": far})
-    found = {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"]
+    found = findings(repo, historical=kept)["made_before.json"]
     assert found.status == "stale"
     near = readme + f"Before: `results/made_before.json` (made at {made_at_a[:7]}, kept as made).\n"
     commit(repo, "named beside it", {"README.md": near})
-    found = {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"]
+    found = findings(repo, historical=kept)["made_before.json"]
     assert found.status == "historical" and found.note == f"kept as made at {made_at_a[:7]}: the method before B"
     assert "1 historical" in checker.report([found], brief=True)
     # the same file not declared historical stays stale; a declared one whose code is unchanged stays current
-    assert {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical={})}["made_before.json"].status \
-        == "stale"
+    assert findings(repo)["made_before.json"].status == "stale"
     commit(repo, "undo B", {"src/method/fit.py": "def fit(): return 1\n"})
-    assert {Path(f.path).name: f for f in checker.check(repo, DECLARED, historical=kept)}["made_before.json"].status \
-        == "current"
+    assert findings(repo, historical=kept)["made_before.json"].status == "current"
 
 
 def test_every_historical_result_exists_and_is_declared():
