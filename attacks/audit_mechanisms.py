@@ -158,7 +158,9 @@ def odpflhn_gradient_releases(eps, delta, trials, bound, n, seed, vectorised):
     gap = float((mean_d - mean_dp).norm())
     if not math.isclose(gap, 2 * bound / (n + 1), rel_tol=1e-4):
         raise AssertionError(f"worst-case pair broken: the data terms differ by {gap}, not 2 C / (n + 1)")
-    fresh = kind.mechanism(client.noise_multiplier())    # secure noise, the same sigma
+    # the same sigma, from a generator of the audit's seed (so an audit repeats); the client's own noise source is
+    # keyed per release and would give every trial the same draw
+    fresh = kind.mechanism(client.noise_multiplier(), noise="seeded", generator=_torch_generator(seed))
     rd = fresh.add_noise(mean_d.expand(trials, -1).clone()).numpy()
     rdp = fresh.add_noise(mean_dp.expand(trials, -1).clone()).numpy()
     return rd, rdp
@@ -253,7 +255,7 @@ def dp_gmm_releases(eps, delta, trials, bound, n, dim, covariance, counts, relat
     generator = _torch_generator(seed)
     probe = release_class_gaussians(x_d, y_d, num_classes=1, epsilon=eps, delta=delta, bound=bound,
                                     covariance=covariance, counts=counts, relation=relation, noise="seeded",
-                                    generator=_torch_generator(seed + 1))
+                                    generator=_torch_generator(seed))
     sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts)
     k = len(sens.blocks())
     calibration = calibrate_blocks(epsilon=eps, delta=delta, sensitivities=sens.blocks(), relation=relation,
