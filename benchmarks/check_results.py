@@ -61,9 +61,10 @@ MODELS = ("privfl/models",)
 TRAINING = RUNTIME + PRIVACY + MODELS
 #: The Flower engines (simulation and deployment).
 FLOWER = ("privfl/engines/flower",)
-#: The reconstruction attack: the attack code, the backbone's features, data, and the FedPFT / DP-FedPFT releases
-#: through the wire and the ledger.
-ATTACK = ("attacks", "privfl/models/backbones.py", "privfl/data", "privfl/methods/base.py", "privfl/methods/fedpft.py",
+#: The reconstruction attack: the attack code (not the empirical DP audits, which it never imports), the backbone's
+#: features, data, and the FedPFT / DP-FedPFT releases through the wire and the ledger.
+ATTACK = ("attacks", "!attacks/audit.py", "!attacks/audit_mechanisms.py", "!attacks/audit_statistics.py",
+          "privfl/models/backbones.py", "privfl/data", "privfl/methods/base.py", "privfl/methods/fedpft.py",
           "privfl/federation", *PRIVACY)
 
 
