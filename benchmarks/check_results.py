@@ -7,7 +7,9 @@ the method, the privacy layer, data, models and the runtime. A result is
 
 - **stale** when one of those paths differs between a recorded revision and the working tree (``git diff
   --name-only REVISION -- PATHS``: a change made and undone since is no change; uncommitted edits count, so a
-  change about to be committed shows the results it leaves stale);
+  change about to be committed shows the results it leaves stale), unless the difference is in docstrings,
+  comments or layout only (a Python file whose syntax tree without docstrings is the same, :func:`same_code`: such
+  an edit moves no figure; text a result copies from a docstring, as scaling's setting, is not a figure);
 - **unknown** when it records no revision, or one this repository's history does not hold (a shallow clone);
 - **undeclared** when no entry of :data:`DEPENDENCIES` names it (declare it: a result never passes unchecked);
 - **historical** when it would be stale but :data:`HISTORICAL` keeps it as made on purpose (a measurement of
@@ -30,6 +32,7 @@ declaration is wrong, not the result).
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import json
 import re
@@ -321,9 +324,10 @@ def _compare(root: Path, where: str, revisions: list[str], deps: list[str], quot
         if diff is None:
             unknown.append(revision)
             continue
-        changed += [p for p in diff.splitlines() if p and p not in changed]
-        if diff:
-            log = _git(root, "log", "-1", "--format=%h %cs %s", f"{commit}..HEAD", "--", *pathspecs(deps))
+        code = [p for p in diff.splitlines() if p and not same_code(root, commit, p)]
+        changed += [p for p in code if p not in changed]
+        if code:
+            log = _git(root, "log", "-1", "--format=%h %cs %s", f"{commit}..HEAD", "--", *pathspecs(code))
             newest = newest or (log if log else "uncommitted changes")
     dirty = [r for r in revisions if r.endswith("-dirty")]
     note = (f"made with uncommitted changes on {', '.join(commit_of(r) for r in dirty)} (compared as those commits)"
@@ -334,6 +338,35 @@ def _compare(root: Path, where: str, revisions: list[str], deps: list[str], quot
         return Finding(where, "unknown", revisions, quoted_in=quoted_in,
                        note=f"revision {', '.join(unknown)} is not in this repository's history")
     return Finding(where, "current", revisions, quoted_in=quoted_in, note=note)
+
+
+def same_code(root: Path, commit: str, path: str) -> bool:
+    """Whether the Python file ``path`` in the working tree is the same code as at ``commit``: both parse, and their
+    syntax trees are equal once docstrings are dropped (comments, blank lines and layout never reach the tree). Such
+    an edit cannot move a figure. Anything else (another kind of file, a file added or removed, a syntax error)
+    counts as a change."""
+    if not path.endswith(".py") or not (root / path).is_file():
+        return False
+    before = _git(root, "show", f"{commit}:{path}")
+    if before is None:
+        return False
+    try:
+        return code_tree(before) == code_tree((root / path).read_text())
+    except (SyntaxError, ValueError, OSError):
+        return False
+
+
+def code_tree(source: str) -> str:
+    """The syntax tree of ``source`` without its docstrings (the leading string of a module, class or function),
+    dumped without positions."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:]
+    return ast.dump(tree)
 
 
 def _dated_by_history(root: Path, where: str, deps: list[str], quoted_in: list[str]) -> Finding:

@@ -89,6 +89,33 @@ def test_a_dependency_changed_after_the_result_makes_it_stale_and_an_unrelated_c
     assert findings(repo)["made_quoted.json"].status == "current"
 
 
+def test_an_edit_of_docstrings_comments_or_layout_only_leaves_a_result_current_and_a_code_edit_does_not(repo):
+    commit(repo, "the method documented", {"src/method/fit.py": '"""Fit."""\n\n\ndef fit():\n    return 1\n'})
+    result(repo, "made_quoted.json", numerics(repo)["code_revision"])
+    commit(repo, "the results")
+    # docstrings rewritten (module and function), a comment, a blank line and another layout: the same code
+    neutral = ('"""Fit, at length:\n\nwhat it is for."""\n\n\ndef fit():  # one\n    """One."""\n\n'
+               '    return (1)\n')
+    commit(repo, "docs only", {"src/method/fit.py": neutral})
+    found = findings(repo)["made_quoted.json"]
+    assert found.status == "current" and found.changed == []
+    # a string that is not a docstring is code: a returned string, and the same docstring after a statement
+    for text in ('"""Fit."""\n\n\ndef fit():\n    return "1"\n',
+                 '"""Fit."""\nimport os\n"""not a docstring"""\n\n\ndef fit():\n    return 1\n'):
+        (repo / "src/method/fit.py").write_text(text)
+        assert findings(repo)["made_quoted.json"].status == "stale"
+    # a file that no longer parses, and a non-Python dependency, count as changed
+    (repo / "src/method/fit.py").write_text("def fit(:\n")
+    assert findings(repo)["made_quoted.json"].changed == ["src/method/fit.py"]
+    (repo / "src/method/fit.py").write_text(neutral)
+    (repo / "src/method/weights.txt").write_text("0.5\n")
+    commit(repo, "a data file beside the method")
+    commit(repo, "docs again", {"src/method/fit.py": neutral.replace("One.", "The one.")})
+    found = findings(repo)["made_quoted.json"]
+    assert found.status == "stale" and found.changed == ["src/method/weights.txt"]
+    assert found.newest_change.endswith("a data file beside the method")    # docs again is not a change
+
+
 def test_uncommitted_changes_count_and_a_dirty_revision_is_compared_as_its_commit(repo):
     (repo / "src" / "method" / "fit.py").write_text("def fit(): return 3\n")
     dirty = numerics(repo)["code_revision"]
