@@ -157,6 +157,10 @@ class Finding:
     newest_change: str | None = None            #: the newest commit touching them since then (hash, date, subject)
     quoted_in: list[str] = field(default_factory=list)
     note: str = ""
+    #: the commits that made it (:func:`making_commits`), and the quoting READMEs that name none of them near the
+    #: file's name (:func:`names_revision`)
+    made_at: list[str] = field(default_factory=list)
+    unnamed_in: list[str] = field(default_factory=list)
 
     @property
     def quoted(self) -> bool:
@@ -239,45 +243,63 @@ def _expand_braces(text: str) -> Iterator[str]:
 
 def check(root: Path = ROOT, declared: Mapping[str, Sequence[str]] = DEPENDENCIES, *, results: str = RESULTS,
           readmes: Sequence[str] = READMES, historical: Mapping[str, str] = HISTORICAL) -> list[Finding]:
-    """One :class:`Finding` per JSON file under ``root/results``, sorted by path; a stale one that ``historical``
-    declares is checked again by :func:`_as_historical`."""
+    """One :class:`Finding` per JSON file under ``root/results``, sorted by path, each quoted one with the READMEs
+    that do not name its revision (:func:`unnamed_in`); a stale one that ``historical`` declares is checked again by
+    :func:`_as_historical`."""
     findings = _check(root, declared, results=results, readmes=readmes)
-    texts: dict[str, str] = {}    # each README read once, and only where a historical result needs it
+    texts = {readme: (root / readme).read_text() for readme in readmes if (root / readme).exists()}
     for finding in findings:
+        finding.made_at = making_commits(root, finding)
+        finding.unnamed_in = unnamed_in(finding, texts)
         name = finding.path.removeprefix(f"{results}/")
         reason = next((why for pattern, why in historical.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if reason is not None and finding.status == "stale":
-            for readme in finding.quoted_in:
-                texts.setdefault(readme, (root / readme).read_text())
-            _as_historical(finding, reason, texts)
+            _as_historical(finding, reason)
     return findings
 
 
-#: How near (characters) to a mention of a historical result's file a README must name the revision that made it.
+def making_commits(root: Path, finding: Finding) -> list[str]:
+    """The commits that made a result: its recorded revisions, or for one that records none, the last commit that
+    wrote the file."""
+    if finding.revisions:
+        return [commit_of(r) for r in finding.revisions]
+    written = _git(root, "log", "-1", "--format=%H", "--", finding.path)
+    return [written] if written else []
+
+
+def unnamed_in(finding: Finding, readme_texts: Mapping[str, str]) -> list[str]:
+    """The READMEs quoting ``finding`` that do not name a commit that made it (``finding.made_at``) within
+    :data:`NEAR` characters of the file's name (every one, where no commit is known)."""
+    file_name = Path(finding.path).name
+    return [readme for readme in finding.quoted_in
+            if not finding.made_at or not names_revision(readme_texts[readme], file_name, finding.made_at)]
+
+
+#: How near (characters) to a mention of a result's file a README must name the revision that made it.
 NEAR = 600
 
 
 def names_revision(text: str, file_name: str, commits: Sequence[str], near: int = NEAR) -> bool:
     """Whether ``text`` names one of ``commits`` (its first 7 hex digits or more) within ``near`` characters of a
-    mention of ``file_name``."""
-    for mention in re.finditer(re.escape(file_name), text):
-        window = text[max(0, mention.start() - near):mention.end() + near]
+    mention of ``file_name`` (the name itself, or a ``results/...`` path whose ``{a,b}`` alternatives give it)."""
+    mentions = [m.span() for m in re.finditer(re.escape(file_name), text)]
+    mentions += [m.span() for m in re.finditer(r"results/[\w./{},*-]+", text)
+                 if any(Path(n.rstrip(".,")).name == file_name for n in _expand_braces(m.group()))]
+    for start, end in mentions:
+        window = text[max(0, start - near):end + near]
         if any(re.search(rf"\b{re.escape(c[:7])}[0-9a-f]*\b", window) for c in commits):
             return True
     return False
 
 
-def _as_historical(finding: Finding, reason: str, readme_texts: Mapping[str, str]) -> None:
+def _as_historical(finding: Finding, reason: str) -> None:
     """A stale result kept as made on purpose becomes historical when every README that quotes it names one of its
-    revisions near a mention of the file (:func:`names_revision`); otherwise it stays stale, with a note saying what
-    is missing."""
+    revisions near a mention of the file (``finding.unnamed_in`` is empty); otherwise it stays stale, with a note
+    saying what is missing."""
     commits = [commit_of(r) for r in finding.revisions]
-    file_name = Path(finding.path).name
-    unnamed = [readme for readme in finding.quoted_in
-               if not names_revision(readme_texts[readme], file_name, commits)]
-    if unnamed:
-        missing = (f"declared historical ({reason}), but {', '.join(unnamed)} does not name the revision that made it "
-                   f"({', '.join(c[:7] for c in commits)}) within {NEAR} characters of the file's name")
+    if finding.unnamed_in:
+        missing = (f"declared historical ({reason}), but {', '.join(finding.unnamed_in)} does not name the revision "
+                   f"that made it ({', '.join(c[:7] for c in commits)}) within {NEAR} characters of the file's name")
         finding.note = "; ".join(filter(None, [finding.note, missing]))
         return
     finding.status = "historical"
@@ -440,6 +462,11 @@ def report(findings: list[Finding], *, brief: bool) -> str:
                          "(code they depend on changed after the revision that made them); regenerate before "
                          "quoting them:")
             lines += [f"  STALE {describe(f, brief=True)}" for f in quoted_stale]
+        unnamed = [f for f in findings if f.unnamed_in and f.status != "historical"]
+        if unnamed:
+            lines.append(f"check-results: warning: {len(unnamed)} quoted result(s) whose README does not name the "
+                         f"revision that made them within {NEAR} characters of the file's name: "
+                         + ", ".join(f.path.split("/results/", 1)[-1] for f in unnamed))
         counts = [(n, label) for n, label in (
             (len(groups.get(("unknown", True), [])), "quoted results of unknown revision"),
             (len(groups.get(("stale", False), [])), "unquoted stale"),
@@ -466,6 +493,12 @@ def report(findings: list[Finding], *, brief: bool) -> str:
                 lines.append(f"\n{titles[status]}, {'quoted by the READMEs' if quoted else 'not quoted'}: "
                              f"{len(chosen)}")
                 lines += [f"  {describe(f)}" for f in chosen]
+    unnamed = [f for f in findings if f.unnamed_in and f.status != "historical"]
+    if unnamed:
+        lines.append(f"\nquoted where the README does not name the revision that made them (within {NEAR} "
+                     f"characters of the file's name; name it where the figure is quoted): {len(unnamed)}")
+        lines += [f"  {f.path} [{', '.join(f.unnamed_in)}]: made at "
+                  f"{', '.join(c[:7] for c in f.made_at) or 'an unknown revision'}" for f in unnamed]
     return "\n".join(lines).lstrip("\n")
 
 

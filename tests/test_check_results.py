@@ -203,3 +203,26 @@ def test_every_historical_result_exists_and_is_declared():
         matches = list(results.glob(pattern))
         assert matches, f"HISTORICAL names {pattern}, which matches no result"
         assert all(checker.dependencies_of(m.relative_to(results).as_posix(), checker.DEPENDENCIES) for m in matches)
+
+
+def test_a_quoted_result_whose_readme_does_not_name_its_revision_near_the_file_is_listed(repo):
+    made_at_a = numerics(repo)["code_revision"]
+    result(repo, "made_quoted.json", made_at_a)
+    result(repo, "made_x.json", None)       # no recorded revision: the commit that wrote it made it
+    commit(repo, "the results")
+    written = subprocess.run([*GIT, "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    found = findings(repo)
+    assert found["made_quoted.json"].unnamed_in == ["README.md"] and found["made_quoted.json"].made_at == [made_at_a]
+    assert found["made_x.json"].unnamed_in == ["README.md"] and found["made_x.json"].made_at == [written]
+    brief = checker.report(list(found.values()), brief=True)
+    assert "2 quoted result(s) whose README does not name the revision" in brief and "made_x.json" in brief
+    assert f"benchmarks/results/made_quoted.json [README.md]: made at {made_at_a[:7]}" in checker.report(
+        list(found.values()), brief=False)
+    # naming the writing commit of one and the recorded revision of the other beside the file clears both
+    commit(repo, "named", {"README.md": f"Figures: `benchmarks/results/made_{{quoted,x}}.json` (at {made_at_a[:7]}"
+                                        f" and {written[:9]}).\n"})
+    found = findings(repo)
+    assert found["made_quoted.json"].unnamed_in == [] and found["made_x.json"].unnamed_in == []
+    assert "does not name" not in checker.report(list(found.values()), brief=True)
+    assert findings(repo)["made_quoted.json"].status == "current"     # naming a revision changes no status
