@@ -20,7 +20,9 @@ the method, the privacy layer, data, models and the runtime. A result is
 A revision marked ``-dirty`` was made with uncommitted changes on top of that commit, which git cannot see: it is
 compared as that commit. A result is **quoted** when README.md or benchmarks/README.md names its file
 (``results/<name>``; ``{a,b}`` alternatives are expanded), so its figures are published and must be regenerated
-when it is stale.
+when it is stale. Every quoting README must also name the revision that made it (its recorded revision, or the
+commit that wrote a file that records none) within :data:`NEAR` characters of the file's name; the quoted results
+where it does not are listed too (``Finding.unnamed_in``), whatever their status.
 
     python benchmarks/check_results.py            # every stale, unknown and undeclared result (make check-results)
     python benchmarks/check_results.py --brief    # a few warning lines (make test)
