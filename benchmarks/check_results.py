@@ -78,7 +78,22 @@ def _methods(*names: str) -> tuple[str, ...]:
 
 
 def _script(name: str) -> tuple[str, ...]:
-    return (f"benchmarks/{name}.py",)
+    """The benchmark script ``name`` and every benchmark module it imports, directly or through another (a script
+    that takes its protocol from another's module depends on that module too)."""
+    found: list[str] = []
+    todo = [name]
+    while todo:
+        module = todo.pop()
+        path = Path(__file__).parent / f"{module}.py"
+        if module in found or not path.exists():
+            continue
+        found.append(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                todo.append(node.module)
+            elif isinstance(node, ast.Import):
+                todo += [alias.name for alias in node.names]
+    return tuple(f"benchmarks/{module}.py" for module in [name, *sorted(set(found) - {name})])
 
 
 #: Per result file (a glob relative to benchmarks/results/): the source paths its figures depend on. A file matched

@@ -226,3 +226,11 @@ def test_a_quoted_result_whose_readme_does_not_name_its_revision_near_the_file_i
     assert found["made_quoted.json"].unnamed_in == [] and found["made_x.json"].unnamed_in == []
     assert "does not name" not in checker.report(list(found.values()), brief=True)
     assert findings(repo)["made_quoted.json"].status == "current"     # naming a revision changes no status
+
+
+def test_a_script_depends_on_the_benchmark_modules_it_imports_directly_or_through_another():
+    assert checker._script("scaling") == ("benchmarks/scaling.py", "benchmarks/flower_overhead.py")
+    assert checker._script("deployment_database") == ("benchmarks/deployment_database.py",
+                                                       "benchmarks/flower_overhead.py", "benchmarks/scaling.py")
+    assert checker._script("accounting_table") == ("benchmarks/accounting_table.py",)
+    assert "benchmarks/fedtta_mnist.py" in checker.dependencies_of("pefll_mnist_100.json", checker.DEPENDENCIES)
