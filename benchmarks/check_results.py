@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import fnmatch
+import functools
 import json
 import re
 import subprocess
@@ -77,6 +78,7 @@ def _methods(*names: str) -> tuple[str, ...]:
     return tuple(f"privfl/methods/{name}.py" for name in names)
 
 
+@functools.cache
 def _script(name: str) -> tuple[str, ...]:
     """The benchmark script ``name`` and every benchmark module it imports, directly or through another (a script
     that takes its protocol from another's module depends on that module too)."""
@@ -313,14 +315,14 @@ def _as_historical(finding: Finding, reason: str) -> None:
     """A stale result kept as made on purpose becomes historical when every README that quotes it names one of its
     revisions near a mention of the file (``finding.unnamed_in`` is empty); otherwise it stays stale, with a note
     saying what is missing."""
-    commits = [commit_of(r) for r in finding.revisions]
+    commits = [c[:7] for c in finding.made_at]
     if finding.unnamed_in:
         missing = (f"declared historical ({reason}), but {', '.join(finding.unnamed_in)} does not name the revision "
-                   f"that made it ({', '.join(c[:7] for c in commits)}) within {NEAR} characters of the file's name")
+                   f"that made it ({', '.join(commits)}) within {NEAR} characters of the file's name")
         finding.note = "; ".join(filter(None, [finding.note, missing]))
         return
     finding.status = "historical"
-    finding.note = f"kept as made at {', '.join(c[:7] for c in commits)}: {reason}"
+    finding.note = f"kept as made at {', '.join(commits)}: {reason}"
 
 
 def _check(root: Path, declared: Mapping[str, Sequence[str]], *, results: str, readmes: Sequence[str]
@@ -359,11 +361,11 @@ def _compare(root: Path, where: str, revisions: list[str], deps: list[str], quot
         if _git(root, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}") is None:
             unknown.append(revision)
             continue
-        diff = _git(root, "diff", "--name-only", commit, "--", *pathspecs(deps))
+        diff = _git(root, "diff", "--raw", "--no-abbrev", commit, "--", *pathspecs(deps))
         if diff is None:
             unknown.append(revision)
             continue
-        code = [p for p in diff.splitlines() if p and not same_code(root, commit, p)]
+        code = [path for path, before in _diff_entries(diff) if not same_code(root, before, path)]
         changed += [p for p in code if p not in changed]
         if code:
             log = _git(root, "log", "-1", "--format=%h %cs %s", f"{commit}..HEAD", "--", *pathspecs(code))
@@ -379,14 +381,26 @@ def _compare(root: Path, where: str, revisions: list[str], deps: list[str], quot
     return Finding(where, "current", revisions, quoted_in=quoted_in, note=note)
 
 
-def same_code(root: Path, commit: str, path: str) -> bool:
-    """Whether the Python file ``path`` in the working tree is the same code as at ``commit``: both parse, and their
-    syntax trees are equal once docstrings are dropped (comments, blank lines and layout never reach the tree). Such
-    an edit cannot move a figure. Anything else (another kind of file, a file added or removed, a syntax error)
-    counts as a change."""
-    if not path.endswith(".py") or not (root / path).is_file():
+def _diff_entries(raw: str) -> Iterator[tuple[str, str | None]]:
+    """``(path, blob before)`` per line of ``git diff --raw --no-abbrev``; the blob is ``None`` for a file added,
+    renamed or copied (its earlier text is not this path's)."""
+    for line in raw.splitlines():
+        if not line.startswith(":"):
+            continue
+        meta, *paths = line.split("\t")
+        fields = meta.split()
+        added_or_moved = fields[4][0] in "ARC" or set(fields[2]) == {"0"}
+        yield paths[-1], None if added_or_moved else fields[2]
+
+
+def same_code(root: Path, blob: str | None, path: str) -> bool:
+    """Whether the Python file ``path`` in the working tree is the same code as the blob it was made from: both
+    parse, and their syntax trees are equal once docstrings are dropped (comments, blank lines and layout never reach
+    the tree). Such an edit cannot move a figure. Anything else (another kind of file, a file added, moved or
+    removed, a syntax error) counts as a change."""
+    if blob is None or not path.endswith(".py") or not (root / path).is_file():
         return False
-    before = _git(root, "show", f"{commit}:{path}")
+    before = _blob_text(root, blob)
     if before is None:
         return False
     try:
@@ -395,6 +409,13 @@ def same_code(root: Path, commit: str, path: str) -> bool:
         return False
 
 
+@functools.cache
+def _blob_text(root: Path, blob: str) -> str | None:
+    """A blob's text, read once per process (many results were made at commits that hold the same blob)."""
+    return _git(root, "cat-file", "blob", blob)
+
+
+@functools.cache
 def code_tree(source: str) -> str:
     """The syntax tree of ``source`` without its docstrings (the leading string of a module, class or function),
     dumped without positions."""
@@ -471,6 +492,7 @@ def report(findings: list[Finding], *, brief: bool) -> str:
     groups: dict[tuple[str, bool], list[Finding]] = {}
     for f in findings:
         groups.setdefault((f.status, f.quoted), []).append(f)
+    unnamed = [f for f in findings if f.unnamed_in and f.status != "historical"]
     lines = []
     if brief:
         quoted_stale = groups.get(("stale", True), [])
@@ -479,7 +501,6 @@ def report(findings: list[Finding], *, brief: bool) -> str:
                          "(code they depend on changed after the revision that made them); regenerate before "
                          "quoting them:")
             lines += [f"  STALE {describe(f, brief=True)}" for f in quoted_stale]
-        unnamed = [f for f in findings if f.unnamed_in and f.status != "historical"]
         if unnamed:
             lines.append(f"check-results: warning: {len(unnamed)} quoted result(s) whose README does not name the "
                          f"revision that made them within {NEAR} characters of the file's name: "
@@ -510,7 +531,6 @@ def report(findings: list[Finding], *, brief: bool) -> str:
                 lines.append(f"\n{titles[status]}, {'quoted by the READMEs' if quoted else 'not quoted'}: "
                              f"{len(chosen)}")
                 lines += [f"  {describe(f)}" for f in chosen]
-    unnamed = [f for f in findings if f.unnamed_in and f.status != "historical"]
     if unnamed:
         lines.append(f"\nquoted where the README does not name the revision that made them (within {NEAR} "
                      f"characters of the file's name; name it where the figure is quoted): {len(unnamed)}")
