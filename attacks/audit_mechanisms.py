@@ -255,7 +255,7 @@ def dp_gmm_releases(eps, delta, trials, bound, n, dim, covariance, counts, relat
     generator = _torch_generator(seed)
     probe = release_class_gaussians(x_d, y_d, num_classes=1, epsilon=eps, delta=delta, bound=bound,
                                     covariance=covariance, counts=counts, relation=relation, noise="seeded",
-                                    generator=_torch_generator(seed))
+                                    generator=_torch_generator(seed + 1))
     sens = block_sensitivities(bound=bound, covariance=covariance, relation=relation, counts=counts)
     k = len(sens.blocks())
     calibration = calibrate_blocks(epsilon=eps, delta=delta, sensitivities=sens.blocks(), relation=relation,
