@@ -125,6 +125,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
                                       *_methods("pfedhn", "itpflhn", "pefll", "odpflhn", "odpflhn_config",
                                                 "shared_part"), *TRAINING),
     "cross_silo_mnist.json": (*_script("cross_silo_mnist"), *_methods("mrmtl", "fedavg", "local"), *TRAINING),
+    "cross_silo_paired.json": (*_script("cross_silo_paired"), *_methods("mrmtl", "fedavg", "local"), *TRAINING),
     "central_dp_mnist.json": (*_script("central_dp_mnist"), "privfl/data", *PRIVACY, *MODELS, "privfl/metrics.py"),
     "fedpft_mnist.json": (*_script("fedpft_mnist"), *_methods("fedpft", "fedpft_baselines", "local"), *TRAINING),
     # attacks and audits
