@@ -5,7 +5,7 @@ seeds' means (12.7 SEMs wide at two seeds), which separate rows only when they a
 silo's own accuracy (``clients.csv``), and the same seed gives every row the same silos, the same data and the same
 initialisation. This script pairs them: for each seed, the mean over the 40 silos of (row A's accuracy on silo i minus
 row B's on silo i), with its SEM over silos, and the per-seed differences' mean over seeds with its SEM and 95% t
-half-width. A pair "separates" when the 95% t interval over seeds excludes 0 or, with fewer than two seeds, never.
+half-width (``cross_silo_mnist.interval``); the verdict says whether that interval excludes 0 (one seed: none).
 Silos within a seed are not independent (MR-MTL and FedAvg silos share a mean), so the SEM over silos describes the
 spread between silos, not a test. FedAvg + fine-tuning stores no per-silo scores and is left out.
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cross_silo_mnist import ROWS, T_975, run_dir  # noqa: E402
+from cross_silo_mnist import ROWS, interval, run_dir  # noqa: E402
 
 from privfl.errors import ConfigError  # noqa: E402
 from privfl.federation.rundir import update_json  # noqa: E402
@@ -48,12 +48,6 @@ def silo_accuracies(args: argparse.Namespace, row: str, seed: int) -> dict[int, 
         return {int(r["client_id"]): float(r["accuracy"]) for r in csv.DictReader(f) if r["role"] == "training"}
 
 
-def mean_sem(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else math.nan)
-
-
 def compare(args: argparse.Namespace) -> list[dict]:
     rows = {row for pair in PAIRS for row in pair}
     scores = {(row, seed): silo_accuracies(args, row, seed) for row in sorted(rows) for seed in args.seeds}
@@ -65,12 +59,11 @@ def compare(args: argparse.Namespace) -> list[dict]:
             if set(first) != set(second):
                 raise ConfigError(f"seed {seed}: {a} and {b} scored different silos ({sorted(first)} vs "
                                   f"{sorted(second)}); were the runs made with one federation?")
-            diff, sem = mean_sem([first[i] - second[i] for i in sorted(first)])
+            diff, sem, _ = interval([first[i] - second[i] for i in first])
             wins = sum(first[i] > second[i] for i in first)
             per_seed.append({"seed": seed, "difference": diff, "sem_over_silos": sem, "silos": len(first),
                              "silos_above": wins})
-        mean, sem = mean_sem([s["difference"] for s in per_seed])
-        half = T_975.get(len(per_seed) - 1, 1.96) * sem if len(per_seed) > 1 else math.nan
+        mean, sem, half = interval([s["difference"] for s in per_seed])
         verdict = ("one seed: no interval" if math.isnan(half) else
                    "above, interval excludes 0" if mean - half > 0 else
                    "below, interval excludes 0" if mean + half < 0 else "interval includes 0")
