@@ -103,6 +103,8 @@ def _script(name: str) -> tuple[str, ...]:
 DEPENDENCIES: dict[str, tuple[str, ...]] = {
     # the main job (`privfl sweep`, `make demo`)
     "sweep_demo*.json": ("privfl/sweep.py", *_methods("odpflhn", "odpflhn_config"), *TRAINING),
+    "descriptor_headroom.json": (*_script("descriptor_headroom"), "privfl/sweep.py",
+                                 *_methods("odpflhn", "odpflhn_config"), *TRAINING),
     "odpfl_*.json": (*_script("odpfl_mnist"), *_script("fedtta_mnist"), "privfl/sweep.py",
                      *_methods("odpflhn", "odpflhn_config", "pfedhn", "itpflhn", "pfl_baselines", "fedavg", "fedprox",
                                "fedtta"),
