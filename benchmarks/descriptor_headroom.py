@@ -119,7 +119,8 @@ def score(logits: torch.Tensor, labels: torch.Tensor) -> float:
 def measure_training(config: SweepConfig, out: Path, epsilon: float | None, features: torch.Tensor,
                      labels: torch.Tensor, sizes: list[int], novel_epsilons: list[float | None],
                      repeats: int) -> dict:
-    """Every cell of one training: ``{n: {novel epsilon: {column: [accuracy per pair and repeat]}}}``."""
+    """Every cell of one training: ``{n: {novel epsilon: {column: {"mean", "sem_over_pairs"}}}}``, a pair's noise
+    draws averaged first; private cells also hold ``ledger_epsilon``, what one client's ledger says it spent."""
     run = config.run_config(epsilon)
     runtime = build_runtime(run, run_federation(run))
     checkpoint = RunDirectory(train_directory(out, epsilon)).load_checkpoint()
@@ -144,8 +145,8 @@ def measure_training(config: SweepConfig, out: Path, epsilon: float | None, feat
     cells: dict = {}
     for n in sizes:
         for eps in novel_epsilons:
-            cell = cells.setdefault(str(n), {}).setdefault("inf" if eps is None else f"{eps:g}",
-                                                            {c: [] for c in COLUMNS})
+            cell: dict = cells.setdefault(str(n), {}).setdefault("inf" if eps is None else f"{eps:g}", {})
+            scores: dict[str, list[list[float]]] = {c: [[] for _ in halves] for c in COLUMNS}
             for repeat in range(1 if eps is None else repeats):
                 generator = torch.Generator().manual_seed(1000 * repeat + n)
                 ledgers = [PrivacyLedger(p) for p in range(len(halves))]
@@ -157,11 +158,14 @@ def measure_training(config: SweepConfig, out: Path, epsilon: float | None, feat
                     pair_logits, pair_labels = logits[scored], labels[scored]
                     only_pair = torch.full_like(pair_logits, -math.inf)
                     only_pair[:, [a, b]] = pair_logits[:, [a, b]]
-                    cell["control"].append(score(pair_logits, pair_labels))
-                    cell["oracle"].append(score(only_pair, pair_labels))
-                    cell["label_prior"].append(score(prior_logits(pair_logits, releases[p]), pair_labels))
                     other = releases[(p + 1) % len(releases)]
-                    cell["wrong_prior"].append(score(prior_logits(pair_logits, other), pair_labels))
+                    for column, column_logits in zip(COLUMNS, (pair_logits, only_pair,
+                                                               prior_logits(pair_logits, releases[p]),
+                                                               prior_logits(pair_logits, other))):
+                        scores[column][p].append(score(column_logits, pair_labels))
+            for column, per_pair in scores.items():
+                mean, sem = mean_sem([float(np.mean(draws)) for draws in per_pair])
+                cell[column] = {"mean": mean, "sem_over_pairs": sem}
     return cells
 
 
@@ -177,7 +181,7 @@ def summarise(per_seed: dict[str, dict]) -> dict:
                 seeds = [per_seed[s][training]["cells"][n][eps] for s in per_seed]
                 cell = cells.setdefault(n, {}).setdefault(eps, {})
                 for column in COLUMNS:
-                    mean, sem = mean_sem([float(np.mean(seed[column])) for seed in seeds])
+                    mean, sem = mean_sem([seed[column]["mean"] for seed in seeds])
                     cell[column] = {"mean": mean, "sem": sem}
                 if eps != "inf":
                     cell["ledger_epsilon"] = max(seed["ledger_epsilon"] for seed in seeds)
