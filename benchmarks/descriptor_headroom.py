@@ -100,7 +100,7 @@ def prior_logits(logits: torch.Tensor, histogram: torch.Tensor, floor: float = F
 
 
 def sweep_config(out: Path) -> SweepConfig:
-    """The settings a sweep directory was made with (its ``sweep.json`` mark, as ``privfl sweep`` wrote it)."""
+    """The settings a sweep directory was made with (its ``sweep-config.json`` mark, as ``privfl sweep`` wrote it)."""
     mark = out / "sweep-config.json"
     if not mark.exists():
         raise ConfigError(f"{mark} does not exist: run `privfl sweep --out {out} --seed S` first")
