@@ -18,7 +18,10 @@ rest, on which every column is scored:
   the counterpart of the sweep's second control, ``control_other_mix``.
 
 ``label_prior`` minus the better of ``control`` and ``wrong_prior``, without noise, is the margin the sweep's
-descriptor verdict reads (``SweepConfig.min_margin`` = 2 points at every n). FLOOR was not tuned.
+descriptor verdict reads (``SweepConfig.min_margin`` = 2 points at every n). FLOOR was not tuned. Without noise the
+correction needs no release: the control model is built from the training clients' releases alone, so a novel client
+can compute h and correct its logits locally, at epsilon 0; that column is the bar a released descriptor has to clear
+(docs/methods/hypernetworks.md, "A label prior from the client's own predictions").
 
     python benchmarks/descriptor_headroom.py --runs runs/main_seed0 runs/main_seed1 runs/main_seed2
 
