@@ -234,3 +234,37 @@ def test_a_script_depends_on_the_benchmark_modules_it_imports_directly_or_throug
                                                        "benchmarks/flower_overhead.py", "benchmarks/scaling.py")
     assert checker._script("accounting_table") == ("benchmarks/accounting_table.py",)
     assert "benchmarks/fedtta_mnist.py" in checker.dependencies_of("pefll_mnist_100.json", checker.DEPENDENCIES)
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_declared_file_brings_every_package_file_it_imports_lazily_or_through_another(tmp_path):
+    root = _tree(tmp_path, {"bench/s.py": "import json\n\ndef f():\n    from privfl.a import thing\n",
+                            "privfl/__init__.py": "", "privfl/a.py": "import privfl.b\nthing = 1\n",
+                            "privfl/b.py": "import numpy\n", "privfl/c.py": "",
+                            "privfl/sub/__init__.py": "", "privfl/sub/d.py": "from privfl import c\n"})
+    found = checker.with_imports(("bench/s.py",), root)
+    assert found[0] == "bench/s.py"
+    assert set(found) == {"bench/s.py", "privfl/__init__.py", "privfl/a.py", "privfl/b.py"}
+    # an excluded file stays out, and what only it imports is not reached
+    assert set(checker.with_imports(("bench/s.py", "!privfl/b.py"), root)) == {
+        "bench/s.py", "!privfl/b.py", "privfl/__init__.py", "privfl/a.py"}
+    # a declared folder is followed file by file; its own files are not listed again
+    assert set(checker.with_imports(("privfl/sub",), root)) == {"privfl/sub", "privfl/__init__.py", "privfl/c.py"}
+
+
+def test_the_repository_declarations_hold_what_the_scripts_import():
+    sweep = checker.dependencies_of("sweep_demo.json", checker.DEPENDENCIES)
+    assert {"privfl/provenance.py", "privfl/evaluation/report.py", "privfl/errors.py"} <= set(sweep)
+    headroom = checker.dependencies_of("descriptor_headroom.json", checker.DEPENDENCIES)
+    assert {"privfl/provenance.py", "privfl/evaluation/__init__.py"} <= set(headroom)
+    # the benchmarks on pixels pin ODPFL-HN's settings themselves and never import the main job's module
+    assert "privfl/sweep.py" not in checker.dependencies_of("pefll_mnist_100.json", checker.DEPENDENCIES)
+    assert "privfl/sweep.py" not in checker.dependencies_of("fedtta_family_code.json", checker.DEPENDENCIES)
+    # import_time times module-level code only: taken as declared
+    assert checker.DEPENDENCIES["import_time.json"] == checker._DECLARED["import_time.json"]
