@@ -126,6 +126,36 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def task_identity(monkeypatch):
+    """The identity Flower gives a process that runs a task (messages cannot be made without one)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+
+
+class Bias(torch.nn.Module):
+    """f(x; b) = b for every sample: logits independent of x, so a step of adaptation is easy to derive by hand."""
+
+    def __init__(self, b):
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.tensor(b, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.b.expand(x.shape[0], -1)
+
+
+def assert_resumed_as_uninterrupted(full: dict, resumed: dict, full_dir, cut_dir) -> None:
+    """A run interrupted and resumed (``cut_dir``) ends as the uninterrupted one (``full_dir``): the same summaries
+    and, tensor by tensor, the same server state in the last checkpoint."""
+    for key in ("novel", "training_val", "selected_round", "rounds_completed"):
+        assert resumed[key] == full[key], key
+    a = torch.load(full_dir / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    b = torch.load(cut_dir / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+
+
 def tensors_by_name(state, prefix=""):
     """Every tensor in a nested dict of state, by dotted name."""
     found = {}

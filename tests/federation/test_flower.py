@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import tomllib
-import uuid
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,8 @@ import torch
 flwr = pytest.importorskip("flwr")
 
 from conftest import book_records, journal_records  # noqa: E402
-from flwr.app import Context, Error, RecordDict  # noqa: E402
+from flower_loopback import LoopbackGrid  # noqa: E402
+from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 
 from accounting import PrivacyLedger  # noqa: E402
@@ -180,55 +180,6 @@ def test_flower_options_validate_their_values():
 
 
 # -- the ServerApp against nodes in this process --------------------------------------------------------------------
-
-
-@pytest.fixture
-def task_identity(monkeypatch):
-    """The identity Flower gives a process that runs a task (messages cannot be made without one)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", 0)):
-        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
-
-
-class LoopbackGrid:
-    """A Flower Grid whose nodes run the privfl ClientApp in this process, each message as it is pushed.
-
-    ``nodes``: node id -> node config; ``silent``: node ids that answer the hello but nothing after (a SuperNode that
-    died). ``sent`` lists (node id, message type) of every message pushed.
-    """
-
-    def __init__(self, nodes, run_config, *, silent=()):
-        self.contexts = {nid: Context(run_id=1, node_id=nid, node_config=dict(config), state=RecordDict(),
-                                      run_config=dict(run_config)) for nid, config in nodes.items()}
-        self.silent = set(silent)
-        self.replies: list[FlowerMessage] = []
-        self.sent: list[tuple[int, str]] = []
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            nid, kind = message.metadata.dst_node_id, message.metadata.message_type
-            self.sent.append((nid, kind))
-            ids.append(message.metadata.message_id)
-            if nid in self.silent and kind != "query.hello":
-                continue
-            try:
-                self.replies.append(client_app.handle(message, self.contexts[nid]))
-            except Exception as error:       # as Flower does: the ClientApp's exception becomes an error reply
-                self.replies.append(FlowerMessage(Error(code=0, reason=f"{type(error).__name__}: {error}"),
-                                                  reply_to=message))
-        return ids
-
-    def pull_messages(self, message_ids):
-        wanted = set(message_ids)
-        out = [r for r in self.replies if r.metadata.reply_to_message_id in wanted]
-        self.replies = [r for r in self.replies if r.metadata.reply_to_message_id not in wanted]
-        return out
 
 
 def _loopback(config, tmp_path, ranges, *, num_partitions=None, silent=(), text=None):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import assert_resumed_as_uninterrupted
 
 from accounting import LedgerBook
 from privfl.config import RunConfig
@@ -68,11 +69,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, method, config)
                                                        f"{tmp_path / 'cut'}")):
         train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=3)   # between checkpoints
     resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
-    for key in ("novel", "training_val", "selected_round", "rounds_completed"):
-        assert resumed[key] == full[key], key
-    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
-    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+    assert_resumed_as_uninterrupted(full, resumed, tmp_path / "full", tmp_path / "cut")
     assert without_timing(RunDirectory(tmp_path / "full").read_metrics()) == \
         without_timing(RunDirectory(tmp_path / "cut").read_metrics())
 

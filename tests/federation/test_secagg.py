@@ -12,11 +12,9 @@ SGD steps at lr 0.1; the final weights are compared within 10 s (they differ by 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
-import uuid
 
 import numpy as np
 import pytest
@@ -25,7 +23,8 @@ import torch
 flwr = pytest.importorskip("flwr")
 
 from conftest import book_records, journal_records  # noqa: E402
-from flwr.app import Context, Error, RecordDict  # noqa: E402
+from flower_loopback import LoopbackGrid  # noqa: E402
+from flwr.app import Error  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
@@ -34,7 +33,7 @@ from accounting import PrivacyBudget, PrivacyLedger  # noqa: E402
 from privfl.config import RunConfig  # noqa: E402
 from privfl.data import FederationSpec, build_federation  # noqa: E402
 from privfl.engines.choice import flower_main  # noqa: E402
-from privfl.engines.flower import FlowerOptions, client_app, secagg  # noqa: E402
+from privfl.engines.flower import FlowerOptions, secagg  # noqa: E402
 from privfl.engines.flower.records import unpack  # noqa: E402
 from privfl.engines.flower.simulation import num_clients, simulate, simulation_run_config  # noqa: E402
 from privfl.engines.flower.transport import FlowerClientError  # noqa: E402
@@ -110,48 +109,6 @@ class RecordingGrid:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
-
-
-class LoopbackGrid:
-    """Nodes running the privfl ClientApp in this process; each gets its own copy of a message, as over a network.
-    ``drop(message)``: the node handles the message, but its reply is lost."""
-
-    def __init__(self, nodes, run_config, drop=lambda message: False) -> None:
-        self.contexts = {nid: Context(run_id=1, node_id=nid, node_config=dict(config), state=RecordDict(),
-                                      run_config=dict(run_config)) for nid, config in nodes.items()}
-        self.drop = drop
-        self.replies: list[FlowerMessage] = []
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            ids.append(message.metadata.message_id)
-            try:
-                reply = client_app.handle(copy.deepcopy(message), self.contexts[message.metadata.dst_node_id])
-            except Exception as error:        # as Flower does: the ClientApp's exception becomes an error reply
-                reply = FlowerMessage(Error(code=0, reason=f"{type(error).__name__}: {error}"), reply_to=message)
-            if not self.drop(message):
-                self.replies.append(reply)
-        return ids
-
-    def pull_messages(self, message_ids):
-        wanted = set(message_ids)
-        out = [r for r in self.replies if r.metadata.reply_to_message_id in wanted]
-        self.replies = [r for r in self.replies if r.metadata.reply_to_message_id not in wanted]
-        return out
-
-
-@pytest.fixture
-def task_identity(monkeypatch):
-    """The identity Flower gives a process that runs a task (messages cannot be made without one)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", 0)):
-        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
 
 
 def _loopback(config, root, ranges, **kwargs):

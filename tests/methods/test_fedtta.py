@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import Bias
 from torch import nn
 
 from accounting import (
@@ -35,17 +36,6 @@ from privfl.methods.fedtta import (
 )
 from privfl.privacy.per_sample import ClippedGradientSum, flat_views
 from privfl.privacy.training import TrainingPrivacy, dp_sgd_round_event
-
-
-class Bias(nn.Module):
-    """f(x; b) = b for every sample: logits independent of x, so adaptation is easy to derive by hand."""
-
-    def __init__(self, b):
-        super().__init__()
-        self.b = nn.Parameter(torch.tensor(b, dtype=torch.float64))
-
-    def forward(self, x):
-        return self.b.expand(x.shape[0], -1)
 
 
 class Margin(nn.Module):

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import Bias
 from torch import nn
 
 from privfl.config import RunConfig
@@ -83,15 +84,6 @@ def test_server_consensus_is_the_mean_of_three_clients_logits():
     weighted, _, _ = make(weighted=True)
     weighted.aggregate_train(0, replies)
     assert torch.allclose(weighted.base, (base[0] + 2 * base[1] + 3 * base[2]) / 6)
-
-
-class Bias(nn.Module):
-    def __init__(self, b):
-        super().__init__()
-        self.b = nn.Parameter(torch.tensor(b, dtype=torch.float64))
-
-    def forward(self, x):
-        return self.b.expand(x.shape[0], -1)
 
 
 def _kl(p, q):

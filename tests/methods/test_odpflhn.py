@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_resumed_as_uninterrupted
 from torch import nn
 
 from privfl.config import RunConfig
@@ -175,11 +176,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, make_spec):
     with pytest.raises(RunInterrupted):
         train(cfg, str(tmp_path / "cut"), progress=False, stop_after_round=2)
     resumed = train(None, str(tmp_path / "cut"), resume=True, progress=False)
-    for key in ("novel", "training_val", "selected_round", "rounds_completed"):
-        assert resumed[key] == full[key], key
-    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
-    b = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["runtime"]["strategy"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
+    assert_resumed_as_uninterrupted(full, resumed, tmp_path / "full", tmp_path / "cut")
     assert full["privacy"]["epsilon_max_novel"] == pytest.approx(1.0, rel=1e-3)
     # the summary says that these epsilons rest on seeds the server holds (3 novel clients, one release each)
     assert full["privacy"]["noise_sources"] == {"seeded": 3}
