@@ -169,6 +169,8 @@ _DECLARED: dict[str, tuple[str, ...]] = {
     "sweep_demo*.json": ("privfl/sweep.py", *_methods("odpflhn", "odpflhn_config"), *TRAINING),
     "descriptor_headroom.json": (*_script("descriptor_headroom"), "privfl/sweep.py",
                                  *_methods("odpflhn", "odpflhn_config"), *TRAINING),
+    "descriptor_settings.json": (*_script("descriptor_settings"), "privfl/sweep.py",
+                                 *_methods("odpflhn", "odpflhn_config"), *TRAINING),
     "odpfl_*.json": (*_script("odpfl_mnist"), *_script("fedtta_mnist"), "privfl/sweep.py",
                      *_methods("odpflhn", "odpflhn_config", "pfedhn", "itpflhn", "pfl_baselines", "fedavg", "fedprox",
                                "fedtta"),
