@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{variant}|seed{seed}"
             if args.results.exists() and key in json.loads(args.results.read_text()).get("margins", {}):
                 continue
-            cell = margins(variant, seed, args.out)
+            cell = {**margins(variant, seed, args.out), "command": command}
             update_json(args.results, lambda old, k=key, c=cell: {
-                **old, "margins": {**old.get("margins", {}), k: c}, "command": command, "numerics": numerics()})
+                **old, "margins": {**old.get("margins", {}), k: c}, "numerics": numerics()})
             for training, row in cell["trainings"].items():
                 print(f"{variant} seed {seed} training {training}: margin "
                       + ", ".join(f"n={n} {m:+.2f}" for n, m in row["margin"].items())
