@@ -134,7 +134,7 @@ def with_imports(paths: Sequence[str], root: Path = ROOT) -> tuple[str, ...]:
     ``a.b.c`` runs ``a`` and ``a.b``). A path excluded with ``!`` is not added back. Only import statements are seen:
     what a run imports by name (a method from the registry, a feature stage) has to be declared."""
     excluded = {p[1:] for p in paths if p.startswith("!")}
-    found = [p for p in paths]
+    found = list(paths)
     todo: list[str] = []
     for p in paths:
         if p.startswith("!"):
