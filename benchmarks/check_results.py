@@ -80,6 +80,19 @@ def _methods(*names: str) -> tuple[str, ...]:
 
 
 @functools.cache
+def _imported(path: Path) -> tuple[str, ...]:
+    """The dotted names a Python file imports (``import a.b``: ``a.b``; ``from a import b``: ``a`` and ``a.b``), from
+    every import statement in it, a lazy one inside a function included."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return tuple(names)
+
+
+@functools.cache
 def _script(name: str) -> tuple[str, ...]:
     """The benchmark script ``name`` and every benchmark module it imports, directly or through another (a script
     that takes its protocol from another's module depends on that module too)."""
@@ -91,29 +104,12 @@ def _script(name: str) -> tuple[str, ...]:
         if module in found or not path.exists():
             continue
         found.append(module)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                todo.append(node.module)
-            elif isinstance(node, ast.Import):
-                todo += [alias.name for alias in node.names]
+        todo += _imported(path)
     return tuple(f"benchmarks/{module}.py" for module in [name, *sorted(set(found) - {name})])
 
 
 #: The packages whose source a result's code imports.
 PACKAGES = ("privfl", "accounting", "attacks")
-
-
-@functools.cache
-def _imported(path: Path) -> tuple[str, ...]:
-    """The dotted names a Python file imports (``import a.b``: ``a.b``; ``from a import b``: ``a`` and ``a.b``), from
-    every import statement in it, a lazy one inside a function included."""
-    names: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-    return tuple(names)
 
 
 def _source(root: Path, dotted: str) -> str | None:
@@ -134,6 +130,7 @@ def with_imports(paths: Sequence[str], root: Path = ROOT) -> tuple[str, ...]:
     ``a.b.c`` runs ``a`` and ``a.b``). A path excluded with ``!`` is not added back. Only import statements are seen:
     what a run imports by name (a method from the registry, a feature stage) has to be declared."""
     excluded = {p[1:] for p in paths if p.startswith("!")}
+    folders = tuple(p.rstrip("/") + "/" for p in paths if not p.startswith("!") and (root / p).is_dir())
     found = list(paths)
     todo: list[str] = []
     for p in paths:
@@ -154,8 +151,7 @@ def with_imports(paths: Sequence[str], root: Path = ROOT) -> tuple[str, ...]:
                 source = _source(root, ".".join(parts[:end]))
                 if source is None or source in excluded:
                     continue
-                if source not in found and not any(source.startswith(p.rstrip("/") + "/") for p in paths
-                                                   if not p.startswith("!") and (root / p).is_dir()):
+                if source not in found and not source.startswith(folders):
                     found.append(source)
                 todo.append(source)
     return tuple(found)
