@@ -268,3 +268,100 @@ def test_the_repository_declarations_hold_what_the_scripts_import():
     assert "privfl/sweep.py" not in checker.dependencies_of("fedtta_family_code.json", checker.DEPENDENCIES)
     # import_time times module-level code only: taken as declared
     assert checker.DEPENDENCIES["import_time.json"] == checker._DECLARED["import_time.json"]
+
+
+def certify(repo: Path, base: str, head: str, covered: list[str]) -> None:
+    """A certificate as benchmarks/same_numbers.py writes one (its cases' digests are not read by the check)."""
+    path = repo / checker.CERTIFICATES
+    stored = json.loads(path.read_text()) if path.exists() else {"certificates": []}
+    stored["certificates"].append({"base": base, "head": head, "cases": {"case": "0" * 64}, "covered": covered})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stored))
+    checker._certificates.cache_clear()
+
+
+def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_the_files_its_runs_loaded(repo):
+    def head() -> str:
+        return subprocess.run([*GIT, "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    made_at_a = numerics(repo)["code_revision"]
+    a = head()
+    result(repo, "made_quoted.json", made_at_a)
+    result(repo, "other.json", made_at_a)
+    commit(repo, "the results")
+    commit(repo, "B: a refactor of both", {"src/method/fit.py": "def fit():\n    one = 1\n    return one\n",
+                                          "src/method/helper.py": "ONE = 1\n", "src/other.py": "x = 1 + 0\n"})
+    b = head()
+    assert {n: f.status for n, f in findings(repo).items()} == {"made_quoted.json": "stale", "other.json": "stale"}
+    # certified, but its runs entered only the method's changed code: other.json's change is not covered, nor is
+    # the method's when the runs never entered fit
+    certify(repo, a, b, ["src/method/fit.py::<module>", "src/method/helper.py::<module>", "src/other.py::y"])
+    assert {n: f.status for n, f in findings(repo).items()} == {"made_quoted.json": "stale", "other.json": "stale"}
+    certify(repo, a, b, ["src/method/fit.py::fit", "src/method/helper.py::<module>"])
+    commit(repo, "the certificate")
+    found = findings(repo)
+    assert {n: f.status for n, f in found.items()} == {"made_quoted.json": "current", "other.json": "stale"}
+    assert f"{a[:7]}..{b[:7]}" in found["made_quoted.json"].note
+    # a certificate from a base whose code is not the result's carries nothing
+    commit(repo, "C", {"src/method/fit.py": "def fit():\n    return 1\n"})
+    c = head()
+    commit(repo, "D", {"src/method/fit.py": "def fit():\n    return (1)\n"})
+    certify(repo, c, head(), ["src/method/fit.py::fit"])
+    commit(repo, "E: an uncertified change", {"src/method/fit.py": "def fit():\n    return 3\n"})
+    assert findings(repo)["made_quoted.json"].status == "stale"
+    # certificates chain: A..B then C..D, where C has B's code; the working tree is D's again
+    commit(repo, "F: back to D", {"src/method/fit.py": "def fit():\n    return (1)\n"})
+    commit(repo, "G", {"src/method/fit.py": "def fit():\n    one = 1\n    return one\n"})
+    g = head()
+    commit(repo, "H", {"src/method/fit.py": "def fit():\n    return 1\n"})
+    assert findings(repo)["made_quoted.json"].status == "stale"      # A..B reaches B's code, nothing reaches H's
+    certify(repo, g, head(), ["src/method/fit.py::fit"])
+    found = findings(repo)["made_quoted.json"]
+    assert found.status == "current" and f"{a[:7]}..{b[:7]}" in found.note and f"{g[:7]}..{head()[:7]}" in found.note
+
+
+def test_a_file_splits_into_the_units_a_profiled_run_names():
+    units = checker.code_units('''"""Doc."""
+import os
+X = 1
+
+
+def f(a):
+    """Doc."""
+    def g():
+        return [a for _ in ()]
+    return g
+
+
+class C(Base):
+    y: int = 2
+
+    def m(self):
+        return 3
+
+    class D:
+        z = 4
+''')
+    assert set(units) == {"<module>", "f", "C", "C.m", "C.D"}
+    same = checker.code_units('''import os
+X = 1  # a comment
+
+
+def f(a):
+    def g():
+        return [a for _ in ()]
+    return g
+
+
+class C(Base):
+    y: int = 2
+
+    def m(self):
+        """Another doc."""
+        return 3
+
+    class D:
+        z = 5
+''')
+    assert [u for u in units if units[u] != same[u]] == ["C.D"]

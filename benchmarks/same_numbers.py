@@ -1,0 +1,289 @@
+"""Certify that a change moved no number: the same short runs at two commits, compared bit for bit.
+
+A refactor (code moved between modules, a duplicate folded into one helper) changes the code every stored result
+depends on, so ``benchmarks/check_results.py`` lists them all as stale, although none of their figures can have
+moved if the runs are unchanged. This script is the evidence that they are: it checks out ``--base`` and ``--head``
+into temporary worktrees and runs the same fingerprint suite in each (one process per commit, one thread, seeded
+noise, every call profiled), then compares:
+
+* every registered method under every privacy mode its registration allows (none, record, central, distributed,
+  local), and each hypernetwork method again generating only the head: a 2-round run on a small synthetic
+  federation, its final server and client state, its summary (novel and validation accuracies, every epsilon), its
+  metrics and its ledger;
+* the main job reduced (``privfl sweep``: MNIST through the ScatterNet stage, a training at epsilon 8 and one without
+  DP, a private novel release at epsilon 1), its whole result.
+
+Wall times, memory and the code revision are left out; everything else must be equal to the last bit. When every
+case is, the pair is added to :data:`CERTIFICATES` with the fingerprint of each case and the code the runs entered
+(``covered``: ``path::unit``, a unit being a module body, a class body, or a top-level function or method with what
+it nests). ``check_results`` then treats a result made at (code equal to) ``base`` as made at ``head``, for a change
+confined to covered units: a change to code the suite never ran (an attack, a Flower engine, a branch's function no
+case takes) is not certified and still stales what depends on it. When a case differs, nothing is written and the
+cases are named. Coverage is by unit, not by line: a changed function the suite entered is certified as a whole, so
+a case must take the path a change touches for the certificate to mean what it says (name it in the commit).
+
+    python benchmarks/same_numbers.py --base REV [--head REV]    # head: HEAD; -> benchmarks/same_numbers.json
+
+Both commits must run the suite's public calls (``RunConfig``, ``train``, ``SweepConfig``, ``run_sweep``, the method
+registry); a change to those is not a refactor this script can certify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The certificates, newest last (read by ``benchmarks/check_results.py``).
+CERTIFICATES = ROOT / "benchmarks" / "same_numbers.json"
+#: Keys of a run's files that measure the machine, not the computation.
+UNTIMED = {"time", "t", "wall_s", "wall_time_s", "peak_memory_mib", "numerics"}
+#: The packages whose loaded files a certificate covers.
+PACKAGES = ("privfl", "accounting", "attacks")
+
+
+# -- the fingerprint suite (run inside a checkout of one commit) ---------------------------------------------------
+
+def canonical(value: object) -> object:
+    """``value`` without :data:`UNTIMED` keys, tensors as (dtype, shape, sha256 of their bytes), floats exact, keys
+    sorted; a ledger's records (``[kind, round, time]``, :mod:`accounting.ledger`) without their time."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return [str(t.dtype), list(t.shape), hashlib.sha256(t.view(torch.uint8).numpy().tobytes()
+                                                            if t.numel() else b"").hexdigest()]
+    if isinstance(value, dict):
+        return {str(k): canonical(_untimed_records(v) if k == "records" else v)
+                for k, v in sorted(value.items(), key=lambda kv: str(kv[0])) if str(k) not in UNTIMED}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if isinstance(value, float):
+        return value.hex()          # exact, and NaN and infinities compare as written
+    return value
+
+
+def _untimed_records(records: object) -> object:
+    if isinstance(records, list) and all(isinstance(r, list) and len(r) == 3 for r in records):
+        return [r[:2] for r in records]
+    return records
+
+
+def digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(canonical(value), sort_keys=True).encode()).hexdigest()
+
+
+def method_cases() -> list[tuple[str, str, str | None, dict]]:
+    """``(name, method, mode, settings)`` for every method, every mode it allows, and the head-only hypernetworks."""
+    from privfl.methods import METHODS
+    from privfl.privacy.training import MODES
+
+    cases = []
+    for method in sorted(METHODS):
+        spec = METHODS[method]
+        fields = {f.name for f in dataclasses.fields(spec.config)}
+        variants = [("", {})] + ([("+head", {"generated": "head", "shared_momentum": 0.5})]
+                                 if "generated" in fields else [])
+        for suffix, extra in variants:
+            for mode in (None, *MODES):
+                if mode is None or spec.privacy[mode] is None:
+                    cases.append((f"{method}{suffix}/{mode or 'none'}", method, mode, extra))
+    return cases
+
+
+def method_run(method: str, mode: str | None, extra: dict, folder: str) -> str:
+    """One case: a 2-round run on a synthetic federation of 8 clients (2 novel), fingerprinted."""
+    import torch
+
+    from privfl.config import RunConfig
+    from privfl.data import FederationSpec
+    from privfl.experiment import train
+    from privfl.methods import METHODS
+    from privfl.privacy.training import TrainingPrivacy
+
+    spec = METHODS[method]
+    fields = {f.name for f in dataclasses.fields(spec.config)}
+    settings = {k: v for k, v in {"local_steps": 2, "batch_size": 16}.items() if k in fields}
+    settings.update(spec.smoke_settings)
+    settings.update(extra)
+    private = {} if mode is None else dict(mode=mode, noise_multiplier=1.0, clip=1.0, noise="seeded",
+                                           noise_seed=3, min_samples=8)
+    config = RunConfig(
+        federation=FederationSpec(source="synthetic", num_clients=8, partition="iid", novel_fraction=0.25,
+                                  val_fraction=0.2, source_options={"num_samples": 900, "dim": 8, "num_classes": 3}),
+        method=method, method_config=settings, rounds=2, eval_every=1, checkpoint_every=1, select="last", seed=7,
+        privacy=TrainingPrivacy(**private), client_fraction=0.75 if mode == "central" else 1.0)
+    summary = train(config, folder, progress=False)
+    run = Path(folder)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)["runtime"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return digest({"summary": summary, "state": state, "metrics": metrics,
+                   "ledger": json.loads((run / "ledger.json").read_text())})
+
+
+def sweep_run(folder: str) -> str:
+    """The main job reduced: the golden test's federation and settings, 2 rounds."""
+    from privfl.sweep import SweepConfig, run_sweep
+
+    config = SweepConfig(clients=10, max_samples=3000, rounds=2, min_samples=255, train_epsilons=(8.0, None),
+                         sizes=(50,), epsilons=(1.0,), novel_mixes=2, eval_size=200, repeats=1, noise="seeded")
+    result = json.dumps(run_sweep(config, folder, progress=False), default=str)
+    return digest(json.loads(result.replace(str(folder), "<out>")))
+
+
+def fingerprint(tree: Path) -> dict:
+    """Every case's digest in this process (whose imports must come from ``tree``), and the code it ran: every
+    function, method, class body and module body of :data:`PACKAGES` entered at least once (:func:`unit_of`)."""
+    import torch
+
+    torch.set_num_threads(1)
+    entered = Entered(tree)
+    entered.__enter__()        # before the packages load: their module and class bodies run then
+    import privfl
+
+    if Path(privfl.__file__).resolve().parent != (tree / "privfl").resolve():
+        raise SystemExit(f"privfl was imported from {privfl.__file__}, not from {tree}: run with PYTHONPATH={tree}")
+    from tqdm import tqdm
+
+    cases: dict[str, str] = {}
+    listed = method_cases()
+    with tempfile.TemporaryDirectory() as folder:
+        for name, method, mode, extra in tqdm(listed, desc=f"fingerprint {tree.name}", unit="case"):
+            with _quiet():
+                cases[name] = method_run(method, mode, extra, f"{folder}/{len(cases)}")
+        with _quiet():
+            cases["sweep/golden-2-rounds"] = sweep_run(f"{folder}/sweep")
+    entered.__exit__()
+    return {"cases": cases, "covered": sorted(entered.units)}
+
+
+class Entered:
+    """The units of code (``path::unit``, :func:`unit_of`) of ``packages`` under ``tree`` that run while it is
+    entered (a profile hook on every Python call, in this thread and in threads started meanwhile)."""
+
+    def __init__(self, tree: Path, packages: tuple[str, ...] = PACKAGES):
+        self.top, self.packages = Path(tree).resolve(), packages
+        self.units: set[str] = set()
+        self._files: dict[str, str | None] = {}
+
+    def _profile(self, frame, event, arg) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        rel = self._files.get(code.co_filename, "")
+        if rel == "":
+            path = Path(code.co_filename).resolve()
+            inside = path.is_relative_to(self.top) and path.relative_to(self.top).parts[0] in self.packages
+            rel = self._files[code.co_filename] = path.relative_to(self.top).as_posix() if inside else None
+        if rel is not None:
+            self.units.add(f"{rel}::{unit_of(code.co_qualname)}")
+
+    def __enter__(self) -> Entered:
+        threading.setprofile(self._profile)
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+
+def unit_of(qualname: str) -> str:
+    """The unit of code a code object belongs to, as ``benchmarks/check_results.py`` splits a file: the outermost
+    function or method (a nested function, lambda or comprehension is part of the one that defines it), a class
+    body, or ``<module>`` (which holds a comprehension or lambda written at module level)."""
+    kept = []
+    for part in qualname.split("."):
+        if part.startswith("<"):        # <locals>, <lambda>, <listcomp>, <genexpr>, <module>
+            break
+        kept.append(part)
+    return ".".join(kept) or "<module>"
+
+
+class _quiet:
+    """Silence what a case prints (its tables), keep what it raises."""
+
+    def __enter__(self):
+        self._saved = sys.stdout
+        sys.stdout = io.StringIO()
+
+    def __exit__(self, *exc):
+        sys.stdout = self._saved
+
+
+# -- the comparison ------------------------------------------------------------------------------------------------
+
+def _git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def fingerprint_commit(commit: str, work: Path) -> dict:
+    """Check ``commit`` out into ``work`` and fingerprint it in a fresh process."""
+    _git("worktree", "add", "--detach", "--force", str(work), commit)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1"}
+        out = work / "fingerprint.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--fingerprint", str(work), str(out)],
+                       env=env, cwd=work, check=True)
+        return json.loads(out.read_text())
+    finally:
+        _git("worktree", "remove", "--force", str(work))
+
+
+def differing(base: dict, head: dict) -> list[str]:
+    """The cases whose digests differ, or that only one side ran."""
+    names = sorted(set(base["cases"]) | set(head["cases"]))
+    return [n for n in names if base["cases"].get(n) != head["cases"].get(n)]
+
+
+def certify(base_rev: str, head_rev: str) -> int:
+    from privfl.provenance import numerics
+
+    base, head = _git("rev-parse", f"{base_rev}^{{commit}}"), _git("rev-parse", f"{head_rev}^{{commit}}")
+    with tempfile.TemporaryDirectory() as folder:
+        prints = {side: fingerprint_commit(commit, Path(folder) / side)
+                  for side, commit in (("base", base), ("head", head))}
+    different = differing(prints["base"], prints["head"])
+    if different:
+        print(f"{len(different)} of {len(prints['head']['cases'])} cases differ between {base[:7]} and "
+              f"{head[:7]}; nothing certified:\n  " + "\n  ".join(different))
+        return 1
+    certificate = {"base": base, "head": head, "cases": prints["head"]["cases"],
+                   "covered": sorted(set(prints["base"]["covered"]) | set(prints["head"]["covered"])),
+                   "command": f"python benchmarks/same_numbers.py --base {base_rev} --head {head_rev}",
+                   "numerics": {k: v for k, v in numerics().items() if k != "code_revision"} | {"threads": 1}}
+    stored = json.loads(CERTIFICATES.read_text()) if CERTIFICATES.exists() else {"certificates": []}
+    stored["certificates"] = [c for c in stored["certificates"] if (c["base"], c["head"]) != (base, head)]
+    stored["certificates"].append(certificate)
+    CERTIFICATES.write_text(json.dumps(stored, indent=1) + "\n")
+    print(f"all {len(certificate['cases'])} cases equal to the bit: {base[:7]} -> {head[:7]} certified in "
+          f"{CERTIFICATES.relative_to(ROOT)} ({len(certificate['covered'])} source files covered)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", help="the commit before the change")
+    parser.add_argument("--head", default="HEAD", help="the commit after it (default: HEAD)")
+    parser.add_argument("--fingerprint", nargs=2, metavar=("TREE", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.fingerprint:
+        tree, out = map(Path, args.fingerprint)
+        out.write_text(json.dumps(fingerprint(tree)))
+        return 0
+    if not args.base:
+        parser.error("--base REV is required: the commit before the change to certify")
+    return certify(args.base, args.head)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""benchmarks/same_numbers.py: what a fingerprint keeps and drops, that it is the same for the same run and differs for
+another, and that the code a run enters is named as benchmarks/check_results.py splits a file."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import check_results  # noqa: E402
+import same_numbers  # noqa: E402
+
+
+def test_a_digest_drops_times_and_ledger_timestamps_and_keeps_every_bit_of_the_rest():
+    import torch
+
+    run = {"accuracy": 0.3, "time": {"wall_s": 1.0}, "wall_time_s": 2.0, "numerics": {"code_revision": "abc"},
+           "ledger": {"records": [[0, 1, 1795970980.9], [1, 1, 1795970981.2]]}, "w": torch.ones(3)}
+    later = {**run, "time": {"wall_s": 9.0}, "wall_time_s": 3.0, "numerics": {"code_revision": "def"},
+             "ledger": {"records": [[0, 1, 1795970999.0], [1, 1, 1795971000.0]]}}
+    assert same_numbers.digest(run) == same_numbers.digest(later)
+    for changed in ({"accuracy": 0.1 + 0.2}, {"w": torch.ones(3, dtype=torch.float64)},
+                    {"w": torch.cat([torch.ones(2), torch.nextafter(torch.ones(1), torch.full((1,), 2.0))])},
+                    {"ledger": {"records": [[0, 1, 1795970980.9], [1, 2, 1795970981.2]]}}):
+        assert same_numbers.digest({**run, **changed}) != same_numbers.digest(run), changed
+
+
+def test_every_method_and_every_mode_its_registration_allows_is_a_case():
+    from privfl.methods import METHODS
+    from privfl.privacy.training import MODES
+
+    names = {name for name, *_ in same_numbers.method_cases()}
+    for method, spec in METHODS.items():
+        assert f"{method}/none" in names
+        for mode in MODES:
+            assert (f"{method}/{mode}" in names) == (spec.privacy[mode] is None), (method, mode)
+    assert "odpflhn+head/record" in names and "fedavg+head/none" not in names
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_same_case_gives_the_same_digest_and_another_setting_another(tmp_path):
+    first = same_numbers.method_run("odpflhn", "record", {}, str(tmp_path / "a"))
+    assert same_numbers.method_run("odpflhn", "record", {}, str(tmp_path / "b")) == first
+    assert same_numbers.method_run("odpflhn", "record", {"encoder_lr": 0.5}, str(tmp_path / "c")) != first
+
+
+def test_the_units_a_run_enters_are_the_units_check_results_splits_the_file_into(tmp_path, monkeypatch):
+    source = '''X = [i for i in range(2)]
+
+
+def f(a):
+    def g():
+        return [a for _ in range(1)]
+    return g()
+
+
+class C:
+    y = [j for j in range(1)]
+
+    def m(self):
+        return (lambda: 3)()
+
+    def never(self):
+        return 4
+
+    class D:
+        z = 5
+'''
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with same_numbers.Entered(tmp_path, packages=("pkg",)) as entered:
+        module = importlib.import_module("pkg.mod")
+        module.f(1)
+        module.C().m()
+    units = {u.removeprefix("pkg/mod.py::") for u in entered.units if u.startswith("pkg/mod.py::")}
+    assert units == {"<module>", "f", "C", "C.m", "C.D"}
+    assert units == set(check_results.code_units(source)) - {"C.never"}
