@@ -48,6 +48,7 @@ from privfl.models.hypernetwork import (
     embedding_dim,
     generated_names,
 )
+from privfl.models.pefll import clipped_rows
 from privfl.privacy import privatize
 from privfl.privacy.gradient_mean import release_gradient_mean
 from privfl.privacy.record import ClippedMean, RecordRelease
@@ -496,9 +497,7 @@ class ODPFLHNClient(ClientProcedure):
         bound = self.novel_privacy.bound
 
         def contribution(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            rows = model(xb).reshape(len(xb), -1)
-            norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
-            rows = rows * torch.clamp(bound / norms, max=1.0)       # privatize's projection onto the ball
+            rows = clipped_rows(model(xb).reshape(len(xb), -1), bound)     # privatize's projection onto the ball
             return (rows * v.to(rows.dtype)).sum(dim=1)
 
         encoder.eval()

@@ -182,9 +182,7 @@ def descriptor_of(embedding: EmbeddingNetwork, x: torch.Tensor, y: torch.Tensor,
     total = None
     device = device_of(embedding)      # each chunk goes where the embedding network computes
     for start in range(0, n, chunk):
-        rows = embedding(x[start:start + chunk].to(device), y[start:start + chunk].to(device))
-        if bound is not None:
-            rows = rows * torch.clamp(bound / rows.norm(dim=1, keepdim=True).clamp_min(1e-12), max=1.0)
+        rows = clipped_rows(embedding(x[start:start + chunk].to(device), y[start:start + chunk].to(device)), bound)
         part = rows.sum(dim=0)
         total = part if total is None else total + part
     assert total is not None   # n >= 1: the loop ran
