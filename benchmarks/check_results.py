@@ -40,13 +40,22 @@ import fnmatch
 import functools
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from code_changes import (  # noqa: E402  (beside this script)
+    CERTIFICATES,
+    _git,
+    bridge,
+    code_changes,
+    load_certificates,
+    pathspecs,
+)
 
 #: Where the results are, relative to the checkout's top.
 RESULTS = "benchmarks/results"
@@ -284,11 +293,6 @@ def commit_of(revision: str) -> str:
     return match.group(1) if match else base
 
 
-def pathspecs(paths: Sequence[str]) -> list[str]:
-    """git pathspecs (from the top of the checkout) for declared paths; ``!path`` excludes."""
-    return [f":(top,exclude){p[1:]}" if p.startswith("!") else f":(top){p}" for p in paths]
-
-
 def dependencies_of(name: str, declared: Mapping[str, Sequence[str]]) -> list[str] | None:
     """The union of the declared paths of every entry whose glob matches ``name`` (relative to the results folder),
     or ``None`` when none does."""
@@ -462,179 +466,6 @@ def _compare(root: Path, where: str, revisions: list[str], deps: list[str], quot
     return Finding(where, "current", revisions, quoted_in=quoted_in, note=note)
 
 
-def _diff_entries(raw: str) -> Iterator[tuple[str, str | None, str | None]]:
-    """``(path, blob before, blob after)`` per line of ``git diff --raw --no-abbrev``; the blob before is ``None``
-    for a file added, renamed or copied (its earlier text is not this path's), the blob after for one removed or
-    not yet written to a blob (a diff against the working tree)."""
-    for line in raw.splitlines():
-        if not line.startswith(":"):
-            continue
-        meta, *paths = line.split("\t")
-        fields = meta.split()
-        added_or_moved = fields[4][0] in "ARC" or set(fields[2]) == {"0"}
-        yield (paths[-1], None if added_or_moved else fields[2],
-               None if fields[4][0] == "D" or set(fields[3]) == {"0"} else fields[3])
-
-
-def code_changes(root: Path, before: str, after: str | None, deps: Sequence[str]) -> list[str] | None:
-    """The files among ``deps`` whose code differs between commit ``before`` and commit ``after`` (``None``: the
-    working tree), docstrings, comments and layout aside (:func:`same_code`); ``None`` when git cannot tell."""
-    diff = _git(root, "diff", "--raw", "--no-abbrev", before, *([after] if after else []), "--", *pathspecs(deps))
-    if diff is None:
-        return None
-    if after is None:
-        return [path for path, old, _ in _diff_entries(diff) if not same_code(root, old, path)]
-    return [path for path, old, new in _diff_entries(diff) if not same_blobs(root, old, new, path)]
-
-
-def same_blobs(root: Path, before: str | None, after: str | None, path: str) -> bool:
-    """:func:`same_code` between two blobs."""
-    if before is None or after is None or not path.endswith(".py"):
-        return False
-    texts = _blob_text(root, before), _blob_text(root, after)
-    try:
-        return None not in texts and code_tree(texts[0] or "") == code_tree(texts[1] or "")
-    except (SyntaxError, ValueError):
-        return False
-
-
-#: Certificates that a change moved no number (``benchmarks/same_numbers.py`` writes them).
-CERTIFICATES = "benchmarks/same_numbers.json"
-
-
-@dataclass(frozen=True)
-class Certificate:
-    """Every fingerprint case of ``benchmarks/same_numbers.py`` gave the same bits at ``base`` and ``head``, whose
-    runs loaded the source files ``covered``."""
-
-    base: str
-    head: str
-    covered: frozenset[str]
-
-
-def load_certificates(root: Path) -> tuple[Certificate, ...]:
-    """The certificates in ``root``'s :data:`CERTIFICATES` whose commits this history holds."""
-    path = root / CERTIFICATES
-    if not path.exists():
-        return ()
-    return _certificates(path.read_text(), root)
-
-
-@functools.cache
-def _certificates(text: str, root: Path) -> tuple[Certificate, ...]:
-    found = []
-    for entry in json.loads(text)["certificates"]:
-        if not entry.get("cases"):
-            continue
-        if all(_git(root, "rev-parse", "--verify", "--quiet", f"{c}^{{commit}}") for c in (entry["base"],
-                                                                                         entry["head"])):
-            found.append(Certificate(entry["base"], entry["head"], frozenset(entry["covered"])))
-    return tuple(found)
-
-
-def bridge(root: Path, commit: str, deps: Sequence[str], certificates: Sequence[Certificate]
-           ) -> list[Certificate] | None:
-    """The certificates that carry a result made at ``commit`` to the working tree, or ``None``: a chain whose first
-    base has ``commit``'s code (among ``deps``), each next base its predecessor's head's, and whose last head the
-    working tree's; each certificate used only for changes among ``deps`` to files its runs loaded (a change to a
-    file the fingerprint suite never ran is not certified)."""
-    state, used = commit, []
-    while True:
-        step = next((c for c in certificates if c not in used and code_changes(root, state, c.base, deps) == []
-                     and _covers(root, c, deps)), None)
-        if step is None:
-            return None
-        used.append(step)
-        state = step.head
-        if code_changes(root, state, None, deps) == []:
-            return used
-
-
-def _covers(root: Path, certificate: Certificate, deps: Sequence[str]) -> bool:
-    """Whether every unit of code (:func:`code_units`) that differs between the certificate's commits, in the files
-    among ``deps``, was entered by its runs (a file that is not Python, or does not parse, never is)."""
-    changed = code_changes(root, certificate.base, certificate.head, deps)
-    if changed is None:
-        return False
-    for path in changed:
-        before, after = (_git(root, "show", f"{commit}:{path}") for commit in (certificate.base, certificate.head))
-        try:
-            units = [code_units(text) if text is not None and path.endswith(".py") else None
-                     for text in (before, after)]
-        except (SyntaxError, ValueError):
-            return False
-        if (before is not None and units[0] is None) or (after is not None and units[1] is None):
-            return False
-        old, new = units[0] or {}, units[1] or {}
-        if any(f"{path}::{unit}" not in certificate.covered for unit in set(old) | set(new)
-               if old.get(unit) != new.get(unit)):
-            return False
-    return True
-
-
-def code_units(source: str) -> dict[str, str]:
-    """``{unit: code}`` for a Python file: ``<module>`` (its statements outside functions and classes), each class
-    body (``Class``, ``Outer.Inner``: its statements outside methods and nested classes), and each function or method
-    (``name``, ``Class.method``) with everything it nests; code as :func:`code_tree` dumps it. A unit is what
-    ``benchmarks/same_numbers.py`` records a run as entering."""
-    units: dict[str, str] = {}
-
-    def split(body: list[ast.stmt], prefix: str, own: str) -> None:
-        rest = []
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                units[prefix + node.name] = ast.dump(node)
-            elif isinstance(node, ast.ClassDef):
-                split(node.body, f"{prefix}{node.name}.", prefix + node.name)
-                units[prefix + node.name] += ast.dump(ast.ClassDef(node.name, node.bases, node.keywords, [],
-                                                                   node.decorator_list))
-            else:
-                rest.append(node)
-        units[own] = ast.dump(ast.Module(rest, []))
-
-    split(_without_docstrings(ast.parse(source)).body, "", "<module>")
-    return units
-
-
-def same_code(root: Path, blob: str | None, path: str) -> bool:
-    """Whether the Python file ``path`` in the working tree is the same code as the blob it was made from: both
-    parse, and their syntax trees are equal once docstrings are dropped (comments, blank lines and layout never reach
-    the tree). Such an edit cannot move a figure. Anything else (another kind of file, a file added, moved or
-    removed, a syntax error) counts as a change."""
-    if blob is None or not path.endswith(".py") or not (root / path).is_file():
-        return False
-    before = _blob_text(root, blob)
-    if before is None:
-        return False
-    try:
-        return code_tree(before) == code_tree((root / path).read_text())
-    except (SyntaxError, ValueError, OSError):
-        return False
-
-
-@functools.cache
-def _blob_text(root: Path, blob: str) -> str | None:
-    """A blob's text, read once per process (many results were made at commits that hold the same blob)."""
-    return _git(root, "cat-file", "blob", blob)
-
-
-@functools.cache
-def code_tree(source: str) -> str:
-    """The syntax tree of ``source`` without its docstrings (the leading string of a module, class or function),
-    dumped without positions."""
-    return ast.dump(_without_docstrings(ast.parse(source)))
-
-
-def _without_docstrings(tree: ast.Module) -> ast.Module:
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
-                node.body = body[1:]
-    return tree
-
-
 def _dated_by_history(root: Path, where: str, deps: list[str], quoted_in: list[str]) -> Finding:
     """A result that records no revision, dated by the last commit that wrote the file: it was made with code no
     newer than that commit, so a dependency changed after it makes the result stale for certain; one unchanged since
@@ -651,14 +482,6 @@ def _dated_by_history(root: Path, where: str, deps: list[str], quoted_in: list[s
                    note=f"records no code revision; the code it depends on is unchanged since {written[:7]}, the last "
                         "commit that wrote it, but the run may predate that commit" + (f"; {dated.note}" if dated.note
                                                                                         else ""))
-
-
-def _git(root: Path, *args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 # -- report ---------------------------------------------------------------------------------------------------------

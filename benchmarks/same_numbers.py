@@ -4,7 +4,7 @@ A refactor (code moved between modules, a duplicate folded into one helper) chan
 depends on, so ``benchmarks/check_results.py`` lists them all as stale, although none of their figures can have
 moved if the runs are unchanged. This script is the evidence that they are: it checks out ``--base`` and ``--head``
 into temporary worktrees and runs the same fingerprint suite in each (one process per commit, one thread, seeded
-noise, every call profiled), then compares:
+noise, a fixed hash seed, every call profiled), then compares:
 
 * every registered method under every privacy mode its registration allows (none, record, central, distributed,
   local), and each hypernetwork method again generating only the head: a 2-round run on a small synthetic
@@ -45,26 +45,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: The certificates, newest last (read by ``benchmarks/check_results.py``).
 CERTIFICATES = ROOT / "benchmarks" / "same_numbers.json"
-#: Keys of a run's files that measure the machine, not the computation.
-UNTIMED = {"time", "t", "wall_s", "wall_time_s", "peak_memory_mib", "numerics"}
-#: The packages whose loaded files a certificate covers.
+#: Keys of a run's files that measure the machine, not the computation (and every key ending in ``_s``: seconds).
+UNTIMED = {"time", "t", "peak_memory_mib", "numerics"}
+#: The hash seed of both fingerprint processes. Without one, the order in which a set of privacy events is iterated
+#: (``accounting.accountants._epsilon_of_leaves`` composes a frozenset) changes from process to process, and so do the
+#: last bits of a composed epsilon (about 1e-13 relative): two runs of the same commit would differ.
+HASH_SEED = "0"
+#: The packages whose code a certificate covers.
 PACKAGES = ("privfl", "accounting", "attacks")
 
 
 # -- the fingerprint suite (run inside a checkout of one commit) ---------------------------------------------------
 
 def canonical(value: object) -> object:
-    """``value`` without :data:`UNTIMED` keys, tensors as (dtype, shape, sha256 of their bytes), floats exact, keys
-    sorted; a ledger's records (``[kind, round, time]``, :mod:`accounting.ledger`) without their time."""
+    """``value`` without :data:`UNTIMED` keys (nor ``*_s``), tensors as (dtype, shape, sha256 of their bytes), floats
+    exact, keys sorted; a ledger's records (``[kind, round, time]``, :mod:`accounting.ledger`) without their time."""
     import torch
 
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        return [str(t.dtype), list(t.shape), hashlib.sha256(t.view(torch.uint8).numpy().tobytes()
+        return [str(t.dtype), list(t.shape), hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()
                                                             if t.numel() else b"").hexdigest()]
     if isinstance(value, dict):
         return {str(k): canonical(_untimed_records(v) if k == "records" else v)
-                for k, v in sorted(value.items(), key=lambda kv: str(kv[0])) if str(k) not in UNTIMED}
+                for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+                if str(k) not in UNTIMED and not str(k).endswith("_s")}
     if isinstance(value, (list, tuple)):
         return [canonical(v) for v in value]
     if isinstance(value, float):
@@ -180,10 +185,11 @@ class Entered:
             return
         code = frame.f_code
         rel = self._files.get(code.co_filename, "")
-        if rel == "":
+        if rel == "":      # not seen yet; code made by exec or eval has no file ("", "<string>")
             path = Path(code.co_filename).resolve()
-            inside = path.is_relative_to(self.top) and path.relative_to(self.top).parts[0] in self.packages
-            rel = self._files[code.co_filename] = path.relative_to(self.top).as_posix() if inside else None
+            parts = path.relative_to(self.top).parts if code.co_filename[:1] not in ("", "<") \
+                and path.is_relative_to(self.top) else ()
+            rel = self._files[code.co_filename] = "/".join(parts) if parts and parts[0] in self.packages else None
         if rel is not None:
             self.units.add(f"{rel}::{unit_of(code.co_qualname)}")
 
@@ -198,7 +204,7 @@ class Entered:
 
 
 def unit_of(qualname: str) -> str:
-    """The unit of code a code object belongs to, as ``benchmarks/check_results.py`` splits a file: the outermost
+    """The unit of code a code object belongs to, as ``benchmarks/code_changes.py`` splits a file: the outermost
     function or method (a nested function, lambda or comprehension is part of the one that defines it), a class
     body, or ``<module>`` (which holds a comprehension or lambda written at module level)."""
     kept = []
@@ -230,7 +236,7 @@ def fingerprint_commit(commit: str, work: Path) -> dict:
     """Check ``commit`` out into ``work`` and fingerprint it in a fresh process."""
     _git("worktree", "add", "--detach", "--force", str(work), commit)
     try:
-        env = {**os.environ, "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": HASH_SEED}
         out = work / "fingerprint.json"
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--fingerprint", str(work), str(out)],
                        env=env, cwd=work, check=True)
@@ -260,13 +266,14 @@ def certify(base_rev: str, head_rev: str) -> int:
     certificate = {"base": base, "head": head, "cases": prints["head"]["cases"],
                    "covered": sorted(set(prints["base"]["covered"]) | set(prints["head"]["covered"])),
                    "command": f"python benchmarks/same_numbers.py --base {base_rev} --head {head_rev}",
-                   "numerics": {k: v for k, v in numerics().items() if k != "code_revision"} | {"threads": 1}}
+                   "numerics": {k: v for k, v in numerics().items() if k != "code_revision"} | {"threads": 1},
+                   "hash_seed": HASH_SEED}
     stored = json.loads(CERTIFICATES.read_text()) if CERTIFICATES.exists() else {"certificates": []}
     stored["certificates"] = [c for c in stored["certificates"] if (c["base"], c["head"]) != (base, head)]
     stored["certificates"].append(certificate)
     CERTIFICATES.write_text(json.dumps(stored, indent=1) + "\n")
     print(f"all {len(certificate['cases'])} cases equal to the bit: {base[:7]} -> {head[:7]} certified in "
-          f"{CERTIFICATES.relative_to(ROOT)} ({len(certificate['covered'])} source files covered)")
+          f"{CERTIFICATES.relative_to(ROOT)} ({len(certificate['covered'])} units of code entered)")
     return 0
 
 

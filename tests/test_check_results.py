@@ -27,6 +27,7 @@ def load_checker():
 
 
 checker = load_checker()
+code_changes = sys.modules["code_changes"]      # beside it, imported by it
 
 #: The repository the tests build: a method, the code beside it, and results that depend on the method.
 DECLARED = {"made_*.json": ("src/method", "!src/method/notes.md"), "other.json": ("src/other.py",)}
@@ -277,7 +278,7 @@ def certify(repo: Path, base: str, head: str, covered: list[str]) -> None:
     stored["certificates"].append({"base": base, "head": head, "cases": {"case": "0" * 64}, "covered": covered})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored))
-    checker._certificates.cache_clear()
+    code_changes._certificates.cache_clear()
 
 
 def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_the_files_its_runs_loaded(repo):
@@ -321,8 +322,7 @@ def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_t
     assert found.status == "current" and f"{a[:7]}..{b[:7]}" in found.note and f"{g[:7]}..{head()[:7]}" in found.note
 
 
-def test_a_file_splits_into_the_units_a_profiled_run_names():
-    units = checker.code_units('''"""Doc."""
+SOURCE = '''"""Doc."""
 import os
 X = 1
 
@@ -342,26 +342,16 @@ class C(Base):
 
     class D:
         z = 4
-''')
+'''
+
+
+def test_a_file_splits_into_the_units_a_profiled_run_names():
+    units = code_changes.code_units(SOURCE)
     assert set(units) == {"<module>", "f", "C", "C.m", "C.D"}
-    same = checker.code_units('''import os
-X = 1  # a comment
-
-
-def f(a):
-    def g():
-        return [a for _ in ()]
-    return g
-
-
-class C(Base):
-    y: int = 2
-
-    def m(self):
-        """Another doc."""
-        return 3
-
-    class D:
-        z = 5
-''')
+    # docstrings, comments and layout are no change; a class attribute changes its class body only
+    edited = SOURCE.replace('    """Doc."""\n', "").removeprefix('"""Doc."""\n')
+    edited = edited.replace("X = 1", "X = 1  # a comment").replace("return 3", '"""Another doc."""\n        return 3')
+    edited = edited.replace("z = 4", "z = 5")
+    same = code_changes.code_units(edited)
+    assert '"""Doc."""' not in edited and "Another doc" in edited
     assert [u for u in units if units[u] != same[u]] == ["C.D"]

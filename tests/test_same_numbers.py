@@ -1,5 +1,5 @@
 """benchmarks/same_numbers.py: what a fingerprint keeps and drops, that it is the same for the same run and differs for
-another, and that the code a run enters is named as benchmarks/check_results.py splits a file."""
+another, and that the code a run enters is named as benchmarks/code_changes.py splits a file."""
 
 from __future__ import annotations
 
@@ -11,21 +11,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import check_results  # noqa: E402
+import code_changes  # noqa: E402
 import same_numbers  # noqa: E402
 
 
 def test_a_digest_drops_times_and_ledger_timestamps_and_keeps_every_bit_of_the_rest():
     import torch
 
-    run = {"accuracy": 0.3, "time": {"wall_s": 1.0}, "wall_time_s": 2.0, "numerics": {"code_revision": "abc"},
-           "ledger": {"records": [[0, 1, 1795970980.9], [1, 1, 1795970981.2]]}, "w": torch.ones(3)}
-    later = {**run, "time": {"wall_s": 9.0}, "wall_time_s": 3.0, "numerics": {"code_revision": "def"},
+    run = {"accuracy": 0.3, "time": {"wall_s": 1.0}, "wall_time_s": 2.0, "train_wall_s": 4.0,
+           "numerics": {"code_revision": "abc"},
+           "ledger": {"records": [[0, 1, 1795970980.9], [1, 1, 1795970981.2]]}, "w": torch.ones(3),
+           "step": torch.tensor(2.0)}
+    later = {**run, "time": {"wall_s": 9.0}, "wall_time_s": 3.0, "train_wall_s": 5.0,
+             "numerics": {"code_revision": "def"},
              "ledger": {"records": [[0, 1, 1795970999.0], [1, 1, 1795971000.0]]}}
     assert same_numbers.digest(run) == same_numbers.digest(later)
     for changed in ({"accuracy": 0.1 + 0.2}, {"w": torch.ones(3, dtype=torch.float64)},
                     {"w": torch.cat([torch.ones(2), torch.nextafter(torch.ones(1), torch.full((1,), 2.0))])},
-                    {"ledger": {"records": [[0, 1, 1795970980.9], [1, 2, 1795970981.2]]}}):
+                    {"step": torch.tensor(3.0)}, {"ledger": {"records": [[0, 1, 1795970980.9], [1, 2, 1795970981.2]]}}):
         assert same_numbers.digest({**run, **changed}) != same_numbers.digest(run), changed
 
 
@@ -48,7 +51,7 @@ def test_the_same_case_gives_the_same_digest_and_another_setting_another(tmp_pat
     assert same_numbers.method_run("odpflhn", "record", {"encoder_lr": 0.5}, str(tmp_path / "c")) != first
 
 
-def test_the_units_a_run_enters_are_the_units_check_results_splits_the_file_into(tmp_path, monkeypatch):
+def test_the_units_a_run_enters_are_the_units_a_file_splits_into(tmp_path, monkeypatch):
     source = '''X = [i for i in range(2)]
 
 
@@ -80,4 +83,4 @@ class C:
         module.C().m()
     units = {u.removeprefix("pkg/mod.py::") for u in entered.units if u.startswith("pkg/mod.py::")}
     assert units == {"<module>", "f", "C", "C.m", "C.D"}
-    assert units == set(check_results.code_units(source)) - {"C.never"}
+    assert units == set(code_changes.code_units(source)) - {"C.never"}
