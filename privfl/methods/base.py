@@ -38,7 +38,9 @@ from privfl.federation.runtime import ReleaseSum, RoundRelease, SecureSum, sampl
 from privfl.federation.seeding import derive_seed, seeded_init
 from privfl.methods.local_training import ExtraLoss, load_weights, local_sgd
 from privfl.models import build_model
-from privfl.privacy import record
+from privfl.privacy import privatize, record
+from privfl.privacy.gradient_mean import release_gradient_mean
+from privfl.privacy.privatize import PrivateEncoder
 from privfl.privacy.record import ClippedMean, DPSGDFit, RecordRelease
 from privfl.privacy.training import (
     MODES,
@@ -344,6 +346,24 @@ class ClientProcedure(ABC):
         return record.calibrated_noise_multiplier(
             self.privacy, self.participations,
             lambda: (type(self).__name__, repr(self.config), repr(self.novel_privacy)), self.round_event)
+
+    def record_privatize(self, encoder: nn.Module, ctx: ClientContext, purpose: str) -> PrivateEncoder:
+        """Record level: ``privatize(encoder)`` for a training client's descriptor: each record's output clipped to
+        the novel bound B (training sees the function novel clients release), add/remove-one with n private
+        (calibrated at ``privacy.min_samples``), noise multiplier :meth:`noise_multiplier`, noise keyed by
+        ``purpose`` (:meth:`noise_source`)."""
+        return privatize(encoder, None, None, bound=float(self.novel_privacy.bound), relation="add_or_remove_one",
+                         min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
+                         **self.noise_source(ctx, purpose))
+
+    def record_gradient_mean(self, module: nn.Module, contribution: Callable, x: torch.Tensor, y: torch.Tensor,
+                             ctx: ClientContext, purpose: str) -> tuple[dict[str, torch.Tensor], PrivacyEvent, Any]:
+        """Record level: :func:`~privfl.privacy.gradient_mean.release_gradient_mean` of ``module``'s gradient of
+        ``contribution`` per record, each clipped to ``privacy.clip``, calibrated at ``privacy.min_samples``, noise
+        multiplier :meth:`noise_multiplier`, noise keyed by ``purpose``."""
+        return release_gradient_mean(module, contribution, x, y, clip=float(self.privacy.clip),
+                                     min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
+                                     **self.noise_source(ctx, purpose))
 
     def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
             *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,

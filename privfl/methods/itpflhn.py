@@ -301,14 +301,6 @@ class ITPFLHNClient(PFedHNClient):
 
     # -- record level ---------------------------------------------------------------------------------------------
 
-    def _record_encoder(self, encoder: nn.Module, data: TrainingClient, ctx: ClientContext, purpose: str):
-        """``privatize`` at record level: add/remove-one, n private (``min_samples``), the client's noise
-        multiplier, per-sample clip B (the novel bound: training sees the function novel clients release), the
-        privacy layer's noise source."""
-        return privatize(encoder, None, None, bound=float(self.novel_privacy.bound), relation="add_or_remove_one",
-                         min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
-                         **self.noise_source(ctx, purpose))
-
     def record_releases(self) -> tuple[RecordRelease, ...]:
         """Record level: a phase-1 round, one DP-SGD fit and ``encoder_steps`` steps of two mean releases (phi's
         outputs clipped to B, phi's per-record gradients to C; module docstring). It dominates a phase-2 round
@@ -328,7 +320,7 @@ class ITPFLHNClient(PFedHNClient):
         if not self.record_level:                                                 # phase 2, step 5
             return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, data.x_train)}),
                                        purpose="descriptor")
-        descriptor, event = self._record_encoder(self.encoder_from(message), data, ctx,
+        descriptor, event = self.record_privatize(self.encoder_from(message), ctx,
                                                  "itpflhn_descriptor").release(data.x_train)
         return private_release(Message(arrays={"descriptor": descriptor.to("cpu", torch.get_default_dtype())}),
                                "descriptor", event, metadata=self._metadata())
@@ -376,15 +368,14 @@ class ITPFLHNClient(PFedHNClient):
         a.-d.); releases ``gamma_new - gamma`` with their composed event."""
         cfg = message.config
         encoder = self.encoder_from(message)
-        private = self._record_encoder(encoder, data, ctx, "itpflhn_encoder_regression")
-        source = {"noise": private.noise, "generator": private.generator}   # one stream for every draw
+        private = self.record_privatize(encoder, ctx, "itpflhn_encoder_regression")
         before = {k: v.detach().clone() for k, v in encoder.state_dict().items()}
         target = message.arrays["embedding"].to(self.model_factory.device)
         phi, psi = encoder.get_submodule("phi"), encoder.get_submodule("psi")
         optimizer = self._regression_optimizer(encoder, cfg)
         x, n = data.x_train, data.num_train      # privatize and the gradient mean move the records to the encoder
         unlabelled = torch.zeros(n, dtype=torch.int64)
-        bound, clip, z = private.bound, float(self.privacy.clip), private.noise_multiplier
+        bound, clip, z = private.bound, float(self.privacy.clip), self.noise_multiplier()
         steps = int(self.config.encoder_steps)    # the client's own plan, which its noise is calibrated for
         if int(cfg["encoder_steps"]) != steps:
             raise ConfigError(f"the server asked for {cfg['encoder_steps']!r} private regression steps, but this "
@@ -406,7 +397,8 @@ class ITPFLHNClient(PFedHNClient):
 
             phi_grads, gradient_event, _ = release_gradient_mean(phi, per_record, x, unlabelled, clip=clip,   # c.
                                                                  min_samples=self.privacy.min_samples,
-                                                                 noise_multiplier=z, **source)
+                                                                 noise_multiplier=z, noise=private.noise,
+                                                                 generator=private.generator)  # one stream
             optimizer.zero_grad(set_to_none=True)                                                            # d.
             for p, g in zip(psi_params, grads[1:], strict=True):
                 p.grad = torch.zeros_like(p) if g is None else g.detach()

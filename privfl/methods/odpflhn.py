@@ -50,7 +50,6 @@ from privfl.models.hypernetwork import (
 )
 from privfl.models.pefll import clipped_rows
 from privfl.privacy import privatize
-from privfl.privacy.gradient_mean import release_gradient_mean
 from privfl.privacy.record import ClippedMean, RecordRelease
 
 #: The privacy modes this method runs, and why it refuses the others.
@@ -418,7 +417,7 @@ class ODPFLHNClient(ClientProcedure):
             with torch.no_grad():
                 descriptor = client_descriptor(encoder, data.x_train, self.config, seed=self._descriptor_seed(ctx))
             return Release.non_private(Message(arrays={"descriptor": descriptor.cpu()}), purpose="descriptor")
-        private = self._private_encoder(encoder, data, ctx)
+        private = self.record_privatize(encoder, ctx, "odpflhn_descriptor")
         mechanism = private.mechanism(data.num_train)      # refuses a client below min_samples, naming no n
         noisy_mean = mechanism.add_noise(private.clipped_mean(data.x_train))
         state[NOISY_MEAN] = noisy_mean.cpu()
@@ -428,11 +427,6 @@ class ODPFLHNClient(ClientProcedure):
         return private_release(Message(arrays={"descriptor": descriptor}), "descriptor", mechanism.event,
                                metadata={"noise": self.privacy.noise, "bound": self.novel_privacy.bound,
                                          "min_samples": self.privacy.min_samples})
-
-    def _private_encoder(self, encoder: nn.Module, data: TrainingClient, ctx: ClientContext):
-        return privatize(encoder, None, None, noise_multiplier=self.noise_multiplier(),
-                         bound=self.novel_privacy.bound, relation="add_or_remove_one",
-                         min_samples=self.privacy.min_samples, **self.noise_source(ctx, "odpflhn_descriptor"))
 
     def train_stage(self, stage: int, data: TrainingClient, message: Message, state: ClientState,
                     ctx: ClientContext) -> Release:
@@ -502,10 +496,8 @@ class ODPFLHNClient(ClientProcedure):
 
         encoder.eval()
         labels = torch.zeros(data.num_train, dtype=torch.long)      # the contribution reads no label
-        phi_grads, event, _ = release_gradient_mean(
-            encoder.get_submodule("phi"), contribution, data.x_train, labels, clip=float(self.privacy.clip),
-            min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
-            **self.noise_source(ctx, ENCODER_GRADIENT_NOISE))
+        phi_grads, event, _ = self.record_gradient_mean(encoder.get_submodule("phi"), contribution, data.x_train,
+                                                        labels, ctx, ENCODER_GRADIENT_NOISE)
         arrays.update(prefixed("phi.", phi_grads))
         arrays = on_cpu({n: arrays[n] for n, p in encoder.named_parameters() if p.requires_grad})
         return private_release(Message(arrays=arrays), "encoder_gradient", event,

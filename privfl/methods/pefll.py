@@ -52,7 +52,6 @@ from privfl.models.hypernetwork import (
     target_shapes,
 )
 from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, clipped_rows, resolve_kind
-from privfl.privacy.gradient_mean import release_gradient_mean
 from privfl.privacy.labelled import release_labelled_mean
 from privfl.privacy.record import RecordRelease
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
@@ -566,11 +565,8 @@ class PeFLLClient(ClientProcedure):
             def per_record(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
                 return (clipped_rows(model(xb, yb), bound) * cotangent.to(xb.dtype)).sum(dim=1)
 
-            grads, event, _ = release_gradient_mean(net, per_record, data.x_train[batch], data.y_train[batch],
-                                                    clip=float(self.privacy.clip),
-                                                    min_samples=self.privacy.min_samples,
-                                                    noise_multiplier=self.noise_multiplier(),
-                                                    **self.noise_source(ctx, "pefll_embedding_gradient"))
+            grads, event, _ = self.record_gradient_mean(net, per_record, data.x_train[batch], data.y_train[batch],
+                                                        ctx, "pefll_embedding_gradient")
             return private_release(Message(arrays={EMBED + n: grads[n].cpu() for n in names}), "embedding_gradient",
                                    event, metadata=self._metadata())
         v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound)
