@@ -1,4 +1,4 @@
-"""Certify that a change moved no number: the same short runs at two commits, compared bit for bit.
+"""Certify that a change moved no number: the same short runs at two commits, their tensors compared bit for bit.
 
 A refactor (code moved between modules, a duplicate folded into one helper) changes the code every stored result
 depends on, so ``benchmarks/check_results.py`` lists them all as stale, although none of their figures can have
@@ -13,7 +13,8 @@ noise, a fixed hash seed, every call profiled), then compares:
 * the main job reduced (``privfl sweep``: MNIST through the ScatterNet stage, a training at epsilon 8 and one without
   DP, a private novel release at epsilon 1), its whole result.
 
-Wall times, memory and the code revision are left out; everything else must be equal to the last bit. When every
+Wall times, memory and the code revision are left out; every tensor must be equal to the last bit, every other number
+to :data:`FLOAT_REL_TOL` (an epsilon composed in another order differs in its last bits). When every
 case is, the pair is added to :data:`CERTIFICATES` with the fingerprint of each case and the code the runs entered
 (``covered``: ``path::unit``, a unit being a module body, a class body, or a top-level function or method with what
 it nests). ``check_results`` then treats a result made at (code equal to) ``base`` as made at ``head``, for a change
@@ -35,6 +36,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -72,8 +74,6 @@ def canonical(value: object) -> object:
                 if str(k) not in UNTIMED and not str(k).endswith("_s")}
     if isinstance(value, (list, tuple)):
         return [canonical(v) for v in value]
-    if isinstance(value, float):
-        return value.hex()          # exact, and NaN and infinities compare as written
     return value
 
 
@@ -84,7 +84,28 @@ def _untimed_records(records: object) -> object:
 
 
 def digest(value: object) -> str:
+    """sha256 of :func:`canonical` ``value`` (floats as their shortest exact repr): equal only to the bit."""
     return hashlib.sha256(json.dumps(canonical(value), sort_keys=True).encode()).hexdigest()
+
+
+#: How far two floats of a run's files (not its tensors) may differ and be the same number: an epsilon composed from
+#: the same multiset of events in another order (``accounting`` composes a frozenset, whose order follows the order
+#: the set was built in and hash collisions) differs in its last bits, about 1e-13 relative.
+FLOAT_REL_TOL = 1e-10
+
+
+def same(a: object, b: object) -> bool:
+    """Whether two :func:`canonical` values are the same numbers: equal structure, equal tensors (their hashes),
+    equal strings and integers, floats within :data:`FLOAT_REL_TOL` (NaN equal to NaN)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=FLOAT_REL_TOL, abs_tol=0.0)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)      # type: ignore[union-attr]
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    return a == b
 
 
 def method_cases() -> list[tuple[str, str, str | None, dict]]:
@@ -105,8 +126,8 @@ def method_cases() -> list[tuple[str, str, str | None, dict]]:
     return cases
 
 
-def method_run(method: str, mode: str | None, extra: dict, folder: str) -> str:
-    """One case: a 2-round run on a synthetic federation of 8 clients (2 novel), fingerprinted."""
+def method_run(method: str, mode: str | None, extra: dict, folder: str) -> object:
+    """One case: a 2-round run on a synthetic federation of 8 clients (2 novel), :func:`canonical`."""
     import torch
 
     from privfl.config import RunConfig
@@ -131,18 +152,18 @@ def method_run(method: str, mode: str | None, extra: dict, folder: str) -> str:
     run = Path(folder)
     state = torch.load(run / "checkpoint.pt", weights_only=True)["runtime"]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return digest({"summary": summary, "state": state, "metrics": metrics,
+    return canonical({"summary": summary, "state": state, "metrics": metrics,
                    "ledger": json.loads((run / "ledger.json").read_text())})
 
 
-def sweep_run(folder: str) -> str:
+def sweep_run(folder: str) -> object:
     """The main job reduced: the golden test's federation and settings, 2 rounds."""
     from privfl.sweep import SweepConfig, run_sweep
 
     config = SweepConfig(clients=10, max_samples=3000, rounds=2, min_samples=255, train_epsilons=(8.0, None),
                          sizes=(50,), epsilons=(1.0,), novel_mixes=2, eval_size=200, repeats=1, noise="seeded")
     result = json.dumps(run_sweep(config, folder, progress=False), default=str)
-    return digest(json.loads(result.replace(str(folder), "<out>")))
+    return canonical(json.loads(result.replace(str(folder), "<out>")))
 
 
 def fingerprint(tree: Path) -> dict:
@@ -159,7 +180,7 @@ def fingerprint(tree: Path) -> dict:
         raise SystemExit(f"privfl was imported from {privfl.__file__}, not from {tree}: run with PYTHONPATH={tree}")
     from tqdm import tqdm
 
-    cases: dict[str, str] = {}
+    cases: dict[str, object] = {}
     listed = method_cases()
     with tempfile.TemporaryDirectory() as folder:
         for name, method, mode, extra in tqdm(listed, desc=f"fingerprint {tree.name}", unit="case"):
@@ -246,9 +267,10 @@ def fingerprint_commit(commit: str, work: Path) -> dict:
 
 
 def differing(base: dict, head: dict) -> list[str]:
-    """The cases whose digests differ, or that only one side ran."""
+    """The cases whose runs are not the same numbers (:func:`same`), or that only one side ran."""
     names = sorted(set(base["cases"]) | set(head["cases"]))
-    return [n for n in names if base["cases"].get(n) != head["cases"].get(n)]
+    return [n for n in names if n not in base["cases"] or n not in head["cases"]
+            or not same(base["cases"][n], head["cases"][n])]
 
 
 def certify(base_rev: str, head_rev: str) -> int:
@@ -263,7 +285,8 @@ def certify(base_rev: str, head_rev: str) -> int:
         print(f"{len(different)} of {len(prints['head']['cases'])} cases differ between {base[:7]} and "
               f"{head[:7]}; nothing certified:\n  " + "\n  ".join(different))
         return 1
-    certificate = {"base": base, "head": head, "cases": prints["head"]["cases"],
+    certificate = {"base": base, "head": head,
+                   "cases": {name: digest(value) for name, value in prints["head"]["cases"].items()},
                    "covered": sorted(set(prints["base"]["covered"]) | set(prints["head"]["covered"])),
                    "command": f"python benchmarks/same_numbers.py --base {base_rev} --head {head_rev}",
                    "numerics": {k: v for k, v in numerics().items() if k != "code_revision"} | {"threads": 1},
@@ -272,7 +295,7 @@ def certify(base_rev: str, head_rev: str) -> int:
     stored["certificates"] = [c for c in stored["certificates"] if (c["base"], c["head"]) != (base, head)]
     stored["certificates"].append(certificate)
     CERTIFICATES.write_text(json.dumps(stored, indent=1) + "\n")
-    print(f"all {len(certificate['cases'])} cases equal to the bit: {base[:7]} -> {head[:7]} certified in "
+    print(f"all {len(certificate['cases'])} cases the same numbers: {base[:7]} -> {head[:7]} certified in "
           f"{CERTIFICATES.relative_to(ROOT)} ({len(certificate['covered'])} units of code entered)")
     return 0
 

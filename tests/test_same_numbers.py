@@ -47,8 +47,22 @@ def test_every_method_and_every_mode_its_registration_allows_is_a_case():
 @pytest.mark.usefixtures("one_thread")
 def test_the_same_case_gives_the_same_digest_and_another_setting_another(tmp_path):
     first = same_numbers.method_run("odpflhn", "record", {}, str(tmp_path / "a"))
-    assert same_numbers.method_run("odpflhn", "record", {}, str(tmp_path / "b")) == first
-    assert same_numbers.method_run("odpflhn", "record", {"encoder_lr": 0.5}, str(tmp_path / "c")) != first
+    again = same_numbers.method_run("odpflhn", "record", {}, str(tmp_path / "b"))
+    assert same_numbers.same(again, first) and same_numbers.digest(again) == same_numbers.digest(first)
+    other = same_numbers.method_run("odpflhn", "record", {"encoder_lr": 0.5}, str(tmp_path / "c"))
+    assert not same_numbers.same(other, first)
+
+
+def test_floats_are_the_same_numbers_to_ten_digits_and_tensors_only_to_the_bit():
+    import torch
+
+    run = same_numbers.canonical({"epsilon": 3.0, "w": torch.ones(2), "n": 5, "nan": float("nan")})
+    assert same_numbers.same(run, same_numbers.canonical({"epsilon": 3.0 * (1 + 1e-13), "w": torch.ones(2), "n": 5,
+                                                         "nan": float("nan")}))
+    for changed in ({"epsilon": 3.0 * (1 + 1e-8)}, {"w": torch.ones(2) + 1e-7}, {"n": 6}, {"n": 5.0},
+                    {"nan": 0.0}, {"extra": 1}):
+        other = same_numbers.canonical({"epsilon": 3.0, "w": torch.ones(2), "n": 5, "nan": float("nan"), **changed})
+        assert not same_numbers.same(run, other), changed
 
 
 def test_the_units_a_run_enters_are_the_units_a_file_splits_into(tmp_path, monkeypatch):
