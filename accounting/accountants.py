@@ -25,6 +25,7 @@ import functools
 import math
 import numbers
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -230,12 +231,19 @@ def epsilon(event: PrivacyEvent, delta: float, *, accountant: AccountantName = "
     return _epsilon_of_leaves(frozenset(leaves.items()), delta, accountant)
 
 
+def in_canonical_order(leaves: Iterable[tuple[PrivacyEvent, int]]) -> Counter[PrivacyEvent]:
+    """``leaves`` as a Counter in one order that depends on the events alone (their reprs), so that the same multiset
+    is always composed in the same order: composition is exact up to floating-point rounding, whose last bits follow
+    the order (about 1e-13 relative), and an order taken from a set would follow the process's hash seed."""
+    return Counter(dict(sorted(leaves, key=lambda item: (repr(item[0]), item[1]))))
+
+
 @functools.lru_cache(maxsize=4096)
 def _epsilon_of_leaves(leaves: frozenset[tuple[PrivacyEvent, int]], delta: float, accountant: str) -> float:
     """:func:`epsilon` of a multiset of elementary releases, remembered: the clients of a run often hold identical
     ledgers (the same mechanisms, as many times), and one PLD composition of subsampled Gaussians takes about a
     second. Events are frozen, so equal keys mean equal compositions and the cached value is exact."""
-    counts = Counter(dict(leaves))
+    counts = in_canonical_order(leaves)
     if accountant == "prv":
         return _prv_epsilon(counts, delta)
     if accountant == "pld":
@@ -268,6 +276,7 @@ def delta_for_epsilon(event: PrivacyEvent, epsilon: float, *, accountant: Accoun
         return 1.0
     if not leaves:
         return 0.0
+    leaves = in_canonical_order(leaves.items())
     built = composed_pld(leaves) if accountant == "pld" else None
     if built is not None:
         return float(min(1.0, built[0].get_delta_for_epsilon(epsilon)))
