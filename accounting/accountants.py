@@ -276,7 +276,6 @@ def delta_for_epsilon(event: PrivacyEvent, epsilon: float, *, accountant: Accoun
         return 1.0
     if not leaves:
         return 0.0
-    leaves = in_canonical_order(leaves.items())
     built = composed_pld(leaves) if accountant == "pld" else None
     if built is not None:
         return float(min(1.0, built[0].get_delta_for_epsilon(epsilon)))
