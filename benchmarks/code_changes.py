@@ -40,12 +40,21 @@ def _diff_entries(raw: str) -> Iterator[tuple[str, str | None, str | None]]:
 def code_changes(root: Path, before: str, after: str | None, deps: Sequence[str]) -> list[str] | None:
     """The files among ``deps`` whose code differs between commit ``before`` and commit ``after`` (``None``: the
     working tree), docstrings, comments and layout aside (:func:`same_code`); ``None`` when git cannot tell."""
-    diff = _git(root, "diff", "--raw", "--no-abbrev", before, *([after] if after else []), "--", *pathspecs(deps))
+    if after is not None:      # two commits: the answer never changes, and results share commits and declarations
+        found = _between_commits(root, before, after, tuple(deps))
+        return None if found is None else list(found)
+    diff = _git(root, "diff", "--raw", "--no-abbrev", before, "--", *pathspecs(deps))
     if diff is None:
         return None
-    if after is None:
-        return [path for path, old, _ in _diff_entries(diff) if not same_code(root, old, path)]
-    return [path for path, old, new in _diff_entries(diff) if not same_blobs(root, old, new, path)]
+    return [path for path, old, _ in _diff_entries(diff) if not same_code(root, old, path)]
+
+
+@functools.cache
+def _between_commits(root: Path, before: str, after: str, deps: tuple[str, ...]) -> tuple[str, ...] | None:
+    diff = _git(root, "diff", "--raw", "--no-abbrev", before, after, "--", *pathspecs(deps))
+    if diff is None:
+        return None
+    return tuple(path for path, old, new in _diff_entries(diff) if not same_blobs(root, old, new, path))
 
 
 def same_blobs(root: Path, before: str | None, after: str | None, path: str) -> bool:
@@ -112,25 +121,35 @@ def bridge(root: Path, commit: str, deps: Sequence[str], certificates: Sequence[
 
 
 def _covers(root: Path, certificate: Certificate, deps: Sequence[str]) -> bool:
+    return _covered(root, certificate, tuple(deps))
+
+
+@functools.cache
+def _covered(root: Path, certificate: Certificate, deps: tuple[str, ...]) -> bool:
     """Whether every unit of code (:func:`code_units`) that differs between the certificate's commits, in the files
     among ``deps``, was entered by its runs (a file that is not Python, or does not parse, never is)."""
     changed = code_changes(root, certificate.base, certificate.head, deps)
     if changed is None:
         return False
     for path in changed:
-        before, after = (_git(root, "show", f"{commit}:{path}") for commit in (certificate.base, certificate.head))
-        try:
-            units = [code_units(text) if text is not None and path.endswith(".py") else None
-                     for text in (before, after)]
-        except (SyntaxError, ValueError):
-            return False
-        if (before is not None and units[0] is None) or (after is not None and units[1] is None):
-            return False
-        old, new = units[0] or {}, units[1] or {}
-        if any(f"{path}::{unit}" not in certificate.covered for unit in set(old) | set(new)
-               if old.get(unit) != new.get(unit)):
+        units = changed_units(root, certificate.base, certificate.head, path)
+        if units is None or any(f"{path}::{unit}" not in certificate.covered for unit in units):
             return False
     return True
+
+
+@functools.cache
+def changed_units(root: Path, before: str, after: str, path: str) -> frozenset[str] | None:
+    """The units of code (:func:`code_units`) of ``path`` that differ between two commits (added and removed ones
+    included), or ``None`` for a file that is not Python or does not parse."""
+    texts = [_git(root, "show", f"{commit}:{path}") for commit in (before, after)]
+    if not path.endswith(".py"):
+        return None
+    try:
+        old, new = (code_units(text) if text is not None else {} for text in texts)
+    except (SyntaxError, ValueError):
+        return None
+    return frozenset(unit for unit in set(old) | set(new) if old.get(unit) != new.get(unit))
 
 
 def code_units(source: str) -> dict[str, str]:
