@@ -14,14 +14,15 @@ noise, a fixed hash seed, every call profiled), then compares:
   DP, a private novel release at epsilon 1), its whole result.
 
 Wall times, memory and the code revision are left out; every tensor must be equal to the last bit, every other number
-to :data:`FLOAT_REL_TOL` (an epsilon composed in another order differs in its last bits). When every
-case is, the pair is added to :data:`CERTIFICATES` with the fingerprint of each case and the code the runs entered
-(``covered``: ``path::unit``, a unit being a module body, a class body, or a top-level function or method with what
-it nests). ``check_results`` then treats a result made at (code equal to) ``base`` as made at ``head``, for a change
-confined to covered units: a change to code the suite never ran (an attack, a Flower engine, a branch's function no
-case takes) is not certified and still stales what depends on it. When a case differs, nothing is written and the
-cases are named. Coverage is by unit, not by line: a changed function the suite entered is certified as a whole, so
-a case must take the path a change touches for the certificate to mean what it says (name it in the commit).
+to :data:`FLOAT_REL_TOL` (an epsilon composed in another order differs in its last bits). When every case is, the pair
+is added to :data:`CERTIFICATES` with the fingerprint of each case and the code the runs entered in the files the
+change touches (``covered``: ``path::unit``, a unit being a module body, a class body, or a top-level function or
+method with what it nests). ``check_results`` then treats a result made at (code equal to) ``base`` as made at
+``head``, for a change confined to covered units: a change to code the suite never ran (an attack, a Flower engine, a
+branch's function no case takes) is not certified and still stales what depends on it. When a case differs, nothing is
+written and the cases are named. Coverage is by unit, not by line: a changed function the suite entered is certified
+as a whole, so a case must take the path a change touches for the certificate to mean what it says (name it in the
+commit).
 
     python benchmarks/same_numbers.py --base REV [--head REV]    # head: HEAD; -> benchmarks/same_numbers.json
 
@@ -285,9 +286,13 @@ def certify(base_rev: str, head_rev: str) -> int:
         print(f"{len(different)} of {len(prints['head']['cases'])} cases differ between {base[:7]} and "
               f"{head[:7]}; nothing certified:\n  " + "\n  ".join(different))
         return 1
+    entered = set(prints["base"]["covered"]) | set(prints["head"]["covered"])
+    touched = set(_git("diff", "--name-only", base, head).splitlines())
     certificate = {"base": base, "head": head,
                    "cases": {name: digest(value) for name, value in prints["head"]["cases"].items()},
-                   "covered": sorted(set(prints["base"]["covered"]) | set(prints["head"]["covered"])),
+                   "units_entered": len(entered),
+                   # what check_results looks up: the units entered in the files the change touches
+                   "covered": sorted(u for u in entered if u.split("::")[0] in touched),
                    "command": f"python benchmarks/same_numbers.py --base {base_rev} --head {head_rev}",
                    "numerics": {k: v for k, v in numerics().items() if k != "code_revision"} | {"threads": 1},
                    "hash_seed": HASH_SEED}
@@ -296,7 +301,7 @@ def certify(base_rev: str, head_rev: str) -> int:
     stored["certificates"].append(certificate)
     CERTIFICATES.write_text(json.dumps(stored, indent=1) + "\n")
     print(f"all {len(certificate['cases'])} cases the same numbers: {base[:7]} -> {head[:7]} certified in "
-          f"{CERTIFICATES.relative_to(ROOT)} ({len(certificate['covered'])} units of code entered)")
+          f"{CERTIFICATES.relative_to(ROOT)} ({len(entered)} units of code entered)")
     return 0
 
 
