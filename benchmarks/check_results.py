@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from code_changes import (  # noqa: E402  (beside this script)
     CERTIFICATES,
+    PACKAGES,
     _git,
     bridge,
     code_changes,
@@ -115,10 +116,6 @@ def _script(name: str) -> tuple[str, ...]:
         found.append(module)
         todo += _imported(path)
     return tuple(f"benchmarks/{module}.py" for module in [name, *sorted(set(found) - {name})])
-
-
-#: The packages whose source a result's code imports.
-PACKAGES = ("privfl", "accounting", "attacks")
 
 
 def _source(root: Path, dotted: str) -> str | None:

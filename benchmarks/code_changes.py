@@ -3,7 +3,7 @@
 A Python file's code is its syntax tree without docstrings (:func:`code_tree`): comments, blank lines, layout and
 docstrings are not code. :func:`code_units` splits a file into the units a profiled run names (module body, class
 bodies, functions and methods). A :class:`Certificate` (``benchmarks/same_numbers.py``) says that every fingerprint
-case gave the same bits at two commits and which units the cases entered; :func:`bridge` chains certificates from the
+case gave the same numbers at two commits and which units the cases entered; :func:`bridge` chains certificates from the
 commit a result was made at to the working tree. ``benchmarks/check_results.py`` uses both.
 """
 
@@ -16,6 +16,9 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+#: The packages whose source results depend on and certificates cover.
+PACKAGES = ("privfl", "accounting", "attacks")
 
 
 def pathspecs(paths: Sequence[str]) -> list[str]:
@@ -74,8 +77,8 @@ CERTIFICATES = "benchmarks/same_numbers.json"
 
 @dataclass(frozen=True)
 class Certificate:
-    """Every fingerprint case of ``benchmarks/same_numbers.py`` gave the same bits at ``base`` and ``head``, whose
-    runs loaded the source files ``covered``."""
+    """Every fingerprint case of ``benchmarks/same_numbers.py`` gave the same numbers at ``base`` and ``head``; its
+    runs entered the units ``covered`` (``path::unit``) of the files the change touches."""
 
     base: str
     head: str
@@ -106,22 +109,18 @@ def bridge(root: Path, commit: str, deps: Sequence[str], certificates: Sequence[
            ) -> list[Certificate] | None:
     """The certificates that carry a result made at ``commit`` to the working tree, or ``None``: a chain whose first
     base has ``commit``'s code (among ``deps``), each next base its predecessor's head's, and whose last head the
-    working tree's; each certificate used only for changes among ``deps`` to files its runs loaded (a change to a
-    file the fingerprint suite never ran is not certified)."""
+    working tree's; each certificate used only for changes among ``deps`` to units its runs entered (a change to
+    code the fingerprint suite never ran is not certified)."""
     state, used = commit, []
     while True:
         step = next((c for c in certificates if c not in used and code_changes(root, state, c.base, deps) == []
-                     and _covers(root, c, deps)), None)
+                     and _covered(root, c, tuple(deps))), None)
         if step is None:
             return None
         used.append(step)
         state = step.head
         if code_changes(root, state, None, deps) == []:
             return used
-
-
-def _covers(root: Path, certificate: Certificate, deps: Sequence[str]) -> bool:
-    return _covered(root, certificate, tuple(deps))
 
 
 @functools.cache
@@ -142,9 +141,9 @@ def _covered(root: Path, certificate: Certificate, deps: tuple[str, ...]) -> boo
 def changed_units(root: Path, before: str, after: str, path: str) -> frozenset[str] | None:
     """The units of code (:func:`code_units`) of ``path`` that differ between two commits (added and removed ones
     included), or ``None`` for a file that is not Python or does not parse."""
-    texts = [_git(root, "show", f"{commit}:{path}") for commit in (before, after)]
     if not path.endswith(".py"):
         return None
+    texts = [_git(root, "show", f"{commit}:{path}") for commit in (before, after)]
     try:
         old, new = (code_units(text) if text is not None else {} for text in texts)
     except (SyntaxError, ValueError):

@@ -33,6 +33,7 @@ registry); a change to those is not a refactor this script can certify.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -46,16 +47,19 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from code_changes import CERTIFICATES as CERTIFICATES_PATH  # noqa: E402  (beside this script)
+from code_changes import PACKAGES  # noqa: E402
+
 #: The certificates, newest last (read by ``benchmarks/check_results.py``).
-CERTIFICATES = ROOT / "benchmarks" / "same_numbers.json"
+CERTIFICATES = ROOT / CERTIFICATES_PATH
 #: Keys of a run's files that measure the machine, not the computation (and every key ending in ``_s``: seconds).
 UNTIMED = {"time", "t", "peak_memory_mib", "numerics"}
-#: The hash seed of both fingerprint processes. Without one, the order in which a set of privacy events is iterated
-#: (``accounting.accountants._epsilon_of_leaves`` composes a frozenset) changes from process to process, and so do the
-#: last bits of a composed epsilon (about 1e-13 relative): two runs of the same commit would differ.
+#: The hash seed of both fingerprint processes, so that no set's order differs between them. Before 984339d
+#: ``accounting`` composed an epsilon's releases in a frozenset's order, and the last bits of an epsilon followed the
+#: process's hash seed; a base older than that still does.
 HASH_SEED = "0"
-#: The packages whose code a certificate covers.
-PACKAGES = ("privfl", "accounting", "attacks")
 
 
 # -- the fingerprint suite (run inside a checkout of one commit) ---------------------------------------------------
@@ -90,8 +94,8 @@ def digest(value: object) -> str:
 
 
 #: How far two floats of a run's files (not its tensors) may differ and be the same number: an epsilon composed from
-#: the same multiset of events in another order (``accounting`` composes a frozenset, whose order follows the order
-#: the set was built in and hash collisions) differs in its last bits, about 1e-13 relative.
+#: the same releases in another order differs in its last bits (3e-12 relative seen before 984339d, whose base
+#: composed in a frozenset's order, which followed the order the set was built in).
 FLOAT_REL_TOL = 1e-10
 
 
@@ -173,23 +177,20 @@ def fingerprint(tree: Path) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    entered = Entered(tree)
-    entered.__enter__()        # before the packages load: their module and class bodies run then
-    import privfl
-
-    if Path(privfl.__file__).resolve().parent != (tree / "privfl").resolve():
-        raise SystemExit(f"privfl was imported from {privfl.__file__}, not from {tree}: run with PYTHONPATH={tree}")
     from tqdm import tqdm
 
     cases: dict[str, object] = {}
-    listed = method_cases()
-    with tempfile.TemporaryDirectory() as folder:
-        for name, method, mode, extra in tqdm(listed, desc=f"fingerprint {tree.name}", unit="case"):
-            with _quiet():
+    # entered before the packages load: their module and class bodies run then
+    with Entered(tree) as entered, tempfile.TemporaryDirectory() as folder:
+        import privfl
+
+        if Path(privfl.__file__).resolve().parent != (tree / "privfl").resolve():
+            raise SystemExit(f"privfl was imported from {privfl.__file__}, not from {tree}: run with PYTHONPATH={tree}")
+        for name, method, mode, extra in tqdm(method_cases(), desc=f"fingerprint {tree.name}", unit="case"):
+            with contextlib.redirect_stdout(io.StringIO()):     # a case's printed tables
                 cases[name] = method_run(method, mode, extra, f"{folder}/{len(cases)}")
-        with _quiet():
+        with contextlib.redirect_stdout(io.StringIO()):
             cases["sweep/golden-2-rounds"] = sweep_run(f"{folder}/sweep")
-    entered.__exit__()
     return {"cases": cases, "covered": sorted(entered.units)}
 
 
@@ -235,17 +236,6 @@ def unit_of(qualname: str) -> str:
             break
         kept.append(part)
     return ".".join(kept) or "<module>"
-
-
-class _quiet:
-    """Silence what a case prints (its tables), keep what it raises."""
-
-    def __enter__(self):
-        self._saved = sys.stdout
-        sys.stdout = io.StringIO()
-
-    def __exit__(self, *exc):
-        sys.stdout = self._saved
 
 
 # -- the comparison ------------------------------------------------------------------------------------------------
