@@ -357,13 +357,14 @@ class ClientProcedure(ABC):
                          **self.noise_source(ctx, purpose))
 
     def record_gradient_mean(self, module: nn.Module, contribution: Callable, x: torch.Tensor, y: torch.Tensor,
-                             ctx: ClientContext, purpose: str) -> tuple[dict[str, torch.Tensor], PrivacyEvent, Any]:
+                             source: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], PrivacyEvent, Any]:
         """Record level: :func:`~privfl.privacy.gradient_mean.release_gradient_mean` of ``module``'s gradient of
         ``contribution`` per record, each clipped to ``privacy.clip``, calibrated at ``privacy.min_samples``, noise
-        multiplier :meth:`noise_multiplier`, noise keyed by ``purpose``."""
+        multiplier :meth:`noise_multiplier`, noise from ``source`` (``noise`` and ``generator``: :meth:`noise_source`
+        for a release of its own, or the stream of a private encoder whose releases it alternates with)."""
         return release_gradient_mean(module, contribution, x, y, clip=float(self.privacy.clip),
                                      min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
-                                     **self.noise_source(ctx, purpose))
+                                     **source)
 
     def fit(self, model: nn.Module, data: TrainingClient, settings: Mapping[str, Any], rng: np.random.Generator,
             *, per_sample_loss: Callable | None = None, extra_loss: ExtraLoss | None = None,

@@ -33,7 +33,6 @@ from privfl.methods.pfedhn import SMOKE_SETTINGS, PFedHNClient, PFedHNConfig, PF
 from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
 from privfl.models.pefll import clipped_rows
 from privfl.privacy import privatize
-from privfl.privacy.gradient_mean import release_gradient_mean
 from privfl.privacy.record import RecordRelease, Repeated, made_in_turn
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
@@ -375,7 +374,8 @@ class ITPFLHNClient(PFedHNClient):
         optimizer = self._regression_optimizer(encoder, cfg)
         x, n = data.x_train, data.num_train      # privatize and the gradient mean move the records to the encoder
         unlabelled = torch.zeros(n, dtype=torch.int64)
-        bound, clip, z = private.bound, float(self.privacy.clip), self.noise_multiplier()
+        bound = private.bound
+        stream = {"noise": private.noise, "generator": private.generator}      # one stream for every draw
         steps = int(self.config.encoder_steps)    # the client's own plan, which its noise is calibrated for
         if int(cfg["encoder_steps"]) != steps:
             raise ConfigError(f"the server asked for {cfg['encoder_steps']!r} private regression steps, but this "
@@ -395,10 +395,7 @@ class ITPFLHNClient(PFedHNClient):
             def per_record(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, u=cotangent) -> torch.Tensor:
                 return (clipped_rows(model(xb), bound) * u).sum(dim=1)
 
-            phi_grads, gradient_event, _ = release_gradient_mean(phi, per_record, x, unlabelled, clip=clip,   # c.
-                                                                 min_samples=self.privacy.min_samples,
-                                                                 noise_multiplier=z, noise=private.noise,
-                                                                 generator=private.generator)  # one stream
+            phi_grads, gradient_event, _ = self.record_gradient_mean(phi, per_record, x, unlabelled, stream)  # c.
             optimizer.zero_grad(set_to_none=True)                                                            # d.
             for p, g in zip(psi_params, grads[1:], strict=True):
                 p.grad = torch.zeros_like(p) if g is None else g.detach()

@@ -497,7 +497,7 @@ class ODPFLHNClient(ClientProcedure):
         encoder.eval()
         labels = torch.zeros(data.num_train, dtype=torch.long)      # the contribution reads no label
         phi_grads, event, _ = self.record_gradient_mean(encoder.get_submodule("phi"), contribution, data.x_train,
-                                                        labels, ctx, ENCODER_GRADIENT_NOISE)
+                                                        labels, self.noise_source(ctx, ENCODER_GRADIENT_NOISE))
         arrays.update(prefixed("phi.", phi_grads))
         arrays = on_cpu({n: arrays[n] for n, p in encoder.named_parameters() if p.requires_grad})
         return private_release(Message(arrays=arrays), "encoder_gradient", event,

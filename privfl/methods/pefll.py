@@ -566,7 +566,7 @@ class PeFLLClient(ClientProcedure):
                 return (clipped_rows(model(xb, yb), bound) * cotangent.to(xb.dtype)).sum(dim=1)
 
             grads, event, _ = self.record_gradient_mean(net, per_record, data.x_train[batch], data.y_train[batch],
-                                                        ctx, "pefll_embedding_gradient")
+                                                        self.noise_source(ctx, "pefll_embedding_gradient"))
             return private_release(Message(arrays={EMBED + n: grads[n].cpu() for n in names}), "embedding_gradient",
                                    event, metadata=self._metadata())
         v = descriptor_of(net, data.x_train[batch], data.y_train[batch], bound=bound)
