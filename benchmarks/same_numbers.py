@@ -9,7 +9,8 @@ noise, a fixed hash seed, every call profiled), then compares:
 * every registered method under every privacy mode its registration allows (none, record, central, distributed,
   local), and each hypernetwork method again generating only the head: a 2-round run on a small synthetic
   federation, its final server and client state, its summary (novel and validation accuracies, every epsilon), its
-  metrics and its ledger;
+  metrics and its ledger; and the same runs with a private novel release (epsilon 1) for the methods whose novel
+  clients release through ``privatize``;
 * the main job reduced (``privfl sweep``: MNIST through the ScatterNet stage, a training at epsilon 8 and one without
   DP, a private novel release at epsilon 1), its whole result.
 
@@ -113,8 +114,10 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
-def method_cases() -> list[tuple[str, str, str | None, dict]]:
-    """``(name, method, mode, settings)`` for every method, every mode it allows, and the head-only hypernetworks."""
+def method_cases() -> list[tuple[str, str, str | None, dict, float | None]]:
+    """``(name, method, mode, settings, novel_epsilon)`` for every method, every mode it allows, the head-only
+    hypernetworks, and a private novel release (epsilon :data:`NOVEL_EPSILON`, full set and, where the method has
+    one, batch means) for every method whose novel clients release through ``privatize``."""
     from privfl.methods import METHODS
     from privfl.privacy.training import MODES
 
@@ -127,19 +130,29 @@ def method_cases() -> list[tuple[str, str, str | None, dict]]:
         for suffix, extra in variants:
             for mode in (None, *MODES):
                 if mode is None or spec.privacy[mode] is None:
-                    cases.append((f"{method}{suffix}/{mode or 'none'}", method, mode, extra))
+                    cases.append((f"{method}{suffix}/{mode or 'none'}", method, mode, extra, None))
+        if spec.novel_privacy is None and spec.client.serves_novel_clients:
+            cases.append((f"{method}+novel/none", method, None, {}, NOVEL_EPSILON))
+            if "descriptor_batch_size" in fields:
+                cases.append((f"{method}+novel-batches/none", method, None,
+                              {"descriptor": "batch_mean", "descriptor_batch_size": 16}, NOVEL_EPSILON))
     return cases
 
 
-def method_run(method: str, mode: str | None, extra: dict, folder: str) -> object:
-    """One case: a 2-round run on a synthetic federation of 8 clients (2 novel), :func:`canonical`."""
+#: The epsilon of the private novel releases among :func:`method_cases`.
+NOVEL_EPSILON = 1.0
+
+
+def method_run(method: str, mode: str | None, extra: dict, folder: str, novel_epsilon: float | None = None) -> object:
+    """One case: a 2-round run on a synthetic federation of 8 clients (2 novel, releasing at ``novel_epsilon`` with
+    seeded noise when it is set), :func:`canonical`."""
     import torch
 
     from privfl.config import RunConfig
     from privfl.data import FederationSpec
     from privfl.experiment import train
     from privfl.methods import METHODS
-    from privfl.privacy.training import TrainingPrivacy
+    from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
     spec = METHODS[method]
     fields = {f.name for f in dataclasses.fields(spec.config)}
@@ -152,7 +165,8 @@ def method_run(method: str, mode: str | None, extra: dict, folder: str) -> objec
         federation=FederationSpec(source="synthetic", num_clients=8, partition="iid", novel_fraction=0.25,
                                   val_fraction=0.2, source_options={"num_samples": 900, "dim": 8, "num_classes": 3}),
         method=method, method_config=settings, rounds=2, eval_every=1, checkpoint_every=1, select="last", seed=7,
-        privacy=TrainingPrivacy(**private), client_fraction=0.75 if mode == "central" else 1.0)
+        privacy=TrainingPrivacy(**private), client_fraction=0.75 if mode == "central" else 1.0,
+        novel_privacy=NovelPrivacy(epsilon=novel_epsilon, noise="seeded", noise_seed=5))
     summary = train(config, folder, progress=False)
     run = Path(folder)
     state = torch.load(run / "checkpoint.pt", weights_only=True)["runtime"]
@@ -186,9 +200,9 @@ def fingerprint(tree: Path) -> dict:
 
         if Path(privfl.__file__).resolve().parent != (tree / "privfl").resolve():
             raise SystemExit(f"privfl was imported from {privfl.__file__}, not from {tree}: run with PYTHONPATH={tree}")
-        for name, method, mode, extra in tqdm(method_cases(), desc=f"fingerprint {tree.name}", unit="case"):
+        for name, method, mode, extra, novel in tqdm(method_cases(), desc=f"fingerprint {tree.name}", unit="case"):
             with contextlib.redirect_stdout(io.StringIO()):     # a case's printed tables
-                cases[name] = method_run(method, mode, extra, f"{folder}/{len(cases)}")
+                cases[name] = method_run(method, mode, extra, f"{folder}/{len(cases)}", novel)
         with contextlib.redirect_stdout(io.StringIO()):
             cases["sweep/golden-2-rounds"] = sweep_run(f"{folder}/sweep")
     return {"cases": cases, "covered": sorted(entered.units)}

@@ -42,6 +42,9 @@ def test_every_method_and_every_mode_its_registration_allows_is_a_case():
         for mode in MODES:
             assert (f"{method}/{mode}" in names) == (spec.privacy[mode] is None), (method, mode)
     assert "odpflhn+head/record" in names and "fedavg+head/none" not in names
+    novel = {name.split("+")[0] for name in names if "+novel" in name}
+    assert novel == {m for m, spec in METHODS.items() if spec.novel_privacy is None and spec.client.serves_novel_clients}
+    assert novel >= {"odpflhn", "itpflhn"} and "odpflhn+novel-batches/none" in names
 
 
 @pytest.mark.usefixtures("one_thread")
