@@ -356,6 +356,27 @@ class ClientProcedure(ABC):
                          min_samples=self.privacy.min_samples, noise_multiplier=self.noise_multiplier(),
                          **self.noise_source(ctx, purpose))
 
+    def novel_descriptor_release(self, encoder: nn.Module, novel: NovelClient, purpose: str, *,
+                                 batch_size: int | None = None) -> Release:
+        """A novel client's descriptor through ``privatize(encoder, novel_privacy.epsilon, novel_privacy.delta)``
+        (replace-one, n public, each record's output clipped to ``novel_privacy.bound``); seeded noise is keyed by
+        ``novel_privacy.noise_seed``, ``purpose`` and the client alone (nothing in the server's message sets it). With
+        ``batch_size`` the mean is taken in batches of that size (:meth:`PrivateEncoder.release_batched`)."""
+        setting = self.novel_privacy
+        generator = None
+        if setting.noise == "seeded":
+            generator = torch.Generator().manual_seed(derive_seed(setting.noise_seed, purpose, novel.client_id))
+        private = privatize(encoder, setting.epsilon, setting.delta, bound=setting.bound, noise=setting.noise,
+                            generator=generator)
+        if batch_size is None:
+            descriptor, event = private.release(novel.x)
+        else:
+            descriptor, event = private.release_batched(novel.x, batch_size=batch_size)
+        return Release(Message(arrays={"descriptor": descriptor.to("cpu", torch.get_default_dtype())}),
+                       purpose="descriptor", event=event,
+                       metadata={"noise": setting.noise, "bound": setting.bound, "n": len(novel.x),
+                                 "relation": "replace one sample; n public"})
+
     def record_gradient_mean(self, module: nn.Module, contribution: Callable, x: torch.Tensor, y: torch.Tensor,
                              source: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], PrivacyEvent, Any]:
         """Record level: :func:`~privfl.privacy.gradient_mean.release_gradient_mean` of ``module``'s gradient of

@@ -32,7 +32,6 @@ from privfl.methods.fedavg import sample_weights, weighted_mean
 from privfl.methods.pfedhn import SMOKE_SETTINGS, PFedHNClient, PFedHNConfig, PFedHNStrategy
 from privfl.models.encoders import PRIVATIZABLE, build_encoder, encoder_options
 from privfl.models.pefll import clipped_rows
-from privfl.privacy import privatize
 from privfl.privacy.record import RecordRelease, Repeated, made_in_turn
 from privfl.privacy.training import RECORD, NovelPrivacy, TrainingPrivacy
 
@@ -413,18 +412,7 @@ class ITPFLHNClient(PFedHNClient):
         if not self.novel_privacy.private:
             return Release.non_private(Message(arrays={"descriptor": self.descriptor(message, novel.x)}),
                                        purpose="descriptor")
-        setting = self.novel_privacy
-        generator = None
-        if setting.noise == "seeded":   # the client's own seed: nothing in the server's message sets it
-            generator = torch.Generator().manual_seed(derive_seed(setting.noise_seed, "itpflhn_novel_descriptor",
-                                                                  novel.client_id))
-        private = privatize(self.encoder_from(message), setting.epsilon, setting.delta, bound=setting.bound,
-                            noise=setting.noise, generator=generator)
-        descriptor, event = private.release(novel.x)
-        return Release(Message(arrays={"descriptor": descriptor.to("cpu", torch.get_default_dtype())}),
-                       purpose="descriptor",
-                       event=event, metadata={"noise": setting.noise, "bound": setting.bound, "n": len(novel.x),
-                                              "relation": "replace one sample; n public"})
+        return self.novel_descriptor_release(self.encoder_from(message), novel, "itpflhn_novel_descriptor")
 
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
         return self.load_generated(message.arrays)

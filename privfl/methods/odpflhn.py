@@ -49,7 +49,6 @@ from privfl.models.hypernetwork import (
     generated_names,
 )
 from privfl.models.pefll import clipped_rows
-from privfl.privacy import privatize
 from privfl.privacy.record import ClippedMean, RecordRelease
 
 #: The privacy modes this method runs, and why it refuses the others.
@@ -536,20 +535,8 @@ class ODPFLHNClient(ClientProcedure):
                 seed = derive_seed(novel_privacy.noise_seed, "novel_descriptor", novel.client_id)
                 descriptor = client_descriptor(encoder, novel.x, _noiseless(config), seed=seed)
             return Release.non_private(Message(arrays={"descriptor": descriptor.cpu()}), purpose="descriptor")
-        generator = None
-        if novel_privacy.noise == "seeded":
-            generator = torch.Generator().manual_seed(derive_seed(novel_privacy.noise_seed, "novel_noise",
-                                                                  novel.client_id))
-        private = privatize(encoder, novel_privacy.epsilon, novel_privacy.delta, bound=novel_privacy.bound,
-                            noise=novel_privacy.noise, generator=generator)
-        if config.descriptor == "batch_mean":
-            descriptor, event = private.release_batched(novel.x, batch_size=config.descriptor_batch_size)
-        else:
-            descriptor, event = private.release(novel.x)
-        descriptor = descriptor.to("cpu", torch.get_default_dtype())
-        return Release(Message(arrays={"descriptor": descriptor}), purpose="descriptor", event=event,
-                       metadata={"noise": novel_privacy.noise, "bound": novel_privacy.bound, "n": len(novel.x),
-                                 "relation": "replace one sample; n public"})
+        batch_size = config.descriptor_batch_size if config.descriptor == "batch_mean" else None
+        return self.novel_descriptor_release(encoder, novel, "novel_noise", batch_size=batch_size)
 
     def novel_model(self, novel: NovelClient, message: Message) -> nn.Module:
         return self.model_from(message.arrays)
