@@ -1,15 +1,19 @@
 """Which code changed between two commits, unit by unit, and which changes are certified to move no number.
 
 A Python file's code is its syntax tree without docstrings (:func:`code_tree`): comments, blank lines, layout and
-docstrings are not code. :func:`code_units` splits a file into the units a profiled run names (module body, class
-bodies, functions and methods). A :class:`Certificate` (``benchmarks/same_numbers.py``) says that every fingerprint
-case gave the same numbers at two commits and which units the cases entered; :func:`bridge` chains certificates from the
-commit a result was made at to the working tree. ``benchmarks/check_results.py`` uses both.
+docstrings are not code. :func:`code_units` splits a file into the units a traced run names (module body, class
+bodies, functions and methods); :func:`changed_statements` finds, statement by statement, what a change adds, removes
+or rewrites. A :class:`Certificate` (``benchmarks/same_numbers.py``) says that every fingerprint case gave the same
+numbers at two commits, which units the cases entered and which lines they executed on each side; :func:`bridge`
+chains certificates from the commit a result was made at to the working tree. ``benchmarks/check_results.py`` uses
+them.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import difflib
 import functools
 import json
 import subprocess
@@ -78,11 +82,14 @@ CERTIFICATES = "benchmarks/same_numbers.json"
 @dataclass(frozen=True)
 class Certificate:
     """Every fingerprint case of ``benchmarks/same_numbers.py`` gave the same numbers at ``base`` and ``head``; its
-    runs entered the units ``covered`` (``path::unit``) of the files the change touches."""
+    runs entered the units ``covered`` (``path::unit``) of the files the change touches and executed the lines
+    ``lines_run`` (``(side, path, line)``, side ``"base"`` or ``"head"``) of its Python files. A certificate written
+    before lines were traced has ``lines_run`` ``None`` and covers changed units its runs entered (:func:`_covered`)."""
 
     base: str
     head: str
     covered: frozenset[str]
+    lines_run: frozenset[tuple[str, str, int]] | None = None
 
 
 def load_certificates(root: Path) -> tuple[Certificate, ...]:
@@ -101,7 +108,11 @@ def _certificates(text: str, root: Path) -> tuple[Certificate, ...]:
             continue
         if all(_git(root, "rev-parse", "--verify", "--quiet", f"{c}^{{commit}}") for c in (entry["base"],
                                                                                          entry["head"])):
-            found.append(Certificate(entry["base"], entry["head"], frozenset(entry["covered"])))
+            lines = entry.get("lines_run")
+            run = None if lines is None else frozenset(
+                (side, path, line) for side, files in lines.items() for path, numbers in files.items()
+                for line in numbers)
+            found.append(Certificate(entry["base"], entry["head"], frozenset(entry["covered"]), run))
     return tuple(found)
 
 
@@ -125,16 +136,91 @@ def bridge(root: Path, commit: str, deps: Sequence[str], certificates: Sequence[
 
 @functools.cache
 def _covered(root: Path, certificate: Certificate, deps: tuple[str, ...]) -> bool:
-    """Whether every unit of code (:func:`code_units`) that differs between the certificate's commits, in the files
-    among ``deps``, was entered by its runs (a file that is not Python, or does not parse, never is)."""
+    """Whether the certificate's runs executed every change between its commits in the files among ``deps``: each
+    statement a change adds, removes or rewrites (:func:`changed_statements`) ran on its side (a line of it in
+    ``lines_run``); for a certificate without traced lines, each unit of code that differs (:func:`code_units`) was
+    entered. A file that is not Python, or does not parse, is never covered."""
     changed = code_changes(root, certificate.base, certificate.head, deps)
     if changed is None:
         return False
     for path in changed:
-        units = changed_units(root, certificate.base, certificate.head, path)
-        if units is None or any(f"{path}::{unit}" not in certificate.covered for unit in units):
+        if certificate.lines_run is None:
+            units = changed_units(root, certificate.base, certificate.head, path)
+            if units is None or any(f"{path}::{unit}" not in certificate.covered for unit in units):
+                return False
+            continue
+        spans = changed_statements(root, certificate.base, certificate.head, path)
+        if spans is None:
             return False
+        for side, side_spans in zip(("base", "head"), spans, strict=True):
+            if not all(any((side, path, line) in certificate.lines_run for line in range(first, last + 1))
+                       for first, last in side_spans):
+                return False
     return True
+
+
+#: The fields of a statement that hold the statements (or handlers, or match cases) it nests.
+BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+#: A statement as :func:`statements` lists it: ``((depth, field, header), (first line, last line))``.
+Statement = tuple[tuple[int, str, str], tuple[int, int]]
+
+
+def statements(source: str) -> list[Statement]:
+    """Every statement of ``source`` without its docstrings, in order (an ``except`` handler and a ``case`` count as
+    statements): its key, ``(depth, the field of its parent that holds it, its header)``, the header being the
+    statement's syntax tree with the statements it nests left out; and the lines of the header, where running the
+    statement fires a line event (a ``try``'s: its line to the end of its first statement). The keys in order
+    determine the file's code, so two files differ exactly where their key sequences do."""
+    found: list[Statement] = []
+
+    def visit(nodes: list[ast.AST], depth: int, field: str) -> None:
+        for node in nodes:
+            header = copy.copy(node)
+            for name in BLOCKS:
+                if hasattr(header, name):
+                    setattr(header, name, [])
+            found.append(((depth, field, ast.dump(header)), _header_lines(node, header)))
+            for name in BLOCKS:
+                visit(getattr(node, name, []), depth + 1, name)
+
+    visit(list(_without_docstrings(ast.parse(source)).body), 0, "body")
+    return found
+
+
+def _header_lines(node: ast.AST, header: ast.AST) -> tuple[int, int]:
+    """The first and last line of a statement's header (``header``: ``node`` with its blocks left out)."""
+    first = getattr(node, "lineno", None)
+    if isinstance(node, (ast.Try, ast.TryStar)) and node.body:
+        return node.lineno, node.body[0].end_lineno or node.lineno
+    if isinstance(node, ast.stmt) and not any(getattr(node, name, None) for name in BLOCKS):
+        return node.lineno, node.end_lineno or node.lineno        # a simple statement: all of it
+    inner = [n for n in ast.walk(header) if n is not header and hasattr(n, "lineno")]
+    starts = [n.lineno for n in inner] + ([first] if first is not None else [])
+    ends = [n.end_lineno or n.lineno for n in inner] + ([first] if first is not None else [])
+    return min(starts), max(ends)
+
+
+@functools.cache
+def changed_statements(root: Path, before: str, after: str, path: str
+                       ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None:
+    """The header lines (:func:`statements`) of the statements of ``path`` that a change from commit ``before`` to
+    commit ``after`` removes or rewrites (in ``before``) and adds or rewrites (in ``after``), the two key sequences
+    aligned by :class:`difflib.SequenceMatcher`; ``None`` for a file that is not Python or does not parse."""
+    if not path.endswith(".py"):
+        return None
+    texts = [_git(root, "show", f"{commit}:{path}") for commit in (before, after)]
+    try:
+        old, new = (statements(text) if text is not None else [] for text in texts)
+    except (SyntaxError, ValueError):
+        return None
+    matcher = difflib.SequenceMatcher(None, [key for key, _ in old], [key for key, _ in new], autojunk=False)
+    removed, added = [], []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            removed += [lines for _, lines in old[i1:i2]]
+            added += [lines for _, lines in new[j1:j2]]
+    return tuple(removed), tuple(added)
 
 
 @functools.cache

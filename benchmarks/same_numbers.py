@@ -4,7 +4,7 @@ A refactor (code moved between modules, a duplicate folded into one helper) chan
 depends on, so ``benchmarks/check_results.py`` lists them all as stale, although none of their figures can have
 moved if the runs are unchanged. This script is the evidence that they are: it checks out ``--base`` and ``--head``
 into temporary worktrees and runs the same fingerprint suite in each (one process per commit, one thread, seeded
-noise, a fixed hash seed, every call profiled), then compares:
+noise, a fixed hash seed, every call traced), then compares:
 
 * every registered method under every privacy mode its registration allows (none, record, central, distributed,
   local), and each hypernetwork method again generating only the head: a 2-round run on a small synthetic
@@ -16,14 +16,15 @@ noise, a fixed hash seed, every call profiled), then compares:
 
 Wall times, memory and the code revision are left out; every tensor must be equal to the last bit, every other number
 to :data:`FLOAT_REL_TOL` (an epsilon composed in another order differs in its last bits). When every case is, the pair
-is added to :data:`CERTIFICATES` with the fingerprint of each case and the code the runs entered in the files the
-change touches (``covered``: ``path::unit``, a unit being a module body, a class body, or a top-level function or
-method with what it nests). ``check_results`` then treats a result made at (code equal to) ``base`` as made at
-``head``, for a change confined to covered units: a change to code the suite never ran (an attack, a Flower engine, a
-branch's function no case takes) is not certified and still stales what depends on it. When a case differs, nothing is
-written and the cases are named. Coverage is by unit, not by line: a changed function the suite entered is certified
-as a whole, so a case must take the path a change touches for the certificate to mean what it says (name it in the
-commit).
+is added to :data:`CERTIFICATES` with the fingerprint of each case, the code the runs entered in the files the change
+touches (``covered``: ``path::unit``, a unit being a module body, a class body, or a top-level function or method with
+what it nests) and the lines they executed in those files on each side (``lines_run``, traced line by line in those
+files only). ``check_results`` then treats a result made at (code equal to) ``base`` as made at ``head`` when every
+statement the change adds, removes or rewrites ran on its side (``benchmarks/code_changes.py``,
+``changed_statements``): a change to code the suite never ran (an attack, a Flower engine, a branch no case takes) is
+not certified and still stales what depends on it. When a case differs, nothing is written and the cases are named.
+Coverage is by statement: a changed statement that ran is certified whatever part of it ran (one side of a
+conditional expression, say).
 
     python benchmarks/same_numbers.py --base REV [--head REV]    # head: HEAD; -> benchmarks/same_numbers.json
 
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,9 +187,10 @@ def sweep_run(folder: str) -> object:
     return canonical(json.loads(result.replace(str(folder), "<out>")))
 
 
-def fingerprint(tree: Path) -> dict:
+def fingerprint(tree: Path, watch: Iterable[str] = ()) -> dict:
     """Every case's digest in this process (whose imports must come from ``tree``), and the code it ran: every
-    function, method, class body and module body of :data:`PACKAGES` entered at least once (:func:`unit_of`)."""
+    function, method, class body and module body of :data:`PACKAGES` entered at least once (:func:`unit_of`), and
+    the lines executed in the files ``watch``."""
     import torch
 
     torch.set_num_threads(1)
@@ -195,7 +198,7 @@ def fingerprint(tree: Path) -> dict:
 
     cases: dict[str, object] = {}
     # entered before the packages load: their module and class bodies run then
-    with Entered(tree) as entered, tempfile.TemporaryDirectory() as folder:
+    with Entered(tree, watch=watch) as entered, tempfile.TemporaryDirectory() as folder:
         import privfl
 
         if Path(privfl.__file__).resolve().parent != (tree / "privfl").resolve():
@@ -205,21 +208,25 @@ def fingerprint(tree: Path) -> dict:
                 cases[name] = method_run(method, mode, extra, f"{folder}/{len(cases)}", novel)
         with contextlib.redirect_stdout(io.StringIO()):
             cases["sweep/golden-2-rounds"] = sweep_run(f"{folder}/sweep")
-    return {"cases": cases, "covered": sorted(entered.units)}
+    return {"cases": cases, "covered": sorted(entered.units),
+            "lines": {path: sorted(lines) for path, lines in sorted(entered.lines.items())}}
 
 
 class Entered:
     """The units of code (``path::unit``, :func:`unit_of`) of ``packages`` under ``tree`` that run while it is
-    entered (a profile hook on every Python call, in this thread and in threads started meanwhile)."""
+    entered, and the lines executed in the files ``watch`` (``{path: lines}``): a trace hook on every Python call, in
+    this thread and in threads started meanwhile, that follows line by line only the frames of watched files."""
 
-    def __init__(self, tree: Path, packages: tuple[str, ...] = PACKAGES):
+    def __init__(self, tree: Path, packages: tuple[str, ...] = PACKAGES, watch: Iterable[str] = ()):
         self.top, self.packages = Path(tree).resolve(), packages
         self.units: set[str] = set()
+        self.watch = frozenset(watch)
+        self.lines: dict[str, set[int]] = {}
         self._files: dict[str, str | None] = {}
 
-    def _profile(self, frame, event, arg) -> None:
+    def _trace(self, frame, event, arg):
         if event != "call":
-            return
+            return None
         code = frame.f_code
         rel = self._files.get(code.co_filename, "")
         if rel == "":      # not seen yet; code made by exec or eval has no file ("", "<string>")
@@ -227,17 +234,27 @@ class Entered:
             parts = path.relative_to(self.top).parts if code.co_filename[:1] not in ("", "<") \
                 and path.is_relative_to(self.top) else ()
             rel = self._files[code.co_filename] = "/".join(parts) if parts and parts[0] in self.packages else None
-        if rel is not None:
-            self.units.add(f"{rel}::{unit_of(code.co_qualname)}")
+        if rel is None:
+            return None
+        self.units.add(f"{rel}::{unit_of(code.co_qualname)}")
+        if rel not in self.watch:
+            return None
+        executed = self.lines.setdefault(rel, set())
+
+        def line(frame, event, arg):
+            if event == "line":
+                executed.add(frame.f_lineno)
+            return line
+        return line
 
     def __enter__(self) -> Entered:
-        threading.setprofile(self._profile)
-        sys.setprofile(self._profile)
+        threading.settrace(self._trace)
+        sys.settrace(self._trace)
         return self
 
     def __exit__(self, *exc) -> None:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        sys.settrace(None)
+        threading.settrace(None)  # type: ignore[arg-type]
 
 
 def unit_of(qualname: str) -> str:
@@ -258,14 +275,14 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def fingerprint_commit(commit: str, work: Path) -> dict:
-    """Check ``commit`` out into ``work`` and fingerprint it in a fresh process."""
+def fingerprint_commit(commit: str, work: Path, watch: Iterable[str]) -> dict:
+    """Check ``commit`` out into ``work`` and fingerprint it in a fresh process, tracing the lines of ``watch``."""
     _git("worktree", "add", "--detach", "--force", str(work), commit)
     try:
         env = {**os.environ, "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": HASH_SEED}
         out = work / "fingerprint.json"
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--fingerprint", str(work), str(out)],
-                       env=env, cwd=work, check=True)
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--fingerprint", str(work), str(out),
+                        "--watch", *watch], env=env, cwd=work, check=True)
         return json.loads(out.read_text())
     finally:
         _git("worktree", "remove", "--force", str(work))
@@ -282,8 +299,10 @@ def certify(base_rev: str, head_rev: str) -> int:
     from privfl.provenance import numerics
 
     base, head = _git("rev-parse", f"{base_rev}^{{commit}}"), _git("rev-parse", f"{head_rev}^{{commit}}")
+    touched = set(_git("diff", "--name-only", base, head).splitlines())
+    watch = sorted(p for p in touched if p.endswith(".py") and p.split("/")[0] in PACKAGES)
     with tempfile.TemporaryDirectory() as folder:
-        prints = {side: fingerprint_commit(commit, Path(folder) / side)
+        prints = {side: fingerprint_commit(commit, Path(folder) / side, watch)
                   for side, commit in (("base", base), ("head", head))}
     different = differing(prints["base"], prints["head"])
     if different:
@@ -291,12 +310,13 @@ def certify(base_rev: str, head_rev: str) -> int:
               f"{head[:7]}; nothing certified:\n  " + "\n  ".join(different))
         return 1
     entered = set(prints["base"]["covered"]) | set(prints["head"]["covered"])
-    touched = set(_git("diff", "--name-only", base, head).splitlines())
     certificate = {"base": base, "head": head,
                    "cases": {name: digest(value) for name, value in prints["head"]["cases"].items()},
                    "units_entered": len(entered),
                    # what check_results looks up: the units entered in the files the change touches
                    "covered": sorted(u for u in entered if u.split("::")[0] in touched),
+                   # and the lines each side's runs executed in them: a change is certified where they ran it
+                   "lines_run": {side: prints[side]["lines"] for side in ("base", "head")},
                    "command": f"python benchmarks/same_numbers.py --base {base_rev} --head {head_rev}",
                    "numerics": {k: v for k, v in numerics().items() if k != "code_revision"} | {"threads": 1},
                    "hash_seed": HASH_SEED}
@@ -314,10 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", help="the commit before the change")
     parser.add_argument("--head", default="HEAD", help="the commit after it (default: HEAD)")
     parser.add_argument("--fingerprint", nargs=2, metavar=("TREE", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--watch", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.fingerprint:
         tree, out = map(Path, args.fingerprint)
-        out.write_text(json.dumps(fingerprint(tree)))
+        out.write_text(json.dumps(fingerprint(tree, args.watch)))
         return 0
     if not args.base:
         parser.error("--base REV is required: the commit before the change to certify")

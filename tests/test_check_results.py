@@ -271,11 +271,13 @@ def test_the_repository_declarations_hold_what_the_scripts_import():
     assert checker.DEPENDENCIES["import_time.json"] == checker._DECLARED["import_time.json"]
 
 
-def certify(repo: Path, base: str, head: str, covered: list[str]) -> None:
-    """A certificate as benchmarks/same_numbers.py writes one (its cases' digests are not read by the check)."""
+def certify(repo: Path, base: str, head: str, covered: list[str], lines_run: dict | None = None) -> None:
+    """A certificate as benchmarks/same_numbers.py writes one (its cases' digests are not read by the check); one
+    written before lines were traced has no ``lines_run``."""
     path = repo / checker.CERTIFICATES
     stored = json.loads(path.read_text()) if path.exists() else {"certificates": []}
-    stored["certificates"].append({"base": base, "head": head, "cases": {"case": "0" * 64}, "covered": covered})
+    entry = {"base": base, "head": head, "cases": {"case": "0" * 64}, "covered": covered}
+    stored["certificates"].append(entry if lines_run is None else {**entry, "lines_run": lines_run})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored))
     code_changes._certificates.cache_clear()
@@ -320,6 +322,67 @@ def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_t
     certify(repo, g, head(), ["src/method/fit.py::fit"])
     found = findings(repo)["made_quoted.json"]
     assert found.status == "current" and f"{a[:7]}..{b[:7]}" in found.note and f"{g[:7]}..{head()[:7]}" in found.note
+
+
+BRANCHED = """def fit(a):
+    if a:
+        return scale(a)
+    return fallback(
+        a)
+"""
+
+
+def test_a_certificate_with_traced_lines_covers_a_change_only_where_its_runs_executed_the_changed_statements(repo):
+    def head() -> str:
+        return subprocess.run([*GIT, "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    commit(repo, "A: the method", {"src/method/fit.py": BRANCHED})
+    a = head()
+    result(repo, "made_quoted.json", numerics(repo)["code_revision"])
+    commit(repo, "the result")
+    # the branch the runs took (lines 1-3, never 4-5) is rewritten: certified, although the unit also holds code
+    # that never ran
+    commit(repo, "B", {"src/method/fit.py": BRANCHED.replace("return scale(a)", "return scale(a=a)")})
+    b = head()
+    ran = {"src/method/fit.py": [1, 2, 3]}
+    certify(repo, a, b, ["src/method/fit.py::fit"], {"base": ran, "head": ran})
+    assert findings(repo)["made_quoted.json"].status == "current"
+    # the branch they never took is rewritten: the unit was entered, but a unit-level certificate would say more than
+    # its runs showed; with traced lines it is not certified
+    commit(repo, "C", {"src/method/fit.py": BRANCHED.replace("return scale(a)", "return scale(a=a)")
+                       .replace("        a)", "        a, b=1)")})
+    certify(repo, b, head(), ["src/method/fit.py::fit"], {"base": ran, "head": ran})
+    assert findings(repo)["made_quoted.json"].status == "stale"
+    # the same change where the base's runs executed the removed statement and the head's the added one
+    code_changes._certificates.cache_clear()
+    code_changes._covered.cache_clear()
+    (repo / checker.CERTIFICATES).unlink()
+    certify(repo, a, b, ["src/method/fit.py::fit"], {"base": ran, "head": ran})
+    certify(repo, b, head(), ["src/method/fit.py::fit"], {"base": {"src/method/fit.py": [1, 2, 4]},
+                                                         "head": {"src/method/fit.py": [1, 2, 5]}})
+    assert findings(repo)["made_quoted.json"].status == "current"
+    # one side's run of the statement is not enough
+    code_changes._covered.cache_clear()
+    (repo / checker.CERTIFICATES).unlink()
+    certify(repo, a, b, ["src/method/fit.py::fit"], {"base": ran, "head": ran})
+    certify(repo, b, head(), ["src/method/fit.py::fit"], {"base": {"src/method/fit.py": [1, 2, 4]},
+                                                         "head": {"src/method/fit.py": [1, 2, 3]}})
+    assert findings(repo)["made_quoted.json"].status == "stale"
+
+
+def test_a_change_is_the_statements_whose_keys_differ_with_their_header_lines():
+    before = "def f(a):\n    if a:\n        x = 1\n        y = 2\n    return x\n"
+    assert code_changes.statements(before)[1][1] == (2, 2)
+    # a statement moved from the if's body to its else: both sides change, not just the layout
+    after = "def f(a):\n    if a:\n        x = 1\n    else:\n        y = 2\n    return x\n"
+    keys = [key for key, _ in code_changes.statements(after)]
+    assert [key for key, _ in code_changes.statements(before)] != keys and keys[3][1] == "orelse"
+    # a docstring, a comment or a line break is no change; a decorator or a default changes the def's header
+    same = 'def f(a):\n    """Doc."""\n    if (a):  # yes\n        x = 1\n        y = (\n            2)\n    return x\n'
+    assert [k for k, _ in code_changes.statements(same)] == [k for k, _ in code_changes.statements(before)]
+    decorated = "@d(\n    1)\ndef f(a,\n      b=2):\n    return a\n"
+    assert code_changes.statements(decorated)[0][1] == (1, 4)
 
 
 SOURCE = '''"""Doc."""

@@ -43,7 +43,8 @@ def test_every_method_and_every_mode_its_registration_allows_is_a_case():
             assert (f"{method}/{mode}" in names) == (spec.privacy[mode] is None), (method, mode)
     assert "odpflhn+head/record" in names and "fedavg+head/none" not in names
     novel = {name.split("+")[0] for name in names if "+novel" in name}
-    assert novel == {m for m, spec in METHODS.items() if spec.novel_privacy is None and spec.client.serves_novel_clients}
+    assert novel == {m for m, spec in METHODS.items()
+                     if spec.novel_privacy is None and spec.client.serves_novel_clients}
     assert novel >= {"odpflhn", "itpflhn"} and "odpflhn+novel-batches/none" in names
 
 
@@ -94,10 +95,16 @@ class C:
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "mod.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with same_numbers.Entered(tmp_path, packages=("pkg",)) as entered:
+    with same_numbers.Entered(tmp_path, packages=("pkg",), watch=["pkg/mod.py"]) as entered:
         module = importlib.import_module("pkg.mod")
         module.f(1)
         module.C().m()
     units = {u.removeprefix("pkg/mod.py::") for u in entered.units if u.startswith("pkg/mod.py::")}
     assert units == {"<module>", "f", "C", "C.m", "C.D"}
     assert units == set(code_changes.code_units(source)) - {"C.never"}
+    # line by line in the watched file: every statement ran but never's return (line 17)
+    lines = entered.lines["pkg/mod.py"]
+    ran = [any(line in lines for line in range(first, last + 1))
+           for _, (first, last) in code_changes.statements(source)]
+    assert [first for (_, (first, _)), r in zip(code_changes.statements(source), ran) if not r] == [17]
+    assert 17 not in lines and {1, 4, 7, 10, 13, 14, 16, 19, 20} <= lines
