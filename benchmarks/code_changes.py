@@ -17,7 +17,7 @@ import difflib
 import functools
 import json
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +111,7 @@ def _certificates(text: str, root: Path) -> tuple[Certificate, ...]:
             lines = entry.get("lines_run")
             run = None if lines is None else frozenset(
                 (side, path, line) for side, files in lines.items() for path, numbers in files.items()
-                for line in numbers)
+                for line in from_ranges(numbers))
             found.append(Certificate(entry["base"], entry["head"], frozenset(entry["covered"]), run))
     return tuple(found)
 
@@ -157,6 +157,26 @@ def _covered(root: Path, certificate: Certificate, deps: tuple[str, ...]) -> boo
                        for first, last in side_spans):
                 return False
     return True
+
+
+def to_ranges(lines: Iterable[int]) -> str:
+    """Line numbers as ranges, ``"1-3,7,9-10"``: how a certificate stores the lines its runs executed."""
+    runs: list[list[int]] = []
+    for line in sorted(set(lines)):
+        if runs and line == runs[-1][1] + 1:
+            runs[-1][1] = line
+        else:
+            runs.append([line, line])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def from_ranges(text: str) -> set[int]:
+    """The line numbers of :func:`to_ranges`' text."""
+    found: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
 
 
 #: The fields of a statement that hold the statements (or handlers, or match cases) it nests.

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from code_changes import CERTIFICATES as CERTIFICATES_PATH  # noqa: E402  (beside this script)
-from code_changes import PACKAGES  # noqa: E402
+from code_changes import PACKAGES, to_ranges  # noqa: E402
 
 #: The certificates, newest last (read by ``benchmarks/check_results.py``).
 CERTIFICATES = ROOT / CERTIFICATES_PATH
@@ -316,7 +316,8 @@ def certify(base_rev: str, head_rev: str) -> int:
                    # what check_results looks up: the units entered in the files the change touches
                    "covered": sorted(u for u in entered if u.split("::")[0] in touched),
                    # and the lines each side's runs executed in them: a change is certified where they ran it
-                   "lines_run": {side: prints[side]["lines"] for side in ("base", "head")},
+                   "lines_run": {side: {path: to_ranges(lines) for path, lines in prints[side]["lines"].items()}
+                                 for side in ("base", "head")},
                    "command": f"python benchmarks/same_numbers.py --base {base_rev} --head {head_rev}",
                    "numerics": {k: v for k, v in numerics().items() if k != "code_revision"} | {"threads": 1},
                    "hash_seed": HASH_SEED}

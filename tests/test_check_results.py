@@ -277,7 +277,10 @@ def certify(repo: Path, base: str, head: str, covered: list[str], lines_run: dic
     path = repo / checker.CERTIFICATES
     stored = json.loads(path.read_text()) if path.exists() else {"certificates": []}
     entry = {"base": base, "head": head, "cases": {"case": "0" * 64}, "covered": covered}
-    stored["certificates"].append(entry if lines_run is None else {**entry, "lines_run": lines_run})
+    if lines_run is not None:
+        entry["lines_run"] = {side: {path: code_changes.to_ranges(lines) for path, lines in files.items()}
+                              for side, files in lines_run.items()}
+    stored["certificates"].append(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored))
     code_changes._certificates.cache_clear()
@@ -369,6 +372,13 @@ def test_a_certificate_with_traced_lines_covers_a_change_only_where_its_runs_exe
     certify(repo, b, head(), ["src/method/fit.py::fit"], {"base": {"src/method/fit.py": [1, 2, 4]},
                                                          "head": {"src/method/fit.py": [1, 2, 3]}})
     assert findings(repo)["made_quoted.json"].status == "stale"
+
+
+def test_line_ranges_round_trip():
+    for lines in ([], [4], [1, 2, 3, 7, 9, 10], [5, 3, 3, 4, 12]):
+        text = code_changes.to_ranges(lines)
+        assert code_changes.from_ranges(text) == set(lines)
+    assert code_changes.to_ranges([1, 2, 3, 7, 9, 10]) == "1-3,7,9-10"
 
 
 def test_a_change_is_the_statements_whose_keys_differ_with_their_header_lines():
