@@ -9,8 +9,9 @@ noise, a fixed hash seed, every call traced), then compares:
 * every registered method under every privacy mode its registration allows (none, record, central, distributed,
   local), and each hypernetwork method again generating only the head: a 2-round run on a small synthetic
   federation, its final server and client state, its summary (novel and validation accuracies, every epsilon), its
-  metrics and its ledger; and the same runs with a private novel release (epsilon 1) for the methods whose novel
-  clients release through ``privatize``;
+  metrics and its ledger; the same runs with a private novel release (epsilon 1) for the methods whose novel
+  clients release through ``privatize``; and, for PeFLL, whose novel clients need labels, the models the trained run
+  serves them as labelled unseen clients;
 * the main job reduced (``privfl sweep``: MNIST through the ScatterNet stage, a training at epsilon 8 and one without
   DP, a private novel release at epsilon 1), its whole result.
 
@@ -116,10 +117,32 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
-def method_cases() -> list[tuple[str, str, str | None, dict, float | None]]:
-    """``(name, method, mode, settings, novel_epsilon)`` for every method, every mode it allows, the head-only
-    hypernetworks, and a private novel release (epsilon :data:`NOVEL_EPSILON`, full set and, where the method has
-    one, batch means) for every method whose novel clients release through ``privatize``."""
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One fingerprint run: ``method`` under privacy ``mode`` (``None``: no DP) with method ``settings``, novel clients
+    releasing at ``novel_epsilon`` (seeded) when it is set; with ``labelled``, the trained run then serves the
+    federation's novel clients as labelled unseen clients (:data:`LABELLED_NOVEL`), as ``benchmarks/pefll_mnist.py``
+    serves them, and the served models join the digest."""
+
+    name: str
+    method: str
+    mode: str | None = None
+    settings: dict = dataclasses.field(default_factory=dict)
+    novel_epsilon: float | None = None
+    labelled: bool = False
+
+
+#: The epsilon of the private novel releases among :func:`method_cases`.
+NOVEL_EPSILON = 1.0
+#: Methods whose novel clients need labels: the run's novel clients cannot serve them, so a labelled case serves them
+#: after training (:func:`privfl.methods.pefll.unseen_clients_with_labels`).
+LABELLED_NOVEL = ("pefll",)
+
+
+def method_cases() -> list[Case]:
+    """Every method under every mode it allows, the head-only hypernetworks, a private novel release (epsilon
+    :data:`NOVEL_EPSILON`, whole set and, where the method has one, batch means) for every method whose novel
+    clients release through ``privatize``, and labelled serving under every mode for :data:`LABELLED_NOVEL`."""
     from privfl.methods import METHODS
     from privfl.privacy.training import MODES
 
@@ -127,27 +150,24 @@ def method_cases() -> list[tuple[str, str, str | None, dict, float | None]]:
     for method in sorted(METHODS):
         spec = METHODS[method]
         fields = {f.name for f in dataclasses.fields(spec.config)}
+        modes = [mode for mode in (None, *MODES) if mode is None or spec.privacy[mode] is None]
         variants = [("", {})] + ([("+head", {"generated": "head", "shared_momentum": 0.5})]
                                  if "generated" in fields else [])
-        for suffix, extra in variants:
-            for mode in (None, *MODES):
-                if mode is None or spec.privacy[mode] is None:
-                    cases.append((f"{method}{suffix}/{mode or 'none'}", method, mode, extra, None))
+        cases += [Case(f"{method}{suffix}/{mode or 'none'}", method, mode, extra)
+                  for suffix, extra in variants for mode in modes]
         if spec.novel_privacy is None and spec.client.serves_novel_clients:
-            cases.append((f"{method}+novel/none", method, None, {}, NOVEL_EPSILON))
+            cases.append(Case(f"{method}+novel/none", method, novel_epsilon=NOVEL_EPSILON))
             if "descriptor_batch_size" in fields:
-                cases.append((f"{method}+novel-batches/none", method, None,
-                              {"descriptor": "batch_mean", "descriptor_batch_size": 16}, NOVEL_EPSILON))
+                cases.append(Case(f"{method}+novel-batches/none", method,
+                                  settings={"descriptor": "batch_mean", "descriptor_batch_size": 16},
+                                  novel_epsilon=NOVEL_EPSILON))
+        if method in LABELLED_NOVEL:
+            cases += [Case(f"{method}+labelled/{mode or 'none'}", method, mode, labelled=True) for mode in modes]
     return cases
 
 
-#: The epsilon of the private novel releases among :func:`method_cases`.
-NOVEL_EPSILON = 1.0
-
-
-def method_run(method: str, mode: str | None, extra: dict, folder: str, novel_epsilon: float | None = None) -> object:
-    """One case: a 2-round run on a synthetic federation of 8 clients (2 novel, releasing at ``novel_epsilon`` with
-    seeded noise when it is set), :func:`canonical`."""
+def method_run(case: Case, folder: str) -> object:
+    """One case: a 2-round run on a synthetic federation of 8 clients (2 novel), :func:`canonical`."""
     import torch
 
     from privfl.config import RunConfig
@@ -156,25 +176,42 @@ def method_run(method: str, mode: str | None, extra: dict, folder: str, novel_ep
     from privfl.methods import METHODS
     from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
-    spec = METHODS[method]
+    spec = METHODS[case.method]
     fields = {f.name for f in dataclasses.fields(spec.config)}
     settings = {k: v for k, v in {"local_steps": 2, "batch_size": 16}.items() if k in fields}
     settings.update(spec.smoke_settings)
-    settings.update(extra)
+    settings.update(case.settings)
+    mode = case.mode
     private = {} if mode is None else dict(mode=mode, noise_multiplier=1.0, clip=1.0, noise="seeded",
                                            noise_seed=3, min_samples=8)
     config = RunConfig(
         federation=FederationSpec(source="synthetic", num_clients=8, partition="iid", novel_fraction=0.25,
                                   val_fraction=0.2, source_options={"num_samples": 900, "dim": 8, "num_classes": 3}),
-        method=method, method_config=settings, rounds=2, eval_every=1, checkpoint_every=1, select="last", seed=7,
-        privacy=TrainingPrivacy(**private), client_fraction=0.75 if mode == "central" else 1.0,
-        novel_privacy=NovelPrivacy(epsilon=novel_epsilon, noise="seeded", noise_seed=5))
+        method=case.method, method_config=settings, rounds=2, eval_every=1, checkpoint_every=1, select="last",
+        seed=7, privacy=TrainingPrivacy(**private), client_fraction=0.75 if mode == "central" else 1.0,
+        novel_privacy=NovelPrivacy(epsilon=case.novel_epsilon, noise="seeded", noise_seed=5))
     summary = train(config, folder, progress=False)
     run = Path(folder)
     state = torch.load(run / "checkpoint.pt", weights_only=True)["runtime"]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return canonical({"summary": summary, "state": state, "metrics": metrics,
-                   "ledger": json.loads((run / "ledger.json").read_text())})
+    found = {"summary": summary, "state": state, "metrics": metrics,
+             "ledger": json.loads((run / "ledger.json").read_text())}
+    if case.labelled:
+        found["served"] = served_labelled(config, state)
+    return canonical(found)
+
+
+def served_labelled(config: object, state: dict) -> dict:
+    """The models a trained run (``state``) serves the federation's novel clients as labelled unseen clients."""
+    from privfl.data import build_federation
+    from privfl.experiment import build_runtime
+    from privfl.methods.pefll import unseen_clients_with_labels
+
+    federation = build_federation(config.federation, seed=config.seed)      # type: ignore[attr-defined]
+    runtime = build_runtime(config, federation)
+    runtime.load_state_dict(state)
+    return {str(client.client_id): runtime.novel_client_model(client).state_dict()
+            for client in unseen_clients_with_labels(federation)}
 
 
 def sweep_run(folder: str) -> object:
@@ -203,9 +240,9 @@ def fingerprint(tree: Path, watch: Iterable[str] = ()) -> dict:
 
         if Path(privfl.__file__).resolve().parent != (tree / "privfl").resolve():
             raise SystemExit(f"privfl was imported from {privfl.__file__}, not from {tree}: run with PYTHONPATH={tree}")
-        for name, method, mode, extra, novel in tqdm(method_cases(), desc=f"fingerprint {tree.name}", unit="case"):
+        for case in tqdm(method_cases(), desc=f"fingerprint {tree.name}", unit="case"):
             with contextlib.redirect_stdout(io.StringIO()):     # a case's printed tables
-                cases[name] = method_run(method, mode, extra, f"{folder}/{len(cases)}", novel)
+                cases[case.name] = method_run(case, f"{folder}/{len(cases)}")
         with contextlib.redirect_stdout(io.StringIO()):
             cases["sweep/golden-2-rounds"] = sweep_run(f"{folder}/sweep")
     return {"cases": cases, "covered": sorted(entered.units),

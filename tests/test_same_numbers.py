@@ -3,6 +3,7 @@ another, and that the code a run enters is named as benchmarks/code_changes.py s
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def test_every_method_and_every_mode_its_registration_allows_is_a_case():
     from privfl.methods import METHODS
     from privfl.privacy.training import MODES
 
-    names = {name for name, *_ in same_numbers.method_cases()}
+    names = {case.name for case in same_numbers.method_cases()}
     for method, spec in METHODS.items():
         assert f"{method}/none" in names
         for mode in MODES:
@@ -46,15 +47,37 @@ def test_every_method_and_every_mode_its_registration_allows_is_a_case():
     assert novel == {m for m, spec in METHODS.items()
                      if spec.novel_privacy is None and spec.client.serves_novel_clients}
     assert novel >= {"odpflhn", "itpflhn"} and "odpflhn+novel-batches/none" in names
+    assert {"pefll+labelled/none", "pefll+labelled/record"} <= names
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_the_same_case_gives_the_same_digest_and_another_setting_another(tmp_path):
-    first = same_numbers.method_run("odpflhn", "record", {}, str(tmp_path / "a"))
-    again = same_numbers.method_run("odpflhn", "record", {}, str(tmp_path / "b"))
+    case = same_numbers.Case("odpflhn/record", "odpflhn", "record")
+    first = same_numbers.method_run(case, str(tmp_path / "a"))
+    again = same_numbers.method_run(case, str(tmp_path / "b"))
     assert same_numbers.same(again, first) and same_numbers.digest(again) == same_numbers.digest(first)
-    other = same_numbers.method_run("odpflhn", "record", {"encoder_lr": 0.5}, str(tmp_path / "c"))
+    other = same_numbers.method_run(dataclasses.replace(case, settings={"encoder_lr": 0.5}), str(tmp_path / "c"))
     assert not same_numbers.same(other, first)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_labelled_case_serves_pefll_novel_clients_through_the_clipped_descriptor(tmp_path):
+    """Under record-level DP a served PeFLL descriptor clips each embedding to the novel bound: the labelled case
+    runs that line of descriptor_of, which no training round does, and digests the models it serves."""
+    import inspect
+
+    from privfl.methods import pefll
+
+    lines, first = inspect.getsourcelines(pefll.descriptor_of)
+    clip = first + next(i for i, line in enumerate(lines) if "clipped_rows(" in line)
+    with same_numbers.Entered(ROOT, watch=["privfl/methods/pefll.py"]) as entered:
+        served = same_numbers.method_run(same_numbers.Case("pefll+labelled/record", "pefll", "record", labelled=True),
+                                         str(tmp_path / "a"))
+    assert clip in entered.lines["privfl/methods/pefll.py"]
+    assert len(served["served"]) == 2 and all(model for model in served["served"].values())
+    with same_numbers.Entered(ROOT, watch=["privfl/methods/pefll.py"]) as entered:
+        same_numbers.method_run(same_numbers.Case("pefll/record", "pefll", "record"), str(tmp_path / "b"))
+    assert clip not in entered.lines["privfl/methods/pefll.py"]
 
 
 def test_floats_are_the_same_numbers_to_ten_digits_and_tensors_only_to_the_bit():
