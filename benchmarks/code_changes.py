@@ -1,12 +1,11 @@
-"""Which code changed between two commits, unit by unit, and which changes are certified to move no number.
+"""Which code changed between two commits, statement by statement, and which changes are certified to move no
+number.
 
 A Python file's code is its syntax tree without docstrings (:func:`code_tree`): comments, blank lines, layout and
-docstrings are not code. :func:`code_units` splits a file into the units a traced run names (module body, class
-bodies, functions and methods); :func:`changed_statements` finds, statement by statement, what a change adds, removes
-or rewrites. A :class:`Certificate` (``benchmarks/same_numbers.py``) says that every fingerprint case gave the same
-numbers at two commits, which units the cases entered and which lines they executed on each side; :func:`bridge`
-chains certificates from the commit a result was made at to the working tree. ``benchmarks/check_results.py`` uses
-them.
+docstrings are not code. :func:`changed_statements` finds, statement by statement, what a change adds, removes or
+rewrites. A :class:`Certificate` (``benchmarks/same_numbers.py``) says that every fingerprint case gave the same
+numbers at two commits and which lines the cases executed on each side; :func:`bridge` chains certificates from the
+commit a result was made at to the working tree. ``benchmarks/check_results.py`` uses them.
 """
 
 from __future__ import annotations
@@ -81,15 +80,13 @@ CERTIFICATES = "benchmarks/same_numbers.json"
 
 @dataclass(frozen=True)
 class Certificate:
-    """Every fingerprint case of ``benchmarks/same_numbers.py`` gave the same numbers at ``base`` and ``head``; its
-    runs entered the units ``covered`` (``path::unit``) of the files the change touches and executed the lines
-    ``lines_run`` (``(side, path, line)``, side ``"base"`` or ``"head"``) of its Python files. A certificate written
-    before lines were traced has ``lines_run`` ``None`` and covers changed units its runs entered (:func:`_covered`)."""
+    """Every fingerprint case of ``benchmarks/same_numbers.py`` gave the same numbers at ``base`` and ``head``, and
+    its runs executed the lines ``lines_run`` (``(side, path, line)``, side ``"base"`` or ``"head"``) of the Python
+    files the change touches."""
 
     base: str
     head: str
-    covered: frozenset[str]
-    lines_run: frozenset[tuple[str, str, int]] | None = None
+    lines_run: frozenset[tuple[str, str, int]]
 
 
 def load_certificates(root: Path) -> tuple[Certificate, ...]:
@@ -104,15 +101,13 @@ def load_certificates(root: Path) -> tuple[Certificate, ...]:
 def _certificates(text: str, root: Path) -> tuple[Certificate, ...]:
     found = []
     for entry in json.loads(text)["certificates"]:
-        if not entry.get("cases"):
+        if not entry.get("cases") or "lines_run" not in entry:     # lines are what a change is checked against
             continue
         if all(_git(root, "rev-parse", "--verify", "--quiet", f"{c}^{{commit}}") for c in (entry["base"],
                                                                                          entry["head"])):
-            lines = entry.get("lines_run")
-            run = None if lines is None else frozenset(
-                (side, path, line) for side, files in lines.items() for path, numbers in files.items()
-                for line in from_ranges(numbers))
-            found.append(Certificate(entry["base"], entry["head"], frozenset(entry["covered"]), run))
+            run = frozenset((side, path, line) for side, files in entry["lines_run"].items()
+                            for path, numbers in files.items() for line in from_ranges(numbers))
+            found.append(Certificate(entry["base"], entry["head"], run))
     return tuple(found)
 
 
@@ -120,8 +115,8 @@ def bridge(root: Path, commit: str, deps: Sequence[str], certificates: Sequence[
            ) -> list[Certificate] | None:
     """The certificates that carry a result made at ``commit`` to the working tree, or ``None``: a chain whose first
     base has ``commit``'s code (among ``deps``), each next base its predecessor's head's, and whose last head the
-    working tree's; each certificate used only for changes among ``deps`` to units its runs entered (a change to
-    code the fingerprint suite never ran is not certified)."""
+    working tree's; each certificate used only for changes among ``deps`` whose statements its runs executed (a
+    change to code the fingerprint suite never ran is not certified)."""
     state, used = commit, []
     while True:
         step = next((c for c in certificates if c not in used and code_changes(root, state, c.base, deps) == []
@@ -138,17 +133,11 @@ def bridge(root: Path, commit: str, deps: Sequence[str], certificates: Sequence[
 def _covered(root: Path, certificate: Certificate, deps: tuple[str, ...]) -> bool:
     """Whether the certificate's runs executed every change between its commits in the files among ``deps``: each
     statement a change adds, removes or rewrites (:func:`changed_statements`) ran on its side (a line of it in
-    ``lines_run``); for a certificate without traced lines, each unit of code that differs (:func:`code_units`) was
-    entered. A file that is not Python, or does not parse, is never covered."""
+    ``lines_run``). A file that is not Python, or does not parse, is never covered."""
     changed = code_changes(root, certificate.base, certificate.head, deps)
     if changed is None:
         return False
     for path in changed:
-        if certificate.lines_run is None:
-            units = changed_units(root, certificate.base, certificate.head, path)
-            if units is None or any(f"{path}::{unit}" not in certificate.covered for unit in units):
-                return False
-            continue
         spans = changed_statements(root, certificate.base, certificate.head, path)
         if spans is None:
             return False
@@ -241,44 +230,6 @@ def changed_statements(root: Path, before: str, after: str, path: str
             removed += [lines for _, lines in old[i1:i2]]
             added += [lines for _, lines in new[j1:j2]]
     return tuple(removed), tuple(added)
-
-
-@functools.cache
-def changed_units(root: Path, before: str, after: str, path: str) -> frozenset[str] | None:
-    """The units of code (:func:`code_units`) of ``path`` that differ between two commits (added and removed ones
-    included), or ``None`` for a file that is not Python or does not parse."""
-    if not path.endswith(".py"):
-        return None
-    texts = [_git(root, "show", f"{commit}:{path}") for commit in (before, after)]
-    try:
-        old, new = (code_units(text) if text is not None else {} for text in texts)
-    except (SyntaxError, ValueError):
-        return None
-    return frozenset(unit for unit in set(old) | set(new) if old.get(unit) != new.get(unit))
-
-
-def code_units(source: str) -> dict[str, str]:
-    """``{unit: code}`` for a Python file: ``<module>`` (its statements outside functions and classes), each class
-    body (``Class``, ``Outer.Inner``: its statements outside methods and nested classes), and each function or method
-    (``name``, ``Class.method``) with everything it nests; code as :func:`code_tree` dumps it. A unit is what
-    ``benchmarks/same_numbers.py`` records a run as entering."""
-    units: dict[str, str] = {}
-
-    def split(body: list[ast.stmt], prefix: str, own: str) -> None:
-        rest = []
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                units[prefix + node.name] = ast.dump(node)
-            elif isinstance(node, ast.ClassDef):
-                split(node.body, f"{prefix}{node.name}.", prefix + node.name)
-                units[prefix + node.name] += ast.dump(ast.ClassDef(node.name, node.bases, node.keywords, [],
-                                                                   node.decorator_list))
-            else:
-                rest.append(node)
-        units[own] = ast.dump(ast.Module(rest, []))
-
-    split(_without_docstrings(ast.parse(source)).body, "", "<module>")
-    return units
 
 
 def same_code(root: Path, blob: str | None, path: str) -> bool:

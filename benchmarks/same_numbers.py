@@ -17,15 +17,13 @@ noise, a fixed hash seed, every call traced), then compares:
 
 Wall times, memory and the code revision are left out; every tensor must be equal to the last bit, every other number
 to :data:`FLOAT_REL_TOL` (an epsilon composed in another order differs in its last bits). When every case is, the pair
-is added to :data:`CERTIFICATES` with the fingerprint of each case, the code the runs entered in the files the change
-touches (``covered``: ``path::unit``, a unit being a module body, a class body, or a top-level function or method with
-what it nests) and the lines they executed in those files on each side (``lines_run``, traced line by line in those
-files only). ``check_results`` then treats a result made at (code equal to) ``base`` as made at ``head`` when every
-statement the change adds, removes or rewrites ran on its side (``benchmarks/code_changes.py``,
-``changed_statements``): a change to code the suite never ran (an attack, a Flower engine, a branch no case takes) is
-not certified and still stales what depends on it. When a case differs, nothing is written and the cases are named.
-Coverage is by statement: a changed statement that ran is certified whatever part of it ran (one side of a
-conditional expression, say).
+is added to :data:`CERTIFICATES` with the fingerprint of each case and the lines the runs executed on each side in the
+Python files the change touches (``lines_run``, traced line by line in those files only). ``check_results`` then
+treats a result made at (code equal to) ``base`` as made at ``head`` when every statement the change adds, removes or
+rewrites ran on its side (``benchmarks/code_changes.py``, ``changed_statements``): a change to code the suite never
+ran (an attack, a Flower engine, a branch no case takes) is not certified and still stales what depends on it. When
+a case differs, nothing is written and the cases are named. Coverage is by statement: a changed statement that ran is
+certified whatever part of it ran (one side of a conditional expression, say).
 
     python benchmarks/same_numbers.py --base REV [--head REV]    # head: HEAD; -> benchmarks/same_numbers.json
 
@@ -225,17 +223,16 @@ def sweep_run(folder: str) -> object:
 
 
 def fingerprint(tree: Path, watch: Iterable[str] = ()) -> dict:
-    """Every case's digest in this process (whose imports must come from ``tree``), and the code it ran: every
-    function, method, class body and module body of :data:`PACKAGES` entered at least once (:func:`unit_of`), and
-    the lines executed in the files ``watch``."""
+    """Every case's digest in this process (whose imports must come from ``tree``), and the lines the cases executed
+    in the files ``watch``."""
     import torch
 
     torch.set_num_threads(1)
     from tqdm import tqdm
 
     cases: dict[str, object] = {}
-    # entered before the packages load: their module and class bodies run then
-    with Entered(tree, watch=watch) as entered, tempfile.TemporaryDirectory() as folder:
+    # traced before the packages load: their module and class bodies run then
+    with Traced(tree, watch=watch) as traced, tempfile.TemporaryDirectory() as folder:
         import privfl
 
         if Path(privfl.__file__).resolve().parent != (tree / "privfl").resolve():
@@ -245,18 +242,16 @@ def fingerprint(tree: Path, watch: Iterable[str] = ()) -> dict:
                 cases[case.name] = method_run(case, f"{folder}/{len(cases)}")
         with contextlib.redirect_stdout(io.StringIO()):
             cases["sweep/golden-2-rounds"] = sweep_run(f"{folder}/sweep")
-    return {"cases": cases, "covered": sorted(entered.units),
-            "lines": {path: sorted(lines) for path, lines in sorted(entered.lines.items())}}
+    return {"cases": cases, "lines": {path: sorted(lines) for path, lines in sorted(traced.lines.items())}}
 
 
-class Entered:
-    """The units of code (``path::unit``, :func:`unit_of`) of ``packages`` under ``tree`` that run while it is
-    entered, and the lines executed in the files ``watch`` (``{path: lines}``): a trace hook on every Python call, in
-    this thread and in threads started meanwhile, that follows line by line only the frames of watched files."""
+class Traced:
+    """The lines executed in the files ``watch`` (paths under ``tree``) while it is entered, ``{path: lines}``: a
+    trace hook on every Python call, in this thread and in threads started meanwhile, that follows line by line only
+    the frames of watched files."""
 
-    def __init__(self, tree: Path, packages: tuple[str, ...] = PACKAGES, watch: Iterable[str] = ()):
-        self.top, self.packages = Path(tree).resolve(), packages
-        self.units: set[str] = set()
+    def __init__(self, tree: Path, watch: Iterable[str] = ()):
+        self.top = Path(tree).resolve()
         self.watch = frozenset(watch)
         self.lines: dict[str, set[int]] = {}
         self._files: dict[str, str | None] = {}
@@ -264,17 +259,14 @@ class Entered:
     def _trace(self, frame, event, arg):
         if event != "call":
             return None
-        code = frame.f_code
-        rel = self._files.get(code.co_filename, "")
+        filename = frame.f_code.co_filename
+        rel = self._files.get(filename, "")
         if rel == "":      # not seen yet; code made by exec or eval has no file ("", "<string>")
-            path = Path(code.co_filename).resolve()
-            parts = path.relative_to(self.top).parts if code.co_filename[:1] not in ("", "<") \
-                and path.is_relative_to(self.top) else ()
-            rel = self._files[code.co_filename] = "/".join(parts) if parts and parts[0] in self.packages else None
+            path = Path(filename).resolve()
+            inside = filename[:1] not in ("", "<") and path.is_relative_to(self.top)
+            found = "/".join(path.relative_to(self.top).parts) if inside else None
+            rel = self._files[filename] = found if found in self.watch else None
         if rel is None:
-            return None
-        self.units.add(f"{rel}::{unit_of(code.co_qualname)}")
-        if rel not in self.watch:
             return None
         executed = self.lines.setdefault(rel, set())
 
@@ -284,7 +276,7 @@ class Entered:
             return line
         return line
 
-    def __enter__(self) -> Entered:
+    def __enter__(self) -> Traced:
         threading.settrace(self._trace)
         sys.settrace(self._trace)
         return self
@@ -292,18 +284,6 @@ class Entered:
     def __exit__(self, *exc) -> None:
         sys.settrace(None)
         threading.settrace(None)  # type: ignore[arg-type]
-
-
-def unit_of(qualname: str) -> str:
-    """The unit of code a code object belongs to, as ``benchmarks/code_changes.py`` splits a file: the outermost
-    function or method (a nested function, lambda or comprehension is part of the one that defines it), a class
-    body, or ``<module>`` (which holds a comprehension or lambda written at module level)."""
-    kept = []
-    for part in qualname.split("."):
-        if part.startswith("<"):        # <locals>, <lambda>, <listcomp>, <genexpr>, <module>
-            break
-        kept.append(part)
-    return ".".join(kept) or "<module>"
 
 
 # -- the comparison ------------------------------------------------------------------------------------------------
@@ -346,13 +326,10 @@ def certify(base_rev: str, head_rev: str) -> int:
         print(f"{len(different)} of {len(prints['head']['cases'])} cases differ between {base[:7]} and "
               f"{head[:7]}; nothing certified:\n  " + "\n  ".join(different))
         return 1
-    entered = set(prints["base"]["covered"]) | set(prints["head"]["covered"])
     certificate = {"base": base, "head": head,
                    "cases": {name: digest(value) for name, value in prints["head"]["cases"].items()},
-                   "units_entered": len(entered),
-                   # what check_results looks up: the units entered in the files the change touches
-                   "covered": sorted(u for u in entered if u.split("::")[0] in touched),
-                   # and the lines each side's runs executed in them: a change is certified where they ran it
+                   # what check_results looks up: the lines each side's runs executed in the Python files the
+                   # change touches (a change is certified where they ran it)
                    "lines_run": {side: {path: to_ranges(lines) for path, lines in prints[side]["lines"].items()}
                                  for side in ("base", "head")},
                    "command": f"python benchmarks/same_numbers.py --base {base_rev} --head {head_rev}",
@@ -363,7 +340,7 @@ def certify(base_rev: str, head_rev: str) -> int:
     stored["certificates"].append(certificate)
     CERTIFICATES.write_text(json.dumps(stored, indent=1) + "\n")
     print(f"all {len(certificate['cases'])} cases the same numbers: {base[:7]} -> {head[:7]} certified in "
-          f"{CERTIFICATES.relative_to(ROOT)} ({len(entered)} units of code entered)")
+          f"{CERTIFICATES.relative_to(ROOT)} (lines traced in {len(watch)} files)")
     return 0
 
 

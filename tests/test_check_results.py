@@ -271,22 +271,21 @@ def test_the_repository_declarations_hold_what_the_scripts_import():
     assert checker.DEPENDENCIES["import_time.json"] == checker._DECLARED["import_time.json"]
 
 
-def certify(repo: Path, base: str, head: str, covered: list[str], lines_run: dict | None = None) -> None:
-    """A certificate as benchmarks/same_numbers.py writes one (its cases' digests are not read by the check); one
-    written before lines were traced has no ``lines_run``."""
+def certify(repo: Path, base: str, head: str, lines_run: dict[str, dict[str, list[int]]]) -> None:
+    """A certificate as benchmarks/same_numbers.py writes one (its cases' digests are not read by the check):
+    ``lines_run`` ``{"base": {path: lines}, "head": {...}}``, the lines each side's runs executed."""
     path = repo / checker.CERTIFICATES
     stored = json.loads(path.read_text()) if path.exists() else {"certificates": []}
-    entry = {"base": base, "head": head, "cases": {"case": "0" * 64}, "covered": covered}
-    if lines_run is not None:
-        entry["lines_run"] = {side: {path: code_changes.to_ranges(lines) for path, lines in files.items()}
-                              for side, files in lines_run.items()}
-    stored["certificates"].append(entry)
+    stored["certificates"].append({"base": base, "head": head, "cases": {"case": "0" * 64},
+                                   "lines_run": {side: {name: code_changes.to_ranges(lines)
+                                                        for name, lines in files.items()}
+                                                 for side, files in lines_run.items()}})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(stored))
     code_changes._certificates.cache_clear()
 
 
-def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_the_files_its_runs_loaded(repo):
+def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_the_files_its_runs_ran(repo):
     def head() -> str:
         return subprocess.run([*GIT, "-C", str(repo), "rev-parse", "HEAD"], check=True, capture_output=True,
                               text=True).stdout.strip()
@@ -300,11 +299,11 @@ def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_t
                                           "src/method/helper.py": "ONE = 1\n", "src/other.py": "x = 1 + 0\n"})
     b = head()
     assert {n: f.status for n, f in findings(repo).items()} == {"made_quoted.json": "stale", "other.json": "stale"}
-    # certified, but its runs entered only the method's changed code: other.json's change is not covered, nor is
-    # the method's when the runs never entered fit
-    certify(repo, a, b, ["src/method/fit.py::<module>", "src/method/helper.py::<module>", "src/other.py::y"])
+    # certified, but its runs defined fit without calling it and never ran other.py: neither change is covered
+    before = {"src/method/fit.py": [1], "src/other.py": [1]}
+    certify(repo, a, b, {"base": before, "head": {"src/method/fit.py": [1], "src/method/helper.py": [1]}})
     assert {n: f.status for n, f in findings(repo).items()} == {"made_quoted.json": "stale", "other.json": "stale"}
-    certify(repo, a, b, ["src/method/fit.py::fit", "src/method/helper.py::<module>"])
+    certify(repo, a, b, {"base": before, "head": {"src/method/fit.py": [1, 2, 3], "src/method/helper.py": [1]}})
     commit(repo, "the certificate")
     found = findings(repo)
     assert {n: f.status for n, f in found.items()} == {"made_quoted.json": "current", "other.json": "stale"}
@@ -313,16 +312,16 @@ def test_a_change_certified_to_move_no_number_leaves_a_result_current_only_for_t
     commit(repo, "C", {"src/method/fit.py": "def fit():\n    return 1\n"})
     c = head()
     commit(repo, "D", {"src/method/fit.py": "def fit():\n    return (1)\n"})
-    certify(repo, c, head(), ["src/method/fit.py::fit"])
+    certify(repo, c, head(), {"base": {}, "head": {}})
     commit(repo, "E: an uncertified change", {"src/method/fit.py": "def fit():\n    return 3\n"})
     assert findings(repo)["made_quoted.json"].status == "stale"
-    # certificates chain: A..B then C..D, where C has B's code; the working tree is D's again
+    # certificates chain: A..B, then G..H where G has B's code; the working tree is H's
     commit(repo, "F: back to D", {"src/method/fit.py": "def fit():\n    return (1)\n"})
     commit(repo, "G", {"src/method/fit.py": "def fit():\n    one = 1\n    return one\n"})
     g = head()
     commit(repo, "H", {"src/method/fit.py": "def fit():\n    return 1\n"})
     assert findings(repo)["made_quoted.json"].status == "stale"      # A..B reaches B's code, nothing reaches H's
-    certify(repo, g, head(), ["src/method/fit.py::fit"])
+    certify(repo, g, head(), {"base": {"src/method/fit.py": [1, 2, 3]}, "head": {"src/method/fit.py": [1, 2]}})
     found = findings(repo)["made_quoted.json"]
     assert found.status == "current" and f"{a[:7]}..{b[:7]}" in found.note and f"{g[:7]}..{head()[:7]}" in found.note
 
@@ -344,32 +343,31 @@ def test_a_certificate_with_traced_lines_covers_a_change_only_where_its_runs_exe
     a = head()
     result(repo, "made_quoted.json", numerics(repo)["code_revision"])
     commit(repo, "the result")
-    # the branch the runs took (lines 1-3, never 4-5) is rewritten: certified, although the unit also holds code
-    # that never ran
+    # the branch the runs took (lines 1-3, never 4-5) is rewritten: certified, although the function also holds
+    # code that never ran
     commit(repo, "B", {"src/method/fit.py": BRANCHED.replace("return scale(a)", "return scale(a=a)")})
     b = head()
     ran = {"src/method/fit.py": [1, 2, 3]}
-    certify(repo, a, b, ["src/method/fit.py::fit"], {"base": ran, "head": ran})
+    certify(repo, a, b, {"base": ran, "head": ran})
     assert findings(repo)["made_quoted.json"].status == "current"
-    # the branch they never took is rewritten: the unit was entered, but a unit-level certificate would say more than
-    # its runs showed; with traced lines it is not certified
+    # the branch they never took is rewritten: the function ran, but not the changed statement: not certified
     commit(repo, "C", {"src/method/fit.py": BRANCHED.replace("return scale(a)", "return scale(a=a)")
                        .replace("        a)", "        a, b=1)")})
-    certify(repo, b, head(), ["src/method/fit.py::fit"], {"base": ran, "head": ran})
+    certify(repo, b, head(), {"base": ran, "head": ran})
     assert findings(repo)["made_quoted.json"].status == "stale"
     # the same change where the base's runs executed the removed statement and the head's the added one
     code_changes._certificates.cache_clear()
     code_changes._covered.cache_clear()
     (repo / checker.CERTIFICATES).unlink()
-    certify(repo, a, b, ["src/method/fit.py::fit"], {"base": ran, "head": ran})
-    certify(repo, b, head(), ["src/method/fit.py::fit"], {"base": {"src/method/fit.py": [1, 2, 4]},
+    certify(repo, a, b, {"base": ran, "head": ran})
+    certify(repo, b, head(), {"base": {"src/method/fit.py": [1, 2, 4]},
                                                          "head": {"src/method/fit.py": [1, 2, 5]}})
     assert findings(repo)["made_quoted.json"].status == "current"
     # one side's run of the statement is not enough
     code_changes._covered.cache_clear()
     (repo / checker.CERTIFICATES).unlink()
-    certify(repo, a, b, ["src/method/fit.py::fit"], {"base": ran, "head": ran})
-    certify(repo, b, head(), ["src/method/fit.py::fit"], {"base": {"src/method/fit.py": [1, 2, 4]},
+    certify(repo, a, b, {"base": ran, "head": ran})
+    certify(repo, b, head(), {"base": {"src/method/fit.py": [1, 2, 4]},
                                                          "head": {"src/method/fit.py": [1, 2, 3]}})
     assert findings(repo)["made_quoted.json"].status == "stale"
 
@@ -418,13 +416,11 @@ class C(Base):
 '''
 
 
-def test_a_file_splits_into_the_units_a_profiled_run_names():
-    units = code_changes.code_units(SOURCE)
-    assert set(units) == {"<module>", "f", "C", "C.m", "C.D"}
-    # docstrings, comments and layout are no change; a class attribute changes its class body only
+def test_docstrings_comments_and_layout_are_no_change_and_a_class_attribute_changes_one_statement():
+    keys = [key for key, _ in code_changes.statements(SOURCE)]
     edited = SOURCE.replace('    """Doc."""\n', "").removeprefix('"""Doc."""\n')
     edited = edited.replace("X = 1", "X = 1  # a comment").replace("return 3", '"""Another doc."""\n        return 3')
-    edited = edited.replace("z = 4", "z = 5")
-    same = code_changes.code_units(edited)
     assert '"""Doc."""' not in edited and "Another doc" in edited
-    assert [u for u in units if units[u] != same[u]] == ["C.D"]
+    assert [key for key, _ in code_changes.statements(edited)] == keys
+    changed = [key for key, _ in code_changes.statements(edited.replace("z = 4", "z = 5"))]
+    assert [i for i, (x, y) in enumerate(zip(keys, changed, strict=True)) if x != y] == [len(keys) - 1]

@@ -1,5 +1,6 @@
 """benchmarks/same_numbers.py: what a fingerprint keeps and drops, that it is the same for the same run and differs for
-another, and that the code a run enters is named as benchmarks/code_changes.py splits a file."""
+another, and that the lines a run executes are traced where benchmarks/code_changes.py looks for a change's
+statements."""
 
 from __future__ import annotations
 
@@ -70,14 +71,14 @@ def test_a_labelled_case_serves_pefll_novel_clients_through_the_clipped_descript
 
     lines, first = inspect.getsourcelines(pefll.descriptor_of)
     clip = first + next(i for i, line in enumerate(lines) if "clipped_rows(" in line)
-    with same_numbers.Entered(ROOT, watch=["privfl/methods/pefll.py"]) as entered:
+    with same_numbers.Traced(ROOT, watch=["privfl/methods/pefll.py"]) as traced:
         served = same_numbers.method_run(same_numbers.Case("pefll+labelled/record", "pefll", "record", labelled=True),
                                          str(tmp_path / "a"))
-    assert clip in entered.lines["privfl/methods/pefll.py"]
+    assert clip in traced.lines["privfl/methods/pefll.py"]
     assert len(served["served"]) == 2 and all(model for model in served["served"].values())
-    with same_numbers.Entered(ROOT, watch=["privfl/methods/pefll.py"]) as entered:
+    with same_numbers.Traced(ROOT, watch=["privfl/methods/pefll.py"]) as traced:
         same_numbers.method_run(same_numbers.Case("pefll/record", "pefll", "record"), str(tmp_path / "b"))
-    assert clip not in entered.lines["privfl/methods/pefll.py"]
+    assert clip not in traced.lines["privfl/methods/pefll.py"]
 
 
 def test_floats_are_the_same_numbers_to_ten_digits_and_tensors_only_to_the_bit():
@@ -92,7 +93,7 @@ def test_floats_are_the_same_numbers_to_ten_digits_and_tensors_only_to_the_bit()
         assert not same_numbers.same(run, other), changed
 
 
-def test_the_units_a_run_enters_are_the_units_a_file_splits_into(tmp_path, monkeypatch):
+def test_a_traced_run_records_the_lines_it_executes_in_the_watched_files_only(tmp_path, monkeypatch):
     source = '''X = [i for i in range(2)]
 
 
@@ -118,15 +119,15 @@ class C:
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "mod.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with same_numbers.Entered(tmp_path, packages=("pkg",), watch=["pkg/mod.py"]) as entered:
+    (tmp_path / "pkg" / "other.py").write_text("def h():\n    return 1\n")
+    with same_numbers.Traced(tmp_path, watch=["pkg/mod.py"]) as traced:
         module = importlib.import_module("pkg.mod")
         module.f(1)
         module.C().m()
-    units = {u.removeprefix("pkg/mod.py::") for u in entered.units if u.startswith("pkg/mod.py::")}
-    assert units == {"<module>", "f", "C", "C.m", "C.D"}
-    assert units == set(code_changes.code_units(source)) - {"C.never"}
-    # line by line in the watched file: every statement ran but never's return (line 17)
-    lines = entered.lines["pkg/mod.py"]
+        importlib.import_module("pkg.other").h()
+    assert set(traced.lines) == {"pkg/mod.py"}
+    # every statement ran but never's return (line 17)
+    lines = traced.lines["pkg/mod.py"]
     ran = [any(line in lines for line in range(first, last + 1))
            for _, (first, last) in code_changes.statements(source)]
     assert [first for (_, (first, _)), r in zip(code_changes.statements(source), ran) if not r] == [17]
