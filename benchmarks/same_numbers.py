@@ -277,13 +277,14 @@ class Traced:
         return line
 
     def __enter__(self) -> Traced:
+        self._before = sys.gettrace(), threading.gettrace()     # a debugger's or a coverage tool's, put back after
         threading.settrace(self._trace)
         sys.settrace(self._trace)
         return self
 
     def __exit__(self, *exc) -> None:
-        sys.settrace(None)
-        threading.settrace(None)  # type: ignore[arg-type]
+        sys.settrace(self._before[0])
+        threading.settrace(self._before[1])  # type: ignore[arg-type]
 
 
 # -- the comparison ------------------------------------------------------------------------------------------------
