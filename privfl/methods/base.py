@@ -363,11 +363,8 @@ class ClientProcedure(ABC):
         ``novel_privacy.noise_seed``, ``purpose`` and the client alone (nothing in the server's message sets it). With
         ``batch_size`` the mean is taken in batches of that size (:meth:`PrivateEncoder.release_batched`)."""
         setting = self.novel_privacy
-        generator = None
-        if setting.noise == "seeded":
-            generator = torch.Generator().manual_seed(derive_seed(setting.noise_seed, purpose, novel.client_id))
-        private = privatize(encoder, setting.epsilon, setting.delta, bound=setting.bound, noise=setting.noise,
-                            generator=generator)
+        private = privatize(encoder, setting.epsilon, setting.delta, bound=setting.bound,
+                            **record.noise_source(setting, lambda seed: derive_seed(seed, purpose, novel.client_id)))
         if batch_size is None:
             descriptor, event = private.release(novel.x)
         else:

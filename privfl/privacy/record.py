@@ -37,7 +37,7 @@ from privfl.privacy.dp_sgd import DPSGDConfig, DPSGDTrainer, ExtraLoss
 from privfl.privacy.mechanisms import GaussianMechanism, NoiseSource
 from privfl.privacy.per_sample import PerSampleLoss
 from privfl.privacy.sensitivity import SensitivityCertificate, certify_mean_of_clipped
-from privfl.privacy.training import TrainingPrivacy, dp_sgd_round_event, record_noise_multiplier
+from privfl.privacy.training import NovelPrivacy, TrainingPrivacy, dp_sgd_round_event, record_noise_multiplier
 
 #: The neighbouring relation of every record-level release (DP-SGD's, so all of a client's releases compose).
 RELATION = NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -135,11 +135,11 @@ def clear_calibrations() -> None:
     _CALIBRATIONS.clear()
 
 
-def noise_source(privacy: TrainingPrivacy, keyed_seed: Callable[[int], int]) -> dict[str, Any]:
-    """Keyword arguments ``noise`` and ``generator`` for a mechanism a training client runs under record-level DP:
-    OS-seeded noise (``"secure"``, ``"hardened"``), or (``"seeded"``) a generator seeded by ``keyed_seed`` of the
-    privacy seed, which the caller keys by the release's purpose, the round and the client (never by the run seed,
-    which the server knows)."""
+def noise_source(privacy: TrainingPrivacy | NovelPrivacy, keyed_seed: Callable[[int], int]) -> dict[str, Any]:
+    """Keyword arguments ``noise`` and ``generator`` for a mechanism a client runs (a training client under
+    record-level DP, or a novel client's release): OS-seeded noise (``"secure"``, ``"hardened"``), or (``"seeded"``) a
+    generator seeded by ``keyed_seed`` of the privacy seed, which the caller keys by the release's purpose, the round
+    and the client (never by the run seed, which the server knows)."""
     if privacy.noise != "seeded":
         return {"noise": privacy.noise, "generator": None}
     return {"noise": "seeded", "generator": torch.Generator().manual_seed(keyed_seed(privacy.noise_seed))}
