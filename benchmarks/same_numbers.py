@@ -11,7 +11,7 @@ noise, a fixed hash seed, every call traced), then compares:
   federation, its final server and client state, its summary (novel and validation accuracies, every epsilon), its
   metrics and its ledger; the same runs with a private novel release (epsilon 1) for the methods whose novel
   clients release through ``privatize``; and, for PeFLL, whose novel clients need labels, the models the trained run
-  serves them as labelled unseen clients;
+  serves them as labelled unseen clients (and once with their labelled descriptor released at epsilon 1);
 * the main job reduced (``privfl sweep``: MNIST through the ScatterNet stage, a training at epsilon 8 and one without
   DP, a private novel release at epsilon 1), its whole result.
 
@@ -140,7 +140,8 @@ LABELLED_NOVEL = ("pefll",)
 def method_cases() -> list[Case]:
     """Every method under every mode it allows, the head-only hypernetworks, a private novel release (epsilon
     :data:`NOVEL_EPSILON`, whole set and, where the method has one, batch means) for every method whose novel
-    clients release through ``privatize``, and labelled serving under every mode for :data:`LABELLED_NOVEL`."""
+    clients release through ``privatize``, and labelled serving under every mode for :data:`LABELLED_NOVEL`, once more
+    without DP in training and a private labelled release (epsilon :data:`NOVEL_EPSILON`, seeded)."""
     from privfl.methods import METHODS
     from privfl.privacy.training import MODES
 
@@ -161,6 +162,7 @@ def method_cases() -> list[Case]:
                                   novel_epsilon=NOVEL_EPSILON))
         if method in LABELLED_NOVEL:
             cases += [Case(f"{method}+labelled/{mode or 'none'}", method, mode, labelled=True) for mode in modes]
+            cases.append(Case(f"{method}+labelled-novel/none", method, novel_epsilon=NOVEL_EPSILON, labelled=True))
     return cases
 
 
@@ -187,7 +189,8 @@ def method_run(case: Case, folder: str) -> object:
                                   val_fraction=0.2, source_options={"num_samples": 900, "dim": 8, "num_classes": 3}),
         method=case.method, method_config=settings, rounds=2, eval_every=1, checkpoint_every=1, select="last",
         seed=7, privacy=TrainingPrivacy(**private), client_fraction=0.75 if mode == "central" else 1.0,
-        novel_privacy=NovelPrivacy(epsilon=case.novel_epsilon, noise="seeded", noise_seed=5))
+        novel_privacy=NovelPrivacy(epsilon=None if case.labelled else case.novel_epsilon, noise="seeded",
+                                   noise_seed=5))
     summary = train(config, folder, progress=False)
     run = Path(folder)
     state = torch.load(run / "checkpoint.pt", weights_only=True)["runtime"]
@@ -195,19 +198,25 @@ def method_run(case: Case, folder: str) -> object:
     found = {"summary": summary, "state": state, "metrics": metrics,
              "ledger": json.loads((run / "ledger.json").read_text())}
     if case.labelled:
-        found["served"] = served_labelled(config, state)
+        found["served"] = served_labelled(config, state, case.novel_epsilon)
     return canonical(found)
 
 
-def served_labelled(config: object, state: dict) -> dict:
-    """The models a trained run (``state``) serves the federation's novel clients as labelled unseen clients."""
+def served_labelled(config: object, state: dict, novel_epsilon: float | None = None) -> dict:
+    """The models a trained run (``state``) serves the federation's novel clients as labelled unseen clients, their
+    descriptors released at ``novel_epsilon`` (seeded) when it is set. A run's config refuses a novel epsilon for a
+    method whose novel clients need labels (they are served outside the run), so it is set on the client procedure,
+    as a library call building the procedure would."""
     from privfl.data import build_federation
     from privfl.experiment import build_runtime
     from privfl.methods.pefll import unseen_clients_with_labels
+    from privfl.privacy.training import NovelPrivacy
 
     federation = build_federation(config.federation, seed=config.seed)      # type: ignore[attr-defined]
     runtime = build_runtime(config, federation)
     runtime.load_state_dict(state)
+    if novel_epsilon is not None:
+        runtime.client.novel_privacy = NovelPrivacy(epsilon=novel_epsilon, noise="seeded", noise_seed=5)
     return {str(client.client_id): runtime.novel_client_model(client).state_dict()
             for client in unseen_clients_with_labels(federation)}
 

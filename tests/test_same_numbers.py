@@ -48,7 +48,7 @@ def test_every_method_and_every_mode_its_registration_allows_is_a_case():
     assert novel == {m for m, spec in METHODS.items()
                      if spec.novel_privacy is None and spec.client.serves_novel_clients}
     assert novel >= {"odpflhn", "itpflhn"} and "odpflhn+novel-batches/none" in names
-    assert {"pefll+labelled/none", "pefll+labelled/record"} <= names
+    assert {"pefll+labelled/none", "pefll+labelled/record", "pefll+labelled-novel/none"} <= names
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -79,6 +79,27 @@ def test_a_labelled_case_serves_pefll_novel_clients_through_the_clipped_descript
     with same_numbers.Traced(ROOT, watch=["privfl/methods/pefll.py"]) as traced:
         same_numbers.method_run(same_numbers.Case("pefll/record", "pefll", "record"), str(tmp_path / "b"))
     assert clip not in traced.lines["privfl/methods/pefll.py"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_labelled_novel_case_releases_pefll_descriptors_privately(tmp_path):
+    """The private labelled case runs PeFLL's private descriptor release, which no other case reaches, and serves
+    other models than the same training serving exact descriptors."""
+    import inspect
+
+    from privfl.methods import pefll
+
+    lines, first = inspect.getsourcelines(pefll.PeFLLClient.novel_query)
+    release = first + next(i for i, line in enumerate(lines) if "release_labelled_mean(" in line)
+    with same_numbers.Traced(ROOT, watch=["privfl/methods/pefll.py"]) as traced:
+        private = same_numbers.method_run(
+            same_numbers.Case("pefll+labelled-novel/none", "pefll", novel_epsilon=same_numbers.NOVEL_EPSILON,
+                              labelled=True), str(tmp_path / "a"))
+    assert release in traced.lines["privfl/methods/pefll.py"]
+    exact = same_numbers.method_run(same_numbers.Case("pefll+labelled/none", "pefll", labelled=True),
+                                    str(tmp_path / "b"))
+    assert same_numbers.same(private["state"], exact["state"])      # the same training ...
+    assert not same_numbers.same(private["served"], exact["served"])   # ... serving noised descriptors
 
 
 def test_floats_are_the_same_numbers_to_ten_digits_and_tensors_only_to_the_bit():
