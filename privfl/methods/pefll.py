@@ -53,7 +53,7 @@ from privfl.models.hypernetwork import (
 )
 from privfl.models.pefll import EMBEDDING_KINDS, EmbeddingNetwork, clipped_rows, resolve_kind
 from privfl.privacy.labelled import release_labelled_mean
-from privfl.privacy.record import RecordRelease
+from privfl.privacy.record import RecordRelease, noise_source
 from privfl.privacy.training import NovelPrivacy, TrainingPrivacy
 
 #: The privacy modes this method runs, and why it refuses the others.
@@ -593,13 +593,11 @@ class PeFLLClient(ClientProcedure):
             with torch.no_grad():
                 v = descriptor_of(net, x, y, bound=self.embedding_bound)
             return Release.non_private(Message(arrays={DESCRIPTOR: v.cpu()}), purpose="descriptor")
-        generator = None
-        if setting.noise == "seeded":   # the client's own seed: nothing in the server's message sets it
-            generator = torch.Generator().manual_seed(derive_seed(setting.noise_seed, "pefll_descriptor_noise",
-                                                                  novel.client_id))
+        # seeded noise is keyed by the client's own seed: nothing in the server's message sets it
+        source = noise_source(setting, lambda seed: derive_seed(seed, "pefll_descriptor_noise", novel.client_id))
         v, event, _ = release_labelled_mean(net, x, y, epsilon=setting.epsilon, delta=setting.delta,
                                             bound=setting.bound, num_classes=self.model_factory.num_classes,
-                                            noise=setting.noise, generator=generator)
+                                            **source)
         return Release(Message(arrays={DESCRIPTOR: v.cpu()}), purpose="descriptor", event=event,
                        metadata={"noise": setting.noise, "bound": float(setting.bound),
                                  "relation": "replace one labelled record (x, y); n public"})
