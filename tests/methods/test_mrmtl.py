@@ -82,7 +82,7 @@ def test_the_regulariser_s_gradient_is_lambda_times_the_distance_to_the_mean():
     value = regulariser(params)
     value.backward()
     expected = 0.35 * sum(float(((params[k].detach() - mean[k]) ** 2).sum()) for k in mean)
-    assert float(value) == pytest.approx(expected, rel=1e-6)
+    assert float(value.detach()) == pytest.approx(expected, rel=1e-6)
     for k in mean:
         torch.testing.assert_close(params[k].grad, 0.7 * (params[k].detach() - mean[k]))
 
