@@ -606,6 +606,30 @@ def test_a_ctrl_c_while_the_console_script_imports_the_command_line_ends_it_in_o
         assert (script.returncode, err) == (130, "privfl: interrupted\n"), (delay, err)
 
 
+def test_python_dash_m_privfl_is_the_console_script():
+    """``python -m privfl`` runs the same guarded entry point: the same output and exit status, and a Ctrl-C while
+    it imports the command line ends it in one line with status 130."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    args = ["ledger", str(root / "no-such-run")]
+    module = subprocess.run([sys.executable, "-m", "privfl", *args], capture_output=True, text=True, cwd=root,
+                            env=env, timeout=120)
+    script = _console_script("privfl.entry:main", *args)
+    out, err = script.communicate(timeout=120)
+    assert (module.returncode, module.stdout, module.stderr) == (script.returncode, out, err)
+    assert module.returncode == 2 and "no-such-run/config.json does not exist" in module.stderr
+    hooked = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_IMPORTING + "\nimport runpy\n"
+                             "runpy.run_module('privfl', run_name='__main__', alter_sys=True)", *args],
+                            capture_output=True, text=True, cwd=root, env=env, timeout=120,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as _console_script
+    assert (hooked.returncode, hooked.stderr) == (130, "privfl: interrupted\n")
+
+
 @pytest.mark.parametrize("where", ["build_parser", "reuse_freed_memory"])
 def test_a_ctrl_c_before_the_command_runs_ends_it_in_one_line_with_status_130(monkeypatch, capsys, where):
     """A Ctrl-C while the parser is built or torch is imported (seconds on a loaded machine) is no traceback."""

@@ -25,14 +25,14 @@ PACKAGES = ("privfl", "accounting", "attacks")
 #: layer; what every engine shares (messages, the wire, the round loop, run directories, seeding), the methods, the
 #: privacy modes wrapped around any method, the run config; reports and plots, the training loop, the engines
 #: (in-process choice and Flower), the sweep; the attack suite, the command line, its console entry (which guards the
-#: command line's import against Ctrl-C), and the package's own lazy exports.
+#: command line's import against Ctrl-C), the package's own lazy exports, and ``python -m privfl`` (the entry again).
 LAYERS = [
     "accounting",
     "errors", "safe_pickle", "provenance", "memory", "helpformat", "metrics", "devices", "registry",
     "data", "models", "privacy",
     "federation", "methods", "modes", "config",
     "evaluation", "experiment", "engines", "sweep",
-    "attacks", "cli", "entry", "__init__",
+    "attacks", "cli", "entry", "__init__", "__main__",
 ]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
