@@ -545,20 +545,24 @@ def test_demo_writes_over_no_file_privfl_did_not_write(tmp_path, capsys):
 
 
 def _console_script(entry, *args, hook="", ready=False):
-    """The ``privfl`` console script as pip writes it for ``entry`` (``module:function``), started with SIGINT at its
-    default (a shell that runs tests in the background ignores it, and a child would inherit that), stdout and
-    stderr piped. ``hook``: code run first; ``ready``: the script prints ``ready`` once it has imported the entry
-    module, just before it calls the function (the import of the entry module itself, a few milliseconds, is the
-    script's own line, before any privfl code can guard it)."""
+    """The ``privfl`` console script as pip writes it for ``entry`` (``module:function``), or ``python -m entry``
+    for a bare module name, started with SIGINT at its default (a shell that runs tests in the background ignores it,
+    and a child would inherit that), stdout and stderr piped. ``hook``: code run first; ``ready`` (``module:function``
+    only): the script prints ``ready`` once it has imported the entry module, just before it calls the function (the
+    import of the entry module itself, a few milliseconds, is the script's own line, before any privfl code can guard
+    it)."""
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    module, function = entry.split(":")
-    code = f"{hook}\nimport sys\nfrom {module} import {function}\n"
-    code += "sys.stdout.write('ready\\n'); sys.stdout.flush()\n" if ready else ""
-    code += f"sys.exit({function}())"
+    if ":" in entry:
+        module, function = entry.split(":")
+        code = f"{hook}\nimport sys\nfrom {module} import {function}\n"
+        code += "sys.stdout.write('ready\\n'); sys.stdout.flush()\n" if ready else ""
+        code += f"sys.exit({function}())"
+    else:       # what python -m runs
+        code = f"{hook}\nimport runpy\nrunpy.run_module({entry!r}, run_name='__main__', alter_sys=True)"
     root = str(Path(__file__).resolve().parents[1])
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=root, env={**__import__("os").environ, "PYTHONPATH": root},
@@ -609,25 +613,21 @@ def test_a_ctrl_c_while_the_console_script_imports_the_command_line_ends_it_in_o
 def test_python_dash_m_privfl_is_the_console_script():
     """``python -m privfl`` runs the same guarded entry point: the same output and exit status, and a Ctrl-C while
     it imports the command line ends it in one line with status 130."""
-    import signal
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
     args = ["ledger", str(root / "no-such-run")]
     module = subprocess.run([sys.executable, "-m", "privfl", *args], capture_output=True, text=True, cwd=root,
-                            env=env, timeout=120)
+                            env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=120)
     script = _console_script("privfl.entry:main", *args)
     out, err = script.communicate(timeout=120)
     assert (module.returncode, module.stdout, module.stderr) == (script.returncode, out, err)
     assert module.returncode == 2 and "no-such-run/config.json does not exist" in module.stderr
-    hooked = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_IMPORTING + "\nimport runpy\n"
-                             "runpy.run_module('privfl', run_name='__main__', alter_sys=True)", *args],
-                            capture_output=True, text=True, cwd=root, env=env, timeout=120,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as _console_script
-    assert (hooked.returncode, hooked.stderr) == (130, "privfl: interrupted\n")
+    hooked = _console_script("privfl", *args, hook=_CTRL_C_WHILE_IMPORTING)
+    _, err = hooked.communicate(timeout=120)
+    assert (hooked.returncode, err) == (130, "privfl: interrupted\n")
 
 
 @pytest.mark.parametrize("where", ["build_parser", "reuse_freed_memory"])
